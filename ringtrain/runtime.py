@@ -1,0 +1,221 @@
+"""Process-group start-up and teardown: one call that validates before it waits.
+
+`init_distributed()` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), or explicit arguments, or falls back to a single process when nothing is set.
+gloo on CPU, NCCL on CUDA. Outside torchrun's agent it runs its own rendezvous on a TCPStore so
+that a missing rank is reported by number within a bounded time instead of hanging.
+
+    python -c "import ringtrain; rt = ringtrain.init_distributed(); print(rt)"
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+
+class DistributedInitError(RuntimeError):
+    """A launch mistake: bad or missing configuration, or a rendezvous that did not complete."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process stands once the process group is up."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    process_group: dist.ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_runtime: Runtime | None = None  # the default group's facts; helpers below read it
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedInitError(f"{name}={value!r} is not an integer") from None
+
+
+def _resolve(rank, world_size, master_addr, master_port):
+    """Explicit arguments win, then the environment; all unset means one process."""
+    given = {
+        "RANK": rank,
+        "WORLD_SIZE": world_size,
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": master_port,
+    }
+    for name in _ENV_VARS:
+        if given[name] is None and name in os.environ:
+            given[name] = _env_int(name) if name in ("RANK", "WORLD_SIZE") else os.environ[name]
+    if all(v is None for v in given.values()):
+        return 0, 1, None, None
+    if given["WORLD_SIZE"] == 1 and given["RANK"] in (None, 0):
+        return 0, 1, None, None
+    missing = [name for name in _ENV_VARS if given[name] is None]
+    if missing:
+        raise DistributedInitError(
+            f"cannot start the process group: {', '.join(missing)} not set "
+            f"(have {', '.join(f'{k}={v}' for k, v in given.items() if v is not None) or 'nothing'}). "
+            "Launch with `ringtrain run --nproc-per-node N script.py` (it sets all four), or export "
+            "MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=N RANK=i for each process."
+        )
+    world_size, rank = int(given["WORLD_SIZE"]), int(given["RANK"])
+    if world_size < 1:
+        raise DistributedInitError(f"world_size={world_size}: it must be at least 1")
+    if not 0 <= rank < world_size:
+        raise DistributedInitError(
+            f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}] "
+            f"for world_size={world_size}"
+        )
+    try:
+        port = int(given["MASTER_PORT"])
+    except ValueError:
+        raise DistributedInitError(f"MASTER_PORT={given['MASTER_PORT']!r} is not a port number") from None
+    if not 0 < port < 65536:
+        raise DistributedInitError(f"MASTER_PORT={port} is outside 1..65535")
+    return rank, world_size, str(given["MASTER_ADDR"]), port
+
+
+def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Every rank announces itself, then waits (bounded) until all have; names who is missing."""
+    if store.add(f"ringtrain/rdzv/{rank}", 1) > 1:
+        raise DistributedInitError(
+            f"rank {rank} joined twice: two processes were started with RANK={rank}; "
+            "give each process its own RANK in [0, WORLD_SIZE)"
+        )
+    keys = [f"ringtrain/rdzv/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            arrived = [r for r, k in enumerate(keys) if store.check([k])]
+            missing = [r for r in range(world_size) if r not in arrived]
+            raise DistributedInitError(
+                f"world_size={world_size} but only {len(arrived)} ranks joined within "
+                f"{timeout_s:g} s: ranks {arrived} arrived, {missing} missing; start the missing "
+                "ranks, or lower WORLD_SIZE / --nproc-per-node"
+            )
+        time.sleep(0.05)
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
+    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> Runtime:
+    """Start the default process group and return this process's `Runtime`.
+
+    Args:
+        backend: "gloo" or "nccl"; default NCCL when CUDA is available, else gloo.
+        rank, world_size, master_addr, master_port: override torchrun's variables.
+        rendezvous_timeout_s: how long to wait for every rank to arrive before failing.
+        timeout_s: collective timeout handed to the process group.
+
+    Calling it again while initialised returns the existing runtime.
+    """
+    global _runtime
+    if _runtime is not None:
+        return _runtime
+    rank, world_size, addr, port = _resolve(rank, world_size, master_addr, master_port)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise DistributedInitError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise DistributedInitError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank if world_size > 1 else 0))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    timeout = timedelta(seconds=timeout_s)
+    if world_size == 1:
+        store: dist.Store = dist.HashStore()
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_addr is None:
+        store = None  # torchrun's agent already ran the rendezvous; env:// reuses its store
+    else:
+        try:
+            store = dist.TCPStore(
+                addr, port, world_size, is_master=rank == 0,
+                timeout=timedelta(seconds=rendezvous_timeout_s), wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as e:
+            role = "listen on" if rank == 0 else "reach the master at"
+            raise DistributedInitError(
+                f"rank {rank} could not {role} {addr}:{port} within {rendezvous_timeout_s:g} s "
+                f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); check "
+                "MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that the port is free"
+            ) from e
+        _rendezvous(store, rank, world_size, rendezvous_timeout_s)
+        store = dist.PrefixStore("ringtrain/pg", store)
+    if store is None:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    _runtime = Runtime(rank, world_size, local_rank, backend, device, dist.group.WORLD)
+    return _runtime
+
+
+def destroy_distributed() -> None:
+    """Tear the default process group down. Safe to call twice or without init."""
+    global _runtime
+    _runtime = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _require() -> Runtime:
+    if _runtime is None:
+        if dist.is_available() and dist.is_initialized():  # started by torch directly
+            return Runtime(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                           dist.get_backend(), torch.device("cpu"), dist.group.WORLD)
+        raise DistributedInitError(
+            "the process group is not initialised: call ringtrain.init_distributed() first "
+            "(it falls back to a single process when no launcher variables are set)"
+        )
+    return _runtime
+
+
+def get_runtime() -> Runtime:
+    """The current `Runtime`; raises a clear error before `init_distributed()`."""
+    return _require()
+
+
+def get_rank() -> int:
+    return _require().rank
+
+
+def get_world_size() -> int:
+    return _require().world_size
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

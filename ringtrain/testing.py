@@ -1,0 +1,120 @@
+"""The one helper that runs a function on N local gloo ranks, for tests and benchmarks.
+
+    results = run_workers(fn, world_size=2, args=(x,), timeout_s=60)
+
+`fn(rank, world_size, *args)` must be a module-level function (spawned processes import it).
+Each rank runs with `torch.set_num_threads(1)`, an initialised gloo group (unless `init=False`),
+and teardown in `finally`. Results come back per rank, in rank order. The first rank that
+raises stops the rest and its traceback is re-raised with its rank; a run that outlives
+`timeout_s` is killed and the unfinished ranks are named: no test can hang.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class WorkerError(RuntimeError):
+    """A rank raised; carries its rank and traceback."""
+
+    def __init__(self, rank: int, tb: str):
+        super().__init__(f"rank {rank} raised:\n{tb}")
+        self.rank = rank
+        self.traceback = tb
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _worker(fn, rank, world_size, port, args, init, env, threads, out):
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    from ringtrain.runtime import destroy_distributed, init_distributed
+
+    try:
+        if init:
+            init_distributed(
+                "gloo", rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                master_port=port, rendezvous_timeout_s=30,
+            )
+        result = fn(rank, world_size, *args)
+        out.put((rank, "ok", _dumps(result)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            destroy_distributed()
+        except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+            pass
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout_s: float = 120.0,
+    init: bool = True,
+    env: dict[str, str] | None = None,
+    threads: int = 1,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return results by rank."""
+    from ringtrain.runtime import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, args, init, dict(env or {}), threads, out),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:g} s")
+            try:
+                rank, status, payload = out.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    # Died without reporting (signal, os._exit): give its queue a moment to drain.
+                    try:
+                        rank, status, payload = out.get(timeout=2.0)
+                    except queue.Empty:
+                        raise WorkerError(dead[0], f"exited with code {procs[dead[0]].exitcode} "
+                                                   "without a result") from None
+                else:
+                    continue
+            if status == "error":
+                raise WorkerError(rank, payload)
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(results) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
