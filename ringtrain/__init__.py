@@ -26,3 +26,18 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Heavier pieces load on first use, so `import ringtrain` stays cheap in every rank.
+_LAZY = {
+    "DistributedDataParallel": "ringtrain.ddp",
+    "DistributedSampler": "ringtrain.sampler",
+}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ringtrain' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from ringtrain.cli import main
+
+sys.exit(main())

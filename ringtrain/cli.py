@@ -1,0 +1,40 @@
+"""The `ringtrain` command: `ringtrain run ...` (launcher) and `ringtrain train ...` (main job).
+
+    ringtrain run --nproc-per-node 2 my_script.py --my-arg 1
+    ringtrain train --nproc-per-node 2
+"""
+
+from __future__ import annotations
+
+import sys
+
+_USAGE = """usage: ringtrain {run,train} ...
+
+  run     launch a script on N processes (torchrun's flags), e.g.
+          ringtrain run --nproc-per-node 2 train.py
+  train   train a GPT with any strategy on the embedded default task or your own text, e.g.
+          ringtrain train --nproc-per-node 2
+
+`ringtrain COMMAND --help` lists a command's options."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from ringtrain.launcher import main as run_main
+
+        return run_main(rest)
+    if command == "train":
+        from ringtrain.train import main as train_main
+
+        return train_main(rest)
+    print(f"ringtrain: unknown command {command!r}; expected 'run' or 'train'\n\n{_USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
