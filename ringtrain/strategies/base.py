@@ -19,6 +19,8 @@ from torch import nn
 # --strategy name -> "module:Class"; modules are imported only when chosen.
 STRATEGIES: dict[str, str] = {
     "ddp": "ringtrain.strategies.ddp:DDPStrategy",
+    "pipeline": "ringtrain.strategies.pipeline:PipelineStrategy",
+    "ps": "ringtrain.strategies.ps:PSStrategy",
 }
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
