@@ -10,8 +10,11 @@ that a missing rank is reported by number within a bounded time instead of hangi
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,6 +48,50 @@ class Runtime:
 
 
 _runtime: Runtime | None = None  # the default group's facts; helpers below read it
+log = logging.getLogger("ringtrain")
+
+
+def network_interfaces() -> dict[str, str]:
+    """IPv4 address of every local interface that has one: {name: address}."""
+    found = {}
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address (Linux)
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+        found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def _pick_gloo_interface(master_addr: str, rank: int) -> None:
+    """Make gloo use the interface that routes to the master, or reject a bad GLOO_SOCKET_IFNAME.
+
+    gloo otherwise binds to whatever the hostname resolves to, often 127.0.0.1, which cannot
+    reach another host: the classic multi-node hang.
+    """
+    interfaces = network_interfaces()
+    chosen = os.environ.get("GLOO_SOCKET_IFNAME")
+    if chosen:
+        bad = [n for n in chosen.split(",") if n not in interfaces]
+        if bad:
+            raise DistributedInitError(
+                f"GLOO_SOCKET_IFNAME={chosen!r}: no interface {bad} with an IPv4 address here; "
+                f"interfaces: {', '.join(f'{n} ({a})' for n, a in interfaces.items())}"
+            )
+    else:
+        try:  # a UDP connect sends nothing; it only asks the kernel for the route's source
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((socket.gethostbyname(master_addr), 9))
+                local = s.getsockname()[0]
+        except OSError:
+            return
+        names = [n for n, a in interfaces.items() if a == local]
+        if not names:
+            return
+        chosen = names[0]
+        os.environ["GLOO_SOCKET_IFNAME"] = chosen
+    log.debug("rank %d: gloo uses interface %s (%s)", rank, chosen, interfaces.get(chosen.split(",")[0]))
 
 
 def _env_int(name: str) -> int:
@@ -154,6 +201,8 @@ def init_distributed(
         device = torch.device("cpu")
 
     timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo" and world_size > 1:
+        _pick_gloo_interface(addr or os.environ.get("MASTER_ADDR", "127.0.0.1"), rank)
     if world_size == 1:
         store: dist.Store = dist.HashStore()
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_addr is None:

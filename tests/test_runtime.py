@@ -106,3 +106,9 @@ def test_env_variables_are_read(monkeypatch):
     rt = init_distributed()
     assert rt.world_size == 1
     assert os.environ["WORLD_SIZE"] == "1"
+
+
+def test_bad_gloo_interface_lists_real_ones(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    with pytest.raises(DistributedInitError, match=r"nosuch0.*interfaces: .*lo \(127.0.0.1\)"):
+        init_distributed("gloo", rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port())
