@@ -1,0 +1,92 @@
+"""How pipeline stages talk: point-to-point send/recv of activations, gradients and shapes.
+
+The schedule decides *what* crosses a stage boundary and when; this file only says *how*:
+`torch.distributed` isend/recv on the pipeline's process group, to and from global ranks.
+Sends are posted without waiting (the returned `Work` is waited at the end of the step);
+receives block. gloo supports both on CPU, NCCL on CUDA (tensors must then live on the GPU).
+
+Shapes are not the user's business: `send_meta`/`recv_meta` carry a boundary tensor's shape
+and dtype once, in the dry run (`engine.py`), as a small int64 header.
+
+    .venv/bin/pytest -q tests/test_pipeline.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# dtypes a boundary tensor may have; the header carries the index.
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+           torch.int64, torch.int32, torch.bool, torch.uint8, torch.int8, torch.int16]
+_MAX_DIMS = 8
+_HEADER = 2 + _MAX_DIMS  # ndim, dtype index, shape padded with zeros
+
+
+def send_meta(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    """Tell global rank `dst` the shape and dtype of the tensor that will follow."""
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"a stage output has {tensor.dim()} dims; at most {_MAX_DIMS} can cross a stage boundary")
+    if tensor.dtype not in _DTYPES:
+        raise TypeError(f"a stage output has dtype {tensor.dtype}, which cannot cross a stage boundary; use one of {_DTYPES}")
+    header = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+    header += [0] * (_HEADER - len(header))
+    dist.send(torch.tensor(header, dtype=torch.int64, device=tensor.device), dst=dst, group=group)
+
+
+def recv_meta(src: int, group: dist.ProcessGroup, device: torch.device) -> tuple[torch.Size, torch.dtype]:
+    """Receive the shape and dtype that global rank `src` announced with `send_meta`."""
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src=src, group=group)
+    ndim, index, *shape = header.tolist()
+    return torch.Size(shape[:ndim]), _DTYPES[index]
+
+
+@dataclass
+class PendingSend:
+    """A posted send; holds its buffer, which must stay alive and unchanged until `wait()`."""
+
+    work: dist.Work
+    buffer: torch.Tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+def _isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
+    buffer = tensor.detach().contiguous()
+    work = dist.isend(buffer, dst=dst, group=group)
+    assert work is not None  # None only when this rank is not in `group`
+    return PendingSend(work, buffer)
+
+
+def _recv(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
+          group: dist.ProcessGroup) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(tensor, src=src, group=group)
+    return tensor
+
+
+def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
+    """Post a stage's output to the next stage (global rank `dst`); wait on the work later."""
+    return _isend(tensor, dst, group)
+
+
+def recv_activation(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
+                    group: dist.ProcessGroup) -> torch.Tensor:
+    """Block until the previous stage's output arrives; it comes back as a leaf needing grad."""
+    tensor = _recv(shape, dtype, device, src, group)
+    return tensor.requires_grad_(tensor.is_floating_point())
+
+
+def send_grad(grad: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
+    """Post d(loss)/d(input) back to the previous stage (global rank `dst`)."""
+    return _isend(grad, dst, group)
+
+
+def recv_grad(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
+              group: dist.ProcessGroup) -> torch.Tensor:
+    """Block until the next stage's d(loss)/d(our output) arrives."""
+    return _recv(shape, dtype, device, src, group)
