@@ -10,6 +10,7 @@ that a missing rank is reported by number within a bounded time instead of hangi
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import os
@@ -48,6 +49,7 @@ class Runtime:
 
 
 _runtime: Runtime | None = None  # the default group's facts; helpers below read it
+_own_store: dist.Store | None = None  # the TCPStore we host/joined (None under torchrun's agent)
 log = logging.getLogger("ringtrain")
 
 
@@ -221,21 +223,42 @@ def init_distributed(
                 "MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that the port is free"
             ) from e
         _rendezvous(store, rank, world_size, rendezvous_timeout_s)
+        global _own_store
+        _own_store = store
         store = dist.PrefixStore("ringtrain/pg", store)
     if store is None:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _runtime = Runtime(rank, world_size, local_rank, backend, device, dist.group.WORLD)
+    # A process that exits with the group still up can abort in gloo's destructor
+    # ("terminate called without an active exception"); teardown is idempotent.
+    atexit.register(destroy_distributed)
     return _runtime
 
 
-def destroy_distributed() -> None:
-    """Tear the default process group down. Safe to call twice or without init."""
-    global _runtime
-    _runtime = None
+def destroy_distributed(checkout_timeout_s: float = 5.0) -> None:
+    """Tear the default process group down. Safe to call twice or without init.
+
+    Rank 0 hosts the TCPStore; if it exits while a peer still talks to the store, the peer can
+    abort in C++ ("terminate called without an active exception"). So each rank checks out
+    through the store and rank 0 waits, at most `checkout_timeout_s`, for the others.
+    """
+    global _runtime, _own_store
+    rt, store = _runtime, _own_store
+    _runtime = _own_store = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if rt is not None and store is not None and rt.world_size > 1:
+        try:  # after the group is gone, so no peer thread still uses the store when rank 0 exits
+            left = store.add("ringtrain/checkout", 1)
+            deadline = time.monotonic() + checkout_timeout_s
+            while rt.rank == 0 and left < rt.world_size and time.monotonic() < deadline:
+                time.sleep(0.02)
+                left = store.add("ringtrain/checkout", 0)
+        except (RuntimeError, OSError):  # the store is gone already (a peer died): nothing to wait for
+            pass
+    del store  # non-zero ranks close their client here, while rank 0's server still listens
 
 
 def _require() -> Runtime:
