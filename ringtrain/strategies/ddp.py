@@ -1,0 +1,149 @@
+"""Data parallelism: every rank holds the whole model, gradients are averaged by all-reduce.
+
+    ringtrain train --nproc-per-node 2 --strategy ddp
+
+The model is wrapped in `ringtrain.DistributedDataParallel`; gradient accumulation runs every
+micro-batch but the last under `no_sync()`, so there is one all-reduce per optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+try:  # TEMP until ringtrain/ddp.py lands
+    from ringtrain.ddp import DistributedDataParallel
+except ImportError:
+    from torch.nn.parallel import DistributedDataParallel
+from ringtrain.runtime import Runtime
+from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
+
+
+def _strip_module_prefix(state: dict[str, Any]) -> dict[str, Any]:
+    """Accept a wrapper's state_dict (`module.` keys) as well as the plain module's."""
+    if state and all(k.startswith("module.") for k in state):
+        return {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+class DDPStrategy(Strategy):
+    """One full replica per rank, averaged gradients (`DistributedDataParallel`).
+
+    Args:
+        runtime: this process's `Runtime` (rank, world_size, device, process_group).
+        bucket_cap_mb: DDP's gradient bucket size.
+        find_unused_parameters: DDP's handling of parameters that get no gradient.
+    """
+
+    name = "ddp"
+
+    def __init__(self, runtime: Runtime, *, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False):
+        self.runtime = runtime
+        self.bucket_cap_mb = bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.module: nn.Module | None = None
+        self._hooks: list[Any] = []
+        self._last_grad_at = 0.0
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
+        device = self.runtime.device
+        self.module = model.to(device)
+        self.ddp = DistributedDataParallel(
+            self.module,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=self.runtime.process_group,
+            bucket_cap_mb=self.bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
+        )
+        self.optimizer = optimizer_fn(self.module.parameters())
+        self.loss_fn = loss_fn
+        # The communication wait is the time between the last local gradient being ready and
+        # backward() returning with averaged gradients: DDP overlaps bucket all-reduces with the
+        # rest of backward, so only what is left after the last gradient is exposed waiting.
+        # These hooks run after DDP's own (registered first) and only take a timestamp.
+        self._hooks = [p.register_post_accumulate_grad_hook(self._mark_grad)
+                       for p in self.module.parameters() if p.requires_grad]
+
+    def _mark_grad(self, _param: torch.Tensor) -> None:
+        self._last_grad_at = time.perf_counter()
+
+    def _parameters(self) -> Iterable[nn.Parameter]:
+        assert self.module is not None, "setup() first"
+        return self.module.parameters()
+
+    # -- the seam -------------------------------------------------------------------------------
+    @property
+    def data_rank(self) -> int | None:
+        return self.runtime.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.runtime.world_size
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
+                   grad_clip: float | None) -> StepResult:
+        if not micro_batches:
+            raise ValueError(f"rank {self.runtime.rank}: train_step got no micro-batches; every DDP "
+                             "rank must take part in every step")
+        start = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = sum(len(x) for x, _ in micro_batches)
+        losses = []
+        comm_s = 0.0
+        device = self.runtime.device
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with nullcontext() if last else self.ddp.no_sync():
+                loss = self.loss_fn(self.ddp(x), y)
+                # Weight each micro-batch by its share of the samples: the accumulated gradient
+                # is then the mean over the whole step batch, whatever the split.
+                (loss * (len(x) / total)).backward()
+            if last:
+                comm_s = max(0.0, time.perf_counter() - self._last_grad_at)
+            losses.append((loss.detach(), len(x)))
+        if grad_clip:
+            # Gradients are identical on every rank after the all-reduce, so is the clip factor.
+            torch.nn.utils.clip_grad_norm_(self._parameters(), grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = sum(float(loss) * n for loss, n in losses)
+        elapsed = time.perf_counter() - start
+        return StepResult(loss_sum=loss_sum, count=total, compute_s=elapsed - comm_s, comm_s=comm_s)
+
+    @torch.no_grad()
+    def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        # The plain module, not the wrapper: evaluation needs no collective.
+        assert self.module is not None, "setup() first"
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            return self.module(x.to(self.runtime.device))
+        finally:
+            self.module.train(was_training)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.module is not None, "setup() first"
+        return self.module.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.module is not None, "setup() first"
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.module is not None, "setup() first"
+        self.module.load_state_dict(_strip_module_prefix(state["model"]))
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

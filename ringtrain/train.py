@@ -1,0 +1,344 @@
+"""`ringtrain train`: train a GPT on the embedded addition task or on your own text.
+
+    ringtrain train                                  # 2-digit addition, one process
+    ringtrain train --nproc-per-node 2               # the same on 2 processes (`make demo`)
+    ringtrain train --data input.txt --steps 3000    # character-level LM on your text
+
+With `--nproc-per-node N` > 1 it relaunches itself through `ringtrain run` (the elastic
+launcher), minus the launcher's flags; each worker then starts the process group, trains, and
+rank 0 prints the progress bar and the summary. Each run writes `runs/<timestamp>/` (or
+`--run-dir`): config.json, metrics.jsonl, summary.json, report.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from ringtrain.strategies.base import STRATEGIES
+
+# Flags that belong to the launcher: the relaunched workers do not see them.
+LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts")
+# Flags of each strategy: --flag dest -> the strategy's option name. Only the chosen strategy's
+# flags are passed to make_strategy, and only those the user set (its own defaults apply).
+STRATEGY_FLAGS: dict[str, dict[str, str]] = {
+    "ddp": {},
+    "pipeline": {"pp": "pp", "schedule": "schedule", "microbatches": "microbatches"},
+    "ps": {"servers": "servers", "ps_mode": "mode", "staleness": "staleness"},
+}
+# Defaults that depend on the task; --help shows them as "addition / text".
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "addition": {"n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0, "steps": 2000,
+                 "batch_size": 64, "lr": 3e-3},
+    "text": {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.1, "steps": 2000,
+             "batch_size": 32, "lr": 1e-3},
+}
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be {low} or more")
+        return value
+    return parse
+
+
+_positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be 0 or more")
+    return value
+
+
+def _task_default(key: str) -> str:
+    return f"default: {TASK_DEFAULTS['addition'][key]} (addition) / {TASK_DEFAULTS['text'][key]} (text)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ringtrain train", description="Train a GPT on 2-digit addition (default) or on your "
+        "text (--data), on one or many processes. Every option has a default.")
+    g = p.add_argument_group("launch")
+    g.add_argument("--nproc-per-node", type=_positive_int, default=1,
+                   help="worker processes on this machine (default: 1)")
+    g.add_argument("--max-restarts", type=_non_negative_int, default=0,
+                   help="restart the workers up to this many times after a failure (default: 0)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", metavar="FILE.txt",
+                   help="character-level LM on this UTF-8 text (90/10 split); default: addition")
+    g.add_argument("--digits", type=_positive_int, default=None,
+                   help="operand digits of the addition task, 1..3 (default: 2)")
+    g.add_argument("--block-size", type=_positive_int, default=None,
+                   help="context length for --data (default: 64)")
+    g = p.add_argument_group("model")
+    g.add_argument("--n-layer", type=_positive_int, help=_task_default("n_layer"))
+    g.add_argument("--n-head", type=_positive_int, help=_task_default("n_head"))
+    g.add_argument("--n-embd", type=_positive_int, help=_task_default("n_embd"))
+    g.add_argument("--dropout", type=_non_negative_float, help=_task_default("dropout"))
+    g.add_argument("--tie-embeddings", action="store_true",
+                   help="share the token embedding with the output layer (default: untied)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=_positive_int, help="optimizer steps; " + _task_default("steps"))
+    g.add_argument("--batch-size", type=_positive_int,
+                   help="samples per micro-batch per rank; " + _task_default("batch_size"))
+    g.add_argument("--grad-accum", type=_positive_int, default=1,
+                   help="micro-batches per optimizer step (default: 1)")
+    g.add_argument("--lr", type=_non_negative_float, help="peak learning rate; " + _task_default("lr"))
+    g.add_argument("--min-lr", type=_non_negative_float, help="final learning rate (default: lr / 10)")
+    g.add_argument("--warmup-steps", type=_non_negative_int,
+                   help="linear warmup steps (default: min(100, steps / 10))")
+    g.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                   help="after warmup (default: cosine)")
+    g.add_argument("--weight-decay", type=_non_negative_float, default=0.1,
+                   help="AdamW weight decay on matrices (default: 0.1)")
+    g.add_argument("--grad-clip", type=_non_negative_float, default=1.0,
+                   help="max gradient norm, 0 disables (default: 1.0)")
+    g.add_argument("--seed", type=int, default=1337, help="initialisation, data order, dropout "
+                   "(default: 1337)")
+    g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16 autocast where the device supports it (default: fp32)")
+    g = p.add_argument_group("run")
+    g.add_argument("--run-dir", help="where the run's files go (default: runs/<timestamp>)")
+    g.add_argument("--log-every", type=_positive_int, help="steps between metric lines "
+                   "(default: steps / 100)")
+    g.add_argument("--eval-every", type=_positive_int, help="steps between evaluations "
+                   "(default: steps / 10; the last step always evaluates)")
+    g.add_argument("--eval-batch-size", type=_positive_int, help="default: max(batch size, 256)")
+    g.add_argument("--stop-at-accuracy", type=_non_negative_float, metavar="FRACTION",
+                   help="stop once the held-out accuracy reaches this, e.g. 0.99 (addition only)")
+    g.add_argument("--sample-length", type=_positive_int, default=300,
+                   help="characters generated at the end with --data (default: 300)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("strategy")
+    g.add_argument("--strategy", choices=sorted(STRATEGIES), default="ddp",
+                   help="how the model is distributed (default: ddp)")
+    g.add_argument("--pp", type=_positive_int, help="pipeline stages (--strategy pipeline)")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe"), help="pipeline schedule (--strategy pipeline)")
+    g.add_argument("--microbatches", type=_positive_int, help="pipeline micro-batches per batch "
+                   "(--strategy pipeline)")
+    g.add_argument("--servers", type=_positive_int, help="parameter-server ranks (--strategy ps)")
+    g.add_argument("--ps-mode", choices=("sync", "async", "ssp"), help="parameter-server mode "
+                   "(--strategy ps)")
+    g.add_argument("--staleness", type=_non_negative_int, help="SSP bound (--strategy ps --ps-mode ssp)")
+    return p
+
+
+def task_name(args: argparse.Namespace) -> str:
+    return "text" if args.data else "addition"
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Errors the parser cannot see: flags that do not apply, an unusable data file."""
+    task = task_name(args)
+    for dest, value in TASK_DEFAULTS[task].items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    if task == "text":
+        if args.digits is not None:
+            raise ValueError("--digits applies to the addition task; drop it or drop --data")
+        if args.stop_at_accuracy is not None:
+            raise ValueError("--stop-at-accuracy needs the addition task (text has no accuracy); "
+                             "drop it or drop --data")
+        args.block_size = args.block_size or 64
+        from ringtrain.data.chars import read_text
+
+        read_text(args.data, args.block_size)  # missing, unreadable or too short: say so now
+    else:
+        if args.block_size is not None:
+            raise ValueError("--block-size applies to --data (the addition task fixes its own)")
+        args.digits = args.digits or 2
+        from ringtrain.data.addition import MAX_DIGITS
+
+        if args.digits > MAX_DIGITS:
+            raise ValueError(f"--digits {args.digits}: the addition task supports 1..{MAX_DIGITS}")
+    for name, flags in STRATEGY_FLAGS.items():
+        if name == args.strategy:
+            continue
+        for dest in flags:
+            if getattr(args, dest) is not None:
+                flag = "--" + dest.replace("_", "-")
+                raise ValueError(f"{flag} applies to --strategy {name}, not {args.strategy}; "
+                                 f"add --strategy {name} or drop {flag}")
+    if args.n_embd % args.n_head:
+        raise ValueError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}; "
+                         "choose --n-embd as a multiple of --n-head")
+    if args.dropout >= 1:
+        raise ValueError(f"--dropout {args.dropout}: it must be below 1")
+
+
+def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The chosen strategy's own options, only those set on the command line."""
+    flags = STRATEGY_FLAGS.get(args.strategy, {})
+    return {opt: getattr(args, dest) for dest, opt in flags.items() if getattr(args, dest) is not None}
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The command line for a relaunched worker: every set option except the launcher's."""
+    out: list[str] = []
+    for dest, value in vars(args).items():
+        if dest in LAUNCHER_FLAGS or value is None or value is False:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+def new_run_dir(root: str = "runs") -> str:
+    """runs/<timestamp>, made unique (and created) so two runs never share one."""
+    base = os.path.join(root, time.strftime("%Y%m%d-%H%M%S"))
+    path, n = base, 0
+    while True:
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            n += 1
+            path = f"{base}-{n}"
+
+
+def _in_launched_worker() -> bool:
+    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def build_job(args: argparse.Namespace) -> dict[str, Any]:
+    """Datasets, model factory, loss, eval metrics and sample function for the chosen task."""
+    from ringtrain.models import GPT, GPTConfig, loss_fn
+
+    if args.data:
+        from ringtrain.data.chars import load_text, sample_text
+
+        text = load_text(args.data, args.block_size)
+        train_set, eval_set, vocab, block = text.train_set, text.eval_set, text.vocab_size, args.block_size
+        metrics: dict[str, Any] = {}
+
+        def sample_fn(model):
+            return sample_text(model, text, args.sample_length, seed=args.seed)
+    else:
+        from ringtrain.data.addition import AdditionDataset, exact_match, show_sums
+
+        train_set, eval_set = AdditionDataset("train", args.digits), AdditionDataset("test", args.digits)
+        vocab, block, metrics = train_set.vocab_size, train_set.block_size, {"accuracy": exact_match}
+
+        def sample_fn(model):
+            return show_sums(model, eval_set)
+    model_config = GPTConfig(vocab_size=vocab, block_size=block, n_layer=args.n_layer,
+                             n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
+                             tie_embeddings=args.tie_embeddings)
+    return {"train_set": train_set, "eval_set": eval_set, "loss_fn": loss_fn,
+            "eval_metrics": metrics, "sample_fn": sample_fn, "model_config": model_config,
+            "model_fn": lambda: GPT(model_config)}
+
+
+def trainer_config(args: argparse.Namespace):
+    from ringtrain.trainer import TrainerConfig
+
+    return TrainerConfig(
+        steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed, dtype=args.dtype,
+        log_every=args.log_every, eval_every=args.eval_every, eval_batch_size=args.eval_batch_size,
+        progress=not args.no_progress)
+
+
+def _bf16_supported(device) -> bool:
+    import torch
+
+    if not torch.amp.autocast_mode.is_autocast_available(device.type):
+        return False
+    if device.type == "cuda":  # only asked on a CUDA device: never a torch.cuda call on CPU
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
+def run_job(args: argparse.Namespace, started_at: float) -> int:
+    """One worker: start the process group, train, print the summary on rank 0."""
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from ringtrain.progress import format_summary, setup_logging, write_json
+    from ringtrain.runtime import destroy_distributed, init_distributed
+    from ringtrain.strategies import make_strategy
+    from ringtrain.trainer import Trainer
+
+    @record  # under the launcher, a worker's traceback reaches its failure report
+    def job() -> int:
+        rt = init_distributed()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        log = setup_logging(rt.rank)
+        try:
+            if args.dtype == "bf16" and not _bf16_supported(rt.device):
+                log.warning("warning: bf16 autocast is not supported on %s; training in fp32", rt.device)
+                args.dtype = "fp32"
+            job = build_job(args)
+            config = trainer_config(args)
+            if rt.rank == 0:
+                os.makedirs(args.run_dir, exist_ok=True)
+                write_json(os.path.join(args.run_dir, "config.json"), {
+                    "task": task_name(args), "world_size": rt.world_size, "argv": worker_argv(args),
+                    "args": {k: v for k, v in vars(args).items() if k not in LAUNCHER_FLAGS},
+                    "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
+            strategy = make_strategy(args.strategy, runtime=rt, **strategy_options(args))
+            stop_when = None
+            if args.stop_at_accuracy is not None:
+                def stop_when(rec):
+                    return rec.get("eval_accuracy", 0.0) >= args.stop_at_accuracy
+            trainer = Trainer(strategy, rt, job["model_fn"], job["train_set"], job["eval_set"],
+                              job["loss_fn"], config, eval_metrics=job["eval_metrics"],
+                              run_dir=args.run_dir, sample_fn=job["sample_fn"],
+                              stop_when=stop_when, started_at=started_at)
+            n_params = sum(p.numel() for p in trainer.model.parameters())
+            log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, %d steps",
+                     task_name(args), n_params / 1e6, args.strategy, rt.world_size,
+                     config.batch_size * config.grad_accum * strategy.data_world_size, config.steps)
+            summary = trainer.fit()
+            strategy.close()
+            if rt.rank == 0:
+                print(format_summary(summary), flush=True)
+            return 0
+        finally:
+            destroy_distributed()
+
+    return job()
+
+
+def main(argv: list[str] | None = None) -> int:
+    started_at = float(os.environ.get("RINGTRAIN_STARTED_AT", time.time()))
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # --help (0) or a bad option (2): argparse has printed why
+        return int(e.code or 0)
+    try:
+        check_args(args)
+    except ValueError as e:
+        parser.print_usage(sys.stderr)
+        print(f"ringtrain train: error: {e}", file=sys.stderr)
+        return 2
+    if args.run_dir is None:
+        args.run_dir = new_run_dir()  # decided once, here, so every worker writes to the same one
+    if args.nproc_per_node > 1 and not _in_launched_worker():
+        from ringtrain.launcher import launch
+
+        os.environ["RINGTRAIN_STARTED_AT"] = str(started_at)  # wall_s includes the start-up
+        return launch(sys.executable, ["-m", "ringtrain", "train", *worker_argv(args)],
+                      nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
+    return run_job(args, started_at)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""The training loop: data, LR schedule, metrics, evaluation, run directory. Model-agnostic.
+
+    trainer = Trainer(strategy, runtime, model_fn, train_set, eval_set, loss_fn, TrainerConfig())
+    summary = trainer.fit()
+
+(`ringtrain train` is the command-line user: `ringtrain train --nproc-per-node 2`.)
+
+The loop knows nothing about the model or how it is distributed: it hands micro-batches to a
+`Strategy` and reduces what comes back. Its rules, each against a classic multi-process bug:
+- every rank builds the model from `model_fn` under the same seed (shared initialisation), then
+  reseeds from (seed, rank), so dropout differs per rank but is reproducible;
+- every rank takes the same number of steps and the same number of evaluation batches, so no
+  rank waits in a collective another rank never calls (uneven data never hangs);
+- metrics are reduced once per logged step as (sum, count) over the world group, never a mean
+  of means; ranks without output contribute 0; decisions (stop early, NaN) use those reduced
+  values, which are bit-identical on every rank;
+- evaluation uses the sampler's exact mode (no padded duplicates).
+The step counter (with the sampler's state) is the only loop state: see `state_dict()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from ringtrain.progress import MetricsLog, Progress, write_json
+from ringtrain.runtime import Runtime
+from ringtrain.sampler import DistributedSampler
+from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
+
+log = logging.getLogger("ringtrain")
+
+MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> per sample
+
+
+@dataclass
+class TrainerConfig:
+    """Loop settings. `None` means "derive from the others" (see `resolved()`).
+
+    Args:
+        steps: optimizer steps.
+        batch_size: samples per micro-batch on each data rank.
+        grad_accum: micro-batches per optimizer step.
+        lr, min_lr, warmup_steps, lr_schedule: peak LR, floor, linear warmup, then 'cosine'
+            decay to min_lr or 'constant'.
+        weight_decay: AdamW decay on matrices (biases and norms are not decayed).
+        grad_clip: max global gradient norm; None or 0 disables.
+        seed: shared initialisation, data order and (with the rank) dropout.
+        dtype: 'fp32' or 'bf16' (autocast where the device supports it).
+        log_every, eval_every: steps between metric lines and evaluations (the last step does both).
+        eval_batch_size: samples per evaluation batch per rank.
+        progress: draw the progress bar on rank 0.
+    """
+
+    steps: int = 2000
+    batch_size: int = 64
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float | None = None
+    warmup_steps: int | None = None
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+    seed: int = 1337
+    dtype: str = "fp32"
+    log_every: int | None = None
+    eval_every: int | None = None
+    eval_batch_size: int | None = None
+    progress: bool = True
+
+    def resolved(self) -> TrainerConfig:
+        """A copy with every `None` derived, after checking each value (errors say the fix)."""
+        for name in ("steps", "batch_size", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: it must be a positive integer")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr}: it must be positive")
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r}: use 'cosine' or 'constant'")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype={self.dtype!r}: use 'fp32' or 'bf16'")
+        for name in ("log_every", "eval_every", "eval_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: it must be a positive integer (or unset)")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps}: it must be 0 or more")
+        c = TrainerConfig(**asdict(self))
+        c.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
+        c.warmup_steps = min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+        c.log_every = max(1, self.steps // 100) if self.log_every is None else self.log_every
+        c.eval_every = max(1, self.steps // 10) if self.eval_every is None else self.eval_every
+        # Evaluation holds no activations for backward, so it can take larger batches.
+        c.eval_batch_size = max(self.batch_size, 256) if self.eval_batch_size is None else self.eval_batch_size
+        c.grad_clip = self.grad_clip or None
+        return c
+
+
+def lr_at(step: int, c: TrainerConfig) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay from lr to min_lr at the last step."""
+    if step < c.warmup_steps:
+        return c.lr * (step + 1) / c.warmup_steps
+    if c.lr_schedule == "constant":
+        return c.lr
+    progress = (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps)
+    return c.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (c.lr - c.min_lr)
+
+
+def adamw(weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> OptimizerFn:
+    """AdamW that decays matrices only: decaying biases and LayerNorm gains only hurts."""
+    def build(params) -> torch.optim.Optimizer:
+        params = [p for p in params if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=0.0, betas=betas)
+    return build
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A per-rank seed from (seed, rank): well mixed, so nearby seeds and ranks do not correlate."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def param_sha256(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the state_dict's tensors in key order (their raw bytes, no names)."""
+    h = hashlib.sha256()
+    for key in state:
+        t = state[key].detach().cpu().contiguous()
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Trainer:
+    """Runs `config.steps` optimizer steps of `strategy` on `train_set`, evaluating on `eval_set`.
+
+    Args:
+        strategy: how the model is distributed (not yet set up; `fit` calls `setup`).
+        runtime: this process's `Runtime`.
+        model_fn: builds the plain model; called under the same seed on every rank.
+        train_set, eval_set: map-style datasets of (input, target) tensors; eval_set may be None.
+        loss_fn: (logits, targets) -> mean loss.
+        config: loop settings.
+        eval_metrics: name -> fn(logits, targets) giving a per-sample value; reported as the
+            mean over the whole eval set under `eval_<name>`.
+        run_dir: where rank 0 writes metrics.jsonl, summary.json and report.png (None: nowhere).
+        optimizer_fn: builds the optimizer from parameters (default: AdamW, `adamw`).
+        sample_fn: given the final model on rank 0, a short text for the summary (a generated
+            sample, a few answers).
+        stop_when: given a reduced metrics record, True to stop early (same answer on all ranks).
+        started_at: `time.time()` when the run began (for `wall_s`); default when `fit` starts.
+    """
+
+    def __init__(self, strategy: Strategy, runtime: Runtime, model_fn: Callable[[], nn.Module],
+                 train_set: Dataset, eval_set: Dataset | None, loss_fn: LossFn,
+                 config: TrainerConfig, *, eval_metrics: dict[str, MetricFn] | None = None,
+                 run_dir: str | None = None, optimizer_fn: OptimizerFn | None = None,
+                 sample_fn: Callable[[nn.Module], str] | None = None,
+                 stop_when: Callable[[dict[str, Any]], bool] | None = None,
+                 started_at: float | None = None):
+        self.strategy, self.runtime = strategy, runtime
+        self.config = config.resolved()
+        self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
+        self.eval_metrics = dict(eval_metrics or {})
+        self.run_dir, self.sample_fn, self.stop_when = run_dir, sample_fn, stop_when
+        self.started_at = started_at
+        c = self.config
+        torch.manual_seed(c.seed)  # the same initial weights on every rank
+        self.model = model_fn()
+        strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay), loss_fn)
+        torch.manual_seed(rank_seed(c.seed, runtime.rank))  # dropout differs per rank
+        self.data_rank, self.data_world_size = strategy.data_rank, strategy.data_world_size
+        self.train_sampler: DistributedSampler | None = None
+        if self.data_rank is not None:
+            self.train_sampler = DistributedSampler(
+                train_set, num_replicas=self.data_world_size, rank=self.data_rank, shuffle=True,
+                seed=c.seed)
+            if len(self.train_sampler) < c.batch_size:
+                raise ValueError(
+                    f"the training set has {len(train_set)} samples, {len(self.train_sampler)} per "
+                    f"data rank over {self.data_world_size} ranks: fewer than one batch of "
+                    f"--batch-size {c.batch_size}; lower --batch-size or use more data")
+        self._batches: Iterator[int] | None = None
+        self.step = 0
+        self.train_time_s = 0.0  # rank 0's time in training steps (excludes eval and logging)
+        self.tokens = 0.0  # tokens trained on, all ranks
+        self.metrics = MetricsLog(None)
+        self.last: dict[str, Any] = {}
+
+    # -- state for resume: the step counter and the sampler's position are the loop's state ---
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "train_time_s": self.train_time_s, "tokens": self.tokens,
+                "sampler": self.train_sampler.state_dict() if self.train_sampler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.train_time_s, self.tokens = state["step"], state["train_time_s"], state["tokens"]
+        if self.train_sampler and state.get("sampler"):
+            self.train_sampler.load_state_dict(state["sampler"])
+        self._batches = None
+
+    # -- data ------------------------------------------------------------------------------------
+    def _collate(self, dataset: Dataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return default_collate([dataset[i] for i in indices])
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch of this rank's shard; a new epoch starts when one runs out.
+
+        Every rank's shard has the same length, so every rank starts a new epoch at the same
+        step; an epoch's last partial batch is dropped (never a short batch on one rank only).
+        """
+        assert self.train_sampler is not None
+        indices: list[int] = []
+        while len(indices) < self.config.batch_size:
+            if self._batches is None:
+                self._batches = iter(self.train_sampler)  # advances the epoch by itself
+            try:
+                indices.append(next(self._batches))
+            except StopIteration:
+                self._batches, indices = None, []
+        return self._collate(self.train_set, indices)
+
+    def _autocast(self):
+        if self.config.dtype != "bf16":
+            return nullcontext()
+        return torch.autocast(device_type=self.runtime.device.type, dtype=torch.bfloat16)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def _evaluate(self) -> list[float]:
+        """This rank's [loss_sum, count, (metric_sum, metric_count) per metric] on its eval shard.
+
+        Every rank makes the same number of `eval_logits` calls (a pipeline needs all stages);
+        a rank whose exact shard is one sample shorter runs a placeholder batch and counts nothing.
+        """
+        B = self.config.eval_batch_size
+        indices: list[int] = []
+        if self.data_rank is not None:
+            sampler = DistributedSampler(self.eval_set, num_replicas=self.data_world_size,
+                                         rank=self.data_rank, shuffle=False, exact=True)
+            indices = list(sampler)
+        longest = math.ceil(len(self.eval_set) / self.data_world_size)  # exact mode: n or n + 1
+        sums = [0.0] * (2 + 2 * len(self.eval_metrics))
+        for b in range(math.ceil(longest / B)):
+            chunk = indices[b * B:(b + 1) * B]
+            x, y = self._collate(self.eval_set, chunk or [0])
+            with self._autocast():
+                logits = self.strategy.eval_logits(x)
+            if logits is None or not chunk:
+                continue
+            y = y.to(logits.device)
+            sums[0] += float(self.loss_fn(logits, y)) * len(chunk)
+            sums[1] += len(chunk)
+            for i, fn in enumerate(self.eval_metrics.values()):
+                sums[2 + 2 * i] += float(fn(logits, y).sum())
+                sums[3 + 2 * i] += len(chunk)
+        return sums
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _reduce(self, values: list[float]) -> list[float]:
+        """Sum `values` over the world group: one collective, called by every rank."""
+        if self.runtime.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.runtime.process_group)
+        return t.tolist()
+
+    def _log(self, step: int, lr: float, window: list[float], window_s: float, window_steps: int,
+             evaluated: bool) -> dict[str, Any]:
+        """Reduce the window's sums (and eval sums) once; rank 0 writes the metrics line."""
+        ev = self._evaluate() if evaluated else []
+        r = self._reduce(window + ev)
+        loss_sum, count, tokens, compute_s, comm_s, worker_steps = r[:6]
+        self.tokens += tokens
+        rec: dict[str, Any] = {
+            "step": step, "loss": loss_sum / count if count else float("nan"), "lr": lr,
+            "tokens_per_s": tokens / window_s if window_s > 0 else 0.0,
+            "step_s": window_s / window_steps,
+            "compute_s": compute_s / worker_steps if worker_steps else 0.0,
+            "comm_s": comm_s / worker_steps if worker_steps else 0.0,
+        }
+        if evaluated:
+            e = r[6:]
+            rec["eval_loss"] = e[0] / e[1] if e[1] else float("nan")
+            for i, name in enumerate(self.eval_metrics):
+                rec[f"eval_{name}"] = e[2 + 2 * i] / e[3 + 2 * i] if e[3 + 2 * i] else float("nan")
+        if not math.isfinite(rec["loss"]) and count:
+            raise FloatingPointError(
+                f"the training loss became {rec['loss']} at step {step} (lr {lr:.3g}); lower --lr, "
+                "set --grad-clip, or use --dtype fp32")
+        self.metrics.write(rec)
+        self.last.update(rec)
+        return rec
+
+    def fit(self) -> dict[str, Any]:
+        """Train, evaluate, and write the run directory; returns the summary (on every rank)."""
+        started = self.started_at or time.time()
+        c, s = self.config, self.strategy
+        progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0, initial=self.step)
+        if self.run_dir and self.runtime.rank == 0:  # a resumed run appends to its metrics
+            self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
+                                      append=self.step > 0)
+        try:
+            if s.is_worker:
+                self._loop(progress)
+            else:
+                s.serve()
+        finally:
+            progress.close()
+            self.metrics.close()
+        return self._finish(started)
+
+    def _loop(self, progress: Progress) -> None:
+        c, s = self.config, self.strategy
+        window = [0.0] * 6  # loss_sum, count, tokens, compute_s, comm_s, rank-steps (summed later)
+        window_s, window_steps = 0.0, 0
+        while self.step < c.steps:
+            lr = lr_at(self.step, c)
+            micro = [self._next_batch() for _ in range(c.grad_accum)] if self.train_sampler else []
+            t0 = time.perf_counter()
+            with self._autocast():
+                res: StepResult = s.train_step(micro, lr=lr, grad_clip=c.grad_clip)
+            dt = time.perf_counter() - t0
+            window_s += dt
+            window_steps += 1
+            self.train_time_s += dt
+            tokens_per_sample = micro[0][0][0].numel() if micro else 0
+            for i, v in enumerate((res.loss_sum, res.count, res.count * tokens_per_sample,
+                                   res.compute_s, res.comm_s, 1.0)):
+                window[i] += v
+            self.step += 1
+            progress.update(self.step)
+            last = self.step == c.steps
+            evaluated = self.eval_set is not None and (self.step % c.eval_every == 0 or last)
+            if self.step % c.log_every == 0 or evaluated or last:
+                rec = self._log(self.step, lr, window, window_s, window_steps, evaluated)
+                window, window_s, window_steps = [0.0] * 6, 0.0, 0
+                extra = {k: v for k, v in rec.items() if k in ("eval_accuracy",)}
+                progress.set_metrics(rec["loss"], rec["tokens_per_s"], **extra)
+                if evaluated and self.stop_when is not None and self.stop_when(rec):
+                    log.info("stopping early at step %d: %s", self.step, self._eval_text(rec))
+                    break
+                if evaluated:
+                    log.info("step %d: %s", self.step, self._eval_text(rec))
+
+    @staticmethod
+    def _eval_text(rec: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("eval_"))
+
+    def _finish(self, started: float) -> dict[str, Any]:
+        """Final state: hash checked across ranks, summary and report on rank 0."""
+        rt, s = self.runtime, self.strategy
+        state = s.model_state_dict()
+        sha = param_sha256(state)
+        if rt.world_size > 1:
+            digests: list[str] = [""] * rt.world_size
+            dist.all_gather_object(digests, sha, group=rt.process_group)
+            if len(set(digests)) > 1 and rt.rank == 0:
+                log.warning("warning: param_sha256 differs across ranks, the replicas diverged: %s",
+                            ", ".join(f"rank {r} {d[:12]}" for r, d in enumerate(digests)))
+        summary: dict[str, Any] = {
+            "steps": self.step, "world_size": rt.world_size, "strategy": s.name,
+            "train_loss": self.last.get("loss"), "eval_loss": self.last.get("eval_loss"),
+        }
+        summary.update({f"eval_{n}": self.last.get(f"eval_{n}") for n in self.eval_metrics})
+        summary.update({
+            "tokens_per_s": self.tokens / self.train_time_s if self.train_time_s else 0.0,
+            "wall_s": time.time() - started,
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "param_sha256": sha,
+            "compute_s_per_step": self.last.get("compute_s"), "comm_s_per_step": self.last.get("comm_s"),
+            "seed": self.config.seed, "dtype": self.config.dtype,
+            "global_batch_size": self.config.batch_size * self.config.grad_accum * self.data_world_size,
+        })
+        if hasattr(s, "stats"):  # strategy-specific figures (e.g. a parameter server's staleness)
+            summary.update(s.stats())
+        if rt.rank == 0:
+            if self.sample_fn is not None:
+                self.model.load_state_dict(state)
+                self.model.eval()
+                summary["sample"] = self.sample_fn(self.model)
+            if self.run_dir:
+                summary["run_dir"] = self.run_dir
+                write_json(os.path.join(self.run_dir, "summary.json"), summary)
+                from ringtrain.report import write_report  # matplotlib: rank 0 only, at the end
+
+                write_report(self.metrics.records, os.path.join(self.run_dir, "report.png"),
+                             title=f"{s.name}, world_size {rt.world_size}")
+        return summary
