@@ -1,0 +1,459 @@
+"""Snapshots: atomic, checksummed, committed-last, saved as a bounded collective step.
+
+    manager = SnapshotManager("runs/x/snapshots", rank=rt.rank, world_size=rt.world_size)
+    result = manager.save(step, shared={"model": ..., "optimizer": ..., "sampler": ...},
+                          per_rank={"rng": get_rng_state()}, metadata={"config": ..., "topology": ...})
+    snap = manager.latest()                       # newest committed snapshot that verifies, or None
+    shared, per_rank, metadata = manager.load(snap)
+
+Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`.
+
+Layout under `root_dir` (a directory every rank sees, e.g. on a shared filesystem):
+
+    snap-00000100/  shared.pt  rank0.pt .. rank{N-1}.pt  manifest.json  COMMITTED
+    .tmp-snap-00000200-<id>/   a save in progress (or one that crashed): never read
+
+One save: rank 0 creates the temp directory and tells the others its name through the process
+group's key-value store; every rank writes and fsyncs its part (`shared` by rank 0 only,
+`rank{r}.pt` by each) and reports its files' SHA-256 (or its error) to the store; rank 0 waits for
+all reports until the deadline, writes `manifest.json`, renames the directory to `snap-{step}`,
+writes `COMMITTED` last, and publishes the outcome, which the other ranks wait for. Every wait
+has a deadline, so a slow or failed rank makes `save` raise `SnapshotError` naming that rank on
+every rank instead of hanging. A crash at any point leaves either a temp directory or a
+directory without `COMMITTED`: both are ignored by `latest()` and removed by the next save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "SaveResult", "Snapshot", "SnapshotCorruptError", "SnapshotError", "SnapshotManager",
+    "check_topology", "load_model_state_dict", "unwrap_state_dict",
+]
+
+COMMITTED, MANIFEST, SHARED = "COMMITTED", "manifest.json", "shared.pt"
+_POLL_S = 0.01
+
+
+class SnapshotError(RuntimeError):
+    """A save that did not commit (a rank failed or was too slow), or a snapshot that cannot be used."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """A snapshot whose files do not match the checksums recorded when it was committed."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A committed snapshot on disk; `manifest` holds its files' checksums and its metadata."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.manifest["metadata"]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one `save` did, for the trainer's log. Times in seconds."""
+
+    step: int
+    path: Path
+    bytes: int  # written by this rank
+    total_bytes: int  # written by all ranks
+    write_s: float  # this rank serialising and fsyncing its files
+    total_s: float  # the whole collective step, waits included
+
+
+# ---- model state -------------------------------------------------------------------------------
+
+
+def unwrap_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Strip the `module.` that DDP wrappers put before every key; other dicts pass unchanged.
+
+    Only when *every* key has the prefix, so a model that merely has a child named `module`
+    next to others keeps its keys.
+    """
+    if state_dict and all(k.startswith("module.") for k in state_dict):
+        return type(state_dict)((k[len("module."):], v) for k, v in state_dict.items())
+    return state_dict
+
+
+def load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
+    """Load a model state saved with or without `module.` into a wrapped or plain model."""
+    target = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    return target.load_state_dict(unwrap_state_dict(state_dict), strict=strict)
+
+
+def check_topology(
+    metadata: dict[str, Any], world_size: int, reshardable: bool, topology: dict | None = None
+) -> bool:
+    """Refuse a snapshot from another topology unless the state can be resharded.
+
+    Returns True when the world size or topology differ (the caller re-splits data and
+    per-rank state), False when they are the same. Raises `SnapshotError` with both world sizes
+    when they differ and `reshardable` is False.
+    """
+    saved_ws, saved_topo = metadata.get("world_size"), metadata.get("topology")
+    if saved_ws is None:
+        raise SnapshotError(f"snapshot metadata has no world_size (keys: {sorted(metadata)})")
+    same = saved_ws == world_size and (topology is None or saved_topo in (None, topology))
+    if same or reshardable:
+        return not same
+    raise SnapshotError(
+        f"snapshot of step {metadata.get('step')} was written by world_size={saved_ws} "
+        f"(topology {saved_topo}) but this run has world_size={world_size} (topology {topology}), "
+        f"and this state cannot be resharded; resume with world_size={saved_ws} and the same "
+        "topology, or start from scratch in a new run directory"
+    )
+
+
+# ---- files -------------------------------------------------------------------------------------
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes and counts what passes through it."""
+
+    def __init__(self, f):
+        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, obj: Any) -> dict[str, Any]:
+    """torch.save `obj` (or raw bytes) to `path`, fsync it; return its checksum and size."""
+    with open(path, "wb") as f:
+        w = _HashingWriter(f)
+        if isinstance(obj, bytes):
+            w.write(obj)
+        else:
+            torch.save(obj, w)  # hashed while written: no second read, no in-memory copy
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": w.sha256.hexdigest(), "bytes": w.bytes}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, checked against the digest that COMMITTED recorded for it."""
+    if not (path / COMMITTED).is_file():
+        raise SnapshotError(f"{path.name} has no {COMMITTED} marker (a save that did not finish)")
+    try:
+        expected = json.loads((path / COMMITTED).read_text())["manifest_sha256"]
+        raw = (path / MANIFEST).read_bytes()
+    except (OSError, ValueError, KeyError) as e:
+        raise SnapshotCorruptError(f"{path.name}: unreadable {COMMITTED} or {MANIFEST}: {e}") from e
+    if hashlib.sha256(raw).hexdigest() != expected:
+        raise SnapshotCorruptError(f"{path.name}/{MANIFEST}: sha256 differs from the one committed")
+    return json.loads(raw)
+
+
+def _verify(path: Path, manifest: dict[str, Any], names: list[str] | None = None) -> None:
+    for name in names if names is not None else list(manifest["files"]):
+        expected = manifest["files"][name]["sha256"]
+        try:
+            actual = _sha256(path / name)
+        except OSError as e:
+            raise SnapshotCorruptError(f"{path.name}/{name}: unreadable ({e})") from e
+        if actual != expected:
+            raise SnapshotCorruptError(
+                f"{path.name}/{name}: sha256 {actual[:12]}... but {expected[:12]}... was committed"
+            )
+
+
+# ---- the manager -------------------------------------------------------------------------------
+
+
+class SnapshotManager:
+    """Save and find snapshots under `root_dir`; `save` is a collective call on every rank.
+
+    Args:
+        root_dir: directory for the snapshots, the same one on every rank (shared filesystem).
+        rank, world_size: this process's place among the ranks that save together.
+        store: key-value store those ranks share, for the bounded handshake; default the
+            default process group's store. Not needed when world_size == 1.
+        keep: committed snapshots to keep (the newest `keep`; at least 1, 2 survives corruption).
+        timeout_s: how long rank 0 waits for every rank's part, and each rank for its own write;
+            a save therefore returns or raises within about 2 * timeout_s on every rank.
+    """
+
+    def __init__(
+        self, root_dir: str | os.PathLike, *, rank: int, world_size: int,
+        store: dist.Store | None = None, keep: int = 2, timeout_s: float = 60.0,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
+        if keep < 1:
+            raise ValueError(f"keep={keep}: keep at least 1 committed snapshot (2 survives a corrupt one)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}: it must be positive")
+        self.root = Path(root_dir)
+        self.rank, self.world_size, self.keep, self.timeout_s = rank, world_size, keep, timeout_s
+        if store is None and world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(
+                    f"world_size={world_size} needs a store shared by the ranks: call "
+                    "ringtrain.init_distributed() first, or pass store="
+                )
+            store = dist.distributed_c10d._get_default_store()
+        self.store = store
+        self._saves = 0  # every rank calls save in the same order, so this numbers them alike
+        # A restarted job may reuse torchrun's store: keep its keys apart from the last attempt's.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        where = hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]
+        self._prefix = f"ringtrain/snapshot/{restart}/{where}"
+
+    # ---- saving ------------------------------------------------------------------------------
+
+    def save(
+        self, step: int, shared: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> SaveResult:
+        """Write one snapshot; call on every rank at the same step.
+
+        Args:
+            step: the trainer step the state belongs to (names the directory `snap-{step:08d}`).
+            shared: state equal on every rank (model, optimizer, sampler state in DDP); only
+                rank 0's is written, other ranks may pass None.
+            per_rank: this rank's own state (RNG; a pipeline stage's parameters), `rank{r}.pt`.
+            metadata: JSON-able facts (config, topology); `step` and `world_size` are added.
+
+        Raises `SnapshotError` on every rank, naming the rank, when a rank fails to write its
+        part or does not finish within `timeout_s`; the previous snapshot then stays the newest.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        keys = f"{self._prefix}/{self._saves}"
+        self._saves += 1
+        if self.rank == 0:
+            try:
+                meta = dict(metadata or {})
+                for key, value in (("step", step), ("world_size", self.world_size)):
+                    if meta.setdefault(key, value) != value:
+                        raise ValueError(f"metadata[{key!r}]={meta[key]!r} but save has {key}={value}")
+                json.dumps(meta)  # fail before writing anything
+                self.root.mkdir(parents=True, exist_ok=True)
+                tmp = self.root / f".tmp-snap-{step:08d}-{uuid.uuid4().hex[:8]}"
+                tmp.mkdir()
+            except Exception as e:
+                self._publish(f"{keys}/start", {"error": f"rank 0 could not start: {e!r}"})
+                raise
+            self._publish(f"{keys}/start", {"dir": tmp.name})
+        else:
+            tmp = self.root / self._wait_one(f"{keys}/start", deadline, "start the save")["dir"]
+
+        files, write_s, error = self._write_part(tmp, step, shared if self.rank == 0 else None,
+                                                 per_rank, deadline)
+        if self.rank != 0:
+            self._publish(f"{keys}/part/{self.rank}", {"error": error} if error else {"files": files})
+            if error:
+                raise SnapshotError(error)
+            done = self._wait_one(f"{keys}/commit", deadline + self.timeout_s, "commit the save")
+            mine = sum(f["bytes"] for f in files.values())
+            return SaveResult(step, self.root / done["dir"], mine, done["bytes"], write_s,
+                              time.monotonic() - t0)
+        try:
+            if error:
+                raise SnapshotError(error)
+            for part in self._gather_parts(f"{keys}/part", deadline, step):
+                files.update(part)
+            final = self._commit(tmp, step, files, meta)
+        except Exception as e:
+            self._publish(f"{keys}/commit", {"error": str(e)})
+            raise
+        total = sum(f["bytes"] for f in files.values())
+        self._publish(f"{keys}/commit", {"dir": final.name, "bytes": total})
+        self._retain()
+        mine = sum(f["bytes"] for name, f in files.items() if name in (SHARED, "rank0.pt"))
+        return SaveResult(step, final, mine, total, write_s, time.monotonic() - t0)
+
+    def _write_part(self, tmp: Path, step: int, shared, per_rank, deadline: float):
+        """Write this rank's files in a thread, so a stuck disk costs at most the deadline."""
+        files: dict[str, Any] = {}
+        failure: list[BaseException] = []
+
+        def write():
+            try:
+                if shared is not None:
+                    files[SHARED] = _write_durably(tmp / SHARED, shared)
+                if per_rank is not None:
+                    files[f"rank{self.rank}.pt"] = _write_durably(tmp / f"rank{self.rank}.pt", per_rank)
+            except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                failure.append(e)
+
+        t = time.monotonic()
+        writer = threading.Thread(target=write, name=f"snapshot-{step}-rank{self.rank}", daemon=True)
+        writer.start()
+        writer.join(max(0.0, deadline - t))
+        write_s = time.monotonic() - t
+        if writer.is_alive():
+            return files, write_s, (f"rank {self.rank} did not finish writing its part of snapshot "
+                                    f"step {step} within timeout_s={self.timeout_s:g} (slow disk?)")
+        if failure:
+            return files, write_s, (f"rank {self.rank} failed to write its part of snapshot step "
+                                    f"{step}: {failure[0]!r}")
+        return files, write_s, None
+
+    def _gather_parts(self, prefix: str, deadline: float, step: int) -> list[dict[str, Any]]:
+        """Rank 0: every other rank's report, or an error naming the failed or missing ranks."""
+        pending, parts = set(range(1, self.world_size)), []
+        while pending:
+            for r in sorted(pending):
+                if self.store.check([f"{prefix}/{r}"]):
+                    report = json.loads(self.store.get(f"{prefix}/{r}"))
+                    if "error" in report:
+                        raise SnapshotError(report["error"])
+                    parts.append(report["files"])
+                    pending.discard(r)
+            if pending and time.monotonic() > deadline:
+                raise SnapshotError(
+                    f"ranks {sorted(pending)} did not finish their part of snapshot step {step} "
+                    f"within timeout_s={self.timeout_s:g} (slow to reach save() or a slow disk); "
+                    "snapshot not committed"
+                )
+            if pending:
+                time.sleep(_POLL_S)
+        return parts
+
+    def _commit(self, tmp: Path, step: int, files: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Rank 0: manifest, fsync, rename, then the COMMITTED marker last."""
+        manifest = {"format": 1, "step": step, "world_size": self.world_size,
+                    "created_unix": time.time(), "files": files, "metadata": meta}
+        raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        _write_durably(tmp / MANIFEST, raw)
+        _fsync_dir(tmp)
+        final, old = self.root / f"snap-{step:08d}", None
+        if final.exists():  # the same step saved again after a restart: the new one replaces it
+            old = self.root / f".old-snap-{step:08d}-{uuid.uuid4().hex[:8]}"
+            final.rename(old)
+        tmp.rename(final)
+        marker = {"step": step, "manifest_sha256": hashlib.sha256(raw).hexdigest()}
+        _write_durably(final / f".{COMMITTED}.tmp", json.dumps(marker).encode())
+        (final / f".{COMMITTED}.tmp").rename(final / COMMITTED)
+        _fsync_dir(final)
+        _fsync_dir(self.root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _retain(self) -> None:
+        """Rank 0, after a commit: keep the newest `keep` committed snapshots, drop the debris."""
+        committed = [p for p in self._dirs() if (p / COMMITTED).is_file()]
+        stale = committed[self.keep:] + [p for p in self._dirs() if not (p / COMMITTED).is_file()]
+        stale += [p for p in self.root.glob(".*-snap-*") if p.is_dir()]  # temp and replaced dirs
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+
+    # ---- the store handshake -----------------------------------------------------------------
+
+    def _publish(self, key: str, value: dict[str, Any]) -> None:
+        if self.store is not None:
+            self.store.set(key, json.dumps(value))
+
+    def _wait_one(self, key: str, deadline: float, what: str) -> dict[str, Any]:
+        """Wait (until `deadline`) for rank 0's word on `key`; raise what it reports as failed."""
+        start = time.monotonic()
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise SnapshotError(
+                    f"rank {self.rank}: rank 0 did not {what} within {time.monotonic() - start:.1f} s "
+                    f"(timeout_s={self.timeout_s:g}); snapshot not committed"
+                )
+            time.sleep(_POLL_S)
+        value = json.loads(self.store.get(key))
+        if "error" in value:
+            raise SnapshotError(f"rank {self.rank}: snapshot not committed: {value['error']}")
+        return value
+
+    # ---- finding and loading -----------------------------------------------------------------
+
+    def _dirs(self) -> list[Path]:
+        """`snap-*` directories, newest step first (committed or not)."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.glob("snap-*") if p.is_dir() and p.name[5:].isdigit()]
+        return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+    def snapshots(self) -> list[Snapshot]:
+        """Committed snapshots with a readable manifest, newest first (checksums not verified)."""
+        out = []
+        for p in self._dirs():
+            try:
+                out.append(Snapshot(p, int(p.name[5:]), _read_manifest(p)))
+            except SnapshotError:
+                continue
+        return out
+
+    def latest(self, verify: bool = True) -> Snapshot | None:
+        """The newest committed snapshot whose files match their checksums, or None.
+
+        Skipped snapshots (no COMMITTED marker, or corrupt) are named in a warning with the
+        reason. With `verify`, every file is hashed, on every rank that calls this, so that all
+        ranks agree on the choice even when only one rank's file is damaged.
+        """
+        for p in self._dirs():
+            try:
+                manifest = _read_manifest(p)
+                if verify:
+                    _verify(p, manifest)
+            except SnapshotError as e:
+                warnings.warn(f"skipping snapshot {p}: {e}", stacklevel=2)
+                continue
+            return Snapshot(p, int(p.name[5:]), manifest)
+        return None
+
+    def load(
+        self, snapshot: Snapshot, rank: int | None = None, *, weights_only: bool = True,
+        map_location: str | torch.device = "cpu",
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
+        """Read `(shared, per_rank, metadata)`; files are checked against the manifest first.
+
+        `per_rank` is None when the snapshot has no file for `rank` (it was written by fewer
+        ranks: the caller reshards, see `check_topology`). `weights_only=True` reads tensors and
+        plain containers only; pass False for state that pickles arbitrary objects.
+        """
+        rank = self.rank if rank is None else rank
+        names = [n for n in (SHARED, f"rank{rank}.pt") if n in snapshot.manifest["files"]]
+        _verify(snapshot.path, snapshot.manifest, names)
+        loaded = {n: torch.load(snapshot.path / n, map_location=map_location, weights_only=weights_only)
+                  for n in names}
+        return loaded.get(SHARED), loaded.get(f"rank{rank}.pt"), snapshot.metadata
