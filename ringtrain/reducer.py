@@ -1,0 +1,335 @@
+"""The bucketed gradient all-reduce behind `ringtrain.DistributedDataParallel`.
+
+How one synced backward goes (the design torch's DDP paper describes, Li et al., VLDB 2020):
+each parameter's post-accumulate-grad hook marks it ready and stages its gradient in its bucket;
+when the last gradient of bucket k arrives and buckets 0..k-1 are out, bucket k's all-reduce is
+launched asynchronously, so communication overlaps the rest of backward. A callback queued on
+the autograd engine runs when backward ends: it stages what never fired (parameters accumulated
+under `no_sync`, unused ones), waits for every bucket, checks unused parameters on all ranks at
+once and copies the averaged gradients back. `loss.backward()` returns only after that, so the
+optimizer always steps on synced gradients.
+
+Buckets launch strictly in index order on every rank: collectives on one process group must be
+issued in the same order everywhere, and gradients can arrive in a different order on different
+ranks. Tests: `.venv/bin/pytest -q tests/test_ddp.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from ringtrain.buckets import GradBucket, assign_buckets
+
+
+class UnusedParametersError(RuntimeError):
+    """A synced backward left parameters without a gradient on some rank."""
+
+
+@dataclass(eq=False)
+class _Bucket:
+    index: int
+    members: list[int]  # parameter indices, in expected gradient order
+    views: list[torch.Tensor]  # per-member views into `flat`, shaped like the parameters
+    flat: torch.Tensor  # coalesced storage; a solo bucket uses it only when it cannot go in place
+    pending: int = 0  # members not yet staged this round
+    buffer: torch.Tensor | None = None  # what this round's collective reduces
+    in_place: bool = False  # buffer is the (solo) parameter's .grad itself
+    work: Any = None  # dist.Work of the default all-reduce
+    fut: torch.futures.Future | None = None  # a comm hook's result
+    gradients: list[torch.Tensor] = field(default_factory=list)
+
+
+def _grad_ready(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
+    # A weak reference: the hooks live on the user's parameters and must neither keep a dropped
+    # wrapper alive nor act for it.
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._on_grad(index)
+
+
+def _finalize(reducer_ref: weakref.ref) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._finalize()
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _short_list(names: Sequence[str], limit: int = 12) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{f', ... and {len(names) - limit} more' if len(names) > limit else ''}]"
+
+
+class Reducer:
+    """Averages the gradients of `params` over `process_group` during backward.
+
+    Args:
+        params: the parameters that require grad, in registration order (every rank the same).
+        names: their qualified names, for error messages.
+        process_group: the group to average over.
+        bucket_cap_bytes / first_bucket_bytes / solo_bytes: the bucket plan (see `assign_buckets`).
+        find_unused_parameters: parameters without a gradient count as zero instead of raising.
+        gradient_as_bucket_view: leave `.grad` as a view into the bucket instead of copying back.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        process_group: dist.ProcessGroup,
+        *,
+        bucket_cap_bytes: int,
+        first_bucket_bytes: int,
+        solo_bytes: int | None,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ):
+        self.params = list(params)
+        self.names = list(names)
+        self.process_group = process_group
+        self.rank = process_group.rank()
+        self.world_size = process_group.size()
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.comm_hook: Callable[[Any, GradBucket], torch.futures.Future] | None = None
+        self.comm_hook_state: Any = None
+        self.expect_sync = False  # set by a forward that wants this backward synced
+
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        keys = [(p.dtype, p.device) for p in self.params]
+        plan = assign_buckets(sizes, keys, bucket_cap_bytes=bucket_cap_bytes,
+                              first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes)
+        self.buckets: list[_Bucket] = []
+        self._bucket_of = [0] * len(self.params)
+        self._slot_of = [0] * len(self.params)
+        for index, members in enumerate(plan):
+            first = self.params[members[0]]
+            numel = sum(self.params[i].numel() for i in members)
+            # Solo buckets reduce .grad in place; their flat buffer is only a fallback (a
+            # non-contiguous or stale gradient), so it is not allocated up front.
+            flat = torch.empty(numel if len(members) > 1 else 0, dtype=first.dtype, device=first.device)
+            views, offset = [], 0
+            for slot, i in enumerate(members):
+                self._bucket_of[i], self._slot_of[i] = index, slot
+                if len(members) > 1:
+                    views.append(flat[offset:offset + self.params[i].numel()].view(self.params[i].shape))
+                offset += self.params[i].numel()
+            self.buckets.append(_Bucket(index, members, views, flat, pending=len(members)))
+
+        self._ready = bytearray(len(self.params))  # staged this round
+        self._accumulated = bytearray(len(self.params))  # got a gradient under no_sync
+        self._next = 0  # the next bucket to launch
+        self._queued = False  # the end-of-backward callback is queued
+        me = weakref.ref(self)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i))
+            for i, p in enumerate(self.params)
+        ]
+        weakref.finalize(self, _remove_all, self._handles)
+
+    # ---- during backward -------------------------------------------------------------------
+
+    def _on_grad(self, i: int) -> None:
+        if not self.expect_sync:
+            self._accumulated[i] = 1  # no_sync: keep it local, reduce it at the next sync
+            return
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(functools.partial(_finalize, weakref.ref(self)))
+        if not self._ready[i]:
+            self._mark_ready(i, self.params[i].grad, used=True)
+
+    def _mark_ready(self, i: int, grad: torch.Tensor | None, used: bool) -> None:
+        self._ready[i] = 1
+        bucket = self.buckets[self._bucket_of[i]]
+        self._stage(bucket, i, grad, used)
+        bucket.pending -= 1
+        # Launch in index order only: every rank must issue the same collectives in the same order.
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _scale(self) -> float | None:
+        # The default path averages by scaling while staging (one pass, as torch does); a comm
+        # hook owns the averaging (torch's hooks divide by the group size themselves).
+        return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self.world_size
+
+    def _stage(self, bucket: _Bucket, i: int, grad: torch.Tensor | None, used: bool) -> None:
+        p, scale = self.params[i], self._scale()
+        if len(bucket.members) == 1:
+            if (used and grad is not None and grad.layout == torch.strided
+                    and grad.dtype == p.dtype and grad.is_contiguous()):
+                buffer = grad.view(-1)  # reduce .grad itself: no copy in, no copy out
+                if scale is not None:
+                    buffer.mul_(scale)
+                bucket.buffer, bucket.in_place, bucket.gradients = buffer, True, [grad]
+                return
+            if bucket.flat.numel() != p.numel():
+                bucket.flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+                bucket.views = [bucket.flat.view(p.shape)]
+        view = bucket.views[self._slot_of[i]]
+        if grad is None:
+            view.zero_()
+        elif _same_tensor(grad, view):  # already a bucket view (gradient_as_bucket_view)
+            if scale is not None:
+                view.mul_(scale)
+        elif scale is not None:
+            torch.mul(grad, scale, out=view)
+        else:
+            view.copy_(grad)
+        if self.gradient_as_bucket_view and used and grad is not None:
+            p.grad = view
+        bucket.buffer, bucket.in_place, bucket.gradients = bucket.flat, False, bucket.views
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.comm_hook is None:
+            if self.world_size > 1:
+                bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            return
+        grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.gradients,
+                                 [self.params[i] for i in bucket.members],
+                                 is_last=bucket.index == len(self.buckets) - 1)
+        fut = self.comm_hook(self.comm_hook_state, grad_bucket)
+        if not isinstance(fut, torch.futures.Future):
+            raise TypeError(
+                f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
+                f"{type(fut).__name__}; a comm hook must return a torch.futures.Future whose value "
+                f"is the averaged bucket tensor ({bucket.buffer.numel()} elements)"
+            )
+        bucket.fut = fut
+
+    # ---- when backward ends ----------------------------------------------------------------
+
+    def _finalize(self) -> None:
+        try:
+            with torch.no_grad():
+                self._finish()
+        finally:
+            self._reset()
+
+    def _finish(self) -> None:
+        unused: list[int] = []
+        for i, p in enumerate(self.params):
+            if self._ready[i]:
+                continue
+            if self._accumulated[i] and p.grad is not None:
+                self._mark_ready(i, p.grad, used=True)  # its gradient came in a no_sync step
+            else:
+                unused.append(i)
+                # Stage zeros (or a stale .grad, as torch does) so that this rank still issues
+                # every bucket's collective: the other ranks are waiting on them.
+                self._mark_ready(i, p.grad, used=False)
+        mask, mask_work = None, None
+        if self.world_size > 1:
+            # One small all-reduce after the buckets tells every rank which parameters were
+            # unused where: an error is raised on all ranks together (no rank left hanging in
+            # the next collective), and a parameter unused on every rank keeps its .grad.
+            n = len(self.params)
+            mask = torch.zeros(n + self.world_size, dtype=torch.int32, device=self.buckets[0].flat.device)
+            if unused:
+                mask[unused] = 1
+                mask[n + self.rank] = 1
+            mask_work = dist.all_reduce(mask, group=self.process_group, async_op=True)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            elif bucket.fut is not None:
+                self._take_result(bucket, bucket.fut.wait())
+        if mask_work is not None:
+            mask_work.wait()
+            counts = mask.tolist()
+            n = len(self.params)
+            bad_ranks = [r for r in range(self.world_size) if counts[n + r]]
+            unused_anywhere = [i for i in range(n) if counts[i]]
+            globally_unused = {i for i in range(n) if counts[i] == self.world_size}
+        else:
+            bad_ranks = [self.rank] if unused else []
+            unused_anywhere = unused
+            globally_unused = set(unused)
+        if bad_ranks and not self.find_unused_parameters:
+            raise UnusedParametersError(self._unused_message(unused, bad_ranks, unused_anywhere))
+        self._write_back(globally_unused)
+
+    def _take_result(self, bucket: _Bucket, value: Any) -> None:
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, torch.Tensor) or value.numel() != bucket.buffer.numel():
+            got = (f"a tensor of {value.numel()} elements" if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
+            raise TypeError(
+                f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r}: its Future "
+                f"gave {got} for bucket {bucket.index}; it must give one tensor of the bucket's "
+                f"{bucket.buffer.numel()} elements (the averaged `bucket.buffer()`)"
+            )
+        if not _same_tensor(value.reshape(-1), bucket.buffer):
+            bucket.buffer.copy_(value.reshape(-1))  # e.g. an fp16 result into fp32 gradients
+
+    def _write_back(self, globally_unused: set[int]) -> None:
+        for bucket in self.buckets:
+            if bucket.in_place:
+                continue  # the collective already wrote into .grad
+            for slot, i in enumerate(bucket.members):
+                if i in globally_unused:
+                    continue  # torch leaves the .grad of a parameter no rank used untouched
+                p, view = self.params[i], bucket.views[slot]
+                if self.gradient_as_bucket_view:
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = torch.empty_like(p).copy_(view)  # keeps the parameter's strides
+                elif not _same_tensor(p.grad, view):
+                    p.grad.copy_(view)
+
+    def _unused_message(self, mine: list[int], bad_ranks: list[int], anywhere: list[int]) -> str:
+        fix = (
+            "With find_unused_parameters=False every parameter that requires grad must get a "
+            "gradient on every rank in every synced backward. If some parameters are unused in "
+            "some steps on purpose, wrap with DistributedDataParallel(..., "
+            "find_unused_parameters=True); if they should never train, set requires_grad=False "
+            "on them before wrapping; otherwise make forward's output depend on them."
+        )
+        if mine:
+            others = [r for r in bad_ranks if r != self.rank]
+            also = f" (ranks {others} also had unused parameters)" if others else ""
+            return (f"rank {self.rank}: {len(mine)} parameter(s) got no gradient in this backward: "
+                    f"{_short_list([self.names[i] for i in mine])}{also}. {fix}")
+        return (f"rank {self.rank}: ranks {bad_ranks} had parameters that got no gradient in this "
+                f"backward: {_short_list([self.names[i] for i in anywhere])}. {fix}")
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.members)
+            bucket.buffer, bucket.work, bucket.fut, bucket.in_place = None, None, None, False
+            bucket.gradients = []
+        self._ready = bytearray(len(self.params))
+        self._accumulated = bytearray(len(self.params))
+        self._next = 0
+        self._queued = False
+        self.expect_sync = False
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def prepare_for_backward(self) -> None:
+        """Called by a forward whose backward must be synced."""
+        if self._queued:  # a previous backward failed before its end callback ran
+            self._reset()
+        self.expect_sync = True
+
+    def remove_hooks(self) -> None:
+        _remove_all(self._handles)
+
+
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
