@@ -1,0 +1,280 @@
+"""`ringtrain run`: torchrun's flags on torch's own elastic agent, with one readable failure report.
+
+    ringtrain run --nproc-per-node 2 train.py --lr 3e-4
+    ringtrain run --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 train.py   # on each node
+    ringtrain run --help
+
+Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
+(`torch.distributed.run` / `elastic_launch`); this file only
+- picks a free port by itself on a single node (two jobs at once never collide),
+- polls the workers every 0.1 s, so a dead worker stops the rest promptly,
+- replaces torch's multi-page error dump by one block: which rank failed first, its exit code
+  or signal, and its traceback (written by workers whose main is decorated with `record`),
+- keeps workers from outliving a SIGKILLed launcher (`die_with_parent`, called in the worker).
+
+    from ringtrain.launcher import record
+    @record                          # the launcher then prints this worker's traceback
+    def main(): ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import (  # noqa: F401 - re-exported
+    ChildFailedError,
+    ProcessFailure,
+    record,
+)
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser as _torch_args_parser
+
+from ringtrain.watchdog import PEER_FAILED_EXIT_CODE, is_connection_lost
+
+LAUNCHER_PID_ENV = "RINGTRAIN_LAUNCHER_PID"  # lets a worker check its parent is still there
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Lines torch's agent logs that the failure report below says once, better.
+_REPEATED_BY_REPORT = (
+    "closing signal",  # one line per surviving worker
+    "failed (exitcode",  # the root cause, again
+    "death signal, shutting down workers",
+    "Setting OMP_NUM_THREADS",  # a boxed notice on every launch
+)
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Have the kernel send `signum` to this process when its parent (the launcher) dies.
+
+    Call it first thing in a worker: a SIGKILLed launcher runs no cleanup, and without this
+    its workers would keep running (and holding GPUs) as orphans. Linux only; no-op elsewhere.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    # The launcher may have died between our fork and the prctl call: then nobody will signal us.
+    if launcher and launcher.isdigit() and os.getppid() != int(launcher):
+        os.kill(os.getpid(), signum)
+
+
+def get_args_parser():
+    """torchrun's argument parser (every flag, `-` and `_` spellings), named `ringtrain run`."""
+    parser = _torch_args_parser()
+    parser.prog = "ringtrain run"
+    parser.description = (
+        "Launch a script on N processes per node with torch's elastic agent (torchrun's flags). "
+        "On a single node a free port is picked automatically. When a worker fails, all "
+        "workers stop and the failing rank is reported once."
+    )
+    return parser
+
+
+class _DropRepeated(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(s in str(record.msg) for s in _REPEATED_BY_REPORT)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Drop torch's log lines that the report repeats, unless the user asked for LOGLEVEL."""
+    if "LOGLEVEL" in os.environ:
+        yield
+        return
+    names = ("torch.distributed.run", "torch.distributed.launcher.api",
+             "torch.distributed.elastic.agent.server.api",
+             "torch.distributed.elastic.multiprocessing.api")
+    drop = _DropRepeated()
+    for name in names:
+        logging.getLogger(name).addFilter(drop)
+    try:
+        yield
+    finally:
+        for name in names:
+            logging.getLogger(name).removeFilter(drop)
+
+
+def _single_node_rendezvous(args) -> None:
+    """What `--standalone` does, also for a plain `--nnodes 1` without an endpoint.
+
+    c10d rendezvous at localhost:0: the agent's TCPStore binds port 0 and the OS hands it a
+    free port, so there is no window in which another job can take it.
+    """
+    try:
+        max_nodes = int(str(args.nnodes).split(":")[-1])
+    except ValueError:
+        raise ValueError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX, e.g. --nnodes 2") from None
+    if args.standalone or (max_nodes == 1 and not args.rdzv_endpoint and args.master_port is None
+                           and args.rdzv_backend in ("static", "c10d")):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500  # only read by the static backend, as in torchrun
+
+
+def _describe_exit(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    if failure.exitcode == PEER_FAILED_EXIT_CODE:
+        return f"exit code {failure.exitcode} (stopped by its watchdog: a peer failed)"
+    return f"exit code {failure.exitcode}"
+
+
+def _error_text(failure: ProcessFailure) -> tuple[str, str]:
+    """(one-line message, traceback) from the worker's error file; empty when it wrote none."""
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {})
+        return str(message.get("message", "")), str(extra.get("py_callstack", "")).strip()
+    return "", ""  # torch's made-up text ("Signal 9 received by PID ...") says nothing new
+
+
+def _is_symptom(failure: ProcessFailure) -> bool:
+    """A rank that stopped because another failed: its watchdog said so, or a lost connection."""
+    return failure.exitcode == PEER_FAILED_EXIT_CODE or is_connection_lost(_error_text(failure)[0])
+
+
+def root_cause(failures: dict[int, ProcessFailure]) -> int:
+    """The global rank that failed first, as far as the agent can tell.
+
+    torch keeps failures in the order it observed them and stamps them to the second; a rank
+    that only lost its peer (watchdog exit, lost-connection error) is a symptom, and a SIGTERM
+    is usually the agent's own teardown, so both rank behind any other failure.
+    """
+    order = list(failures)
+    return min(order, key=lambda r: (
+        _is_symptom(failures[r]),
+        failures[r].exitcode == -signal.SIGTERM,
+        failures[r].timestamp,
+        order.index(r),
+    ))
+
+
+def format_failure(err: ChildFailedError) -> str:
+    """The report: the first failing rank, why, its traceback, and what became of the others."""
+    rank = root_cause(err.failures)
+    failure = err.failures[rank]
+    message, callstack = _error_text(failure)
+    # What it raised says more than the exit code (or the SIGTERM that cut its exit short).
+    lines = [f"ringtrain run: rank {rank} failed (local_rank {failure.local_rank}, host "
+             f"{socket.gethostname()}, pid {failure.pid}): {message or _describe_exit(failure)}"]
+    if callstack and callstack != message:
+        lines += ["  " + line for line in callstack.splitlines()]
+    elif not message and failure.exitcode > 0:
+        lines.append("  (its traceback, if any, is in its output above; decorate the script's "
+                     "main with @ringtrain.launcher.record to have it here)")
+    others: dict[str, list[int]] = {}
+    for r, f in err.failures.items():
+        if r != rank:
+            why = "stopped by the launcher" if f.exitcode == -signal.SIGTERM else _describe_exit(f)
+            others.setdefault(why, []).append(r)
+    for why, ranks in others.items():
+        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {why}")
+    return "\n".join(lines)
+
+
+def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None) -> int:
+    """Launch from parsed torchrun arguments; the entrypoint may be replaced by a function."""
+    script = args.training_script
+    if entrypoint is None and not args.module and not args.no_python and not os.path.isfile(script):
+        print(f"ringtrain run: error: training script {script!r} not found (in {os.getcwd()}); "
+              "pass a path to a .py file, or -m for a module", file=sys.stderr)
+        return 2
+    try:
+        _single_node_rendezvous(args)
+        with _quiet_torch_logs():
+            config, cmd, cmd_args = config_from_args(args)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        print(f"ringtrain run: error: {e}", file=sys.stderr)
+        return 2
+    config.monitor_interval = min(config.monitor_interval, 0.1)  # notice a dead worker fast
+    if entrypoint is not None:
+        cmd, cmd_args = entrypoint, list(entry_args or [])
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with _quiet_torch_logs():
+            elastic_launch(config, cmd)(*cmd_args)
+        return 0
+    except ChildFailedError as e:
+        print(format_failure(e), file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:  # the agent already stopped the workers with the same signal
+        name = signal.Signals(e.sigval).name
+        print(f"ringtrain run: got {name}; stopped all workers", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    except Exception as e:  # rendezvous timeouts and the like: one line, not a stack
+        print(f"ringtrain run: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for s, h in handlers.items():  # the agent replaced them; `launch` may be called again
+            if h is not None:
+                with contextlib.suppress(ValueError):  # not on the main thread
+                    signal.signal(s, h)
+
+
+def main(argv: list[str]) -> int:
+    """`ringtrain run ARGS`: returns the exit code (0, 1 when a worker failed, 2 on bad flags)."""
+    parser = get_args_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return int(e.code or 0)
+    return _run(args)
+
+
+def launch(
+    entrypoint: str | Callable,
+    args: list[str],
+    *,
+    nproc_per_node: int,
+    nnodes: str = "1",
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_backend: str = "c10d",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    run_id: str | None = None,
+    module: bool = False,
+) -> int:
+    """Run `entrypoint` on `nproc_per_node` workers here (and join `nnodes` nodes); return the exit code.
+
+    Args:
+        entrypoint: a script path (run as `python -u script *args`), a module name with
+            `module=True` (`python -u -m module *args`, e.g. "ringtrain" with ["train", ...]),
+            or a picklable module-level function called as `fn(*args)` in each worker.
+        args: the entrypoint's arguments.
+        nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend, max_restarts,
+            monitor_interval, run_id: torchrun's flags of the same names. A single node without
+            `rdzv_endpoint` picks a free port; several nodes need `rdzv_endpoint` (host:port
+            of node 0) and the same `run_id` on every node.
+    """
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node={nproc_per_node}: start at least one worker per node")
+    max_nodes = int(str(nnodes).split(":")[-1])
+    if max_nodes > 1 and not rdzv_endpoint:
+        raise ValueError(f"nnodes={nnodes!r} needs rdzv_endpoint='host:port' of node 0 "
+                         "(the same on every node)")
+    argv = ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes),
+            "--node-rank", str(node_rank), "--rdzv-backend", rdzv_backend,
+            "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval)]
+    if rdzv_endpoint:
+        argv += ["--rdzv-endpoint", rdzv_endpoint]
+    if run_id:
+        argv += ["--rdzv-id", run_id]
+    if callable(entrypoint):
+        parsed = get_args_parser().parse_args([*argv, "<function>"])
+        return _run(parsed, entrypoint, args)
+    parsed = get_args_parser().parse_args([*argv, *(["-m"] if module else []), entrypoint, *args])
+    return _run(parsed)

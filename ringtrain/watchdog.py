@@ -1,0 +1,353 @@
+"""Dead-rank detection: no rank waits forever on a peer that died or raised.
+
+Every rank runs a `Watchdog` after the process group is up. It publishes a heartbeat counter
+through the rendezvous store and watches everyone else's. When a peer raises (it writes a
+failure key on its way out), goes silent for `timeout_s`, or the store itself becomes
+unreachable (the host that runs it died), this rank prints one line naming the peer and exits
+with `PEER_FAILED_EXIT_CODE`, even while its main thread is blocked inside a collective: the
+check runs on its own thread, and a thread blocked in a C++ collective has released the GIL.
+
+    with Watchdog(timeout_s=30) as watchdog:      # after ringtrain.init_distributed()
+        for step, batch in enumerate(loader):
+            watchdog.set_step(step)
+            ...
+
+Try it: `ringtrain run --nproc-per-node 2 tests/scripts/allreduce_loop.py --fail-rank 1
+--fail-how hang --watchdog-timeout 3` (rank 1 stops; rank 0 exits after ~3 s naming it).
+
+Why not rely on the backend: gloo raises at once when a peer's socket closes (SIGKILL on the
+same host), but not when the peer's host vanishes or the peer is frozen, and its error names a
+socket address, not a rank; NCCL waits for its collective timeout (minutes). So an error that
+looks like a lost connection is handed to `report_failure`, which waits (bounded) for the
+watchdog to name the rank that went silent instead of reporting the symptom.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+
+import torch.distributed as dist
+
+# sysexits' EX_TEMPFAIL: "a peer failed, this rank is fine; restarting the group may help".
+# The launcher uses it to tell ranks that stopped because of a peer from the root cause.
+PEER_FAILED_EXIT_CODE = 75
+
+# Messages of errors that mean "the other end of a connection is gone" (gloo, NCCL, TCPStore).
+_CONNECTION_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "gloo/transport",
+    "NCCL communicator was aborted",
+    "NCCL error",
+)
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """What the watchdog found: `kind` is "failed" (raised), "died" (silent) or "store" (lost)."""
+
+    kind: str
+    rank: int | None  # the rank at fault; None when the store's host is not a rank's process
+    reason: str
+
+    def __str__(self) -> str:
+        if self.kind == "failed":
+            return f"rank {self.rank} failed {self.reason}"
+        if self.kind == "died":
+            return f"rank {self.rank} died ({self.reason})"
+        return self.reason
+
+
+def is_connection_lost(exc: BaseException | str) -> bool:
+    """True when `exc` (or an error message) says a collective or the store lost its peer.
+
+    Such an error is a symptom of another rank's failure, not a cause.
+    """
+    if isinstance(exc, BaseException):
+        if isinstance(exc, getattr(dist, "DistNetworkError", ())):
+            return True
+        if not isinstance(exc, RuntimeError):
+            return False
+    return any(s in str(exc) for s in _CONNECTION_LOST)
+
+
+def _describe(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__
+
+
+def _tcp_store(store: dist.Store) -> dist.Store | None:
+    while not hasattr(store, "host") and hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store if hasattr(store, "host") else None
+
+
+def exit_on_peer_failure(rank: int, failure: PeerFailure) -> None:
+    """The default reaction: one line on stderr, the launcher's error file, then `os._exit`.
+
+    `os._exit` because the main thread may be stuck in a collective that will never return:
+    a normal exit would wait for it (and for atexit handlers that call into the dead group).
+    """
+    message = f"[rank {rank}] {failure}"
+    print(message, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torch's error-file format, so `ringtrain run` can say why this rank stopped
+        text = f"PeerFailure: {failure}"
+        data = {"message": {"message": text, "extraInfo": {
+            "py_callstack": text, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+    sys.stdout.flush()
+    os._exit(PEER_FAILED_EXIT_CODE)
+
+
+class Watchdog:
+    """Heartbeats through the store; stops this rank when a peer dies, raises, or the store is lost.
+
+    Args:
+        store: the rendezvous store; default the default process group's store. The watchdog
+            talks through its own clone of it, so a main thread blocked on the store (a barrier)
+            does not block the heartbeats.
+        rank, world_size: default those of the default process group.
+        interval_s: how often to publish and read heartbeats (each round costs world_size + 2
+            store operations on every rank).
+        timeout_s: a peer silent for this long is dead; also the bound on losing the store.
+        on_dead: called once with a `PeerFailure`; default `exit_on_peer_failure` (prints one
+            line, exits with PEER_FAILED_EXIT_CODE). A custom one that returns stops the watch.
+        prefix: store key prefix; default unique per run and restart (TORCHELASTIC_RUN_ID,
+            TORCHELASTIC_RESTART_COUNT) so a restarted group never reads stale heartbeats.
+        excepthook: while running, an uncaught exception goes through `report_failure` first.
+
+    .. warning:: Start it on every rank: a rank without one looks dead to the others after
+        `timeout_s`. Call `stop()` (or leave the `with` block) on every rank at the end, so a
+        rank that finishes early is not taken for dead.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 60.0,
+        on_dead: Callable[[PeerFailure], None] | None = None,
+        prefix: str | None = None,
+        excepthook: bool = True,
+    ):
+        if interval_s <= 0 or timeout_s <= interval_s:
+            raise ValueError(
+                f"interval_s={interval_s}, timeout_s={timeout_s}: need 0 < interval_s < timeout_s "
+                "(a peer is declared dead after timeout_s without a heartbeat; use e.g. "
+                "interval_s=1, timeout_s=30)"
+            )
+        if store is None:
+            store = dist.distributed_c10d._get_default_store()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"Invalid rank {self.rank}, rank should be in the interval "
+                             f"[0, {self.world_size - 1}]")
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        # After a lost-connection error we know someone is gone: a few missed beats suffice.
+        self.suspect_timeout_s = min(timeout_s, max(3 * interval_s, 1.0))
+        self._on_dead = on_dead or (lambda failure: exit_on_peer_failure(self.rank, failure))
+        tcp = _tcp_store(store)
+        self._store_addr = f"{tcp.host}:{tcp.port}" if tcp is not None else "(in-process store)"
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self._store_owner = None if agent_store else 0  # ringtrain's own rendezvous: rank 0 hosts it
+        try:
+            store = store.clone()  # its own connection: TCPStore serialises ops per connection
+            store.set_timeout(timedelta(seconds=timeout_s))
+        except (AttributeError, RuntimeError):
+            pass
+        if prefix is None:
+            prefix = (f"ringtrain/watchdog/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/"
+                      f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        self._store = dist.PrefixStore(prefix, store)
+        self._excepthook = excepthook
+        self._previous_hook = None
+
+        self._step = 0
+        self._published_step = 0
+        self._peers = [r for r in range(self.world_size) if r != self.rank]
+        self._watched = set(self._peers)  # peers neither done nor dead
+        self._seen: dict[int, int] = {}  # peer -> last heartbeat count read
+        self._last_change: dict[int, float] = {}  # peer -> when its count last moved (our clock)
+        self._last_step: dict[int, int] = {}
+        self._last_ok = 0.0  # when a full round of store operations last succeeded
+        self._store_error = ""
+        self._found: PeerFailure | None = None  # a failure key read from the store
+        self._suspect = False  # set when this rank's main thread saw a lost connection
+        self._stop = threading.Event()
+        self._fired = threading.Event()  # a failure was found and on_dead called
+        self._handled = threading.Event()  # on_dead returned
+        self._fire_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # -- public surface -------------------------------------------------------------------
+
+    def start(self) -> Watchdog:
+        """Start the heartbeat and check threads (no-op for world_size 1)."""
+        if self.world_size == 1 or self._threads:
+            return self
+        now = time.monotonic()
+        self._last_ok = now
+        for r in self._peers:
+            self._seen[r], self._last_change[r], self._last_step[r] = -1, now, 0
+        self._threads = [
+            threading.Thread(target=self._beat_loop, name="ringtrain-heartbeat", daemon=True),
+            threading.Thread(target=self._check_loop, name="ringtrain-watchdog", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        if self._excepthook:
+            self._previous_hook = sys.excepthook
+            sys.excepthook = self._hook
+        return self
+
+    def stop(self, *, done: bool = True) -> None:
+        """Stop watching; with `done`, tell the peers this rank finished (so it is not 'dead')."""
+        self._stop.set()
+        for t in self._threads:
+            if t is not threading.current_thread():  # stop() may be called from on_dead
+                t.join(timeout=self.interval_s + 5)
+        if self._threads and done:
+            try:
+                self._store.add(f"done/{self.rank}", 1)
+            except RuntimeError:
+                pass  # the store is gone at the end of the job: nobody is left to tell
+        self._threads = []
+        if self._previous_hook is not None:
+            sys.excepthook = self._previous_hook
+            self._previous_hook = None
+
+    def set_step(self, step: int) -> None:
+        """Record this rank's training step; peers quote it when this rank dies."""
+        self._step = int(step)
+
+    @property
+    def failure(self) -> PeerFailure | None:
+        """The peer failure found so far, if any (set just before `on_dead` is called)."""
+        return self._found if self._fired.is_set() else None
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Tell the peers this rank is failing with `exc` (call it, then re-raise).
+
+        An `exc` that only says a connection was lost is a symptom: wait up to `timeout_s` for
+        the watchdog to name the peer that went silent (the default `on_dead` then exits this
+        process); only if none does is `exc` reported as this rank's own failure.
+        """
+        if not self._threads:
+            return
+        if is_connection_lost(exc):
+            self._suspect = True
+            # The default on_dead exits this process (never returns); a custom one returns.
+            if self._fired.wait(self.timeout_s + self.interval_s):
+                self._handled.wait(self.timeout_s)
+                return
+        reason = f"at step {self._step}: {_describe(exc)}"
+        try:
+            self._store.set(f"failed/{self.rank}", reason)
+            self._store.add("nfailed", 1)
+        except RuntimeError:
+            pass  # the store is gone too: the peers find out through their own timeouts
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is not None:
+            self.report_failure(exc)
+        self.stop(done=exc is None)
+
+    # -- threads --------------------------------------------------------------------------
+
+    def _hook(self, exc_type, exc, tb) -> None:
+        self.report_failure(exc)
+        (self._previous_hook or sys.__excepthook__)(exc_type, exc, tb)
+
+    def _beat_loop(self) -> None:
+        while not self._stop.is_set() and not self._fired.is_set():
+            try:
+                self._beat_once()
+                self._last_ok = time.monotonic()
+                self._store_error = ""
+            except RuntimeError as e:  # the store is unreachable; the check thread times it
+                self._store_error = _describe(e)
+            self._stop.wait(self.interval_s)
+
+    def _beat_once(self) -> None:
+        store = self._store
+        store.add(f"hb/{self.rank}", 1)
+        step = self._step
+        if step != self._published_step:  # add() never blocks on a missing key, unlike get()
+            store.add(f"step/{self.rank}", step - self._published_step)
+            self._published_step = step
+        now = time.monotonic()
+        for r in tuple(self._watched):
+            count = store.add(f"hb/{r}", 0)
+            if count != self._seen[r]:
+                self._seen[r], self._last_change[r] = count, now
+            elif store.check([f"done/{r}"]):
+                self._watched.discard(r)
+            else:
+                self._last_step[r] = store.add(f"step/{r}", 0)
+        if self._found is None and store.add("nfailed", 0) > 0:
+            for r in self._peers:
+                if store.check([f"failed/{r}"]):
+                    reason = store.get(f"failed/{r}").decode(errors="replace")
+                    self._found = PeerFailure("failed", r, reason)
+                    break
+
+    def _check_loop(self) -> None:
+        period = min(max(self.interval_s / 4, 0.05), 0.5)
+        while not self._stop.wait(period):
+            failure = self._check_once(time.monotonic())
+            if failure is not None:
+                self._fire(failure)
+                return
+
+    def _check_once(self, now: float) -> PeerFailure | None:
+        if self._found is not None:
+            return self._found
+        limit = self.suspect_timeout_s if self._suspect else self.timeout_s
+        silent = now - self._last_ok
+        if silent > limit:
+            owner = ("the launcher on the rendezvous host" if self._store_owner is None
+                     else f"rank {self._store_owner}'s process")
+            return PeerFailure("store", self._store_owner, (
+                f"lost the rendezvous store at {self._store_addr} (run by {owner}) for "
+                f"{silent:.0f} s: {self._store_error or 'no reply'}; that process or its host died"))
+        # Silence is measured up to the last good round, so a store outage is not blamed on peers.
+        for r in tuple(self._watched):
+            age = self._last_ok - self._last_change[r]
+            if age > limit:
+                return PeerFailure("died", r, f"no heartbeat for {age:.0f} s; last step "
+                                              f"{self._last_step[r]}")
+        return None
+
+    def _fire(self, failure: PeerFailure) -> None:
+        with self._fire_lock:
+            if self._fired.is_set():
+                return
+            self._found = failure
+            self._fired.set()
+        self._on_dead(failure)
+        self._handled.set()

@@ -1,0 +1,232 @@
+"""`ringtrain run` end to end: success, a killed or raising worker, signals, no orphans.
+
+    .venv/bin/pytest -q tests/test_launcher.py
+
+Each test launches `python -m ringtrain run ... tests/scripts/allreduce_loop.py --tag <unique>`
+in a subprocess (bounded by a timeout) and afterwards scans /proc for that tag: the launcher
+must leave no process of its job behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ringtrain.launcher import ChildFailedError, ProcessFailure, format_failure, main, root_cause
+from ringtrain.watchdog import PEER_FAILED_EXIT_CODE
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = str(REPO / "tests" / "scripts" / "allreduce_loop.py")
+RUN = [sys.executable, "-m", "ringtrain", "run"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ENV.pop("LOGLEVEL", None)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scans /proc")
+
+
+def _tagged(tag: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose command line holds `tag`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if tag in cmdline and state != "Z":  # a zombie has exited; only its reaping is pending
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def _wait_gone(tag: str, timeout_s: float) -> list[tuple[int, str]]:
+    deadline = time.monotonic() + timeout_s
+    while (left := _tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+@pytest.fixture
+def tag():
+    """A unique word for the job's command lines; kills (by pid) whatever a failing test left."""
+    tag = f"ringtrain-test-{uuid.uuid4().hex[:12]}"
+    yield tag
+    for pid, _ in _tagged(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"launcher exited ({proc.returncode}) before {path.name}:\n"
+                                 + proc.communicate()[1])
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} not written within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def test_two_single_node_jobs_at_once_both_succeed(tmp_path):
+    # No port given to either: each must pick its own. Job A uses torchrun's `_` spelling,
+    # job B the Python API that `ringtrain train` relaunches itself through.
+    api = ("import sys; from ringtrain.launcher import launch; "
+           f"sys.exit(launch({SCRIPT!r}, ['--steps', '5'], nproc_per_node=2))")
+    jobs = [
+        subprocess.Popen([*RUN, "--nproc_per_node=2", SCRIPT, "--steps", "5"], env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        subprocess.Popen([sys.executable, "-c", api], env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+    ]
+    for job in jobs:
+        out, err = job.communicate(timeout=90)
+        assert job.returncode == 0, err
+        assert "allreduce ok: world_size=2 steps=5 sum=15" in out
+        assert "ringtrain run:" not in err
+
+
+def test_killed_worker_stops_all_names_rank_and_signal(tmp_path, tag):
+    ready = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [*RUN, "--nproc-per-node", "2", SCRIPT, "--steps", "100000", "--fail-rank", "1",
+         "--fail-how", "kill", "--ready-file", str(ready), "--tag", tag],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    exited = time.time()
+    killed = float(ready.read_text())
+    assert proc.returncode != 0
+    assert exited - killed < 30, f"launcher exited {exited - killed:.1f} s after the kill"
+    report = [line for line in err.splitlines() if line.startswith("ringtrain run:")]
+    assert len(report) == 1, err
+    assert "rank 1 failed" in report[0] and "SIGKILL" in report[0], err
+    assert _wait_gone(tag, 0.5) == []
+
+
+def test_raising_worker_traceback_and_rank_reported_once(tag):
+    out = subprocess.run(
+        [*RUN, "--nproc-per-node", "2", SCRIPT, "--steps", "100000", "--fail-rank", "1",
+         "--fail-how", "raise", "--tag", tag],
+        env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    lines = out.stderr.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("ringtrain run:")]
+    assert len(heads) == 1, out.stderr
+    head = lines[heads[0]]
+    assert "rank 1 failed" in head and "ValueError: boom at step 3" in head, head
+    report = "\n".join(lines[heads[0]:])
+    assert "Traceback (most recent call last)" in report
+    assert 'raise ValueError(f"boom at step {step}")' in report
+    assert len(re.findall(r"(?<!local_)rank 1\b", report)) == 1, report
+    assert _wait_gone(tag, 0.5) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_launcher_stops_every_worker(tmp_path, tag, signum):
+    # Rank 1 sleeps at step 3, so rank 0 is blocked inside an all-reduce: a stuck job.
+    ready = tmp_path / "stuck"
+    proc = subprocess.Popen(
+        [*RUN, "--nproc-per-node", "2", SCRIPT, "--steps", "100000", "--fail-rank", "1",
+         "--fail-how", "hang", "--ready-file", str(ready), "--tag", tag],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_file(ready, proc)
+        time.sleep(0.2)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=40)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, err
+    assert f"got {signum.name}; stopped all workers" in err
+    assert took < 30, f"{took:.1f} s to stop after {signum.name}"
+    assert _wait_gone(tag, 0.5) == []
+
+
+def test_workers_die_when_the_launcher_is_sigkilled(tmp_path, tag):
+    ready = tmp_path / "stuck"
+    proc = subprocess.Popen(
+        [*RUN, "--nproc-per-node", "2", SCRIPT, "--steps", "100000", "--fail-rank", "1",
+         "--fail-how", "hang", "--ready-file", str(ready), "--tag", tag],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_file(ready, proc)
+        assert len(_tagged(tag)) == 3  # the launcher and its two workers
+        proc.kill()  # SIGKILL: the launcher runs no cleanup at all
+        proc.wait(timeout=10)
+        left = _wait_gone(tag, 5.0)
+    finally:
+        proc.kill()
+    assert left == [], f"orphans after the launcher died: {left}"
+
+
+def test_help_reads_ringtrain_run():
+    helped = subprocess.run([*RUN, "--help"], env=ENV, capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0
+    assert helped.stdout.startswith("usage: ringtrain run")
+    assert "--nproc-per-node" in helped.stdout and "--rdzv-endpoint" in helped.stdout
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--no-such-flag", "3", SCRIPT], "unrecognized arguments: --no-such-flag"),
+    (["--nnodes", "x", SCRIPT], "--nnodes 'x': expected N or MIN:MAX"),
+    (["--nproc-per-node", "two", SCRIPT], "Unsupported nproc_per_node value: two"),
+    (["--nproc-per-node", "2", "no_such_script.py"], "training script 'no_such_script.py' not found"),
+])
+def test_bad_flags_give_a_clear_error_and_exit_2(capsys, argv, error):
+    assert main(argv) == 2  # parsing is all in-process; nothing is launched
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("ringtrain run: error: ") and error in err, err
+
+
+# -- the report, without processes -------------------------------------------------------------
+
+def _failure(tmp_path: Path, local_rank: int, exitcode: int, raised: str | None = None):
+    path = tmp_path / f"error_{local_rank}.json"
+    if raised is not None:
+        path.write_text(json.dumps({"message": {"message": raised, "extraInfo": {
+            "py_callstack": f"Traceback (most recent call last):\n  ...\n{raised}",
+            "timestamp": "1700000000"}}}))
+    return ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=exitcode,
+                          error_file=str(path))
+
+
+def test_root_cause_skips_symptoms_and_the_agents_own_sigterm(tmp_path):
+    # Observed first: rank 0 stopped by its watchdog and rank 2 with a gloo error; rank 1 raised.
+    failures = {
+        0: _failure(tmp_path, 0, PEER_FAILED_EXIT_CODE, "PeerFailure: rank 1 failed at step 3"),
+        2: _failure(tmp_path, 2, 1, "RuntimeError: [gloo/transport/tcp] Connection closed by peer"),
+        1: _failure(tmp_path, 1, -signal.SIGTERM, "ValueError: boom"),
+        3: _failure(tmp_path, 3, -signal.SIGTERM),
+    }
+    assert root_cause(failures) == 1
+    report = format_failure(ChildFailedError("train.py", failures))
+    head, *rest = report.splitlines()
+    assert head.startswith("ringtrain run: rank 1 failed (local_rank 1") and "ValueError: boom" in head
+    assert "  Traceback (most recent call last):" in rest
+    assert "  rank 3: stopped by the launcher" in rest
+
+
+def test_report_for_a_signal_without_error_file(tmp_path):
+    failures = {1: _failure(tmp_path, 1, -signal.SIGKILL), 0: _failure(tmp_path, 0, -signal.SIGTERM)}
+    assert root_cause(failures) == 1
+    report = format_failure(ChildFailedError("x.py", failures))
+    assert report.splitlines()[0].endswith("killed by SIGKILL")
+    failures = {0: _failure(tmp_path, 0, 3)}
+    assert "exit code 3" in format_failure(ChildFailedError("x.py", failures))
+    assert "@ringtrain.launcher.record" in format_failure(ChildFailedError("x.py", failures))
