@@ -108,8 +108,12 @@ class PipelineStage:
         pp_group: the pipeline's process group (p2p goes through it).
         loss_fn: `(output, target) -> mean loss`; used on the last stage.
         schedule: 'gpipe', '1f1b', or a hand-made `Schedule` (one action list per stage).
-        no_sync: returns a context manager under which backward does not reduce gradients
-            (a DDP wrapper's `no_sync`); every backward but this stage's last runs under it.
+        no_sync, sync_next_backward: data parallelism over `module` (a DDP wrapper's
+            `no_sync` and `reducer.prepare_for_backward`). Every forward runs under
+            `no_sync()`, so gradients accumulate locally; `sync_next_backward()` then arms the
+            stage's last backward to average everything accumulated. Arming a forward instead
+            (DDP's usual way) would not work here: under 1F1B other micro-batches' backwards
+            run between a micro-batch's forward and its backward.
         measure_memory: count bytes saved for backward (`StepStats.peak_activation_bytes`).
     """
 
@@ -117,12 +121,16 @@ class PipelineStage:
                  pp_group: dist.ProcessGroup | None, loss_fn: LossFn | None = None,
                  schedule: str | Schedule = "1f1b",
                  no_sync: Callable[[], ContextManager] | None = None,
+                 sync_next_backward: Callable[[], None] | None = None,
                  measure_memory: bool = False):
+        if (no_sync is None) != (sync_next_backward is None):
+            raise ValueError("pass both no_sync and sync_next_backward (data parallelism) or neither")
         if len(pp_ranks) != pp:
             raise ValueError(f"pp_ranks={list(pp_ranks)} must list one global rank per stage (pp={pp})")
         self.module, self.pp_rank, self.pp = module, pp_rank, pp
         self.pp_ranks, self.pp_group = list(pp_ranks), pp_group
-        self.loss_fn, self.schedule, self.no_sync = loss_fn, schedule, no_sync
+        self.loss_fn, self.schedule = loss_fn, schedule
+        self.no_sync, self.sync_next_backward = no_sync, sync_next_backward
         self.measure_memory = measure_memory
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
         if self.is_last and loss_fn is None:
@@ -231,7 +239,8 @@ class PipelineStage:
                 inputs[mb] = p2p.recv_activation(in_shape, in_dtype, self.device, self.prev_rank, self.pp_group)
             elif isinstance(a, Forward):
                 inp = xs[mb] if self.is_first else inputs[mb]
-                with meter.saving(mb) if meter else contextlib.nullcontext():
+                with (meter.saving(mb) if meter else contextlib.nullcontext(),
+                      self.no_sync() if self.no_sync else contextlib.nullcontext()):
                     out = self.module(inp)
                     if self.is_last:
                         loss = self.loss_fn(out, ys[mb])
@@ -246,9 +255,9 @@ class PipelineStage:
                 out = outputs[mb]
                 grads[mb] = p2p.recv_grad(out.shape, out.dtype, self.device, self.next_rank, self.pp_group)
             elif isinstance(a, Backward):
-                sync = i == last_backward or self.no_sync is None
-                with contextlib.nullcontext() if sync else self.no_sync():
-                    torch.autograd.backward(outputs.pop(mb), grads.pop(mb, None))
+                if i == last_backward and self.sync_next_backward:
+                    self.sync_next_backward()
+                torch.autograd.backward(outputs.pop(mb), grads.pop(mb, None))
                 if meter:
                     meter.release(mb)
             elif isinstance(a, SendGrad):

@@ -1,0 +1,236 @@
+"""`--strategy pipeline`: pipeline parallelism (GPipe or 1F1B), times data parallelism.
+
+    ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 [--schedule 1f1b|gpipe] [--microbatches 4]
+    ringtrain train --strategy pipeline --pp 2 --nproc-per-node 4      # dp=2 x pp=2
+
+The world's ranks form `dp` pipelines of `pp` stages (`ringtrain.topology`). Every rank gets
+the full, identically initialised model in `setup`, splits it the same way (the model's
+`to_sequential()`, or the model itself if it is an `nn.Sequential`) and keeps its own stage.
+Every stage of one pipeline reads the same batch (`data_rank` is the dp coordinate); the
+trainer's gradient-accumulation micro-batches are concatenated into one step batch, which the
+pipeline cuts into `microbatches` equal micro-batches of its own. Each stage's gradients are
+averaged over its data-parallel peers by DistributedDataParallel on the dp group; weights tied
+across stages have their gradients summed between the stages that hold them; gradient clipping
+uses the norm over all stages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringtrain.pipeline.engine import PipelineStage
+from ringtrain.pipeline.partition import partition, tied_parameters
+from ringtrain.pipeline.schedule import SCHEDULES
+from ringtrain.runtime import Runtime
+from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
+from ringtrain.topology import Topology, create_process_groups
+
+
+def _default_microbatches(batch: int, pp: int) -> int:
+    """The most micro-batches up to 4 x pp that divide `batch` evenly (at least pp)."""
+    for m in range(4 * pp, pp - 1, -1):
+        if batch % m == 0:
+            return m
+    return 4 * pp  # nothing divides: let split_batch raise with the choices
+
+
+def _as_sequential(model: nn.Module) -> nn.Module | list[nn.Module]:
+    to_sequential = getattr(model, "to_sequential", None)
+    if callable(to_sequential):
+        return to_sequential()
+    return model  # partition() raises a clear TypeError unless it is an nn.Sequential
+
+
+class PipelineStrategy(Strategy):
+    """One rank's stage of a dp x pp pipeline.
+
+    Args:
+        runtime: the started process group (`ringtrain.init_distributed()`).
+        pp: stages per pipeline; must divide the world size.
+        schedule: '1f1b' (default; at most pp micro-batches in flight) or 'gpipe'.
+        microbatches: micro-batches per step (>= pp, dividing the step batch); default: the
+            most up to 4 x pp that divide the batch.
+        split: layers per stage (e.g. [3, 2]); default: balanced by parameter count.
+    """
+
+    name = "pipeline"
+
+    def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
+                 microbatches: int | None = None, split: Sequence[int] | None = None):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {schedule!r} is not known; choose one of {sorted(SCHEDULES)}")
+        if microbatches is not None and microbatches < pp:
+            raise ValueError(
+                f"--microbatches {microbatches} is fewer than --pp {pp} stages: some stages would "
+                f"never overlap. Use --microbatches {pp} or more (e.g. {4 * pp})"
+            )
+        self.runtime = runtime
+        self.topology = Topology(runtime.world_size, pp)
+        self.schedule, self.microbatches, self.split = schedule, microbatches, split
+        self.groups = create_process_groups(self.topology, runtime.rank)
+
+    # -- where this rank reads data ---------------------------------------------------------
+    @property
+    def data_rank(self) -> int | None:
+        return self.groups.dp_rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.topology.dp
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
+        g, pp = self.groups, self.topology.pp
+        stages = partition(_as_sequential(model), pp, self.split)
+        self._map_names(model, stages)
+        stage = stages[g.pp_rank].to(self.runtime.device)
+        self.stage = stage
+
+        # Tied weights: one group per (tie, pipeline), created by every rank in the same order.
+        self._ties: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
+        self._not_norm_owner: set[int] = set()  # tied copies whose norm another stage counts
+        local = dict(stage.named_parameters())
+        for tie in tied_parameters(stages):
+            for d in range(self.topology.dp):
+                group = dist.new_group([self.topology.rank_of(d, s) for s in tie.stages])
+                if d == g.dp_rank and g.pp_rank in tie.stages:
+                    name = dict(tie.holders)[g.pp_rank]
+                    self._ties.append((local[name], group))
+                    if g.pp_rank != tie.stages[0]:
+                        self._not_norm_owner.add(id(local[name]))
+
+        self.ddp = None
+        if self.topology.dp > 1:
+            from ringtrain.ddp import DistributedDataParallel
+
+            # No buffer broadcast: buffers start equal, and a broadcast per micro-batch
+            # forward would add a collective to every schedule step.
+            self.ddp = DistributedDataParallel(stage, process_group=g.dp_group, broadcast_buffers=False)
+        self.optimizer = optimizer_fn(stage.parameters())
+        self.engine = PipelineStage(
+            self.ddp or stage, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks, pp_group=g.pp_group,
+            loss_fn=loss_fn, schedule=self.schedule,
+            no_sync=self.ddp.no_sync if self.ddp is not None else None,
+            sync_next_backward=self.ddp.reducer.prepare_for_backward if self.ddp is not None else None,
+        )
+
+    def _map_names(self, model: nn.Module, stages: list[nn.Sequential]) -> None:
+        """Remember which of the model's state_dict names this stage holds, by tensor identity
+        (the stages share the model's parameter objects)."""
+        names: dict[int, list[str]] = {}
+        full = model.state_dict(keep_vars=True)
+        for name, t in full.items():
+            names.setdefault(id(t), []).append(name)
+        self._key_order = list(full)
+        covered: set[str] = set()
+        self._local_names: dict[str, str] = {}  # model name -> this stage's state_dict key
+        for s, stage in enumerate(stages):
+            for key, t in stage.state_dict(keep_vars=True).items():
+                for name in names.get(id(t), []):
+                    covered.add(name)
+                    if s == self.groups.pp_rank:
+                        self._local_names[name] = key
+        missing = [n for n in self._key_order if n not in covered]
+        if missing:
+            raise ValueError(
+                f"the model's state {missing[:5]} is held by no pipeline stage: "
+                f"{type(model).__name__}.to_sequential() must return layers that share the model's "
+                "own parameters and buffers (not copies)"
+            )
+
+    # -- one optimizer step -----------------------------------------------------------------
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
+                   grad_clip: float | None) -> StepResult:
+        device = self.runtime.device
+        x = torch.cat([mb[0] for mb in micro_batches]).to(device)
+        y = torch.cat([mb[1] for mb in micro_batches]).to(device)
+        m = self.microbatches or _default_microbatches(x.shape[0], self.topology.pp)
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self.engine.train_step(x, y, m)
+        t0 = time.perf_counter()
+        for p, group in self._ties:  # a tied weight's gradient is the sum of its uses
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+        if grad_clip is not None:
+            self._clip(grad_clip)
+        comm_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        step_s = time.perf_counter() - t0
+        return StepResult(stats.loss_sum or 0.0, stats.count, stats.busy_s + step_s,
+                          stats.wait_s + comm_s)
+
+    def _clip(self, max_norm: float) -> float:
+        """Clip by the 2-norm over every stage's gradients (as clip_grad_norm_ on the whole
+        model): each stage sums its squares, the pipeline adds them up. A tied weight counts
+        once; data-parallel peers hold equal, already averaged gradients."""
+        grads = [p.grad for p in self.stage.parameters()
+                 if p.grad is not None and id(p) not in self._not_norm_owner]
+        sq = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
+        for grad in grads:
+            sq += grad.detach().float().pow(2).sum()
+        if self.topology.pp > 1:
+            dist.all_reduce(sq, group=self.groups.pp_group)
+        total = float(sq.sqrt())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for p in self.stage.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return total
+
+    # -- inference and state ----------------------------------------------------------------
+    def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            return self.engine.forward_only(x.to(self.runtime.device))
+        finally:
+            self.stage.train(was_training)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's state under its own names, gathered from every stage; equal on all
+        ranks (a collective over the pipeline group)."""
+        own = self.stage.state_dict()
+        local = {name: own[key].detach().cpu().clone() for name, key in self._local_names.items()}
+        if self.topology.pp == 1:
+            return {name: local[name] for name in self._key_order}
+        parts: list[dict[str, torch.Tensor] | None] = [None] * self.topology.pp
+        dist.all_gather_object(parts, local, group=self.groups.pp_group)
+        full: dict[str, torch.Tensor] = {}
+        for part in parts:
+            full.update(part or {})
+        return {name: full[name] for name in self._key_order}
+
+    def _layout(self) -> dict[str, int]:
+        return {"world_size": self.topology.world_size, "pp": self.topology.pp,
+                "dp": self.topology.dp, "pp_rank": self.groups.pp_rank}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layout": self._layout(), "stage": self.stage.state_dict(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, now = state.get("layout"), self._layout()
+        if saved != now:
+            raise ValueError(
+                f"this pipeline state was saved with layout {saved} but this rank runs {now}: "
+                f"stages hold different layers, so it cannot be loaded here. Restart with "
+                f"--pp {saved and saved['pp']} and --nproc-per-node {saved and saved['world_size']}, "
+                "or resume from the full model state (model_state_dict)"
+            )
+        self.stage.load_state_dict(state["stage"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        """Drop references to the stage and its groups (destroy_distributed frees the groups)."""
+        self.engine = self.ddp = None  # type: ignore[assignment]

@@ -1,0 +1,248 @@
+"""Pipeline parallelism on real gloo ranks against the unsplit single-process model.
+
+Every worker builds the same model from the same seed, computes the single-process reference
+itself, runs its stage, and asserts allclose (fp32). Each multi-process test is one spawn.
+
+    .venv/bin/pytest -q tests/test_pipeline.py
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ringtrain.models.gpt import GPT, GPTConfig, loss_fn
+from ringtrain.pipeline import PipelineStage, ScheduleError, partition
+from ringtrain.pipeline.schedule import (
+    Backward,
+    Forward,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+)
+from ringtrain.runtime import get_runtime
+from ringtrain.testing import run_workers
+from ringtrain.topology import Topology, create_process_groups
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _gpt(n_layer: int, tie: bool = False) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=n_layer, n_head=4, n_embd=32,
+                         tie_embeddings=tie))
+
+
+def _batch(n: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 11, (n, 8), generator=g), torch.randint(0, 11, (n, 8), generator=g)
+
+
+def _grads_match(model: nn.Module, stage: nn.Module, ref: nn.Module, what: str) -> None:
+    """Every parameter of `stage` (which shares `model`'s objects) has the reference's grad."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    for p in stage.parameters():
+        name = names[id(p)]
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL,
+                                   msg=lambda m, n=name: f"{what}: grad of {n}: {m}")
+
+
+def _check_gpt_engine(rank: int, world_size: int) -> dict:
+    """A GPT split over `world_size` stages: both schedules, M = pp and M = 4, equal to the
+    unsplit model's loss and gradients; forward_only equals its logits."""
+    pp = world_size
+    g = create_process_groups(Topology(world_size, pp=pp))
+    model = _gpt(n_layer=pp)
+    x, y = _batch(12)
+    ref = copy.deepcopy(model)
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    stage = partition(model.to_sequential(), pp)[g.pp_rank]
+    losses = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (pp, 4):
+            stage.zero_grad(set_to_none=True)
+            engine = PipelineStage(stage, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks,
+                                   pp_group=g.pp_group, loss_fn=loss_fn, schedule=schedule)
+            stats = engine.train_step(x, y, m)
+            _grads_match(model, stage, ref, f"{schedule} M={m}")
+            if engine.is_last:
+                assert stats.count == 12
+                torch.testing.assert_close(torch.tensor(stats.loss_sum / stats.count), ref_loss.detach(), **TOL)
+                losses[(schedule, m)] = stats.loss_sum / stats.count
+    logits = engine.forward_only(x)
+    if engine.is_last:
+        torch.testing.assert_close(logits, ref(x).detach(), **TOL)
+    else:
+        assert logits is None
+    return {"pp_rank": g.pp_rank, "losses": losses}
+
+
+def _check_two_linear(rank: int, world_size: int) -> None:
+    """The seeds' example: Linear(1000, 10000) on rank 0, Linear(10000, 1000) on rank 1; and
+    a deadlocking hand-made schedule, rejected on both ranks before anything is sent."""
+    g = create_process_groups(Topology(2, pp=2))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1000, 10000), nn.Linear(10000, 1000))
+    x, y = torch.randn(4, 1000), torch.randn(4, 1000)
+    ref = copy.deepcopy(model)
+    nn.functional.mse_loss(ref(x), y).backward()
+    stage = partition(model, 2)[rank]
+    assert len(stage) == 1 and stage[0] is model[rank]
+    engine = PipelineStage(stage, pp_rank=rank, pp=2, pp_ranks=g.pp_ranks, pp_group=g.pp_group,
+                           loss_fn=nn.functional.mse_loss, schedule="1f1b")
+    engine.train_step(x, y, 2)
+    _grads_match(model, stage, ref, "two Linear")
+
+    deadlock = [
+        [Forward(0), SendActivation(0), Forward(1), RecvGrad(0), Backward(0), SendActivation(1),
+         RecvGrad(1), Backward(1)],
+        [RecvActivation(0), Forward(0), RecvActivation(1), Forward(1), Backward(0), SendGrad(0),
+         Backward(1), SendGrad(1)],
+    ]
+    bad = PipelineStage(stage, pp_rank=rank, pp=2, pp_ranks=g.pp_ranks, pp_group=g.pp_group,
+                        loss_fn=nn.functional.mse_loss, schedule=deadlock)
+    with pytest.raises(ScheduleError, match="deadlocks: stage 0 waits at step 3 on RecvGrad"):
+        bad.train_step(x, y, 2)
+
+
+def test_single_stage_equals_model_and_batchnorm_warns():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    engine = PipelineStage(partition(model, 1)[0], pp_rank=0, pp=1, pp_ranks=[0], pp_group=None,
+                           loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with pytest.warns(UserWarning, match=r"BatchNorm layers \['1'\] normalise over micro-batches of 4 samples, not the batch of 8"):
+        engine.train_step(x, y, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per stage, not every step
+        engine.train_step(x, y, 2)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(plain)
+    stats = PipelineStage(plain, pp_rank=0, pp=1, pp_ranks=[0], pp_group=None,
+                          loss_fn=nn.functional.mse_loss, schedule="gpipe").train_step(x, y, 4)
+    ref_loss = nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward()
+    assert stats.loss_sum / stats.count == pytest.approx(ref_loss.item(), rel=1e-6)
+    for p, q in zip(plain.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+# -- the strategy: dp x pp, tied weights, clipping, full state ---------------------------------
+def _train_reference(model: nn.Module, batches, steps: int, lr: float, clip: float) -> nn.Module:
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = batches(step)
+        loss_fn(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+    return ref
+
+
+def _check_strategy(rank: int, world_size: int, pp: int, schedule: str, tie: bool) -> dict:
+    from ringtrain.strategies.pipeline import PipelineStrategy
+
+    strategy = PipelineStrategy(get_runtime(), pp=pp, schedule=schedule, microbatches=2)
+    dp = world_size // pp
+    assert strategy.data_world_size == dp and strategy.data_rank == rank // pp
+    model = _gpt(n_layer=2, tie=tie)
+    steps, lr, clip = 3, 0.1, 0.5  # SGD: AdamW's m/sqrt(v) would amplify 1e-7 noise near 0
+    full = [_batch(4 * dp, seed=10 + s) for s in range(steps)]
+    ref = _train_reference(model, lambda s: full[s], steps, lr, clip)
+    strategy.setup(model, lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9), loss_fn)
+    shard = slice(4 * strategy.data_rank, 4 * (strategy.data_rank + 1))
+    for s in range(steps):
+        x, y = full[s]
+        # The trainer's gradient accumulation: two halves, concatenated by the strategy.
+        result = strategy.train_step([(x[shard][:2], y[shard][:2]), (x[shard][2:], y[shard][2:])],
+                                     lr=lr, grad_clip=clip)
+        assert result.count == (4 if strategy.groups.pp_is_last_stage else 0)
+    state = strategy.model_state_dict()
+    ref_state = ref.state_dict()
+    assert list(state) == list(ref_state)
+    for name in ref_state:
+        torch.testing.assert_close(state[name], ref_state[name], **TOL,
+                                   msg=lambda m, n=name: f"rank {rank}: {n}: {m}")
+    x, _ = full[0]
+    logits = strategy.eval_logits(x[shard])
+    if strategy.groups.pp_is_last_stage:
+        torch.testing.assert_close(logits, ref(x[shard]).detach(), **TOL)
+    else:
+        assert logits is None
+    return strategy.state_dict()["layout"]
+
+
+# -- one spawn per world size; each check's outcome per rank ----------------------------------
+CHECKS = {
+    2: {"gpt_engine": (_check_gpt_engine, ()), "two_linear": (_check_two_linear, ()),
+        "strategy_tied": (_check_strategy, (2, "gpipe", True))},
+    3: {"gpt_engine": (_check_gpt_engine, ())},
+    4: {"strategy_dp2_pp2": (_check_strategy, (2, "1f1b", False))},
+}
+
+
+def _run_checks(rank: int, world_size: int) -> dict:
+    """Run every check of this world size in order; a failure is recorded, not raised, so the
+    other checks still report (a failure mid-communication ends in run_workers' timeout)."""
+    import traceback
+
+    outcome = {}
+    for name, (check, args) in CHECKS[world_size].items():
+        try:
+            outcome[name] = ("ok", check(rank, world_size, *args))
+        except Exception:  # noqa: BLE001 - reported by the test that owns the check
+            outcome[name] = ("failed", f"rank {rank}:\n{traceback.format_exc()}")
+    return outcome
+
+
+_spawned: dict[int, list[dict]] = {}
+
+
+def _outcome(world_size: int, name: str) -> list:
+    if world_size not in _spawned:
+        _spawned[world_size] = run_workers(_run_checks, world_size, timeout_s=60 + 15 * world_size)
+    results = [per_rank[name] for per_rank in _spawned[world_size]]
+    failures = [detail for status, detail in results if status == "failed"]
+    assert not failures, failures[0]
+    return [detail for _, detail in results]
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_gpt_pipeline_equals_unsplit_model_both_schedules(pp):
+    results = _outcome(pp, "gpt_engine")
+    assert [r["pp_rank"] for r in results] == list(range(pp))
+    assert set(results[-1]["losses"]) == {("gpipe", pp), ("gpipe", 4), ("1f1b", pp), ("1f1b", 4)}
+
+
+def test_two_linear_split_over_two_ranks_and_deadlock_rejected():
+    _outcome(2, "two_linear")
+
+
+def test_strategy_tied_embeddings_two_stages_equals_single_process():
+    layouts = _outcome(2, "strategy_tied")
+    assert layouts[1] == {"world_size": 2, "pp": 2, "dp": 1, "pp_rank": 1}
+
+
+def test_strategy_dp2_x_pp2_equals_single_process():
+    layouts = _outcome(4, "strategy_dp2_pp2")
+    assert [(lay["dp"], lay["pp_rank"]) for lay in layouts] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+
+
+def test_strategy_rejects_bad_options_before_any_collective():
+    from ringtrain.runtime import Runtime
+    from ringtrain.strategies.pipeline import PipelineStrategy
+
+    rt = Runtime(0, 3, 0, "gloo", torch.device("cpu"), None)
+    with pytest.raises(ValueError, match="world_size=3 is not divisible by pp=2"):
+        PipelineStrategy(rt, pp=2)
+    with pytest.raises(ValueError, match="--microbatches 1 is fewer than --pp 2"):
+        PipelineStrategy(rt, pp=2, microbatches=1)
+    with pytest.raises(ValueError, match="--schedule 'interleaved' is not known"):
+        PipelineStrategy(rt, pp=2, schedule="interleaved")
