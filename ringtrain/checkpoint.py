@@ -212,8 +212,9 @@ class SnapshotManager:
         store: key-value store those ranks share, for the bounded handshake; default the
             default process group's store. Not needed when world_size == 1.
         keep: committed snapshots to keep (the newest `keep`; at least 1, 2 survives corruption).
-        timeout_s: how long rank 0 waits for every rank's part, and each rank for its own write;
-            a save therefore returns or raises within about 2 * timeout_s on every rank.
+        timeout_s: how long each rank may take to write its part once rank 0 has started the
+            save (and to wait for rank 0 to start it); every rank returns or raises within
+            about 2 * timeout_s of rank 0 starting, 3 * timeout_s of its own call at worst.
     """
 
     def __init__(
@@ -261,16 +262,11 @@ class SnapshotManager:
         part or does not finish within `timeout_s`; the previous snapshot then stays the newest.
         """
         t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
         keys = f"{self._prefix}/{self._saves}"
         self._saves += 1
         if self.rank == 0:
             try:
-                meta = dict(metadata or {})
-                for key, value in (("step", step), ("world_size", self.world_size)):
-                    if meta.setdefault(key, value) != value:
-                        raise ValueError(f"metadata[{key!r}]={meta[key]!r} but save has {key}={value}")
-                json.dumps(meta)  # fail before writing anything
+                meta = self._metadata(step, metadata)
                 self.root.mkdir(parents=True, exist_ok=True)
                 tmp = self.root / f".tmp-snap-{step:08d}-{uuid.uuid4().hex[:8]}"
                 tmp.mkdir()
@@ -279,7 +275,9 @@ class SnapshotManager:
                 raise
             self._publish(f"{keys}/start", {"dir": tmp.name})
         else:
-            tmp = self.root / self._wait_one(f"{keys}/start", deadline, "start the save")["dir"]
+            tmp = self.root / self._wait_one(f"{keys}/start", t0 + self.timeout_s, "start the save")["dir"]
+        # Deadlines count from rank 0's start, so a rank that waited for it is not penalised.
+        deadline = time.monotonic() + self.timeout_s
 
         files, write_s, error = self._write_part(tmp, step, shared if self.rank == 0 else None,
                                                  per_rank, deadline)
@@ -305,6 +303,17 @@ class SnapshotManager:
         self._retain()
         mine = sum(f["bytes"] for name, f in files.items() if name in (SHARED, "rank0.pt"))
         return SaveResult(step, final, mine, total, write_s, time.monotonic() - t0)
+
+    def _metadata(self, step: int, metadata: dict[str, Any] | None) -> dict[str, Any]:
+        meta = dict(metadata or {})
+        for key, value in (("step", step), ("world_size", self.world_size)):
+            if meta.setdefault(key, value) != value:
+                raise ValueError(f"metadata[{key!r}]={meta[key]!r} but save has {key}={value}")
+        try:
+            json.dumps(meta)  # fail before writing anything
+        except TypeError as e:
+            raise TypeError(f"metadata goes into manifest.json and must be JSON-able: {e}") from None
+        return meta
 
     def _write_part(self, tmp: Path, step: int, shared, per_rank, deadline: float):
         """Write this rank's files in a thread, so a stuck disk costs at most the deadline."""
@@ -347,7 +356,7 @@ class SnapshotManager:
             if pending and time.monotonic() > deadline:
                 raise SnapshotError(
                     f"ranks {sorted(pending)} did not finish their part of snapshot step {step} "
-                    f"within timeout_s={self.timeout_s:g} (slow to reach save() or a slow disk); "
+                    f"within timeout_s={self.timeout_s:g} (late to call save(), or a slow disk); "
                     "snapshot not committed"
                 )
             if pending:

@@ -238,36 +238,47 @@ class _FailWhilePickled:
         raise OSError(28, "No space left on device (simulated)")
 
 
-def _collective_saves(rank, world_size, root):
-    mgr = SnapshotManager(root, rank=rank, world_size=world_size, timeout_s=1.5)
-    ok = mgr.save(1, shared=_state(1) if rank == 0 else None,
-                  per_rank={"rng": get_rng_state(), "rank": rank}, metadata={"topology": {"dp": 2}})
+def _collective_saves(rank, world_size, root, timeout_s):
+    import torch.distributed as dist
+
+    mgr = SnapshotManager(root, rank=rank, world_size=world_size, timeout_s=timeout_s)
+    states = {step: _state(step) if rank == 0 else None for step in (1, 2, 3)}
+    dist.barrier()  # the ranks reach save() together, so the deadlines measure the save itself
+    ok = mgr.save(1, shared=states[1], per_rank={"rng": get_rng_state(), "rank": rank},
+                  metadata={"topology": {"dp": 2}})
     outcomes = {}
-    for step, bad in ((2, _FailWhilePickled()), (3, _SlowWhilePickled(6.0))):
+    for step, bad in ((2, _FailWhilePickled()), (3, _SlowWhilePickled(1.5 * timeout_s))):
+        dist.barrier()
         t = time.monotonic()
         try:
-            mgr.save(step, shared=_state(step) if rank == 0 else None,
-                     per_rank={"rank": rank, "x": bad if rank == 1 else 0})
+            mgr.save(step, shared=states[step], per_rank={"rank": rank, "x": bad if rank == 1 else 0})
             outcomes[step] = ("committed", time.monotonic() - t)
         except SnapshotError as e:
             outcomes[step] = (str(e), time.monotonic() - t)
-    snap = mgr.latest()
+    dist.barrier()
+    mgr.save(4, shared=states[1], per_rank={"rank": rank})
+    if rank == 0:  # one rank's file is damaged: every rank must still pick the same snapshot
+        _flip_byte(Path(root) / "snap-00000004" / "rank1.pt")
+    dist.barrier()
+    with pytest.warns(UserWarning, match="snap-00000004/rank1.pt: sha256"):
+        snap = mgr.latest()
     shared, per_rank, meta = mgr.load(snap)
     return ok, outcomes, snap.step, per_rank["rank"], meta, shared["sampler"]
 
 
 def test_two_rank_save_and_bounded_failures(tmp_path):
-    results = run_workers(_collective_saves, 2, args=(str(tmp_path),), timeout_s=60)
+    timeout_s = 2.0
+    results = run_workers(_collective_saves, 2, args=(str(tmp_path), timeout_s), timeout_s=60)
     for rank, (ok, outcomes, latest_step, loaded_rank, meta, sampler) in enumerate(results):
         assert ok.path == tmp_path / "snap-00000001" and ok.total_bytes == results[0][0].total_bytes
-        assert (latest_step, loaded_rank) == (1, rank)  # failed saves left step 1 the newest
+        assert (latest_step, loaded_rank) == (1, rank)  # failed saves and a corrupt one skipped
         assert meta == {"topology": {"dp": 2}, "step": 1, "world_size": 2}
         assert sampler == _state(1)["sampler"]
         failed, failed_s = outcomes[2]  # rank 1's write raised: both ranks raise, naming it, fast
         assert "rank 1 failed to write its part of snapshot step 2" in failed
-        assert "No space left on device" in failed and failed_s < 1.5
+        assert "No space left on device" in failed and failed_s < timeout_s
         slow, slow_s = outcomes[3]  # rank 1 too slow: both raise within the bound, naming it
         assert ("rank 1 did not finish" in slow or "ranks [1] did not finish" in slow), slow
-        assert 1.4 < slow_s < 4.0, slow_s
+        assert timeout_s * 0.9 < slow_s < timeout_s * 2, slow_s
     manifest = json.loads((tmp_path / "snap-00000001" / "manifest.json").read_text())
     assert sorted(manifest["files"]) == ["rank0.pt", "rank1.pt", "shared.pt"]

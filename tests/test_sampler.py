@@ -237,3 +237,24 @@ def test_lazy_export():
     import ringtrain
 
     assert ringtrain.DistributedSampler is DistributedSampler
+
+
+def test_resume_through_a_dataloader_and_with_prefetch():
+    def make():
+        s = DistributedSampler(range(60), num_replicas=2, rank=1, seed=4)
+        return s, DataLoader(list(range(60)), batch_size=4, sampler=s)
+
+    full = torch.cat(list(make()[1])).tolist()
+    s, loader = make()
+    it = iter(loader)
+    head = torch.cat([next(it) for _ in range(3)]).tolist()  # num_workers=0 draws as it goes
+    assert s.state_dict()["samples_consumed"] == 3 * 4 * 2
+    r, loader2 = make()
+    r.load_state_dict(s.state_dict())
+    assert head + torch.cat(list(loader2)).tolist() == full
+    # A loader with workers draws ahead of use: the caller says what was really consumed.
+    p = DistributedSampler(range(60), num_replicas=2, rank=1, seed=4)
+    _take(p, 20)
+    assert p.state_dict(consumed=12) == s.state_dict()
+    with pytest.raises(ValueError, match="consumed=31 but this iteration has 30 samples on rank 1"):
+        p.state_dict(consumed=31)
