@@ -35,11 +35,15 @@ def _state(seed: int = 0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
+    schedule.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**seed)
     sampler = DistributedSampler(range(100), num_replicas=1, rank=0)
     next(iter(sampler))
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "sampler": sampler.state_dict()}
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "lr_schedule": schedule.state_dict(),
+            "scaler": scaler.state_dict(), "sampler": sampler.state_dict(), "step": seed}
 
 
 def _equal(a, b) -> bool:

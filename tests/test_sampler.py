@@ -49,6 +49,10 @@ def test_shards_disjoint_and_cover_when_divisible_or_exact(n, world):
     flat = [i for s in shards for i in s]
     assert sorted(flat) == list(range(n))  # disjoint and covering
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    if n % world == 0:  # nothing to pad or drop: every mode gives the same disjoint cover
+        for kw, exact_kw in (({}, {}), ({"drop_last": True}, {}), ({"shuffle": False}, {"shuffle": False})):
+            assert [list(s) for s in _ranks(n, world, **kw)] == [
+                list(s) for s in _ranks(n, world, exact=True, **exact_kw)]
 
 
 def test_padding_and_drop_last_give_equal_lengths():
