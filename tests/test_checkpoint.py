@@ -286,3 +286,13 @@ def test_two_rank_save_and_bounded_failures(tmp_path):
         assert timeout_s * 0.9 < slow_s < timeout_s * 2, slow_s
     manifest = json.loads((tmp_path / "snap-00000001" / "manifest.json").read_text())
     assert sorted(manifest["files"]) == ["rank0.pt", "rank1.pt", "shared.pt"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rng_round_trip_includes_cuda_once_initialised():
+    torch.cuda.init()
+    state = get_rng_state()
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    expected = torch.rand(4, device="cuda").tolist()
+    set_rng_state(state)
+    assert torch.rand(4, device="cuda").tolist() == expected
