@@ -191,6 +191,7 @@ class Watchdog:
         self._last_change: dict[int, float] = {}  # peer -> when its count last moved (our clock)
         self._last_step: dict[int, int] = {}
         self._last_ok = 0.0  # when a full round of store operations last succeeded
+        self._store_gone_at: float | None = None  # when the store closed our connection
         self._store_error = ""
         self._found: PeerFailure | None = None  # a failure key read from the store
         self._suspect = False  # set when this rank's main thread saw a lost connection
@@ -261,9 +262,12 @@ class Watchdog:
             if self._fired.wait(self.timeout_s + self.interval_s):
                 self._handled.wait(self.timeout_s)
                 return
-        reason = f"at step {self._step}: {_describe(exc)}"
+        self._publish(PeerFailure("failed", self.rank, f"at step {self._step}: {_describe(exc)}"))
+
+    def _publish(self, failure: PeerFailure) -> None:
+        """Write a verdict where every rank reads it within one interval."""
         try:
-            self._store.set(f"failed/{self.rank}", reason)
+            self._store.set(f"failed/{failure.rank}", f"{failure.kind}|{failure.reason}")
             self._store.add("nfailed", 1)
         except RuntimeError:
             pass  # the store is gone too: the peers find out through their own timeouts
@@ -291,6 +295,9 @@ class Watchdog:
                 self._store_error = ""
             except RuntimeError as e:  # the store is unreachable; the check thread times it
                 self._store_error = _describe(e)
+                if is_connection_lost(e):  # closed for good (its process is gone): stop asking,
+                    self._store_gone_at = time.monotonic()  # each failed op logs a C++ stack
+                    return
             self._stop.wait(self.interval_s)
 
     def _beat_once(self) -> None:
@@ -312,8 +319,8 @@ class Watchdog:
         if self._found is None and store.add("nfailed", 0) > 0:
             for r in self._peers:
                 if store.check([f"failed/{r}"]):
-                    reason = store.get(f"failed/{r}").decode(errors="replace")
-                    self._found = PeerFailure("failed", r, reason)
+                    kind, _, reason = store.get(f"failed/{r}").decode(errors="replace").partition("|")
+                    self._found = PeerFailure(kind, r, reason)
                     break
 
     def _check_loop(self) -> None:
@@ -321,7 +328,7 @@ class Watchdog:
         while not self._stop.wait(period):
             failure = self._check_once(time.monotonic())
             if failure is not None:
-                self._fire(failure)
+                self._fire(failure, found_here=failure is not self._found)
                 return
 
     def _check_once(self, now: float) -> PeerFailure | None:
@@ -329,25 +336,36 @@ class Watchdog:
             return self._found
         limit = self.suspect_timeout_s if self._suspect else self.timeout_s
         silent = now - self._last_ok
-        if silent > limit:
+        # A closed connection is final, but give stop() at the end of a job a moment to win.
+        gone = self._store_gone_at is not None and now - self._store_gone_at > 2 * self.interval_s
+        if gone or silent > limit:
             owner = ("the launcher on the rendezvous host" if self._store_owner is None
                      else f"rank {self._store_owner}'s process")
             return PeerFailure("store", self._store_owner, (
                 f"lost the rendezvous store at {self._store_addr} (run by {owner}) for "
-                f"{silent:.0f} s: {self._store_error or 'no reply'}; that process or its host died"))
+                f"{silent:.1f} s: {self._store_error or 'no reply'}; that process or its host died"))
         # Silence is measured up to the last good round, so a store outage is not blamed on peers.
         for r in tuple(self._watched):
             age = self._last_ok - self._last_change[r]
             if age > limit:
-                return PeerFailure("died", r, f"no heartbeat for {age:.0f} s; last step "
+                return PeerFailure("died", r, f"no heartbeat for {age:.1f} s; last step "
                                               f"{self._last_step[r]}")
         return None
 
-    def _fire(self, failure: PeerFailure) -> None:
+    def _fire(self, failure: PeerFailure, found_here: bool) -> None:
         with self._fire_lock:
             if self._fired.is_set():
                 return
             self._found = failure
             self._fired.set()
+        if found_here and failure.kind == "died":
+            # Share the verdict, so every rank names the same peer even if this rank's exit
+            # takes the store down (it lives in rank 0's process outside `ringtrain run`).
+            seen = PeerFailure("died", failure.rank, f"{failure.reason}; seen by rank {self.rank}")
+            publisher = threading.Thread(target=self._publish, args=(seen,), daemon=True)
+            publisher.start()
+            publisher.join(timeout=self.interval_s)
+            if self._store_owner == self.rank:
+                time.sleep(2 * self.interval_s)  # the others read it within one interval
         self._on_dead(failure)
         self._handled.set()

@@ -1,0 +1,208 @@
+"""Dead-rank watchdog: a dead, frozen or raising rank is named, within the bound, by every other.
+
+    .venv/bin/pytest -q tests/test_watchdog.py
+
+The first tests drive two watchdogs on one in-process store (no processes). The rest run gloo
+ranks through `run_workers` with timeout_s=3: a rank SIGKILLed or SIGSTOPped (frozen, sockets
+open: what a vanished host looks like) while the others are blocked in an all-reduce or
+computing, a rank that raises, and the rank that hosts the store frozen. Each survivor's
+`on_dead` writes what it found and when to a file, then exits as the default does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringtrain.testing import WorkerError, run_workers
+from ringtrain.watchdog import (
+    PEER_FAILED_EXIT_CODE,
+    PeerFailure,
+    Watchdog,
+    exit_on_peer_failure,
+    is_connection_lost,
+)
+
+GLOO_RESET = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+              "[127.0.0.1]:64185: Connection reset by peer. This is typically caused by a remote "
+              "worker hanging or bugs in the application.")
+
+
+def _pair(store, **kw):
+    kw = {"interval_s": 0.05, "timeout_s": 0.5, "prefix": "t", "excepthook": False, **kw}
+    found: list[PeerFailure] = []
+    w0 = Watchdog(store, 0, 2, on_dead=found.append, **kw).start()
+    w1 = Watchdog(store, 1, 2, on_dead=lambda f: None, **kw).start()
+    return w0, w1, found
+
+
+def _wait(found: list, timeout_s: float) -> float:
+    start = time.monotonic()
+    while not found and time.monotonic() - start < timeout_s:
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"interval_s=2, timeout_s=1: need 0 < interval_s < timeout_s"):
+        Watchdog(dist.HashStore(), 0, 2, interval_s=2, timeout_s=1)
+    with pytest.raises(ValueError, match=r"Invalid rank 2, rank should be in the interval \[0, 1\]"):
+        Watchdog(dist.HashStore(), 2, 2)
+    Watchdog(dist.HashStore(), 0, 1).start().stop()  # one process: nothing to watch
+
+
+def test_silent_peer_is_named_with_its_last_step():
+    w0, w1, found = _pair(dist.HashStore())
+    w1.set_step(12)
+    assert _wait(found, 0.3) >= 0.3 and found == []  # both beating: nobody is dead
+    w1.stop(done=False)  # rank 1 "dies": its heartbeats stop, no goodbye
+    _wait(found, 5)
+    w0.stop()
+    assert found[0].kind == "died" and found[0].rank == 1
+    assert str(found[0]).startswith("rank 1 died (no heartbeat for ")
+    assert str(found[0]).endswith("; last step 12)")
+
+
+def test_finished_peer_is_not_dead():
+    w0, w1, found = _pair(dist.HashStore())
+    w1.stop()  # done
+    assert _wait(found, 1.5) >= 1.5 and found == []
+    w0.stop()
+
+
+def test_raising_peer_is_named_at_once():
+    w0, w1, found = _pair(dist.HashStore(), timeout_s=30)
+    w1.set_step(7)
+    w1.report_failure(ValueError("boom\nsecond line"))
+    took = _wait(found, 5)
+    w0.stop(), w1.stop(done=False)
+    assert str(found[0]) == "rank 1 failed at step 7: ValueError: boom"
+    assert took < 1.0  # a store read away, not a timeout
+
+
+def test_lost_connection_waits_for_the_watchdog_to_name_the_peer():
+    # gloo's error names a socket; report_failure holds it back until the silent rank is known,
+    # with the short "suspect" bound instead of timeout_s (30 s here).
+    w0, w1, found = _pair(dist.HashStore(), timeout_s=30)
+    time.sleep(0.2)
+    w1.stop(done=False)
+    start = time.monotonic()
+    w0.report_failure(RuntimeError(GLOO_RESET))
+    took = time.monotonic() - start
+    w0.stop()
+    assert found and found[0].rank == 1 and found[0].kind == "died"
+    assert w0.failure == found[0]
+    assert took < w0.suspect_timeout_s + 2.0
+
+
+def test_connection_lost_classifier():
+    assert is_connection_lost(RuntimeError(GLOO_RESET))
+    assert is_connection_lost("RuntimeError: [gloo/transport/tcp] Connection closed by peer [::1]:5")
+    assert not is_connection_lost(ValueError("Connection reset by peer"))  # user code, not comms
+    assert not is_connection_lost(RuntimeError("CUDA out of memory"))
+
+
+# -- real processes -------------------------------------------------------------------------------
+
+def _survivor_writes(rank: int, out_dir: str):
+    def on_dead(failure: PeerFailure) -> None:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+            {"kind": failure.kind, "rank": failure.rank, "text": str(failure), "t": time.time()}))
+        exit_on_peer_failure(rank, failure)  # the default: one line on stderr, os._exit(75)
+    return on_dead
+
+
+def _scenario(rank, world_size, victim, how, compute_ranks, timeout_s, out_dir):
+    """Every rank all-reduces or computes in a loop; `victim` does `how` at step 3."""
+    torch.manual_seed(rank)
+    watchdog = Watchdog(interval_s=0.25, timeout_s=timeout_s, excepthook=False,
+                        on_dead=_survivor_writes(rank, out_dir)).start()
+    x, a = torch.ones(1), torch.randn(64, 64)
+    dist.all_reduce(x)
+    time.sleep(0.5)  # everyone has seen everyone's heartbeat
+    try:
+        deadline = time.monotonic() + 30
+        step = 0
+        while time.monotonic() < deadline:
+            watchdog.set_step(step)
+            if rank == victim and step == 3:
+                Path(out_dir, "victim").write_text(str(time.time()))
+                if how == "raise":
+                    try:
+                        raise ValueError("boom")
+                    except ValueError as e:
+                        watchdog.report_failure(e)
+                        time.sleep(3)  # linger, so run_workers does not stop the others first
+                        raise
+                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            if rank in compute_ranks:
+                a = torch.tanh(a @ a)  # (64, 64)
+                time.sleep(0.01)
+            else:
+                dist.all_reduce(x)
+            step += 1
+    except BaseException as e:
+        watchdog.report_failure(e)  # a lost connection waits here for the watchdog's verdict
+        raise
+    return "survived"
+
+
+def _run(tmp_path, world_size, victim, how, compute_ranks=(), timeout_s=3.0):
+    with pytest.raises(WorkerError):
+        run_workers(_scenario, world_size, (victim, how, tuple(compute_ranks), timeout_s,
+                                            str(tmp_path)), timeout_s=60)
+    failed_at = float((tmp_path / "victim").read_text())
+    found = {}
+    for rank in range(world_size):
+        if rank != victim:
+            path = tmp_path / f"rank{rank}.json"
+            assert path.exists(), f"rank {rank} did not report rank {victim}'s failure"
+            found[rank] = json.loads(path.read_text())
+            found[rank]["after_s"] = found[rank]["t"] - failed_at
+    return found
+
+
+def test_sigkill_during_allreduce_named_fast(tmp_path):
+    # gloo raises "Connection reset/closed by peer" at once; the watchdog turns that into a name
+    # within its suspect bound (1 s here), far below timeout_s.
+    found = _run(tmp_path, 2, victim=1, how="kill", timeout_s=10.0)
+    assert found[0]["rank"] == 1 and found[0]["kind"] == "died", found
+    assert found[0]["after_s"] < 5.0, found
+
+
+def test_frozen_rank_named_by_ranks_blocked_in_allreduce_and_computing(tmp_path):
+    # SIGSTOP: no error ever reaches rank 0's all-reduce; rank 1 is not in a collective at all.
+    found = _run(tmp_path, 3, victim=2, how="stop", compute_ranks=(1, 2))
+    for rank in (0, 1):
+        assert found[rank]["rank"] == 2 and found[rank]["kind"] == "died", found
+        assert found[rank]["text"].startswith("rank 2 died (no heartbeat for 3."), found
+        # The step as last published; a rank may quote the verdict rank 0 shared.
+        assert re.search(r"; last step [0-3](; seen by rank 0)?\)$", found[rank]["text"]), found
+        assert 2.5 <= found[rank]["after_s"] < 10.0, found  # silence counts from the last change seen
+
+
+def test_raising_rank_named_by_rank_blocked_in_allreduce(tmp_path):
+    found = _run(tmp_path, 2, victim=1, how="raise", timeout_s=10.0)
+    assert found[0]["text"] == "rank 1 failed at step 3: ValueError: boom", found
+    assert found[0]["after_s"] < 2.0, found
+
+
+def test_frozen_store_host_is_named(tmp_path):
+    # run_workers' rendezvous store lives in rank 0's process: freezing rank 0 freezes the store.
+    found = _run(tmp_path, 2, victim=0, how="stop", compute_ranks=(0, 1))
+    assert found[1]["kind"] == "store" and found[1]["rank"] == 0, found
+    assert "lost the rendezvous store at 127.0.0.1:" in found[1]["text"], found
+    assert "rank 0's process" in found[1]["text"], found
+    assert 2.5 <= found[1]["after_s"] < 10.0, found  # silence counts from the last good read
+
+
+def test_exit_code_is_distinct():
+    assert PEER_FAILED_EXIT_CODE not in (0, 1, 2) and 0 < PEER_FAILED_EXIT_CODE < 128
