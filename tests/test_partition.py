@@ -3,6 +3,8 @@
     .venv/bin/pytest -q tests/test_partition.py
 """
 
+from itertools import pairwise
+
 import pytest
 import torch
 from torch import nn
@@ -19,7 +21,7 @@ from ringtrain.topology import Topology
 
 def _stack(widths=(4, 8, 8, 8, 2)):
     layers = []
-    for a, b in zip(widths, widths[1:]):
+    for a, b in pairwise(widths):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -39,13 +41,13 @@ def test_balanced_sizes_is_optimal_by_brute_force():
     weights = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     for pp in range(1, 6):
         best = min(
-            max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, len(weights))))
+            max(sum(weights[a:b]) for a, b in pairwise((0, *cuts, len(weights))))
             for cuts in itertools.combinations(range(1, len(weights)), pp - 1)
         )
         sizes = balanced_sizes(weights, pp)
         bounds = [sum(sizes[:i]) for i in range(pp + 1)]
         assert sum(sizes) == len(weights) and min(sizes) >= 1
-        assert max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])) == best
+        assert max(sum(weights[a:b]) for a, b in pairwise(bounds)) == best
 
 
 def test_partition_keeps_layer_objects_and_names():
@@ -53,7 +55,7 @@ def test_partition_keeps_layer_objects_and_names():
     stages = partition(model, 2)
     assert len(stages) == 2
     assert [n for s in stages for n, _ in s.named_children()] == [n for n, _ in model.named_children()]
-    assert all(a is b for a, b in zip([m for s in stages for m in s], model))
+    assert all(a is b for a, b in zip([m for s in stages for m in s], model, strict=True))
     keys = [k for s in stages for k in s.state_dict()]
     assert keys == list(model.state_dict())
     x = torch.randn(3, 4)
@@ -94,6 +96,10 @@ def test_split_batch_errors_name_the_choices():
     assert [t.shape[0] for t in split_batch(torch.zeros(8, 3), 4)] == [2, 2, 2, 2]
     with pytest.raises(ValueError, match=r"batch of 10 samples cannot be split into microbatches=4.*\[1, 2, 5, 10\]"):
         split_batch(torch.zeros(10), 4)
+    with pytest.raises(ValueError, match=r"use --microbatches in \[5, 10\]"):
+        split_batch(torch.zeros(10), 4, at_least=3)  # only choices >= pp are suggested
+    with pytest.raises(ValueError, match="microbatches=8 equal micro-batches; use a batch size that is a multiple of 8"):
+        split_batch(torch.zeros(2), 8, at_least=4)
 
 
 def test_topology_coords_and_groups():

@@ -129,7 +129,7 @@ def test_single_stage_equals_model_and_batchnorm_warns():
     ref_loss = nn.functional.mse_loss(ref(x), y)
     ref_loss.backward()
     assert stats.loss_sum / stats.count == pytest.approx(ref_loss.item(), rel=1e-6)
-    for p, q in zip(plain.parameters(), ref.parameters()):
+    for p, q in zip(plain.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, **TOL)
 
 

@@ -16,7 +16,6 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -54,23 +53,25 @@ class StepStats:
 
 
 class _ActivationMeter:
-    """Counts bytes of tensors autograd saves for backward, per micro-batch (deduplicated by
-    storage, parameters excluded), to report the peak held at once."""
+    """Counts bytes of tensors autograd saves for backward, per micro-batch, to report the
+    peak held at once. A tensor saved twice (a ReLU output is also the next Linear's input)
+    counts once; parameters (and views of them, such as a transposed weight) not at all.
+    Views count their own bytes, not their base's: a micro-batch is a view of the batch."""
 
     def __init__(self, module: nn.Module):
         self.param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.per_mb: dict[int, dict[int, int]] = {}
+        self.per_mb: dict[int, dict[tuple, int]] = {}
         self.live = self.peak = 0
 
     def add(self, mb: int, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        held = self.per_mb.setdefault(mb, {})
-        if ptr in self.param_storages or ptr in held or t.device.type == "meta":
+        if t.device.type == "meta" or t.untyped_storage().data_ptr() in self.param_storages:
             return
-        held[ptr] = storage.nbytes()
-        self.live += held[ptr]
-        self.peak = max(self.peak, self.live)
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        held = self.per_mb.setdefault(mb, {})
+        if key not in held:
+            held[key] = t.numel() * t.element_size()
+            self.live += held[key]
+            self.peak = max(self.peak, self.live)
 
     @contextlib.contextmanager
     def saving(self, mb: int):
@@ -85,15 +86,19 @@ class _ActivationMeter:
         self.live -= sum(self.per_mb.pop(mb, {}).values())
 
 
-def split_batch(t: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
-    """`t` cut along dim 0 into `microbatches` equal parts; a clear error when it does not divide."""
+def split_batch(t: torch.Tensor, microbatches: int, at_least: int = 1) -> list[torch.Tensor]:
+    """`t` cut along dim 0 into `microbatches` equal parts; a clear error when it does not divide.
+
+    Args:
+        at_least: the fewest micro-batches allowed (pp), only to suggest valid choices.
+    """
     size = t.shape[0]
     if microbatches < 1 or size % microbatches != 0:
-        fits = [m for m in range(1, size + 1) if size % m == 0]
+        fits = [m for m in range(max(1, at_least), size + 1) if size % m == 0]
+        choices = f"use --microbatches in {fits} or " if fits else "use "
         raise ValueError(
             f"a batch of {size} samples cannot be split into microbatches={microbatches} equal "
-            f"micro-batches; use --microbatches in {fits} or a batch size that is a multiple "
-            f"of {microbatches}"
+            f"micro-batches; {choices}a batch size that is a multiple of {microbatches}"
         )
     return list(t.chunk(microbatches))
 
@@ -120,7 +125,7 @@ class PipelineStage:
     def __init__(self, module: nn.Module, *, pp_rank: int, pp: int, pp_ranks: Sequence[int],
                  pp_group: dist.ProcessGroup | None, loss_fn: LossFn | None = None,
                  schedule: str | Schedule = "1f1b",
-                 no_sync: Callable[[], ContextManager] | None = None,
+                 no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
                  sync_next_backward: Callable[[], None] | None = None,
                  measure_memory: bool = False):
         if (no_sync is None) != (sync_next_backward is None):
@@ -219,7 +224,7 @@ class PipelineStage:
         """
         stats = StepStats(start=time.perf_counter())
         actions = self._actions(microbatches)
-        xs, ys = split_batch(x, microbatches), split_batch(y, microbatches)
+        xs, ys = split_batch(x, microbatches, self.pp), split_batch(y, microbatches, self.pp)
         self._warn_batchnorm(x.shape[0], microbatches)
         key = (tuple(x.shape), x.dtype)
         if key not in self._shapes:

@@ -1,0 +1,124 @@
+"""Pipeline bubble and activation memory: GPipe vs 1F1B, pp=2, M in {2, 4, 8}.
+
+    .venv/bin/python benchmarks/pipeline.py            # ~1-2 min on 2 idle cores
+    .venv/bin/python benchmarks/pipeline.py --quick    # fewer repeats
+
+Two gloo ranks (one thread each) run a stack of Linear-ReLU layers split into 2 equal stages;
+each micro-batch has the same size, so the work per step grows with M and GPipe's theory
+applies: bubble = (p-1)/(M+p-1).
+
+- Measured bubble: 1 - (sum over stages of forward+backward compute time) / (stages x wall
+  time of the step), the step's wall time running from the first stage's start to the last
+  stage's end (`time.perf_counter` is one system-wide monotonic clock on Linux). Median over
+  repeats.
+- Peak activation bytes: per stage, the most bytes autograd held for backward at once
+  (`saved_tensors_hooks`, deduplicated by storage, parameters excluded), in a separate step
+  so that the hooks do not disturb the timing. The JSON reports the larger of the two stages.
+
+The last line printed is JSON: {"results": [{"schedule", "microbatches", "bubble",
+"bubble_theory", "peak_activation_bytes"}, ...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ringtrain.pipeline import PipelineStage, partition  # noqa: E402
+from ringtrain.testing import run_workers  # noqa: E402
+from ringtrain.topology import Topology, create_process_groups  # noqa: E402
+
+PP = 2
+
+
+def _model(width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*mods)
+
+
+def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
+    g = create_process_groups(Topology(world_size, pp=PP))
+    model = _model(cfg["width"], cfg["layers"])
+    stage = partition(model, PP)[g.pp_rank]  # equal stages: every layer has the same size
+    rows = []
+    for schedule in ("gpipe", "1f1b"):
+        for m in cfg["microbatches"]:
+            engine = PipelineStage(stage, pp_rank=g.pp_rank, pp=PP, pp_ranks=g.pp_ranks,
+                                   pp_group=g.pp_group, loss_fn=nn.functional.mse_loss,
+                                   schedule=schedule)
+            gen = torch.Generator().manual_seed(m)
+            x = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
+            y = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
+            bubbles = []
+            for rep in range(cfg["warmup"] + cfg["repeats"]):
+                stage.zero_grad(set_to_none=True)
+                dist.barrier(group=g.pp_group)
+                stats = engine.train_step(x, y, m)
+                mine = torch.tensor([stats.start, stats.end, stats.busy_s], dtype=torch.float64)
+                every = [torch.zeros_like(mine) for _ in range(PP)]
+                dist.all_gather(every, mine, group=g.pp_group)
+                wall = max(float(t[1]) for t in every) - min(float(t[0]) for t in every)
+                busy = sum(float(t[2]) for t in every)
+                if rep >= cfg["warmup"]:
+                    bubbles.append(1.0 - busy / (PP * wall))
+            # Memory in its own step: the hooks cost a little time.
+            engine.measure_memory = True
+            stage.zero_grad(set_to_none=True)
+            peak = engine.train_step(x, y, m).peak_activation_bytes
+            peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(PP)]
+            dist.all_gather(peaks, torch.tensor([peak]), group=g.pp_group)
+            rows.append({
+                "schedule": schedule, "microbatches": m,
+                "bubble": statistics.median(bubbles), "bubble_spread": [min(bubbles), max(bubbles)],
+                "bubble_theory": (PP - 1) / (m + PP - 1),
+                "peak_activation_bytes_per_stage": [int(p) for p in peaks],
+                "peak_activation_bytes": max(int(p) for p in peaks),
+            })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=768, help="Linear width")
+    parser.add_argument("--layers", type=int, default=4, help="Linear layers in all (split in 2)")
+    parser.add_argument("--mb-size", type=int, default=64, help="samples per micro-batch")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per setting (median)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="3 repeats, 1 warm-up")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup = 3, 1
+    cfg = {"width": args.width, "layers": args.layers, "mb_size": args.mb_size,
+           "repeats": args.repeats, "warmup": args.warmup, "microbatches": [2, 4, 8]}
+    rows = run_workers(_worker, PP, args=(cfg,), timeout_s=900)[0]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"pp={PP}, {args.layers} x Linear({args.width}) + ReLU, {args.mb_size} samples per "
+          f"micro-batch, 1 thread per rank, median of {args.repeats}; load average {load:.2f} "
+          f"on {os.cpu_count()} cores")
+    print(f"{'schedule':>8} {'M':>3} {'bubble':>8} {'theory':>8} {'ratio':>6} {'min..max':>13} "
+          f"{'peak act. bytes per stage':>28}")
+    for r in rows:
+        lo, hi = r["bubble_spread"]
+        per_stage = " / ".join(f"{b / 2**20:.1f} MiB" for b in r["peak_activation_bytes_per_stage"])
+        print(f"{r['schedule']:>8} {r['microbatches']:>3} {r['bubble']:>8.3f} "
+              f"{r['bubble_theory']:>8.3f} {r['bubble'] / r['bubble_theory']:>6.2f} "
+              f"{lo:>6.3f}..{hi:<6.3f} {per_stage:>28}")
+    keys = ("schedule", "microbatches", "bubble", "bubble_theory", "peak_activation_bytes")
+    print(json.dumps({"results": [{k: r[k] for k in keys} for r in rows]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
