@@ -42,6 +42,7 @@ class Runtime:
     backend: str
     device: torch.device
     process_group: dist.ProcessGroup
+    store: dist.Store  # the rendezvous key-value store every rank reaches (heartbeats, snapshots)
 
     @property
     def is_main(self) -> bool:
@@ -230,7 +231,8 @@ def init_distributed(
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    _runtime = Runtime(rank, world_size, local_rank, backend, device, dist.group.WORLD)
+    shared_store = _own_store or dist.distributed_c10d._get_default_store()
+    _runtime = Runtime(rank, world_size, local_rank, backend, device, dist.group.WORLD, shared_store)
     # A process that exits with the group still up can abort in gloo's destructor
     # ("terminate called without an active exception"); teardown is idempotent.
     atexit.register(destroy_distributed)
@@ -265,7 +267,8 @@ def _require() -> Runtime:
     if _runtime is None:
         if dist.is_available() and dist.is_initialized():  # started by torch directly
             return Runtime(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
-                           dist.get_backend(), torch.device("cpu"), dist.group.WORLD)
+                           dist.get_backend(), torch.device("cpu"), dist.group.WORLD,
+                           dist.distributed_c10d._get_default_store())
         raise DistributedInitError(
             "the process group is not initialised: call ringtrain.init_distributed() first "
             "(it falls back to a single process when no launcher variables are set)"
