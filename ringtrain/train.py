@@ -13,7 +13,6 @@ rank 0 prints the progress bar and the summary. Each run writes `runs/<timestamp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -268,15 +267,18 @@ def _bf16_supported(device) -> bool:
 def run_job(args: argparse.Namespace, started_at: float) -> int:
     """One worker: start the process group, train, print the summary on rank 0."""
     import torch
-    from torch.distributed.elastic.multiprocessing.errors import record
 
+    from ringtrain.launcher import record
     from ringtrain.progress import format_summary, setup_logging, write_json
     from ringtrain.runtime import destroy_distributed, init_distributed
     from ringtrain.strategies import make_strategy
     from ringtrain.trainer import Trainer
 
-    @record  # under the launcher, a worker's traceback reaches its failure report
     def job() -> int:
+        if _in_launched_worker():
+            from ringtrain.launcher import die_with_parent
+
+            die_with_parent()  # a SIGKILLed launcher must not leave this worker running
         rt = init_distributed()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -314,6 +316,8 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
         finally:
             destroy_distributed()
 
+    if _in_launched_worker():
+        job = record(job)  # the launcher's failure report then shows this worker's traceback
     return job()
 
 
@@ -336,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         from ringtrain.launcher import launch
 
         os.environ["RINGTRAIN_STARTED_AT"] = str(started_at)  # wall_s includes the start-up
-        return launch(sys.executable, ["-m", "ringtrain", "train", *worker_argv(args)],
+        return launch("ringtrain", ["train", *worker_argv(args)], module=True,
                       nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
     return run_job(args, started_at)
 

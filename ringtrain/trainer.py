@@ -346,8 +346,8 @@ class Trainer:
             if self.step % c.log_every == 0 or evaluated or last:
                 rec = self._log(self.step, lr, window, window_s, window_steps, evaluated)
                 window, window_s, window_steps = [0.0] * 6, 0.0, 0
-                extra = {k: v for k, v in rec.items() if k in ("eval_accuracy",)}
-                progress.set_metrics(rec["loss"], rec["tokens_per_s"], **extra)
+                shown = {n: self.last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in self.last}
+                progress.set_metrics(rec["loss"], rec["tokens_per_s"], **shown)
                 if evaluated and self.stop_when is not None and self.stop_when(rec):
                     log.info("stopping early at step %d: %s", self.step, self._eval_text(rec))
                     break

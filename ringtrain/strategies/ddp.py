@@ -16,10 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-try:  # TEMP until ringtrain/ddp.py lands
-    from ringtrain.ddp import DistributedDataParallel
-except ImportError:
-    from torch.nn.parallel import DistributedDataParallel
+from ringtrain.ddp import DistributedDataParallel
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
 

@@ -1,0 +1,106 @@
+"""`ringtrain train` end to end (2 processes through the launcher) and its option errors."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ringtrain.runtime import destroy_distributed
+from ringtrain.train import build_parser, check_args, main, strategy_options, worker_argv
+
+SUMMARY_KEYS = ("steps", "world_size", "strategy", "train_loss", "eval_loss", "eval_accuracy",
+                "tokens_per_s", "wall_s", "restarts", "param_sha256")
+TINY = ["--steps", "20", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16",
+        "--eval-every", "10", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(v, raising=False)
+    yield
+    destroy_distributed()
+
+
+def test_two_processes_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", *TINY,
+         "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(os.listdir(run_dir)) == ["config.json", "metrics.jsonl", "report.png", "summary.json"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in SUMMARY_KEYS:
+        assert key in summary, key
+    assert (summary["steps"], summary["world_size"], summary["strategy"]) == (20, 2, "ddp")
+    assert summary["restarts"] == 0 and len(summary["param_sha256"]) == 64
+    assert 0.0 <= summary["eval_accuracy"] <= 1.0
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["world_size"] == 2 and "nproc_per_node" not in config["args"]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == 20
+    assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert proc.stdout.count("summary:") == 1  # rank 0 alone prints it
+    assert "param_sha256 differs" not in proc.stderr
+
+
+def test_text_data_single_process(tmp_path, capsys):
+    data = tmp_path / "poem.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 30)
+    run_dir = tmp_path / "run"
+    rc = main(["--data", str(data), "--block-size", "16", "--steps", "6", "--n-layer", "1",
+               "--n-embd", "32", "--batch-size", "8", "--sample-length", "40", "--no-progress",
+               "--run-dir", str(run_dir)])
+    assert rc == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_loss"] > 0 and "eval_accuracy" not in summary
+    assert len(summary["sample"]) == 41 and "sample:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch-size", "0"], "argument --batch-size: 0 is not allowed: it must be 1 or more"),
+    (["--strategy", "nope"], "--strategy: invalid choice: 'nope'"),
+    (["--data", "/nonexistent/input.txt"], "--data /nonexistent/input.txt: no such file"),
+    (["--pp", "2"], "--pp applies to --strategy pipeline, not ddp"),
+    (["--servers", "1", "--strategy", "pipeline"], "--servers applies to --strategy ps, not pipeline"),
+    (["--n-embd", "30", "--n-head", "4"], "--n-embd 30 is not divisible by --n-head 4"),
+    (["--digits", "5"], "supports 1..3"),
+])
+def test_bad_options_exit_2_with_the_reason(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err), message
+    assert not (tmp_path / "runs").exists()  # nothing created for a rejected command
+
+
+def test_help_and_defaults():
+    assert main(["--help"]) == 0
+    args = build_parser().parse_args([])
+    check_args(args)
+    assert (args.strategy, args.nproc_per_node, args.digits, args.dtype) == ("ddp", 1, 2, "fp32")
+
+
+def test_strategy_options_only_for_the_chosen_strategy():
+    args = build_parser().parse_args(["--strategy", "pipeline", "--pp", "2", "--schedule", "gpipe"])
+    check_args(args)
+    assert strategy_options(args) == {"pp": 2, "schedule": "gpipe"}
+    args = build_parser().parse_args(["--strategy", "ps", "--ps-mode", "ssp", "--staleness", "0"])
+    check_args(args)
+    assert strategy_options(args) == {"mode": "ssp", "staleness": 0}
+
+
+def test_worker_argv_drops_launcher_flags_and_round_trips():
+    parser = build_parser()
+    args = parser.parse_args(["--nproc-per-node", "2", "--max-restarts", "1", "--lr", "0.01",
+                              "--tie-embeddings", "--run-dir", "x"])
+    check_args(args)
+    again = parser.parse_args(worker_argv(args))
+    check_args(again)
+    assert "--nproc-per-node" not in worker_argv(args)
+    assert {k: v for k, v in vars(again).items() if k not in ("nproc_per_node", "max_restarts")} == \
+        {k: v for k, v in vars(args).items() if k not in ("nproc_per_node", "max_restarts")}

@@ -1,0 +1,151 @@
+"""The training loop (`ringtrain.trainer`) with the DDP strategy: single process and 2 ranks."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from torch.utils.data import Subset
+
+from ringtrain.data.addition import AdditionDataset, exact_match
+from ringtrain.models import GPT, GPTConfig, loss_fn
+from ringtrain.runtime import destroy_distributed, get_runtime, init_distributed
+from ringtrain.strategies import make_strategy
+from ringtrain.testing import run_workers
+from ringtrain.trainer import Trainer, TrainerConfig, lr_at, param_sha256, rank_seed
+
+_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=2, n_embd=16)
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    for v in _VARS:
+        monkeypatch.delenv(v, raising=False)
+    yield
+    destroy_distributed()
+
+
+def make_trainer(runtime, *, batch_size=8, grad_accum=1, steps=8, dropout=0.0, seed=0,
+                 eval_size=5, run_dir=None, loss=loss_fn, **config):
+    """1-digit addition (80 train, 20 test sums); an eval set of 5 so 2 ranks get 3 and 2."""
+    train, test = AdditionDataset("train", 1), AdditionDataset("test", 1)
+    model_config = GPTConfig(**{**MODEL.__dict__, "dropout": dropout})
+    cfg = TrainerConfig(steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=3e-3,
+                        seed=seed, progress=False, eval_batch_size=2, **config)
+    return Trainer(make_strategy("ddp", runtime=runtime), runtime, lambda: GPT(model_config),
+                   train, Subset(test, range(eval_size)), loss, cfg,
+                   eval_metrics={"accuracy": exact_match}, run_dir=run_dir)
+
+
+def _fit_worker(rank, world_size, batch_size, grad_accum):
+    trainer = make_trainer(get_runtime(), batch_size=batch_size, grad_accum=grad_accum)
+    summary = trainer.fit()
+    return trainer.strategy.model_state_dict(), summary
+
+
+def _fit_here(**kw):
+    rt = init_distributed()
+    trainer = make_trainer(rt, **kw)
+    summary = trainer.fit()
+    state = {k: v.clone() for k, v in trainer.strategy.model_state_dict().items()}
+    destroy_distributed()
+    return state, summary, trainer
+
+
+def test_two_ranks_batch_b_equal_one_rank_batch_2b():
+    # Rank r's sampler shard of each global batch is every other sample of it, so 2 x B sees
+    # exactly the 2B samples of one process; gradients averaged over ranks = the 2B mean.
+    (s0, sum0), (s1, sum1) = run_workers(_fit_worker, 2, args=(4, 1), timeout_s=90)
+    ref, ref_summary, _ = _fit_here(batch_size=8)
+    assert sum0["param_sha256"] == sum1["param_sha256"]  # the replicas agree bit for bit
+    for k in ref:
+        torch.testing.assert_close(s0[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
+    # Eval on the exact sampler: 3 + 2 samples over 2 ranks give the 1-rank metrics.
+    assert math.isclose(sum0["eval_loss"], ref_summary["eval_loss"], rel_tol=1e-4)
+    assert sum0["eval_accuracy"] == ref_summary["eval_accuracy"]
+    assert sum0["world_size"] == 2 and sum0["steps"] == 8
+
+
+def test_grad_accum_equals_the_unsplit_batch():
+    split, _, _ = _fit_here(batch_size=4, grad_accum=2)
+    whole, _, _ = _fit_here(batch_size=8)
+    for k in whole:
+        torch.testing.assert_close(split[k], whole[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_run_directory_files_and_summary(tmp_path):
+    _, summary, _ = _fit_here(steps=12, log_every=4, eval_every=6, run_dir=str(tmp_path))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [4, 6, 8, 12]
+    for r in lines:
+        assert {"step", "loss", "lr", "tokens_per_s", "compute_s", "comm_s"} <= set(r)
+    assert {"eval_loss", "eval_accuracy"} <= set(lines[1]) and "eval_loss" not in lines[0]
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("steps", "world_size", "strategy", "train_loss", "eval_loss", "eval_accuracy",
+                "tokens_per_s", "wall_s", "restarts", "param_sha256"):
+        assert key in on_disk, key
+    assert on_disk["param_sha256"] == summary["param_sha256"]
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_same_seed_same_parameters_other_seed_differs():
+    a = _fit_here(steps=4, dropout=0.1)[1]["param_sha256"]
+    b = _fit_here(steps=4, dropout=0.1)[1]["param_sha256"]
+    c = _fit_here(steps=4, dropout=0.1, seed=1)[1]["param_sha256"]
+    assert a == b != c
+
+
+def test_early_stop_and_resume_state():
+    rt = init_distributed()
+    trainer = make_trainer(rt, steps=20, eval_every=5)
+    trainer.stop_when = lambda rec: rec["eval_loss"] < 100
+    summary = trainer.fit()
+    assert summary["steps"] == 5
+    state = trainer.state_dict()
+    assert state["step"] == 5
+    assert state["sampler"]["samples_consumed"] == 5 * 8 and state["sampler"]["epoch"] == 0
+
+
+def test_nan_loss_stops_on_the_reduced_value():
+    rt = init_distributed()
+    trainer = make_trainer(rt, steps=4, log_every=2, eval_every=4, loss=lambda lo, y: loss_fn(lo, y) * float("nan"))
+    with pytest.raises(FloatingPointError, match="became nan at step 2"):
+        trainer.fit()
+
+
+def test_bf16_autocast_runs():
+    _, summary, _ = _fit_here(steps=2, dtype="bf16")
+    assert math.isfinite(summary["train_loss"])
+
+
+def test_lr_schedule_warmup_then_cosine():
+    c = TrainerConfig(steps=100, lr=1.0, warmup_steps=10).resolved()
+    assert lr_at(0, c) == pytest.approx(0.1) and lr_at(9, c) == pytest.approx(1.0)
+    assert lr_at(10, c) == pytest.approx(1.0) and lr_at(100, c) == pytest.approx(0.1)
+    assert lr_at(55, c) == pytest.approx(0.55)
+    flat = TrainerConfig(steps=100, lr=1.0, warmup_steps=0, lr_schedule="constant").resolved()
+    assert lr_at(0, flat) == lr_at(99, flat) == 1.0
+
+
+@pytest.mark.parametrize("field,value,match", [("batch_size", 0, "batch_size=0"),
+                                               ("lr_schedule", "step", "'cosine' or 'constant'"),
+                                               ("dtype", "fp16", "'fp32' or 'bf16'")])
+def test_config_errors(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        TrainerConfig(**{field: value}).resolved()
+
+
+def test_too_few_samples_for_one_batch():
+    rt = init_distributed()
+    with pytest.raises(ValueError, match="fewer than one batch of --batch-size 100"):
+        make_trainer(rt, batch_size=100)
+
+
+def test_param_sha256_and_rank_seed():
+    state = {"a": torch.arange(4.0), "b": torch.ones(2, dtype=torch.bfloat16)}
+    assert param_sha256(state) == param_sha256({k: v.clone() for k, v in state.items()})
+    assert param_sha256(state) != param_sha256({"b": state["b"], "a": state["a"]})
+    assert len({rank_seed(0, r) for r in range(4)} | {rank_seed(1, 0)}) == 5
+    assert os.environ.get("RANK") is None
