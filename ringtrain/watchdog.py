@@ -36,6 +36,8 @@ from types import TracebackType
 
 import torch.distributed as dist
 
+from ringtrain.runtime import get_runtime
+
 # sysexits' EX_TEMPFAIL: "a peer failed, this rank is fine; restarting the group may help".
 # The launcher uses it to tell ranks that stopped because of a peer from the root cause.
 PEER_FAILED_EXIT_CODE = 75
@@ -119,10 +121,10 @@ class Watchdog:
     """Heartbeats through the store; stops this rank when a peer dies, raises, or the store is lost.
 
     Args:
-        store: the rendezvous store; default the default process group's store. The watchdog
+        store: the rendezvous store; default `get_runtime().store` (every rank reaches it). The watchdog
             talks through its own clone of it, so a main thread blocked on the store (a barrier)
             does not block the heartbeats.
-        rank, world_size: default those of the default process group.
+        rank, world_size: default those of `get_runtime()`.
         interval_s: how often to publish and read heartbeats (each round costs world_size + 2
             store operations on every rank).
         timeout_s: a peer silent for this long is dead; also the bound on losing the store.
@@ -155,10 +157,12 @@ class Watchdog:
                 "(a peer is declared dead after timeout_s without a heartbeat; use e.g. "
                 "interval_s=1, timeout_s=30)"
             )
-        if store is None:
-            store = dist.distributed_c10d._get_default_store()
-        self.rank = dist.get_rank() if rank is None else rank
-        self.world_size = dist.get_world_size() if world_size is None else world_size
+        if store is None or rank is None or world_size is None:
+            runtime = get_runtime()  # raises a clear error before init_distributed()
+            store = runtime.store if store is None else store
+            rank = runtime.rank if rank is None else rank
+            world_size = runtime.world_size if world_size is None else world_size
+        self.rank, self.world_size = rank, world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"Invalid rank {self.rank}, rank should be in the interval "
                              f"[0, {self.world_size - 1}]")
@@ -365,7 +369,7 @@ class Watchdog:
             publisher = threading.Thread(target=self._publish, args=(seen,), daemon=True)
             publisher.start()
             publisher.join(timeout=self.interval_s)
-            if self._store_owner == self.rank:
+            if self._store_owner == self.rank and self._watched - {failure.rank}:
                 time.sleep(2 * self.interval_s)  # the others read it within one interval
         self._on_dead(failure)
         self._handled.set()
