@@ -40,8 +40,7 @@ class Kind(IntEnum):
     SYNC = 3  # worker -> server: this worker waits at an end-of-run sync point (no answer)
     DONE = 4  # worker -> server: no more messages
     PARAMS = 5  # server -> worker: parameters follow
-    STOP = 6  # server -> worker: parameters follow, then stop (update budget reached)
-    ABORT = 7  # server -> worker: parameters follow, but the job failed (sync lost a worker)
+    ABORT = 6  # server -> worker: parameters follow, but the job failed (sync lost a worker)
 
 
 class PSError(RuntimeError):

@@ -56,21 +56,19 @@ class ParameterServer:
         pair_groups: worker rank -> the group this server shares with it.
         server_group: all servers (sync mode clips the gradient by its global norm), or None.
         timeout_s: longest wait for a sync round or an SSP release before the job is failed.
-        max_updates: answer STOP once this many updates are applied (benchmarks); None: never.
     """
 
     def __init__(self, rank: int, pieces: Sequence[Piece], initial: torch.Tensor,
                  optimizer_fn: OptimizerFn, *, mode: str, staleness: int,
                  pair_groups: Mapping[int, dist.ProcessGroup],
-                 server_group: dist.ProcessGroup | None = None, timeout_s: float = 300.0,
-                 max_updates: int | None = None):
+                 server_group: dist.ProcessGroup | None = None, timeout_s: float = 300.0):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES} (--ps-mode)")
         if staleness < 0:
             raise ValueError(f"staleness={staleness}: SSP's bound must be 0 or more (--staleness)")
         self.rank, self.pieces, self.mode, self.staleness = rank, tuple(pieces), mode, staleness
         self.pair_groups = dict(pair_groups)
-        self.server_group, self.timeout_s, self.max_updates = server_group, timeout_s, max_updates
+        self.server_group, self.timeout_s = server_group, timeout_s
         self.flat = initial.detach().to(torch.float32).clone()
         self.grad = torch.zeros_like(self.flat)
         # The optimizer sees one Parameter per piece, each a view of the flat buffer: an update
@@ -153,7 +151,7 @@ class ParameterServer:
                     kind, params, version, gap = self._push(w, header)
                 send_params(params, kind=kind, version=version, clock=self.clocks[w], gap=gap,
                             worker=w, group=group)
-        except RuntimeError as e:  # gloo: connection closed by peer, or the pair timed out
+        except Exception as e:  # noqa: BLE001 - gloo: peer closed or timed out; group torn down
             self._lose(w, e)
 
     def _push(self, w: int, header) -> tuple[Kind, torch.Tensor, int, int]:
@@ -183,11 +181,7 @@ class ParameterServer:
         gap = self.clocks[w] - self._min_clock()
         if record:
             self.gap.add(gap)
-        kind = Kind.PARAMS
-        if self.error is not None:
-            kind = Kind.ABORT
-        elif self.max_updates is not None and self.version >= self.max_updates:
-            kind = Kind.STOP
+        kind = Kind.ABORT if self.error is not None else Kind.PARAMS
         return kind, self.flat.clone(), self.version, gap
 
     # -- updates (called with the lock held) --------------------------------------------------

@@ -38,7 +38,6 @@ class PullResult:
 
     comm_s: float  # time from the first send to the last answer
     gap: int  # steps ahead of the slowest worker when answered (max over servers)
-    stop: bool  # a server's update budget is spent (benchmarks)
 
 
 class PSWorker:
@@ -101,12 +100,11 @@ class PSWorker:
     def _finish(self, pending, sends, t0: float, *, record: bool) -> PullResult:
         for w in sends:
             w.wait()
-        gap, stop, aborted = 0, False, []
+        gap, aborted = 0, []
         for i, p in enumerate(pending):
             head = p.wait()
             self.versions[i] = head.version
             gap = max(gap, head.gap)
-            stop = stop or head.kind == Kind.STOP
             if head.kind == Kind.ABORT:
                 aborted.append(self.server_ranks[i])
         if aborted:
@@ -117,7 +115,7 @@ class PSWorker:
                 unpack(self._flats[i], self._pieces[i], self.params)
         if record:
             self.gap.add(gap)
-        return PullResult(time.perf_counter() - t0, gap, stop)
+        return PullResult(time.perf_counter() - t0, gap)
 
     def sync_point(self) -> None:
         """Tell every server this worker is entering an end-of-run collective."""

@@ -220,7 +220,13 @@ class PSStrategy(Strategy):
         return {"ps_mode": self.mode, **gap.summary("staleness")}
 
     def state_dict(self) -> dict[str, Any]:
-        """A server's shard, optimizer and clocks; a worker's clock. Each rank saves its own."""
+        """A server's shard, optimizer and clocks; a worker's clock. Collective.
+
+        Each rank saves its own part (a snapshot's `per_rank`). The barrier makes it a
+        consistent cut: every worker has finished the same step and nothing is in flight, so
+        the servers' state is the one the workers' step counter says.
+        """
+        dist.barrier(group=self.groups.everyone)
         topo = {"servers": self.topology.servers, "workers": self.topology.workers,
                 "mode": self.mode}
         if self.server is not None:
@@ -236,6 +242,7 @@ class PSStrategy(Strategy):
                 f"the snapshot was saved with {saved['servers']} servers and {saved['workers']} "
                 f"workers, this job has {self.topology.servers} and {self.topology.workers}; "
                 "resume with the same --servers and --nproc-per-node")
+        dist.barrier(group=self.groups.everyone)  # no push in flight: a server's threads idle
         if self.server is not None:
             self.server.load_state_dict(state["server"])
         dist.barrier(group=self.groups.everyone)  # every shard restored before anyone pulls
