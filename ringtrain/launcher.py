@@ -48,6 +48,7 @@ _REPEATED_BY_REPORT = (
     "failed (exitcode",  # the root cause, again
     "death signal, shutting down workers",
     "Setting OMP_NUM_THREADS",  # a boxed notice on every launch
+    "Terminating process",  # function entrypoints: one line per surviving worker
 )
 
 
@@ -82,28 +83,37 @@ def get_args_parser():
     return parser
 
 
-class _DropRepeated(logging.Filter):
+class _Curate(logging.Filter):
+    """Keep torch's warnings and errors except those the report repeats; keep restart notices."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(s in str(record.msg) for s in _REPEATED_BY_REPORT)
+        msg = str(record.msg)
+        if "attempts left" in msg:  # logged at INFO, but a restart is news to the user
+            return True
+        return record.levelno >= logging.WARNING and not any(s in msg for s in _REPEATED_BY_REPORT)
 
 
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
-    """Drop torch's log lines that the report repeats, unless the user asked for LOGLEVEL."""
+    """Curate torch's launcher logs (see `_Curate`), unless the user asked for LOGLEVEL."""
     if "LOGLEVEL" in os.environ:
         yield
         return
-    names = ("torch.distributed.run", "torch.distributed.launcher.api",
-             "torch.distributed.elastic.agent.server.api",
-             "torch.distributed.elastic.multiprocessing.api")
-    drop = _DropRepeated()
-    for name in names:
-        logging.getLogger(name).addFilter(drop)
+    loggers = [logging.getLogger(name) for name in (
+        "torch.distributed.run", "torch.distributed.launcher.api",
+        "torch.distributed.elastic.agent.server.api",
+        "torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")]
+    levels = [logger.level for logger in loggers]
+    curate = _Curate()
+    for logger in loggers:
+        logger.addFilter(curate)
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))  # let the filter decide
     try:
         yield
     finally:
-        for name in names:
-            logging.getLogger(name).removeFilter(drop)
+        for logger, level in zip(loggers, levels):
+            logger.removeFilter(curate)
+            logger.setLevel(level)
 
 
 def _single_node_rendezvous(args) -> None:
@@ -202,7 +212,9 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     if entrypoint is not None:
         cmd, cmd_args = entrypoint, list(entry_args or [])
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    # The agent installs handlers for these (raising SignalException); put ours back after.
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                                 signal.SIGQUIT)}
     try:
         with _quiet_torch_logs():
             elastic_launch(config, cmd)(*cmd_args)

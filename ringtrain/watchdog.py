@@ -146,7 +146,7 @@ class Watchdog:
         world_size: int | None = None,
         *,
         interval_s: float = 1.0,
-        timeout_s: float = 60.0,
+        timeout_s: float = 30.0,
         on_dead: Callable[[PeerFailure], None] | None = None,
         prefix: str | None = None,
         excepthook: bool = True,
