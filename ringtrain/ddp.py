@@ -24,7 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, SOLO_BYTES_CPU, GradBucket
+from ringtrain.buckets import (
+    DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_FIRST_BUCKET_BYTES,
+    SOLO_BYTES_CPU,
+    GradBucket,
+)
 from ringtrain.reducer import Reducer, UnusedParametersError
 
 __all__ = ["DistributedDataParallel", "GradBucket", "UnusedParametersError", "broadcast_coalesced",
@@ -103,7 +108,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
         flat = torch._utils._flatten_dense_tensors([t.detach() for t in chunk])
         dist.broadcast(flat, src_global, group=process_group)
         if not is_src:
-            for t, synced in zip(chunk, torch._utils._unflatten_dense_tensors(flat, chunk)):
+            for t, synced in zip(chunk, torch._utils._unflatten_dense_tensors(flat, chunk), strict=True):
                 t.detach().copy_(synced)
 
 

@@ -201,7 +201,7 @@ class Reducer:
                                  [self.params[i] for i in bucket.members],
                                  is_last=bucket.index == len(self.buckets) - 1)
         fut = self.comm_hook(self.comm_hook_state, grad_bucket)
-        if not isinstance(fut, torch.futures.Future):
+        if not callable(getattr(fut, "wait", None)):  # Future.then() gives a torch._C.Future
             raise TypeError(
                 f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
                 f"{type(fut).__name__}; a comm hook must return a torch.futures.Future whose value "
@@ -230,33 +230,30 @@ class Reducer:
                 # Stage zeros (or a stale .grad, as torch does) so that this rank still issues
                 # every bucket's collective: the other ranks are waiting on them.
                 self._mark_ready(i, p.grad, used=False)
-        mask, mask_work = None, None
-        if self.world_size > 1:
-            # One small all-reduce after the buckets tells every rank which parameters were
-            # unused where: an error is raised on all ranks together (no rank left hanging in
-            # the next collective), and a parameter unused on every rank keeps its .grad.
-            n = len(self.params)
-            mask = torch.zeros(n + self.world_size, dtype=torch.int32, device=self.buckets[0].flat.device)
-            if unused:
-                mask[unused] = 1
-                mask[n + self.rank] = 1
-            mask_work = dist.all_reduce(mask, group=self.process_group, async_op=True)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
             elif bucket.fut is not None:
                 self._take_result(bucket, bucket.fut.wait())
-        if mask_work is not None:
-            mask_work.wait()
+        n = len(self.params)
+        if self.world_size > 1:
+            # One small all-reduce after the buckets tells every rank which parameters were
+            # unused where: an error is raised on all ranks together (no rank left hanging in
+            # the next collective), and a parameter unused on every rank keeps its .grad. It is
+            # issued only once every bucket is done: a comm hook may still be issuing collectives
+            # from its callbacks (PowerSGD does), and ours must not race them for a place in the
+            # group's order.
+            mask = torch.zeros(n + self.world_size, dtype=torch.int32, device=self.buckets[0].flat.device)
+            if unused:
+                mask[unused] = 1
+                mask[n + self.rank] = 1
+            dist.all_reduce(mask, group=self.process_group)
             counts = mask.tolist()
-            n = len(self.params)
-            bad_ranks = [r for r in range(self.world_size) if counts[n + r]]
-            unused_anywhere = [i for i in range(n) if counts[i]]
-            globally_unused = {i for i in range(n) if counts[i] == self.world_size}
         else:
-            bad_ranks = [self.rank] if unused else []
-            unused_anywhere = unused
-            globally_unused = set(unused)
+            counts = [1 if i in unused else 0 for i in range(n)] + [1 if unused else 0]
+        bad_ranks = [r for r in range(self.world_size) if counts[n + r]]
+        unused_anywhere = [i for i in range(n) if counts[i]]
+        globally_unused = {i for i in range(n) if counts[i] == self.world_size}
         if bad_ranks and not self.find_unused_parameters:
             raise UnusedParametersError(self._unused_message(unused, bad_ranks, unused_anywhere))
         self._write_back(globally_unused)

@@ -1,0 +1,500 @@
+"""ringtrain.DistributedDataParallel against one process, torch's DDP and the naive reference.
+
+    .venv/bin/pytest -q tests/test_ddp.py
+
+Multi-process checks run through `run_workers` (gloo, 1 thread per rank, bounded); each worker
+computes its references itself and returns numbers or tensors that the test compares.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringtrain.buckets import GradBucket, assign_buckets
+from ringtrain.ddp import DistributedDataParallel, ReplicaMismatchError
+from ringtrain.naive_ddp import NaiveDistributedDataParallel
+from ringtrain.reducer import UnusedParametersError
+from ringtrain.testing import run_workers
+
+B = 4  # samples per rank
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    # The 512x512 weight is exactly 1 MiB: a solo bucket reduced in place; the rest is coalesced.
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 3))
+
+
+def _data(n: int, seed: int = 123) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _optimizers():
+    return {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
+
+
+def _pg1() -> dist.ProcessGroup:
+    # A one-rank group without touching the default group of the pytest process.
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+
+
+def _assert_close(a: list[torch.Tensor], b: list[torch.Tensor], what: str, rtol=1e-5, atol=1e-6):
+    assert len(a) == len(b), what
+    for k, (x, y) in enumerate(zip(a, b, strict=True)):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} #{k}: {m}")
+
+
+# ---- pure: bucket plan and GradBucket ------------------------------------------------------
+
+
+def test_bucket_plan_reverse_order_small_first_bucket_and_cap():
+    sizes = [400] * 10
+    plan = assign_buckets(sizes, [0] * 10, bucket_cap_bytes=1000, first_bucket_bytes=500)
+    assert plan == [[9, 8], [7, 6, 5], [4, 3, 2], [1, 0]]  # first closes at >=500, then >=1000
+
+
+def test_bucket_plan_solo_tensors_and_kinds_never_mix():
+    sizes = [100, 5000, 100, 100, 5000]
+    keys = ["f32", "f32", "f16", "f32", "f32"]
+    plan = assign_buckets(sizes, keys, bucket_cap_bytes=10_000, first_bucket_bytes=10_000, solo_bytes=4000)
+    assert [4] in plan and [1] in plan
+    assert [2] in plan and [3, 0] in plan  # the f16 tensor is alone in its kind
+    assert plan.index([4]) < plan.index([1])  # ordered by when the last member is produced
+    assert plan.index([3, 0]) == len(plan) - 1  # waits for parameter 0, produced last
+    assert sorted(i for b in plan for i in b) == list(range(5))
+
+
+def test_bucket_plan_rejects_bad_cap():
+    with pytest.raises(ValueError, match="bucket_cap_bytes=0"):
+        assign_buckets([1], [0], bucket_cap_bytes=0)
+
+
+def test_grad_bucket_api_matches_torch():
+    for name in ("index", "buffer", "gradients", "parameters", "is_last", "set_buffer"):
+        assert hasattr(dist.GradBucket, name) and hasattr(GradBucket, name), name
+    buf = torch.arange(6.0)
+    p = nn.Parameter(torch.zeros(2, 3))
+    gb = GradBucket(2, buf, [buf.view(2, 3)], [p], is_last=True)
+    assert (gb.index(), gb.is_last(), gb.parameters()[0] is p) == (2, True, True)
+    gb.set_buffer(buf.half())
+    assert gb.buffer().dtype == torch.float16 and gb.gradients()[0].dtype == torch.float32
+
+
+# ---- one process: construction and the torch surface ---------------------------------------
+
+
+def test_construction_errors_say_what_to_do():
+    pg = _pg1()
+    with pytest.raises(ValueError, match="no parameter that requires a gradient"):
+        DistributedDataParallel(nn.ReLU(), process_group=pg)
+    with pytest.raises(ValueError, match="device_ids=\\[0\\].*pass device_ids=None"):
+        DistributedDataParallel(nn.Linear(2, 2), device_ids=[0], process_group=pg)
+    with pytest.raises(ValueError, match="output_device=0.*output_device=None"):
+        DistributedDataParallel(nn.Linear(2, 2), output_device=0, process_group=pg)
+    with pytest.raises(ValueError, match="sparse=True"):
+        DistributedDataParallel(nn.Embedding(4, 2, sparse=True), process_group=pg)
+    with pytest.raises(ValueError, match="bucket_cap_mb=0"):
+        DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=0, process_group=pg)
+
+
+def test_torch_surface_one_rank():
+    import inspect
+
+    ours = inspect.signature(DistributedDataParallel.__init__).parameters
+    theirs = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    for name in ("module", "device_ids", "output_device", "dim", "broadcast_buffers", "process_group",
+                 "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view", "static_graph"):
+        assert ours[name].default == theirs[name].default, name
+    assert list(ours)[:8] == list(theirs)[:8]  # positional order too
+    model = _mlp()
+    ddp = DistributedDataParallel(model, process_group=_pg1())
+    assert ddp.module is model
+    assert list(ddp.state_dict()) == ["module." + k for k in model.state_dict()]
+    x, y = _data(B)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    ref = _mlp()
+    nn.functional.mse_loss(ref(x), y).backward()
+    _assert_close(grads, [p.grad for p in ref.parameters()], "1-rank grads", rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        ddp.register_comm_hook(None, lambda s, b: None)
+        ddp.register_comm_hook(None, lambda s, b: None)
+
+
+# ---- multi-process ---------------------------------------------------------------------------
+
+
+def _train_equivalence(rank, world_size, bucket_cap_mb):
+    x_all, y_all = _data(world_size * B)
+    x, y = x_all[rank * B:(rank + 1) * B], y_all[rank * B:(rank + 1) * B]
+    out = {}
+    for opt_name, make_opt in _optimizers().items():
+        wrappers = {
+            "ours": lambda m: DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb),
+            "ours_view": lambda m: DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb,
+                                                           gradient_as_bucket_view=True),
+            "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb),
+            "naive": NaiveDistributedDataParallel,
+            "single": None,  # one process on the concatenated batch
+        }
+        for name, wrap in wrappers.items():
+            # Different seeds per rank: the wrapper must copy rank 0's weights everywhere.
+            model = _mlp(seed=0 if wrap is None else rank)
+            net = model if wrap is None else wrap(model)
+            opt = make_opt(model.parameters())
+            for _ in range(5):
+                opt.zero_grad()
+                if wrap is None:
+                    nn.functional.mse_loss(net(x_all), y_all).backward()
+                else:
+                    nn.functional.mse_loss(net(x), y).backward()
+                if name == "naive":
+                    net.sync_gradients()
+                opt.step()
+            out[f"{opt_name}/{name}"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_matches_single_process_and_torch_ddp(sessions, world_size):
+    results = sessions(world_size, "equivalence")
+    # Adam normalises each coordinate by its own history, so near-zero gradients turn float
+    # rounding (a different summation order) into visible differences: torch's DDP differs from
+    # one process by the same ~1e-5 here. SGD shows the averaging itself to ~1e-8.
+    tol = {"sgd": dict(rtol=1e-5, atol=1e-6), "adamw": dict(rtol=1e-4, atol=5e-5)}
+    for rank, out in enumerate(results):
+        for opt_name in _optimizers():
+            ref = out[f"{opt_name}/single"]
+            for name in ("ours", "ours_view", "torch", "naive"):
+                _assert_close(out[f"{opt_name}/{name}"], ref, f"rank {rank} {opt_name} {name} vs 1 process",
+                              **tol[opt_name])
+            _assert_close(out[f"{opt_name}/ours"], out[f"{opt_name}/torch"], f"rank {rank} {opt_name} vs torch",
+                          **tol[opt_name])
+        _assert_close(out["sgd/ours"], results[0]["sgd/ours"], f"rank {rank} replica", rtol=0, atol=0)
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(6, 16)
+        self.head_a = nn.Linear(16, 3)
+        self.head_b = nn.Linear(16, 3)
+
+    def forward(self, x, head="a"):
+        return (self.head_a if head == "a" else self.head_b)(torch.tanh(self.trunk(x)))
+
+
+def _no_sync(rank, world_size):
+    # Two micro-batches per rank: the first (no_sync) uses head_a, the second (synced) head_b.
+    x_all, y_all = _data(2 * world_size * B)
+    mine = [(x_all[(2 * rank + k) * B:(2 * rank + k + 1) * B], y_all[(2 * rank + k) * B:(2 * rank + k + 1) * B])
+            for k in range(2)]
+    ddp = DistributedDataParallel(_TwoHeads())
+    with ddp.no_sync():
+        nn.functional.mse_loss(ddp(mine[0][0], "a"), mine[0][1]).backward()
+    local = [p.grad.clone() if p.grad is not None else None for p in ddp.module.parameters()]
+    nn.functional.mse_loss(ddp(mine[1][0], "b"), mine[1][1]).backward()
+    synced = [p.grad.clone() for p in ddp.module.parameters()]
+
+    # The unsplit batch in one process: every rank's first micro-batch on head_a, second on head_b.
+    ref = _TwoHeads()
+    xs = x_all.view(world_size, 2, B, 6)
+    ys = y_all.view(world_size, 2, B, 3)
+    loss = (nn.functional.mse_loss(ref(xs[:, 0].reshape(-1, 6), "a"), ys[:, 0].reshape(-1, 3))
+            + nn.functional.mse_loss(ref(xs[:, 1].reshape(-1, 6), "b"), ys[:, 1].reshape(-1, 3)))
+    loss.backward()
+    # The local-only gradient of the first micro-batch, to prove no_sync did not communicate.
+    solo = _TwoHeads()
+    nn.functional.mse_loss(solo(mine[0][0], "a"), mine[0][1]).backward()
+    return {"synced": synced, "ref": [p.grad for p in ref.parameters()], "local": local,
+            "solo": [p.grad for p in solo.parameters()]}
+
+
+def test_no_sync_accumulates_locally_then_equals_unsplit_batch(sessions):
+    for rank, out in enumerate(sessions(2, "no_sync")):
+        _assert_close(out["synced"], out["ref"], f"rank {rank} accumulated+synced vs unsplit")
+        assert out["local"][4] is None  # head_b untouched under no_sync
+        _assert_close(out["local"][:4], out["solo"][:4], f"rank {rank} no_sync is local", rtol=0, atol=0)
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(6, 3)
+        self.extra = nn.Linear(3, 3)  # used only when asked
+        self.never = nn.Linear(3, 3)  # used by no rank
+
+    def forward(self, x, use_extra: bool):
+        h = self.body(x)
+        return self.extra(h) if use_extra else h
+
+
+def _unused_raise(rank, world_size):
+    t0 = time.monotonic()
+    model = _Branchy()
+    model.never.requires_grad_(False)
+    ddp = DistributedDataParallel(model)
+    x, y = _data(B, seed=rank)
+    errors = []
+    # Step 1: only rank 0 skips `extra` (rank 1 is fine, yet must not hang); step 2: all used.
+    for use_extra in (rank == 1, True):
+        model.zero_grad()
+        try:
+            nn.functional.mse_loss(ddp(x, use_extra), y).backward()
+        except UnusedParametersError as e:
+            errors.append(str(e))
+    healthy = model.body.weight.grad.clone()  # the group survived the error: step 2 synced
+    del ddp
+    model.never.requires_grad_(True)
+    ddp = DistributedDataParallel(model)  # now `never` is unused on every rank
+    try:
+        nn.functional.mse_loss(ddp(x, True), y).backward()
+    except UnusedParametersError as e:
+        errors.append(str(e))
+    return errors, healthy, time.monotonic() - t0
+
+
+def test_unused_parameters_raise_on_every_rank_with_names_and_fix(sessions):
+    (errs0, g0, s0), (errs1, g1, s1) = sessions(2, "unused_raise")
+    assert max(s0, s1) < 20  # no rank waited for a collective that never came
+    assert len(errs0) == len(errs1) == 2, (errs0, errs1)
+    assert errs0[0].startswith("rank 0: 2 parameter(s) got no gradient in this backward: "
+                               "['extra.weight', 'extra.bias']")
+    assert errs1[0].startswith("rank 1: ranks [0] had parameters that got no gradient")
+    assert "'extra.weight'" in errs1[0]
+    for e in (errs0[1], errs1[1]):
+        assert "['never.weight', 'never.bias']" in e and "extra" not in e.split(".")[0]
+    assert all("find_unused_parameters=True" in e for e in errs0 + errs1)
+    torch.testing.assert_close(g0, g1, rtol=0, atol=0)
+
+
+def _unused_handled(rank, world_size):
+    x, y = _data(B, seed=rank)
+    out = {}
+    for name, cls in (("ours", DistributedDataParallel), ("torch", torch.nn.parallel.DistributedDataParallel)):
+        model = _Branchy()
+        ddp = cls(model, find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x, use_extra=(rank + step) % 2 == 0), y).backward()
+            out[f"{name}/grads{step}"] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+            opt.step()
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_unused_parameters_handled_like_torch_when_asked(sessions):
+    for rank, out in enumerate(sessions(2, "unused_handled")):
+        _assert_close(out["ours"], out["torch"], f"rank {rank} params")
+        for step in range(3):
+            ours, theirs = out[f"ours/grads{step}"], out[f"torch/grads{step}"]
+            assert [g is None for g in ours] == [g is None for g in theirs]  # `never` keeps None
+            _assert_close([g for g in ours if g is not None], [g for g in theirs if g is not None],
+                          f"rank {rank} step {step} grads")
+
+
+def _batchnorm(rank, world_size, broadcast_buffers):
+    out = {}
+    for name, cls in (("ours", DistributedDataParallel), ("torch", torch.nn.parallel.DistributedDataParallel)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+        ddp = cls(model, broadcast_buffers=broadcast_buffers)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = _data(B, seed=10 * step + rank)  # different data: local statistics differ
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        ddp.eval()
+        with torch.no_grad():
+            ddp(torch.zeros(1, 6))  # buffers follow rank 0 before this forward (eval: no update)
+        out[name] = [b.clone() for b in model.buffers()]
+    return out
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_batchnorm_buffers_follow_rank0(sessions, broadcast_buffers):
+    r0, r1 = sessions(2, f"batchnorm_{broadcast_buffers}")
+    for out in (r0, r1):
+        _assert_close(out["ours"], out["torch"], "buffers vs torch")
+    same = all(torch.equal(a, b) for a, b in zip(r0["ours"], r1["ours"], strict=True))
+    assert same == broadcast_buffers
+
+
+def _mismatch(rank, world_size):
+    variants = {
+        "shape": nn.Linear(4, 6 if rank == 0 else 5),
+        "dtype": nn.Linear(4, 4).to(torch.float64 if rank == 1 else torch.float32),
+        "name": nn.Sequential(nn.Linear(4, 4)) if rank == 0 else nn.Sequential(nn.Identity(), nn.Linear(4, 4)),
+    }
+    messages = {}
+    for what, module in variants.items():
+        try:
+            DistributedDataParallel(module)
+        except ReplicaMismatchError as e:
+            messages[what] = str(e)
+    return messages
+
+
+def test_replica_mismatch_names_parameter_and_ranks(sessions):
+    for m in sessions(2, "mismatch"):
+        assert "'weight' shape=[6, 4]" in m["shape"] and "ranks [1] have 'weight' shape=[5, 4]" in m["shape"]
+        assert "dtype=float64" in m["dtype"] and "ranks [0]" in m["dtype"]
+        assert "'0.weight'" in m["name"] and "'1.weight'" in m["name"]
+
+
+def _overlap(rank, world_size, use_hook):
+    # Four 1 MiB layers: four buckets. Events record when each bucket's collective was launched
+    # relative to backward reaching the activation between layers 1 and 2.
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(512, 512, bias=False) for _ in range(4))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            for k, layer in enumerate(self.layers):
+                x = layer(x)
+                if k == 1:
+                    x.register_hook(lambda g: events.append("backward reached layer 1"))
+            return x
+
+    events: list[str] = []
+    ddp = DistributedDataParallel(Net())
+    if use_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def spy(state, bucket):
+            events.append(f"launch {bucket.index()}")
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, spy)
+    else:
+        real = dist.all_reduce
+
+        def spy_all_reduce(tensor, *args, **kwargs):
+            if tensor.numel() == 512 * 512:
+                events.append(f"launch {len([e for e in events if e.startswith('launch')])}")
+            return real(tensor, *args, **kwargs)
+
+        dist.all_reduce = spy_all_reduce
+    try:
+        ddp(torch.randn(2, 512)).sum().backward()
+    finally:
+        if not use_hook:
+            dist.all_reduce = real
+    return events
+
+
+@pytest.mark.parametrize("use_hook", [False, True])
+def test_buckets_launch_in_order_during_backward(sessions, use_hook):
+    for events in sessions(2, f"overlap_{use_hook}"):
+        launches = [e for e in events if e.startswith("launch")]
+        assert launches == ["launch 0", "launch 1", "launch 2", "launch 3"]
+        # Buckets of layers 3 and 2 went out before backward got past them: overlap.
+        assert events.index("launch 1") < events.index("backward reached layer 1")
+
+
+def _slow_hook(rank, world_size):
+    # A hook whose futures complete 0.1 s later on another thread (one thread, so the collectives
+    # keep the same order on both ranks): backward must wait for them.
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def worker():
+        while (job := jobs.get()) is not None:
+            buffer, fut = job
+            time.sleep(0.1)
+            dist.all_reduce(buffer)
+            fut.set_result(buffer.div_(world_size))
+
+    threading.Thread(target=worker, daemon=True).start()
+
+    def slow(state, bucket):
+        fut = torch.futures.Future()
+        jobs.put((bucket.buffer(), fut))
+        return fut
+
+    model = _mlp()
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, slow)
+    x, y = _data(B, seed=rank)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    jobs.put(None)
+    return grads
+
+
+def test_backward_returns_only_after_every_bucket_is_reduced(sessions):
+    g0, g1 = sessions(2, "slow_hook")
+    _assert_close(g0, g1, "grads equal on both ranks right after backward", rtol=0, atol=0)
+
+
+# ---- one spawn per world size ----------------------------------------------------------------
+# Starting ranks costs seconds on a 2-core machine, so each world size starts once and runs
+# every scenario; a scenario's exception is reported by the test that reads it.
+
+
+def _scenarios(world_size: int) -> dict:
+    if world_size == 3:
+        # bucket_cap_mb=0.004 splits the small tensors over several multi-parameter buckets.
+        return {"equivalence": (_train_equivalence, (0.004,))}
+    return {
+        "equivalence": (_train_equivalence, (None,)),
+        "no_sync": (_no_sync, ()),
+        "unused_raise": (_unused_raise, ()),
+        "unused_handled": (_unused_handled, ()),
+        "batchnorm_True": (_batchnorm, (True,)),
+        "batchnorm_False": (_batchnorm, (False,)),
+        "mismatch": (_mismatch, ()),
+        "overlap_False": (_overlap, (False,)),
+        "overlap_True": (_overlap, (True,)),
+        "slow_hook": (_slow_hook, ()),
+    }
+
+
+def _session(rank, world_size):
+    out = {}
+    for name, (fn, args) in _scenarios(world_size).items():
+        try:
+            out[name] = ("ok", fn(rank, world_size, *args))
+        except Exception:  # noqa: BLE001 - reported by the test of this scenario
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    started: dict[int, list | Exception] = {}
+
+    def results(world_size: int, name: str) -> list:
+        if world_size not in started:
+            try:
+                started[world_size] = run_workers(_session, world_size, timeout_s=150)
+            except Exception as e:  # noqa: BLE001 - report once per test, do not restart
+                started[world_size] = e
+        if isinstance(started[world_size], Exception):
+            pytest.fail(f"the {world_size}-rank session failed: {started[world_size]}")
+        values = []
+        for rank, out in enumerate(started[world_size]):
+            status, value = out[name]
+            if status == "error":
+                pytest.fail(f"rank {rank}, scenario {name!r}:\n{value}")
+            values.append(value)
+        return values
+
+    return results
