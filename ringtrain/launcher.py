@@ -30,15 +30,19 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import (  # noqa: F401 - re-exported
+from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ProcessFailure,
     record,
 )
 from torch.distributed.launcher.api import elastic_launch
-from torch.distributed.run import config_from_args, get_args_parser as _torch_args_parser
+from torch.distributed.run import config_from_args
+from torch.distributed.run import get_args_parser as _torch_args_parser
 
 from ringtrain.watchdog import PEER_FAILED_EXIT_CODE, is_connection_lost
+
+__all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_parser", "launch",
+           "main", "record", "root_cause"]
 
 LAUNCHER_PID_ENV = "RINGTRAIN_LAUNCHER_PID"  # lets a worker check its parent is still there
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -75,6 +79,7 @@ def get_args_parser():
     """torchrun's argument parser (every flag, `-` and `_` spellings), named `ringtrain run`."""
     parser = _torch_args_parser()
     parser.prog = "ringtrain run"
+    parser.set_defaults(monitor_interval=0.1)  # notice a dead worker fast (older torch: 5 s)
     parser.description = (
         "Launch a script on N processes per node with torch's elastic agent (torchrun's flags). "
         "On a single node a free port is picked automatically. When a worker fails, all "
@@ -86,11 +91,11 @@ def get_args_parser():
 class _Curate(logging.Filter):
     """Keep torch's warnings and errors except those the report repeats; keep restart notices."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
+    def filter(self, entry: logging.LogRecord) -> bool:
+        msg = str(entry.msg)
         if "attempts left" in msg:  # logged at INFO, but a restart is news to the user
             return True
-        return record.levelno >= logging.WARNING and not any(s in msg for s in _REPEATED_BY_REPORT)
+        return entry.levelno >= logging.WARNING and not any(s in msg for s in _REPEATED_BY_REPORT)
 
 
 @contextlib.contextmanager
@@ -111,7 +116,7 @@ def _quiet_torch_logs() -> Iterator[None]:
     try:
         yield
     finally:
-        for logger, level in zip(loggers, levels):
+        for logger, level in zip(loggers, levels, strict=True):
             logger.removeFilter(curate)
             logger.setLevel(level)
 
@@ -208,7 +213,6 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     except (ValueError, RuntimeError, AssertionError) as e:
         print(f"ringtrain run: error: {e}", file=sys.stderr)
         return 2
-    config.monitor_interval = min(config.monitor_interval, 0.1)  # notice a dead worker fast
     if entrypoint is not None:
         cmd, cmd_args = entrypoint, list(entry_args or [])
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
@@ -237,7 +241,11 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
 
 
 def main(argv: list[str]) -> int:
-    """`ringtrain run ARGS`: returns the exit code (0, 1 when a worker failed, 2 on bad flags)."""
+    """`ringtrain run ARGS`; returns the exit code.
+
+    0 when every worker succeeded, 1 when one failed (reported on stderr), 2 for bad flags,
+    128 + N when the launcher got signal N (the workers are stopped first).
+    """
     parser = get_args_parser()
     try:
         args = parser.parse_args(argv)

@@ -12,8 +12,8 @@ check runs on its own thread, and a thread blocked in a C++ collective has relea
             watchdog.set_step(step)
             ...
 
-Try it: `ringtrain run --nproc-per-node 2 tests/scripts/allreduce_loop.py --fail-rank 1
---fail-how hang --watchdog-timeout 3` (rank 1 stops; rank 0 exits after ~3 s naming it).
+Try it: `python tests/scripts/watchdog_timing.py` kills, freezes or fails one rank of a job
+started without an agent (like ranks on another host) and times how fast the others exit.
 
 Why not rely on the backend: gloo raises at once when a peer's socket closes (SIGKILL on the
 same host), but not when the peer's host vanishes or the peer is frozen, and its error names a
@@ -24,6 +24,7 @@ watchdog to name the rank that went silent instead of reporting the symptom.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -130,14 +131,17 @@ class Watchdog:
         timeout_s: a peer silent for this long is dead; also the bound on losing the store.
         on_dead: called once with a `PeerFailure`; default `exit_on_peer_failure` (prints one
             line, exits with PEER_FAILED_EXIT_CODE). A custom one that returns stops the watch.
-        prefix: store key prefix; default unique per run and restart (TORCHELASTIC_RUN_ID,
-            TORCHELASTIC_RESTART_COUNT) so a restarted group never reads stale heartbeats.
+        prefix: store key prefix; default unique per run, restart (TORCHELASTIC_RUN_ID,
+            TORCHELASTIC_RESTART_COUNT) and watchdog made in this process, so a restarted group
+            or a second watchdog never reads stale keys.
         excepthook: while running, an uncaught exception goes through `report_failure` first.
 
     .. warning:: Start it on every rank: a rank without one looks dead to the others after
         `timeout_s`. Call `stop()` (or leave the `with` block) on every rank at the end, so a
         rank that finishes early is not taken for dead.
     """
+
+    _made = itertools.count()  # watchdogs made in this process, for their default key prefix
 
     def __init__(
         self,
@@ -180,9 +184,9 @@ class Watchdog:
             store.set_timeout(timedelta(seconds=timeout_s))
         except (AttributeError, RuntimeError):
             pass
-        if prefix is None:
+        if prefix is None:  # every rank builds its n-th watchdog with the same n
             prefix = (f"ringtrain/watchdog/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/"
-                      f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+                      f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(Watchdog._made)}")
         self._store = dist.PrefixStore(prefix, store)
         self._excepthook = excepthook
         self._previous_hook = None
@@ -228,15 +232,15 @@ class Watchdog:
 
     def stop(self, *, done: bool = True) -> None:
         """Stop watching; with `done`, tell the peers this rank finished (so it is not 'dead')."""
+        if self._threads and done and not self._stop.is_set():
+            try:  # before the heartbeats stop, so no peer ever sees this rank silent
+                self._store.add(f"done/{self.rank}", 1)
+            except RuntimeError:
+                pass  # the store is gone at the end of the job: nobody is left to tell
         self._stop.set()
         for t in self._threads:
             if t is not threading.current_thread():  # stop() may be called from on_dead
                 t.join(timeout=self.interval_s + 5)
-        if self._threads and done:
-            try:
-                self._store.add(f"done/{self.rank}", 1)
-            except RuntimeError:
-                pass  # the store is gone at the end of the job: nobody is left to tell
         self._threads = []
         if self._previous_hook is not None:
             sys.excepthook = self._previous_hook
