@@ -14,7 +14,9 @@ The loop knows nothing about the model or how it is distributed: it hands micro-
 - metrics are reduced once per logged step as (sum, count) over the world group, never a mean
   of means; ranks without output contribute 0; decisions (stop early, NaN) use those reduced
   values, which are bit-identical on every rank;
-- evaluation uses the sampler's exact mode (no padded duplicates).
+- evaluation uses the sampler's exact mode (no padded duplicates);
+- every rank runs the loop, also one that reads no data (`data_rank` None, a parameter
+  server): it passes no micro-batches, gets count 0 back and joins the same collectives.
 The step counter (with the sampler's state) is the only loop state: see `state_dict()`.
 """
 
@@ -177,6 +179,7 @@ class Trainer:
         self.eval_metrics = dict(eval_metrics or {})
         self.run_dir, self.sample_fn, self.stop_when = run_dir, sample_fn, stop_when
         self.started_at = started_at
+        self.on_step: Callable[[int], None] | None = None  # told each finished step (a watchdog)
         c = self.config
         torch.manual_seed(c.seed)  # the same initial weights on every rank
         self.model = model_fn()
@@ -306,16 +309,13 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, and write the run directory; returns the summary (on every rank)."""
         started = self.started_at or time.time()
-        c, s = self.config, self.strategy
+        c = self.config
         progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0, initial=self.step)
         if self.run_dir and self.runtime.rank == 0:  # a resumed run appends to its metrics
             self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
                                       append=self.step > 0)
         try:
-            if s.is_worker:
-                self._loop(progress)
-            else:
-                s.serve()
+            self._loop(progress)
         finally:
             progress.close()
             self.metrics.close()
@@ -323,7 +323,7 @@ class Trainer:
 
     def _loop(self, progress: Progress) -> None:
         c, s = self.config, self.strategy
-        window = [0.0] * 6  # loss_sum, count, tokens, compute_s, comm_s, rank-steps (summed later)
+        window = [0.0] * 6  # loss_sum, count, tokens, compute_s, comm_s, steps of data ranks
         window_s, window_steps = 0.0, 0
         while self.step < c.steps:
             lr = lr_at(self.step, c)
@@ -336,11 +336,14 @@ class Trainer:
             window_steps += 1
             self.train_time_s += dt
             tokens_per_sample = micro[0][0][0].numel() if micro else 0
+            reads_data = 1.0 if self.data_rank is not None else 0.0  # whose times are averaged
             for i, v in enumerate((res.loss_sum, res.count, res.count * tokens_per_sample,
-                                   res.compute_s, res.comm_s, 1.0)):
+                                   res.compute_s, res.comm_s, reads_data)):
                 window[i] += v
             self.step += 1
             progress.update(self.step)
+            if self.on_step is not None:
+                self.on_step(self.step)
             last = self.step == c.steps
             evaluated = self.eval_set is not None and (self.step % c.eval_every == 0 or last)
             if self.step % c.log_every == 0 or evaluated or last:

@@ -23,7 +23,10 @@ MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=2, n_embd=16)
 def single_process(monkeypatch):
     for v in _VARS:
         monkeypatch.delenv(v, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: a second thread only waits on a busy machine
     yield
+    torch.set_num_threads(threads)
     destroy_distributed()
 
 
