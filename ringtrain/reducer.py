@@ -322,6 +322,26 @@ class Reducer:
             self._reset()
         self.expect_sync = True
 
+    def sync_gradients(self) -> None:
+        """Average the current `.grad` of every parameter now, outside backward.
+
+        The same buckets, copies, hooks and checks as a synced backward, in the same order; for
+        gradients that did not come from a DDP forward (and to time the sync path by itself,
+        as `benchmarks/ddp_vs_torch.py` does). Call it on every rank.
+        """
+        if self._queued:
+            raise RuntimeError("sync_gradients() was called during a synced backward; call it after")
+        try:
+            with torch.no_grad():
+                for bucket in self.buckets:
+                    for i in bucket.members:
+                        grad = self.params[i].grad
+                        if grad is not None:
+                            self._mark_ready(i, grad, used=True)
+                self._finish()
+        finally:
+            self._reset()
+
     def remove_hooks(self) -> None:
         _remove_all(self._handles)
 

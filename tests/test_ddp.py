@@ -126,9 +126,32 @@ def test_torch_surface_one_rank():
     ref = _mlp()
     nn.functional.mse_loss(ref(x), y).backward()
     _assert_close(grads, [p.grad for p in ref.parameters()], "1-rank grads", rtol=0, atol=0)
+    # gradient_as_bucket_view: .grad of coalesced parameters live in the bucket; otherwise not.
+    for as_view in (False, True):
+        model = _mlp()
+        ddp = DistributedDataParallel(model, process_group=_pg1(), gradient_as_bucket_view=as_view)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        flat = next(b.flat for b in ddp.reducer.buckets if len(b.members) > 1)
+        inside = [flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.nbytes for p in model.parameters()]
+        assert inside == [as_view, as_view, False, as_view, as_view, as_view]  # #2 is the solo 1 MiB weight
+        _assert_close([p.grad for p in model.parameters()], grads, f"as_view={as_view}", rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="only be called once"):
         ddp.register_comm_hook(None, lambda s, b: None)
         ddp.register_comm_hook(None, lambda s, b: None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_ids_move_inputs_to_the_module_device():
+    model = _mlp().cuda()
+    ddp = DistributedDataParallel(model, device_ids=[0], process_group=_pg1())
+    assert ddp.device_ids == [0] and ddp.output_device == 0
+    x, y = _data(B)
+    out = ddp(x)  # a CPU batch: moved to cuda:0 like torch's DDP does
+    assert out.device == torch.device("cuda", 0)
+    nn.functional.mse_loss(out, y.cuda()).backward()
+    assert all(p.grad is not None and p.grad.is_cuda for p in model.parameters())
+    with pytest.raises(ValueError, match="device_ids can only be None or contain a single element"):
+        DistributedDataParallel(model, device_ids=[0, 1], process_group=_pg1())
 
 
 # ---- multi-process ---------------------------------------------------------------------------

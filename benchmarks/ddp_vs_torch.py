@@ -1,0 +1,163 @@
+"""ringtrain's DistributedDataParallel against torch's, side by side in one run.
+
+    .venv/bin/python benchmarks/ddp_vs_torch.py                 # full: ~17M params, 2 ranks
+    .venv/bin/python benchmarks/ddp_vs_torch.py --quick         # a reduced run, ~1 min
+
+2 gloo ranks, 1 thread each. Every rank builds the same model (a stack of Linear-GELU-Linear
+residual blocks, batch 32 per rank) three times from one seed: wrapped by ringtrain, by torch,
+and by the naive reference. Each round times `--steps` SGD steps of each, in an order that
+rotates from round to round so drift (other processes, thermal) hits all alike; the figures are
+medians over rounds.
+
+sync_efficiency = (one raw gloo all_reduce of a flat buffer holding all gradient bytes) /
+(ringtrain's own gradient sync of the same gradients, no compute running: bucketing, copies,
+scaling and the unused-parameter check included), medians over `--sync-reps` alternating pairs.
+
+The last line printed is JSON: ringtrain_ms, torch_ms, ratio (ringtrain / torch step time),
+sync_efficiency, and the rest of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringtrain.ddp import DistributedDataParallel
+from ringtrain.naive_ddp import NaiveDistributedDataParallel
+from ringtrain.testing import run_workers
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x):  # (B, dim) -> (B, dim)
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+def build(blocks: int, dim: int, hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block(dim, hidden) for _ in range(blocks)))
+
+
+def _step(net: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, x, y, naive: bool) -> None:
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(net(x), y).backward()
+    if naive:
+        net.sync_gradients()
+    opt.step()
+
+
+def _timed(fn, steps: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    dist.barrier()  # the step of the slower rank counts
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def _bench(rank: int, world_size: int, cfg: dict) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(cfg["batch"], cfg["dim"], generator=g)
+    y = torch.randn(cfg["batch"], cfg["dim"], generator=g)
+    runs = {}
+    for name in ("ringtrain", "torch", "naive"):
+        model = build(cfg["blocks"], cfg["dim"], cfg["hidden"])
+        net = {"ringtrain": DistributedDataParallel,
+               "torch": torch.nn.parallel.DistributedDataParallel,
+               "naive": NaiveDistributedDataParallel}[name](model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        runs[name] = (net, model, opt)
+    step = {name: (lambda n=name: _step(*runs[n], x, y, naive=n == "naive")) for name in runs}
+    for name in runs:
+        for _ in range(cfg["warmup"]):
+            step[name]()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for r in range(cfg["rounds"]):
+        for name in order[r % 3:] + order[:r % 3]:
+            times[name].append(_timed(step[name], cfg["steps"]))
+
+    # Sync path alone: gradients in place, no compute; against one flat all-reduce of as many bytes.
+    net, model, _ = runs["ringtrain"]
+    nn.functional.mse_loss(model(x), y).backward()  # plain module call: grads, no sync
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([gr.reshape(-1) for gr in grads])
+    raw, ours = [], []
+    for _ in range(cfg["sync_reps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        raw.append((time.perf_counter() - t0) * 1e3)
+        dist.barrier()
+        t0 = time.perf_counter()
+        net.reducer.sync_gradients()
+        ours.append((time.perf_counter() - t0) * 1e3)
+    return {"times": times, "raw": raw, "ours": ours,
+            "params": sum(p.numel() for p in model.parameters()),
+            "buckets": len(net.reducer.buckets)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed run")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--sync-reps", type=int, default=15)
+    ap.add_argument("--quick", action="store_true", help="rounds=3 steps=4 sync-reps=5")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.sync_reps = 3, 4, 5
+    cfg = vars(args)
+    load_before = os.getloadavg()
+    t0 = time.time()
+    per_rank = run_workers(_bench, 2, args=(cfg,), timeout_s=3600, threads=1)
+    wall = time.time() - t0
+    # Each round's step time is the mean over ranks (barriers make them nearly equal).
+    med = {name: statistics.median(statistics.mean(rk["times"][name][r] for rk in per_rank)
+                                   for r in range(args.rounds)) for name in ("ringtrain", "torch", "naive")}
+    raw = statistics.median(max(rk["raw"][i] for rk in per_rank) for i in range(args.sync_reps))
+    ours = statistics.median(max(rk["ours"][i] for rk in per_rank) for i in range(args.sync_reps))
+    result = {
+        "ringtrain_ms": round(med["ringtrain"], 2),
+        "torch_ms": round(med["torch"], 2),
+        "naive_ms": round(med["naive"], 2),
+        "ratio": round(med["ringtrain"] / med["torch"], 4),
+        "sync_efficiency": round(raw / ours, 4),
+        "raw_allreduce_ms": round(raw, 2),
+        "ringtrain_sync_ms": round(ours, 2),
+        "params": per_rank[0]["params"],
+        "grad_mb": round(per_rank[0]["params"] * 4 / 2**20, 1),
+        "buckets": per_rank[0]["buckets"],
+        "world_size": 2, "batch_per_rank": args.batch, "rounds": args.rounds, "steps": args.steps,
+        "loadavg_before": [round(v, 2) for v in load_before],
+        "loadavg_after": [round(v, 2) for v in os.getloadavg()],
+        "wall_s": round(wall, 1),
+    }
+    print(f"{'':<12}{'step ms (median)':>18}{'vs torch':>10}")
+    for name in ("ringtrain", "torch", "naive"):
+        rounds = ", ".join(f"{statistics.mean(rk['times'][name][r] for rk in per_rank):.1f}"
+                           for r in range(args.rounds))
+        print(f"{name:<12}{med[name]:>18.2f}{med[name] / med['torch']:>10.3f}   rounds: {rounds}")
+    print(f"sync path: raw all_reduce of {result['grad_mb']} MiB {raw:.2f} ms, ringtrain sync "
+          f"{ours:.2f} ms ({result['buckets']} buckets): efficiency {raw / ours:.3f}")
+    print(f"load average before {result['loadavg_before']}, after {result['loadavg_after']}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
