@@ -121,14 +121,16 @@ def write_json(path: str, obj: dict[str, Any]) -> None:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The few lines printed at the end of a run."""
-    def fmt(v: Any) -> str:
+    def fmt(key: str, v: Any) -> str:
+        if key == "eval_accuracy":
+            return f"{v:.1%}"
         if isinstance(v, float):
-            return f"{v:.4g}"
+            return f"{v:,.0f}" if v >= 1000 else f"{v:.4g}"
         return str(v)
 
     first = ["steps", "world_size", "strategy", "train_loss", "eval_loss", "eval_accuracy",
              "tokens_per_s", "wall_s", "restarts"]
-    parts = [f"{k}={fmt(summary[k])}" for k in first if summary.get(k) is not None]
+    parts = [f"{k}={fmt(k, summary[k])}" for k in first if summary.get(k) is not None]
     lines = ["summary: " + "  ".join(parts)]
     if summary.get("sample"):
         lines.append("sample: " + str(summary["sample"]))

@@ -312,6 +312,7 @@ class Trainer:
         c = self.config
         progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0, initial=self.step)
         if self.run_dir and self.runtime.rank == 0:  # a resumed run appends to its metrics
+            os.makedirs(self.run_dir, exist_ok=True)
             self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
                                       append=self.step > 0)
         try:
