@@ -352,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"ringtrain train: error: {e}", file=sys.stderr)
         return 2
-    if args.run_dir is None:
-        args.run_dir = new_run_dir()  # decided once, here, so every worker writes to the same one
+    if args.run_dir is None and os.environ.get("RANK", "0") == "0":
+        # Decided once, before any relaunch, so all workers agree; under an outside launcher
+        # only rank 0 (the one that writes) makes one.
+        args.run_dir = new_run_dir()
     if args.nproc_per_node > 1 and not _in_launched_worker():
         from ringtrain.launcher import launch
 

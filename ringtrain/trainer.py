@@ -236,6 +236,8 @@ class Trainer:
         return self._collate(self.train_set, indices)
 
     def _autocast(self):
+        # Around the strategy's whole step (so every strategy gets it without an option of its
+        # own): backward ops run in the dtype autocast chose for their forward op either way.
         if self.config.dtype != "bf16":
             return nullcontext()
         return torch.autocast(device_type=self.runtime.device.type, dtype=torch.bfloat16)
@@ -352,7 +354,9 @@ class Trainer:
                 window, window_s, window_steps = [0.0] * 6, 0.0, 0
                 shown = {n: self.last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in self.last}
                 progress.set_metrics(rec["loss"], rec["tokens_per_s"], **shown)
-                if evaluated and self.stop_when is not None and self.stop_when(rec):
+                # Only reduced values (bit-identical on every rank) decide; timings are local.
+                agreed = {k: v for k, v in rec.items() if k in ("step", "loss", "lr") or k.startswith("eval_")}
+                if evaluated and self.stop_when is not None and self.stop_when(agreed):
                     log.info("stopping early at step %d: %s", self.step, self._eval_text(rec))
                     break
                 if evaluated:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from ringtrain.progress import setup_logging
 from ringtrain.runtime import destroy_distributed
 from ringtrain.train import build_parser, check_args, main, strategy_options, worker_argv
 
@@ -104,3 +105,13 @@ def test_worker_argv_drops_launcher_flags_and_round_trips():
     assert "--nproc-per-node" not in worker_argv(args)
     assert {k: v for k, v in vars(again).items() if k not in ("nproc_per_node", "max_restarts")} == \
         {k: v for k, v in vars(args).items() if k not in ("nproc_per_node", "max_restarts")}
+
+
+def test_messages_carry_the_rank_and_only_rank_0_logs_info(capsys):
+    log = setup_logging(3)
+    log.warning("disk almost full")
+    log.info("not shown on rank 3")
+    setup_logging(0).info("shown on rank 0")
+    err = capsys.readouterr().err
+    assert "[rank 3] disk almost full" in err and "[rank 0] shown on rank 0" in err
+    assert "not shown" not in err
