@@ -1,12 +1,14 @@
 """`ringtrain train` end to end (2 processes through the launcher) and its option errors."""
 
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from ringtrain.progress import setup_logging
 from ringtrain.runtime import destroy_distributed
@@ -22,8 +24,12 @@ TINY = ["--steps", "20", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16
 def clean_env(monkeypatch):
     for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(v, raising=False)
+    logger = logging.getLogger("ringtrain")
+    saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())
     yield
     destroy_distributed()
+    logger.handlers[:], logger.level, logger.propagate = saved[:3]  # leave no trace for other tests
+    torch.set_num_threads(saved[3])
 
 
 def test_two_processes_end_to_end(tmp_path):
@@ -55,7 +61,7 @@ def test_text_data_single_process(tmp_path, capsys):
     data.write_text("the quick brown fox jumps over the lazy dog. " * 30)
     run_dir = tmp_path / "run"
     rc = main(["--data", str(data), "--block-size", "16", "--steps", "6", "--n-layer", "1",
-               "--n-embd", "32", "--batch-size", "8", "--sample-length", "40", "--no-progress",
+               "--n-embd", "32", "--batch-size", "8", "--sample-length", "40", "--no-progress", "--threads", "1",
                "--run-dir", str(run_dir)])
     assert rc == 0
     summary = json.loads((run_dir / "summary.json").read_text())
