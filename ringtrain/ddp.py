@@ -149,8 +149,8 @@ class DistributedDataParallel(nn.Module):
             where the module puts them. CPU modules: must be None.
         dim: accepted for torch compatibility (it only mattered for torch's removed
             multi-device-per-process mode).
-        broadcast_buffers: sync buffers (BatchNorm statistics) from rank 0 before each forward
-            and at construction. None (torch's current default) means True.
+        broadcast_buffers: copy rank 0's buffers (BatchNorm statistics) to every rank at
+            construction and before each forward. None (torch's current default) means True.
         init_sync: at construction, verify parameters across ranks and broadcast rank 0's
             parameters and buffers. If False, replicas must already be identical.
         process_group: the group to average over; default: the world group.
@@ -194,7 +194,6 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.require_backward_grad_sync = True  # cleared by no_sync()
-        self.require_forward_param_sync = True  # whether the next forward syncs buffers
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -267,19 +266,17 @@ class DistributedDataParallel(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if (self.require_forward_param_sync and self.broadcast_buffers
-                and self.process_group.size() > 1):
+        # Before every forward, as torch documents it (torch itself skips the forwards that
+        # follow a no_sync or no_grad forward; syncing them too keeps BatchNorm statistics equal
+        # on all ranks through gradient accumulation, for one small broadcast per micro-step).
+        if self.broadcast_buffers and self.process_group.size() > 1:
             self._sync_buffers()
         if self.device_ids:
             inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
         output = self.module(*inputs, **kwargs)
-        # As in torch: the forward decides whether its backward syncs, and buffers are synced
-        # before the next forward only after a synced training forward.
+        # As in torch, the forward decides whether the backward of its graph syncs.
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.reducer.prepare_for_backward()
-            self.require_forward_param_sync = True
-        else:
-            self.require_forward_param_sync = False
         return output
 
     def _sync_buffers(self) -> None:

@@ -43,6 +43,7 @@ class _Bucket:
     pending: int = 0  # members not yet staged this round
     buffer: torch.Tensor | None = None  # what this round's collective reduces
     in_place: bool = False  # buffer is the (solo) parameter's .grad itself
+    scale_after: float | None = None  # averaging left for after the all-reduce
     work: Any = None  # dist.Work of the default all-reduce
     fut: torch.futures.Future | None = None  # a comm hook's result
     gradients: list[torch.Tensor] = field(default_factory=list)
@@ -171,8 +172,13 @@ class Reducer:
             if (used and grad is not None and grad.layout == torch.strided
                     and grad.dtype == p.dtype and grad.is_contiguous()):
                 buffer = grad.view(-1)  # reduce .grad itself: no copy in, no copy out
-                if scale is not None:
-                    buffer.mul_(scale)
+                if scale is not None and buffer.element_size() < 4:
+                    buffer.mul_(scale)  # 16-bit: divide first, or the sum may overflow
+                else:
+                    # fp32/fp64: divide after the sum, when the wait at the end of backward
+                    # overlaps it with the buckets still in flight, instead of spending a pass
+                    # over the gradient on the backward thread here.
+                    bucket.scale_after = scale
                 bucket.buffer, bucket.in_place, bucket.gradients = buffer, True, [grad]
                 return
             if bucket.flat.numel() != p.numel():
@@ -235,6 +241,8 @@ class Reducer:
                 bucket.work.wait()
             elif bucket.fut is not None:
                 self._take_result(bucket, bucket.fut.wait())
+            if bucket.scale_after is not None:
+                bucket.buffer.mul_(bucket.scale_after)
         n = len(self.params)
         if self.world_size > 1:
             # One small all-reduce after the buckets tells every rank which parameters were
@@ -307,6 +315,7 @@ class Reducer:
         for bucket in self.buckets:
             bucket.pending = len(bucket.members)
             bucket.buffer, bucket.work, bucket.fut, bucket.in_place = None, None, None, False
+            bucket.scale_after = None
             bucket.gradients = []
         self._ready = bytearray(len(self.params))
         self._accumulated = bytearray(len(self.params))

@@ -345,6 +345,16 @@ def _batchnorm(rank, world_size, broadcast_buffers):
         with torch.no_grad():
             ddp(torch.zeros(1, 6))  # buffers follow rank 0 before this forward (eval: no update)
         out[name] = [b.clone() for b in model.buffers()]
+        if name == "ours":
+            # Every forward starts from rank 0's buffers, gradient-accumulation ones included.
+            model.train()
+            snapshots = []
+            model.register_forward_pre_hook(lambda m, a: snapshots.append([b.clone() for b in m.buffers()]))
+            with ddp.no_sync():
+                for k in range(2):
+                    ddp(_data(B, seed=100 + 10 * k + rank)[0]).sum().backward()
+            ddp(_data(B, seed=200 + rank)[0]).sum().backward()
+            out["snapshots"] = snapshots
     return out
 
 
@@ -355,6 +365,10 @@ def test_batchnorm_buffers_follow_rank0(sessions, broadcast_buffers):
         _assert_close(out["ours"], out["torch"], "buffers vs torch")
     same = all(torch.equal(a, b) for a, b in zip(r0["ours"], r1["ours"], strict=True))
     assert same == broadcast_buffers
+    assert len(r0["snapshots"]) == 3
+    for k, (s0, s1) in enumerate(zip(r0["snapshots"], r1["snapshots"], strict=True)):
+        same = all(torch.equal(a, b) for a, b in zip(s0, s1, strict=True))
+        assert same == broadcast_buffers, f"buffers at the start of forward {k}"
 
 
 def _mismatch(rank, world_size):
