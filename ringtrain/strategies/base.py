@@ -79,11 +79,16 @@ class Strategy(ABC):
 
     @property
     def is_worker(self) -> bool:
-        """False on ranks that serve rather than train (parameter servers): they call `serve()`."""
+        """False on ranks that serve rather than train (parameter servers).
+
+        The trainer still runs its loop on every rank, so world collectives (metrics, eval) line
+        up: a non-worker reads no data, its `train_step` returns count 0 and its `eval_logits`
+        returns None, while the strategy serves its peers inside those calls.
+        """
         return True
 
     def serve(self) -> None:
-        """Run a non-worker rank's role until the workers finish."""
+        """Run a non-worker rank's role outside the trainer loop (optional)."""
 
     def close(self) -> None:
         """Release process groups and threads."""
