@@ -366,14 +366,33 @@ class Watchdog:
                 return
             self._found = failure
             self._fired.set()
-        if found_here and failure.kind == "died":
-            # Share the verdict, so every rank names the same peer even if this rank's exit
-            # takes the store down (it lives in rank 0's process outside `ringtrain run`).
+        if failure.kind != "store":
+            # Share the verdict and count the ranks that reached it, so every rank names the
+            # same peer even when this rank's exit takes the store down (outside `ringtrain
+            # run` it lives in rank 0's process). Store calls off-thread: it may be gone too.
             seen = PeerFailure("died", failure.rank, f"{failure.reason}; seen by rank {self.rank}")
-            publisher = threading.Thread(target=self._publish, args=(seen,), daemon=True)
-            publisher.start()
-            publisher.join(timeout=self.interval_s)
-            if self._store_owner == self.rank and self._watched - {failure.rank}:
-                time.sleep(2 * self.interval_s)  # the others read it within one interval
+            worker = threading.Thread(target=self._share, args=(seen if found_here else None,),
+                                      daemon=True)
+            worker.start()
+            worker.join(timeout=self.interval_s)
+            if self._store_owner == self.rank:
+                others = len(self._watched - {failure.rank})
+                # The others read it within one interval.
+                self._await_verdicts(others + 1, time.monotonic() + 2 * self.interval_s)
         self._on_dead(failure)
         self._handled.set()
+
+    def _share(self, verdict: PeerFailure | None) -> None:
+        if verdict is not None:
+            self._publish(verdict)
+        try:
+            self._store.add("verdicts", 1)
+        except RuntimeError:
+            pass
+
+    def _await_verdicts(self, count: int, deadline: float) -> None:
+        try:  # our own store: it answers unless this process is wedged
+            while self._store.add("verdicts", 0) < count and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except RuntimeError:
+            pass
