@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/pipeline.py            # ~1-2 min on 2 idle cores
     .venv/bin/python benchmarks/pipeline.py --quick    # fewer repeats
 
-Two gloo ranks (one thread each) run a stack of Linear-ReLU layers split into 2 equal stages;
+Two gloo ranks (one thread each) run a stack of wide Linear-ReLU layers split into 2 equal
+stages (wide, so that compute dwarfs the activation transfers);
 each micro-batch has the same size, so the work per step grows with M and GPipe's theory
 applies: bubble = (p-1)/(M+p-1).
 
@@ -40,58 +41,87 @@ from ringtrain.topology import Topology, create_process_groups  # noqa: E402
 PP = 2
 
 
+class Scale(nn.Module):
+    """x * w: a cheap first layer with a parameter, so that the first Linear's input needs a
+    gradient and stage 0's backward does the same matmuls as stage 1's. Without it stage 0
+    skips one matmul per micro-batch, the stages are unequal and the measured bubble would
+    mix imbalance into the schedule's own idle time."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
 def _model(width: int, layers: int) -> nn.Sequential:
     torch.manual_seed(0)
-    mods: list[nn.Module] = []
+    mods: list[nn.Module] = [Scale(width)]
     for _ in range(layers):
         mods += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*mods)
 
 
+def _bubble(engine: PipelineStage, x: torch.Tensor, y: torch.Tensor, m: int, group) -> float:
+    """One step; 1 - (compute time of all stages) / (stages x the step's wall time)."""
+    engine.module.zero_grad(set_to_none=True)
+    dist.barrier(group=group)
+    stats = engine.train_step(x, y, m)
+    mine = torch.tensor([stats.start, stats.end, stats.busy_s], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(PP)]
+    dist.all_gather(every, mine, group=group)
+    wall = max(float(t[1]) for t in every) - min(float(t[0]) for t in every)
+    return 1.0 - sum(float(t[2]) for t in every) / (PP * wall)
+
+
+def _peak_bytes(engine: PipelineStage, x: torch.Tensor, y: torch.Tensor, m: int, group) -> list[int]:
+    """Peak activation bytes per stage, in a step of its own (the hooks cost a little time)."""
+    engine.measure_memory = True
+    engine.module.zero_grad(set_to_none=True)
+    peak = engine.train_step(x, y, m).peak_activation_bytes
+    engine.measure_memory = False
+    peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(PP)]
+    dist.all_gather(peaks, torch.tensor([peak]), group=group)
+    return [int(p) for p in peaks]
+
+
 def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     g = create_process_groups(Topology(world_size, pp=PP))
     model = _model(cfg["width"], cfg["layers"])
-    stage = partition(model, PP)[g.pp_rank]  # equal stages: every layer has the same size
+    stage = partition(model, PP)[g.pp_rank]  # equal stages: the Linears have the same size
     rows = []
-    for schedule in ("gpipe", "1f1b"):
-        for m in cfg["microbatches"]:
-            engine = PipelineStage(stage, pp_rank=g.pp_rank, pp=PP, pp_ranks=g.pp_ranks,
-                                   pp_group=g.pp_group, loss_fn=nn.functional.mse_loss,
-                                   schedule=schedule)
-            gen = torch.Generator().manual_seed(m)
-            x = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
-            y = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
-            bubbles = []
-            for rep in range(cfg["warmup"] + cfg["repeats"]):
-                stage.zero_grad(set_to_none=True)
-                dist.barrier(group=g.pp_group)
-                stats = engine.train_step(x, y, m)
-                mine = torch.tensor([stats.start, stats.end, stats.busy_s], dtype=torch.float64)
-                every = [torch.zeros_like(mine) for _ in range(PP)]
-                dist.all_gather(every, mine, group=g.pp_group)
-                wall = max(float(t[1]) for t in every) - min(float(t[0]) for t in every)
-                busy = sum(float(t[2]) for t in every)
+    for m in cfg["microbatches"]:
+        gen = torch.Generator().manual_seed(m)
+        x = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
+        y = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
+        engines = {name: PipelineStage(stage, pp_rank=g.pp_rank, pp=PP, pp_ranks=g.pp_ranks,
+                                       pp_group=g.pp_group, loss_fn=nn.functional.mse_loss,
+                                       schedule=name)
+                   for name in ("gpipe", "1f1b")}
+        bubbles: dict[str, list[float]] = {name: [] for name in engines}
+        # Alternate the schedules step by step, so both see the same machine load.
+        for rep in range(cfg["warmup"] + cfg["repeats"]):
+            for name, engine in engines.items():
+                b = _bubble(engine, x, y, m, g.pp_group)
                 if rep >= cfg["warmup"]:
-                    bubbles.append(1.0 - busy / (PP * wall))
-            # Memory in its own step: the hooks cost a little time.
-            engine.measure_memory = True
-            stage.zero_grad(set_to_none=True)
-            peak = engine.train_step(x, y, m).peak_activation_bytes
-            peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(PP)]
-            dist.all_gather(peaks, torch.tensor([peak]), group=g.pp_group)
+                    bubbles[name].append(b)
+        for name, engine in engines.items():
+            peaks = _peak_bytes(engine, x, y, m, g.pp_group)
             rows.append({
-                "schedule": schedule, "microbatches": m,
-                "bubble": statistics.median(bubbles), "bubble_spread": [min(bubbles), max(bubbles)],
+                "schedule": name, "microbatches": m,
+                "bubble": statistics.median(bubbles[name]),
+                "bubble_spread": [min(bubbles[name]), max(bubbles[name])],
                 "bubble_theory": (PP - 1) / (m + PP - 1),
-                "peak_activation_bytes_per_stage": [int(p) for p in peaks],
-                "peak_activation_bytes": max(int(p) for p in peaks),
+                "peak_activation_bytes_per_stage": peaks,
+                "peak_activation_bytes": max(peaks),
             })
-    return rows
+    return sorted(rows, key=lambda r: (r["schedule"] != "gpipe", r["microbatches"]))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=768, help="Linear width")
+    parser.add_argument("--width", type=int, default=2048, help="Linear width")
     parser.add_argument("--layers", type=int, default=4, help="Linear layers in all (split in 2)")
     parser.add_argument("--mb-size", type=int, default=64, help="samples per micro-batch")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per setting (median)")

@@ -236,10 +236,11 @@ def test_strategy_dp2_x_pp2_equals_single_process():
 
 
 def test_strategy_rejects_bad_options_before_any_collective():
-    from ringtrain.runtime import Runtime
+    from types import SimpleNamespace
+
     from ringtrain.strategies.pipeline import PipelineStrategy
 
-    rt = Runtime(0, 3, 0, "gloo", torch.device("cpu"), None)
+    rt = SimpleNamespace(rank=0, world_size=3, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="world_size=3 is not divisible by pp=2"):
         PipelineStrategy(rt, pp=2)
     with pytest.raises(ValueError, match="--microbatches 1 is fewer than --pp 2"):
