@@ -6,7 +6,8 @@
     snap = manager.latest()                       # newest committed snapshot that verifies, or None
     shared, per_rank, metadata = manager.load(snap)
 
-Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`.
+Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`. File-level helpers (durable writes,
+checksums, manifests, `unwrap_state_dict`, `check_topology`) live in `ringtrain.checkpoint_io`.
 
 Layout under `root_dir` (a directory every rank sees, e.g. on a shared filesystem):
 
@@ -39,23 +40,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+
+from ringtrain.checkpoint_io import (
+    COMMITTED,
+    MANIFEST,
+    SHARED,
+    SnapshotCorruptError,
+    SnapshotError,
+    check_topology,
+    fsync_dir,
+    load_model_state_dict,
+    read_manifest,
+    unwrap_state_dict,
+    write_durably,
+)
+from ringtrain.checkpoint_io import verify as verify_files
 
 __all__ = [
     "SaveResult", "Snapshot", "SnapshotCorruptError", "SnapshotError", "SnapshotManager",
     "check_topology", "load_model_state_dict", "unwrap_state_dict",
 ]
 
-COMMITTED, MANIFEST, SHARED = "COMMITTED", "manifest.json", "shared.pt"
 _POLL_S = 0.01
-
-
-class SnapshotError(RuntimeError):
-    """A save that did not commit (a rank failed or was too slow), or a snapshot that cannot be used."""
-
-
-class SnapshotCorruptError(SnapshotError):
-    """A snapshot whose files do not match the checksums recorded when it was committed."""
 
 
 @dataclass(frozen=True)
@@ -81,123 +87,6 @@ class SaveResult:
     total_bytes: int  # written by all ranks
     write_s: float  # this rank serialising and fsyncing its files
     total_s: float  # the whole collective step, waits included
-
-
-# ---- model state -------------------------------------------------------------------------------
-
-
-def unwrap_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Strip the `module.` that DDP wrappers put before every key; other dicts pass unchanged.
-
-    Only when *every* key has the prefix, so a model that merely has a child named `module`
-    next to others keeps its keys.
-    """
-    if state_dict and all(k.startswith("module.") for k in state_dict):
-        return type(state_dict)((k[len("module."):], v) for k, v in state_dict.items())
-    return state_dict
-
-
-def load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
-    """Load a model state saved with or without `module.` into a wrapped or plain model."""
-    target = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
-    return target.load_state_dict(unwrap_state_dict(state_dict), strict=strict)
-
-
-def check_topology(
-    metadata: dict[str, Any], world_size: int, reshardable: bool, topology: dict | None = None
-) -> bool:
-    """Refuse a snapshot from another topology unless the state can be resharded.
-
-    Returns True when the world size or topology differ (the caller re-splits data and
-    per-rank state), False when they are the same. Raises `SnapshotError` with both world sizes
-    when they differ and `reshardable` is False.
-    """
-    saved_ws, saved_topo = metadata.get("world_size"), metadata.get("topology")
-    if saved_ws is None:
-        raise SnapshotError(f"snapshot metadata has no world_size (keys: {sorted(metadata)})")
-    same = saved_ws == world_size and (topology is None or saved_topo in (None, topology))
-    if same or reshardable:
-        return not same
-    raise SnapshotError(
-        f"snapshot of step {metadata.get('step')} was written by world_size={saved_ws} "
-        f"(topology {saved_topo}) but this run has world_size={world_size} (topology {topology}), "
-        f"and this state cannot be resharded; resume with world_size={saved_ws} and the same "
-        "topology, or start from scratch in a new run directory"
-    )
-
-
-# ---- files -------------------------------------------------------------------------------------
-
-
-class _HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through it."""
-
-    def __init__(self, f):
-        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.bytes += len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, obj: Any) -> dict[str, Any]:
-    """torch.save `obj` (or raw bytes) to `path`, fsync it; return its checksum and size."""
-    with open(path, "wb") as f:
-        w = _HashingWriter(f)
-        if isinstance(obj, bytes):
-            w.write(obj)
-        else:
-            torch.save(obj, w)  # hashed while written: no second read, no in-memory copy
-        f.flush()
-        os.fsync(f.fileno())
-    return {"sha256": w.sha256.hexdigest(), "bytes": w.bytes}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest, checked against the digest that COMMITTED recorded for it."""
-    if not (path / COMMITTED).is_file():
-        raise SnapshotError(f"{path.name} has no {COMMITTED} marker (a save that did not finish)")
-    try:
-        expected = json.loads((path / COMMITTED).read_text())["manifest_sha256"]
-        raw = (path / MANIFEST).read_bytes()
-    except (OSError, ValueError, KeyError) as e:
-        raise SnapshotCorruptError(f"{path.name}: unreadable {COMMITTED} or {MANIFEST}: {e}") from e
-    if hashlib.sha256(raw).hexdigest() != expected:
-        raise SnapshotCorruptError(f"{path.name}/{MANIFEST}: sha256 differs from the one committed")
-    return json.loads(raw)
-
-
-def _verify(path: Path, manifest: dict[str, Any], names: list[str] | None = None) -> None:
-    for name in names if names is not None else list(manifest["files"]):
-        expected = manifest["files"][name]["sha256"]
-        try:
-            actual = _sha256(path / name)
-        except OSError as e:
-            raise SnapshotCorruptError(f"{path.name}/{name}: unreadable ({e})") from e
-        if actual != expected:
-            raise SnapshotCorruptError(
-                f"{path.name}/{name}: sha256 {actual[:12]}... but {expected[:12]}... was committed"
-            )
 
 
 # ---- the manager -------------------------------------------------------------------------------
@@ -323,9 +212,9 @@ class SnapshotManager:
         def write():
             try:
                 if shared is not None:
-                    files[SHARED] = _write_durably(tmp / SHARED, shared)
+                    files[SHARED] = write_durably(tmp / SHARED, shared)
                 if per_rank is not None:
-                    files[f"rank{self.rank}.pt"] = _write_durably(tmp / f"rank{self.rank}.pt", per_rank)
+                    files[f"rank{self.rank}.pt"] = write_durably(tmp / f"rank{self.rank}.pt", per_rank)
             except BaseException as e:  # noqa: BLE001 - reported to every rank below
                 failure.append(e)
 
@@ -368,18 +257,18 @@ class SnapshotManager:
         manifest = {"format": 1, "step": step, "world_size": self.world_size,
                     "created_unix": time.time(), "files": files, "metadata": meta}
         raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        _write_durably(tmp / MANIFEST, raw)
-        _fsync_dir(tmp)
+        write_durably(tmp / MANIFEST, raw)
+        fsync_dir(tmp)
         final, old = self.root / f"snap-{step:08d}", None
         if final.exists():  # the same step saved again after a restart: the new one replaces it
             old = self.root / f".old-snap-{step:08d}-{uuid.uuid4().hex[:8]}"
             final.rename(old)
         tmp.rename(final)
         marker = {"step": step, "manifest_sha256": hashlib.sha256(raw).hexdigest()}
-        _write_durably(final / f".{COMMITTED}.tmp", json.dumps(marker).encode())
+        write_durably(final / f".{COMMITTED}.tmp", json.dumps(marker).encode())
         (final / f".{COMMITTED}.tmp").rename(final / COMMITTED)
-        _fsync_dir(final)
-        _fsync_dir(self.root)
+        fsync_dir(final)
+        fsync_dir(self.root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return final
@@ -427,7 +316,7 @@ class SnapshotManager:
         out = []
         for p in self._dirs():
             try:
-                out.append(Snapshot(p, int(p.name[5:]), _read_manifest(p)))
+                out.append(Snapshot(p, int(p.name[5:]), read_manifest(p)))
             except SnapshotError:
                 continue
         return out
@@ -441,9 +330,9 @@ class SnapshotManager:
         """
         for p in self._dirs():
             try:
-                manifest = _read_manifest(p)
+                manifest = read_manifest(p)
                 if verify:
-                    _verify(p, manifest)
+                    verify_files(p, manifest)
             except SnapshotError as e:
                 warnings.warn(f"skipping snapshot {p}: {e}", stacklevel=2)
                 continue
@@ -462,7 +351,7 @@ class SnapshotManager:
         """
         rank = self.rank if rank is None else rank
         names = [n for n in (SHARED, f"rank{rank}.pt") if n in snapshot.manifest["files"]]
-        _verify(snapshot.path, snapshot.manifest, names)
+        verify_files(snapshot.path, snapshot.manifest, names)
         loaded = {n: torch.load(snapshot.path / n, map_location=map_location, weights_only=weights_only)
                   for n in names}
         return loaded.get(SHARED), loaded.get(f"rank{rank}.pt"), snapshot.metadata

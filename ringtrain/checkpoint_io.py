@@ -1,0 +1,155 @@
+"""Snapshot files: durable writes, checksums, manifests; model-state and topology helpers.
+
+The file-level half of `ringtrain.checkpoint` (whose `SnapshotManager` runs the collective
+save): everything here works on one directory and needs no process group.
+
+    info = write_durably(path, state)          # torch.save + fsync; {"sha256", "bytes"}
+    manifest = read_manifest(snapshot_dir)     # checked against the COMMITTED marker's digest
+    verify(snapshot_dir, manifest)             # every file against the manifest's checksums
+
+Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "COMMITTED", "MANIFEST", "SHARED", "SnapshotCorruptError", "SnapshotError", "check_topology",
+    "fsync_dir", "load_model_state_dict", "read_manifest", "sha256_file", "unwrap_state_dict",
+    "verify", "write_durably",
+]
+
+COMMITTED, MANIFEST, SHARED = "COMMITTED", "manifest.json", "shared.pt"
+
+
+class SnapshotError(RuntimeError):
+    """A save that did not commit (a rank failed or was too slow), or a snapshot that cannot be used."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """A snapshot whose files do not match the checksums recorded when it was committed."""
+
+
+# ---- model state -------------------------------------------------------------------------------
+
+
+def unwrap_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Strip the `module.` that DDP wrappers put before every key; other dicts pass unchanged.
+
+    Only when *every* key has the prefix, so a model that merely has a child named `module`
+    next to others keeps its keys.
+    """
+    if state_dict and all(k.startswith("module.") for k in state_dict):
+        return type(state_dict)((k[len("module."):], v) for k, v in state_dict.items())
+    return state_dict
+
+
+def load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
+    """Load a model state saved with or without `module.` into a wrapped or plain model."""
+    target = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    return target.load_state_dict(unwrap_state_dict(state_dict), strict=strict)
+
+
+def check_topology(
+    metadata: dict[str, Any], world_size: int, reshardable: bool, topology: dict | None = None
+) -> bool:
+    """Refuse a snapshot from another topology unless the state can be resharded.
+
+    Returns True when the world size or topology differ (the caller re-splits data and
+    per-rank state), False when they are the same. Raises `SnapshotError` with both world sizes
+    when they differ and `reshardable` is False.
+    """
+    saved_ws, saved_topo = metadata.get("world_size"), metadata.get("topology")
+    if saved_ws is None:
+        raise SnapshotError(f"snapshot metadata has no world_size (keys: {sorted(metadata)})")
+    same = saved_ws == world_size and (topology is None or saved_topo in (None, topology))
+    if same or reshardable:
+        return not same
+    raise SnapshotError(
+        f"snapshot of step {metadata.get('step')} was written by world_size={saved_ws} "
+        f"(topology {saved_topo}) but this run has world_size={world_size} (topology {topology}), "
+        f"and this state cannot be resharded; resume with world_size={saved_ws} and the same "
+        "topology, or start from scratch in a new run directory"
+    )
+
+
+# ---- files -------------------------------------------------------------------------------------
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes and counts what passes through it."""
+
+    def __init__(self, f):
+        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, obj: Any) -> dict[str, Any]:
+    """torch.save `obj` (or raw bytes) to `path`, fsync it; return its checksum and size."""
+    with open(path, "wb") as f:
+        w = _HashingWriter(f)
+        if isinstance(obj, bytes):
+            w.write(obj)
+        else:
+            torch.save(obj, w)  # hashed while written: no second read, no in-memory copy
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": w.sha256.hexdigest(), "bytes": w.bytes}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, checked against the digest that COMMITTED recorded for it."""
+    if not (path / COMMITTED).is_file():
+        raise SnapshotError(f"{path.name} has no {COMMITTED} marker (a save that did not finish)")
+    try:
+        expected = json.loads((path / COMMITTED).read_text())["manifest_sha256"]
+        raw = (path / MANIFEST).read_bytes()
+    except (OSError, ValueError, KeyError) as e:
+        raise SnapshotCorruptError(f"{path.name}: unreadable {COMMITTED} or {MANIFEST}: {e}") from e
+    if hashlib.sha256(raw).hexdigest() != expected:
+        raise SnapshotCorruptError(f"{path.name}/{MANIFEST}: sha256 differs from the one committed")
+    return json.loads(raw)
+
+
+def verify(path: Path, manifest: dict[str, Any], names: list[str] | None = None) -> None:
+    for name in names if names is not None else list(manifest["files"]):
+        expected = manifest["files"][name]["sha256"]
+        try:
+            actual = sha256_file(path / name)
+        except OSError as e:
+            raise SnapshotCorruptError(f"{path.name}/{name}: unreadable ({e})") from e
+        if actual != expected:
+            raise SnapshotCorruptError(
+                f"{path.name}/{name}: sha256 {actual[:12]}... but {expected[:12]}... was committed"
+            )
