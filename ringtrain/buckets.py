@@ -8,6 +8,8 @@ Planning is pure (sizes in, index lists out) so it is unit-tested without proces
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +77,41 @@ def assign_buckets(
     # Walking backwards, member i is reached at step n-1-i; a bucket is ready at its last
     # member, the one with the smallest index. Sorting is stable, so ties keep creation order.
     buckets.sort(key=lambda b: n - 1 - min(b))
+    return buckets
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One bucket's layout and this round's state (owned by the `Reducer`)."""
+
+    index: int
+    members: list[int]  # parameter indices, in expected gradient order
+    views: list[torch.Tensor]  # per-member views into `flat`, shaped like the parameters
+    flat: torch.Tensor  # coalesced storage; a solo bucket uses it only when it cannot go in place
+    pending: int = 0  # members not yet staged this round
+    buffer: torch.Tensor | None = None  # what this round's collective reduces
+    in_place: bool = False  # buffer is the (solo) parameter's .grad itself
+    scale_after: float | None = None  # averaging left for after the all-reduce
+    work: Any = None  # dist.Work of the default all-reduce
+    fut: torch.futures.Future | None = None  # a comm hook's result
+    gradients: list[torch.Tensor] = field(default_factory=list)
+
+
+def build_buckets(params: Sequence[torch.Tensor], plan: list[list[int]]) -> list[Bucket]:
+    """Allocate the flat buffer of each bucket of `plan` and the per-parameter views into it."""
+    buckets = []
+    for index, members in enumerate(plan):
+        first = params[members[0]]
+        # Solo buckets reduce .grad in place; their flat buffer is only a fallback (for a
+        # non-contiguous or stale gradient), allocated when first needed.
+        numel = sum(params[i].numel() for i in members) if len(members) > 1 else 0
+        flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+        views, offset = [], 0
+        if len(members) > 1:
+            for i in members:
+                views.append(flat[offset:offset + params[i].numel()].view(params[i].shape))
+                offset += params[i].numel()
+        buckets.append(Bucket(index, members, views, flat, pending=len(members)))
     return buckets
 
 

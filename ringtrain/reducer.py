@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,26 +26,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from ringtrain.buckets import GradBucket, assign_buckets
+from ringtrain.buckets import Bucket, GradBucket, assign_buckets, build_buckets
 
 
 class UnusedParametersError(RuntimeError):
     """A synced backward left parameters without a gradient on some rank."""
-
-
-@dataclass(eq=False)
-class _Bucket:
-    index: int
-    members: list[int]  # parameter indices, in expected gradient order
-    views: list[torch.Tensor]  # per-member views into `flat`, shaped like the parameters
-    flat: torch.Tensor  # coalesced storage; a solo bucket uses it only when it cannot go in place
-    pending: int = 0  # members not yet staged this round
-    buffer: torch.Tensor | None = None  # what this round's collective reduces
-    in_place: bool = False  # buffer is the (solo) parameter's .grad itself
-    scale_after: float | None = None  # averaging left for after the all-reduce
-    work: Any = None  # dist.Work of the default all-reduce
-    fut: torch.futures.Future | None = None  # a comm hook's result
-    gradients: list[torch.Tensor] = field(default_factory=list)
 
 
 def _grad_ready(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
@@ -61,6 +45,11 @@ def _finalize(reducer_ref: weakref.ref) -> None:
     reducer = reducer_ref()
     if reducer is not None:
         reducer._finalize()
+
+
+# The autograd node running on this thread; inside the end-of-backward callback it is None
+# unless that backward is nested in another one's node (reentrant checkpointing).
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -111,22 +100,12 @@ class Reducer:
         keys = [(p.dtype, p.device) for p in self.params]
         plan = assign_buckets(sizes, keys, bucket_cap_bytes=bucket_cap_bytes,
                               first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes)
-        self.buckets: list[_Bucket] = []
+        self.buckets = build_buckets(self.params, plan)
         self._bucket_of = [0] * len(self.params)
         self._slot_of = [0] * len(self.params)
-        for index, members in enumerate(plan):
-            first = self.params[members[0]]
-            numel = sum(self.params[i].numel() for i in members)
-            # Solo buckets reduce .grad in place; their flat buffer is only a fallback (a
-            # non-contiguous or stale gradient), so it is not allocated up front.
-            flat = torch.empty(numel if len(members) > 1 else 0, dtype=first.dtype, device=first.device)
-            views, offset = [], 0
-            for slot, i in enumerate(members):
-                self._bucket_of[i], self._slot_of[i] = index, slot
-                if len(members) > 1:
-                    views.append(flat[offset:offset + self.params[i].numel()].view(self.params[i].shape))
-                offset += self.params[i].numel()
-            self.buckets.append(_Bucket(index, members, views, flat, pending=len(members)))
+        for bucket in self.buckets:
+            for slot, i in enumerate(bucket.members):
+                self._bucket_of[i], self._slot_of[i] = bucket.index, slot
 
         self._ready = bytearray(len(self.params))  # staged this round
         self._accumulated = bytearray(len(self.params))  # got a gradient under no_sync
@@ -148,8 +127,15 @@ class Reducer:
         if not self._queued:
             self._queued = True
             Variable._execution_engine.queue_callback(functools.partial(_finalize, weakref.ref(self)))
-        if not self._ready[i]:
-            self._mark_ready(i, self.params[i].grad, used=True)
+        if self._ready[i]:
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} got a second gradient in one synced backward, after "
+                "its first was already being averaged: it is used in several reentrant backward "
+                "passes (torch.utils.checkpoint(..., use_reentrant=True) around code that uses it "
+                "more than once, or inside and outside the checkpoint). Use "
+                "torch.utils.checkpoint(..., use_reentrant=False)."
+            )
+        self._mark_ready(i, self.params[i].grad, used=True)
 
     def _mark_ready(self, i: int, grad: torch.Tensor | None, used: bool) -> None:
         self._ready[i] = 1
@@ -162,11 +148,12 @@ class Reducer:
             self._next += 1
 
     def _scale(self) -> float | None:
-        # The default path averages by scaling while staging (one pass, as torch does); a comm
-        # hook owns the averaging (torch's hooks divide by the group size themselves).
+        # The default path averages: coalesced gradients are scaled as they are copied into the
+        # bucket (one pass, as torch does), in-place ones after the sum. A comm hook owns the
+        # averaging (torch's hooks divide by the group size themselves).
         return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self.world_size
 
-    def _stage(self, bucket: _Bucket, i: int, grad: torch.Tensor | None, used: bool) -> None:
+    def _stage(self, bucket: Bucket, i: int, grad: torch.Tensor | None, used: bool) -> None:
         p, scale = self.params[i], self._scale()
         if len(bucket.members) == 1:
             if (used and grad is not None and grad.layout == torch.strided
@@ -198,7 +185,7 @@ class Reducer:
             p.grad = view
         bucket.buffer, bucket.in_place, bucket.gradients = bucket.flat, False, bucket.views
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         if self.comm_hook is None:
             if self.world_size > 1:
                 bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
@@ -218,6 +205,13 @@ class Reducer:
     # ---- when backward ends ----------------------------------------------------------------
 
     def _finalize(self) -> None:
+        if _current_node() is not None and not all(self._ready):
+            # This backward is nested in another one's node: a reentrant activation checkpoint
+            # (torch.utils.checkpoint(use_reentrant=True)) around the layers whose gradients
+            # came first. The outer backward is not done; let its next gradient queue the
+            # callback again, on the outer backward this time.
+            self._queued = False
+            return
         try:
             with torch.no_grad():
                 self._finish()
@@ -266,7 +260,7 @@ class Reducer:
             raise UnusedParametersError(self._unused_message(unused, bad_ranks, unused_anywhere))
         self._write_back(globally_unused)
 
-    def _take_result(self, bucket: _Bucket, value: Any) -> None:
+    def _take_result(self, bucket: Bucket, value: Any) -> None:
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
         if not isinstance(value, torch.Tensor) or value.numel() != bucket.buffer.numel():
@@ -327,6 +321,14 @@ class Reducer:
 
     def prepare_for_backward(self) -> None:
         """Called by a forward whose backward must be synced."""
+        if self.expect_sync and any(self._ready) and not self._queued:
+            self._reset()
+            raise RuntimeError(
+                "the previous backward's gradients were never averaged: its first gradients came "
+                "inside a reentrant backward (torch.utils.checkpoint(..., use_reentrant=True)) "
+                "and no gradient came after it to mark the end of the outer backward. Use "
+                "torch.utils.checkpoint(..., use_reentrant=False)."
+            )
         if self._queued:  # a previous backward failed before its end callback ran
             self._reset()
         self.expect_sync = True

@@ -349,7 +349,7 @@ def _batchnorm(rank, world_size, broadcast_buffers):
             # Every forward starts from rank 0's buffers, gradient-accumulation ones included.
             model.train()
             snapshots = []
-            model.register_forward_pre_hook(lambda m, a: snapshots.append([b.clone() for b in m.buffers()]))
+            model.register_forward_pre_hook(lambda m, a, s=snapshots: s.append([b.clone() for b in m.buffers()]))
             with ddp.no_sync():
                 for k in range(2):
                     ddp(_data(B, seed=100 + 10 * k + rank)[0]).sum().backward()
@@ -481,6 +481,49 @@ def test_backward_returns_only_after_every_bucket_is_reduced(sessions):
     _assert_close(g0, g1, "grads equal on both ranks right after backward", rtol=0, atol=0)
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, mode: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last, self.mode = nn.Linear(6, 8), nn.Linear(8, 3), mode
+        if mode == "all_checkpointed_unused":
+            self.unused = nn.Linear(2, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        if self.mode.startswith("all_checkpointed"):
+            return checkpoint(lambda t: self.last(self.first(t)), x, use_reentrant=True)
+        h = self.first(x)
+        return checkpoint(self.last, h, use_reentrant=True) if self.mode == "checkpointed" else self.last(h)
+
+
+def _reentrant(rank, world_size):
+    # A reentrant checkpoint around the last layer: its gradients arrive inside a nested backward
+    # whose end is not the end of backward. Gradients must still be those of a plain run.
+    x, y = _data(B, seed=rank)
+    out = {}
+    for mode in ("plain", "checkpointed", "all_checkpointed", "all_checkpointed_unused"):
+        model = _Checkpointed(mode)
+        # The last one: once the nested backward ends, `unused` is still pending and no later
+        # gradient marks the end of the outer backward; the next forward says so.
+        ddp = DistributedDataParallel(model, find_unused_parameters=mode == "all_checkpointed_unused")
+        try:
+            for _ in range(2):
+                nn.functional.mse_loss(ddp(x.clone().requires_grad_()), y).backward()
+            out[mode] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        except RuntimeError as e:
+            out[mode] = str(e)
+    return out
+
+
+def test_reentrant_checkpoint_is_synced_or_refused(sessions):
+    for rank, out in enumerate(sessions(2, "reentrant")):
+        _assert_close(out["checkpointed"], out["plain"], f"rank {rank} reentrant checkpoint grads")
+        _assert_close(out["all_checkpointed"], out["plain"], f"rank {rank} all under a reentrant checkpoint")
+        assert "use_reentrant=False" in out["all_checkpointed_unused"], out["all_checkpointed_unused"]
+
+
 # ---- one spawn per world size ----------------------------------------------------------------
 # Starting ranks costs seconds on a 2-core machine, so each world size starts once and runs
 # every scenario; a scenario's exception is reported by the test that reads it.
@@ -501,6 +544,7 @@ def _scenarios(world_size: int) -> dict:
         "overlap_False": (_overlap, (False,)),
         "overlap_True": (_overlap, (True,)),
         "slow_hook": (_slow_hook, ()),
+        "reentrant": (_reentrant, ()),
     }
 
 
