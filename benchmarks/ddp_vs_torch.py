@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--steps", type=int, default=10, help="steps per timed run")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=4, help="steps per timed run")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--sync-reps", type=int, default=15)
+    ap.add_argument("--sync-reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="rounds=3 steps=4 sync-reps=5")
     args = ap.parse_args(argv)
     if args.quick:

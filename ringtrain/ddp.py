@@ -168,6 +168,14 @@ class DistributedDataParallel(nn.Module):
     .. warning::
         Like torch's DDP, whether a backward is synced is decided by the forward that built its
         graph: run that forward inside `no_sync()` to skip the sync.
+
+    .. note::
+        Where it differs from torch's, on purpose: buffers are synced before *every* forward
+        (torch skips those after a no_sync/no_grad forward); a parameter without a gradient is
+        reported in the backward that missed it, on every rank (torch reports it in the next
+        iteration); a parameter accumulated only in a `no_sync` micro-step counts as used; on
+        CPU, gradients of 1 MiB or more are reduced in place in `.grad` instead of being copied
+        into a bucket and back.
     """
 
     def __init__(

@@ -524,6 +524,26 @@ def test_reentrant_checkpoint_is_synced_or_refused(sessions):
         assert "use_reentrant=False" in out["all_checkpointed_unused"], out["all_checkpointed_unused"]
 
 
+def _sync_outside_backward(rank, world_size):
+    # Reducer.sync_gradients(): the same averaging for gradients made without a DDP forward
+    # (the benchmark times the sync path with it).
+    x, y = _data(B, seed=rank)
+    ddp = DistributedDataParallel(_mlp())
+    nn.functional.mse_loss(ddp(x), y).backward()
+    synced = [p.grad.clone() for p in ddp.module.parameters()]
+    ddp.module.zero_grad()
+    nn.functional.mse_loss(ddp.module(x), y).backward()  # plain module call: local only
+    local = [p.grad.clone() for p in ddp.module.parameters()]
+    ddp.reducer.sync_gradients()
+    return synced, local, [p.grad.clone() for p in ddp.module.parameters()]
+
+
+def test_sync_gradients_outside_backward(sessions):
+    for rank, (synced, local, later) in enumerate(sessions(2, "sync_outside_backward")):
+        assert not torch.equal(local[0], synced[0])  # the plain backward did not sync
+        _assert_close(later, synced, f"rank {rank} sync_gradients()", rtol=0, atol=0)
+
+
 # ---- one spawn per world size ----------------------------------------------------------------
 # Starting ranks costs seconds on a 2-core machine, so each world size starts once and runs
 # every scenario; a scenario's exception is reported by the test that reads it.
@@ -545,6 +565,7 @@ def _scenarios(world_size: int) -> dict:
         "overlap_True": (_overlap, (True,)),
         "slow_hook": (_slow_hook, ()),
         "reentrant": (_reentrant, ()),
+        "sync_outside_backward": (_sync_outside_backward, ()),
     }
 
 
