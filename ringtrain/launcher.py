@@ -45,6 +45,8 @@ __all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_pa
            "main", "record", "root_cause"]
 
 LAUNCHER_PID_ENV = "RINGTRAIN_LAUNCHER_PID"  # lets a worker check its parent is still there
+# `ringtrain train` workers exit with 128 + SIGTERM after saving a snapshot on SIGTERM.
+STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Lines torch's agent logs that the failure report below says once, better.
 _REPEATED_BY_REPORT = (
@@ -143,6 +145,8 @@ def _describe_exit(failure: ProcessFailure) -> str:
         return f"killed by {failure.signal_name()}"
     if failure.exitcode == PEER_FAILED_EXIT_CODE:
         return f"exit code {failure.exitcode} (stopped by its watchdog: a peer failed)"
+    if failure.exitcode == STOPPED_EXIT_CODE:
+        return f"exit code {failure.exitcode} (stopped on SIGTERM; a snapshot resumes the run)"
     return f"exit code {failure.exitcode}"
 
 
@@ -186,7 +190,7 @@ def format_failure(err: ChildFailedError) -> str:
              f"{socket.gethostname()}, pid {failure.pid}): {message or _describe_exit(failure)}"]
     if callstack and callstack != message:
         lines += ["  " + line for line in callstack.splitlines()]
-    elif not message and failure.exitcode > 0:
+    elif not message and failure.exitcode > 0 and failure.exitcode != STOPPED_EXIT_CODE:
         lines.append("  (its traceback, if any, is in its output above; decorate the script's "
                      "main with @ringtrain.launcher.record to have it here)")
     others: dict[str, list[int]] = {}
@@ -225,6 +229,9 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         return 0
     except ChildFailedError as e:
         print(format_failure(e), file=sys.stderr, flush=True)
+        # Every worker stopped on SIGTERM (after saving): say so with the same code, not 1.
+        if all(f.exitcode == STOPPED_EXIT_CODE for f in e.failures.values()):
+            return STOPPED_EXIT_CODE
         return 1
     except SignalException as e:  # the agent already stopped the workers with the same signal
         name = signal.Signals(e.sigval).name
@@ -244,7 +251,8 @@ def main(argv: list[str]) -> int:
     """`ringtrain run ARGS`; returns the exit code.
 
     0 when every worker succeeded, 1 when one failed (reported on stderr), 2 for bad flags,
-    128 + N when the launcher got signal N (the workers are stopped first).
+    128 + N when the launcher got signal N (the workers are stopped first), 143 when every
+    worker exited with 143 (`ringtrain train` workers do after saving a snapshot on SIGTERM).
     """
     parser = get_args_parser()
     try:

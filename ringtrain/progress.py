@@ -83,11 +83,26 @@ class Progress:
 
 
 class MetricsLog:
-    """`metrics.jsonl`: one JSON object per logged step, flushed as it is written."""
+    """`metrics.jsonl`: one JSON object per logged step, flushed as it is written.
 
-    def __init__(self, path: str | None, append: bool = False):
+    Args:
+        path: the file; None keeps the records in memory only.
+        append: add to an existing file instead of starting it afresh.
+        resume_at: a run resumed from the snapshot of this step: keep the file's lines up to
+            this step (and load them into `records`), drop later ones (written before the
+            crash, they are trained again), then append. So every step appears once.
+    """
+
+    def __init__(self, path: str | None, append: bool = False, resume_at: int | None = None):
         self.path = path
         self.records: list[dict[str, Any]] = []
+        if path and resume_at is not None:
+            self.records = _records_up_to(path, resume_at)
+            tmp = f"{path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records)
+            os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
+            append = True
         self._file = open(path, "a" if append else "w", encoding="utf-8") if path else None  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
@@ -101,6 +116,22 @@ class MetricsLog:
         if self._file:
             self._file.close()
             self._file = None
+
+
+def _records_up_to(path: str, step: int) -> list[dict[str, Any]]:
+    """The records of `path` with step <= `step`; a torn last line (a crash mid-write) is dropped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step", 0) <= step:
+                out.append(record)
+    return out
 
 
 def _finite(value: Any) -> Any:

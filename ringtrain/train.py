@@ -7,7 +7,14 @@
 With `--nproc-per-node N` > 1 it relaunches itself through `ringtrain run` (the elastic
 launcher), minus the launcher's flags; each worker then starts the process group, trains, and
 rank 0 prints the progress bar and the summary. Each run writes `runs/<timestamp>/` (or
-`--run-dir`): config.json, metrics.jsonl, summary.json, report.png.
+`--run-dir`): config.json, metrics.jsonl, summary.json, report.png, and snapshots/ every
+`--snapshot-every` steps and on SIGTERM.
+
+    ringtrain train --run-dir runs/a --nproc-per-node 2 --max-restarts 3   # a dead worker: restart, resume
+    ringtrain train --run-dir runs/a --nproc-per-node 3                    # resume runs/a on 3 workers
+
+A run directory with a committed snapshot is resumed by itself (`--no-resume` starts afresh).
+After SIGTERM every worker saves the same step and exits with 143 (128 + SIGTERM).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from ringtrain.strategies.base import STRATEGIES
 
 # Flags that belong to the launcher: the relaunched workers do not see them.
 LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts")
+STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: stopped on a signal, after saving a snapshot
 # Flags of each strategy: --flag dest -> the strategy's option name. Only the chosen strategy's
 # flags are passed to make_strategy, and only those the user set (its own defaults apply).
 STRATEGY_FLAGS: dict[str, dict[str, str]] = {
@@ -35,10 +43,10 @@ STRATEGY_FLAGS: dict[str, dict[str, str]] = {
 # default reaches 100 % held-out accuracy by step ~700 of 1000 on 2 processes (seeds 1-3, 1337).
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "addition": {"n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0, "steps": 1000,
-                 "batch_size": 64, "lr": 3e-3},
+                 "batch_size": 64, "lr": 3e-3, "snapshot_every": 100},
     # nanoGPT's CPU recipe for Shakespeare characters (block 64, batch 12, 4 x 128, 2000 steps).
     "text": {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0, "steps": 2000,
-             "batch_size": 12, "lr": 1e-3},
+             "batch_size": 12, "lr": 1e-3, "snapshot_every": 200},
 }
 
 
@@ -132,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-length", type=_positive_int, default=300,
                    help="characters generated at the end with --data (default: 300)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument("--snapshot-every", type=_non_negative_int,
+                   help="steps between snapshots in RUN_DIR/snapshots (also one on SIGTERM), 0: "
+                   "none; " + _task_default("snapshot_every"))
+    g.add_argument("--keep", type=_positive_int, default=2,
+                   help="committed snapshots kept (default: 2: a corrupt newest one falls back)")
+    g.add_argument("--no-resume", action="store_true",
+                   help="start afresh in --run-dir, deleting its snapshots (default: resume from "
+                   "its newest committed snapshot; a restarted worker always resumes)")
     g = p.add_argument_group("strategy")
     g.add_argument("--strategy", choices=sorted(STRATEGIES), default="ddp",
                    help="how the model is distributed (default: ddp)")
@@ -252,6 +269,13 @@ def build_job(args: argparse.Namespace) -> dict[str, Any]:
             "model_fn": lambda: GPT(model_config)}
 
 
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The options (besides the trainer's) that must equal a snapshot's to resume from it."""
+    keys = ("digits", "block_size", "n_layer", "n_head", "n_embd", "dropout", "tie_embeddings")
+    return {"data": os.path.abspath(args.data) if args.data else None,
+            **{k: getattr(args, k) for k in keys}}
+
+
 def trainer_config(args: argparse.Namespace):
     from ringtrain.trainer import TrainerConfig
 
@@ -305,6 +329,11 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
                     "task": task_name(args), "world_size": rt.world_size, "argv": worker_argv(args),
                     "args": {k: v for k, v in vars(args).items() if k not in LAUNCHER_FLAGS},
                     "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
+            if rt.world_size > 1:  # under an outside launcher only rank 0 named a run dir
+                holder = [args.run_dir]
+                torch.distributed.broadcast_object_list(holder, src=0, group=rt.process_group)
+                args.run_dir = holder[0]
+            resume = _resume_or_clear(args, rt.rank, log)
             strategy = make_strategy(args.strategy, runtime=rt, **strategy_options(args))
             stop_when = None
             if args.stop_at_accuracy is not None:
@@ -313,7 +342,9 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
             trainer = Trainer(strategy, rt, job["model_fn"], job["train_set"], job["eval_set"],
                               job["loss_fn"], config, eval_metrics=job["eval_metrics"],
                               run_dir=args.run_dir, sample_fn=job["sample_fn"],
-                              stop_when=stop_when, started_at=started_at)
+                              stop_when=stop_when, started_at=started_at,
+                              snapshot_every=args.snapshot_every, keep=args.keep, resume=resume,
+                              run_config=run_config(args))
             n_params = sum(p.numel() for p in trainer.model.parameters())
             log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, %d steps",
                      task_name(args), n_params / 1e6, args.strategy, rt.world_size,
@@ -326,8 +357,15 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
                     watchdog = stack.enter_context(Watchdog(
                         timeout_s=args.watchdog_timeout, interval_s=min(1.0, args.watchdog_timeout / 3)))
                     trainer.on_step = watchdog.set_step
+                trainer.on_step = _with_test_fault(trainer.on_step, rt.rank)
                 summary = trainer.fit()
             strategy.close()
+            if summary.get("stopped_by"):
+                if rt.rank == 0:
+                    print(f"stopped at step {summary['steps']} on {summary['stopped_by']}; snapshot "
+                          f"of step {summary['snapshot_step']} in {args.run_dir}/snapshots: run "
+                          "the same command again to resume", flush=True)
+                return STOPPED_EXIT_CODE
             if rt.rank == 0:
                 print(format_summary(summary), flush=True)
             return 0
@@ -337,6 +375,56 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
     if _in_launched_worker():
         job = record(job)  # the launcher's failure report then shows this worker's traceback
     return job()
+
+
+def _resume_or_clear(args: argparse.Namespace, rank: int, log) -> bool:
+    """Whether to resume; with --no-resume (first attempt only) rank 0 deletes old snapshots.
+
+    A restarted worker resumes even under --no-resume: it must continue the run it belongs to.
+    """
+    if not args.no_resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return True
+    old = os.path.join(args.run_dir, "snapshots")
+    if rank == 0 and os.path.isdir(old):
+        import shutil
+
+        log.info("--no-resume: deleting the snapshots in %s", old)
+        shutil.rmtree(old)
+    return False
+
+
+def _with_test_fault(on_step, rank: int):
+    """Test-only fault injection: RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP.
+
+    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
+    (SIGTERM itself) or `term-launcher` (SIGTERM its parent, the launcher). Only in the first
+    attempt of a job, so a restarted job runs through. It prints the wall-clock time first, so
+    a test can time the recovery.
+    """
+    spec = os.environ.get("RINGTRAIN_TEST_FAULT")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return on_step
+    action, fault_rank, fault_step = spec.split(":")
+    if int(fault_rank) != rank:
+        return on_step
+    import signal
+
+    def hook(step: int) -> None:
+        if on_step is not None:
+            on_step(step)
+        if step != int(fault_step):
+            return
+        print(f"[rank {rank}] test fault: {action} after step {step} at unix time {time.time():.3f}",
+              file=sys.stderr, flush=True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif action == "term-launcher":
+            os.kill(os.getppid(), signal.SIGTERM)
+        else:
+            raise ValueError(f"RINGTRAIN_TEST_FAULT={spec!r}: ACTION is kill, term or term-launcher")
+    return hook
 
 
 def main(argv: list[str] | None = None) -> int:

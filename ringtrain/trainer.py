@@ -17,7 +17,10 @@ The loop knows nothing about the model or how it is distributed: it hands micro-
 - evaluation uses the sampler's exact mode (no padded duplicates);
 - every rank runs the loop, also one that reads no data (`data_rank` None, a parameter
   server): it passes no micro-batches, gets count 0 back and joins the same collectives.
-The step counter (with the sampler's state) is the only loop state: see `state_dict()`.
+The step counter (with the sampler's state and the metrics window) is the loop's state: see
+`state_dict()`. With `run_dir` and `snapshot_every`, `ringtrain.resume.Checkpointer` saves it
+with the model, optimizer and RNG states every N steps and on SIGTERM, and `fit` resumes from
+the run directory's newest committed snapshot by itself (`resume=False` starts afresh).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from ringtrain.progress import MetricsLog, Progress, write_json
+from ringtrain.resume import Checkpointer, StopSignal
 from ringtrain.runtime import Runtime
 from ringtrain.sampler import DistributedSampler
 from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
@@ -164,6 +168,13 @@ class Trainer:
             sample, a few answers).
         stop_when: given a reduced metrics record, True to stop early (same answer on all ranks).
         started_at: `time.time()` when the run began (for `wall_s`); default when `fit` starts.
+        snapshot_every: steps between snapshots under `run_dir/snapshots` (and one on SIGTERM,
+            at the same step on every rank); 0: none.
+        keep: committed snapshots kept.
+        resume: resume from the newest committed snapshot under `run_dir`, if there is one.
+        run_config: options that must equal a snapshot's to resume from it (name -> value, e.g.
+            the model's); the trainer adds its own (steps, lr, seed, ...).
+        snapshot_timeout_s: bound on each rank's part of a save.
     """
 
     def __init__(self, strategy: Strategy, runtime: Runtime, model_fn: Callable[[], nn.Module],
@@ -172,7 +183,9 @@ class Trainer:
                  run_dir: str | None = None, optimizer_fn: OptimizerFn | None = None,
                  sample_fn: Callable[[nn.Module], str] | None = None,
                  stop_when: Callable[[dict[str, Any]], bool] | None = None,
-                 started_at: float | None = None):
+                 started_at: float | None = None, snapshot_every: int = 0, keep: int = 2,
+                 resume: bool = True, run_config: dict[str, Any] | None = None,
+                 snapshot_timeout_s: float = 60.0):
         self.strategy, self.runtime = strategy, runtime
         self.config = config.resolved()
         self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
@@ -202,16 +215,33 @@ class Trainer:
         self.tokens = 0.0  # tokens trained on, all ranks
         self.metrics = MetricsLog(None)
         self.last: dict[str, Any] = {}
+        self.resumes: list[dict[str, Any]] = []  # one entry per resume, carried in snapshots
+        # Sums since the last metrics line (loss_sum, count, tokens, compute_s, comm_s, steps of
+        # data ranks), per rank: saved in snapshots so logged losses continue exactly.
+        self._window, self._window_s, self._window_steps = [0.0] * 6, 0.0, 0
+        self.resume = resume
+        self.checkpointer: Checkpointer | None = None
+        if run_dir is not None:
+            self.checkpointer = Checkpointer(
+                self, os.path.join(run_dir, "snapshots"), every=snapshot_every, keep=keep,
+                timeout_s=snapshot_timeout_s, run_config=run_config)
 
     # -- state for resume: the step counter and the sampler's position are the loop's state ---
     def state_dict(self) -> dict[str, Any]:
+        """Step, sampler (epoch, global cursor), running totals and resume history (rank 0's).
+
+        The per-rank metrics window and RNG states are saved per rank by the `Checkpointer`.
+        """
         return {"step": self.step, "train_time_s": self.train_time_s, "tokens": self.tokens,
-                "sampler": self.train_sampler.state_dict() if self.train_sampler else None}
+                "sampler": self.train_sampler.state_dict() if self.train_sampler else None,
+                "last": dict(self.last), "resumes": [dict(r) for r in self.resumes]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.train_time_s, self.tokens = state["step"], state["train_time_s"], state["tokens"]
         if self.train_sampler and state.get("sampler"):
-            self.train_sampler.load_state_dict(state["sampler"])
+            self.train_sampler.load_state_dict(state["sampler"])  # re-split if num_replicas differs
+        self.last = dict(state.get("last", {}))
+        self.resumes = [dict(r) for r in state.get("resumes", [])]
         self._batches = None
 
     # -- data ------------------------------------------------------------------------------------
@@ -309,25 +339,46 @@ class Trainer:
         return rec
 
     def fit(self) -> dict[str, Any]:
-        """Train, evaluate, and write the run directory; returns the summary (on every rank)."""
+        """Train, evaluate, and write the run directory; returns the summary (on every rank).
+
+        Resumes first from the newest committed snapshot under `run_dir` (unless `resume` is
+        False). After a SIGTERM it saves a snapshot and returns early, with `stopped_by` set.
+        """
         started = self.started_at or time.time()
+        cp = self.checkpointer
+        resumed_at = cp.resume() if cp is not None and self.resume else None
         c = self.config
         progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0, initial=self.step)
-        if self.run_dir and self.runtime.rank == 0:  # a resumed run appends to its metrics
+        if self.run_dir and self.runtime.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
+            # A resumed run drops the lines written after its snapshot (they are trained again).
             self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
-                                      append=self.step > 0)
+                                      resume_at=resumed_at)
+        catch = cp is not None and cp.every > 0
         try:
-            self._loop(progress)
+            with StopSignal() if catch else nullcontext() as stop:
+                stopped = self._loop(progress, stop, resumed=resumed_at is not None)
         finally:
             progress.close()
             self.metrics.close()
+        if stopped:
+            return {"steps": self.step, "stopped_by": stopped, "run_dir": self.run_dir,
+                    "snapshot_step": cp.saved_step if cp is not None else None}
         return self._finish(started)
 
-    def _loop(self, progress: Progress) -> None:
-        c, s = self.config, self.strategy
-        window = [0.0] * 6  # loss_sum, count, tokens, compute_s, comm_s, steps of data ranks
-        window_s, window_steps = 0.0, 0
+    def _stop_requested(self, stop: StopSignal | None) -> bool:
+        """Did any rank get SIGTERM? One int all-reduced (MAX) per step, so all stop together."""
+        if stop is None:
+            return False
+        if self.runtime.world_size == 1:
+            return stop.received is not None
+        flag = torch.tensor([0 if stop.received is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.runtime.process_group)
+        return bool(flag.item())
+
+    def _loop(self, progress: Progress, stop: StopSignal | None = None, resumed: bool = False) -> str | None:
+        """The steps; returns why it stopped early on a signal ("SIGTERM"), else None."""
+        c, s, cp = self.config, self.strategy, self.checkpointer
         while self.step < c.steps:
             lr = lr_at(self.step, c)
             micro = [self._next_batch() for _ in range(c.grad_accum)] if self.train_sampler else []
@@ -335,23 +386,28 @@ class Trainer:
             with self._autocast():
                 res: StepResult = s.train_step(micro, lr=lr, grad_clip=c.grad_clip)
             dt = time.perf_counter() - t0
-            window_s += dt
-            window_steps += 1
+            self._window_s += dt
+            self._window_steps += 1
             self.train_time_s += dt
             tokens_per_sample = micro[0][0][0].numel() if micro else 0
             reads_data = 1.0 if self.data_rank is not None else 0.0  # whose times are averaged
             for i, v in enumerate((res.loss_sum, res.count, res.count * tokens_per_sample,
                                    res.compute_s, res.comm_s, reads_data)):
-                window[i] += v
+                self._window[i] += v
             self.step += 1
+            if resumed:  # the figure behind "recovery time": from a kill to this line
+                resumed = False
+                self.resumes[-1]["first_step_unix"] = time.time()
+                log.info("first step after resuming: step %d at unix time %.3f", self.step,
+                         self.resumes[-1]["first_step_unix"])
             progress.update(self.step)
             if self.on_step is not None:
                 self.on_step(self.step)
             last = self.step == c.steps
             evaluated = self.eval_set is not None and (self.step % c.eval_every == 0 or last)
             if self.step % c.log_every == 0 or evaluated or last:
-                rec = self._log(self.step, lr, window, window_s, window_steps, evaluated)
-                window, window_s, window_steps = [0.0] * 6, 0.0, 0
+                rec = self._log(self.step, lr, self._window, self._window_s, self._window_steps, evaluated)
+                self._window, self._window_s, self._window_steps = [0.0] * 6, 0.0, 0
                 shown = {n: self.last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in self.last}
                 progress.set_metrics(rec["loss"], rec["tokens_per_s"], **shown)
                 # Only reduced values (bit-identical on every rank) decide; timings are local.
@@ -361,6 +417,16 @@ class Trainer:
                     break
                 if evaluated:
                     log.info("step %d: %s", self.step, self._eval_text(rec))
+            if cp is not None and cp.due(self.step):
+                cp.save(self.step)
+            if self._stop_requested(stop):  # this rank or another got SIGTERM
+                assert cp is not None
+                if cp.saved_step != self.step:
+                    cp.save(self.step, reason="SIGTERM")
+                log.warning("warning: stopping at step %d on SIGTERM; the snapshot of step %s "
+                            "resumes the run (run the same command again)", self.step, cp.saved_step)
+                return "SIGTERM"
+        return None
 
     @staticmethod
     def _eval_text(rec: dict[str, Any]) -> str:
@@ -386,11 +452,14 @@ class Trainer:
             "tokens_per_s": self.tokens / self.train_time_s if self.train_time_s else 0.0,
             "wall_s": time.time() - started,
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "resumed_from_step": [r["step"] for r in self.resumes], "resumes": self.resumes,
             "param_sha256": sha,
             "compute_s_per_step": self.last.get("compute_s"), "comm_s_per_step": self.last.get("comm_s"),
             "seed": self.config.seed, "dtype": self.config.dtype,
             "global_batch_size": self.config.batch_size * self.config.grad_accum * self.data_world_size,
         })
+        if self.checkpointer is not None:
+            summary.update(self.checkpointer.summary())
         if hasattr(s, "stats"):  # strategy-specific figures (e.g. a parameter server's staleness)
             summary.update(s.stats())
         if rt.rank == 0:

@@ -1,0 +1,323 @@
+"""The training loop's fault tolerance: snapshots, exact and elastic resume, SIGTERM.
+
+    checkpointer = Checkpointer(trainer, "runs/x/snapshots", every=100, keep=2)
+    checkpointer.resume()          # every rank, before the loop: the newest committed snapshot
+    checkpointer.save(step)        # every rank, at the same step boundary
+
+(`Trainer` does both when given `run_dir` and `snapshot_every`; `ringtrain train` then resumes
+by itself from its run directory.) Tests: `.venv/bin/pytest -q tests/test_resume.py
+tests/test_elastic.py tests/test_restart.py`.
+
+What a snapshot holds (files written by `ringtrain.checkpoint.SnapshotManager`):
+- `shared.pt` (rank 0): the trainer's state (step, sampler cursor and epoch, running totals,
+  resume history), the metrics window summed over ranks, and, for strategies whose ranks hold
+  the same state (DDP), the strategy's state: the unwrapped model and the optimizer. The LR
+  schedule is a function of the step; the trainer uses no grad scaler (bf16 needs none).
+- `rank{r}.pt`: rank r's RNG states (Python, NumPy, torch), its metrics window and, for
+  strategies whose ranks hold different parts (pipeline stages, parameter-server shards),
+  its part of the strategy's state.
+- the manifest's metadata: the options that must match to resume, the topology, and the
+  global batch the run started with.
+
+Exact resume (same world size): everything above is restored, so the run continues bit for
+bit as if never stopped. Elastic resume (another number of data ranks, replicated strategies
+only): the global batch is kept by changing grad_accum (or the per-rank batch), the sampler
+re-splits the rest of the epoch, and each rank's RNG is derived afresh from (seed, rank, step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+import warnings
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ringtrain.checkpoint import SaveResult, SnapshotError, SnapshotManager, check_topology
+from ringtrain.rng import get_rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from ringtrain.trainer import Trainer
+
+__all__ = ["Checkpointer", "StopSignal", "config_differences", "elastic_batch", "reseed"]
+
+log = logging.getLogger("ringtrain")
+
+# TrainerConfig fields that change the trained weights: a resume must use the same values.
+# (batch_size and grad_accum may change with the world size: the global batch is kept instead.)
+TRAINING_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "weight_decay",
+                   "grad_clip", "seed", "dtype")
+
+
+# ---- pure rules ------------------------------------------------------------------------------
+
+
+def elastic_batch(global_batch: int, data_world_size: int, batch_size: int, *,
+                  saved_data_world_size: int) -> tuple[int, int]:
+    """(batch_size, grad_accum) per rank that keep `global_batch` on `data_world_size` ranks.
+
+    Keeps `batch_size` and changes grad_accum when that divides evenly; otherwise takes the
+    largest per-rank micro-batch up to `batch_size` (memory stays within what was asked) that
+    divides this rank's share. Raises ValueError naming both world sizes when the global batch
+    cannot be split evenly over the new number of ranks.
+    """
+    if global_batch % data_world_size:
+        fits = [w for w in range(1, global_batch + 1) if global_batch % w == 0][:8]
+        raise ValueError(
+            f"cannot keep the global batch of {global_batch} samples per step (set when the run "
+            f"started, on {saved_data_world_size} data ranks) on {data_world_size} data ranks: "
+            f"{global_batch} is not a multiple of {data_world_size}. Resume on a number of data "
+            f"ranks that divides {global_batch} (e.g. {', '.join(map(str, fits))}), or start "
+            "afresh with --no-resume"
+        )
+    per_rank = global_batch // data_world_size
+    if per_rank % batch_size == 0:
+        return batch_size, per_rank // batch_size
+    accum = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= batch_size)
+    return per_rank // accum, accum
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The options whose values differ, as `--name saved (snapshot) vs now` lines."""
+    now = json.loads(json.dumps(now))  # the saved side went through JSON: compare like with like
+    missing = object()
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key, missing), now.get(key, missing)
+        if a != b:
+            show = [("(unset)" if v is missing else repr(v)) for v in (a, b)]
+            out.append(f"--{key.replace('_', '-')} {show[0]} in the snapshot, {show[1]} now")
+    return out
+
+
+def reseed(seed: int, rank: int, step: int) -> None:
+    """Fresh Python, NumPy and torch generators for `rank` from (seed, rank, step)."""
+    a, b = np.random.SeedSequence([seed, rank, step]).generate_state(2)
+    random.seed(int(a))
+    np.random.seed(int(a))
+    torch.manual_seed(int(b))
+
+
+# ---- SIGTERM -----------------------------------------------------------------------------------
+
+
+class StopSignal:
+    """SIGTERM becomes a request to save and stop at the next step boundary.
+
+    The handler only sets a flag (a signal may land anywhere, e.g. inside a collective's
+    Python wrapper); the loop reduces the flag over the ranks at each step boundary, so all
+    ranks stop at the same step even when only one was signalled.
+
+    .. warning:: On the way out with an exception, a signal that arrived is delivered again
+       to the previous handler (by default: the process ends). An agent that stops the group
+       after a peer died sends SIGTERM and waits for the workers to exit; it must not wait for
+       a rank that would otherwise go on reporting a lost connection.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.signals = signals
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():  # signal.signal's rule
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+        if exc is not None and self.received is not None:
+            os.kill(os.getpid(), self.received)
+
+
+# ---- the trainer's snapshots -----------------------------------------------------------------
+
+
+def _replicated(strategy: Any) -> bool:
+    """True when every rank holds the same strategy state (the whole model and optimizer).
+
+    Then rank 0 alone writes it and any number of ranks can load it (elastic resume).
+    Strategies say so with a `replicated_state` attribute; DDP's is assumed.
+    """
+    return bool(getattr(strategy, "replicated_state", strategy.name == "ddp"))
+
+
+class Checkpointer:
+    """Saves the trainer's state as snapshots and resumes it; every method is collective.
+
+    Args:
+        trainer: the `Trainer` whose state is saved (its strategy already set up).
+        root_dir: the snapshot directory, the same on every rank (`<run_dir>/snapshots`).
+        every: steps between periodic snapshots; 0 saves none (and SIGTERM is not caught).
+        keep: committed snapshots kept.
+        timeout_s: bound on each rank's part of a save (see `SnapshotManager`).
+        run_config: options that must equal the snapshot's to resume (flag name -> value).
+    """
+
+    def __init__(self, trainer: Trainer, root_dir: str, *, every: int = 0, keep: int = 2,
+                 timeout_s: float = 60.0, run_config: dict[str, Any] | None = None):
+        if every < 0:
+            raise ValueError(f"snapshot_every={every}: use 0 (no snapshots) or a positive step count")
+        rt = trainer.runtime
+        self.trainer, self.every = trainer, every
+        self.manager = SnapshotManager(root_dir, rank=rt.rank, world_size=rt.world_size,
+                                       store=rt.store if rt.world_size > 1 else None, keep=keep,
+                                       timeout_s=timeout_s)
+        c = trainer.config
+        self.config = {**(run_config or {}), "strategy": trainer.strategy.name,
+                       **{k: getattr(c, k) for k in TRAINING_FIELDS}}
+        self.replicated = _replicated(trainer.strategy)
+        self.global_batch = c.batch_size * c.grad_accum * trainer.data_world_size
+        self.saves: list[tuple[float, int]] = []  # (seconds, bytes of all ranks) per save
+        self.saved_step: int | None = None
+
+    # -- saving --------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def _topology(self) -> dict[str, Any]:
+        return {"strategy": self.trainer.strategy.name, "data_world_size": self.trainer.data_world_size}
+
+    def save(self, step: int, reason: str = "periodic") -> SaveResult | None:
+        """Write a snapshot of `step` on every rank; a failed save is logged, training goes on.
+
+        A save that fails (a rank's disk is full or too slow) raises `SnapshotError` on every
+        rank inside the manager; the previous snapshot stays the newest, so carrying on is safe.
+        """
+        t, rt, s = self.trainer, self.trainer.runtime, self.trainer.strategy
+        start = time.perf_counter()
+        window_sum = t._reduce(list(t._window))  # collective: for a resume on other ranks
+        per_rank: dict[str, Any] = {"step": step, "rng": get_rng_state(), "window": list(t._window),
+                                    "window_s": t._window_s, "window_steps": t._window_steps}
+        if not self.replicated:
+            per_rank["strategy"] = s.state_dict()  # may be collective (parameter servers)
+        shared = meta = None
+        if rt.rank == 0:
+            c = t.config
+            shared = {"trainer": t.state_dict(), "window_sum": window_sum, "scaler": None,
+                      "strategy": s.state_dict() if self.replicated else None}
+            meta = {"config": self.config, "topology": self._topology(), "reason": reason,
+                    "global_batch": self.global_batch, "batch_size": c.batch_size,
+                    "grad_accum": c.grad_accum, "replicated": self.replicated}
+        try:
+            result = self.manager.save(step, shared, per_rank, meta)
+        except SnapshotError as e:
+            log.warning("warning: snapshot of step %d not saved, training goes on: %s", step, e)
+            return None
+        self.saved_step = step
+        self.saves.append((time.perf_counter() - start, result.total_bytes))
+        log.info("snapshot of step %d (%s): %.1f MB in %.2f s -> %s", step, reason,
+                 result.total_bytes / 1e6, self.saves[-1][0], result.path)
+        return result
+
+    def summary(self) -> dict[str, Any]:
+        """Figures for summary.json: saves by this process, their time and size (all ranks)."""
+        times = [s for s, _ in self.saves]
+        sizes = [b for _, b in self.saves]
+        return {
+            "snapshot_every": self.every, "snapshots_saved": len(self.saves),
+            "snapshot_s_last": times[-1] if times else None,
+            "snapshot_s_mean": sum(times) / len(times) if times else None,
+            "snapshot_bytes_last": sizes[-1] if sizes else None,
+            "snapshot_bytes_mean": sum(sizes) / len(sizes) if sizes else None,
+        }
+
+    # -- resuming ------------------------------------------------------------------------------
+    def _agreed_step(self, step: int | None) -> int | None:
+        """Every rank picked a snapshot on its own (checksums verified): check they agree."""
+        rt = self.trainer.runtime
+        if rt.world_size == 1:
+            return step
+        t = torch.tensor([-1 if step is None else step] * 2, dtype=torch.int64)
+        t[1] = -t[1]
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.process_group)
+        high, low = int(t[0]), -int(t[1])
+        if high != low:
+            raise SnapshotError(
+                f"ranks disagree on the newest usable snapshot (steps {low} and {high}) in "
+                f"{self.manager.root}: is it on a filesystem every rank sees the same way?")
+        return None if high < 0 else high
+
+    def resume(self) -> int | None:
+        """Load the newest committed snapshot that verifies, if any; returns its step.
+
+        Raises ValueError when the snapshot's options differ from this run's (naming them), or
+        when the global batch cannot be kept on this many ranks; `SnapshotError` (with both
+        world sizes) when the strategy's state cannot be resharded to this world size.
+        """
+        t, rt = self.trainer, self.trainer.runtime
+        with warnings.catch_warnings():
+            if rt.rank != 0:  # one report of a skipped snapshot, not one per rank
+                warnings.simplefilter("ignore")
+            snap = self.manager.latest()
+        step = self._agreed_step(snap.step if snap is not None else None)
+        if snap is None or step is None:
+            return None
+        meta = snap.metadata
+        diffs = config_differences(meta.get("config", {}), self.config)
+        if diffs:
+            raise ValueError(
+                f"{snap.path} (step {snap.step}) was saved by a run with other options: "
+                f"{'; '.join(diffs)}. Resume with the snapshot's options, or start afresh with "
+                "--no-resume (its snapshots are deleted) or in another --run-dir")
+        resharded = check_topology(meta, rt.world_size, reshardable=self.replicated,
+                                   topology=self._topology())
+        self.global_batch = int(meta["global_batch"])
+        self._fit_global_batch(meta)
+        shared, per_rank, _ = self.manager.load(snap)
+        assert shared is not None, "a committed snapshot always has shared.pt"
+        s = t.strategy
+        if self.replicated:
+            s.load_state_dict(shared["strategy"])
+        else:  # check_topology made sure this rank's file exists
+            s.load_state_dict(per_rank["strategy"])
+        t.load_state_dict(shared["trainer"])
+        if not resharded and per_rank is not None:
+            set_rng_state(per_rank["rng"])
+            t._window = list(per_rank["window"])
+            t._window_s, t._window_steps = per_rank["window_s"], per_rank["window_steps"]
+        else:
+            reseed(t.config.seed, rt.rank, snap.step)
+            if rt.rank == 0:
+                log.warning(
+                    "warning: snapshot of step %d was written by world_size=%d, this run has "
+                    "world_size=%d: random generators (dropout) are seeded afresh from (seed, "
+                    "rank, step), so this run is not bit-identical to one without the change",
+                    snap.step, meta["world_size"], rt.world_size)
+            n = len(shared["window_sum"])
+            t._window = list(shared["window_sum"]) if rt.rank == 0 else [0.0] * n
+            t._window_s, t._window_steps = 0.0, 0
+        t.resumes.append({"step": snap.step, "world_size": rt.world_size,
+                          "saved_world_size": meta["world_size"],
+                          "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+        self.saved_step = snap.step
+        log.info("resumed from %s: step %d of %d (saved by world_size %d)", snap.path, snap.step,
+                 t.config.steps, meta["world_size"])
+        return snap.step
+
+    def _fit_global_batch(self, meta: dict[str, Any]) -> None:
+        """Keep the run's global batch on this run's data ranks (elastic resume)."""
+        c, wd = self.trainer.config, self.trainer.data_world_size
+        if c.batch_size * c.grad_accum * wd == self.global_batch:
+            return
+        b, a = elastic_batch(self.global_batch, wd, c.batch_size,
+                             saved_data_world_size=meta["topology"]["data_world_size"])
+        log.info("keeping the global batch of %d on %d data ranks: batch_size %d x grad_accum %d "
+                 "per rank (was %d x %d on %d)", self.global_batch, wd, b, a, meta["batch_size"],
+                 meta["grad_accum"], meta["topology"]["data_world_size"])
+        c.batch_size, c.grad_accum = b, a
