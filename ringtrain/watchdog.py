@@ -15,11 +15,12 @@ check runs on its own thread, and a thread blocked in a C++ collective has relea
 Try it: `python tests/scripts/watchdog_timing.py` kills, freezes or fails one rank of a job
 started without an agent (like ranks on another host) and times how fast the others exit.
 
-Why not rely on the backend: gloo raises at once when a peer's socket closes (SIGKILL on the
-same host), but not when the peer's host vanishes or the peer is frozen, and its error names a
-socket address, not a rank; NCCL waits for its collective timeout (minutes). So an error that
-looks like a lost connection is handed to `report_failure`, which waits (bounded) for the
-watchdog to name the rank that went silent instead of reporting the symptom.
+Why not rely on the backend: gloo raises at once when a peer's socket closes (~15 ms after a
+SIGKILL on the same host: "Connection closed by peer [127.0.0.1]:port"), but not when the peer
+is frozen or its host vanishes (it waits for the collective timeout), and it names an address,
+not a rank; NCCL waits for its collective timeout (minutes). So an error that looks like a lost
+connection is handed to `report_failure`, which waits (bounded) for the watchdog to name the
+rank that went silent instead of reporting the symptom.
 """
 
 from __future__ import annotations
