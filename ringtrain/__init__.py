@@ -31,6 +31,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "DistributedDataParallel": "ringtrain.ddp",
     "DistributedSampler": "ringtrain.sampler",
+    "Watchdog": "ringtrain.watchdog",
 }
 __all__ += list(_LAZY)
 

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -251,6 +252,8 @@ def destroy_distributed(checkout_timeout_s: float = 5.0) -> None:
     _runtime = _own_store = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if getattr(sys, "last_value", None) is not None:
+        checkout_timeout_s = 0.0  # exiting on an uncaught exception: peers may be dead, don't wait
     if rt is not None and store is not None and rt.world_size > 1:
         try:  # after the group is gone, so no peer thread still uses the store when rank 0 exits
             left = store.add("ringtrain/checkout", 1)
