@@ -27,6 +27,7 @@ directory without `COMMITTED`: both are ignored by `latest()` and removed by the
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -106,6 +107,8 @@ class SnapshotManager:
             about 2 * timeout_s of rank 0 starting, 3 * timeout_s of its own call at worst.
     """
 
+    _made = itertools.count()  # managers made in this process, for their store keys
+
     def __init__(
         self, root_dir: str | os.PathLike, *, rank: int, world_size: int,
         store: dist.Store | None = None, keep: int = 2, timeout_s: float = 60.0,
@@ -127,10 +130,12 @@ class SnapshotManager:
             store = dist.distributed_c10d._get_default_store()
         self.store = store
         self._saves = 0  # every rank calls save in the same order, so this numbers them alike
-        # A restarted job may reuse torchrun's store: keep its keys apart from the last attempt's.
+        # A restarted job may reuse torchrun's store, and a process may make a second manager for
+        # the same directory (a new trainer resuming in the same process group): keep their keys
+        # apart. Every rank makes its n-th manager with the same n, as with the save numbers.
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         where = hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]
-        self._prefix = f"ringtrain/snapshot/{restart}/{where}"
+        self._prefix = f"ringtrain/snapshot/{restart}/{where}/{next(SnapshotManager._made)}"
 
     # ---- saving ------------------------------------------------------------------------------
 
