@@ -7,6 +7,11 @@ itself, runs its stage, and asserts allclose (fp32). Each multi-process test is 
 """
 
 import copy
+import json
+import logging
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -23,9 +28,10 @@ from ringtrain.pipeline.schedule import (
     SendActivation,
     SendGrad,
 )
-from ringtrain.runtime import get_runtime
+from ringtrain.runtime import destroy_distributed, get_runtime
 from ringtrain.testing import run_workers
 from ringtrain.topology import Topology, create_process_groups
+from ringtrain.train import main as train_main
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -247,3 +253,36 @@ def test_strategy_rejects_bad_options_before_any_collective():
         PipelineStrategy(rt, pp=2, microbatches=1)
     with pytest.raises(ValueError, match="--schedule 'interleaved' is not known"):
         PipelineStrategy(rt, pp=2, schedule="interleaved")
+
+
+# -- the main job ------------------------------------------------------------------------------
+def test_ringtrain_train_pipeline_end_to_end_equals_one_process(tmp_path, monkeypatch):
+    """`ringtrain train --strategy pipeline --pp 2` on 2 processes: the usual run directory and
+    summary, and the same losses as one process training the same global batch."""
+    tiny = ["--steps", "6", "--n-layer", "2", "--n-embd", "32", "--batch-size", "16",
+            "--eval-every", "6", "--no-progress"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "train", "--strategy", "pipeline", "--pp", "2",
+         "--schedule", "1f1b", "--microbatches", "4", "--nproc-per-node", "2", *tiny,
+         "--run-dir", str(tmp_path / "pp")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {"config.json", "metrics.jsonl", "report.png", "summary.json"} <= set(os.listdir(tmp_path / "pp"))
+    pp = json.loads((tmp_path / "pp" / "summary.json").read_text())
+    assert (pp["strategy"], pp["world_size"], pp["steps"]) == ("pipeline", 2, 6)
+    assert "param_sha256 differs" not in proc.stderr
+
+    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(v, raising=False)
+    logger = logging.getLogger("ringtrain")
+    saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())
+    try:
+        assert train_main([*tiny, "--threads", "1", "--run-dir", str(tmp_path / "one")]) == 0
+    finally:  # leave no trace for other tests
+        destroy_distributed()
+        logger.handlers[:], logger.level, logger.propagate = saved[:3]
+        torch.set_num_threads(saved[3])
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    for key in ("train_loss", "eval_loss", "eval_accuracy"):
+        assert pp[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key

@@ -94,7 +94,7 @@ class PipelineStrategy(Strategy):
 
         # Tied weights: one group per (tie, pipeline), created by every rank in the same order.
         self._ties: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
-        self._not_norm_owner: set[int] = set()  # tied copies whose norm another stage counts
+        self._norm_counted_elsewhere: set[int] = set()  # tied copies whose norm another stage counts
         local = dict(stage.named_parameters())
         for tie in tied_parameters(stages):
             for d in range(self.topology.dp):
@@ -103,7 +103,7 @@ class PipelineStrategy(Strategy):
                     name = dict(tie.holders)[g.pp_rank]
                     self._ties.append((local[name], group))
                     if g.pp_rank != tie.stages[0]:
-                        self._not_norm_owner.add(id(local[name]))
+                        self._norm_counted_elsewhere.add(id(local[name]))
 
         self.ddp = None
         if self.topology.dp > 1:
@@ -174,7 +174,7 @@ class PipelineStrategy(Strategy):
         model): each stage sums its squares, the pipeline adds them up. A tied weight counts
         once; data-parallel peers hold equal, already averaged gradients."""
         grads = [p.grad for p in self.stage.parameters()
-                 if p.grad is not None and id(p) not in self._not_norm_owner]
+                 if p.grad is not None and id(p) not in self._norm_counted_elsewhere]
         sq = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
         for grad in grads:
             sq += grad.detach().float().pow(2).sum()
