@@ -35,10 +35,12 @@ from torch.distributed.elastic.multiprocessing.errors import (
     ProcessFailure,
     record,
 )
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 from torch.distributed.run import get_args_parser as _torch_args_parser
 
+from ringtrain.runtime import network_interfaces
 from ringtrain.watchdog import PEER_FAILED_EXIT_CODE, is_connection_lost
 
 __all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_parser", "launch",
@@ -140,6 +142,53 @@ def _single_node_rendezvous(args) -> None:
         args.master_port = 29500  # only read by the static backend, as in torchrun
 
 
+def _route_source(host_ip: str) -> str | None:
+    """This machine's IPv4 address on the route to `host_ip` (as in runtime's gloo interface pick).
+
+    A UDP connect sends nothing; it only asks the kernel which source address the route uses.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host_ip, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _multi_node_addresses(args) -> None:
+    """Across nodes: advertise the address that reaches the rendezvous host, not the hostname's.
+
+    torch's agent advertises `socket.getfqdn()` as MASTER_ADDR and decides whether it hosts the
+    c10d store by resolving its hostname; where the hostname resolves to 127.0.0.1 (common on
+    cloud images and containers) the other nodes get an unreachable MASTER_ADDR and node 0 does
+    not host the store it was named for. So when --nnodes > 1: `--local-addr` defaults to this
+    node's IPv4 address on the interface that routes to the --rdzv-endpoint host, and the node
+    whose own address is the endpoint hosts the c10d store (`is_host`, unless --rdzv-conf says).
+    """
+    max_nodes = int(str(args.nnodes).split(":")[-1])
+    if max_nodes == 1 or not args.rdzv_endpoint:
+        return
+    host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")
+    try:
+        host_ip = socket.gethostbyname(host)
+    except OSError:
+        return  # unresolvable: torch's rendezvous says so with the endpoint in the message
+    local = _route_source(host_ip)
+    if local is None:
+        return
+    interfaces = network_interfaces()
+    if args.local_addr is None:
+        args.local_addr = local
+        names = [n for n, a in interfaces.items() if a == local]
+        print(f"ringtrain run: node {args.node_rank}: local address {local} (interface "
+              f"{names[0] if names else '?'}), the route to the rendezvous endpoint "
+              f"{args.rdzv_endpoint}; --local-addr overrides it", file=sys.stderr, flush=True)
+    conf = args.rdzv_conf or ""
+    if (args.rdzv_backend == "c10d" and "is_host=" not in conf
+            and host_ip in interfaces.values() and not _matches_machine_hostname(host)):
+        args.rdzv_conf = ",".join(filter(None, [conf, "is_host=true"]))
+
+
 def _describe_exit(failure: ProcessFailure) -> str:
     if failure.exitcode < 0:
         return f"killed by {failure.signal_name()}"
@@ -212,6 +261,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         return 2
     try:
         _single_node_rendezvous(args)
+        _multi_node_addresses(args)
         with _quiet_torch_logs():
             config, cmd, cmd_args = config_from_args(args)
     except (ValueError, RuntimeError, AssertionError) as e:
@@ -229,8 +279,10 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         return 0
     except ChildFailedError as e:
         print(format_failure(e), file=sys.stderr, flush=True)
-        # Every worker stopped on SIGTERM (after saving): say so with the same code, not 1.
-        if all(f.exitcode == STOPPED_EXIT_CODE for f in e.failures.values()):
+        # The workers stopped on SIGTERM after saving (a slow one may have been stopped by the
+        # agent itself): say so with the same code, not 1.
+        codes = {f.exitcode for f in e.failures.values()}
+        if STOPPED_EXIT_CODE in codes and codes <= {STOPPED_EXIT_CODE, -signal.SIGTERM}:
             return STOPPED_EXIT_CODE
         return 1
     except SignalException as e:  # the agent already stopped the workers with the same signal
