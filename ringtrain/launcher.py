@@ -50,6 +50,7 @@ LAUNCHER_PID_ENV = "RINGTRAIN_LAUNCHER_PID"  # lets a worker check its parent is
 # `ringtrain train` workers exit with 128 + SIGTERM after saving a snapshot on SIGTERM.
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PEER_FAILURE = "PeerFailure: "  # how a watchdog's error file starts (ringtrain.watchdog)
 # Lines torch's agent logs that the failure report below says once, better.
 _REPEATED_BY_REPORT = (
     "closing signal",  # one line per surviving worker
@@ -234,10 +235,13 @@ def format_failure(err: ChildFailedError) -> str:
     rank = root_cause(err.failures)
     failure = err.failures[rank]
     message, callstack = _error_text(failure)
-    # What it raised says more than the exit code (or the SIGTERM that cut its exit short).
-    lines = [f"ringtrain run: rank {rank} failed (local_rank {failure.local_rank}, host "
-             f"{socket.gethostname()}, pid {failure.pid}): {message or _describe_exit(failure)}"]
-    if callstack and callstack != message:
+    where = f"local_rank {failure.local_rank}, host {socket.gethostname()}, pid {failure.pid}"
+    if message.startswith(_PEER_FAILURE):
+        # Every rank here only stopped for a peer: the root cause ran on another node. Lead with it.
+        lines = [f"ringtrain run: {message[len(_PEER_FAILURE):]}; rank {rank} ({where}) stopped"]
+    else:  # what it raised says more than the exit code (or the SIGTERM that cut its exit short)
+        lines = [f"ringtrain run: rank {rank} failed ({where}): {message or _describe_exit(failure)}"]
+    if callstack and callstack != message and not message.startswith(_PEER_FAILURE):
         lines += ["  " + line for line in callstack.splitlines()]
     elif not message and failure.exitcode > 0 and failure.exitcode != STOPPED_EXIT_CODE:
         lines.append("  (its traceback, if any, is in its output above; decorate the script's "
