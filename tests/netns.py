@@ -3,6 +3,7 @@
     with two_hosts() as (a, b):          # a.addr == "198.18.0.1", b.addr == "198.18.0.2"
         p = b.popen([python, "-c", "..."])
         b.kill_all()                     # SIGKILL every process inside host b
+        # or b.unplug() first: its link goes down, packets dropped, no FIN/RST (power loss)
 
 Addresses come from 198.18.0.0/15 (reserved for benchmarking); nothing leaves the machine.
 The namespaces and links are removed on exit, also after a failure. `unavailable()` says why
@@ -52,6 +53,15 @@ class Host:
     def pids(self) -> list[int]:
         out = _ip("netns", "pids", self.netns, check=False).stdout
         return [int(p) for p in out.split()]
+
+    def unplug(self) -> None:
+        """Take this host's link down: from now on its packets are dropped, none refused.
+
+        Killing a host's processes makes its kernel close their sockets (FIN/RST), which peers
+        notice at once; a host that loses power or network sends nothing. Unplug first, then
+        `kill_all`, to have the second kind.
+        """
+        _ip("-n", self.netns, "link", "set", self.ifname, "down")
 
     def kill_all(self) -> None:
         """SIGKILL every process inside this host: the host 'vanishes'."""
