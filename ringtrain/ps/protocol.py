@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 HEADER_TAG = 1  # header and payload use different tags so a payload never matches a header
 PAYLOAD_TAG = 2
-HEADER_LEN = 6
+HEADER_LEN = 7
 
 
 class Kind(IntEnum):
@@ -124,16 +124,17 @@ class Header:
     lr: float  # push: learning rate for this update
     grad_clip: float  # push: max global norm (sync mode clips on the servers); 0 = none
     gap: int  # params: how far this worker is ahead of the slowest (SSP's staleness) at release
+    applied: int  # params: gradients applied so far, from every worker (samples / batch size)
 
 
 def _header(kind: Kind, clock: int = 0, version: int = 0, lr: float = 0.0,
-            grad_clip: float = 0.0, gap: int = 0) -> torch.Tensor:
-    return torch.tensor([kind, clock, version, lr, grad_clip, gap], dtype=torch.float64)
+            grad_clip: float = 0.0, gap: int = 0, applied: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, clock, version, lr, grad_clip, gap, applied], dtype=torch.float64)
 
 
 def _decode(t: torch.Tensor) -> Header:
-    kind, clock, version, lr, grad_clip, gap = t.tolist()
-    return Header(Kind(int(kind)), int(clock), int(version), lr, grad_clip, int(gap))
+    kind, clock, version, lr, grad_clip, gap, applied = t.tolist()
+    return Header(Kind(int(kind)), int(clock), int(version), lr, grad_clip, int(gap), int(applied))
 
 
 # -- worker side ------------------------------------------------------------------------------
@@ -194,9 +195,9 @@ def recv_request(grads_out: torch.Tensor, *, worker: int, group: dist.ProcessGro
 
 
 def send_params(params: torch.Tensor, *, kind: Kind, version: int, clock: int, gap: int,
-                worker: int, group: dist.ProcessGroup) -> None:
+                applied: int, worker: int, group: dist.ProcessGroup) -> None:
     """Send the shard's parameters (a pull's answer) with its version; blocks until sent."""
-    head = _header(kind, clock, version, gap=gap)
+    head = _header(kind, clock, version, gap=gap, applied=applied)
     works = [dist.isend(head, worker, group=group, tag=HEADER_TAG),
              dist.isend(params, worker, group=group, tag=PAYLOAD_TAG)]
     for w in works:

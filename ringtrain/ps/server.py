@@ -74,10 +74,11 @@ class ParameterServer:
         # The optimizer sees one Parameter per piece, each a view of the flat buffer: an update
         # changes `flat` in place, and a pull sends it as one message.
         self.params = [nn.Parameter(v) for v in piece_views(self.flat, self.pieces)]
-        for p, g in zip(self.params, piece_views(self.grad, self.pieces)):
+        for p, g in zip(self.params, piece_views(self.grad, self.pieces), strict=True):
             p.grad = g
         self.optimizer = optimizer_fn(self.params)
-        self.version = 0  # updates applied
+        self.version = 0  # updates applied (a sync update averages several gradients)
+        self.applied = 0  # gradients applied, from every worker
         workers = sorted(self.pair_groups)
         self.clocks = {w: 0 for w in workers}  # pushes received per worker
         self.live = set(workers)  # neither done nor lost
@@ -146,15 +147,15 @@ class ParameterServer:
                         self._cond.notify_all()
                     continue
                 if header.kind == Kind.PULL:
-                    kind, params, version, gap = self._answer(w, record=False)
+                    kind, params, version, gap, applied = self._answer(w, record=False)
                 else:
-                    kind, params, version, gap = self._push(w, header)
+                    kind, params, version, gap, applied = self._push(w, header)
                 send_params(params, kind=kind, version=version, clock=self.clocks[w], gap=gap,
-                            worker=w, group=group)
+                            applied=applied, worker=w, group=group)
         except Exception as e:  # noqa: BLE001 - gloo: peer closed or timed out; group torn down
             self._lose(w, e)
 
-    def _push(self, w: int, header) -> tuple[Kind, torch.Tensor, int, int]:
+    def _push(self, w: int, header) -> tuple[Kind, torch.Tensor, int, int, int]:
         with self._cond:
             self.at_sync.discard(w)
             if self.error is None and w in self.live:
@@ -174,7 +175,7 @@ class ParameterServer:
             return self._answer(w, record=True, locked=True)
 
     def _answer(self, w: int, *, record: bool, locked: bool = False):
-        """(kind, parameters, version, gap) for a pull by worker `w`."""
+        """(kind, parameters, version, gap, applied) for a pull by worker `w`."""
         if not locked:
             with self._cond:
                 return self._answer(w, record=record, locked=True)
@@ -182,7 +183,7 @@ class ParameterServer:
         if record:
             self.gap.add(gap)
         kind = Kind.ABORT if self.error is not None else Kind.PARAMS
-        return kind, self.flat.clone(), self.version, gap
+        return kind, self.flat.clone(), self.version, gap, self.applied
 
     # -- updates (called with the lock held) --------------------------------------------------
     def _min_clock(self) -> int:
@@ -211,6 +212,7 @@ class ParameterServer:
         if first.grad_clip > 0:
             self._clip(mean, first.grad_clip)
         self._apply(mean, first.lr)
+        self.applied += len(workers) - 1  # _apply counted one
         self._arrived.clear()
         self._round += 1
         self._cond.notify_all()
@@ -230,6 +232,7 @@ class ParameterServer:
             group["lr"] = lr
         self.optimizer.step()
         self.version += 1
+        self.applied += 1
 
     # -- workers leaving -------------------------------------------------------------------------
     def _leave(self, w: int) -> None:
@@ -268,7 +271,7 @@ class ParameterServer:
     # -- state -------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         with self._cond:
-            return {"updates": self.version, "workers_lost": len(self.lost),
+            return {"updates": self.version, "gradients": self.applied, "workers_lost": len(self.lost),
                     **self.gap.summary("staleness"), **self.lag.summary("update_lag")}
 
     def stats_tensor(self) -> torch.Tensor:
@@ -281,7 +284,7 @@ class ParameterServer:
         """The shard, its optimizer state, the version and the workers' clocks."""
         with self._cond:
             return {"flat": self.flat.clone(), "optimizer": self.optimizer.state_dict(),
-                    "version": self.version, "clocks": dict(self.clocks),
+                    "version": self.version, "applied": self.applied, "clocks": dict(self.clocks),
                     "pieces": [[p.name, p.row_start, p.row_end, list(p.shape)] for p in self.pieces]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -294,7 +297,7 @@ class ParameterServer:
         with self._cond:
             self.flat.copy_(state["flat"])
             self.optimizer.load_state_dict(state["optimizer"])
-            self.version = int(state["version"])
+            self.version, self.applied = int(state["version"]), int(state["applied"])
             self.clocks.update({int(w): int(c) for w, c in state["clocks"].items()})
 
 

@@ -66,7 +66,9 @@ class PSWorker:
         self._grads = [torch.zeros(plan.server_numel(i)) for i in range(plan.servers)]
         self._flats = [torch.zeros(plan.server_numel(i)) for i in range(plan.servers)]
         self.versions = [0] * plan.servers  # the version of each shard this replica holds
+        self.applied = 0  # gradients (all workers') the replica's parameters hold
         self.clock = 0  # pushes sent
+        self.pushed_at = 0.0  # time.monotonic() just before the last push left (instrument)
         self.gap = Tally()
         self._left = False
 
@@ -91,6 +93,7 @@ class PSWorker:
                    for i, s in enumerate(self.server_ranks)]
         self.clock += 1
         sends = []
+        self.pushed_at = time.monotonic()
         for i, s in enumerate(self.server_ranks):
             pack(grads, self._pieces[i], self._grads[i])
             sends += send_push(self._grads[i], clock=self.clock, base_version=self.versions[i],
@@ -104,6 +107,7 @@ class PSWorker:
         for i, p in enumerate(pending):
             head = p.wait()
             self.versions[i] = head.version
+            self.applied = head.applied if i == 0 else min(self.applied, head.applied)
             gap = max(gap, head.gap)
             if head.kind == Kind.ABORT:
                 aborted.append(self.server_ranks[i])
