@@ -50,6 +50,7 @@ LAUNCHER_PID_ENV = "RINGTRAIN_LAUNCHER_PID"  # lets a worker check its parent is
 # `ringtrain train` workers exit with 128 + SIGTERM after saving a snapshot on SIGTERM.
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _PEER_FAILURE = "PeerFailure: "  # how a watchdog's error file starts (ringtrain.watchdog)
 # Lines torch's agent logs that the failure report below says once, better.
 _REPEATED_BY_REPORT = (
@@ -274,6 +275,13 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     if entrypoint is not None:
         cmd, cmd_args = entrypoint, list(entry_args or [])
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    share_store = os.environ.get(_SHARE_STORE_ENV)
+    if args.max_restarts > 0 and share_store is None:
+        # torch's c10d rendezvous hands every attempt the same agent-hosted TCPStore, and the
+        # process group's keys carry no attempt number: a restarted worker can read the dead
+        # attempt's gloo/NCCL addresses and fail to connect (pytorch/pytorch#135712). Without
+        # the sharing, each attempt's rank 0 hosts a fresh store.
+        os.environ[_SHARE_STORE_ENV] = "1"
     # The agent installs handlers for these (raising SignalException); put ours back after.
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
                                                  signal.SIGQUIT)}
@@ -297,6 +305,8 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         print(f"ringtrain run: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if share_store is None:
+            os.environ.pop(_SHARE_STORE_ENV, None)
         for s, h in handlers.items():  # the agent replaced them; `launch` may be called again
             if h is not None:
                 with contextlib.suppress(ValueError):  # not on the main thread
