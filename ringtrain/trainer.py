@@ -367,7 +367,11 @@ class Trainer:
         return self._finish(started)
 
     def _stop_requested(self, stop: StopSignal | None) -> bool:
-        """Did any rank get SIGTERM? One int all-reduced (MAX) per step, so all stop together."""
+        """Did any rank get SIGTERM? One int all-reduced (MAX), so all stop at the same step.
+
+        Asked at every step boundary: on gloo with 2 ranks the all-reduce takes ~0.2 ms (median;
+        a few ms at the 90th percentile on a loaded 2-core machine), against tens of ms per step.
+        """
         if stop is None:
             return False
         if self.runtime.world_size == 1:
@@ -405,7 +409,8 @@ class Trainer:
                 self.on_step(self.step)
             last = self.step == c.steps
             evaluated = self.eval_set is not None and (self.step % c.eval_every == 0 or last)
-            if self.step % c.log_every == 0 or evaluated or last:
+            logged = self.step % c.log_every == 0 or evaluated or last
+            if logged:
                 rec = self._log(self.step, lr, self._window, self._window_s, self._window_steps, evaluated)
                 self._window, self._window_s, self._window_steps = [0.0] * 6, 0.0, 0
                 shown = {n: self.last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in self.last}
@@ -419,7 +424,10 @@ class Trainer:
                     log.info("step %d: %s", self.step, self._eval_text(rec))
             if cp is not None and cp.due(self.step):
                 cp.save(self.step)
-            if self._stop_requested(stop):  # this rank or another got SIGTERM
+            # Strategies whose ranks do not move in step (asynchronous parameter servers) may set
+            # `lockstep = False`: they are asked at metric steps only, which every rank shares.
+            ask = logged or getattr(s, "lockstep", True)
+            if ask and self._stop_requested(stop):  # this rank or another got SIGTERM
                 assert cp is not None
                 if cp.saved_step != self.step:
                     cp.save(self.step, reason="SIGTERM")
