@@ -32,9 +32,11 @@ import logging
 import os
 import random
 import signal
+import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +50,8 @@ from ringtrain.rng import get_rng_state, set_rng_state
 if TYPE_CHECKING:
     from ringtrain.trainer import Trainer
 
-__all__ = ["Checkpointer", "StopSignal", "config_differences", "elastic_batch", "reseed"]
+__all__ = ["Checkpointer", "StopSignal", "config_differences", "elastic_batch", "reseed",
+           "with_test_fault"]
 
 log = logging.getLogger("ringtrain")
 
@@ -136,6 +139,18 @@ class StopSignal:
             for s in self.signals:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
+
+    def agreed(self, world_size: int, process_group: dist.ProcessGroup | None = None) -> bool:
+        """Did any rank get the signal? One int all-reduced (MAX): call on every rank.
+
+        Cheap enough for every step boundary: on gloo with 2 ranks it takes ~0.2 ms (median; a
+        few ms at the 90th percentile on a loaded 2-core machine), against tens of ms per step.
+        """
+        if world_size == 1:
+            return self.received is not None
+        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+        return bool(flag.item())
 
     def __exit__(self, exc_type, exc, tb) -> None:
         for s, handler in self._previous.items():
@@ -321,3 +336,39 @@ class Checkpointer:
                  "per rank (was %d x %d on %d)", self.global_batch, wd, b, a, meta["batch_size"],
                  meta["grad_accum"], meta["topology"]["data_world_size"])
         c.batch_size, c.grad_accum = b, a
+
+
+# ---- fault injection, for tests -------------------------------------------------------------
+
+
+def with_test_fault(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], None] | None:
+    """Test-only fault injection: RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP.
+
+    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
+    (SIGTERM itself) or `term-launcher` (SIGTERM its parent, the launcher). Only in the first
+    attempt of a job, so a restarted job runs through. It prints the wall-clock time first, so
+    a test can time the recovery.
+    """
+    spec = os.environ.get("RINGTRAIN_TEST_FAULT")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return on_step
+    action, fault_rank, fault_step = spec.split(":")
+    if int(fault_rank) != rank:
+        return on_step
+
+    def hook(step: int) -> None:
+        if on_step is not None:
+            on_step(step)
+        if step != int(fault_step):
+            return
+        print(f"[rank {rank}] test fault: {action} after step {step} at unix time {time.time():.3f}",
+              file=sys.stderr, flush=True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif action == "term-launcher":
+            os.kill(os.getppid(), signal.SIGTERM)
+        else:
+            raise ValueError(f"RINGTRAIN_TEST_FAULT={spec!r}: ACTION is kill, term or term-launcher")
+    return hook

@@ -303,6 +303,7 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
 
     from ringtrain.launcher import record
     from ringtrain.progress import format_summary, setup_logging, write_json
+    from ringtrain.resume import with_test_fault
     from ringtrain.runtime import destroy_distributed, init_distributed
     from ringtrain.strategies import make_strategy
     from ringtrain.trainer import Trainer
@@ -357,7 +358,7 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
                     watchdog = stack.enter_context(Watchdog(
                         timeout_s=args.watchdog_timeout, interval_s=min(1.0, args.watchdog_timeout / 3)))
                     trainer.on_step = watchdog.set_step
-                trainer.on_step = _with_test_fault(trainer.on_step, rt.rank)
+                trainer.on_step = with_test_fault(trainer.on_step, rt.rank)
                 summary = trainer.fit()
             strategy.close()
             if summary.get("stopped_by"):
@@ -391,40 +392,6 @@ def _resume_or_clear(args: argparse.Namespace, rank: int, log) -> bool:
         log.info("--no-resume: deleting the snapshots in %s", old)
         shutil.rmtree(old)
     return False
-
-
-def _with_test_fault(on_step, rank: int):
-    """Test-only fault injection: RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP.
-
-    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
-    (SIGTERM itself) or `term-launcher` (SIGTERM its parent, the launcher). Only in the first
-    attempt of a job, so a restarted job runs through. It prints the wall-clock time first, so
-    a test can time the recovery.
-    """
-    spec = os.environ.get("RINGTRAIN_TEST_FAULT")
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
-        return on_step
-    action, fault_rank, fault_step = spec.split(":")
-    if int(fault_rank) != rank:
-        return on_step
-    import signal
-
-    def hook(step: int) -> None:
-        if on_step is not None:
-            on_step(step)
-        if step != int(fault_step):
-            return
-        print(f"[rank {rank}] test fault: {action} after step {step} at unix time {time.time():.3f}",
-              file=sys.stderr, flush=True)
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "term":
-            os.kill(os.getpid(), signal.SIGTERM)
-        elif action == "term-launcher":
-            os.kill(os.getppid(), signal.SIGTERM)
-        else:
-            raise ValueError(f"RINGTRAIN_TEST_FAULT={spec!r}: ACTION is kill, term or term-launcher")
-    return hook
 
 
 def main(argv: list[str] | None = None) -> int:
