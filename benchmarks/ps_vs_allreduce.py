@@ -13,7 +13,9 @@ process (3 processes on this 2-core machine: the realistic size here); DDP runs 
 - steps_to_target: global-batch steps (2 x batch samples each) behind the parameters that first
   reached the target: DDP's step count, or the gradients the servers applied / 2 for the PS
   modes; null when the target was not reached;
-- slow_worker: worker 1 sleeps as long as its forward/backward took, doubling its step time.
+- time_to_target_s: steps_to_target x 2 x batch / samples_per_s, what a user waits;
+- slow_worker: worker 1 sleeps, after every step, the median step time it had in the same
+  mode without the sleep, so its steps take twice as long.
 
 The last line printed is JSON: {"results": [{"mode", "slow_worker", "samples_per_s",
 "steps_to_target", ...}, ...]}.
@@ -41,7 +43,7 @@ MODES = {  # name -> (strategy, options)
 }
 
 
-def _run(rank: int, world_size: int, mode: str, slow: bool, target: float, steps: int,
+def _run(rank: int, world_size: int, mode: str, delay_s: float, target: float, steps: int,
          eval_every: int) -> dict:
     """One rank of one run (a module-level function: `run_workers` spawns it)."""
     from ringtrain.data.addition import AdditionDataset, exact_match
@@ -69,16 +71,18 @@ def _run(rank: int, world_size: int, mode: str, slow: bool, target: float, steps
         """Global-batch steps so far: DDP's own count; gradients applied / workers for a PS."""
         return strategy.worker.applied // WORKERS if is_ps else own
 
-    own, reached, acc = 0, None, None
+    own, reached, acc, step_s = 0, None, None, []
     dist.barrier()  # start together
     start = time.monotonic()
     while strategy.is_worker and global_step(own) < steps:
         if is_ps and rt.store.check(["bench/stop"]):
             break
-        res = strategy.train_step([batch(own)], lr=lr_at(global_step(own), schedule), grad_clip=1.0)
+        t0 = time.perf_counter()
+        strategy.train_step([batch(own)], lr=lr_at(global_step(own), schedule), grad_clip=1.0)
+        step_s.append(time.perf_counter() - t0)
         own += 1
-        if slow and rank == WORKERS - 1:
-            time.sleep(res.compute_s)  # the straggler: twice the compute time per step
+        if delay_s and rank == WORKERS - 1:
+            time.sleep(delay_s)  # the straggler
         if own % eval_every:
             continue
         hit = torch.zeros(1)
@@ -97,21 +101,23 @@ def _run(rank: int, world_size: int, mode: str, slow: bool, target: float, steps
     strategy.close()
     stats = strategy.stats() if is_ps and not strategy.is_worker else {}
     return {"steps": own, "start": start, "end": end, "reached": reached, "accuracy": acc,
-            "stats": stats}
+            "stats": stats, "step_s": statistics.median(step_s) if step_s else 0.0}
 
 
-def run(mode: str, slow: bool, args: argparse.Namespace) -> dict:
+def run(mode: str, delay_s: float, args: argparse.Namespace) -> dict:
+    """One run; worker 1 sleeps `delay_s` after every step (0: no straggler)."""
     from ringtrain.testing import run_workers
 
     world_size = WORKERS + (1 if MODES[mode][0] == "ps" else 0)
-    out = run_workers(_run, world_size, args=(mode, slow, args.target, args.steps,
+    out = run_workers(_run, world_size, args=(mode, delay_s, args.target, args.steps,
                                               args.eval_every), timeout_s=600)
     wall = max(r["end"] for r in out) - min(r["start"] for r in out)
     samples = sum(r["steps"] for r in out) * BATCH
     server = next((r["stats"] for r in out if r["stats"]), {})
-    return {"mode": mode, "slow_worker": slow, "samples_per_s": samples / wall,
+    return {"mode": mode, "slow_worker": delay_s > 0, "samples_per_s": samples / wall,
             "steps_to_target": out[0]["reached"], "wall_s": wall,
-            "worker_steps": [r["steps"] for r in out[:WORKERS]],
+            "worker_steps": [r["steps"] for r in out[:WORKERS]], "delay_ms": delay_s * 1e3,
+            "step_ms": [round(r["step_s"] * 1e3, 2) for r in out[:WORKERS]],
             "last_accuracy": out[0]["accuracy"],
             "staleness_max": server.get("staleness_max"), "staleness_mean": server.get("staleness_mean")}
 
@@ -132,17 +138,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; target accuracy "
           f"{args.target}; {WORKERS} workers x batch {BATCH} (+1 server for ps modes)", flush=True)
     rows = []
+    delays: dict[str, float] = {}
     for slow in (False, True):
         for mode in args.modes.split(","):
-            runs = [run(mode, slow, args) for _ in range(args.repeats)]
+            # The straggler sleeps one unslowed step time of its mode after each step (the
+            # median from the run without it), so its step takes twice as long.
+            delay = delays[mode] if slow else 0.0
+            runs = [run(mode, delay, args) for _ in range(args.repeats)]
+            if not slow:
+                delays[mode] = statistics.median(r["step_ms"][-1] for r in runs) / 1e3
             row = dict(runs[0])
             row["samples_per_s"] = statistics.median(r["samples_per_s"] for r in runs)
             reached = [r["steps_to_target"] for r in runs if r["steps_to_target"] is not None]
             row["steps_to_target"] = statistics.median(reached) if reached else None
+            # What a user waits for: the target's samples at this mode's rate.
+            row["time_to_target_s"] = (row["steps_to_target"] * WORKERS * BATCH / row["samples_per_s"]
+                                       if reached else None)
             rows.append(row)
+            ttt = row["time_to_target_s"]
             print(f"{mode:>14} slow={str(slow):5} {row['samples_per_s']:8.0f} samples/s  "
-                  f"steps_to_target {row['steps_to_target']}  wall {row['wall_s']:.1f} s  "
-                  f"worker steps {row['worker_steps']}  staleness max/mean "
+                  f"steps_to_target {row['steps_to_target']}  time_to_target "
+                  f"{'-' if ttt is None else f'{ttt:.1f} s'}  wall {row['wall_s']:.1f} s  "
+                  f"worker steps {row['worker_steps']}  step ms {row['step_ms']}  sleep ms "
+                  f"{row['delay_ms']:.1f}  staleness max/mean "
                   f"{row['staleness_max']}/{row['staleness_mean']}", flush=True)
     base = {r["slow_worker"]: r["samples_per_s"] for r in rows if r["mode"] == "allreduce-ddp"}
     if base:

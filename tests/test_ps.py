@@ -231,6 +231,27 @@ def test_a_dead_worker_in_sync_mode_fails_cleanly_naming_it():
     assert "--ps-mode async" in server["server_error"]
 
 
+def _dead_server(rank, world_size):
+    if rank == 2:  # the server leaves after set-up: its process exits, connections close
+        ps_strategy("async", 1)
+        return None
+    start = time.monotonic()
+    try:
+        s = ps_strategy("async", 1)
+        for step in range(50):
+            time.sleep(0.02)
+            s.train_step([batch(step, rank)], lr=0.01, grad_clip=None)
+    except PSError as e:
+        return {"error": str(e), "after_s": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_a_dead_server_is_named_by_every_worker():
+    for res in run_workers(_dead_server, 3, timeout_s=60)[:2]:
+        assert res["error"] is not None and "lost server rank 2" in res["error"], res
+        assert res["after_s"] < 30
+
+
 # -- server state survives a snapshot ----------------------------------------------------------
 def _snapshot_restore(rank, world_size, root):
     from ringtrain.checkpoint import SnapshotManager

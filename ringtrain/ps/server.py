@@ -152,8 +152,15 @@ class ParameterServer:
                     kind, params, version, gap, applied = self._push(w, header)
                 send_params(params, kind=kind, version=version, clock=self.clocks[w], gap=gap,
                             applied=applied, worker=w, group=group)
-        except Exception as e:  # noqa: BLE001 - gloo: peer closed or timed out; group torn down
+        except RuntimeError as e:  # gloo: the worker's connection closed, or the pair timed out
             self._lose(w, e)
+        except ValueError:  # this process tore its groups down (teardown without close())
+            return
+        except Exception as e:  # a bug: fail the job (other workers get ABORT) and show it
+            with self._cond:
+                self._fail(PSError(f"server rank {self.rank}: the thread serving worker rank {w} "
+                                   f"failed: {e!r}"))
+            raise
 
     def _push(self, w: int, header) -> tuple[Kind, torch.Tensor, int, int, int]:
         with self._cond:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -71,14 +72,16 @@ class PSWorker:
         self.pushed_at = 0.0  # time.monotonic() just before the last push left (instrument)
         self.gap = Tally()
         self._left = False
+        self._server: int | None = None  # the server being talked to, for error messages
 
     # -- exchanges ---------------------------------------------------------------------------
     def pull(self) -> PullResult:
         """Fetch the current parameters from every server (set-up, after a restore)."""
         t0 = time.perf_counter()
-        pending = [post_recv_params(self._flats[i], server=s, group=self.pair_groups[s])
-                   for i, s in enumerate(self.server_ranks)]
-        sends = [send_pull(server=s, group=self.pair_groups[s]) for s in self.server_ranks]
+        with self._naming_lost_server():
+            pending = [post_recv_params(self._flats[i], server=s, group=self.pair_groups[s])
+                       for i, s in enumerate(self.server_ranks)]
+            sends = [(s, send_pull(server=s, group=self.pair_groups[s])) for s in self.server_ranks]
         return self._finish(pending, sends, t0, record=False)
 
     def push_pull(self, *, lr: float, grad_clip: float | None = None) -> PullResult:
@@ -89,23 +92,44 @@ class PSWorker:
         """
         t0 = time.perf_counter()
         grads = {n: p.grad for n, p in self.params.items()}
-        pending = [post_recv_params(self._flats[i], server=s, group=self.pair_groups[s])
-                   for i, s in enumerate(self.server_ranks)]
         self.clock += 1
         sends = []
-        self.pushed_at = time.monotonic()
-        for i, s in enumerate(self.server_ranks):
-            pack(grads, self._pieces[i], self._grads[i])
-            sends += send_push(self._grads[i], clock=self.clock, base_version=self.versions[i],
-                               lr=lr, grad_clip=grad_clip, server=s, group=self.pair_groups[s])
+        with self._naming_lost_server():
+            pending = [post_recv_params(self._flats[i], server=s, group=self.pair_groups[s])
+                       for i, s in enumerate(self.server_ranks)]
+            self.pushed_at = time.monotonic()
+            for i, s in enumerate(self.server_ranks):
+                self._server = s
+                pack(grads, self._pieces[i], self._grads[i])
+                sends += [(s, w) for w in send_push(
+                    self._grads[i], clock=self.clock, base_version=self.versions[i], lr=lr,
+                    grad_clip=grad_clip, server=s, group=self.pair_groups[s])]
         return self._finish(pending, sends, t0, record=True)
 
+    @contextmanager
+    def _naming_lost_server(self):
+        """Turn gloo's "connection closed" into a PSError that names the server rank."""
+        self._server = None
+        try:
+            yield
+        except RuntimeError as e:
+            where = f"server rank {self._server}" if self._server is not None else "a server"
+            raise PSError(
+                f"worker rank {self.rank}: lost {where} at step {self.clock} "
+                f"({str(e).splitlines()[0][:160]}); the servers hold the only copy of the "
+                "optimizer state: restart from the last snapshot") from e
+
     def _finish(self, pending, sends, t0: float, *, record: bool) -> PullResult:
-        for w in sends:
-            w.wait()
+        with self._naming_lost_server():
+            for s, w in sends:
+                self._server = s
+                w.wait()
+            heads = []
+            for i, p in enumerate(pending):
+                self._server = self.server_ranks[i]
+                heads.append(p.wait())
         gap, aborted = 0, []
-        for i, p in enumerate(pending):
-            head = p.wait()
+        for i, head in enumerate(heads):
             self.versions[i] = head.version
             self.applied = head.applied if i == 0 else min(self.applied, head.applied)
             gap = max(gap, head.gap)
@@ -123,8 +147,10 @@ class PSWorker:
 
     def sync_point(self) -> None:
         """Tell every server this worker is entering an end-of-run collective."""
-        for s in self.server_ranks:
-            send_sync(server=s, group=self.pair_groups[s])
+        with self._naming_lost_server():
+            for s in self.server_ranks:
+                self._server = s
+                send_sync(server=s, group=self.pair_groups[s])
 
     def leave(self) -> None:
         """Tell every server this worker is done (idempotent)."""
