@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         # Decided once, before any relaunch, so all workers agree; under an outside launcher
         # only rank 0 (the one that writes) makes one.
         args.run_dir = new_run_dir()
-    if args.nproc_per_node > 1 and not _in_launched_worker():
+    # One worker with --max-restarts also goes through the launcher: its agent does the restarts.
+    if (args.nproc_per_node > 1 or args.max_restarts > 0) and not _in_launched_worker():
         from ringtrain.launcher import launch
 
         os.environ["RINGTRAIN_STARTED_AT"] = str(started_at)  # wall_s includes the start-up
