@@ -8,6 +8,7 @@ and 3 gloo ranks over sizes that do not divide evenly (and sizes smaller than th
 
 from __future__ import annotations
 
+import time
 import traceback
 
 import pytest
@@ -100,6 +101,16 @@ def _hooks_vs_all_reduce(rank, world_size):
             result = hook(_bucket_of(buffer)).wait()
             assert result.dtype == torch.float32 and result.numel() == numel, name
             out.setdefault(name, []).append((result - expected).abs().max().item())
+    # With a RingAllReduceState the hook returns at once (backward goes on) and the future
+    # completes when the ring is done: rank 0 submits while rank 1 is still sleeping.
+    dist.barrier()
+    if rank > 0:
+        time.sleep(0.3)
+    buffer = torch.full((1001,), float(rank))
+    fut = ring_allreduce_hook(state, _bucket_of(buffer))
+    out["ring_thread_returned_early"] = [0.0 if (rank > 0 or not fut.done()) else 1.0]
+    result = fut.wait()
+    out["ring_thread_late"] = [(result - sum(range(world_size)) / world_size).abs().max().item()]
     # A subgroup: the ring addresses peers by their global rank.
     sub = dist.new_group(list(range(world_size)))
     y = torch.full((7,), float(rank + 1))
@@ -193,7 +204,7 @@ def sessions():
 
 
 # fp16 keeps ~3 significant digits, bf16 ~2; inputs are O(1) and averaged over <= 3 ranks.
-TOLERANCE = {"ring_all_reduce_sum": 1e-5, "allreduce_hook": 1e-6, "ring_inline": 1e-6, "ring_thread": 1e-6,
+TOLERANCE = {"ring_thread_returned_early": 0, "ring_thread_late": 1e-6, "ring_all_reduce_sum": 1e-5, "allreduce_hook": 1e-6, "ring_inline": 1e-6, "ring_thread": 1e-6,
              "fp16": 2e-3, "bf16": 2e-2, "subgroup": 1e-6}
 
 
