@@ -353,7 +353,7 @@ class Trainer:
             os.makedirs(self.run_dir, exist_ok=True)
             # A resumed run drops the lines written after its snapshot (they are trained again).
             self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
-                                      resume_at=resumed_at)
+                                      resume_at=self.step if self.step > 0 else None)
         catch = cp is not None and cp.every > 0
         try:
             with StopSignal() if catch else nullcontext() as stop:
