@@ -345,7 +345,8 @@ def with_test_fault(on_step: Callable[[int], None] | None, rank: int) -> Callabl
     """Test-only fault injection: RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP.
 
     After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
-    (SIGTERM itself) or `term-launcher` (SIGTERM its parent, the launcher). Only in the first
+    (SIGTERM itself) or `term-launcher` (SIGTERM its parent, the launcher, and wait for the
+    signal it forwards, so the job stops at that step). Only in the first
     attempt of a job, so a restarted job runs through. It prints the wall-clock time first, so
     a test can time the recovery.
     """
@@ -369,6 +370,11 @@ def with_test_fault(on_step: Callable[[int], None] | None, rank: int) -> Callabl
             os.kill(os.getpid(), signal.SIGTERM)
         elif action == "term-launcher":
             os.kill(os.getppid(), signal.SIGTERM)
+            # Wait (bounded) until the launcher has forwarded it here, so this is the stop step.
+            stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+            deadline = time.monotonic() + 10
+            while getattr(stop, "received", 0) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
         else:
             raise ValueError(f"RINGTRAIN_TEST_FAULT={spec!r}: ACTION is kill, term or term-launcher")
     return hook
