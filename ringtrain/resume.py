@@ -346,9 +346,9 @@ def with_test_fault(on_step: Callable[[int], None] | None, rank: int) -> Callabl
 
     After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
     (SIGTERM itself) or `term-launcher` (SIGTERM its parent, the launcher, and wait for the
-    signal it forwards, so the job stops at that step). Only in the first
-    attempt of a job, so a restarted job runs through. It prints the wall-clock time first, so
-    a test can time the recovery.
+    signal it forwards, so the job stops at that step). Only in the first attempt of a job, so
+    a restarted job runs through. It prints the wall-clock time first, so a test can time the
+    recovery.
     """
     spec = os.environ.get("RINGTRAIN_TEST_FAULT")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
