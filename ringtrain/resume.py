@@ -167,9 +167,9 @@ def _replicated(strategy: Any) -> bool:
     """True when every rank holds the same strategy state (the whole model and optimizer).
 
     Then rank 0 alone writes it and any number of ranks can load it (elastic resume).
-    Strategies say so with a `replicated_state` attribute; DDP's is assumed.
+    Strategies say so with their `replicated_state` attribute.
     """
-    return bool(getattr(strategy, "replicated_state", strategy.name == "ddp"))
+    return bool(strategy.replicated_state)
 
 
 class Checkpointer:

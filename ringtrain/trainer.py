@@ -412,7 +412,7 @@ class Trainer:
                 cp.save(self.step)
             # Strategies whose ranks do not move in step (asynchronous parameter servers) may set
             # `lockstep = False`: they are asked at metric steps only, which every rank shares.
-            ask = logged or getattr(s, "lockstep", True)
+            ask = logged or s.lockstep
             if stop is not None and ask and stop.agreed(self.runtime.world_size, self.runtime.process_group):
                 assert cp is not None  # this rank or another got SIGTERM
                 if cp.saved_step != self.step:

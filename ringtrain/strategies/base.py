@@ -41,6 +41,12 @@ class Strategy(ABC):
     """One rank's view of a distributed model. Call every method on every rank, same order."""
 
     name: str = ""
+    # True when every rank holds the whole model and optimizer state (DDP): a snapshot is then
+    # written once and can be resumed on any number of ranks. False: per-rank parts, same layout.
+    replicated_state: bool = False
+    # False when ranks may legitimately drift apart in steps (async/ssp parameter server): the
+    # trainer then asks for agreement (SIGTERM, stop) at metric steps only, which all ranks share.
+    lockstep: bool = True
 
     @abstractmethod
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:

@@ -38,6 +38,7 @@ class DDPStrategy(Strategy):
     """
 
     name = "ddp"
+    replicated_state = True
 
     def __init__(self, runtime: Runtime, *, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False):
