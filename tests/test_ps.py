@@ -81,7 +81,9 @@ def _sync_vs_ddp(rank, world_size, servers, steps, grad_clip):
     worker_group = dist.new_group(list(range(workers)))  # every rank creates it, in order
     out = {}
     for optimizer in OPTIMIZERS:
-        s = ps_strategy("sync", servers, optimizer, split_numel=100)  # splits the 24x24 matrix
+        # split_numel splits the 24x24 matrix across servers; bucket_numel=64 makes many push
+        # buckets, so gradients leave from the hooks while backward still runs.
+        s = ps_strategy("sync", servers, optimizer, split_numel=100, bucket_numel=64)
         for step in range(steps):
             micro = [batch(step, rank)] if s.is_worker else []
             s.train_step(micro, lr=LRS[step % len(LRS)], grad_clip=grad_clip)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from ringtrain.ps.sharding import pack, plan_shards, unpack
+from ringtrain.ps.sharding import bucket_bounds, pack, plan_shards, unpack
 
 SHAPES = [("emb", (50, 8)), ("w1", (8, 32)), ("b1", (32,)), ("w2", (32, 8)), ("b2", (8,)),
           ("ln", (8,)), ("head", (8, 50))]
@@ -107,3 +107,14 @@ def test_pack_writes_zeros_for_a_missing_gradient():
     plan = plan_shards([("a", (2, 2)), ("b", (3,))], 1)
     flat = pack({"a": torch.ones(2, 2), "b": None}, plan.for_server(0), torch.full((7,), 9.0))
     assert flat.tolist() == [1, 1, 1, 1, 0, 0, 0]
+
+
+def test_buckets_are_whole_pieces_about_the_cap():
+    plan = plan_shards([("a", (10,)), ("b", (30,)), ("c", (5,)), ("d", (100,)), ("e", (1,))], 1)
+    pieces = plan.for_server(0)
+    assert bucket_bounds(pieces, 40) == [(0, 40), (40, 45), (45, 145), (145, 146)]
+    assert bucket_bounds(pieces, 1000) == [(0, 146)]
+    assert bucket_bounds(pieces, 1) == [(0, 10), (10, 40), (40, 45), (45, 145), (145, 146)]
+    assert bucket_bounds((), 10) == []
+    with pytest.raises(ValueError, match="bucket cap 0"):
+        bucket_bounds(pieces, 0)

@@ -9,13 +9,16 @@ Messages on a pair group, in order:
 
     worker -> server   pull()                         at set-up and after a restore
     server -> worker   params(version, gap)           the answer: the current parameters
-    worker -> server   push(grads, clock, base, lr)   after every step
+    worker -> server   push(clock, base, lr, clip)    as the step's last backward starts,
+                       bucket(b) ...                  each as soon as its gradients are ready,
+                       norm(|g|^2)                    when backward is done
     server -> worker   params(version, gap)           the answer: parameters after the update
     worker -> server   sync()                         entering an end-of-run collective
     worker -> server   done()                         when the worker leaves
 
-Each message is a small float64 header then, where it has one, a flat fp32 payload. Every
-call below is one message; nothing is dispatched on strings.
+A message is a small float64 header and, where it has one, a flat fp32 payload (a push's
+payload is cut into buckets of whole parameters, see `sharding.bucket_bounds`). Every call
+below is one message part; nothing is dispatched on strings.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-HEADER_TAG = 1  # header and payload use different tags so a payload never matches a header
-PAYLOAD_TAG = 2
+HEADER_TAG = 1  # each part of a message has its own tag, so parts cannot be mistaken
+PARAMS_TAG = 2  # server -> worker: the parameters
+NORM_TAG = 3  # worker -> server: the squared norm of the whole gradient, after the buckets
+BUCKET_TAG = 16  # worker -> server: gradient bucket b travels with tag BUCKET_TAG + b
 HEADER_LEN = 7
 
 
@@ -138,12 +143,23 @@ def _decode(t: torch.Tensor) -> Header:
 
 
 # -- worker side ------------------------------------------------------------------------------
-def send_push(grads: torch.Tensor, *, clock: int, base_version: int, lr: float,
-              grad_clip: float | None, server: int, group: dist.ProcessGroup) -> list[dist.Work]:
-    """Start sending one step's gradients for `server`'s shard; wait on the returned works."""
+def send_push_header(*, clock: int, base_version: int, lr: float, grad_clip: float | None,
+                     server: int, group: dist.ProcessGroup) -> dist.Work:
+    """Open a push: its buckets and its norm follow (`send_bucket`, `send_push_norm`)."""
     head = _header(Kind.PUSH, clock, base_version, lr, grad_clip or 0.0)
-    return [dist.isend(head, server, group=group, tag=HEADER_TAG),
-            dist.isend(grads, server, group=group, tag=PAYLOAD_TAG)]
+    return dist.isend(head, server, group=group, tag=HEADER_TAG)
+
+
+def send_bucket(grads: torch.Tensor, *, bucket: int, server: int,
+                group: dist.ProcessGroup) -> dist.Work:
+    """Start sending gradient bucket `bucket` of a push (a contiguous slice of the flat buffer)."""
+    return dist.isend(grads, server, group=group, tag=BUCKET_TAG + bucket)
+
+
+def send_push_norm(sq_norm: float, *, server: int, group: dist.ProcessGroup) -> dist.Work:
+    """Close a push with the squared norm of the worker's whole gradient (async clipping)."""
+    t = torch.tensor([sq_norm], dtype=torch.float64)
+    return dist.isend(t, server, group=group, tag=NORM_TAG)
 
 
 def send_pull(*, server: int, group: dist.ProcessGroup) -> dist.Work:
@@ -167,7 +183,7 @@ class PendingParams:
     def __init__(self, out: torch.Tensor, server: int, group: dist.ProcessGroup):
         self._head = torch.zeros(HEADER_LEN, dtype=torch.float64)
         self._works = [dist.irecv(self._head, server, group=group, tag=HEADER_TAG),
-                       dist.irecv(out, server, group=group, tag=PAYLOAD_TAG)]
+                       dist.irecv(out, server, group=group, tag=PARAMS_TAG)]
 
     def wait(self) -> Header:
         for w in self._works:
@@ -181,17 +197,25 @@ def post_recv_params(out: torch.Tensor, *, server: int, group: dist.ProcessGroup
 
 
 # -- server side ------------------------------------------------------------------------------
-def recv_request(grads_out: torch.Tensor, *, worker: int, group: dist.ProcessGroup) -> Header:
-    """Block until `worker`'s next message; a push's gradients land in `grads_out`.
+def recv_request(grads_out: torch.Tensor, buckets: list[tuple[int, int]], *, worker: int,
+                 group: dist.ProcessGroup) -> tuple[Header, float]:
+    """Block until `worker`'s next message: (header, squared gradient norm; 0 unless a push).
 
+    A push's buckets land in their slices of `grads_out`, in whatever order they were sent.
     Raises RuntimeError (gloo's) when the worker's connection closes or the pair times out.
     """
     head = torch.zeros(HEADER_LEN, dtype=torch.float64)
     dist.recv(head, worker, group=group, tag=HEADER_TAG)
     header = _decode(head)
-    if header.kind == Kind.PUSH:
-        dist.recv(grads_out, worker, group=group, tag=PAYLOAD_TAG)
-    return header
+    if header.kind != Kind.PUSH:
+        return header, 0.0
+    sq_norm = torch.zeros(1, dtype=torch.float64)
+    works = [dist.irecv(grads_out[a:b], worker, group=group, tag=BUCKET_TAG + i)
+             for i, (a, b) in enumerate(buckets)]
+    works.append(dist.irecv(sq_norm, worker, group=group, tag=NORM_TAG))
+    for w in works:
+        w.wait()
+    return header, float(sq_norm)
 
 
 def send_params(params: torch.Tensor, *, kind: Kind, version: int, clock: int, gap: int,
@@ -199,6 +223,6 @@ def send_params(params: torch.Tensor, *, kind: Kind, version: int, clock: int, g
     """Send the shard's parameters (a pull's answer) with its version; blocks until sent."""
     head = _header(kind, clock, version, gap=gap, applied=applied)
     works = [dist.isend(head, worker, group=group, tag=HEADER_TAG),
-             dist.isend(params, worker, group=group, tag=PAYLOAD_TAG)]
+             dist.isend(params, worker, group=group, tag=PARAMS_TAG)]
     for w in works:
         w.wait()

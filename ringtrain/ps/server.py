@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.ps.protocol import Kind, PSError, recv_request, send_params
-from ringtrain.ps.sharding import Piece, piece_views
+from ringtrain.ps.sharding import DEFAULT_BUCKET_NUMEL, Piece, bucket_bounds, piece_views
 from ringtrain.ps.stats import Tally
 from ringtrain.strategies.base import OptimizerFn
 
@@ -56,12 +56,14 @@ class ParameterServer:
         pair_groups: worker rank -> the group this server shares with it.
         server_group: all servers (sync mode clips the gradient by its global norm), or None.
         timeout_s: longest wait for a sync round or an SSP release before the job is failed.
+        bucket_numel: the workers' push bucket size (it must be the workers' value).
     """
 
     def __init__(self, rank: int, pieces: Sequence[Piece], initial: torch.Tensor,
                  optimizer_fn: OptimizerFn, *, mode: str, staleness: int,
                  pair_groups: Mapping[int, dist.ProcessGroup],
-                 server_group: dist.ProcessGroup | None = None, timeout_s: float = 300.0):
+                 server_group: dist.ProcessGroup | None = None, timeout_s: float = 300.0,
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES} (--ps-mode)")
         if staleness < 0:
@@ -69,6 +71,7 @@ class ParameterServer:
         self.rank, self.pieces, self.mode, self.staleness = rank, tuple(pieces), mode, staleness
         self.pair_groups = dict(pair_groups)
         self.server_group, self.timeout_s = server_group, timeout_s
+        self.buckets = bucket_bounds(self.pieces, bucket_numel)
         self.flat = initial.detach().to(torch.float32).clone()
         self.grad = torch.zeros_like(self.flat)
         # The optimizer sees one Parameter per piece, each a view of the flat buffer: an update
@@ -137,7 +140,7 @@ class ParameterServer:
         group = self.pair_groups[w]
         try:
             while True:
-                header = recv_request(self._bufs[w], worker=w, group=group)
+                header, sq_norm = recv_request(self._bufs[w], self.buckets, worker=w, group=group)
                 if header.kind == Kind.DONE:
                     self._leave(w)
                     return
@@ -149,7 +152,7 @@ class ParameterServer:
                 if header.kind == Kind.PULL:
                     kind, params, version, gap, applied = self._answer(w, record=False)
                 else:
-                    kind, params, version, gap, applied = self._push(w, header)
+                    kind, params, version, gap, applied = self._push(w, header, sq_norm)
                 send_params(params, kind=kind, version=version, clock=self.clocks[w], gap=gap,
                             applied=applied, worker=w, group=group)
         except RuntimeError as e:  # gloo: the worker's connection closed, or the pair timed out
@@ -162,7 +165,7 @@ class ParameterServer:
                                    f"failed: {e!r}"))
             raise
 
-    def _push(self, w: int, header) -> tuple[Kind, torch.Tensor, int, int, int]:
+    def _push(self, w: int, header, sq_norm: float) -> tuple[Kind, torch.Tensor, int, int, int]:
         with self._cond:
             self.at_sync.discard(w)
             if self.error is None and w in self.live:
@@ -173,6 +176,8 @@ class ParameterServer:
                     self._complete_round()
                     self._wait(lambda: self._round > my_round, f"the sync round of step {header.clock}")
                 else:
+                    if header.grad_clip > 0:  # this push is an update of its own: its own norm
+                        _clip(self._bufs[w], header.grad_clip, sq_norm)
                     self.lag.add(self.version - header.version)
                     self._apply(self._bufs[w], header.lr)
                     self._cond.notify_all()  # a clock moved: SSP waiters re-check
@@ -225,13 +230,11 @@ class ParameterServer:
         self._cond.notify_all()
 
     def _clip(self, grad: torch.Tensor, max_norm: float) -> None:
-        """Scale by max_norm / global norm, as `clip_grad_norm_` does over the whole model."""
+        """Sync: clip the mean gradient by its norm over the whole model (all servers)."""
         sq = grad.double().pow(2).sum().reshape(1)
         if self.server_group is not None:
             dist.all_reduce(sq, group=self.server_group)  # every server completes rounds in order
-        coef = max_norm / (float(sq.sqrt()) + 1e-6)
-        if coef < 1.0:
-            grad.mul_(coef)
+        _clip(grad, max_norm, float(sq))
 
     def _apply(self, grad: torch.Tensor, lr: float) -> None:
         self.grad.copy_(grad)
@@ -306,6 +309,13 @@ class ParameterServer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.version, self.applied = int(state["version"]), int(state["applied"])
             self.clocks.update({int(w): int(c) for w, c in state["clocks"].items()})
+
+
+def _clip(grad: torch.Tensor, max_norm: float, sq_norm: float) -> None:
+    """Scale by max_norm / norm when the norm is larger, as `clip_grad_norm_` does."""
+    coef = max_norm / (sq_norm ** 0.5 + 1e-6)
+    if coef < 1.0:
+        grad.mul_(coef)
 
 
 def _plain(x: Any) -> Any:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_SPLIT_NUMEL = 1 << 20  # ~ MXNet's MXNET_KVSTORE_BIGARRAY_BOUND (1e6 elements)
+DEFAULT_BUCKET_NUMEL = 1 << 18  # 1 MB of fp32 per push bucket (DDP's first bucket is 1 MB)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,27 @@ def unpack(flat: torch.Tensor, pieces: Sequence[Piece],
     """Copy each piece from the flat buffer into the matching rows of `into[name]`."""
     for p in pieces:
         piece_view(into[p.name], p).copy_(flat[p.offset:p.offset + p.numel].view(p.shape))
+
+
+def bucket_bounds(pieces: Sequence[Piece], cap_numel: int) -> list[tuple[int, int]]:
+    """Cut a server's flat buffer into [start, end) buckets of whole pieces, in flat order.
+
+    A bucket closes before the piece that would take it past `cap_numel` (a piece larger
+    than the cap is a bucket of its own). A worker sends each bucket as soon as its pieces'
+    gradients are ready, so smaller buckets start sending earlier in backward.
+    """
+    if cap_numel < 1:
+        raise ValueError(f"bucket cap {cap_numel}: use a positive element count")
+    bounds: list[tuple[int, int]] = []
+    start = size = 0
+    for p in pieces:
+        if size and size + p.numel > cap_numel:
+            bounds.append((start, start + size))
+            start, size = start + size, 0
+        size += p.numel
+    if size:
+        bounds.append((start, start + size))
+    return bounds
 
 
 def piece_views(flat: torch.Tensor, pieces: Sequence[Piece]) -> list[torch.Tensor]:

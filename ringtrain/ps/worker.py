@@ -3,8 +3,10 @@
 Used by `PSStrategy` on worker ranks; tests drive it directly (`.venv/bin/pytest -q
 tests/test_ps.py`).
 
-A step's communication is one message per server each way. The receive for every server's
-answer is posted before any gradient is sent, and the pushes to all servers are in flight
+A step's communication is one push per server and one answer back. The receive for every
+server's answer is posted before the step's last backward starts; each push is cut into
+buckets of whole parameters, and a gradient hook sends a bucket the moment its gradients are
+final, so pushing overlaps the rest of backward; the pushes to all servers are in flight
 together, so the servers work on their shards at the same time and each answer lands as soon
 as its server is done. Buffers are flat, on the CPU (the transport is gloo), allocated once.
 """
@@ -24,12 +26,21 @@ from ringtrain.ps.protocol import (
     Kind,
     PSError,
     post_recv_params,
+    send_bucket,
     send_done,
     send_pull,
-    send_push,
+    send_push_header,
+    send_push_norm,
     send_sync,
 )
-from ringtrain.ps.sharding import ShardPlan, pack, unpack
+from ringtrain.ps.sharding import (
+    DEFAULT_BUCKET_NUMEL,
+    Piece,
+    ShardPlan,
+    bucket_bounds,
+    pack,
+    unpack,
+)
 from ringtrain.ps.stats import Tally
 
 
@@ -50,10 +61,12 @@ class PSWorker:
         rank: this worker's global rank.
         server_ranks: global rank of server index 0, 1, ...
         pair_groups: server rank -> the group this worker shares with it.
+        bucket_numel: push bucket size in elements (the servers must use the same).
     """
 
     def __init__(self, module: nn.Module, plan: ShardPlan, *, rank: int,
-                 server_ranks: Sequence[int], pair_groups: Mapping[int, dist.ProcessGroup]):
+                 server_ranks: Sequence[int], pair_groups: Mapping[int, dist.ProcessGroup],
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL):
         self.module, self.plan, self.rank = module, plan, rank
         self.server_ranks = list(server_ranks)
         self.pair_groups = dict(pair_groups)
@@ -73,6 +86,18 @@ class PSWorker:
         self.gap = Tally()
         self._left = False
         self._server: int | None = None  # the server being talked to, for error messages
+        # Buckets: per server, [start, end) slices of its flat buffer, made of whole pieces.
+        self._buckets = [bucket_bounds(pieces, bucket_numel) for pieces in self._pieces]
+        self._bucket_pieces: dict[tuple[int, int], list[Piece]] = {}
+        self._slots: dict[str, list[tuple[int, int]]] = {n: [] for n in self.params}
+        for i, pieces in enumerate(self._pieces):
+            for p in pieces:
+                b = next(b for b, (a, z) in enumerate(self._buckets[i]) if a <= p.offset < z)
+                self._bucket_pieces.setdefault((i, b), []).append(p)
+                self._slots[p.name].append((i, b))
+        self._armed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, n=n: self._on_grad(n))
+                       for n, p in self.params.items()]
 
     # -- exchanges ---------------------------------------------------------------------------
     def pull(self) -> PullResult:
@@ -87,24 +112,70 @@ class PSWorker:
     def push_pull(self, *, lr: float, grad_clip: float | None = None) -> PullResult:
         """Send this step's gradients (`.grad` of the module) and take the updated parameters.
 
-        `grad_clip` travels with the push: the servers apply it to the averaged gradient in
-        sync mode; in async/ssp the caller clips before pushing and passes None.
+        The naive reference: everything is sent after backward. `begin_push()` before the
+        last backward, then `finish_push()`, sends the same messages, earlier.
         """
-        t0 = time.perf_counter()
-        grads = {n: p.grad for n, p in self.params.items()}
+        self.begin_push(lr=lr, grad_clip=grad_clip, overlap=False)
+        return self.finish_push()
+
+    def begin_push(self, *, lr: float, grad_clip: float | None = None,
+                   overlap: bool = True) -> None:
+        """Open this step's push; call just before the step's last backward.
+
+        Answers' receives are posted and every server is told a push is coming. With
+        `overlap`, each gradient bucket is sent from a gradient hook the moment its last
+        parameter's gradient is final, while backward goes on with earlier layers (buckets
+        fill in reverse layer order, as gradients are produced). `grad_clip` travels with
+        the push: the servers clip the mean gradient (sync) or each push by its own norm.
+        """
+        self._t0 = time.perf_counter()
         self.clock += 1
-        sends = []
+        self._sends = []
         with self._naming_lost_server():
-            pending = [post_recv_params(self._flats[i], server=s, group=self.pair_groups[s])
-                       for i, s in enumerate(self.server_ranks)]
+            self._pending = [post_recv_params(self._flats[i], server=s, group=self.pair_groups[s])
+                             for i, s in enumerate(self.server_ranks)]
             self.pushed_at = time.monotonic()
             for i, s in enumerate(self.server_ranks):
                 self._server = s
-                pack(grads, self._pieces[i], self._grads[i])
-                sends += [(s, w) for w in send_push(
-                    self._grads[i], clock=self.clock, base_version=self.versions[i], lr=lr,
-                    grad_clip=grad_clip, server=s, group=self.pair_groups[s])]
-        return self._finish(pending, sends, t0, record=True)
+                self._sends.append((s, send_push_header(
+                    clock=self.clock, base_version=self.versions[i], lr=lr, grad_clip=grad_clip,
+                    server=s, group=self.pair_groups[s])))
+        self._unsent = {(i, b) for i, bs in enumerate(self._buckets) for b in range(len(bs))}
+        self._missing = {key: len(pieces) for key, pieces in self._bucket_pieces.items()}
+        self._armed = overlap
+
+    def _on_grad(self, name: str) -> None:
+        """Gradient hook: `name`'s gradient is final for this backward."""
+        if not self._armed:
+            return
+        for key in self._slots[name]:
+            self._missing[key] -= 1
+            if self._missing[key] == 0:
+                self._send_bucket(*key)
+
+    def _send_bucket(self, i: int, b: int) -> None:
+        s = self.server_ranks[i]
+        a, z = self._buckets[i][b]
+        grads = {n: self.params[n].grad for n in {p.name for p in self._bucket_pieces[(i, b)]}}
+        pack(grads, self._bucket_pieces[(i, b)], self._grads[i])
+        with self._naming_lost_server():
+            self._server = s
+            self._sends.append((s, send_bucket(self._grads[i][a:z], bucket=b, server=s,
+                                               group=self.pair_groups[s])))
+        self._unsent.discard((i, b))
+
+    def finish_push(self) -> PullResult:
+        """Send what backward did not (all, without overlap), then wait for the answers."""
+        self._armed = False
+        for key in sorted(self._unsent):  # parameters that got no gradient count as zeros
+            self._send_bucket(*key)
+        sq_norm = sum(float(p.grad.double().pow(2).sum()) for p in self.params.values()
+                      if p.grad is not None)
+        with self._naming_lost_server():
+            for s in self.server_ranks:
+                self._server = s
+                self._sends.append((s, send_push_norm(sq_norm, server=s, group=self.pair_groups[s])))
+        return self._finish(self._pending, self._sends, self._t0, record=True)
 
     @contextmanager
     def _naming_lost_server(self):
@@ -153,9 +224,11 @@ class PSWorker:
                 send_sync(server=s, group=self.pair_groups[s])
 
     def leave(self) -> None:
-        """Tell every server this worker is done (idempotent)."""
+        """Tell every server this worker is done (idempotent); removes the gradient hooks."""
         if self._left:
             return
         self._left = True
+        for h in self._hooks:
+            h.remove()
         for s in self.server_ranks:
             send_done(server=s, group=self.pair_groups[s])

@@ -28,7 +28,13 @@ from torch import nn
 
 from ringtrain.ps.protocol import PSError, PSTopology, make_ps_groups
 from ringtrain.ps.server import MODES, ParameterServer
-from ringtrain.ps.sharding import DEFAULT_SPLIT_NUMEL, pack, plan_shards, unpack
+from ringtrain.ps.sharding import (
+    DEFAULT_BUCKET_NUMEL,
+    DEFAULT_SPLIT_NUMEL,
+    pack,
+    plan_shards,
+    unpack,
+)
 from ringtrain.ps.stats import Tally
 from ringtrain.ps.worker import PSWorker
 from ringtrain.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, Runtime
@@ -46,6 +52,7 @@ class PSStrategy(Strategy):
             ahead of the slowest) (--ps-mode).
         staleness: SSP's bound k (--staleness); ignored in the other modes.
         split_numel: tensors larger than this are split across servers by rows.
+        bucket_numel: push bucket size; each bucket leaves as soon as backward fills it.
         timeout_s: bound on every parameter-server wait; a worker silent for this long is lost.
 
     .. warning:: In async/ssp the workers' replicas differ between pulls; `model_state_dict()`
@@ -57,6 +64,7 @@ class PSStrategy(Strategy):
 
     def __init__(self, runtime: Runtime, servers: int = 1, mode: str = "sync", staleness: int = 2,
                  *, split_numel: int | None = DEFAULT_SPLIT_NUMEL,
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                  timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
         if mode not in MODES:
             raise ValueError(f"--ps-mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -68,7 +76,7 @@ class PSStrategy(Strategy):
                 f"{runtime.world_size}; run with --nproc-per-node {servers + 1} or more")
         self.runtime, self.mode, self.staleness = runtime, mode, staleness
         self.topology = PSTopology(runtime.world_size, servers)
-        self.split_numel, self.timeout_s = split_numel, timeout_s
+        self.split_numel, self.bucket_numel, self.timeout_s = split_numel, bucket_numel, timeout_s
         self.groups = make_ps_groups(self.topology, timeout_s)  # every rank, same order
         self.server: ParameterServer | None = None
         self.worker: PSWorker | None = None
@@ -94,6 +102,11 @@ class PSStrategy(Strategy):
         self.loss_fn = loss_fn
         self.plan = plan_shards([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad],
                                 topo.servers, self.split_numel)
+        empty = [topo.server_ranks[i] for i, n in enumerate(self.plan.loads()) if n == 0]
+        if empty:
+            raise ValueError(
+                f"--servers {topo.servers}: the model's {len(self.plan.pieces)} parameter pieces "
+                f"leave servers {empty} with nothing to hold; lower --servers (or split_numel)")
         if topo.is_server(rank):
             self.module = model  # kept on the CPU: it only assembles the final state
             pieces = self.plan.for_server(topo.server_index(rank))
@@ -103,13 +116,15 @@ class PSStrategy(Strategy):
             self.server = ParameterServer(
                 rank, pieces, flat, optimizer_fn, mode=self.mode, staleness=self.staleness,
                 pair_groups={w: self.groups.pairs[(rank, w)] for w in topo.worker_ranks},
-                server_group=self.groups.servers, timeout_s=self.timeout_s)
+                server_group=self.groups.servers, timeout_s=self.timeout_s,
+                bucket_numel=self.bucket_numel)
             self.server.start()
         else:
             self.module = model.to(self.runtime.device)
             self.worker = PSWorker(
                 self.module, self.plan, rank=rank, server_ranks=topo.server_ranks,
-                pair_groups={s: self.groups.pairs[(s, rank)] for s in topo.server_ranks})
+                pair_groups={s: self.groups.pairs[(s, rank)] for s in topo.server_ranks},
+                bucket_numel=self.bucket_numel)
             self.worker.pull()  # start from the servers' values, whatever the local init was
 
     # -- training -------------------------------------------------------------------------------
@@ -126,16 +141,17 @@ class PSStrategy(Strategy):
         total = sum(len(x) for x, _ in micro_batches)
         self.module.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        for x, y in micro_batches:
+        for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = self.loss_fn(self.module(x), y)
+            if i == len(micro_batches) - 1:
+                # Gradient buckets leave during this backward. Clipping happens on the
+                # servers: of the mean gradient in sync (as data parallel clips), of each
+                # push by its own norm in async/ssp (each push is an update of its own).
+                self.worker.begin_push(lr=lr, grad_clip=grad_clip)
             (loss * (len(x) / total)).backward()  # the accumulated gradient is the step's mean
             loss_sum += float(loss.detach()) * len(x)
-        if grad_clip and self.mode != "sync":
-            # async/ssp: each push is an update of its own, so clip it by its own norm; sync
-            # clips the averaged gradient on the servers, as data parallel does.
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), grad_clip)
-        result = self.worker.push_pull(lr=lr, grad_clip=grad_clip if self.mode == "sync" else None)
+        result = self.worker.finish_push()
         elapsed = time.perf_counter() - start
         return StepResult(loss_sum=loss_sum, count=total, compute_s=elapsed - result.comm_s,
                           comm_s=result.comm_s)
