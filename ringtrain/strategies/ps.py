@@ -75,6 +75,10 @@ class PSStrategy(Strategy):
                 f"--strategy ps needs at least one worker and one server, but world_size="
                 f"{runtime.world_size}; run with --nproc-per-node {servers + 1} or more")
         self.runtime, self.mode, self.staleness = runtime, mode, staleness
+        # async/ssp workers drift apart by design: the trainer should not make them agree on
+        # anything (SIGTERM) every step, only at metric steps. Servers' parts are per rank.
+        self.lockstep = mode == "sync"
+        self.replicated_state = False
         self.topology = PSTopology(runtime.world_size, servers)
         self.split_numel, self.bucket_numel, self.timeout_s = split_numel, bucket_numel, timeout_s
         self.groups = make_ps_groups(self.topology, timeout_s)  # every rank, same order
