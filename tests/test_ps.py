@@ -103,6 +103,15 @@ def _sync_vs_ddp(rank, world_size, servers, steps, grad_clip):
                     g["lr"] = LRS[step % len(LRS)]
                 opt.step()
             out[f"ddp_{optimizer}"] = params_of(model)
+    # The naive reference path: push everything after backward (no hooks, one bucket each).
+    s = ps_strategy("sync", servers, "sgd", split_numel=100)
+    for step in range(steps):
+        if s.is_worker:
+            s.module.zero_grad()
+            mse(s.module(batch(step, rank)[0]), batch(step, rank)[1]).backward()
+            s.worker.push_pull(lr=LRS[step % len(LRS)], grad_clip=grad_clip)
+    out["naive_sgd"] = s.model_state_dict()
+    s.close()
     return out
 
 
@@ -123,6 +132,8 @@ def test_sync_equals_ddp_and_single_process(servers, grad_clip):
                     torch.testing.assert_close(res[optimizer][name], value, rtol=1e-5, atol=1e-6)
         for res in results:
             assert all(torch.equal(res[optimizer][n], results[0][optimizer][n]) for n in ref)
+    for res in results:  # buckets sent from hooks during backward change nothing
+        assert all(torch.equal(res["naive_sgd"][n], res["sgd"][n]) for n in res["sgd"])
     assert results[0]["stats"]["staleness_max"] == 0
     assert results[0]["stats"]["ps_updates"] == steps
 
