@@ -26,15 +26,20 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
 
+import torch.distributed.launcher.api as _launcher_api
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ProcessFailure,
     record,
 )
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
@@ -52,6 +57,10 @@ STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _PEER_FAILURE = "PeerFailure: "  # how a watchdog's error file starts (ringtrain.watchdog)
+# Across nodes, the agent gives up on a rendezvous store silent this long (the watchdog's
+# default timeout: the workers notice the same loss about as fast), and waits this long
+# to close the rendezvous on its way out.
+RENDEZVOUS_SILENT_S, RENDEZVOUS_CLOSE_S = 30.0, 3.0
 # Lines torch's agent logs that the failure report below says once, better.
 _REPEATED_BY_REPORT = (
     "closing signal",  # one line per surviving worker
@@ -191,6 +200,77 @@ def _multi_node_addresses(args) -> None:
         args.rdzv_conf = ",".join(filter(None, [conf, "is_host=true"]))
 
 
+def _call_into(fn: Callable, out: list) -> None:
+    try:
+        out.append((fn(), None))
+    except Exception as e:  # handed to the caller's thread
+        out.append((None, e))
+
+
+class _BoundedRendezvous:
+    """torch's rendezvous handler, but the agent never blocks on a vanished store host.
+
+    While its workers run, torch's agent asks the rendezvous store every monitor interval
+    whether nodes wait to join (`num_nodes_waiting`), and it closes the rendezvous on its way
+    out (`shutdown`). When the store's host vanishes without closing its sockets (power or
+    network loss), each such call blocks for minutes (the TCPStore client waits, then retries),
+    so the launcher would hang long after its workers' watchdogs stopped them. Here the query
+    runs on a helper thread: while one is pending the agent gets the last answer and goes on
+    watching its workers; one pending for `silent_s` raises; `shutdown` gives up after `close_s`.
+    """
+
+    def __init__(self, inner, endpoint: str, silent_s: float, close_s: float):
+        self._inner, self._endpoint = inner, endpoint
+        self._silent_s, self._close_s = silent_s, close_s
+        self._waiting = 0
+        self._pending: tuple[threading.Thread, float, list] | None = None
+
+    def num_nodes_waiting(self) -> int:
+        if self._pending is None:
+            out: list = []
+            thread = threading.Thread(target=_call_into, args=(self._inner.num_nodes_waiting, out),
+                                      name="ringtrain-rdzv-query", daemon=True)
+            thread.start()
+            self._pending = (thread, time.monotonic(), out)
+        thread, started, out = self._pending
+        thread.join(timeout=1.0)  # a live store answers in milliseconds
+        if thread.is_alive():
+            if time.monotonic() - started > self._silent_s:
+                raise RendezvousConnectionError(
+                    f"the rendezvous store at {self._endpoint} did not answer for "
+                    f"{self._silent_s:g} s")
+            return self._waiting
+        self._pending = None
+        value, error = out[0]
+        if error is not None:
+            raise error
+        self._waiting = value
+        return value
+
+    def shutdown(self) -> bool:
+        out: list = []
+        thread = threading.Thread(target=_call_into, args=(self._inner.shutdown, out), daemon=True)
+        thread.start()
+        thread.join(timeout=self._close_s)
+        return bool(out and out[0][0])
+
+    def __getattr__(self, name: str):  # the rest as torch's (joins: torch bounds them)
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def _bounded_rendezvous(endpoint: str) -> Iterator[None]:
+    """Have `elastic_launch` (only it) wrap its rendezvous handler in `_BoundedRendezvous`."""
+    registry = _launcher_api.rdzv_registry
+    _launcher_api.rdzv_registry = types.SimpleNamespace(
+        get_rendezvous_handler=lambda params: _BoundedRendezvous(
+            registry.get_rendezvous_handler(params), endpoint, RENDEZVOUS_SILENT_S, RENDEZVOUS_CLOSE_S))
+    try:
+        yield
+    finally:
+        _launcher_api.rdzv_registry = registry
+
+
 def _describe_exit(failure: ProcessFailure) -> str:
     if failure.exitcode < 0:
         return f"killed by {failure.signal_name()}"
@@ -285,8 +365,10 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     # The agent installs handlers for these (raising SignalException); put ours back after.
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
                                                  signal.SIGQUIT)}
+    multi_node = int(str(args.nnodes).split(":")[-1]) > 1
     try:
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), (_bounded_rendezvous(config.rdzv_endpoint) if multi_node
+                                   else contextlib.nullcontext()):
             elastic_launch(config, cmd)(*cmd_args)
         return 0
     except ChildFailedError as e:
@@ -301,6 +383,13 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         name = signal.Signals(e.sigval).name
         print(f"ringtrain run: got {name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except RendezvousConnectionError as e:
+        cause = e.__cause__ or e
+        print(f"ringtrain run: cannot reach the rendezvous store at {config.rdzv_endpoint} "
+              "(--rdzv-endpoint): its node died, is unreachable or has not started; stopped the "
+              f"workers here ({str(cause).splitlines()[0] if str(cause) else type(cause).__name__})",
+              file=sys.stderr, flush=True)
+        return 1
     except Exception as e:  # rendezvous timeouts and the like: one line, not a stack
         print(f"ringtrain run: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
