@@ -14,13 +14,16 @@ Each run starts 2 ranks with `ringtrain run` running this file's worker: an all-
                                     every process of host b is SIGKILLed (its kernel closes sockets)
     host unplugged                  (two hosts) as above, but host b's link goes down first: no
                                     FIN/RST ever arrives, as when a machine loses power
+    rendezvous host killed/unplugged  (two hosts) the same for host a, which runs the rendezvous
+                                    store (rank 0 fails; the figure is host b's launcher)
 
 "one host": `ringtrain run --nproc-per-node 2` (its agent sees a dead worker within 0.1 s).
 "two hosts": network namespaces joined by a veth pair (tests/netns.py), one `ringtrain run
---nnodes 2` per host; the figure is host a's (ranks 0's) launcher. The time runs from the failure
-(rank 1's own timestamp, or the kill) until the surviving launcher has exited; "named" counts the
-runs whose surviving side printed `rank 1 died` / `rank 1 failed`. Prints a table, then one JSON
-line. Timing is noisy on a busy machine: read medians, and the load printed with them.
+--nnodes 2` per host; the figure is the surviving host's launcher. The time runs from the failure
+(the failing rank's own timestamp, or the kill) until the surviving launcher has exited; "named"
+counts the runs whose surviving side named the failure: `rank 1 died` / `rank 1 failed`, or the
+lost rendezvous host's address. Prints a table, then one JSON line. Timing is noisy on a busy
+machine: read medians, and the load printed with them.
 """
 
 from __future__ import annotations
@@ -43,19 +46,23 @@ RUN = [sys.executable, "-m", "ringtrain", "run"]
 ENV = {k: v for k, v in os.environ.items() if k != "LOGLEVEL"} | {"PYTHONUNBUFFERED": "1",
                                                                    "OMP_NUM_THREADS": "1"}
 FAIL_AT = 3
-# (label, how rank 1 fails, what rank 0 does meanwhile, two hosts only)
+# (label, how the victim fails, what the others do meanwhile, two hosts only, victim rank = node)
 SCENARIOS = [
-    ("SIGKILL, others in all_reduce", "kill", "collective", False),
-    ("SIGKILL, others computing", "kill", "compute", False),
-    ("raise, others in all_reduce", "raise", "collective", False),
-    ("host killed", "host-kill", "collective", True),
-    ("host unplugged", "host-unplug", "collective", True),
+    ("SIGKILL, others in all_reduce", "kill", "collective", False, 1),
+    ("SIGKILL, others computing", "kill", "compute", False, 1),
+    ("raise, others in all_reduce", "raise", "collective", False, 1),
+    ("host killed", "host-kill", "collective", True, 1),
+    ("host unplugged", "host-unplug", "collective", True, 1),
+    ("rendezvous host killed", "host-kill", "collective", True, 0),
+    ("rendezvous host unplugged", "host-unplug", "collective", True, 0),
 ]
+# The survivors must name the failed rank, or (rendezvous host) the lost store's address.
+NAMED = {1: r"\brank 1 (died|failed)\b", 0: r"rendezvous store at 198\.18\.0\.1\b"}
 
 
 # -- the worker (run by `ringtrain run`) --------------------------------------------------------
 
-def worker(how: str, where: str, ready_file: str, watchdog_timeout_s: float) -> None:
+def worker(how: str, where: str, ready_file: str, watchdog_timeout_s: float, victim: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -72,7 +79,7 @@ def worker(how: str, where: str, ready_file: str, watchdog_timeout_s: float) -> 
         a = torch.randn(64, 64)
         for step in range(10**9):
             watchdog.set_step(step)
-            if rt.rank == 1 and step == FAIL_AT:
+            if rt.rank == victim and step == FAIL_AT:
                 Path(ready_file).write_text(f"{time.time()}\n")  # the failure's own timestamp
                 if how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -99,13 +106,14 @@ def _wait_file(path: Path, procs: list[subprocess.Popen], limit_s: float) -> boo
     return True
 
 
-def run_once(place: str, how: str, where: str, timeout_s: float, limit_s: float) -> dict:
+def run_once(place: str, how: str, where: str, victim: int, timeout_s: float, limit_s: float) -> dict:
     """One failure; returns {"s": seconds until the survivors' launcher exited or None, ...}."""
     from netns import two_hosts  # tests/netns.py
 
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp, "ready")
-        worker_args = [str(Path(__file__).resolve()), "--worker", how, where, str(ready), str(timeout_s)]
+        worker_args = [str(Path(__file__).resolve()), "--worker", how, where, str(ready),
+                       str(timeout_s), str(victim)]
         hosts_cm = two_hosts() if place == "two hosts" else nullcontext()
         with hosts_cm as hosts:
             logs = [open(Path(tmp, f"out{i}"), "w+") for i in range(2)]  # noqa: SIM115 - closed below
@@ -120,25 +128,27 @@ def run_once(place: str, how: str, where: str, timeout_s: float, limit_s: float)
                                  stderr=subprocess.STDOUT) for i, h in enumerate(hosts)]
             try:
                 if not _wait_file(ready, procs, 120):
-                    return {"s": None, "code": procs[0].poll(), "named": False, "error": "no start"}
+                    return {"s": None, "code": None, "named": False, "error": "no start"}
+                survivor = 1 - victim if hosts is not None else 0  # (one host: the launcher)
                 if how.startswith("host-"):
                     t0 = time.time()
                     if how == "host-unplug":
-                        hosts[1].unplug()
-                    hosts[1].kill_all()
+                        hosts[victim].unplug()
+                    hosts[victim].kill_all()
                 else:
                     t0 = float(ready.read_text())
                 try:
-                    procs[0].wait(timeout=limit_s)
+                    procs[survivor].wait(timeout=limit_s)
                 except subprocess.TimeoutExpired:
                     pass
-                took = time.time() - t0 if procs[0].poll() is not None else None
-                logs[0].seek(0)
-                out = logs[0].read()
-                # The surviving side's report, or (one host) the launcher's.
-                line = next((ln for ln in out.splitlines() if ln.startswith("ringtrain run: rank")), "")
-                named = re.search(r"\brank 1 (died|failed)\b", out) is not None
-                return {"s": took, "code": procs[0].poll(), "named": named, "report": line[:160]}
+                code = procs[survivor].poll()
+                took = time.time() - t0 if code is not None else None
+                logs[survivor].seek(0)
+                out = logs[survivor].read()
+                line = next((ln for ln in out.splitlines() if ln.startswith("ringtrain run: ")
+                             and "local address" not in ln), "")
+                named = re.search(NAMED[victim], out) is not None
+                return {"s": took, "code": code, "named": named, "report": line[:160]}
             finally:
                 for p in procs:
                     if p.poll() is None:
@@ -153,13 +163,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeouts", default="30,5", help="--watchdog-timeout values (30 is the default)")
     p.add_argument("--places", default="one-host,two-hosts")
-    p.add_argument("--worker", nargs=4, metavar=("HOW", "WHERE", "READY", "TIMEOUT"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # HOW WHERE READY TIMEOUT VICTIM
     args = p.parse_args()
     if args.worker:
-        how, where, ready, timeout_s = args.worker
+        how, where, ready, timeout_s, victim = args.worker
         from ringtrain.launcher import record
 
-        record(worker)(how, where, ready, float(timeout_s))
+        record(worker)(how, where, ready, float(timeout_s), int(victim))
         return
     sys.path.insert(0, str(REPO / "tests"))
     from netns import unavailable
@@ -174,11 +184,11 @@ def main() -> None:
           f"{'named':>5s}  report")
     results = []
     for place in places:
-        for label, how, where, needs_two in SCENARIOS:
+        for label, how, where, needs_two, victim in SCENARIOS:
             if needs_two and place != "two hosts":
                 continue
             for timeout_s in timeouts:
-                runs = [run_once(place, how, where, timeout_s, timeout_s + 30)
+                runs = [run_once(place, how, where, victim, timeout_s, timeout_s + 30)
                         for _ in range(args.repeats)]
                 times = [r["s"] for r in runs if r["s"] is not None]
                 done = len(times) == len(runs)
