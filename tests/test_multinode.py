@@ -18,16 +18,19 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 from netns import Host, two_hosts, unavailable
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ringtrain.launcher import (
     ChildFailedError,
     ProcessFailure,
+    _BoundedRendezvous,
     _multi_node_addresses,
     format_failure,
     get_args_parser,
@@ -76,6 +79,57 @@ def test_report_leads_with_the_peer_when_every_local_rank_only_stopped(tmp_path)
     assert report.startswith("ringtrain run: rank 1 died (no heartbeat for 3.0 s; last step 12); "
                              "rank 0 (local_rank 0, host "), report
     assert report.rstrip().endswith("stopped") and "PeerFailure" not in report
+
+
+class _StuckStore:
+    """A rendezvous handler whose store answers until `vanish` is set, then never again."""
+
+    def __init__(self):
+        self.vanish, self.release = threading.Event(), threading.Event()
+        self.waiting = 2
+
+    def _call(self, value):
+        if self.vanish.is_set():
+            self.release.wait(30)  # a TCPStore call to a host that is gone: blocks for minutes
+        return value
+
+    def num_nodes_waiting(self):
+        return self._call(self.waiting)
+
+    def shutdown(self):
+        return self._call(True)
+
+    def get_run_id(self):
+        return "job"
+
+
+def test_agent_queries_to_a_vanished_rendezvous_host_are_bounded():
+    inner = _StuckStore()
+    handler = _BoundedRendezvous(inner, "10.0.0.1:29400", silent_s=1.5, close_s=0.2)
+    try:
+        assert handler.num_nodes_waiting() == 2 and handler.get_run_id() == "job"
+        assert handler.shutdown() is True
+        inner.vanish.set()
+        started = time.monotonic()
+        # While the query hangs the agent gets the last answer and keeps watching its workers...
+        assert handler.num_nodes_waiting() == 2
+        with pytest.raises(RendezvousConnectionError, match=r"10\.0\.0\.1:29400 did not answer for 1\.5 s"):
+            while time.monotonic() - started < 10:
+                handler.num_nodes_waiting()  # ...until it has hung for silent_s
+        assert time.monotonic() - started < 5
+        started = time.monotonic()
+        assert handler.shutdown() is False and time.monotonic() - started < 2
+    finally:
+        inner.release.set()
+
+
+def test_errors_of_the_rendezvous_query_reach_the_agent():
+    class Failing:
+        def num_nodes_waiting(self):
+            raise RendezvousConnectionError("connection refused")
+
+    with pytest.raises(RendezvousConnectionError, match="connection refused"):
+        _BoundedRendezvous(Failing(), "h:1", silent_s=5, close_s=1).num_nodes_waiting()
 
 
 # -- two hosts ------------------------------------------------------------------------------------
