@@ -122,7 +122,7 @@ def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048, help="Linear width")
-    parser.add_argument("--layers", type=int, default=4, help="Linear layers in all (split in 2)")
+    parser.add_argument("--layers", type=int, default=8, help="Linear layers in all (split in 2)")
     parser.add_argument("--mb-size", type=int, default=64, help="samples per micro-batch")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per setting (median)")
     parser.add_argument("--warmup", type=int, default=2)

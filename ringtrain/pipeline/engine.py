@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -103,6 +104,44 @@ def split_batch(t: torch.Tensor, microbatches: int, at_least: int = 1) -> list[t
     return list(t.chunk(microbatches))
 
 
+@dataclass(frozen=True)
+class _Boundary:
+    """Shape and dtype of one micro-batch's input and output of this stage (from the dry run;
+    no output on the last stage)."""
+
+    in_shape: torch.Size
+    in_dtype: torch.dtype
+    out_shape: torch.Size | None
+    out_dtype: torch.dtype | None
+
+
+class _Receives:
+    """This stage's receives, each posted one turn ahead on its channel (activations from the
+    previous stage, gradients from the next), so that the transfer runs while this rank
+    computes. Waiting to post until the data is needed costs a scheduler round trip of gloo's
+    I/O threads each time, a few ms on a busy CPU. Posting in action-list order keeps the
+    channel's message order, which the validator checked."""
+
+    def __init__(self, actions: Sequence[Action], post: Callable[[Action], p2p.PendingRecv]):
+        self.post = post
+        self.queues: dict[type, deque[Action]] = {
+            kind: deque(a for a in actions if isinstance(a, kind)) for kind in (RecvActivation, RecvGrad)
+        }
+        self.posted: dict[Action, p2p.PendingRecv] = {}
+        for kind in self.queues:
+            self._post_next(kind)
+
+    def _post_next(self, kind: type) -> None:
+        if self.queues[kind]:
+            a = self.queues[kind].popleft()
+            self.posted[a] = self.post(a)
+
+    def take(self, a: Action) -> torch.Tensor:
+        tensor = self.posted.pop(a).wait()
+        self._post_next(type(a))
+        return tensor
+
+
 class PipelineStage:
     """One stage of a pipeline: its module, its place, and how to run a schedule on it.
 
@@ -142,7 +181,7 @@ class PipelineStage:
             raise ValueError("the last stage needs loss_fn(output, target) -> mean loss")
         first_param = next(module.parameters(), None)
         self.device = first_param.device if first_param is not None else torch.device("cpu")
-        self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}  # input key -> our input
+        self._shapes: dict[tuple, _Boundary] = {}  # batch shape/dtype -> this stage's boundaries
         self._validated: set[tuple] = set()
         self._batchnorm = [n for n, m in module.named_modules()
                            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -158,7 +197,7 @@ class PipelineStage:
         return self.pp_ranks[self.pp_rank + 1]
 
     # -- dry run ----------------------------------------------------------------------------
-    def _dry_run(self, first_input: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    def _dry_run(self, first_input: torch.Tensor) -> _Boundary:
         """Learn this stage's input shape/dtype and pass our output's on: one forward of one
         micro-batch per stage in eval mode, without grad, with the RNG state restored, so the
         real step is unaffected (no dropout draws, no BatchNorm statistics)."""
@@ -167,7 +206,7 @@ class PipelineStage:
         else:
             shape, dtype = p2p.recv_meta(self.prev_rank, self.pp_group, self.device)
         if self.is_last:
-            return shape, dtype
+            return _Boundary(shape, dtype, None, None)
         inp = first_input if self.is_first else torch.zeros(shape, dtype=dtype, device=self.device)
         modes = [(m, m.training) for m in self.module.modules()]
         devices = [self.device] if self.device.type != "cpu" else []
@@ -191,7 +230,7 @@ class PipelineStage:
                 "that turns integer inputs into floats (the embedding) in the same stage"
             )
         p2p.send_meta(out, self.next_rank, self.pp_group)
-        return shape, dtype
+        return _Boundary(shape, dtype, out.shape, out.dtype)
 
     # -- one training step ------------------------------------------------------------------
     def _actions(self, microbatches: int) -> list[Action]:
@@ -216,6 +255,12 @@ class PipelineStage:
                 "their statistics differ from the unsplit model. Use LayerNorm/GroupNorm, or "
                 "fewer, larger micro-batches", stacklevel=3)
 
+    def _post_recv(self, a: Action, bound: _Boundary) -> p2p.PendingRecv:
+        if isinstance(a, RecvActivation):
+            return p2p.recv_activation(bound.in_shape, bound.in_dtype, self.device, self.prev_rank, self.pp_group)
+        assert bound.out_shape is not None and bound.out_dtype is not None
+        return p2p.recv_grad(bound.out_shape, bound.out_dtype, self.device, self.next_rank, self.pp_group)
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor, microbatches: int) -> StepStats:
         """Forward and backward the batch `(x, y)` as `microbatches` micro-batches.
 
@@ -229,7 +274,8 @@ class PipelineStage:
         key = (tuple(x.shape), x.dtype)
         if key not in self._shapes:
             self._shapes[key] = self._dry_run(xs[0])
-        in_shape, in_dtype = self._shapes[key]
+        bound = self._shapes[key]
+        receives = _Receives(actions, lambda a: self._post_recv(a, bound))
         meter = _ActivationMeter(self.module) if self.measure_memory else None
         last_backward = max(i for i, a in enumerate(actions) if isinstance(a, Backward))
         inputs: dict[int, torch.Tensor] = {}
@@ -241,7 +287,7 @@ class PipelineStage:
             t0 = time.perf_counter()
             mb = a.mb
             if isinstance(a, RecvActivation):
-                inputs[mb] = p2p.recv_activation(in_shape, in_dtype, self.device, self.prev_rank, self.pp_group)
+                inputs[mb] = receives.take(a)
             elif isinstance(a, Forward):
                 inp = xs[mb] if self.is_first else inputs[mb]
                 with (meter.saving(mb) if meter else contextlib.nullcontext(),
@@ -253,12 +299,16 @@ class PipelineStage:
                         out = loss / microbatches  # equal micro-batches: mean of means = mean
                 if meter:
                     meter.add(mb, out)
+                if not self.is_last and (out.shape, out.dtype) != (bound.out_shape, bound.out_dtype):
+                    raise RuntimeError(
+                        f"stage {self.pp_rank}: micro-batch {mb}'s output is {tuple(out.shape)} "
+                        f"{out.dtype} but the dry run gave {tuple(bound.out_shape)} {bound.out_dtype}; "
+                        "a stage's output shape must depend only on its input's shape")
                 outputs[mb] = out
             elif isinstance(a, SendActivation):
                 sends.append(p2p.send_activation(outputs[mb], self.next_rank, self.pp_group))
             elif isinstance(a, RecvGrad):
-                out = outputs[mb]
-                grads[mb] = p2p.recv_grad(out.shape, out.dtype, self.device, self.next_rank, self.pp_group)
+                grads[mb] = receives.take(a)
             elif isinstance(a, Backward):
                 if i == last_backward and self.sync_next_backward:
                     self.sync_next_backward()
@@ -298,7 +348,7 @@ class PipelineStage:
             inp = x
         else:
             shape, dtype = p2p.recv_meta(self.prev_rank, self.pp_group, self.device)
-            inp = p2p.recv_activation(shape, dtype, self.device, self.prev_rank, self.pp_group)
+            inp = p2p.recv_activation(shape, dtype, self.device, self.prev_rank, self.pp_group).wait()
         out = self.module(inp)
         if self.is_last:
             return out

@@ -2,8 +2,8 @@
 
 The schedule decides *what* crosses a stage boundary and when; this file only says *how*:
 `torch.distributed` isend/recv on the pipeline's process group, to and from global ranks.
-Sends are posted without waiting (the returned `Work` is waited at the end of the step);
-receives block. gloo supports both on CPU, NCCL on CUDA (tensors must then live on the GPU).
+Sends and receives are both posted without waiting and return a handle to `wait()` on: the
+engine posts each receive one step ahead, so the transfer overlaps compute. gloo supports both on CPU, NCCL on CUDA (tensors must then live on the GPU).
 
 Shapes are not the user's business: `send_meta`/`recv_meta` carry a boundary tensor's shape
 and dtype once, in the dry run (`engine.py`), as a small int64 header.
@@ -62,11 +62,26 @@ def _isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingS
     return PendingSend(work, buffer)
 
 
-def _recv(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
-          group: dist.ProcessGroup) -> torch.Tensor:
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(tensor, src=src, group=group)
-    return tensor
+@dataclass
+class PendingRecv:
+    """A posted receive. Posting ahead of need lets the transfer run while this rank computes:
+    gloo moves data only once both sides have posted, on its own I/O threads."""
+
+    work: dist.Work
+    buffer: torch.Tensor
+    needs_grad: bool = False  # an activation: hand it out as a leaf that requires grad
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.buffer.requires_grad_(self.needs_grad and self.buffer.is_floating_point())
+
+
+def _irecv(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
+           group: dist.ProcessGroup, needs_grad: bool) -> PendingRecv:
+    buffer = torch.empty(shape, dtype=dtype, device=device)
+    work = dist.irecv(buffer, src=src, group=group)
+    assert work is not None  # None only when this rank is not in `group`
+    return PendingRecv(work, buffer, needs_grad)
 
 
 def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
@@ -75,10 +90,9 @@ def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) ->
 
 
 def recv_activation(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
-                    group: dist.ProcessGroup) -> torch.Tensor:
-    """Block until the previous stage's output arrives; it comes back as a leaf needing grad."""
-    tensor = _recv(shape, dtype, device, src, group)
-    return tensor.requires_grad_(tensor.is_floating_point())
+                    group: dist.ProcessGroup) -> PendingRecv:
+    """Post a receive for the previous stage's output; `wait()` gives a leaf that needs grad."""
+    return _irecv(shape, dtype, device, src, group, needs_grad=True)
 
 
 def send_grad(grad: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
@@ -87,6 +101,6 @@ def send_grad(grad: torch.Tensor, dst: int, group: dist.ProcessGroup) -> Pending
 
 
 def recv_grad(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
-              group: dist.ProcessGroup) -> torch.Tensor:
-    """Block until the next stage's d(loss)/d(our output) arrives."""
-    return _recv(shape, dtype, device, src, group)
+              group: dist.ProcessGroup) -> PendingRecv:
+    """Post a receive for the next stage's d(loss)/d(our output); `wait()` gives it."""
+    return _irecv(shape, dtype, device, src, group, needs_grad=False)
