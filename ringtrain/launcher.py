@@ -45,7 +45,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 from torch.distributed.run import get_args_parser as _torch_args_parser
 
-from ringtrain.runtime import network_interfaces
+from ringtrain.runtime import network_interfaces, route_source
 from ringtrain.watchdog import PEER_FAILED_EXIT_CODE, is_connection_lost
 
 __all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_parser", "launch",
@@ -153,19 +153,6 @@ def _single_node_rendezvous(args) -> None:
         args.master_port = 29500  # only read by the static backend, as in torchrun
 
 
-def _route_source(host_ip: str) -> str | None:
-    """This machine's IPv4 address on the route to `host_ip` (as in runtime's gloo interface pick).
-
-    A UDP connect sends nothing; it only asks the kernel which source address the route uses.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host_ip, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
-
-
 def _multi_node_addresses(args) -> None:
     """Across nodes: advertise the address that reaches the rendezvous host, not the hostname's.
 
@@ -184,7 +171,7 @@ def _multi_node_addresses(args) -> None:
         host_ip = socket.gethostbyname(host)
     except OSError:
         return  # unresolvable: torch's rendezvous says so with the endpoint in the message
-    local = _route_source(host_ip)
+    local = route_source(host_ip)
     if local is None:
         return
     interfaces = network_interfaces()

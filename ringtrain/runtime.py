@@ -68,6 +68,19 @@ def network_interfaces() -> dict[str, str]:
     return found
 
 
+def route_source(host_ip: str) -> str | None:
+    """This machine's IPv4 address on the route to `host_ip`, or None when there is no route.
+
+    A UDP connect sends nothing; it only asks the kernel which source address the route uses.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host_ip, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
 def _pick_gloo_interface(master_addr: str, rank: int) -> None:
     """Make gloo use the interface that routes to the master, or reject a bad GLOO_SOCKET_IFNAME.
 
@@ -84,14 +97,12 @@ def _pick_gloo_interface(master_addr: str, rank: int) -> None:
                 f"interfaces: {', '.join(f'{n} ({a})' for n, a in interfaces.items())}"
             )
     else:
-        try:  # a UDP connect sends nothing; it only asks the kernel for the route's source
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((socket.gethostbyname(master_addr), 9))
-                local = s.getsockname()[0]
+        try:
+            local = route_source(socket.gethostbyname(master_addr))
         except OSError:
             return
         names = [n for n, a in interfaces.items() if a == local]
-        if not names:
+        if local is None or not names:
             return
         chosen = names[0]
         os.environ["GLOO_SOCKET_IFNAME"] = chosen

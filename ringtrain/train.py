@@ -30,7 +30,7 @@ from typing import Any
 from ringtrain.strategies.base import STRATEGIES
 
 # Flags that belong to the launcher: the relaunched workers do not see them.
-LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts")
+LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
 STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: stopped on a signal, after saving a snapshot
 # Flags of each strategy: --flag dest -> the strategy's option name. Only the chosen strategy's
 # flags are passed to make_strategy, and only those the user set (its own defaults apply).
@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 30)")
     g.add_argument("--max-restarts", type=_non_negative_int, default=0,
                    help="restart the workers up to this many times after a failure (default: 0)")
+    g.add_argument("--nnodes", default="1",
+                   help="machines in the job, as in `ringtrain run` (default: 1)")
+    g.add_argument("--node-rank", type=_non_negative_int, default=0,
+                   help="this machine's index in [0, --nnodes) (default: 0)")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="node 0's address and a free port, the same on every node (--nnodes > 1)")
+    g.add_argument("--rdzv-id", help="a job id, the same on every node (default: the run dir)")
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="FILE.txt",
                    help="character-level LM on this UTF-8 text (90/10 split); default: addition")
@@ -169,6 +176,9 @@ def task_name(args: argparse.Namespace) -> str:
 
 def check_args(args: argparse.Namespace) -> None:
     """Errors the parser cannot see: flags that do not apply, an unusable data file."""
+    if args.nnodes != "1" and not (args.rdzv_endpoint and args.run_dir):
+        raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address) "
+                         "and --run-dir (the same path on every node, so ranks share snapshots)")
     task = task_name(args)
     for dest, value in TASK_DEFAULTS[task].items():
         if getattr(args, dest) is None:
@@ -412,12 +422,16 @@ def main(argv: list[str] | None = None) -> int:
         # only rank 0 (the one that writes) makes one.
         args.run_dir = new_run_dir()
     # One worker with --max-restarts also goes through the launcher: its agent does the restarts.
-    if (args.nproc_per_node > 1 or args.max_restarts > 0) and not _in_launched_worker():
+    multinode = args.nnodes != "1"
+    if (args.nproc_per_node > 1 or args.max_restarts > 0 or multinode) and not _in_launched_worker():
         from ringtrain.launcher import launch
 
         os.environ["RINGTRAIN_STARTED_AT"] = str(started_at)  # wall_s includes the start-up
+        run_id = args.rdzv_id or (os.path.basename(os.path.normpath(args.run_dir)) if multinode else None)
         return launch("ringtrain", ["train", *worker_argv(args)], module=True,
-                      nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
+                      nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
+                      nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, run_id=run_id)
     return run_job(args, started_at)
 
 if __name__ == "__main__":

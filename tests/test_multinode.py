@@ -1,10 +1,10 @@
-"""`ringtrain run --nnodes 2` across two hosts: network namespaces joined by a veth pair.
+"""`ringtrain train --nnodes 2` (through `ringtrain run`) across two hosts: network namespaces joined by a veth pair.
 
     .venv/bin/pytest -q tests/test_multinode.py       # root and iproute2; skips with the reason otherwise
 
-Host a (198.18.0.1) runs `ringtrain run --nnodes 2 --node-rank 0 --rdzv-endpoint 198.18.0.1:PORT`,
-host b (198.18.0.2) the same with `--node-rank 1`, each with one `ringtrain train` worker (the
-script under the launcher: `ringtrain train` has no --nnodes of its own). Checked: the run ends
+Host a (198.18.0.1) runs `ringtrain train --nnodes 2 --node-rank 0 --rdzv-endpoint
+198.18.0.1:PORT ...`, host b (198.18.0.2) the same with `--node-rank 1`: each relaunches itself
+through `ringtrain run` with one worker. Checked: the run ends
 with the same `param_sha256` as 2 processes on one host; SIGKILLing every process of host b
 mid-run stops host a within the watchdog bound, naming rank 1; relaunching both hosts on the
 same run directory resumes from the last committed snapshot and ends with the same parameters.
@@ -164,10 +164,9 @@ def _launch(hosts: tuple[Host, Host], run_dir: Path, port: int, log_dir: Path) -
     run_id = uuid.uuid4().hex[:8]
     procs = []
     for node_rank, host in enumerate(hosts):
-        cmd = [sys.executable, "-m", "ringtrain", "run", "--nnodes", "2", "--node-rank", str(node_rank),
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", run_id,
-               "--rdzv-endpoint", f"{hosts[0].addr}:{port}",
-               "-m", "ringtrain", "train", *TINY, "--run-dir", str(run_dir)]
+        cmd = [sys.executable, "-m", "ringtrain", "train", "--nnodes", "2", "--node-rank", str(node_rank),
+               "--nproc-per-node", "1", "--rdzv-id", run_id, "--rdzv-endpoint", f"{hosts[0].addr}:{port}",
+               *TINY, "--run-dir", str(run_dir)]
         with open(log_dir / f"node{node_rank}.log", "w") as out:
             procs.append(host.popen(cmd, env=ENV, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
     return procs
