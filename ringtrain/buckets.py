@@ -86,32 +86,44 @@ class Bucket:
 
     index: int
     members: list[int]  # parameter indices, in expected gradient order
-    views: list[torch.Tensor]  # per-member views into `flat`, shaped like the parameters
-    flat: torch.Tensor  # coalesced storage; a solo bucket uses it only when it cannot go in place
+    views: list[torch.Tensor]  # per-member views into `payload`, shaped like the parameters
+    flat: torch.Tensor  # coalesced storage: payload, then the status tail (if any)
+    payload: torch.Tensor  # the gradients part of `flat`; a solo bucket uses it only as a fallback
+    tail: torch.Tensor | None = None  # status slots riding along with this bucket's all-reduce
     pending: int = 0  # members not yet staged this round
-    buffer: torch.Tensor | None = None  # what this round's collective reduces
+    buffer: torch.Tensor | None = None  # the gradients this round's collective reduces
     in_place: bool = False  # buffer is the (solo) parameter's .grad itself
     scale_after: float | None = None  # averaging left for after the all-reduce
+    tail_sent: bool = False  # the status tail went out with this round's all-reduce
     work: Any = None  # dist.Work of the default all-reduce
     fut: torch.futures.Future | None = None  # a comm hook's result
     gradients: list[torch.Tensor] = field(default_factory=list)
 
 
-def build_buckets(params: Sequence[torch.Tensor], plan: list[list[int]]) -> list[Bucket]:
-    """Allocate the flat buffer of each bucket of `plan` and the per-parameter views into it."""
+def build_buckets(params: Sequence[torch.Tensor], plan: list[list[int]], status_slots: int = 0) -> list[Bucket]:
+    """Allocate the flat buffer of each bucket of `plan` and the per-parameter views into it.
+
+    The last bucket gets `status_slots` extra elements when it is coalesced and fp32/fp64 (small
+    integer counts stay exact in its sum): the reducer sends per-parameter "got no gradient"
+    flags in them, saving a collective at the end of every backward.
+    """
     buckets = []
     for index, members in enumerate(plan):
         first = params[members[0]]
         # Solo buckets reduce .grad in place; their flat buffer is only a fallback (for a
         # non-contiguous or stale gradient), allocated when first needed.
         numel = sum(params[i].numel() for i in members) if len(members) > 1 else 0
-        flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+        extra = status_slots if (index == len(plan) - 1 and numel and status_slots
+                                 and first.dtype in (torch.float32, torch.float64)) else 0
+        flat = torch.empty(numel + extra, dtype=first.dtype, device=first.device)
+        payload = flat[:numel]
         views, offset = [], 0
         if len(members) > 1:
             for i in members:
-                views.append(flat[offset:offset + params[i].numel()].view(params[i].shape))
+                views.append(payload[offset:offset + params[i].numel()].view(params[i].shape))
                 offset += params[i].numel()
-        buckets.append(Bucket(index, members, views, flat, pending=len(members)))
+        buckets.append(Bucket(index, members, views, flat, payload, tail=flat[numel:] if extra else None,
+                              pending=len(members)))
     return buckets
 
 

@@ -100,7 +100,9 @@ class Reducer:
         keys = [(p.dtype, p.device) for p in self.params]
         plan = assign_buckets(sizes, keys, bucket_cap_bytes=bucket_cap_bytes,
                               first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes)
-        self.buckets = build_buckets(self.params, plan)
+        # Status slots: per parameter "got no gradient here", then per rank "had such params".
+        self.buckets = build_buckets(self.params, plan,
+                                     status_slots=len(self.params) + self.world_size if self.world_size > 1 else 0)
         self._bucket_of = [0] * len(self.params)
         self._slot_of = [0] * len(self.params)
         for bucket in self.buckets:
@@ -108,6 +110,7 @@ class Reducer:
                 self._bucket_of[i], self._slot_of[i] = bucket.index, slot
 
         self._ready = bytearray(len(self.params))  # staged this round
+        self._unused: list[int] = []  # staged without a gradient this round
         self._accumulated = bytearray(len(self.params))  # got a gradient under no_sync
         self._next = 0  # the next bucket to launch
         self._queued = False  # the end-of-backward callback is queued
@@ -168,9 +171,9 @@ class Reducer:
                     bucket.scale_after = scale
                 bucket.buffer, bucket.in_place, bucket.gradients = buffer, True, [grad]
                 return
-            if bucket.flat.numel() != p.numel():
-                bucket.flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
-                bucket.views = [bucket.flat.view(p.shape)]
+            if bucket.payload.numel() != p.numel():
+                bucket.flat = bucket.payload = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+                bucket.views = [bucket.payload.view(p.shape)]
         view = bucket.views[self._slot_of[i]]
         if grad is None:
             view.zero_()
@@ -183,12 +186,17 @@ class Reducer:
             view.copy_(grad)
         if self.gradient_as_bucket_view and used and grad is not None:
             p.grad = view
-        bucket.buffer, bucket.in_place, bucket.gradients = bucket.flat, False, bucket.views
+        bucket.buffer, bucket.in_place, bucket.gradients = bucket.payload, False, bucket.views
 
     def _launch(self, bucket: Bucket) -> None:
         if self.comm_hook is None:
             if self.world_size > 1:
-                bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+                sent = bucket.buffer
+                if bucket.tail is not None and not bucket.in_place:
+                    # The last bucket: every parameter is staged by now, so the status is final.
+                    self._fill_status(bucket.tail)
+                    sent, bucket.tail_sent = bucket.flat, True
+                bucket.work = dist.all_reduce(sent, group=self.process_group, async_op=True)
             return
         grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.gradients,
                                  [self.params[i] for i in bucket.members],
@@ -219,17 +227,23 @@ class Reducer:
             self._reset()
 
     def _finish(self) -> None:
-        unused: list[int] = []
+        unused = self._unused
         for i, p in enumerate(self.params):
             if self._ready[i]:
                 continue
             if self._accumulated[i] and p.grad is not None:
                 self._mark_ready(i, p.grad, used=True)  # its gradient came in a no_sync step
             else:
-                unused.append(i)
+                unused.append(i)  # before staging: the last bucket's launch reads it
                 # Stage zeros (or a stale .grad, as torch does) so that this rank still issues
                 # every bucket's collective: the other ranks are waiting on them.
                 self._mark_ready(i, p.grad, used=False)
+        n = len(self.params)
+        status_bucket = next((b for b in self.buckets if b.tail_sent), None)
+        mask_work = None
+        if self.world_size > 1 and status_bucket is None and self.comm_hook is None:
+            # No bucket carried the status: one small all-reduce, in flight with the buckets.
+            mask, mask_work = self._launch_status()
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
@@ -237,28 +251,39 @@ class Reducer:
                 self._take_result(bucket, bucket.fut.wait())
             if bucket.scale_after is not None:
                 bucket.buffer.mul_(bucket.scale_after)
-        n = len(self.params)
-        if self.world_size > 1:
-            # One small all-reduce after the buckets tells every rank which parameters were
-            # unused where: an error is raised on all ranks together (no rank left hanging in
-            # the next collective), and a parameter unused on every rank keeps its .grad. It is
-            # issued only once every bucket is done: a comm hook may still be issuing collectives
-            # from its callbacks (PowerSGD does), and ours must not race them for a place in the
-            # group's order.
-            mask = torch.zeros(n + self.world_size, dtype=torch.int32, device=self.buckets[0].flat.device)
-            if unused:
-                mask[unused] = 1
-                mask[n + self.rank] = 1
-            dist.all_reduce(mask, group=self.process_group)
-            counts = mask.tolist()
-        else:
+        # Every rank learns which parameters were unused where: an error is then raised on all
+        # ranks together (no rank left waiting in the next collective), and a parameter unused
+        # on every rank keeps its .grad, as in torch.
+        if self.world_size == 1:
             counts = [1 if i in unused else 0 for i in range(n)] + [1 if unused else 0]
+        elif status_bucket is not None:
+            counts = [round(v) for v in status_bucket.tail.tolist()]
+        else:
+            if mask_work is None:
+                # After a comm hook's buckets are done, not before: a hook may still issue
+                # collectives from its callbacks (PowerSGD does) and ours must not race them for
+                # a place in the group's order.
+                mask, mask_work = self._launch_status()
+            mask_work.wait()
+            counts = mask.tolist()
         bad_ranks = [r for r in range(self.world_size) if counts[n + r]]
         unused_anywhere = [i for i in range(n) if counts[i]]
         globally_unused = {i for i in range(n) if counts[i] == self.world_size}
         if bad_ranks and not self.find_unused_parameters:
             raise UnusedParametersError(self._unused_message(unused, bad_ranks, unused_anywhere))
         self._write_back(globally_unused)
+
+    def _fill_status(self, status: torch.Tensor) -> None:
+        status.zero_()
+        if self._unused:
+            status[self._unused] = 1
+            status[len(self.params) + self.rank] = 1
+
+    def _launch_status(self) -> tuple[torch.Tensor, Any]:
+        status = torch.empty(len(self.params) + self.world_size, dtype=torch.int32,
+                             device=self.buckets[0].flat.device)
+        self._fill_status(status)
+        return status, dist.all_reduce(status, group=self.process_group, async_op=True)
 
     def _take_result(self, bucket: Bucket, value: Any) -> None:
         if isinstance(value, (list, tuple)) and len(value) == 1:
@@ -309,9 +334,10 @@ class Reducer:
         for bucket in self.buckets:
             bucket.pending = len(bucket.members)
             bucket.buffer, bucket.work, bucket.fut, bucket.in_place = None, None, None, False
-            bucket.scale_after = None
+            bucket.scale_after, bucket.tail_sent = None, False
             bucket.gradients = []
         self._ready = bytearray(len(self.params))
+        self._unused = []
         self._accumulated = bytearray(len(self.params))
         self._next = 0
         self._queued = False

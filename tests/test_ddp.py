@@ -252,81 +252,108 @@ def test_no_sync_accumulates_locally_then_equals_unsplit_batch(sessions):
 
 
 class _Branchy(nn.Module):
-    def __init__(self):
+    def __init__(self, big_first: bool = False):
         super().__init__()
         torch.manual_seed(0)
+        if big_first:
+            # 1 MiB, registered first: the last bucket is a solo one, so the unused-parameter
+            # status cannot ride along with it and travels in its own all-reduce.
+            self.gain = nn.Parameter(torch.ones(262144))
         self.body = nn.Linear(6, 3)
         self.extra = nn.Linear(3, 3)  # used only when asked
         self.never = nn.Linear(3, 3)  # used by no rank
 
     def forward(self, x, use_extra: bool):
         h = self.body(x)
+        if hasattr(self, "gain"):
+            h = h * self.gain[:3]
         return self.extra(h) if use_extra else h
+
+
+# How the unused-parameter status travels: in the last bucket's all-reduce ("tail"), in its own
+# all-reduce launched with the buckets ("mask"), or after a comm hook's buckets ("hook").
+_UNUSED_VARIANTS = {"tail": (False, False), "mask": (True, False), "hook": (False, True)}
+
+
+def _wrap(model, find_unused: bool, hook: bool, cls=DistributedDataParallel):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp = cls(model, find_unused_parameters=find_unused)
+    if hook:
+        ddp.register_comm_hook(None, allreduce_hook)
+    return ddp
 
 
 def _unused_raise(rank, world_size):
     t0 = time.monotonic()
-    model = _Branchy()
-    model.never.requires_grad_(False)
-    ddp = DistributedDataParallel(model)
     x, y = _data(B, seed=rank)
-    errors = []
-    # Step 1: only rank 0 skips `extra` (rank 1 is fine, yet must not hang); step 2: all used.
-    for use_extra in (rank == 1, True):
-        model.zero_grad()
+    errors, healthy = {}, {}
+    for variant, (big_first, hook) in _UNUSED_VARIANTS.items():
+        model = _Branchy(big_first)
+        model.never.requires_grad_(False)
+        ddp = _wrap(model, False, hook)
+        errors[variant] = []
+        # Step 1: only rank 0 skips `extra` (rank 1 is fine, yet must not hang); step 2: all used.
+        for use_extra in (rank == 1, True):
+            model.zero_grad()
+            try:
+                nn.functional.mse_loss(ddp(x, use_extra), y).backward()
+            except UnusedParametersError as e:
+                errors[variant].append(str(e))
+        healthy[variant] = model.body.weight.grad.clone()  # the group survived: step 2 synced
+        del ddp
+        model.never.requires_grad_(True)
+        ddp = _wrap(model, False, hook)  # now `never` is unused on every rank
         try:
-            nn.functional.mse_loss(ddp(x, use_extra), y).backward()
+            nn.functional.mse_loss(ddp(x, True), y).backward()
         except UnusedParametersError as e:
-            errors.append(str(e))
-    healthy = model.body.weight.grad.clone()  # the group survived the error: step 2 synced
-    del ddp
-    model.never.requires_grad_(True)
-    ddp = DistributedDataParallel(model)  # now `never` is unused on every rank
-    try:
-        nn.functional.mse_loss(ddp(x, True), y).backward()
-    except UnusedParametersError as e:
-        errors.append(str(e))
+            errors[variant].append(str(e))
     return errors, healthy, time.monotonic() - t0
 
 
 def test_unused_parameters_raise_on_every_rank_with_names_and_fix(sessions):
     (errs0, g0, s0), (errs1, g1, s1) = sessions(2, "unused_raise")
     assert max(s0, s1) < 20  # no rank waited for a collective that never came
-    assert len(errs0) == len(errs1) == 2, (errs0, errs1)
-    assert errs0[0].startswith("rank 0: 2 parameter(s) got no gradient in this backward: "
-                               "['extra.weight', 'extra.bias']")
-    assert errs1[0].startswith("rank 1: ranks [0] had parameters that got no gradient")
-    assert "'extra.weight'" in errs1[0]
-    for e in (errs0[1], errs1[1]):
-        assert "['never.weight', 'never.bias']" in e and "extra" not in e.split(".")[0]
-    assert all("find_unused_parameters=True" in e for e in errs0 + errs1)
-    torch.testing.assert_close(g0, g1, rtol=0, atol=0)
+    for variant in _UNUSED_VARIANTS:
+        e0, e1 = errs0[variant], errs1[variant]
+        assert len(e0) == len(e1) == 2, (variant, e0, e1)
+        assert e0[0].startswith("rank 0: 2 parameter(s) got no gradient in this backward: "
+                                "['extra.weight', 'extra.bias']"), (variant, e0[0])
+        assert e1[0].startswith("rank 1: ranks [0] had parameters that got no gradient"), (variant, e1[0])
+        assert "'extra.weight'" in e1[0]
+        for e in (e0[1], e1[1]):
+            assert "['never.weight', 'never.bias']" in e and "extra" not in e.split(".")[0], (variant, e)
+        assert all("find_unused_parameters=True" in e for e in e0 + e1)
+        torch.testing.assert_close(g0[variant], g1[variant], rtol=0, atol=0)
 
 
 def _unused_handled(rank, world_size):
     x, y = _data(B, seed=rank)
     out = {}
-    for name, cls in (("ours", DistributedDataParallel), ("torch", torch.nn.parallel.DistributedDataParallel)):
-        model = _Branchy()
-        ddp = cls(model, find_unused_parameters=True)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(3):
-            opt.zero_grad()
-            nn.functional.mse_loss(ddp(x, use_extra=(rank + step) % 2 == 0), y).backward()
-            out[f"{name}/grads{step}"] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-            opt.step()
-        out[name] = [p.detach().clone() for p in model.parameters()]
+    for variant, (big_first, hook) in _UNUSED_VARIANTS.items():
+        for name, cls in (("ours", DistributedDataParallel), ("torch", torch.nn.parallel.DistributedDataParallel)):
+            model = _Branchy(big_first)
+            ddp = _wrap(model, True, hook, cls)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x, use_extra=(rank + step) % 2 == 0), y).backward()
+                out[f"{variant}/{name}/grads{step}"] = [None if p.grad is None else p.grad.clone()
+                                                       for p in model.parameters()]
+                opt.step()
+            out[f"{variant}/{name}"] = [p.detach().clone() for p in model.parameters()]
     return out
 
 
 def test_unused_parameters_handled_like_torch_when_asked(sessions):
     for rank, out in enumerate(sessions(2, "unused_handled")):
-        _assert_close(out["ours"], out["torch"], f"rank {rank} params")
-        for step in range(3):
-            ours, theirs = out[f"ours/grads{step}"], out[f"torch/grads{step}"]
-            assert [g is None for g in ours] == [g is None for g in theirs]  # `never` keeps None
-            _assert_close([g for g in ours if g is not None], [g for g in theirs if g is not None],
-                          f"rank {rank} step {step} grads")
+        for v in _UNUSED_VARIANTS:
+            _assert_close(out[f"{v}/ours"], out[f"{v}/torch"], f"rank {rank} {v} params")
+            for step in range(3):
+                ours, theirs = out[f"{v}/ours/grads{step}"], out[f"{v}/torch/grads{step}"]
+                assert [g is None for g in ours] == [g is None for g in theirs]  # `never` keeps None
+                _assert_close([g for g in ours if g is not None], [g for g in theirs if g is not None],
+                              f"rank {rank} {v} step {step} grads")
 
 
 def _batchnorm(rank, world_size, broadcast_buffers):
