@@ -138,12 +138,12 @@ class Reducer:
                 "more than once, or inside and outside the checkpoint). Use "
                 "torch.utils.checkpoint(..., use_reentrant=False)."
             )
-        self._mark_ready(i, self.params[i].grad, used=True)
+        self._mark_ready(i, self.params[i].grad, used=True, hot=True)
 
-    def _mark_ready(self, i: int, grad: torch.Tensor | None, used: bool) -> None:
+    def _mark_ready(self, i: int, grad: torch.Tensor | None, used: bool, hot: bool = False) -> None:
         self._ready[i] = 1
         bucket = self.buckets[self._bucket_of[i]]
-        self._stage(bucket, i, grad, used)
+        self._stage(bucket, i, grad, used, hot)
         bucket.pending -= 1
         # Launch in index order only: every rank must issue the same collectives in the same order.
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
@@ -156,18 +156,21 @@ class Reducer:
         # averaging (torch's hooks divide by the group size themselves).
         return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self.world_size
 
-    def _stage(self, bucket: Bucket, i: int, grad: torch.Tensor | None, used: bool) -> None:
+    def _stage(self, bucket: Bucket, i: int, grad: torch.Tensor | None, used: bool, hot: bool) -> None:
         p, scale = self.params[i], self._scale()
         if len(bucket.members) == 1:
             if (used and grad is not None and grad.layout == torch.strided
                     and grad.dtype == p.dtype and grad.is_contiguous()):
                 buffer = grad.view(-1)  # reduce .grad itself: no copy in, no copy out
-                if scale is not None and buffer.element_size() < 4:
-                    buffer.mul_(scale)  # 16-bit: divide first, or the sum may overflow
+                if scale is not None and (hot or buffer.element_size() < 4):
+                    # Divide now: in backward the gradient was just written by its matmul and
+                    # is still in cache, so this pass is cheap; 16-bit gradients are always
+                    # divided first, or their sum may overflow.
+                    buffer.mul_(scale)
                 else:
-                    # fp32/fp64: divide after the sum, when the wait at the end of backward
-                    # overlaps it with the buckets still in flight, instead of spending a pass
-                    # over the gradient on the backward thread here.
+                    # A cold fp32/fp64 gradient (sync_gradients(), or accumulated under
+                    # no_sync): divide after the sum, where the scaling of one bucket overlaps
+                    # the buckets still in flight.
                     bucket.scale_after = scale
                 bucket.buffer, bucket.in_place, bucket.gradients = buffer, True, [grad]
                 return
