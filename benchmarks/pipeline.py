@@ -1,20 +1,24 @@
 """Pipeline bubble and activation memory: GPipe vs 1F1B, pp=2, M in {2, 4, 8}.
 
-    .venv/bin/python benchmarks/pipeline.py            # ~1-2 min on 2 idle cores
+    .venv/bin/python benchmarks/pipeline.py            # ~2 min on 2 idle cores
     .venv/bin/python benchmarks/pipeline.py --quick    # fewer repeats
 
 Two gloo ranks (one thread each) run a stack of wide Linear-ReLU layers split into 2 equal
-stages (wide, so that compute dwarfs the activation transfers);
-each micro-batch has the same size, so the work per step grows with M and GPipe's theory
-applies: bubble = (p-1)/(M+p-1).
+stages (wide, so that compute dwarfs the activation transfers). Every micro-batch has the
+same size, so the work per step grows with M and GPipe's analysis applies:
+bubble = (p-1)/(M+p-1).
 
 - Measured bubble: 1 - (sum over stages of forward+backward compute time) / (stages x wall
   time of the step), the step's wall time running from the first stage's start to the last
-  stage's end (`time.perf_counter` is one system-wide monotonic clock on Linux). Median over
-  repeats.
+  stage's end (`time.perf_counter` is one system-wide monotonic clock on Linux). The six
+  settings take turns step by step; median over repeats.
 - Peak activation bytes: per stage, the most bytes autograd held for backward at once
-  (`saved_tensors_hooks`, deduplicated by storage, parameters excluded), in a separate step
-  so that the hooks do not disturb the timing. The JSON reports the larger of the two stages.
+  (`saved_tensors_hooks`; a tensor saved twice counts once, parameters not at all), in a
+  separate step so that the hooks do not disturb the timing. The JSON reports the larger of
+  the two stages.
+
+Timing needs a quiet machine: other processes on the 2 cores stretch some steps and not
+others. The header line prints the load average.
 
 The last line printed is JSON: {"results": [{"schedule", "microbatches", "bubble",
 "bubble_theory", "peak_activation_bytes"}, ...]}.
@@ -90,32 +94,34 @@ def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     g = create_process_groups(Topology(world_size, pp=PP))
     model = _model(cfg["width"], cfg["layers"])
     stage = partition(model, PP)[g.pp_rank]  # equal stages: the Linears have the same size
-    rows = []
+    runs = {}  # (schedule, M) -> (engine, x, y)
     for m in cfg["microbatches"]:
         gen = torch.Generator().manual_seed(m)
         x = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
         y = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
-        engines = {name: PipelineStage(stage, pp_rank=g.pp_rank, pp=PP, pp_ranks=g.pp_ranks,
-                                       pp_group=g.pp_group, loss_fn=nn.functional.mse_loss,
-                                       schedule=name)
-                   for name in ("gpipe", "1f1b")}
-        bubbles: dict[str, list[float]] = {name: [] for name in engines}
-        # Alternate the schedules step by step, so both see the same machine load.
-        for rep in range(cfg["warmup"] + cfg["repeats"]):
-            for name, engine in engines.items():
-                b = _bubble(engine, x, y, m, g.pp_group)
-                if rep >= cfg["warmup"]:
-                    bubbles[name].append(b)
-        for name, engine in engines.items():
-            peaks = _peak_bytes(engine, x, y, m, g.pp_group)
-            rows.append({
-                "schedule": name, "microbatches": m,
-                "bubble": statistics.median(bubbles[name]),
-                "bubble_spread": [min(bubbles[name]), max(bubbles[name])],
-                "bubble_theory": (PP - 1) / (m + PP - 1),
-                "peak_activation_bytes_per_stage": peaks,
-                "peak_activation_bytes": max(peaks),
-            })
+        for name in ("gpipe", "1f1b"):
+            engine = PipelineStage(stage, pp_rank=g.pp_rank, pp=PP, pp_ranks=g.pp_ranks,
+                                   pp_group=g.pp_group, loss_fn=nn.functional.mse_loss, schedule=name)
+            runs[(name, m)] = (engine, x, y)
+    bubbles: dict[tuple, list[float]] = {key: [] for key in runs}
+    # Round-robin over every setting, step by step, so that a burst of load from other
+    # processes hits all settings alike instead of skewing one.
+    for rep in range(cfg["warmup"] + cfg["repeats"]):
+        for key, (engine, x, y) in runs.items():
+            b = _bubble(engine, x, y, key[1], g.pp_group)
+            if rep >= cfg["warmup"]:
+                bubbles[key].append(b)
+    rows = []
+    for (name, m), (engine, x, y) in runs.items():
+        peaks = _peak_bytes(engine, x, y, m, g.pp_group)
+        rows.append({
+            "schedule": name, "microbatches": m,
+            "bubble": statistics.median(bubbles[(name, m)]),
+            "bubble_spread": [min(bubbles[(name, m)]), max(bubbles[(name, m)])],
+            "bubble_theory": (PP - 1) / (m + PP - 1),
+            "peak_activation_bytes_per_stage": peaks,
+            "peak_activation_bytes": max(peaks),
+        })
     return sorted(rows, key=lambda r: (r["schedule"] != "gpipe", r["microbatches"]))
 
 
@@ -124,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=2048, help="Linear width")
     parser.add_argument("--layers", type=int, default=8, help="Linear layers in all (split in 2)")
     parser.add_argument("--mb-size", type=int, default=64, help="samples per micro-batch")
-    parser.add_argument("--repeats", type=int, default=7, help="timed steps per setting (median)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed steps per setting (median)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="3 repeats, 1 warm-up")
+    parser.add_argument("--quick", action="store_true", help="5 repeats, 1 warm-up")
     args = parser.parse_args(argv)
     if args.quick:
-        args.repeats, args.warmup = 3, 1
+        args.repeats, args.warmup = 5, 1
     cfg = {"width": args.width, "layers": args.layers, "mb_size": args.mb_size,
            "repeats": args.repeats, "warmup": args.warmup, "microbatches": [2, 4, 8]}
     rows = run_workers(_worker, PP, args=(cfg,), timeout_s=900)[0]
