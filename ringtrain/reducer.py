@@ -113,6 +113,7 @@ class Reducer:
         self._unused: list[int] = []  # staged without a gradient this round
         self._accumulated = bytearray(len(self.params))  # got a gradient under no_sync
         self._next = 0  # the next bucket to launch
+        self._hold = False  # stage without launching (sync_gradients picks its own order)
         self._queued = False  # the end-of-backward callback is queued
         me = weakref.ref(self)
         self._handles = [
@@ -146,7 +147,8 @@ class Reducer:
         self._stage(bucket, i, grad, used, hot)
         bucket.pending -= 1
         # Launch in index order only: every rank must issue the same collectives in the same order.
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+        while (not self._hold and self._next < len(self.buckets)
+               and self.buckets[self._next].pending == 0):
             self._launch(self.buckets[self._next])
             self._next += 1
 
@@ -230,6 +232,11 @@ class Reducer:
             self._reset()
 
     def _finish(self) -> None:
+        self._stage_rest()
+        self._complete()
+
+    def _stage_rest(self) -> None:
+        """Stage what never got a hook call this round: no_sync gradients and unused ones."""
         unused = self._unused
         for i, p in enumerate(self.params):
             if self._ready[i]:
@@ -241,6 +248,10 @@ class Reducer:
                 # Stage zeros (or a stale .grad, as torch does) so that this rank still issues
                 # every bucket's collective: the other ranks are waiting on them.
                 self._mark_ready(i, p.grad, used=False)
+
+    def _complete(self) -> None:
+        """Wait for every bucket, agree on unused parameters, write the averages back."""
+        unused = self._unused
         n = len(self.params)
         status_bucket = next((b for b in self.buckets if b.tail_sent), None)
         mask_work = None
@@ -373,13 +384,25 @@ class Reducer:
             raise RuntimeError("sync_gradients() was called during a synced backward; call it after")
         try:
             with torch.no_grad():
-                for bucket in self.buckets:
-                    for i in bucket.members:
-                        grad = self.params[i].grad
-                        if grad is not None:
-                            self._mark_ready(i, grad, used=True)
-                self._finish()
+                self._hold = True
+                for i, p in enumerate(self.params):
+                    if p.grad is not None:
+                        self._mark_ready(i, p.grad, used=True)
+                self._stage_rest()
+                self._hold = False
+                # Every gradient is already here, so unlike in backward nothing forces the
+                # production order: small buckets go first, their fixed cost hidden behind the
+                # transfer of the large ones. With a comm hook, index order (hooks such as
+                # PowerSGD count iterations on the last bucket).
+                order = list(self.buckets)
+                if self.comm_hook is None:
+                    order.sort(key=lambda b: b.buffer.numel())
+                for bucket in order:
+                    self._launch(bucket)
+                self._next = len(self.buckets)
+                self._complete()
         finally:
+            self._hold = False
             self._reset()
 
     def remove_hooks(self) -> None:
