@@ -30,7 +30,8 @@ from ringtrain.buckets import (
     SOLO_BYTES_CPU,
     GradBucket,
 )
-from ringtrain.reducer import Reducer, UnusedParametersError
+from ringtrain.reducer import Reducer
+from ringtrain.unused_params import UnusedParametersError
 
 __all__ = ["DistributedDataParallel", "GradBucket", "UnusedParametersError", "broadcast_coalesced",
            "verify_same_parameters"]

@@ -27,10 +27,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from ringtrain.buckets import Bucket, GradBucket, assign_buckets, build_buckets
-
-
-class UnusedParametersError(RuntimeError):
-    """A synced backward left parameters without a gradient on some rank."""
+from ringtrain.unused_params import UnusedParametersError, unused_message
 
 
 def _grad_ready(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
@@ -54,11 +51,6 @@ _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
-
-
-def _short_list(names: Sequence[str], limit: int = 12) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return f"[{shown}{f', ... and {len(names) - limit} more' if len(names) > limit else ''}]"
 
 
 class Reducer:
@@ -284,7 +276,7 @@ class Reducer:
         unused_anywhere = [i for i in range(n) if counts[i]]
         globally_unused = {i for i in range(n) if counts[i] == self.world_size}
         if bad_ranks and not self.find_unused_parameters:
-            raise UnusedParametersError(self._unused_message(unused, bad_ranks, unused_anywhere))
+            raise UnusedParametersError(unused_message(self.rank, self.names, unused, bad_ranks, unused_anywhere))
         self._write_back(globally_unused)
 
     def _fill_status(self, status: torch.Tensor) -> None:
@@ -327,22 +319,6 @@ class Reducer:
                     p.grad = torch.empty_like(p).copy_(view)  # keeps the parameter's strides
                 elif not _same_tensor(p.grad, view):
                     p.grad.copy_(view)
-
-    def _unused_message(self, mine: list[int], bad_ranks: list[int], anywhere: list[int]) -> str:
-        fix = (
-            "With find_unused_parameters=False every parameter that requires grad must get a "
-            "gradient on every rank in every synced backward. If some parameters are unused in "
-            "some steps on purpose, wrap with DistributedDataParallel(..., "
-            "find_unused_parameters=True); if they should never train, set requires_grad=False "
-            "on them before wrapping; otherwise make forward's output depend on them."
-        )
-        if mine:
-            others = [r for r in bad_ranks if r != self.rank]
-            also = f" (ranks {others} also had unused parameters)" if others else ""
-            return (f"rank {self.rank}: {len(mine)} parameter(s) got no gradient in this backward: "
-                    f"{_short_list([self.names[i] for i in mine])}{also}. {fix}")
-        return (f"rank {self.rank}: ranks {bad_ranks} had parameters that got no gradient in this "
-                f"backward: {_short_list([self.names[i] for i in anywhere])}. {fix}")
 
     def _reset(self) -> None:
         for bucket in self.buckets:

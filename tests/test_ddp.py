@@ -21,8 +21,8 @@ from torch import nn
 from ringtrain.buckets import GradBucket, assign_buckets
 from ringtrain.ddp import DistributedDataParallel, ReplicaMismatchError
 from ringtrain.naive_ddp import NaiveDistributedDataParallel
-from ringtrain.reducer import UnusedParametersError
 from ringtrain.testing import run_workers
+from ringtrain.unused_params import UnusedParametersError
 
 B = 4  # samples per rank
 

@@ -1,0 +1,38 @@
+"""What a synced backward reports about parameters that got no gradient.
+
+Every rank learns, in the same collective, which parameters were unused on which rank (see
+`ringtrain/reducer.py`), so the error below is raised on all ranks in the same backward and
+names the parameters and the ranks, with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class UnusedParametersError(RuntimeError):
+    """A synced backward left parameters without a gradient on some rank."""
+
+
+def short_list(names: Sequence[str], limit: int = 12) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{f', ... and {len(names) - limit} more' if len(names) > limit else ''}]"
+
+
+def unused_message(rank: int, names: Sequence[str], mine: Sequence[int], bad_ranks: Sequence[int],
+                   anywhere: Sequence[int]) -> str:
+    """The error text for `rank`: its own unused parameters, or the ranks that had some."""
+    fix = (
+        "With find_unused_parameters=False every parameter that requires grad must get a "
+        "gradient on every rank in every synced backward. If some parameters are unused in "
+        "some steps on purpose, wrap with DistributedDataParallel(..., "
+        "find_unused_parameters=True); if they should never train, set requires_grad=False "
+        "on them before wrapping; otherwise make forward's output depend on them."
+    )
+    if mine:
+        others = [r for r in bad_ranks if r != rank]
+        also = f" (ranks {others} also had unused parameters)" if others else ""
+        return (f"rank {rank}: {len(mine)} parameter(s) got no gradient in this backward: "
+                f"{short_list([names[i] for i in mine])}{also}. {fix}")
+    return (f"rank {rank}: ranks {list(bad_ranks)} had parameters that got no gradient in this "
+            f"backward: {short_list([names[i] for i in anywhere])}. {fix}")
