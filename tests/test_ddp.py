@@ -282,9 +282,11 @@ class _Branchy(nn.Module):
 _UNUSED_VARIANTS = {"tail": (False, False), "mask": (True, False), "hook": (False, True)}
 
 
-def _wrap(model, find_unused: bool, hook: bool, cls=DistributedDataParallel):
+def _wrap(model, find_unused: bool, hook: bool, cls=DistributedDataParallel, static_graph: bool = False):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+    if static_graph:  # torch: the set of unused parameters is fixed; no need to say find_unused
+        return cls(model, static_graph=True)
     ddp = cls(model, find_unused_parameters=find_unused)
     if hook:
         ddp.register_comm_hook(None, allreduce_hook)
@@ -337,14 +339,16 @@ def test_unused_parameters_raise_on_every_rank_with_names_and_fix(sessions):
 def _unused_handled(rank, world_size):
     x, y = _data(B, seed=rank)
     out = {}
-    for variant, (big_first, hook) in _UNUSED_VARIANTS.items():
+    for variant, (big_first, hook) in {**_UNUSED_VARIANTS, "static_graph": (False, False)}.items():
         for name, cls in (("ours", DistributedDataParallel), ("torch", torch.nn.parallel.DistributedDataParallel)):
             model = _Branchy(big_first)
-            ddp = _wrap(model, True, hook, cls)
+            ddp = _wrap(model, True, hook, cls, static_graph=variant == "static_graph")
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for step in range(3):
                 opt.zero_grad()
-                nn.functional.mse_loss(ddp(x, use_extra=(rank + step) % 2 == 0), y).backward()
+                # static_graph: `extra` always used, `never` never (a fixed set, as it promises).
+                use_extra = True if variant == "static_graph" else (rank + step) % 2 == 0
+                nn.functional.mse_loss(ddp(x, use_extra=use_extra), y).backward()
                 out[f"{variant}/{name}/grads{step}"] = [None if p.grad is None else p.grad.clone()
                                                        for p in model.parameters()]
                 opt.step()
@@ -354,7 +358,7 @@ def _unused_handled(rank, world_size):
 
 def test_unused_parameters_handled_like_torch_when_asked(sessions):
     for rank, out in enumerate(sessions(2, "unused_handled")):
-        for v in _UNUSED_VARIANTS:
+        for v in [*_UNUSED_VARIANTS, "static_graph"]:
             _assert_close(out[f"{v}/ours"], out[f"{v}/torch"], f"rank {rank} {v} params")
             for step in range(3):
                 ours, theirs = out[f"{v}/ours/grads{step}"], out[f"{v}/torch/grads{step}"]
