@@ -582,34 +582,36 @@ def test_sync_gradients_outside_backward(sessions):
         _assert_close(later, synced, f"rank {rank} sync_gradients()", rtol=0, atol=0)
 
 
-# ---- one spawn per world size ----------------------------------------------------------------
-# Starting ranks costs seconds on a 2-core machine, so each world size starts once and runs
-# every scenario; a scenario's exception is reported by the test that reads it.
+# ---- a few spawns for everything -----------------------------------------------------------
+# Starting ranks costs seconds on a 2-core machine, so a handful of spawns run every scenario
+# (grouped to keep each under ~10 s); a scenario's exception is reported by the test that reads
+# it, and `sessions(world_size, name)` finds the group that holds `name`.
 
-
-def _scenarios(world_size: int) -> dict:
-    if world_size == 3:
-        # bucket_cap_mb=0.004 splits the small tensors over several multi-parameter buckets.
-        return {"equivalence": (_train_equivalence, (0.004,))}
-    return {
+_GROUPS: dict[tuple[int, str], dict] = {
+    # bucket_cap_mb=0.004 splits the small tensors over several multi-parameter buckets.
+    (3, "train"): {"equivalence": (_train_equivalence, (0.004,))},
+    (2, "train"): {
         "equivalence": (_train_equivalence, (None,)),
         "no_sync": (_no_sync, ()),
-        "unused_raise": (_unused_raise, ()),
-        "unused_handled": (_unused_handled, ()),
         "batchnorm_True": (_batchnorm, (True,)),
         "batchnorm_False": (_batchnorm, (False,)),
+        "sync_outside_backward": (_sync_outside_backward, ()),
+    },
+    (2, "edges"): {
+        "unused_raise": (_unused_raise, ()),
+        "unused_handled": (_unused_handled, ()),
         "mismatch": (_mismatch, ()),
         "overlap_False": (_overlap, (False,)),
         "overlap_True": (_overlap, (True,)),
         "slow_hook": (_slow_hook, ()),
         "reentrant": (_reentrant, ()),
-        "sync_outside_backward": (_sync_outside_backward, ()),
-    }
+    },
+}
 
 
-def _session(rank, world_size):
+def _session(rank, world_size, group):
     out = {}
-    for name, (fn, args) in _scenarios(world_size).items():
+    for name, (fn, args) in _GROUPS[(world_size, group)].items():
         try:
             out[name] = ("ok", fn(rank, world_size, *args))
         except Exception:  # noqa: BLE001 - reported by the test of this scenario
@@ -619,18 +621,19 @@ def _session(rank, world_size):
 
 @pytest.fixture(scope="module")
 def sessions():
-    started: dict[int, list | Exception] = {}
+    started: dict[tuple[int, str], list | Exception] = {}
 
     def results(world_size: int, name: str) -> list:
-        if world_size not in started:
+        key = next(k for k, scenarios in _GROUPS.items() if k[0] == world_size and name in scenarios)
+        if key not in started:
             try:
-                started[world_size] = run_workers(_session, world_size, timeout_s=150)
+                started[key] = run_workers(_session, world_size, args=(key[1],), timeout_s=120)
             except Exception as e:  # noqa: BLE001 - report once per test, do not restart
-                started[world_size] = e
-        if isinstance(started[world_size], Exception):
-            pytest.fail(f"the {world_size}-rank session failed: {started[world_size]}")
+                started[key] = e
+        if isinstance(started[key], Exception):
+            pytest.fail(f"the {world_size}-rank session {key[1]!r} failed: {started[key]}")
         values = []
-        for rank, out in enumerate(started[world_size]):
+        for rank, out in enumerate(started[key]):
             status, value = out[name]
             if status == "error":
                 pytest.fail(f"rank {rank}, scenario {name!r}:\n{value}")
