@@ -34,6 +34,7 @@ def assign_buckets(
     bucket_cap_bytes: int,
     first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
     solo_bytes: int | None = None,
+    order: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Group parameter indices into buckets, in the order their gradients should be reduced.
 
@@ -44,22 +45,28 @@ def assign_buckets(
         bucket_cap_bytes: a bucket is closed once it holds at least this many bytes.
         first_bucket_bytes: the cap of the first bucket of each key (small, to start early).
         solo_bytes: parameters at least this large get a bucket of their own; None: never.
+        order: the order in which gradients are produced, when it is known (observed in a
+            backward). Default: reverse registration order, the last layer's gradients first,
+            which is right for most models.
 
-    Gradients are produced roughly in reverse registration order (the last layer's first), so
-    buckets are filled walking the parameters backwards, and ordered by the position of their
-    last member: the order in which they are expected to become ready. Within a bucket, members
-    are in that same walking order.
+    Buckets are filled walking the parameters in that order and sorted by the position of their
+    last member: the order in which they become ready. Within a bucket, members keep the
+    walking order.
     """
     if len(sizes) != len(keys):
         raise ValueError(f"sizes has {len(sizes)} entries but keys has {len(keys)}")
     if bucket_cap_bytes <= 0:
         raise ValueError(f"bucket_cap_bytes={bucket_cap_bytes}: it must be positive")
     n = len(sizes)
+    walk = list(reversed(range(n))) if order is None else list(order)
+    if sorted(walk) != list(range(n)):
+        raise ValueError(f"order={walk} is not a permutation of the {n} parameter indices")
+    position = {i: step for step, i in enumerate(walk)}
     open_buckets: dict[Hashable, list[int]] = {}
     open_bytes: dict[Hashable, int] = {}
     closed_count: dict[Hashable, int] = {}
     buckets: list[list[int]] = []
-    for i in reversed(range(n)):
+    for i in walk:
         if solo_bytes is not None and sizes[i] >= solo_bytes:
             buckets.append([i])
             continue
@@ -74,9 +81,8 @@ def assign_buckets(
             del open_buckets[key]
             open_bytes[key] = 0
     buckets.extend(b for b in open_buckets.values() if b)
-    # Walking backwards, member i is reached at step n-1-i; a bucket is ready at its last
-    # member, the one with the smallest index. Sorting is stable, so ties keep creation order.
-    buckets.sort(key=lambda b: n - 1 - min(b))
+    # A bucket is ready when its last member (in walking order) is; sorting is stable.
+    buckets.sort(key=lambda b: max(position[i] for i in b))
     return buckets
 
 
@@ -125,6 +131,20 @@ def build_buckets(params: Sequence[torch.Tensor], plan: list[list[int]], status_
         buckets.append(Bucket(index, members, views, flat, payload, tail=flat[numel:] if extra else None,
                               pending=len(members)))
     return buckets
+
+
+def hook_result(value: Any, buffer: torch.Tensor, hook: Any, index: int) -> torch.Tensor:
+    """The averaged buffer a comm hook's Future gave, checked, flattened like `buffer`."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel():
+        got = f"a tensor of {value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(
+            f"comm hook {getattr(hook, '__name__', hook)!r}: its Future gave {got} for bucket "
+            f"{index}; it must give one tensor of the bucket's {buffer.numel()} elements (the "
+            "averaged `bucket.buffer()`)"
+        )
+    return value.reshape(-1)
 
 
 class GradBucket:

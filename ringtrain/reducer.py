@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from ringtrain.buckets import Bucket, GradBucket, assign_buckets, build_buckets
-from ringtrain.unused_params import UnusedParametersError, unused_message
+from ringtrain.buckets import Bucket, GradBucket, assign_buckets, build_buckets, hook_result
+from ringtrain.unused_params import check_unused, fill_status
 
 
 def _grad_ready(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
@@ -88,18 +88,13 @@ class Reducer:
         self.comm_hook_state: Any = None
         self.expect_sync = False  # set by a forward that wants this backward synced
 
-        sizes = [p.numel() * p.element_size() for p in self.params]
-        keys = [(p.dtype, p.device) for p in self.params]
-        plan = assign_buckets(sizes, keys, bucket_cap_bytes=bucket_cap_bytes,
-                              first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes)
-        # Status slots: per parameter "got no gradient here", then per rank "had such params".
-        self.buckets = build_buckets(self.params, plan,
-                                     status_slots=len(self.params) + self.world_size if self.world_size > 1 else 0)
-        self._bucket_of = [0] * len(self.params)
-        self._slot_of = [0] * len(self.params)
-        for bucket in self.buckets:
-            for slot, i in enumerate(bucket.members):
-                self._bucket_of[i], self._slot_of[i] = bucket.index, slot
+        self._plan_args = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_bytes=first_bucket_bytes,
+                               solo_bytes=solo_bytes)
+        self._build(order=None)
+        # Like torch's reducer, the buckets are rebuilt once, from the order in which the first
+        # synced backward actually produced the gradients (rank 0's, so all ranks agree).
+        self._observed: list[int] | None = []
+        self._next_order: list[int] | None = None
 
         self._ready = bytearray(len(self.params))  # staged this round
         self._unused: list[int] = []  # staged without a gradient this round
@@ -113,6 +108,29 @@ class Reducer:
             for i, p in enumerate(self.params)
         ]
         weakref.finalize(self, _remove_all, self._handles)
+
+    def _build(self, order: list[int] | None) -> None:
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        keys = [(p.dtype, p.device) for p in self.params]
+        plan = assign_buckets(sizes, keys, order=order, **self._plan_args)
+        if order is not None and plan == [b.members for b in self.buckets]:
+            return
+        # Status slots: per parameter "got no gradient here", then per rank "had such params".
+        self.buckets = build_buckets(self.params, plan,
+                                     status_slots=len(self.params) + self.world_size if self.world_size > 1 else 0)
+        self._bucket_of = [0] * len(self.params)
+        self._slot_of = [0] * len(self.params)
+        for bucket in self.buckets:
+            for slot, i in enumerate(bucket.members):
+                self._bucket_of[i], self._slot_of[i] = bucket.index, slot
+
+    def _rebuild(self, order: list[int]) -> None:
+        if self.world_size > 1:
+            agreed = torch.tensor(order, dtype=torch.int64, device=self.buckets[0].flat.device)
+            src = 0 if self.process_group == dist.group.WORLD else dist.get_global_rank(self.process_group, 0)
+            dist.broadcast(agreed, src, group=self.process_group)
+            order = agreed.tolist()
+        self._build(order)
 
     # ---- during backward -------------------------------------------------------------------
 
@@ -131,6 +149,8 @@ class Reducer:
                 "more than once, or inside and outside the checkpoint). Use "
                 "torch.utils.checkpoint(..., use_reentrant=False)."
             )
+        if self._observed is not None:
+            self._observed.append(i)
         self._mark_ready(i, self.params[i].grad, used=True, hot=True)
 
     def _mark_ready(self, i: int, grad: torch.Tensor | None, used: bool, hot: bool = False) -> None:
@@ -191,7 +211,7 @@ class Reducer:
                 sent = bucket.buffer
                 if bucket.tail is not None and not bucket.in_place:
                     # The last bucket: every parameter is staged by now, so the status is final.
-                    self._fill_status(bucket.tail)
+                    fill_status(bucket.tail, self._unused, len(self.params), self.rank)
                     sent, bucket.tail_sent = bucket.flat, True
                 bucket.work = dist.all_reduce(sent, group=self.process_group, async_op=True)
             return
@@ -217,6 +237,10 @@ class Reducer:
             # callback again, on the outer backward this time.
             self._queued = False
             return
+        if self._observed is not None:
+            seen = set(self._observed)
+            self._next_order = self._observed + [i for i in reversed(range(len(self.params))) if i not in seen]
+            self._observed = None
         try:
             with torch.no_grad():
                 self._finish()
@@ -254,16 +278,18 @@ class Reducer:
             if bucket.work is not None:
                 bucket.work.wait()
             elif bucket.fut is not None:
-                self._take_result(bucket, bucket.fut.wait())
+                result = hook_result(bucket.fut.wait(), bucket.buffer, self.comm_hook, bucket.index)
+                if not _same_tensor(result, bucket.buffer):
+                    bucket.buffer.copy_(result)  # e.g. an fp16 result into fp32 gradients
             if bucket.scale_after is not None:
                 bucket.buffer.mul_(bucket.scale_after)
         # Every rank learns which parameters were unused where: an error is then raised on all
         # ranks together (no rank left waiting in the next collective), and a parameter unused
         # on every rank keeps its .grad, as in torch.
         if self.world_size == 1:
-            counts = [1 if i in unused else 0 for i in range(n)] + [1 if unused else 0]
+            status = fill_status(torch.zeros(n + 1), unused, n, 0)
         elif status_bucket is not None:
-            counts = [round(v) for v in status_bucket.tail.tolist()]
+            status = status_bucket.tail
         else:
             if mask_work is None:
                 # After a comm hook's buckets are done, not before: a hook may still issue
@@ -271,39 +297,15 @@ class Reducer:
                 # a place in the group's order.
                 mask, mask_work = self._launch_status()
             mask_work.wait()
-            counts = mask.tolist()
-        bad_ranks = [r for r in range(self.world_size) if counts[n + r]]
-        unused_anywhere = [i for i in range(n) if counts[i]]
-        globally_unused = {i for i in range(n) if counts[i] == self.world_size}
-        if bad_ranks and not self.find_unused_parameters:
-            raise UnusedParametersError(unused_message(self.rank, self.names, unused, bad_ranks, unused_anywhere))
-        self._write_back(globally_unused)
-
-    def _fill_status(self, status: torch.Tensor) -> None:
-        status.zero_()
-        if self._unused:
-            status[self._unused] = 1
-            status[len(self.params) + self.rank] = 1
+            status = mask
+        self._write_back(check_unused(status, self.rank, self.names, unused,
+                                      raise_error=not self.find_unused_parameters))
 
     def _launch_status(self) -> tuple[torch.Tensor, Any]:
         status = torch.empty(len(self.params) + self.world_size, dtype=torch.int32,
                              device=self.buckets[0].flat.device)
-        self._fill_status(status)
+        fill_status(status, self._unused, len(self.params), self.rank)
         return status, dist.all_reduce(status, group=self.process_group, async_op=True)
-
-    def _take_result(self, bucket: Bucket, value: Any) -> None:
-        if isinstance(value, (list, tuple)) and len(value) == 1:
-            value = value[0]
-        if not isinstance(value, torch.Tensor) or value.numel() != bucket.buffer.numel():
-            got = (f"a tensor of {value.numel()} elements" if isinstance(value, torch.Tensor)
-                   else type(value).__name__)
-            raise TypeError(
-                f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r}: its Future "
-                f"gave {got} for bucket {bucket.index}; it must give one tensor of the bucket's "
-                f"{bucket.buffer.numel()} elements (the averaged `bucket.buffer()`)"
-            )
-        if not _same_tensor(value.reshape(-1), bucket.buffer):
-            bucket.buffer.copy_(value.reshape(-1))  # e.g. an fp16 result into fp32 gradients
 
     def _write_back(self, globally_unused: set[int]) -> None:
         for bucket in self.buckets:
@@ -347,6 +349,9 @@ class Reducer:
             )
         if self._queued:  # a previous backward failed before its end callback ran
             self._reset()
+        if self._next_order is not None:
+            order, self._next_order = self._next_order, None
+            self._rebuild(order)
         self.expect_sync = True
 
     def sync_gradients(self) -> None:

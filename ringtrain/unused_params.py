@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 
 class UnusedParametersError(RuntimeError):
     """A synced backward left parameters without a gradient on some rank."""
@@ -36,3 +38,31 @@ def unused_message(rank: int, names: Sequence[str], mine: Sequence[int], bad_ran
                 f"{short_list([names[i] for i in mine])}{also}. {fix}")
     return (f"rank {rank}: ranks {list(bad_ranks)} had parameters that got no gradient in this "
             f"backward: {short_list([names[i] for i in anywhere])}. {fix}")
+
+
+# The status all ranks sum at the end of a synced backward: n per-parameter slots (1 where the
+# parameter got no gradient on this rank), then world_size per-rank slots (1 on this rank's
+# slot if it had any). After the sum: how many ranks missed each parameter, and which ranks.
+
+
+def fill_status(status: torch.Tensor, unused: Sequence[int], n_params: int, rank: int) -> torch.Tensor:
+    """Write this rank's part of the status into `status` (n_params + world_size slots)."""
+    status.zero_()
+    if unused:
+        status[list(unused)] = 1
+        status[n_params + rank] = 1
+    return status
+
+
+def check_unused(summed: torch.Tensor, rank: int, names: Sequence[str], mine: Sequence[int],
+                 raise_error: bool) -> set[int]:
+    """Read the summed status: raise `UnusedParametersError` if asked and any rank missed
+    gradients, else return the parameters that no rank used (their .grad stays untouched)."""
+    n = len(names)
+    counts = [round(v) for v in summed.tolist()]
+    world_size = len(counts) - n
+    bad_ranks = [r for r in range(world_size) if counts[n + r]]
+    if bad_ranks and raise_error:
+        anywhere = [i for i in range(n) if counts[i]]
+        raise UnusedParametersError(unused_message(rank, names, mine, bad_ranks, anywhere))
+    return {i for i in range(n) if counts[i] == world_size}

@@ -519,6 +519,61 @@ def test_backward_returns_only_after_every_bucket_is_reduced(sessions):
     _assert_close(g0, g1, "grads equal on both ranks right after backward", rtol=0, atol=0)
 
 
+class _Reversed(nn.Module):
+    """Three 1 MiB layers used in the reverse of their registration order: the default bucket
+    order (reverse registration) expects their gradients in exactly the wrong order."""
+
+    def __init__(self, events: list[str] | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(512, 512, bias=False) for _ in range(3))
+        self.events = events
+
+    def forward(self, x):
+        for k in (2, 1, 0):
+            x = self.layers[k](x)
+            if k == 2 and self.events is not None:  # its gradient comes once layer 1 is done
+                x.register_hook(lambda g: self.events.append("backward past layer 1"))
+        return x
+
+
+def _rebuild(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    events: list[str] = []
+    ddp = DistributedDataParallel(_Reversed(events))
+
+    def spy(state, bucket):
+        events.append(f"launch {[n for n, p in ddp.module.named_parameters() if p is bucket.parameters()[0]][0]}")
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, spy)
+    theirs = torch.nn.parallel.DistributedDataParallel(_Reversed())
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(rank))
+    steps, grads = [], []
+    for _ in range(2):
+        events.clear()
+        for net in (ddp, theirs):
+            net.module.zero_grad()
+            net(x).sum().backward()
+        steps.append(list(events))
+        grads.append([[p.grad.clone() for p in net.module.parameters()] for net in (ddp, theirs)])
+    return steps, grads, [b.members for b in ddp.reducer.buckets]
+
+
+def test_buckets_rebuilt_in_the_order_gradients_came(sessions):
+    for rank, (steps, grads, plan) in enumerate(sessions(2, "rebuild")):
+        first, second = steps
+        # Step 1, registration order: nothing can go out before the last layer's gradient.
+        assert first.index("backward past layer 1") < first.index("launch layers.2.weight")
+        # Step 2, rebuilt from what step 1 saw: layer 0's bucket goes out first, during backward.
+        assert plan == [[0], [1], [2]]
+        assert second[0] == "launch layers.0.weight"
+        assert second.index("launch layers.1.weight") < second.index("backward past layer 1")
+        for ours, theirs in grads:
+            _assert_close(ours, theirs, f"rank {rank} grads vs torch")
+
+
 class _Checkpointed(nn.Module):
     def __init__(self, mode: str):
         super().__init__()
@@ -605,6 +660,7 @@ _GROUPS: dict[tuple[int, str], dict] = {
         "overlap_True": (_overlap, (True,)),
         "slow_hook": (_slow_hook, ()),
         "reentrant": (_reentrant, ()),
+        "rebuild": (_rebuild, ()),
     },
 }
 
