@@ -11,7 +11,9 @@ optimizer always steps on synced gradients.
 
 Buckets launch strictly in index order on every rank: collectives on one process group must be
 issued in the same order everywhere, and gradients can arrive in a different order on different
-ranks. Tests: `.venv/bin/pytest -q tests/test_ddp.py`.
+ranks. The first plan assumes reverse registration order; after the first synced backward the
+buckets are rebuilt once from the order rank 0 actually saw, as torch's reducer does.
+Tests: `.venv/bin/pytest -q tests/test_ddp.py`.
 """
 
 from __future__ import annotations
