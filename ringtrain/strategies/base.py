@@ -95,9 +95,25 @@ class Strategy(ABC):
 
     def serve(self) -> None:
         """Run a non-worker rank's role outside the trainer loop (optional)."""
+        return None
 
     def close(self) -> None:
         """Release process groups and threads."""
+        return None
+
+
+@torch.no_grad()
+def eval_forward(module: nn.Module, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`module(x)` in eval mode (no dropout), putting the module back in its mode afterwards.
+
+    The plain module, not a DDP wrapper: evaluation needs no collective.
+    """
+    was_training = module.training
+    module.eval()
+    try:
+        return module(x.to(device))
+    finally:
+        module.train(was_training)
 
 
 def make_strategy(name: str, **options: Any) -> Strategy:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ringtrain.ddp import DistributedDataParallel
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
+from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy, eval_forward
 
 
 def _strip_module_prefix(state: dict[str, Any]) -> dict[str, Any]:
@@ -119,14 +119,8 @@ class DDPStrategy(Strategy):
 
     @torch.no_grad()
     def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:
-        # The plain module, not the wrapper: evaluation needs no collective.
         assert self.module is not None, "setup() first"
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            return self.module(x.to(self.runtime.device))
-        finally:
-            self.module.train(was_training)
+        return eval_forward(self.module, x, self.runtime.device)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         assert self.module is not None, "setup() first"

@@ -38,7 +38,7 @@ from ringtrain.ps.sharding import (
 from ringtrain.ps.stats import Tally
 from ringtrain.ps.worker import PSWorker
 from ringtrain.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, Runtime
-from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
+from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy, eval_forward
 
 
 class PSStrategy(Strategy):
@@ -165,12 +165,7 @@ class PSStrategy(Strategy):
         if self.worker is None:
             return None
         assert self.module is not None, "setup() first"
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            return self.module(x.to(self.runtime.device))
-        finally:
-            self.module.train(was_training)
+        return eval_forward(self.module, x, self.runtime.device)
 
     # -- end of run and state ---------------------------------------------------------------------
     def serve(self) -> None:
