@@ -1,10 +1,11 @@
 """Pipeline bubble and activation memory: GPipe vs 1F1B, pp=2, M in {2, 4, 8}.
 
-    .venv/bin/python benchmarks/pipeline.py            # ~2 min on 2 idle cores
-    .venv/bin/python benchmarks/pipeline.py --quick    # fewer repeats
+    .venv/bin/python benchmarks/pipeline.py            # ~2.5 min on 2 idle cores
+    .venv/bin/python benchmarks/pipeline.py --quick    # fewer repeats, ~1.5 min
 
 Two gloo ranks (one thread each) run a stack of wide Linear-ReLU layers split into 2 equal
-stages (wide, so that compute dwarfs the activation transfers). Every micro-batch has the
+stages (wide and deep per stage, so that compute dwarfs the activation transfers: under 1F1B
+with 2 stages each transfer is on the critical path). Every micro-batch has the
 same size, so the work per step grows with M and GPipe's analysis applies:
 bubble = (p-1)/(M+p-1).
 
@@ -44,6 +45,8 @@ from ringtrain.testing import run_workers  # noqa: E402
 from ringtrain.topology import Topology, create_process_groups  # noqa: E402
 
 PP = 2
+_MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20),
+               "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}  # 32 MiB: glibc's largest on 64-bit
 
 
 class Scale(nn.Module):
@@ -141,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048, help="Linear width")
     parser.add_argument("--layers", type=int, default=8, help="Linear layers in all (split in 2)")
-    parser.add_argument("--mb-size", type=int, default=64, help="samples per micro-batch")
-    parser.add_argument("--repeats", type=int, default=15, help="timed steps per setting (median)")
+    parser.add_argument("--mb-size", type=int, default=256, help="samples per micro-batch")
+    parser.add_argument("--repeats", type=int, default=9, help="timed steps per setting (median)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="5 repeats, 1 warm-up")
     args = parser.parse_args(argv)
@@ -150,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.warmup = 5, 1
     cfg = {"width": args.width, "layers": args.layers, "mb_size": args.mb_size,
            "repeats": args.repeats, "warmup": args.warmup, "microbatches": [2, 4, 8]}
+    # glibc's malloc returns large freed blocks to the OS and maps them again on the next
+    # allocation, with fresh page faults: milliseconds of jitter per step that change from step
+    # to step and would show up as bubble. Keep freed memory instead; the workers inherit this
+    # environment when they start (it has no effect on another libc).
+    for name, value in _MALLOC_ENV.items():
+        os.environ.setdefault(name, value)
     rows = run_workers(_worker, PP, args=(cfg,), timeout_s=900)[0]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"pp={PP}, {args.layers} x Linear({args.width}) + ReLU, {args.mb_size} samples per "
@@ -165,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['step_ms']:>8.0f} {per_stage:>32}")
     print("bubble: median over the clean steps (wall time within 10% of the fastest); all: "
           "median over every step; ratio: bubble / theory")
+    within = all(abs(r["bubble"] / r["bubble_theory"] - 1) <= 0.10 for r in rows if r["microbatches"] >= 4)
+    peak = {r["schedule"]: r["peak_activation_bytes"] for r in rows if r["microbatches"] == 8}
+    print(f"M >= 4 within 10% of theory: {'yes' if within else 'NO'}; at M = 8 1F1B holds "
+          f"{peak['1f1b'] / 2**20:.1f} MiB vs GPipe {peak['gpipe'] / 2**20:.1f} MiB")
     keys = ("schedule", "microbatches", "bubble", "bubble_theory", "peak_activation_bytes")
     print(json.dumps({"results": [{k: r[k] for k in keys} for r in rows]}))
     return 0
