@@ -183,7 +183,10 @@ def test_frozen_rank_named_by_ranks_blocked_in_allreduce_and_computing(tmp_path)
     found = _run(tmp_path, 3, victim=2, how="stop", compute_ranks=(1, 2))
     for rank in (0, 1):
         assert found[rank]["rank"] == 2 and found[rank]["kind"] == "died", found
-        assert found[rank]["text"].startswith("rank 2 died (no heartbeat for 3."), found
+        # About timeout_s (3 s): a rank whose all-reduce lost rank 1's socket (rank 1 exited on
+        # its own verdict) switches to the suspect bound and may name rank 2 a beat earlier.
+        age = float(re.match(r"rank 2 died \(no heartbeat for ([\d.]+) s", found[rank]["text"])[1])
+        assert 2.0 <= age < 4.5, found
         # The step as last published; a rank may quote the verdict rank 0 shared.
         assert re.search(r"; last step [0-3](; seen by rank 0)?\)$", found[rank]["text"]), found
         assert 2.5 <= found[rank]["after_s"] < 10.0, found  # silence counts from the last change seen
