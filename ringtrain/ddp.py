@@ -30,6 +30,7 @@ from ringtrain.buckets import (
     SOLO_BYTES_CPU,
     GradBucket,
 )
+from ringtrain.lanes import comm_lanes as comm_lanes_for
 from ringtrain.reducer import Reducer
 from ringtrain.unused_params import UnusedParametersError
 
@@ -165,6 +166,9 @@ class DistributedDataParallel(nn.Module):
             buffers, saving the copy back and the memory of a second gradient copy.
         static_graph: the set of used parameters does not change between steps; unused
             parameters are then handled as with find_unused_parameters=True.
+        comm_lanes: (ringtrain only) how many groups over the same ranks carry the buckets
+            side by side; default 3 on a gloo world group, else 1 (see `ringtrain/lanes.py`).
+            Buckets a comm hook handles use the hook's own group.
 
     .. warning::
         Like torch's DDP, whether a backward is synced is decided by the forward that built its
@@ -193,6 +197,8 @@ class DistributedDataParallel(nn.Module):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        *,
+        comm_lanes: int | None = None,
     ):
         super().__init__()
         self.module = module
@@ -241,6 +247,7 @@ class DistributedDataParallel(nn.Module):
             solo_bytes=SOLO_BYTES_CPU if on_cpu else self.bucket_bytes_cap,
             find_unused_parameters=find_unused_parameters or static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            lanes=comm_lanes_for(self.process_group, comm_lanes),
         )
 
     @staticmethod

@@ -19,6 +19,7 @@ Tests: `.venv/bin/pytest -q tests/test_ddp.py`.
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,6 +66,8 @@ class Reducer:
         bucket_cap_bytes / first_bucket_bytes / solo_bytes: the bucket plan (see `assign_buckets`).
         find_unused_parameters: parameters without a gradient count as zero instead of raising.
         gradient_as_bucket_view: leave `.grad` as a view into the bucket instead of copying back.
+        lanes: groups over the same ranks as `process_group` (itself first); bucket i is
+            all-reduced on lane i % len(lanes), so buckets travel concurrently (`lanes.py`).
     """
 
     def __init__(
@@ -78,12 +81,14 @@ class Reducer:
         solo_bytes: int | None,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        lanes: Sequence[dist.ProcessGroup] | None = None,
     ):
         self.params = list(params)
         self.names = list(names)
         self.process_group = process_group
         self.rank = process_group.rank()
         self.world_size = process_group.size()
+        self.lanes = list(lanes) if lanes else [process_group]
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.comm_hook: Callable[[Any, GradBucket], torch.futures.Future] | None = None
@@ -104,6 +109,9 @@ class Reducer:
         self._next = 0  # the next bucket to launch
         self._hold = False  # stage without launching (sync_gradients picks its own order)
         self._queued = False  # the end-of-backward callback is queued
+        self._defer = False  # the next synced backward stages only; flush() sends (see defer())
+        self._deferred = False  # a deferred backward ended: its buckets wait for flush()
+        self.staging_s = 0.0  # time the last deferred backward spent in this reducer's hooks
         me = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i))
@@ -153,6 +161,11 @@ class Reducer:
             )
         if self._observed is not None:
             self._observed.append(i)
+        if self._defer:
+            t0 = time.perf_counter()
+            self._mark_ready(i, self.params[i].grad, used=True, hot=True)
+            self.staging_s += time.perf_counter() - t0
+            return
         self._mark_ready(i, self.params[i].grad, used=True, hot=True)
 
     def _mark_ready(self, i: int, grad: torch.Tensor | None, used: bool, hot: bool = False) -> None:
@@ -161,7 +174,7 @@ class Reducer:
         self._stage(bucket, i, grad, used, hot)
         bucket.pending -= 1
         # Launch in index order only: every rank must issue the same collectives in the same order.
-        while (not self._hold and self._next < len(self.buckets)
+        while (not self._hold and not self._defer and self._next < len(self.buckets)
                and self.buckets[self._next].pending == 0):
             self._launch(self.buckets[self._next])
             self._next += 1
@@ -215,7 +228,8 @@ class Reducer:
                     # The last bucket: every parameter is staged by now, so the status is final.
                     fill_status(bucket.tail, self._unused, len(self.params), self.rank)
                     sent, bucket.tail_sent = bucket.flat, True
-                bucket.work = dist.all_reduce(sent, group=self.process_group, async_op=True)
+                lane = self.lanes[bucket.index % len(self.lanes)]
+                bucket.work = dist.all_reduce(sent, group=lane, async_op=True)
             return
         grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.gradients,
                                  [self.params[i] for i in bucket.members],
@@ -243,6 +257,9 @@ class Reducer:
             seen = set(self._observed)
             self._next_order = self._observed + [i for i in reversed(range(len(self.params))) if i not in seen]
             self._observed = None
+        if self._defer:
+            self._defer, self._deferred = False, True  # flush() finishes this round
+            return
         try:
             with torch.no_grad():
                 self._finish()
@@ -341,6 +358,9 @@ class Reducer:
 
     def prepare_for_backward(self) -> None:
         """Called by a forward whose backward must be synced."""
+        if self._deferred:
+            raise RuntimeError("a deferred backward's gradients were never sent: call "
+                               "reducer.flush() after it, before the next forward")
         if self.expect_sync and any(self._ready) and not self._queued:
             self._reset()
             raise RuntimeError(
@@ -386,6 +406,38 @@ class Reducer:
                 self._complete()
         finally:
             self._hold = False
+            self._reset()
+
+    def defer(self) -> None:
+        """Make the next synced backward stage its gradients but send nothing; `flush()` sends.
+
+        Staging is the hooks' part (averaging each gradient while it is hot, copying small ones
+        into their bucket); `staging_s` records its time. `flush()` then launches every bucket in
+        order, waits, checks unused parameters and writes back: the communication alone, with
+        no compute running (`benchmarks/ddp_vs_torch.py` times the two to measure the sync path
+        as training runs it). Call both on every rank.
+        """
+        if self._queued or self._deferred:
+            raise RuntimeError("defer() must come before the forward of the backward to defer, "
+                               "and after the flush() of the previous one")
+        self._defer, self.staging_s = True, 0.0
+
+    def flush(self) -> None:
+        """Send and finish the deferred backward's buckets (see `defer()`)."""
+        if not self._deferred:
+            raise RuntimeError("flush() without a deferred backward: call defer(), then the "
+                               "forward and backward, then flush()")
+        try:
+            with torch.no_grad():
+                self._hold = True  # stage what never fired first: the last bucket's status
+                self._stage_rest()  # is final only then
+                self._hold = False
+                while self._next < len(self.buckets):
+                    self._launch(self.buckets[self._next])
+                    self._next += 1
+                self._complete()
+        finally:
+            self._hold, self._deferred = False, False
             self._reset()
 
     def remove_hooks(self) -> None:

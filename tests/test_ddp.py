@@ -628,13 +628,78 @@ def _sync_outside_backward(rank, world_size):
     nn.functional.mse_loss(ddp.module(x), y).backward()  # plain module call: local only
     local = [p.grad.clone() for p in ddp.module.parameters()]
     ddp.reducer.sync_gradients()
-    return synced, local, [p.grad.clone() for p in ddp.module.parameters()]
+    later = [p.grad.clone() for p in ddp.module.parameters()]
+    # defer() + flush(): the backward stages, flush() sends; the same result as a synced backward.
+    errors = []
+    ddp.module.zero_grad()
+    ddp.reducer.defer()
+    nn.functional.mse_loss(ddp(x), y).backward()
+    try:
+        ddp(x)  # a forward before the flush
+    except RuntimeError as e:
+        errors.append(str(e))
+    ddp.reducer.flush()
+    deferred = [p.grad.clone() for p in ddp.module.parameters()]
+    try:
+        ddp.reducer.flush()
+    except RuntimeError as e:
+        errors.append(str(e))
+    ddp.module.zero_grad()
+    nn.functional.mse_loss(ddp(x), y).backward()  # and the next backward is an ordinary one
+    after = [p.grad.clone() for p in ddp.module.parameters()]
+    return synced, local, later, deferred, after, errors, ddp.reducer.staging_s
 
 
-def test_sync_gradients_outside_backward(sessions):
-    for rank, (synced, local, later) in enumerate(sessions(2, "sync_outside_backward")):
+def test_sync_gradients_outside_backward_and_deferred(sessions):
+    for rank, out in enumerate(sessions(2, "sync_outside_backward")):
+        synced, local, later, deferred, after, errors, staging_s = out
         assert not torch.equal(local[0], synced[0])  # the plain backward did not sync
         _assert_close(later, synced, f"rank {rank} sync_gradients()", rtol=0, atol=0)
+        _assert_close(deferred, synced, f"rank {rank} defer() + flush()", rtol=0, atol=0)
+        _assert_close(after, synced, f"rank {rank} the backward after a flush", rtol=0, atol=0)
+        assert "call reducer.flush() after it" in errors[0], errors
+        assert "flush() without a deferred backward" in errors[1], errors
+        assert staging_s > 0
+
+
+def _lanes(rank, world_size):
+    # Buckets spread over 3 groups of the same ranks reduce to exactly what one group gives;
+    # the lanes are made once per group and shared by later DDPs on it.
+    x, y = _data(B, seed=rank)
+    grads, lanes = {}, {}
+    for count in (1, 3):
+        ddp = DistributedDataParallel(_mlp(), comm_lanes=count, bucket_cap_mb=0.004)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        grads[count] = [p.grad.clone() for p in ddp.module.parameters()]
+        lanes[count] = ddp.reducer.lanes
+    again = DistributedDataParallel(_mlp()).reducer.lanes  # the default on a gloo world group
+    errors = []
+    for bad in (0, 2.5):
+        try:
+            DistributedDataParallel(_mlp(), comm_lanes=bad)
+        except ValueError as e:
+            errors.append(str(e))
+    sub = dist.new_group([0, 1])
+    try:
+        DistributedDataParallel(_mlp(), process_group=sub, comm_lanes=2)
+    except ValueError as e:
+        errors.append(str(e))
+    return {"grads": grads, "one": lanes[1] == [dist.group.WORLD],
+            "three_distinct": len({id(g) for g in lanes[3]}) == 3 and lanes[3][0] == dist.group.WORLD,
+            "shared": [id(g) for g in again] == [id(g) for g in lanes[3]],
+            "subgroup_default": len(DistributedDataParallel(_mlp(), process_group=sub).reducer.lanes),
+            "buckets": len(ddp.reducer.buckets), "errors": errors}
+
+
+def test_comm_lanes_give_the_same_gradients(sessions):
+    for rank, out in enumerate(sessions(2, "lanes")):
+        assert out["buckets"] >= 3  # every lane carries a bucket
+        _assert_close(out["grads"][3], out["grads"][1], f"rank {rank} 3 lanes vs 1", rtol=0, atol=0)
+        assert out["one"] and out["three_distinct"] and out["shared"], out
+        assert out["subgroup_default"] == 1
+        assert "comm_lanes=0: the number of communication lanes must be an integer >= 1" in out["errors"][0]
+        assert "comm_lanes=2.5" in out["errors"][1]
+        assert "comm_lanes=2 needs the world group" in out["errors"][2], out["errors"]
 
 
 # ---- a few spawns for everything -----------------------------------------------------------
@@ -651,6 +716,7 @@ _GROUPS: dict[tuple[int, str], dict] = {
         "batchnorm_True": (_batchnorm, (True,)),
         "batchnorm_False": (_batchnorm, (False,)),
         "sync_outside_backward": (_sync_outside_backward, ()),
+        "lanes": (_lanes, ()),
     },
     (2, "edges"): {
         "unused_raise": (_unused_raise, ()),
