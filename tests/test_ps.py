@@ -325,6 +325,9 @@ def test_topology_puts_workers_first():
 
 
 # -- async on the default task reaches what DDP reaches, within twice the steps --------------------
+ASYNC_BETA1 = 0.5  # Adam's beta1 for async: 1 - 1/W of implicit momentum comes on top (W = 2)
+
+
 def _async_vs_ddp(rank, world_size, ddp_steps, eval_every):
     """DDP for `ddp_steps`, then async PS for twice as many, each with the trainer's schedule."""
     from ringtrain.data.addition import AdditionDataset, exact_match
@@ -369,7 +372,9 @@ def _async_vs_ddp(rank, world_size, ddp_steps, eval_every):
     target = torch.tensor([ddp_accuracy or 0.0])
     dist.broadcast(target, 0)
     s = make_strategy("ps", runtime=get_runtime(), servers=1, mode="async")
-    s.setup(model(), adamw(0.1), loss_fn)
+    # Asynchrony begets momentum (Mitliagkas et al., 2016): W async workers add an implicit
+    # momentum of about 1 - 1/W, so async takes Adam's beta1 down from 0.9 to ASYNC_BETA1.
+    s.setup(model(), adamw(0.1, betas=(ASYNC_BETA1, 0.95)), loss_fn)
     schedule = TrainerConfig(steps=2 * ddp_steps, lr=3e-3).resolved()
     store, reached, best = get_runtime().store, None, 0.0
     step = 0
@@ -397,14 +402,20 @@ def test_async_reaches_the_ddp_accuracy_within_twice_the_steps():
     """DDP trains 250 steps; async gets twice as many (the trainer's warmup + cosine over its
     own run) and must reach DDP's final held-out accuracy, less 0.01 (5 of 500 sums).
 
-    One update of staleness costs Adam a lot on this task: async needs 1.3x-2x DDP's steps
-    here (measured: 320-490 of the 500 allowed), so the bound is met, not by a wide margin.
+    Async's curve is not one curve: the order in which pushes interleave changes each run, and
+    on this task (a sharp jump in accuracy after a plateau) that moves the step where the jump
+    comes. With Adam's usual beta1 = 0.9, async reached the target at steps 412-482 of the 500
+    allowed in 6 runs, and missed it (0.616) in a full-suite run on a loaded machine. A DDP
+    target on the flat part of its curve (300-500 DDP steps: 0.99-1.0) or a smaller learning
+    rate for async (0.5x, 0.7x) did no better. With beta1 = 0.5 (ASYNC_BETA1): 275-424 in 6
+    runs, 3 of them with a second copy running alongside (figures in docs/ps.md).
     """
     ddp_steps = 250  # DDP ends near 0.7 exact-match, on the steep part of the curve
     results = run_workers(_async_vs_ddp, 3, args=(ddp_steps, 10), timeout_s=240)
     target = results[0]["ddp_accuracy"]
     assert target > 0.5, f"DDP itself did not learn: {target}"
     reached = results[0]["reached"]
+    print(f"async reached {target - 0.01:.3f} at step {reached} of {2 * ddp_steps}")
     assert reached is not None and reached <= 2 * ddp_steps, (
         f"async reached {results[0]['best']:.3f}, not DDP's {target:.3f}, in {2 * ddp_steps} steps")
 
