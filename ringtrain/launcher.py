@@ -10,7 +10,9 @@ Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
 - polls the workers every 0.1 s, so a dead worker stops the rest promptly,
 - replaces torch's multi-page error dump by one block: which rank failed first, its exit code
   or signal, and its traceback (written by workers whose main is decorated with `record`),
-- keeps workers from outliving a SIGKILLed launcher (`die_with_parent`, called in the worker).
+- keeps workers from outliving a SIGKILLed launcher (`die_with_parent`, called in the worker),
+- lets chosen ranks die without stopping the others (`launch(..., tolerate_ranks=...)`, used by
+  `ringtrain train --strategy ps --ps-mode async` for its workers other than rank 0).
 
     from ringtrain.launcher import record
     @record                          # the launcher then prints this worker's traceback
@@ -30,10 +32,11 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch.distributed.launcher.api as _launcher_api
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ProcessFailure,
@@ -258,6 +261,54 @@ def _bounded_rendezvous(endpoint: str) -> Iterator[None]:
         _launcher_api.rdzv_registry = registry
 
 
+def _tolerated_exit(exitcode: int) -> bool:
+    """Whether a tolerated rank's exit code is its own death (not a stop the job asked for).
+
+    Exits that say "a peer failed" (the watchdog's) or "stopped on SIGTERM" (a snapshot was
+    saved, or the agent is tearing down) belong to the whole job: they are never tolerated.
+    """
+    return exitcode not in (0, PEER_FAILED_EXIT_CODE, STOPPED_EXIT_CODE, -signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _tolerating(ranks: Collection[int]) -> Iterator[None]:
+    """Inside: a tolerated global rank's own death is a warning, not a failure of the job.
+
+    torch's agent polls `SubprocessContext._poll`, which records every non-zero exit as a
+    failure and then stops every worker. Here the recording step is wrapped: a tolerated
+    rank that died is logged and taken off the running ranks as if it had finished, so the
+    others run on and the job succeeds if they do. Relies on torch internals (the context's
+    `_running_local_ranks`, `subprocess_handlers`, `envs` with RANK), checked at torch 2.13.0;
+    functions launched in-process (`launch(fn)`) use another context and are not covered.
+    """
+    if not ranks:
+        yield
+        return
+    original = SubprocessContext._capture_process_failures
+    tolerated = frozenset(ranks)
+
+    def capture(self, done_local_ranks: set[int]) -> None:
+        for local_rank in sorted(self._running_local_ranks):
+            proc = self.subprocess_handlers[local_rank].proc
+            rank = int(self.envs[local_rank].get("RANK", -1))
+            exitcode = proc.poll()
+            if rank in tolerated and exitcode is not None and _tolerated_exit(exitcode):
+                self._running_local_ranks.discard(local_rank)  # torch's step never sees it
+                done_local_ranks.add(local_rank)
+                how = (f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0
+                       else f"exit code {exitcode}")
+                print(f"ringtrain run: warning: rank {rank} (local_rank {local_rank}, pid "
+                      f"{proc.pid}) died ({how}); it is a tolerated rank, the others go on",
+                      file=sys.stderr, flush=True)
+        original(self, done_local_ranks)
+
+    SubprocessContext._capture_process_failures = capture
+    try:
+        yield
+    finally:
+        SubprocessContext._capture_process_failures = original
+
+
 def _describe_exit(failure: ProcessFailure) -> str:
     if failure.exitcode < 0:
         return f"killed by {failure.signal_name()}"
@@ -324,8 +375,12 @@ def format_failure(err: ChildFailedError) -> str:
     return "\n".join(lines)
 
 
-def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None) -> int:
-    """Launch from parsed torchrun arguments; the entrypoint may be replaced by a function."""
+def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None,
+         tolerate_ranks: Collection[int] = ()) -> int:
+    """Launch from parsed torchrun arguments; the entrypoint may be replaced by a function.
+
+    `tolerate_ranks`: global ranks whose own death does not stop the others (`_tolerating`).
+    """
     script = args.training_script
     if entrypoint is None and not args.module and not args.no_python and not os.path.isfile(script):
         print(f"ringtrain run: error: training script {script!r} not found (in {os.getcwd()}); "
@@ -354,8 +409,8 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
                                                  signal.SIGQUIT)}
     multi_node = int(str(args.nnodes).split(":")[-1]) > 1
     try:
-        with _quiet_torch_logs(), (_bounded_rendezvous(config.rdzv_endpoint) if multi_node
-                                   else contextlib.nullcontext()):
+        with _quiet_torch_logs(), _tolerating(tolerate_ranks), (
+                _bounded_rendezvous(config.rdzv_endpoint) if multi_node else contextlib.nullcontext()):
             elastic_launch(config, cmd)(*cmd_args)
         return 0
     except ChildFailedError as e:
@@ -417,6 +472,7 @@ def launch(
     monitor_interval: float = 0.1,
     run_id: str | None = None,
     module: bool = False,
+    tolerate_ranks: Collection[int] = (),
 ) -> int:
     """Run `entrypoint` on `nproc_per_node` workers here (and join `nnodes` nodes); return the exit code.
 
@@ -429,6 +485,10 @@ def launch(
             monitor_interval, run_id: torchrun's flags of the same names. A single node without
             `rdzv_endpoint` picks a free port; several nodes need `rdzv_endpoint` (host:port
             of node 0) and the same `run_id` on every node.
+        tolerate_ranks: global ranks (the same set on every node) whose own death (a signal,
+            a non-zero exit other than the watchdog's 75 or SIGTERM's 143) is a warning, not a
+            failure: the other workers run on. Scripts and modules only, not functions; the
+            workers must be able to go on without them (async parameter-server workers).
     """
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node}: start at least one worker per node")
@@ -444,7 +504,10 @@ def launch(
     if run_id:
         argv += ["--rdzv-id", run_id]
     if callable(entrypoint):
+        if tolerate_ranks:
+            raise ValueError("tolerate_ranks applies to a script or module entrypoint, not a "
+                             "function; launch the function's module with module=True")
         parsed = get_args_parser().parse_args([*argv, "<function>"])
         return _run(parsed, entrypoint, args)
     parsed = get_args_parser().parse_args([*argv, *(["-m"] if module else []), entrypoint, *args])
-    return _run(parsed)
+    return _run(parsed, tolerate_ranks=tolerate_ranks)

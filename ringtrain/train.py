@@ -15,6 +15,11 @@ rank 0 prints the progress bar and the summary. Each run writes `runs/<timestamp
 
 A run directory with a committed snapshot is resumed by itself (`--no-resume` starts afresh).
 After SIGTERM every worker saves the same step and exits with 143 (128 + SIGTERM).
+
+    ringtrain train --strategy ps --servers 1 --ps-mode async --nproc-per-node 4
+
+With `--strategy ps --ps-mode async|ssp`, a worker other than rank 0 that dies is dropped with
+a warning and the others finish the run (`tolerated_ranks`); any other death ends the job.
 """
 
 from __future__ import annotations
@@ -246,6 +251,24 @@ def new_run_dir(root: str = "runs") -> str:
             path = f"{base}-{n}"
 
 
+def tolerated_ranks(args: argparse.Namespace, world_size: int | None = None) -> frozenset[int]:
+    """Global ranks the job survives losing: async/ssp parameter-server workers but rank 0.
+
+    Mirrors `PSStrategy.tolerated_ranks` before any worker exists (the launcher needs it).
+    `world_size` defaults to --nnodes x --nproc-per-node; an elastic --nnodes MIN:MAX has no
+    fixed layout, so nothing is tolerated there.
+    """
+    if args.strategy != "ps" or (args.ps_mode or "sync") == "sync":
+        return frozenset()
+    if world_size is None:
+        try:
+            world_size = int(args.nnodes) * args.nproc_per_node
+        except ValueError:
+            return frozenset()
+    workers = world_size - (args.servers or 1)
+    return frozenset(range(1, max(1, workers)))
+
+
 def _in_launched_worker() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
@@ -364,9 +387,12 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
                 if rt.world_size > 1 and args.watchdog_timeout:
                     from ringtrain.watchdog import Watchdog
 
-                    # A rank that dies or hangs stops the others within the timeout, naming it.
+                    # A rank that dies or hangs stops the others within the timeout, naming it;
+                    # one the strategy can lose (an async parameter-server worker) is dropped.
+                    tolerate = getattr(strategy, "tolerated_ranks", frozenset())
                     watchdog = stack.enter_context(Watchdog(
-                        timeout_s=args.watchdog_timeout, interval_s=min(1.0, args.watchdog_timeout / 3)))
+                        timeout_s=args.watchdog_timeout, interval_s=min(1.0, args.watchdog_timeout / 3),
+                        tolerate=tolerate, on_departed=_dropper(strategy) if tolerate else None))
                     trainer.on_step = watchdog.set_step
                 trainer.on_step = with_test_fault(trainer.on_step, rt.rank)
                 summary = trainer.fit()
@@ -386,6 +412,14 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
     if _in_launched_worker():
         job = record(job)  # the launcher's failure report then shows this worker's traceback
     return job()
+
+
+def _dropper(strategy):
+    """The watchdog's `on_departed`: hand a dead tolerated worker to the strategy."""
+    def drop(failure) -> None:
+        why = failure.reason if failure.kind == "died" else f"raised {failure.reason}"
+        strategy.drop_worker(failure.rank, why)
+    return drop
 
 
 def _resume_or_clear(args: argparse.Namespace, rank: int, log) -> bool:
@@ -431,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         return launch("ringtrain", ["train", *worker_argv(args)], module=True,
                       nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
                       nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, run_id=run_id)
+                      rdzv_endpoint=args.rdzv_endpoint, run_id=run_id,
+                      tolerate_ranks=tolerated_ranks(args))
     return run_job(args, started_at)
 
 if __name__ == "__main__":

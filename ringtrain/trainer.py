@@ -16,7 +16,11 @@ The loop knows nothing about the model or how it is distributed: it hands micro-
   values, which are bit-identical on every rank;
 - evaluation uses the sampler's exact mode (no padded duplicates);
 - every rank runs the loop, also one that reads no data (`data_rank` None, a parameter
-  server): it passes no micro-batches, gets count 0 back and joins the same collectives.
+  server): it passes no micro-batches, gets count 0 back and joins the same collectives;
+- strategies whose ranks drift apart (`lockstep = False`, an async parameter server) may lose
+  a rank and go on: their sums go through the store (`ringtrain.membership`) over the ranks
+  still in the job, data rank 0 evaluates the whole eval set alone, and no snapshot is taken
+  once a rank has left (a snapshot needs every rank's part).
 The step counter (with the sampler's state and the metrics window) is the loop's state: see
 `state_dict()`. With `run_dir` and `snapshot_every`, `ringtrain.resume.Checkpointer` saves it
 with the model, optimizer and RNG states every N steps and on SIGTERM, and `fit` resumes from
@@ -25,129 +29,32 @@ the run directory's newest committed snapshot by itself (`resume=False` starts a
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from ringtrain.membership import Membership
 from ringtrain.progress import MetricsLog, Progress, write_json
 from ringtrain.resume import Checkpointer, StopSignal
 from ringtrain.runtime import Runtime
 from ringtrain.sampler import DistributedSampler
 from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
+from ringtrain.trainer_config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
+
+__all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
 
 log = logging.getLogger("ringtrain")
 
 MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> per sample
-
-
-@dataclass
-class TrainerConfig:
-    """Loop settings. `None` means "derive from the others" (see `resolved()`).
-
-    Args:
-        steps: optimizer steps.
-        batch_size: samples per micro-batch on each data rank.
-        grad_accum: micro-batches per optimizer step.
-        lr, min_lr, warmup_steps, lr_schedule: peak LR, floor, linear warmup, then 'cosine'
-            decay to min_lr or 'constant'.
-        weight_decay: AdamW decay on matrices (biases and norms are not decayed).
-        grad_clip: max global gradient norm; None or 0 disables.
-        seed: shared initialisation, data order and (with the rank) dropout.
-        dtype: 'fp32' or 'bf16' (autocast where the device supports it).
-        log_every, eval_every: steps between metric lines and evaluations (the last step does both).
-        eval_batch_size: samples per evaluation batch per rank.
-        progress: draw the progress bar on rank 0.
-    """
-
-    steps: int = 2000
-    batch_size: int = 64
-    grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr: float | None = None
-    warmup_steps: int | None = None
-    lr_schedule: str = "cosine"
-    weight_decay: float = 0.1
-    grad_clip: float | None = 1.0
-    seed: int = 1337
-    dtype: str = "fp32"
-    log_every: int | None = None
-    eval_every: int | None = None
-    eval_batch_size: int | None = None
-    progress: bool = True
-
-    def resolved(self) -> TrainerConfig:
-        """A copy with every `None` derived, after checking each value (errors say the fix)."""
-        for name in ("steps", "batch_size", "grad_accum"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: it must be a positive integer")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr}: it must be positive")
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise ValueError(f"lr_schedule={self.lr_schedule!r}: use 'cosine' or 'constant'")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"dtype={self.dtype!r}: use 'fp32' or 'bf16'")
-        for name in ("log_every", "eval_every", "eval_batch_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r}: it must be a positive integer (or unset)")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps}: it must be 0 or more")
-        c = TrainerConfig(**asdict(self))
-        c.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
-        c.warmup_steps = min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
-        c.log_every = max(1, self.steps // 100) if self.log_every is None else self.log_every
-        c.eval_every = max(1, self.steps // 10) if self.eval_every is None else self.eval_every
-        # Evaluation holds no activations for backward, so it can take larger batches.
-        c.eval_batch_size = max(self.batch_size, 256) if self.eval_batch_size is None else self.eval_batch_size
-        c.grad_clip = self.grad_clip or None
-        return c
-
-
-def lr_at(step: int, c: TrainerConfig) -> float:
-    """Linear warmup over `warmup_steps`, then cosine decay from lr to min_lr at the last step."""
-    if step < c.warmup_steps:
-        return c.lr * (step + 1) / c.warmup_steps
-    if c.lr_schedule == "constant":
-        return c.lr
-    progress = (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps)
-    return c.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (c.lr - c.min_lr)
-
-
-def adamw(weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> OptimizerFn:
-    """AdamW that decays matrices only: decaying biases and LayerNorm gains only hurts."""
-    def build(params) -> torch.optim.Optimizer:
-        params = [p for p in params if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=0.0, betas=betas)
-    return build
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """A per-rank seed from (seed, rank): well mixed, so nearby seeds and ranks do not correlate."""
-    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
-
-
-def param_sha256(state: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the state_dict's tensors in key order (their raw bytes, no names)."""
-    h = hashlib.sha256()
-    for key in state:
-        t = state[key].detach().cpu().contiguous()
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class Trainer:
@@ -199,6 +106,13 @@ class Trainer:
         strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay), loss_fn)
         torch.manual_seed(rank_seed(c.seed, runtime.rank))  # dropout differs per rank
         self.data_rank, self.data_world_size = strategy.data_rank, strategy.data_world_size
+        # Drifting ranks must not meet in world collectives: one that died would stop them all.
+        self.membership: Membership | None = None
+        if not strategy.lockstep and runtime.world_size > 1:
+            self.membership = Membership.of(runtime, "trainer")
+        self._rounds = 0  # store rounds so far: every rank numbers them alike (same call order)
+        self._stop_votes = 0.0  # ranks that got SIGTERM, as of the last metrics reduction
+        self._snapshots_off = False
         self.train_sampler: DistributedSampler | None = None
         if self.data_rank is not None:
             self.train_sampler = DistributedSampler(
@@ -280,13 +194,20 @@ class Trainer:
         a rank whose exact shard is one sample shorter runs a placeholder batch and counts nothing.
         """
         B = self.config.eval_batch_size
+        sums = [0.0] * (2 + 2 * len(self.eval_metrics))
+        eval_world = self.data_world_size
+        if self.membership is not None:
+            # Drifting replicas differ and a data rank may leave: data rank 0 evaluates the
+            # whole set alone, on the parameters its last step brought back (no collective).
+            if self.data_rank != 0:
+                return sums
+            eval_world = 1
         indices: list[int] = []
         if self.data_rank is not None:
-            sampler = DistributedSampler(self.eval_set, num_replicas=self.data_world_size,
+            sampler = DistributedSampler(self.eval_set, num_replicas=eval_world,
                                          rank=self.data_rank, shuffle=False, exact=True)
             indices = list(sampler)
-        longest = math.ceil(len(self.eval_set) / self.data_world_size)  # exact mode: n or n + 1
-        sums = [0.0] * (2 + 2 * len(self.eval_metrics))
+        longest = math.ceil(len(self.eval_set) / eval_world)  # exact mode: n or n + 1
         for b in range(math.ceil(longest / B)):
             chunk = indices[b * B:(b + 1) * B]
             x, y = self._collate(self.eval_set, chunk or [0])
@@ -303,19 +224,32 @@ class Trainer:
         return sums
 
     # -- the loop --------------------------------------------------------------------------------
+    def _round(self, name: str) -> str:
+        self._rounds += 1
+        return f"{name}/{self._rounds}"
+
     def _reduce(self, values: list[float]) -> list[float]:
-        """Sum `values` over the world group: one collective, called by every rank."""
+        """Sum `values` over the world group: one collective, called by every rank.
+
+        Drifting strategies sum through the store over the ranks still in the job instead.
+        """
         if self.runtime.world_size == 1:
             return values
+        if self.membership is not None:
+            return self.membership.reduce(self._round("sum"), values)
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, group=self.runtime.process_group)
         return t.tolist()
 
     def _log(self, step: int, lr: float, window: list[float], window_s: float, window_steps: int,
-             evaluated: bool) -> dict[str, Any]:
-        """Reduce the window's sums (and eval sums) once; rank 0 writes the metrics line."""
+             evaluated: bool, stop_vote: float = 0.0) -> dict[str, Any]:
+        """Reduce the window's sums (and eval sums) once; rank 0 writes the metrics line.
+
+        `stop_vote` (1 on a rank that got SIGTERM) rides along: `_stop_votes` is its sum.
+        """
         ev = self._evaluate() if evaluated else []
-        r = self._reduce(window + ev)
+        r = self._reduce(window + ev + [stop_vote])
+        self._stop_votes, r = r[-1], r[:-1]
         loss_sum, count, tokens, compute_s, comm_s, worker_steps = r[:6]
         self.tokens += tokens
         rec: dict[str, Any] = {
@@ -397,7 +331,9 @@ class Trainer:
             evaluated = self.eval_set is not None and (self.step % c.eval_every == 0 or last)
             logged = self.step % c.log_every == 0 or evaluated or last
             if logged:
-                rec = self._log(self.step, lr, self._window, self._window_s, self._window_steps, evaluated)
+                vote = 1.0 if stop is not None and stop.received is not None else 0.0
+                rec = self._log(self.step, lr, self._window, self._window_s, self._window_steps,
+                                evaluated, vote)
                 self._window, self._window_s, self._window_steps = [0.0] * 6, 0.0, 0
                 shown = {n: self.last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in self.last}
                 progress.set_metrics(rec["loss"], rec["tokens_per_s"], **shown)
@@ -409,18 +345,40 @@ class Trainer:
                 if evaluated:
                     log.info("step %d: %s", self.step, self._eval_text(rec))
             if cp is not None and cp.due(self.step):
-                cp.save(self.step)
+                self._save(self.step)
             # Strategies whose ranks do not move in step (asynchronous parameter servers) may set
-            # `lockstep = False`: they are asked at metric steps only, which every rank shares.
-            ask = logged or s.lockstep
-            if stop is not None and ask and stop.agreed(self.runtime.world_size, self.runtime.process_group):
+            # `lockstep = False`: they are asked at metric steps only, which every rank shares,
+            # through the votes reduced with the metrics (no world collective).
+            if s.lockstep:
+                agreed = stop is not None and stop.agreed(self.runtime.world_size,
+                                                          self.runtime.process_group)
+            else:
+                agreed = stop is not None and logged and self._stop_votes > 0
+            if agreed:
                 assert cp is not None  # this rank or another got SIGTERM
                 if cp.saved_step != self.step:
-                    cp.save(self.step, reason="SIGTERM")
+                    self._save(self.step, reason="SIGTERM")
                 log.warning("warning: stopping at step %d on SIGTERM; the snapshot of step %s "
                             "resumes the run (run the same command again)", self.step, cp.saved_step)
                 return "SIGTERM"
         return None
+
+    def _save(self, step: int, reason: str = "periodic") -> None:
+        """`Checkpointer.save`, unless a rank has left the job: its part would be missing."""
+        assert self.checkpointer is not None
+        if self.membership is not None and not self._snapshots_off:
+            # One store round decides it, so every rank skips (or saves) the same step.
+            present = self.membership.gather(self._round("snapshot"), b"")
+            if len(present) < self.runtime.world_size:
+                self._snapshots_off = True
+                gone = sorted(set(range(self.runtime.world_size)) - set(present))
+                if self.runtime.rank == 0:
+                    log.warning("warning: no more snapshots from step %d: ranks %s left the job "
+                                "and a snapshot needs every rank's part; training goes on",
+                                step, gone)
+        if self._snapshots_off:
+            return
+        self.checkpointer.save(step, reason=reason)
 
     @staticmethod
     def _eval_text(rec: dict[str, Any]) -> str:
@@ -432,11 +390,16 @@ class Trainer:
         state = s.model_state_dict()
         sha = param_sha256(state)
         if rt.world_size > 1:
-            digests: list[str] = [""] * rt.world_size
-            dist.all_gather_object(digests, sha, group=rt.process_group)
-            if len(set(digests)) > 1 and rt.rank == 0:
+            if self.membership is not None:  # the ranks still in the job
+                got = self.membership.gather(self._round("sha"), sha.encode())
+                digests = {r: d.decode() for r, d in got.items()}
+            else:
+                gathered: list[str] = [""] * rt.world_size
+                dist.all_gather_object(gathered, sha, group=rt.process_group)
+                digests = dict(enumerate(gathered))
+            if len(set(digests.values())) > 1 and rt.rank == 0:
                 log.warning("warning: param_sha256 differs across ranks, the replicas diverged: %s",
-                            ", ".join(f"rank {r} {d[:12]}" for r, d in enumerate(digests)))
+                            ", ".join(f"rank {r} {d[:12]}" for r, d in digests.items()))
         summary: dict[str, Any] = {
             "steps": self.step, "world_size": rt.world_size, "strategy": s.name,
             "train_loss": self.last.get("loss"), "eval_loss": self.last.get("eval_loss"),
@@ -452,6 +415,8 @@ class Trainer:
             "seed": self.config.seed, "dtype": self.config.dtype,
             "global_batch_size": self.config.batch_size * self.config.grad_accum * self.data_world_size,
         })
+        if self.membership is not None:
+            summary["departed_ranks"] = sorted(self.membership.departed())
         if self.checkpointer is not None:
             summary.update(self.checkpointer.summary())
         if hasattr(s, "stats"):  # strategy-specific figures (e.g. a parameter server's staleness)

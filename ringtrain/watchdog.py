@@ -31,7 +31,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -136,6 +136,11 @@ class Watchdog:
             TORCHELASTIC_RESTART_COUNT) and watchdog made in this process, so a restarted group
             or a second watchdog never reads stale keys.
         excepthook: while running, an uncaught exception goes through `report_failure` first.
+        tolerate: peers whose death (silence or a raised error) the job survives, e.g. the
+            workers of an async parameter server: such a peer is reported to `on_departed`
+            and no longer watched, and the watch goes on. A lost store is never tolerated.
+        on_departed: called (from the watchdog's thread) with the `PeerFailure` of each
+            tolerated peer that died; default: nothing.
 
     .. warning:: Start it on every rank: a rank without one looks dead to the others after
         `timeout_s`. Call `stop()` (or leave the `with` block) on every rank at the end, so a
@@ -155,6 +160,8 @@ class Watchdog:
         on_dead: Callable[[PeerFailure], None] | None = None,
         prefix: str | None = None,
         excepthook: bool = True,
+        tolerate: Collection[int] = (),
+        on_departed: Callable[[PeerFailure], None] | None = None,
     ):
         if interval_s <= 0 or timeout_s <= interval_s:
             raise ValueError(
@@ -176,6 +183,9 @@ class Watchdog:
         # After a lost-connection error we know someone is gone: a few missed beats suffice.
         self.suspect_timeout_s = min(timeout_s, max(3 * interval_s, 1.0))
         self._on_dead = on_dead or (lambda failure: exit_on_peer_failure(self.rank, failure))
+        self.tolerate = frozenset(tolerate)
+        self._on_departed = on_departed
+        self._departed: set[int] = set()  # tolerated peers found dead: no longer watched
         tcp = _tcp_store(store)
         self._store_addr = f"{tcp.host}:{tcp.port}" if tcp is not None else "(in-process store)"
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -327,7 +337,7 @@ class Watchdog:
                 self._last_step[r] = store.add(f"step/{r}", 0)
         if self._found is None and store.add("nfailed", 0) > 0:
             for r in self._peers:
-                if store.check([f"failed/{r}"]):
+                if r not in self._departed and store.check([f"failed/{r}"]):
                     kind, _, reason = store.get(f"failed/{r}").decode(errors="replace").partition("|")
                     self._found = PeerFailure(kind, r, reason)
                     break
@@ -336,9 +346,27 @@ class Watchdog:
         period = min(max(self.interval_s / 4, 0.05), 0.5)
         while not self._stop.wait(period):
             failure = self._check_once(time.monotonic())
-            if failure is not None:
-                self._fire(failure, found_here=failure is not self._found)
-                return
+            if failure is None:
+                continue
+            if failure.kind != "store" and failure.rank in self.tolerate:
+                self._depart(failure)
+                continue
+            self._fire(failure, found_here=failure is not self._found)
+            return
+
+    def _depart(self, failure: PeerFailure) -> None:
+        """A tolerated peer died: stop watching it, say so, and keep watching the others."""
+        assert failure.rank is not None
+        self._departed.add(failure.rank)
+        self._watched.discard(failure.rank)
+        if self._found is failure:  # read from its failure key: the next round skips that key
+            self._found = None
+        if self._on_departed is not None:
+            try:
+                self._on_departed(failure)
+            except Exception as e:  # noqa: BLE001 - the watch must go on for the others
+                print(f"[rank {self.rank}] watchdog: on_departed({failure}) raised {_describe(e)}",
+                      file=sys.stderr, flush=True)
 
     def _check_once(self, now: float) -> PeerFailure | None:
         if self._found is not None:

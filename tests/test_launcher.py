@@ -230,3 +230,46 @@ def test_report_for_a_signal_without_error_file(tmp_path):
     failures = {0: _failure(tmp_path, 0, 3)}
     assert "exit code 3" in format_failure(ChildFailedError("x.py", failures))
     assert "@ringtrain.launcher.record" in format_failure(ChildFailedError("x.py", failures))
+
+
+DIE = """
+import os, signal, sys, time
+rank, how = int(os.environ["RANK"]), sys.argv[1]
+if rank == 1:
+    time.sleep(0.5)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(int(how))
+time.sleep(2.0)  # the others outlive it, then finish well
+print(f"rank {rank} done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how, tolerated", [("kill", True), ("3", True), ("75", False)])
+def test_a_tolerated_rank_dies_and_the_others_finish(tmp_path, tag, how, tolerated):
+    # ringtrain train tolerates async parameter-server workers this way. A watchdog's exit
+    # (75: "a peer failed") is never the rank's own death: it still fails the job.
+    script = tmp_path / "die.py"
+    script.write_text(DIE)
+    api = ("import sys; from ringtrain.launcher import launch; "
+           f"sys.exit(launch({str(script)!r}, [{how!r}, {tag!r}], nproc_per_node=3, "
+           "tolerate_ranks={1, 2}))")
+    out = subprocess.run([sys.executable, "-c", api], env=ENV, capture_output=True, text=True,
+                         timeout=60)
+    if tolerated:
+        assert out.returncode == 0, out.stderr
+        assert "rank 0 done" in out.stdout and "rank 2 done" in out.stdout
+        warning = [line for line in out.stderr.splitlines() if "tolerated rank" in line]
+        assert len(warning) == 1 and "rank 1 " in warning[0], out.stderr
+        assert ("killed by SIGKILL" if how == "kill" else "exit code 3") in warning[0]
+    else:
+        assert out.returncode == 1 and "rank 1: exit code 75" in out.stderr, out.stderr
+        assert "tolerated rank" not in out.stderr
+    assert _wait_gone(tag, 0.5) == []
+
+
+def test_tolerate_ranks_is_refused_for_a_function():
+    from ringtrain.launcher import launch
+
+    with pytest.raises(ValueError, match="not a function"):
+        launch(print, [], nproc_per_node=2, tolerate_ranks={1})

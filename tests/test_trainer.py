@@ -152,3 +152,80 @@ def test_param_sha256_and_rank_seed():
     assert param_sha256(state) != param_sha256({"b": state["b"], "a": state["a"]})
     assert len({rank_seed(0, r) for r in range(4)} | {rank_seed(1, 0)}) == 5
     assert os.environ.get("RANK") is None
+
+
+# -- sums through the store that leave out a departed rank (ringtrain.membership) --------------
+def _views(store, world_size=3, **kw):
+    from ringtrain.membership import Membership
+
+    return [Membership(store, r, world_size, scope="t", timeout_s=5, **kw) for r in range(world_size)]
+
+
+def _in_threads(calls):
+    """Run each zero-argument call on its own thread; results (or raised errors) in order."""
+    import threading
+
+    out: list = [None] * len(calls)
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[i] = e
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads), "a store reduction did not return"
+    return out
+
+
+def test_store_reduce_sums_every_rank_bit_identically():
+    import torch.distributed as dist
+
+    views = _views(dist.HashStore())
+    values = [[0.1, 1.0], [0.2, 2.0], [0.3, 4.0]]
+    out = _in_threads([lambda v=v, x=x: v.reduce("s", x) for v, x in zip(views, values, strict=True)])
+    assert out[0] == out[1] == out[2] == [0.1 + 0.2 + 0.3, 7.0]  # rank order, on every rank
+
+
+def test_store_reduce_leaves_out_a_departed_rank_consistently():
+    import time
+
+    import torch.distributed as dist
+
+    from ringtrain.membership import MemberDepartedError, Membership
+
+    views = _views(dist.HashStore())
+    # Rank 2 never arrives; the survivors wait until it is declared departed, then both
+    # leave it out (its key is settled as DEPARTED by whichever reader gives up first).
+    def depart_later():
+        time.sleep(0.3)
+        return views[0].depart(2, "worker rank 2 died")
+    out = _in_threads([lambda: views[0].reduce("a", [1.0]), lambda: views[1].reduce("a", [2.0]),
+                       depart_later])
+    assert out[0] == out[1] == [3.0] and out[2] is True
+    assert views[1].departed() == {2: "worker rank 2 died (seen by rank 0)"}
+    assert views[1].depart(2, "again") is False  # the first report stands
+    # It comes back late: it was given up on, so it cannot add to the sums it was left out of.
+    with pytest.raises(MemberDepartedError, match="rank 2 reached 'a' after the others"):
+        views[2].reduce("a", [4.0])
+    # A rank that wrote before it departed is counted, by every reader alike.
+    store = dist.HashStore()
+    views, dying = _views(store), Membership(store, 2, 3, scope="t", timeout_s=0.1)
+    with pytest.raises(TimeoutError):  # it writes its payload, then "dies" waiting for the others
+        dying.gather("b", b"x")
+    views[0].depart(2, "gone after writing")
+    out = _in_threads([lambda: views[0].gather("b", b"y"), lambda: views[1].gather("b", b"z")])
+    assert out == [{0: b"y", 1: b"z", 2: b"x"}] * 2
+
+
+def test_store_reduce_names_a_silent_rank_that_has_not_departed():
+    import torch.distributed as dist
+
+    from ringtrain.membership import Membership
+
+    views = [Membership(dist.HashStore(), 0, 2, scope="t", timeout_s=0.3)]
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not reach 'x' within 0.3 s"):
+        views[0].reduce("x", [1.0])

@@ -103,6 +103,40 @@ def test_lost_connection_waits_for_the_watchdog_to_name_the_peer():
     assert took < w0.suspect_timeout_s + 2.0
 
 
+def test_a_tolerated_peer_is_dropped_and_the_watch_goes_on():
+    # Rank 0 tolerates ranks 1 and 2: their deaths go to on_departed, not on_dead. Rank 1
+    # raises (named at once), rank 2 goes silent (named after timeout_s).
+    store, kw = dist.HashStore(), {"interval_s": 0.05, "timeout_s": 0.5, "prefix": "t",
+                                   "excepthook": False}
+    found, departed = [], []
+    w0 = Watchdog(store, 0, 3, on_dead=found.append, tolerate={1, 2},
+                  on_departed=departed.append, **kw).start()
+    w1 = Watchdog(store, 1, 3, on_dead=lambda f: None, **kw).start()
+    w2 = Watchdog(store, 2, 3, on_dead=lambda f: None, **kw).start()
+    w1.report_failure(ValueError("boom"))
+    w1.stop(done=False)
+    w2.stop(done=False)
+    deadline = time.monotonic() + 5
+    while len(departed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the watch goes on: nothing fires, nothing is reported twice
+    w0.stop()
+    assert found == [] and w0.failure is None
+    assert sorted((f.rank, f.kind) for f in departed) == [(1, "failed"), (2, "died")]
+
+
+def test_an_untolerated_peer_still_stops_a_tolerant_watch():
+    found: list[PeerFailure] = []
+    kw = {"interval_s": 0.05, "timeout_s": 0.5, "prefix": "t", "excepthook": False}
+    store = dist.HashStore()
+    w0 = Watchdog(store, 0, 2, on_dead=found.append, tolerate={5}, **kw).start()
+    w1 = Watchdog(store, 1, 2, on_dead=lambda f: None, **kw).start()
+    w1.stop(done=False)
+    _wait(found, 5)
+    w0.stop()
+    assert found and found[0].rank == 1 and found[0].kind == "died"
+
+
 def test_connection_lost_classifier():
     assert is_connection_lost(RuntimeError(GLOO_RESET))
     assert is_connection_lost("RuntimeError: [gloo/transport/tcp] Connection closed by peer [::1]:5")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from ringtrain.ps.protocol import Kind, PSError, recv_request, send_params
 from ringtrain.ps.sharding import DEFAULT_BUCKET_NUMEL, Piece, bucket_bounds, piece_views
 from ringtrain.ps.stats import Tally
 from ringtrain.strategies.base import OptimizerFn
+from ringtrain.watchdog import is_connection_lost
 
 MODES = ("sync", "async", "ssp")
 
@@ -57,13 +58,17 @@ class ParameterServer:
         server_group: all servers (sync mode clips the gradient by its global norm), or None.
         timeout_s: longest wait for a sync round or an SSP release before the job is failed.
         bucket_numel: the workers' push bucket size (it must be the workers' value).
+        on_lost: async/ssp: called with (worker rank, message) when a worker is dropped, outside
+            the server's lock; the `WorkerLostWarning` is issued only if it returns True (so a
+            job with several servers warns once). Default: always warn.
     """
 
     def __init__(self, rank: int, pieces: Sequence[Piece], initial: torch.Tensor,
                  optimizer_fn: OptimizerFn, *, mode: str, staleness: int,
                  pair_groups: Mapping[int, dist.ProcessGroup],
                  server_group: dist.ProcessGroup | None = None, timeout_s: float = 300.0,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                 on_lost: Callable[[int, str], bool] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES} (--ps-mode)")
         if staleness < 0:
@@ -71,6 +76,7 @@ class ParameterServer:
         self.rank, self.pieces, self.mode, self.staleness = rank, tuple(pieces), mode, staleness
         self.pair_groups = dict(pair_groups)
         self.server_group, self.timeout_s = server_group, timeout_s
+        self.on_lost = on_lost
         self.buckets = bucket_bounds(self.pieces, bucket_numel)
         self.flat = initial.detach().to(torch.float32).clone()
         self.grad = torch.zeros_like(self.flat)
@@ -253,25 +259,38 @@ class ParameterServer:
                 self._complete_round()  # the others' round no longer waits for w
             self._cond.notify_all()
 
+    def drop(self, w: int, reason: str) -> None:
+        """Drop worker `w` that another rank found dead (its watchdog), as if its pair failed.
+
+        Its thread may stay blocked on the pair until the connection closes; SSP's bound
+        and the end-of-run wait stop counting the worker at once.
+        """
+        self._lose(w, PSError(reason))
+
     def _lose(self, w: int, exc: BaseException) -> None:
-        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        if is_connection_lost(exc):  # gloo's text names an address and a C++ file, not the cause
+            reason = "its connection closed: the process exited or was killed"
+        else:
+            reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         with self._cond:
             if w not in self.live or self._closing:
                 return  # it had left already: its connection closing is expected
             self.live.discard(w)
             self.at_sync.discard(w)
             self.lost[w] = reason
+            self._cond.notify_all()
             if self.mode == "sync":
                 self._fail(PSError(
                     f"server rank {self.rank}: worker rank {w} was lost at step {self.clocks[w]} "
                     f"({reason}); sync mode needs every worker's gradient. Restart from the last "
                     "snapshot, or use --ps-mode async / ssp to train on without lost workers"))
-            else:
-                warnings.warn(
-                    f"server rank {self.rank}: worker rank {w} was lost at step {self.clocks[w]} "
-                    f"({reason}); dropped it, training goes on with workers {sorted(self.live)}",
-                    WorkerLostWarning, stacklevel=2)
-            self._cond.notify_all()
+                return
+            message = (f"worker rank {w} died ({reason}) at step ~{self.clocks[w]}; parameter-server "
+                       f"{self.mode} training goes on with workers {sorted(self.live)} (dropped "
+                       f"by server rank {self.rank})")
+        # Outside the lock: the callback may talk to the store.
+        if self.on_lost is None or self.on_lost(w, message):
+            warnings.warn(message, WorkerLostWarning, stacklevel=2)
 
     def _fail(self, error: PSError) -> None:
         if self.error is None:

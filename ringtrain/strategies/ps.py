@@ -9,14 +9,23 @@ worker on each server, so the world group stays the trainer's.
 
 How this lines up with the trainer's collectives: every rank runs the trainer's loop. A
 server's `train_step` returns at once with count 0 and its `eval_logits` returns None, so
-servers join the loop's metric all-reduces (contributing 0) while their threads serve; at the
-end every rank calls `model_state_dict()`, where the servers broadcast their shards to all.
+servers join the loop's metric sums (contributing 0) while their threads serve; at the end
+every rank calls `model_state_dict()`, where (sync) the servers broadcast their shards to all,
+or (async/ssp) the workers pull them after a store round among the ranks still in the job.
 A trainer that instead parks servers in `serve()` must keep the loop's collectives off the
 servers; `serve()` returns once every worker has left or reached `model_state_dict()`.
+
+A worker that dies in async/ssp mode is dropped and the job goes on (`tolerated_ranks`): the
+server that lost it (or the watchdog, via `drop_worker`) marks it departed in the job's
+`Membership`, which the trainer's store-based metric sums read, and the end-of-run state is
+gathered among the ranks still in the job. Rank 0 (it reports) and the servers (they hold the
+only copy of the parameters) are never tolerated: their loss still ends the job.
 """
 
 from __future__ import annotations
 
+import io
+import logging
 import time
 import warnings
 from collections.abc import Sequence
@@ -26,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.membership import Membership
 from ringtrain.ps.protocol import PSError, PSTopology, make_ps_groups
 from ringtrain.ps.server import MODES, ParameterServer
 from ringtrain.ps.sharding import (
@@ -39,6 +49,8 @@ from ringtrain.ps.stats import Tally
 from ringtrain.ps.worker import PSWorker
 from ringtrain.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, Runtime
 from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy, eval_forward
+
+log = logging.getLogger("ringtrain")
 
 
 class PSStrategy(Strategy):
@@ -82,6 +94,10 @@ class PSStrategy(Strategy):
         self.topology = PSTopology(runtime.world_size, servers)
         self.split_numel, self.bucket_numel, self.timeout_s = split_numel, bucket_numel, timeout_s
         self.groups = make_ps_groups(self.topology, timeout_s)  # every rank, same order
+        # async/ssp go on without a dead worker: who is still in the job is kept in the store.
+        self.membership: Membership | None = None
+        if mode != "sync":
+            self.membership = Membership.of(runtime, "ps", timeout_s=timeout_s)
         self.server: ParameterServer | None = None
         self.worker: PSWorker | None = None
         self.module: nn.Module | None = None
@@ -99,6 +115,36 @@ class PSStrategy(Strategy):
     @property
     def data_world_size(self) -> int:
         return self.topology.workers
+
+    @property
+    def tolerated_ranks(self) -> frozenset[int]:
+        """Ranks whose death the job survives: async/ssp workers other than rank 0."""
+        if self.mode == "sync":
+            return frozenset()
+        return frozenset(self.topology.worker_ranks[1:])
+
+    def drop_worker(self, rank: int, why: str) -> bool:
+        """Mark worker `rank` departed (a watchdog found it dead); warns once per job.
+
+        Returns True when this call was the first to report it.
+        """
+        if self.membership is None or rank not in self.tolerated_ranks:
+            raise ValueError(f"rank {rank} is not a tolerated worker of this {self.mode} job "
+                             f"(tolerated: {sorted(self.tolerated_ranks)})")
+        live = [w for w in self.membership.live(self.topology.worker_ranks) if w != rank]
+        message = (f"worker rank {rank} died ({why}); parameter-server {self.mode} training goes "
+                   f"on with workers {live}")
+        first = self.membership.depart(rank, message)
+        if first:
+            log.warning("warning: %s", message)
+        if self.server is not None:  # e.g. frozen: its connection may stay open for minutes
+            self.server.drop(rank, why)
+        return first
+
+    def _on_lost(self, rank: int, message: str) -> bool:
+        """A server dropped worker `rank`: tell every rank; True (warn) if it is the first to."""
+        assert self.membership is not None
+        return self.membership.depart(rank, message)
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
@@ -121,7 +167,8 @@ class PSStrategy(Strategy):
                 rank, pieces, flat, optimizer_fn, mode=self.mode, staleness=self.staleness,
                 pair_groups={w: self.groups.pairs[(rank, w)] for w in topo.worker_ranks},
                 server_group=self.groups.servers, timeout_s=self.timeout_s,
-                bucket_numel=self.bucket_numel)
+                bucket_numel=self.bucket_numel,
+                on_lost=self._on_lost if self.membership is not None else None)
             self.server.start()
         else:
             self.module = model.to(self.runtime.device)
@@ -177,12 +224,15 @@ class PSStrategy(Strategy):
         """The servers' parameters (and rank 0's buffers), the same on every rank. Collective.
 
         Every rank must call it at the same point; workers first finish their step, so every
-        push has been applied when the servers broadcast their shards.
+        push has been applied when the servers broadcast their shards. In async/ssp, "every
+        rank" is every rank still in the job: the dead are left out.
         """
         assert self.module is not None, "setup() first"
         group, topo = self.groups.everyone, self.topology
         if self.worker is not None:
             self.worker.sync_point()  # lets a server parked in serve() come here
+        if self.membership is not None:
+            return self._final_state_of_the_living()
         dist.barrier(group=group)
         state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
         params = {n: state[n] for n, _ in self.plan.shapes}
@@ -207,6 +257,51 @@ class PSStrategy(Strategy):
         if self.worker is None:
             with torch.no_grad():
                 self.module.load_state_dict(state)
+        return state
+
+    def _final_state_of_the_living(self) -> dict[str, torch.Tensor]:
+        """`model_state_dict` in async/ssp: without collectives, so a dead worker is no obstacle.
+
+        Two store rounds among the ranks still in the job: the first says every live worker
+        has finished (its last push applied), so the servers' shards and figures are final;
+        in the second the servers give their figures and rank 0 its buffers. Then workers
+        pull the final parameters over their own pair groups, and servers swap shards on the
+        servers' group (all servers are alive, or the job fails here).
+        """
+        assert self.membership is not None and self.module is not None
+        topo, rank = self.topology, self.runtime.rank
+        present = sorted(self.membership.gather("final/arrived", b"1"))
+        missing = [r for r in (0, *topo.server_ranks) if r not in present]
+        if missing:
+            raise PSError(
+                f"rank {rank}: ranks {missing} left the job before its end; the final state "
+                "needs rank 0 and every server. Restart from the last snapshot")
+        if self.worker is not None:
+            self.worker.pull()  # nothing is pushed any more: this is the servers' final state
+        state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        params = {n: state[n] for n, _ in self.plan.shapes}
+        mine: dict[str, Any] = {}
+        if self.server is not None:
+            mine["stats"] = self.server.stats_tensor().tolist()
+        if rank == 0:  # buffers and frozen parameters are not served: every rank takes rank 0's
+            mine["buffers"] = {k: v for k, v in state.items() if k not in params}
+        parts = {r: _loads(b) for r, b in self.membership.gather("final/figures", _dumps(mine)).items()}
+        missing = [r for r in (0, *topo.server_ranks) if r not in parts]
+        if missing:
+            raise PSError(f"rank {rank}: ranks {missing} left the job while its final state "
+                          "was gathered. Restart from the last snapshot")
+        for key, value in parts[0]["buffers"].items():
+            state[key].copy_(value)
+        if self.server is not None:
+            for i, s in enumerate(topo.server_ranks):
+                flat = (self.server.snapshot_flat() if s == rank
+                        else torch.zeros(self.plan.server_numel(i)))
+                if topo.servers > 1:
+                    dist.broadcast(flat, s, group=self.groups.servers)
+                unpack(flat, self.plan.for_server(i), params)
+            with torch.no_grad():
+                self.module.load_state_dict(state)
+        self._stats = self._merge_stats([parts[s]["stats"] for s in topo.server_ranks])
         return state
 
     def _merge_stats(self, tallies: list[list[float]]) -> dict[str, Any]:
@@ -282,3 +377,13 @@ class PSStrategy(Strategy):
             except PSError as e:
                 warnings.warn(str(e), stacklevel=2)
             self.server.close()
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)

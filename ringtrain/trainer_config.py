@@ -1,0 +1,117 @@
+"""The trainer's settings and the small pure helpers it uses: LR schedule, optimizer, seeds, hashes.
+
+    from ringtrain.trainer import TrainerConfig, lr_at   # re-exported by the trainer
+    config = TrainerConfig(steps=1000, lr=3e-3).resolved()
+    lrs = [lr_at(step, config) for step in range(config.steps)]
+
+No processes, no state: `.venv/bin/pytest -q tests/test_trainer.py -k "schedule or config"`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from ringtrain.strategies.base import OptimizerFn
+
+
+@dataclass
+class TrainerConfig:
+    """Loop settings. `None` means "derive from the others" (see `resolved()`).
+
+    Args:
+        steps: optimizer steps.
+        batch_size: samples per micro-batch on each data rank.
+        grad_accum: micro-batches per optimizer step.
+        lr, min_lr, warmup_steps, lr_schedule: peak LR, floor, linear warmup, then 'cosine'
+            decay to min_lr or 'constant'.
+        weight_decay: AdamW decay on matrices (biases and norms are not decayed).
+        grad_clip: max global gradient norm; None or 0 disables.
+        seed: shared initialisation, data order and (with the rank) dropout.
+        dtype: 'fp32' or 'bf16' (autocast where the device supports it).
+        log_every, eval_every: steps between metric lines and evaluations (the last step does both).
+        eval_batch_size: samples per evaluation batch per rank.
+        progress: draw the progress bar on rank 0.
+    """
+
+    steps: int = 2000
+    batch_size: int = 64
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float | None = None
+    warmup_steps: int | None = None
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+    seed: int = 1337
+    dtype: str = "fp32"
+    log_every: int | None = None
+    eval_every: int | None = None
+    eval_batch_size: int | None = None
+    progress: bool = True
+
+    def resolved(self) -> TrainerConfig:
+        """A copy with every `None` derived, after checking each value (errors say the fix)."""
+        for name in ("steps", "batch_size", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: it must be a positive integer")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr}: it must be positive")
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r}: use 'cosine' or 'constant'")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype={self.dtype!r}: use 'fp32' or 'bf16'")
+        for name in ("log_every", "eval_every", "eval_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: it must be a positive integer (or unset)")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps}: it must be 0 or more")
+        c = TrainerConfig(**asdict(self))
+        c.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
+        c.warmup_steps = min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+        c.log_every = max(1, self.steps // 100) if self.log_every is None else self.log_every
+        c.eval_every = max(1, self.steps // 10) if self.eval_every is None else self.eval_every
+        # Evaluation holds no activations for backward, so it can take larger batches.
+        c.eval_batch_size = max(self.batch_size, 256) if self.eval_batch_size is None else self.eval_batch_size
+        c.grad_clip = self.grad_clip or None
+        return c
+
+
+def lr_at(step: int, c: TrainerConfig) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay from lr to min_lr at the last step."""
+    if step < c.warmup_steps:
+        return c.lr * (step + 1) / c.warmup_steps
+    if c.lr_schedule == "constant":
+        return c.lr
+    progress = (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps)
+    return c.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (c.lr - c.min_lr)
+
+
+def adamw(weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> OptimizerFn:
+    """AdamW that decays matrices only: decaying biases and LayerNorm gains only hurts."""
+    def build(params) -> torch.optim.Optimizer:
+        params = [p for p in params if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=0.0, betas=betas)
+    return build
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A per-rank seed from (seed, rank): well mixed, so nearby seeds and ranks do not correlate."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
+def param_sha256(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the state_dict's tensors in key order (their raw bytes, no names)."""
+    h = hashlib.sha256()
+    for key in state:
+        t = state[key].detach().cpu().contiguous()
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
