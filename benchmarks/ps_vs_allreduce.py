@@ -50,6 +50,7 @@ def _run(rank: int, world_size: int, mode: str, delay_s: float, target: float, s
     from ringtrain.models import GPT, GPTConfig, loss_fn
     from ringtrain.runtime import get_runtime
     from ringtrain.strategies import make_strategy
+    from ringtrain.train import ASYNC_BETA1
     from ringtrain.trainer import TrainerConfig, adamw, lr_at
 
     rt = get_runtime()
@@ -58,7 +59,8 @@ def _run(rank: int, world_size: int, mode: str, delay_s: float, target: float, s
     strategy = make_strategy(name, runtime=rt, **options)
     torch.manual_seed(1337)
     strategy.setup(GPT(GPTConfig(vocab_size=train.vocab_size, block_size=train.block_size)),
-                   adamw(0.1), loss_fn)
+                   adamw(0.1, betas=(ASYNC_BETA1 if options.get("mode") == "async" else 0.9, 0.95)),
+                   loss_fn)  # the main job's defaults (`ringtrain train --beta1`)
     schedule = TrainerConfig(steps=steps, lr=3e-3).resolved()  # the task's lr, warmup, cosine
     is_ps = name == "ps"
 

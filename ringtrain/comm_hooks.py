@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.ranges import even_ranges
+
 __all__ = [
     "RingAllReduceState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
     "ring_all_reduce", "ring_allreduce_hook", "ring_chunk_bounds", "ring_schedule",
@@ -87,13 +89,7 @@ def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: Any) -> 
 
 def ring_chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
     """Split `numel` elements into `world_size` contiguous chunks, the first ones one larger."""
-    base, extra = divmod(numel, world_size)
-    bounds, start = [], 0
-    for c in range(world_size):
-        stop = start + base + (1 if c < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    return even_ranges(numel, world_size)
 
 
 def ring_schedule(rank: int, world_size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

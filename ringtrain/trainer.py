@@ -103,7 +103,7 @@ class Trainer:
         c = self.config
         torch.manual_seed(c.seed)  # the same initial weights on every rank
         self.model = model_fn()
-        strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay), loss_fn)
+        strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay, betas=(c.beta1, 0.95)), loss_fn)
         torch.manual_seed(rank_seed(c.seed, runtime.rank))  # dropout differs per rank
         self.data_rank, self.data_world_size = strategy.data_rank, strategy.data_world_size
         # Drifting ranks must not meet in world collectives: one that died would stop them all.

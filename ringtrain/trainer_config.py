@@ -30,6 +30,7 @@ class TrainerConfig:
         lr, min_lr, warmup_steps, lr_schedule: peak LR, floor, linear warmup, then 'cosine'
             decay to min_lr or 'constant'.
         weight_decay: AdamW decay on matrices (biases and norms are not decayed).
+        beta1: AdamW's first-moment decay (momentum).
         grad_clip: max global gradient norm; None or 0 disables.
         seed: shared initialisation, data order and (with the rank) dropout.
         dtype: 'fp32' or 'bf16' (autocast where the device supports it).
@@ -46,6 +47,7 @@ class TrainerConfig:
     warmup_steps: int | None = None
     lr_schedule: str = "cosine"
     weight_decay: float = 0.1
+    beta1: float = 0.9
     grad_clip: float | None = 1.0
     seed: int = 1337
     dtype: str = "fp32"
@@ -70,6 +72,8 @@ class TrainerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r}: it must be a positive integer (or unset)")
+        if not 0.0 <= self.beta1 < 1.0:
+            raise ValueError(f"beta1={self.beta1}: Adam's momentum must be in [0, 1)")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps}: it must be 0 or more")
         c = TrainerConfig(**asdict(self))

@@ -24,6 +24,7 @@ from ringtrain.runtime import Runtime, get_runtime
 from ringtrain.strategies import make_strategy
 from ringtrain.strategies.ps import PSStrategy
 from ringtrain.testing import run_workers
+from ringtrain.train import ASYNC_BETA1  # what `ringtrain train --ps-mode async` uses
 
 BATCH = 4
 
@@ -326,7 +327,6 @@ def test_topology_puts_workers_first():
 
 
 # -- async on the default task reaches what DDP reaches, within twice the steps --------------------
-ASYNC_BETA1 = 0.5  # Adam's beta1 for async: 1 - 1/W of implicit momentum comes on top (W = 2)
 
 
 def _async_vs_ddp(rank, world_size, ddp_steps, eval_every):

@@ -12,7 +12,15 @@ import torch
 
 from ringtrain.progress import setup_logging
 from ringtrain.runtime import destroy_distributed
-from ringtrain.train import build_parser, check_args, main, strategy_options, worker_argv
+from ringtrain.train import (
+    ASYNC_BETA1,
+    build_parser,
+    check_args,
+    main,
+    strategy_options,
+    trainer_config,
+    worker_argv,
+)
 
 SUMMARY_KEYS = ("steps", "world_size", "strategy", "train_loss", "eval_loss", "eval_accuracy",
                 "tokens_per_s", "wall_s", "restarts", "param_sha256")
@@ -77,6 +85,8 @@ def test_text_data_single_process(tmp_path, capsys):
     (["--servers", "1", "--strategy", "pipeline"], "--servers applies to --strategy ps, not pipeline"),
     (["--n-embd", "30", "--n-head", "4"], "--n-embd 30 is not divisible by --n-head 4"),
     (["--digits", "5"], "supports 1..3"),
+    (["--beta1", "1"], r"--beta1 1.0: Adam's momentum must be in \[0, 1\)"),
+    (["--lr", "0"], "--lr 0.0: it must be positive"),
 ])
 def test_bad_options_exit_2_with_the_reason(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -90,6 +100,15 @@ def test_help_and_defaults():
     args = build_parser().parse_args([])
     check_args(args)
     assert (args.strategy, args.nproc_per_node, args.digits, args.dtype) == ("ddp", 1, 2, "fp32")
+
+
+def test_async_parameter_server_lowers_adam_momentum_unless_told():
+    for argv, beta1 in ([[], 0.9], [["--strategy", "ps", "--ps-mode", "ssp"], 0.9],
+                        [["--strategy", "ps", "--ps-mode", "async"], ASYNC_BETA1],
+                        [["--strategy", "ps", "--ps-mode", "async", "--beta1", "0.8"], 0.8]):
+        args = build_parser().parse_args(argv)
+        check_args(args)
+        assert trainer_config(args).resolved().beta1 == beta1, argv
 
 
 def test_strategy_options_only_for_the_chosen_strategy():

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ringtrain.ranges import even_ranges
+
 DEFAULT_SPLIT_NUMEL = 1 << 20  # ~ MXNet's MXNET_KVSTORE_BIGARRAY_BOUND (1e6 elements)
 DEFAULT_BUCKET_NUMEL = 1 << 18  # 1 MB of fp32 per push bucket (DDP's first bucket is 1 MB)
 
@@ -67,17 +69,6 @@ class ShardPlan:
         return [self.server_numel(s) for s in range(self.servers)]
 
 
-def _row_chunks(rows: int, chunks: int) -> list[tuple[int, int]]:
-    """[start, end) of `chunks` nearly equal row ranges (sizes differ by at most one)."""
-    base, extra = divmod(rows, chunks)
-    out, start = [], 0
-    for i in range(chunks):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
-
-
 def plan_shards(shapes: Sequence[tuple[str, Sequence[int]]], servers: int,
                 split_numel: int | None = DEFAULT_SPLIT_NUMEL) -> ShardPlan:
     """Assign parameters (or row chunks of large ones) to `servers` servers, balanced by numel.
@@ -110,7 +101,7 @@ def plan_shards(shapes: Sequence[tuple[str, Sequence[int]]], servers: int,
         chunks = 1
         if split_numel is not None and shape and numel > split_numel:
             chunks = min(rows, math.ceil(numel / split_numel))
-        for start, end in _row_chunks(rows, chunks):
+        for start, end in even_ranges(rows, chunks):
             piece_shape = (end - start, *shape[1:]) if shape else ()
             candidates.append((name, start, end, piece_shape))
 
