@@ -6,10 +6,12 @@
 
 Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
 (`torch.distributed.run` / `elastic_launch`); this file only
-- picks a free port by itself on a single node (two jobs at once never collide),
+- picks a free port by itself on a single node (two jobs at once never collide), and across
+  nodes advertises an address the others can reach (`ringtrain.rendezvous`),
 - polls the workers every 0.1 s, so a dead worker stops the rest promptly,
 - replaces torch's multi-page error dump by one block: which rank failed first, its exit code
-  or signal, and its traceback (written by workers whose main is decorated with `record`),
+  or signal, and its traceback (`ringtrain.failure_report`; the traceback is written by workers
+  whose main is decorated with `record`),
 - keeps workers from outliving a SIGKILLed launcher (`die_with_parent`, called in the worker),
 - lets chosen ranks die without stopping the others (`launch(..., tolerate_ranks=...)`, used by
   `ringtrain train --strategy ps --ps-mode async` for its workers other than rank 0).
@@ -26,52 +28,36 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import sys
-import threading
-import time
-import types
-import uuid
 from collections.abc import Callable, Collection, Iterator
 
-import torch.distributed.launcher.api as _launcher_api
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
-from torch.distributed.elastic.multiprocessing.errors import (
-    ChildFailedError,
-    ProcessFailure,
-    record,
-)
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
-from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 from torch.distributed.run import get_args_parser as _torch_args_parser
 
-from ringtrain.runtime import network_interfaces, route_source
-from ringtrain.watchdog import PEER_FAILED_EXIT_CODE, is_connection_lost
+from ringtrain.failure_report import (
+    _REPEATED_BY_REPORT,
+    STOPPED_EXIT_CODE,
+    format_failure,
+    root_cause,
+)
+from ringtrain.rendezvous import (
+    _bounded_rendezvous,
+    _multi_node_addresses,
+    _single_node_rendezvous,
+)
+from ringtrain.watchdog import PEER_FAILED_EXIT_CODE
 
 __all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_parser", "launch",
            "main", "record", "root_cause"]
 
 LAUNCHER_PID_ENV = "RINGTRAIN_LAUNCHER_PID"  # lets a worker check its parent is still there
-# `ringtrain train` workers exit with 128 + SIGTERM after saving a snapshot on SIGTERM.
-STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-_PEER_FAILURE = "PeerFailure: "  # how a watchdog's error file starts (ringtrain.watchdog)
-# Across nodes, the agent gives up on a rendezvous store silent this long (the watchdog's
-# default timeout: the workers notice the same loss about as fast), and waits this long
-# to close the rendezvous on its way out.
-RENDEZVOUS_SILENT_S, RENDEZVOUS_CLOSE_S = 30.0, 3.0
-# Lines torch's agent logs that the failure report below says once, better.
-_REPEATED_BY_REPORT = (
-    "closing signal",  # one line per surviving worker
-    "failed (exitcode",  # the root cause, again
-    "death signal, shutting down workers",
-    "Setting OMP_NUM_THREADS",  # a boxed notice on every launch
-    "Terminating process",  # function entrypoints: one line per surviving worker
-)
 
 
 def die_with_parent(signum: int = signal.SIGKILL) -> None:
@@ -139,128 +125,6 @@ def _quiet_torch_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _single_node_rendezvous(args) -> None:
-    """What `--standalone` does, also for a plain `--nnodes 1` without an endpoint.
-
-    c10d rendezvous at localhost:0: the agent's TCPStore binds port 0 and the OS hands it a
-    free port, so there is no window in which another job can take it.
-    """
-    try:
-        max_nodes = int(str(args.nnodes).split(":")[-1])
-    except ValueError:
-        raise ValueError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX, e.g. --nnodes 2") from None
-    if args.standalone or (max_nodes == 1 and not args.rdzv_endpoint and args.master_port is None
-                           and args.rdzv_backend in ("static", "c10d")):
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    if args.master_port is None:
-        args.master_port = 29500  # only read by the static backend, as in torchrun
-
-
-def _multi_node_addresses(args) -> None:
-    """Across nodes: advertise the address that reaches the rendezvous host, not the hostname's.
-
-    torch's agent advertises `socket.getfqdn()` as MASTER_ADDR and decides whether it hosts the
-    c10d store by resolving its hostname; where the hostname resolves to 127.0.0.1 (common on
-    cloud images and containers) the other nodes get an unreachable MASTER_ADDR and node 0 does
-    not host the store it was named for. So when --nnodes > 1: `--local-addr` defaults to this
-    node's IPv4 address on the interface that routes to the --rdzv-endpoint host, and the node
-    whose own address is the endpoint hosts the c10d store (`is_host`, unless --rdzv-conf says).
-    """
-    max_nodes = int(str(args.nnodes).split(":")[-1])
-    if max_nodes == 1 or not args.rdzv_endpoint:
-        return
-    host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")
-    try:
-        host_ip = socket.gethostbyname(host)
-    except OSError:
-        return  # unresolvable: torch's rendezvous says so with the endpoint in the message
-    local = route_source(host_ip)
-    if local is None:
-        return
-    interfaces = network_interfaces()
-    if args.local_addr is None:
-        args.local_addr = local
-        names = [n for n, a in interfaces.items() if a == local]
-        print(f"ringtrain run: node {args.node_rank}: local address {local} (interface "
-              f"{names[0] if names else '?'}), the route to the rendezvous endpoint "
-              f"{args.rdzv_endpoint}; --local-addr overrides it", file=sys.stderr, flush=True)
-    conf = args.rdzv_conf or ""
-    if (args.rdzv_backend == "c10d" and "is_host=" not in conf
-            and host_ip in interfaces.values() and not _matches_machine_hostname(host)):
-        args.rdzv_conf = ",".join(filter(None, [conf, "is_host=true"]))
-
-
-def _call_into(fn: Callable, out: list) -> None:
-    try:
-        out.append((fn(), None))
-    except Exception as e:  # handed to the caller's thread
-        out.append((None, e))
-
-
-class _BoundedRendezvous:
-    """torch's rendezvous handler, but the agent never blocks on a vanished store host.
-
-    While its workers run, torch's agent asks the rendezvous store every monitor interval
-    whether nodes wait to join (`num_nodes_waiting`), and it closes the rendezvous on its way
-    out (`shutdown`). When the store's host vanishes without closing its sockets (power or
-    network loss), each such call blocks for minutes (the TCPStore client waits, then retries),
-    so the launcher would hang long after its workers' watchdogs stopped them. Here the query
-    runs on a helper thread: while one is pending the agent gets the last answer and goes on
-    watching its workers; one pending for `silent_s` raises; `shutdown` gives up after `close_s`.
-    """
-
-    def __init__(self, inner, endpoint: str, silent_s: float, close_s: float):
-        self._inner, self._endpoint = inner, endpoint
-        self._silent_s, self._close_s = silent_s, close_s
-        self._waiting = 0
-        self._pending: tuple[threading.Thread, float, list] | None = None
-
-    def num_nodes_waiting(self) -> int:
-        if self._pending is None:
-            out: list = []
-            thread = threading.Thread(target=_call_into, args=(self._inner.num_nodes_waiting, out),
-                                      name="ringtrain-rdzv-query", daemon=True)
-            thread.start()
-            self._pending = (thread, time.monotonic(), out)
-        thread, started, out = self._pending
-        thread.join(timeout=1.0)  # a live store answers in milliseconds
-        if thread.is_alive():
-            if time.monotonic() - started > self._silent_s:
-                raise RendezvousConnectionError(
-                    f"the rendezvous store at {self._endpoint} did not answer for "
-                    f"{self._silent_s:g} s")
-            return self._waiting
-        self._pending = None
-        value, error = out[0]
-        if error is not None:
-            raise error
-        self._waiting = value
-        return value
-
-    def shutdown(self) -> bool:
-        out: list = []
-        thread = threading.Thread(target=_call_into, args=(self._inner.shutdown, out), daemon=True)
-        thread.start()
-        thread.join(timeout=self._close_s)
-        return bool(out and out[0][0])
-
-    def __getattr__(self, name: str):  # the rest as torch's (joins: torch bounds them)
-        return getattr(self._inner, name)
-
-
-@contextlib.contextmanager
-def _bounded_rendezvous(endpoint: str) -> Iterator[None]:
-    """Have `elastic_launch` (only it) wrap its rendezvous handler in `_BoundedRendezvous`."""
-    registry = _launcher_api.rdzv_registry
-    _launcher_api.rdzv_registry = types.SimpleNamespace(
-        get_rendezvous_handler=lambda params: _BoundedRendezvous(
-            registry.get_rendezvous_handler(params), endpoint, RENDEZVOUS_SILENT_S, RENDEZVOUS_CLOSE_S))
-    try:
-        yield
-    finally:
-        _launcher_api.rdzv_registry = registry
-
-
 def _tolerated_exit(exitcode: int) -> bool:
     """Whether a tolerated rank's exit code is its own death (not a stop the job asked for).
 
@@ -307,72 +171,6 @@ def _tolerating(ranks: Collection[int]) -> Iterator[None]:
         yield
     finally:
         SubprocessContext._capture_process_failures = original
-
-
-def _describe_exit(failure: ProcessFailure) -> str:
-    if failure.exitcode < 0:
-        return f"killed by {failure.signal_name()}"
-    if failure.exitcode == PEER_FAILED_EXIT_CODE:
-        return f"exit code {failure.exitcode} (stopped by its watchdog: a peer failed)"
-    if failure.exitcode == STOPPED_EXIT_CODE:
-        return f"exit code {failure.exitcode} (stopped on SIGTERM; a snapshot resumes the run)"
-    return f"exit code {failure.exitcode}"
-
-
-def _error_text(failure: ProcessFailure) -> tuple[str, str]:
-    """(one-line message, traceback) from the worker's error file; empty when it wrote none."""
-    message = failure.message
-    if isinstance(message, dict):
-        extra = message.get("extraInfo", {})
-        return str(message.get("message", "")), str(extra.get("py_callstack", "")).strip()
-    return "", ""  # torch's made-up text ("Signal 9 received by PID ...") says nothing new
-
-
-def _is_symptom(failure: ProcessFailure) -> bool:
-    """A rank that stopped because another failed: its watchdog said so, or a lost connection."""
-    return failure.exitcode == PEER_FAILED_EXIT_CODE or is_connection_lost(_error_text(failure)[0])
-
-
-def root_cause(failures: dict[int, ProcessFailure]) -> int:
-    """The global rank that failed first, as far as the agent can tell.
-
-    torch keeps failures in the order it observed them and stamps them to the second; a rank
-    that only lost its peer (watchdog exit, lost-connection error) is a symptom, and a SIGTERM
-    is usually the agent's own teardown, so both rank behind any other failure.
-    """
-    order = list(failures)
-    return min(order, key=lambda r: (
-        _is_symptom(failures[r]),
-        failures[r].exitcode == -signal.SIGTERM,
-        failures[r].timestamp,
-        order.index(r),
-    ))
-
-
-def format_failure(err: ChildFailedError) -> str:
-    """The report: the first failing rank, why, its traceback, and what became of the others."""
-    rank = root_cause(err.failures)
-    failure = err.failures[rank]
-    message, callstack = _error_text(failure)
-    where = f"local_rank {failure.local_rank}, host {socket.gethostname()}, pid {failure.pid}"
-    if message.startswith(_PEER_FAILURE):
-        # Every rank here only stopped for a peer: the root cause ran on another node. Lead with it.
-        lines = [f"ringtrain run: {message[len(_PEER_FAILURE):]}; rank {rank} ({where}) stopped"]
-    else:  # what it raised says more than the exit code (or the SIGTERM that cut its exit short)
-        lines = [f"ringtrain run: rank {rank} failed ({where}): {message or _describe_exit(failure)}"]
-    if callstack and callstack != message and not message.startswith(_PEER_FAILURE):
-        lines += ["  " + line for line in callstack.splitlines()]
-    elif not message and failure.exitcode > 0 and failure.exitcode != STOPPED_EXIT_CODE:
-        lines.append("  (its traceback, if any, is in its output above; decorate the script's "
-                     "main with @ringtrain.launcher.record to have it here)")
-    others: dict[str, list[int]] = {}
-    for r, f in err.failures.items():
-        if r != rank:
-            why = "stopped by the launcher" if f.exitcode == -signal.SIGTERM else _describe_exit(f)
-            others.setdefault(why, []).append(r)
-    for why, ranks in others.items():
-        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {why}")
-    return "\n".join(lines)
 
 
 def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None,

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.launcher import ChildFailedError, ProcessFailure, format_failure, main, root_cause
+from ringtrain.failure_report import ChildFailedError, ProcessFailure, format_failure, root_cause
+from ringtrain.launcher import main
 from ringtrain.watchdog import PEER_FAILED_EXIT_CODE
 
 REPO = Path(__file__).resolve().parent.parent

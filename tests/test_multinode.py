@@ -9,7 +9,7 @@ with the same `param_sha256` as 2 processes on one host; SIGKILLing every proces
 mid-run stops host a within the watchdog bound, naming rank 1; relaunching both hosts on the
 same run directory resumes from the last committed snapshot and ends with the same parameters.
 Both namespaces share the hostname `vm`, which resolves to 127.0.0.1: the launcher has to find
-each host's real address by itself (see `ringtrain.launcher._multi_node_addresses`).
+each host's real address by itself (see `ringtrain.rendezvous._multi_node_addresses`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,9 @@ import pytest
 from netns import Host, two_hosts, unavailable
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from ringtrain.launcher import (
-    ChildFailedError,
-    ProcessFailure,
-    _BoundedRendezvous,
-    _multi_node_addresses,
-    format_failure,
-    get_args_parser,
-)
+from ringtrain.failure_report import ChildFailedError, ProcessFailure, format_failure
+from ringtrain.launcher import get_args_parser
+from ringtrain.rendezvous import _BoundedRendezvous, _multi_node_addresses
 from ringtrain.watchdog import PEER_FAILED_EXIT_CODE
 
 REPO = Path(__file__).resolve().parent.parent

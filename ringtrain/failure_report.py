@@ -1,0 +1,95 @@
+"""The failure report of `ringtrain run`: one block instead of torch's multi-page error dump.
+
+    ringtrain run --nproc-per-node 2 train.py      # a worker fails: the launcher prints the report
+
+It says which rank failed first (`root_cause`: a rank that only lost its peer is a symptom), its
+exit code or signal, and its traceback, written by workers whose main is decorated with
+`ringtrain.launcher.record`; then, one line each, what became of the other ranks.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from ringtrain.watchdog import PEER_FAILED_EXIT_CODE, is_connection_lost
+
+# `ringtrain train` workers exit with 128 + SIGTERM after saving a snapshot on SIGTERM.
+STOPPED_EXIT_CODE = 128 + signal.SIGTERM
+_PEER_FAILURE = "PeerFailure: "  # how a watchdog's error file starts (ringtrain.watchdog)
+# Lines torch's agent logs that the failure report below says once, better.
+_REPEATED_BY_REPORT = (
+    "closing signal",  # one line per surviving worker
+    "failed (exitcode",  # the root cause, again
+    "death signal, shutting down workers",
+    "Setting OMP_NUM_THREADS",  # a boxed notice on every launch
+    "Terminating process",  # function entrypoints: one line per surviving worker
+)
+
+
+def _describe_exit(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    if failure.exitcode == PEER_FAILED_EXIT_CODE:
+        return f"exit code {failure.exitcode} (stopped by its watchdog: a peer failed)"
+    if failure.exitcode == STOPPED_EXIT_CODE:
+        return f"exit code {failure.exitcode} (stopped on SIGTERM; a snapshot resumes the run)"
+    return f"exit code {failure.exitcode}"
+
+
+def _error_text(failure: ProcessFailure) -> tuple[str, str]:
+    """(one-line message, traceback) from the worker's error file; empty when it wrote none."""
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {})
+        return str(message.get("message", "")), str(extra.get("py_callstack", "")).strip()
+    return "", ""  # torch's made-up text ("Signal 9 received by PID ...") says nothing new
+
+
+def _is_symptom(failure: ProcessFailure) -> bool:
+    """A rank that stopped because another failed: its watchdog said so, or a lost connection."""
+    return failure.exitcode == PEER_FAILED_EXIT_CODE or is_connection_lost(_error_text(failure)[0])
+
+
+def root_cause(failures: dict[int, ProcessFailure]) -> int:
+    """The global rank that failed first, as far as the agent can tell.
+
+    torch keeps failures in the order it observed them and stamps them to the second; a rank
+    that only lost its peer (watchdog exit, lost-connection error) is a symptom, and a SIGTERM
+    is usually the agent's own teardown, so both rank behind any other failure.
+    """
+    order = list(failures)
+    return min(order, key=lambda r: (
+        _is_symptom(failures[r]),
+        failures[r].exitcode == -signal.SIGTERM,
+        failures[r].timestamp,
+        order.index(r),
+    ))
+
+
+def format_failure(err: ChildFailedError) -> str:
+    """The report: the first failing rank, why, its traceback, and what became of the others."""
+    rank = root_cause(err.failures)
+    failure = err.failures[rank]
+    message, callstack = _error_text(failure)
+    where = f"local_rank {failure.local_rank}, host {socket.gethostname()}, pid {failure.pid}"
+    if message.startswith(_PEER_FAILURE):
+        # Every rank here only stopped for a peer: the root cause ran on another node. Lead with it.
+        lines = [f"ringtrain run: {message[len(_PEER_FAILURE):]}; rank {rank} ({where}) stopped"]
+    else:  # what it raised says more than the exit code (or the SIGTERM that cut its exit short)
+        lines = [f"ringtrain run: rank {rank} failed ({where}): {message or _describe_exit(failure)}"]
+    if callstack and callstack != message and not message.startswith(_PEER_FAILURE):
+        lines += ["  " + line for line in callstack.splitlines()]
+    elif not message and failure.exitcode > 0 and failure.exitcode != STOPPED_EXIT_CODE:
+        lines.append("  (its traceback, if any, is in its output above; decorate the script's "
+                     "main with @ringtrain.launcher.record to have it here)")
+    others: dict[str, list[int]] = {}
+    for r, f in err.failures.items():
+        if r != rank:
+            why = "stopped by the launcher" if f.exitcode == -signal.SIGTERM else _describe_exit(f)
+            others.setdefault(why, []).append(r)
+    for why, ranks in others.items():
+        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""Rendezvous for `ringtrain run`: a free port on one node, reachable addresses across nodes.
+
+    ringtrain run --nproc-per-node 2 train.py                                     # one node
+    ringtrain run --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 train.py   # on each node
+
+What the launcher (`ringtrain.launcher._run`) does to torchrun's arguments and to torch's
+rendezvous before `elastic_launch` starts:
+- on a single node, a c10d rendezvous at localhost:0, so the OS picks a free port and two jobs
+  at once never collide (`_single_node_rendezvous`);
+- across nodes, this node's address on the route to the rendezvous host, not the one its
+  hostname resolves to (`_multi_node_addresses`);
+- across nodes, a rendezvous handler whose store queries cannot block the agent when the store's
+  host vanishes (`_BoundedRendezvous`, installed by `_bounded_rendezvous`).
+
+.. warning:: relies on torch internals (`torch.distributed.launcher.api.rdzv_registry`,
+   `torch.distributed.elastic.rendezvous.utils._matches_machine_hostname`), checked at
+   torch 2.13.0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import threading
+import time
+import types
+import uuid
+from collections.abc import Callable, Iterator
+
+import torch.distributed.launcher.api as _launcher_api
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+from ringtrain.runtime import network_interfaces, route_source
+
+# Across nodes, the agent gives up on a rendezvous store silent this long (the watchdog's
+# default timeout: the workers notice the same loss about as fast), and waits this long
+# to close the rendezvous on its way out.
+RENDEZVOUS_SILENT_S, RENDEZVOUS_CLOSE_S = 30.0, 3.0
+
+
+def _single_node_rendezvous(args) -> None:
+    """What `--standalone` does, also for a plain `--nnodes 1` without an endpoint.
+
+    c10d rendezvous at localhost:0: the agent's TCPStore binds port 0 and the OS hands it a
+    free port, so there is no window in which another job can take it.
+    """
+    try:
+        max_nodes = int(str(args.nnodes).split(":")[-1])
+    except ValueError:
+        raise ValueError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX, e.g. --nnodes 2") from None
+    if args.standalone or (max_nodes == 1 and not args.rdzv_endpoint and args.master_port is None
+                           and args.rdzv_backend in ("static", "c10d")):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500  # only read by the static backend, as in torchrun
+
+
+def _multi_node_addresses(args) -> None:
+    """Across nodes: advertise the address that reaches the rendezvous host, not the hostname's.
+
+    torch's agent advertises `socket.getfqdn()` as MASTER_ADDR and decides whether it hosts the
+    c10d store by resolving its hostname; where the hostname resolves to 127.0.0.1 (common on
+    cloud images and containers) the other nodes get an unreachable MASTER_ADDR and node 0 does
+    not host the store it was named for. So when --nnodes > 1: `--local-addr` defaults to this
+    node's IPv4 address on the interface that routes to the --rdzv-endpoint host, and the node
+    whose own address is the endpoint hosts the c10d store (`is_host`, unless --rdzv-conf says).
+    """
+    max_nodes = int(str(args.nnodes).split(":")[-1])
+    if max_nodes == 1 or not args.rdzv_endpoint:
+        return
+    host = args.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")
+    try:
+        host_ip = socket.gethostbyname(host)
+    except OSError:
+        return  # unresolvable: torch's rendezvous says so with the endpoint in the message
+    local = route_source(host_ip)
+    if local is None:
+        return
+    interfaces = network_interfaces()
+    if args.local_addr is None:
+        args.local_addr = local
+        names = [n for n, a in interfaces.items() if a == local]
+        print(f"ringtrain run: node {args.node_rank}: local address {local} (interface "
+              f"{names[0] if names else '?'}), the route to the rendezvous endpoint "
+              f"{args.rdzv_endpoint}; --local-addr overrides it", file=sys.stderr, flush=True)
+    conf = args.rdzv_conf or ""
+    if (args.rdzv_backend == "c10d" and "is_host=" not in conf
+            and host_ip in interfaces.values() and not _matches_machine_hostname(host)):
+        args.rdzv_conf = ",".join(filter(None, [conf, "is_host=true"]))
+
+
+def _call_into(fn: Callable, out: list) -> None:
+    try:
+        out.append((fn(), None))
+    except Exception as e:  # handed to the caller's thread
+        out.append((None, e))
+
+
+class _BoundedRendezvous:
+    """torch's rendezvous handler, but the agent never blocks on a vanished store host.
+
+    While its workers run, torch's agent asks the rendezvous store every monitor interval
+    whether nodes wait to join (`num_nodes_waiting`), and it closes the rendezvous on its way
+    out (`shutdown`). When the store's host vanishes without closing its sockets (power or
+    network loss), each such call blocks for minutes (the TCPStore client waits, then retries),
+    so the launcher would hang long after its workers' watchdogs stopped them. Here the query
+    runs on a helper thread: while one is pending the agent gets the last answer and goes on
+    watching its workers; one pending for `silent_s` raises; `shutdown` gives up after `close_s`.
+    """
+
+    def __init__(self, inner, endpoint: str, silent_s: float, close_s: float):
+        self._inner, self._endpoint = inner, endpoint
+        self._silent_s, self._close_s = silent_s, close_s
+        self._waiting = 0
+        self._pending: tuple[threading.Thread, float, list] | None = None
+
+    def num_nodes_waiting(self) -> int:
+        if self._pending is None:
+            out: list = []
+            thread = threading.Thread(target=_call_into, args=(self._inner.num_nodes_waiting, out),
+                                      name="ringtrain-rdzv-query", daemon=True)
+            thread.start()
+            self._pending = (thread, time.monotonic(), out)
+        thread, started, out = self._pending
+        thread.join(timeout=1.0)  # a live store answers in milliseconds
+        if thread.is_alive():
+            if time.monotonic() - started > self._silent_s:
+                raise RendezvousConnectionError(
+                    f"the rendezvous store at {self._endpoint} did not answer for "
+                    f"{self._silent_s:g} s")
+            return self._waiting
+        self._pending = None
+        value, error = out[0]
+        if error is not None:
+            raise error
+        self._waiting = value
+        return value
+
+    def shutdown(self) -> bool:
+        out: list = []
+        thread = threading.Thread(target=_call_into, args=(self._inner.shutdown, out), daemon=True)
+        thread.start()
+        thread.join(timeout=self._close_s)
+        return bool(out and out[0][0])
+
+    def __getattr__(self, name: str):  # the rest as torch's (joins: torch bounds them)
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def _bounded_rendezvous(endpoint: str) -> Iterator[None]:
+    """Have `elastic_launch` (only it) wrap its rendezvous handler in `_BoundedRendezvous`."""
+    registry = _launcher_api.rdzv_registry
+    _launcher_api.rdzv_registry = types.SimpleNamespace(
+        get_rendezvous_handler=lambda params: _BoundedRendezvous(
+            registry.get_rendezvous_handler(params), endpoint, RENDEZVOUS_SILENT_S, RENDEZVOUS_CLOSE_S))
+    try:
+        yield
+    finally:
+        _launcher_api.rdzv_registry = registry
