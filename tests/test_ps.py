@@ -205,17 +205,24 @@ def _dead_worker(rank, world_size, mode, steps, die_at):
                 s.train_step([batch(step, rank)], lr=0.01, grad_clip=None)
             return {"died": time.monotonic()}
         if rank == 0:
-            done = 0
+            done, dropped_at = 0, None
             try:
                 for step in range(steps):
                     time.sleep(0.02)
                     s.train_step([batch(step, rank)], lr=0.01, grad_clip=None)
                     done += 1
+                    if step == steps // 3 and s.membership is not None:
+                        # Train on only once the server has dropped rank 1 (its process exit
+                        # takes a while on a loaded machine): the rest is after the death.
+                        deadline = time.monotonic() + 30
+                        while not s.membership.is_departed(1) and time.monotonic() < deadline:
+                            time.sleep(0.02)
+                        dropped_at = done if s.membership.is_departed(1) else None
                 error = None
             except PSError as e:
                 error = str(e)
             s.close()
-            return {"end": time.monotonic(), "steps": done, "error": error}
+            return {"end": time.monotonic(), "steps": done, "error": error, "dropped_at": dropped_at}
         try:
             s.close()
             error = None
@@ -234,7 +241,8 @@ def test_a_dead_worker_is_dropped_in_async_and_training_goes_on():
     assert any("worker rank 1 died" in w and "training goes on with workers [0]" in w
                for w in server["warnings"])
     assert worker0["error"] is None and worker0["steps"] == steps
-    assert worker0["end"] > worker1["died"] + 0.1  # it kept training after the death
+    assert worker0["dropped_at"] == steps // 3 + 1  # 20 of its 30 steps came after the drop
+    assert worker0["end"] > worker1["died"] + 0.1
     assert server["stats"]["updates"] == steps + die_at
 
 

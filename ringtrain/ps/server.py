@@ -102,6 +102,7 @@ class ParameterServer:
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._closing = False
+        self._reporting = 0  # workers dropped whose warning is not out yet: wait() waits for it
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,7 +121,8 @@ class ParameterServer:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: self.error is not None or self.live <= (self.at_sync if until_sync else set()),
+                lambda: self.error is not None or (
+                    self.live <= (self.at_sync if until_sync else set()) and not self._reporting),
                 timeout=timeout_s)
             if self.error is not None:
                 raise self.error
@@ -288,9 +290,17 @@ class ParameterServer:
             message = (f"worker rank {w} died ({reason}) at step ~{self.clocks[w]}; parameter-server "
                        f"{self.mode} training goes on with workers {sorted(self.live)} (dropped "
                        f"by server rank {self.rank})")
-        # Outside the lock: the callback may talk to the store.
-        if self.on_lost is None or self.on_lost(w, message):
-            warnings.warn(message, WorkerLostWarning, stacklevel=2)
+            self._reporting += 1
+        # Outside the lock: the callback may talk to the store (a round trip that a loaded
+        # machine stretches); wait() holds until the warning is out, so no caller that saw
+        # the worker dropped returns before it.
+        try:
+            if self.on_lost is None or self.on_lost(w, message):
+                warnings.warn(message, WorkerLostWarning, stacklevel=2)
+        finally:
+            with self._cond:
+                self._reporting -= 1
+                self._cond.notify_all()
 
     def _fail(self, error: PSError) -> None:
         if self.error is None:
