@@ -87,8 +87,7 @@ class Membership:
     def departed(self) -> dict[int, str]:
         """rank -> why, for every rank declared departed so far."""
         for r in range(self.world_size):
-            if r not in self._departed and self._store.check([f"departed/{r}"]):
-                self._departed[r] = self._store.get(f"departed/{r}").decode(errors="replace")
+            self.is_departed(r)
         return dict(self._departed)
 
     def is_departed(self, rank: int) -> bool:

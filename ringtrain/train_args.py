@@ -231,19 +231,21 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 def tolerated_ranks(args: argparse.Namespace, world_size: int | None = None) -> frozenset[int]:
     """Global ranks the job survives losing: async/ssp parameter-server workers but rank 0.
 
-    Mirrors `PSStrategy.tolerated_ranks` before any worker exists (the launcher needs it).
+    `PSTopology.tolerated_ranks` before any worker exists (the launcher needs it).
     `world_size` defaults to --nnodes x --nproc-per-node; an elastic --nnodes MIN:MAX has no
     fixed layout, so nothing is tolerated there.
     """
-    if args.strategy != "ps" or (args.ps_mode or "sync") == "sync":
+    if args.strategy != "ps":
         return frozenset()
-    if world_size is None:
-        try:
+    from ringtrain.ps.protocol import PSTopology
+
+    try:
+        if world_size is None:
             world_size = int(args.nnodes) * args.nproc_per_node
-        except ValueError:
-            return frozenset()
-    workers = world_size - (args.servers or 1)
-    return frozenset(range(1, max(1, workers)))
+        topology = PSTopology(world_size, args.servers or 1)
+    except ValueError:  # elastic --nnodes, or no worker left: the strategy says why at start
+        return frozenset()
+    return topology.tolerated_ranks(args.ps_mode or "sync")
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 The schedule decides *what* crosses a stage boundary and when; this file only says *how*:
 `torch.distributed` isend/recv on the pipeline's process group, to and from global ranks.
 Sends and receives are both posted without waiting and return a handle to `wait()` on: the
-engine posts each receive one step ahead, so the transfer overlaps compute. gloo supports both on CPU, NCCL on CUDA (tensors must then live on the GPU).
+engine posts each receive one step ahead, so the transfer overlaps compute. gloo supports both
+on CPU, NCCL on CUDA (tensors must then live on the GPU).
 
 Shapes are not the user's business: `send_meta`/`recv_meta` carry a boundary tensor's shape
 and dtype once, in the dry run (`engine.py`), as a small int64 header.

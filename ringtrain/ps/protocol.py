@@ -91,6 +91,14 @@ class PSTopology:
     def server_index(self, rank: int) -> int:
         return rank - self.workers
 
+    def tolerated_ranks(self, mode: str) -> frozenset[int]:
+        """Ranks whose death the job survives in `mode`: async/ssp workers other than rank 0.
+
+        Rank 0 reports (summary, metrics) and the servers hold the only copy of the parameters;
+        a sync step needs every worker's gradient.
+        """
+        return frozenset() if mode == "sync" else frozenset(self.worker_ranks[1:])
+
 
 @dataclass(frozen=True)
 class PSGroups:

@@ -119,9 +119,7 @@ class PSStrategy(Strategy):
     @property
     def tolerated_ranks(self) -> frozenset[int]:
         """Ranks whose death the job survives: async/ssp workers other than rank 0."""
-        if self.mode == "sync":
-            return frozenset()
-        return frozenset(self.topology.worker_ranks[1:])
+        return self.topology.tolerated_ranks(self.mode)
 
     def drop_worker(self, rank: int, why: str) -> bool:
         """Mark worker `rank` departed (a watchdog found it dead); warns once per job.
