@@ -20,8 +20,11 @@ group's key-value store; every rank writes and fsyncs its part (`shared` by rank
 all reports until the deadline, writes `manifest.json`, renames the directory to `snap-{step}`,
 writes `COMMITTED` last, and publishes the outcome, which the other ranks wait for. Every wait
 has a deadline, so a slow or failed rank makes `save` raise `SnapshotError` naming that rank on
-every rank instead of hanging. A crash at any point leaves either a temp directory or a
-directory without `COMMITTED`: both are ignored by `latest()` and removed by the next save.
+every rank instead of hanging. Every rank raises what rank 0 published, so all agree on the
+kind: `SnapshotNoSpaceError` when any rank's disk was full. A save that fails removes its temp
+directory; a crash at any point leaves either a temp directory or a directory without
+`COMMITTED`: both are ignored by `latest()`, the temp ones removed by `remove_unfinished` (at
+the next start) and all by the next save.
 """
 
 from __future__ import annotations
@@ -46,23 +49,44 @@ from ringtrain.checkpoint_io import (
     COMMITTED,
     MANIFEST,
     SHARED,
+    TEMP_PREFIX,
     SnapshotCorruptError,
     SnapshotError,
+    SnapshotNoSpaceError,
     check_topology,
     fsync_dir,
     load_model_state_dict,
+    newest_snapshot_bytes,
     read_manifest,
+    remove_unfinished,
+    snap_dirs,
     unwrap_state_dict,
     write_durably,
 )
 from ringtrain.checkpoint_io import verify as verify_files
+from ringtrain.run_dir import is_no_space
 
 __all__ = [
     "SaveResult", "Snapshot", "SnapshotCorruptError", "SnapshotError", "SnapshotManager",
-    "check_topology", "load_model_state_dict", "unwrap_state_dict",
+    "SnapshotNoSpaceError", "check_topology", "load_model_state_dict", "newest_snapshot_bytes",
+    "remove_unfinished", "unwrap_state_dict",
 ]
 
 _POLL_S = 0.01
+
+
+def _failure(message: str, cause: BaseException | None = None) -> SnapshotError:
+    """The error of a failed save: `SnapshotNoSpaceError` when `cause` is a full disk."""
+    return (SnapshotNoSpaceError if cause is not None and is_no_space(cause) else SnapshotError)(message)
+
+
+def _report(error: SnapshotError) -> dict[str, Any]:
+    """A failure as published in the store, so other ranks raise the same kind."""
+    return {"error": str(error), "no_space": isinstance(error, SnapshotNoSpaceError)}
+
+
+def _raised(report: dict[str, Any], message: str) -> SnapshotError:
+    return (SnapshotNoSpaceError if report.get("no_space") else SnapshotError)(message)
 
 
 @dataclass(frozen=True)
@@ -153,20 +177,24 @@ class SnapshotManager:
             metadata: JSON-able facts (config, topology); `step` and `world_size` are added.
 
         Raises `SnapshotError` on every rank, naming the rank, when a rank fails to write its
-        part or does not finish within `timeout_s`; the previous snapshot then stays the newest.
+        part or does not finish within `timeout_s` (`SnapshotNoSpaceError` on every rank when a
+        disk was full); the temp directory is removed and the previous snapshot stays the newest.
         """
         t0 = time.monotonic()
         keys = f"{self._prefix}/{self._saves}"
         self._saves += 1
         if self.rank == 0:
+            tmp = self.root / f"{TEMP_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
             try:
                 meta = self._metadata(step, metadata)
                 self.root.mkdir(parents=True, exist_ok=True)
-                tmp = self.root / f".tmp-snap-{step:08d}-{uuid.uuid4().hex[:8]}"
                 tmp.mkdir()
             except Exception as e:
-                self._publish(f"{keys}/start", {"error": f"rank 0 could not start: {e!r}"})
-                raise
+                error = _failure(f"rank 0 could not start snapshot step {step}: {e!r}", e)
+                self._publish(f"{keys}/start", _report(error))
+                if isinstance(e, OSError):  # the disk's fault: the same error as a failed write
+                    raise error from None
+                raise  # a wrong argument: the caller's bug
             self._publish(f"{keys}/start", {"dir": tmp.name})
         else:
             tmp = self.root / self._wait_one(f"{keys}/start", t0 + self.timeout_s, "start the save")["dir"]
@@ -176,22 +204,32 @@ class SnapshotManager:
         files, write_s, error = self._write_part(tmp, step, shared if self.rank == 0 else None,
                                                  per_rank, deadline)
         if self.rank != 0:
-            self._publish(f"{keys}/part/{self.rank}", {"error": error} if error else {"files": files})
-            if error:
-                raise SnapshotError(error)
+            self._publish(f"{keys}/part/{self.rank}", _report(error) if error else {"files": files})
+            # Even after its own failure it waits for rank 0's outcome (which names this failure):
+            # every rank raises the same kind of error, so all decide alike whether to go on.
             done = self._wait_one(f"{keys}/commit", deadline + self.timeout_s, "commit the save")
             mine = sum(f["bytes"] for f in files.values())
             return SaveResult(step, self.root / done["dir"], mine, done["bytes"], write_s,
                               time.monotonic() - t0)
         try:
-            if error:
-                raise SnapshotError(error)
-            for part in self._gather_parts(f"{keys}/part", deadline, step):
+            errors = [error] if error else []
+            parts, late = self._gather_parts(f"{keys}/part", deadline, step)
+            errors += late
+            if errors:
+                full = any(isinstance(e, SnapshotNoSpaceError) for e in errors)
+                raise (SnapshotNoSpaceError if full else SnapshotError)("; ".join(map(str, errors)))
+            for part in parts:
                 files.update(part)
             final = self._commit(tmp, step, files, meta)
         except Exception as e:
-            self._publish(f"{keys}/commit", {"error": str(e)})
-            raise
+            # Free the space first: the message the ranks print says how much is left.
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = e if isinstance(e, SnapshotError) else _failure(
+                f"rank 0 could not commit snapshot step {step}: {e!r}", e)
+            self._publish(f"{keys}/commit", _report(error))
+            if isinstance(e, SnapshotError | OSError):
+                raise error from None
+            raise  # a bug, not the disk: its own traceback
         total = sum(f["bytes"] for f in files.values())
         self._publish(f"{keys}/commit", {"dir": final.name, "bytes": total})
         self._retain()
@@ -210,7 +248,10 @@ class SnapshotManager:
         return meta
 
     def _write_part(self, tmp: Path, step: int, shared, per_rank, deadline: float):
-        """Write this rank's files in a thread, so a stuck disk costs at most the deadline."""
+        """Write this rank's files in a thread, so a stuck disk costs at most the deadline.
+
+        Returns (files, seconds, error): error is None or the `SnapshotError` to report.
+        """
         files: dict[str, Any] = {}
         failure: list[BaseException] = []
 
@@ -229,33 +270,41 @@ class SnapshotManager:
         writer.join(max(0.0, deadline - t))
         write_s = time.monotonic() - t
         if writer.is_alive():
-            return files, write_s, (f"rank {self.rank} did not finish writing its part of snapshot "
-                                    f"step {step} within timeout_s={self.timeout_s:g} (slow disk?)")
+            return files, write_s, SnapshotError(
+                f"rank {self.rank} did not finish writing its part of snapshot step {step} within "
+                f"timeout_s={self.timeout_s:g} (slow disk?)")
         if failure:
-            return files, write_s, (f"rank {self.rank} failed to write its part of snapshot step "
-                                    f"{step}: {failure[0]!r}")
+            return files, write_s, _failure(
+                f"rank {self.rank} failed to write its part of snapshot step {step}: {failure[0]!r}",
+                failure[0])
         return files, write_s, None
 
-    def _gather_parts(self, prefix: str, deadline: float, step: int) -> list[dict[str, Any]]:
-        """Rank 0: every other rank's report, or an error naming the failed or missing ranks."""
-        pending, parts = set(range(1, self.world_size)), []
+    def _gather_parts(self, prefix: str, deadline: float, step: int
+                      ) -> tuple[list[dict[str, Any]], list[SnapshotError]]:
+        """Rank 0: every other rank's files, and the errors of the ranks that failed or are late.
+
+        A failed rank reports at once, so the others' reports are still waited for (until the
+        deadline): the outcome then says whether any disk was full.
+        """
+        pending, parts, errors = set(range(1, self.world_size)), [], []
         while pending:
             for r in sorted(pending):
                 if self.store.check([f"{prefix}/{r}"]):
                     report = json.loads(self.store.get(f"{prefix}/{r}"))
                     if "error" in report:
-                        raise SnapshotError(report["error"])
-                    parts.append(report["files"])
+                        errors.append(_raised(report, report["error"]))
+                    else:
+                        parts.append(report["files"])
                     pending.discard(r)
             if pending and time.monotonic() > deadline:
-                raise SnapshotError(
+                errors.append(SnapshotError(
                     f"ranks {sorted(pending)} did not finish their part of snapshot step {step} "
                     f"within timeout_s={self.timeout_s:g} (late to call save(), or a slow disk); "
-                    "snapshot not committed"
-                )
+                    "snapshot not committed"))
+                break
             if pending:
                 time.sleep(_POLL_S)
-        return parts
+        return parts, errors
 
     def _commit(self, tmp: Path, step: int, files: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Rank 0: manifest, fsync, rename, then the COMMITTED marker last."""
@@ -268,10 +317,18 @@ class SnapshotManager:
         if final.exists():  # the same step saved again after a restart: the new one replaces it
             old = self.root / f".old-snap-{step:08d}-{uuid.uuid4().hex[:8]}"
             final.rename(old)
-        tmp.rename(final)
-        marker = {"step": step, "manifest_sha256": hashlib.sha256(raw).hexdigest()}
-        write_durably(final / f".{COMMITTED}.tmp", json.dumps(marker).encode())
-        (final / f".{COMMITTED}.tmp").rename(final / COMMITTED)
+        try:
+            tmp.rename(final)
+            marker = {"step": step, "manifest_sha256": hashlib.sha256(raw).hexdigest()}
+            write_durably(final / f".{COMMITTED}.tmp", json.dumps(marker).encode())
+            (final / f".{COMMITTED}.tmp").rename(final / COMMITTED)
+        except BaseException:
+            # Not committed (e.g. no room for the marker): put back the snapshot it replaced.
+            if not tmp.exists():  # renamed: `final` is this save's, without its marker
+                shutil.rmtree(final, ignore_errors=True)
+            if old is not None:
+                old.rename(final)
+            raise
         fsync_dir(final)
         fsync_dir(self.root)
         if old is not None:
@@ -280,8 +337,8 @@ class SnapshotManager:
 
     def _retain(self) -> None:
         """Rank 0, after a commit: keep the newest `keep` committed snapshots, drop the debris."""
-        committed = [p for p in self._dirs() if (p / COMMITTED).is_file()]
-        stale = committed[self.keep:] + [p for p in self._dirs() if not (p / COMMITTED).is_file()]
+        committed = [p for p in snap_dirs(self.root) if (p / COMMITTED).is_file()]
+        stale = committed[self.keep:] + [p for p in snap_dirs(self.root) if not (p / COMMITTED).is_file()]
         stale += [p for p in self.root.glob(".*-snap-*") if p.is_dir()]  # temp and replaced dirs
         for p in stale:
             shutil.rmtree(p, ignore_errors=True)
@@ -304,22 +361,15 @@ class SnapshotManager:
             time.sleep(_POLL_S)
         value = json.loads(self.store.get(key))
         if "error" in value:
-            raise SnapshotError(f"rank {self.rank}: snapshot not committed: {value['error']}")
+            raise _raised(value, f"rank {self.rank}: snapshot not committed: {value['error']}")
         return value
 
     # ---- finding and loading -----------------------------------------------------------------
 
-    def _dirs(self) -> list[Path]:
-        """`snap-*` directories, newest step first (committed or not)."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.glob("snap-*") if p.is_dir() and p.name[5:].isdigit()]
-        return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
-
     def snapshots(self) -> list[Snapshot]:
         """Committed snapshots with a readable manifest, newest first (checksums not verified)."""
         out = []
-        for p in self._dirs():
+        for p in snap_dirs(self.root):
             try:
                 out.append(Snapshot(p, int(p.name[5:]), read_manifest(p)))
             except SnapshotError:
@@ -333,7 +383,7 @@ class SnapshotManager:
         reason. With `verify`, every file is hashed, on every rank that calls this, so that all
         ranks agree on the choice even when only one rank's file is damaged.
         """
-        for p in self._dirs():
+        for p in snap_dirs(self.root):
             try:
                 manifest = read_manifest(p)
                 if verify:

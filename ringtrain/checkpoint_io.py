@@ -12,9 +12,11 @@ Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +24,14 @@ import torch
 from torch import nn
 
 __all__ = [
-    "COMMITTED", "MANIFEST", "SHARED", "SnapshotCorruptError", "SnapshotError", "check_topology",
-    "fsync_dir", "load_model_state_dict", "read_manifest", "sha256_file", "unwrap_state_dict",
-    "verify", "write_durably",
+    "COMMITTED", "MANIFEST", "SHARED", "SnapshotCorruptError", "SnapshotError",
+    "SnapshotNoSpaceError", "TEMP_PREFIX", "check_topology", "fsync_dir", "load_model_state_dict",
+    "newest_snapshot_bytes", "read_manifest", "remove_unfinished", "sha256_file", "snap_dirs",
+    "unwrap_state_dict", "verify", "write_durably",
 ]
 
 COMMITTED, MANIFEST, SHARED = "COMMITTED", "manifest.json", "shared.pt"
+TEMP_PREFIX = ".tmp-snap-"  # a save in progress, or one that died: never read
 
 
 class SnapshotError(RuntimeError):
@@ -36,6 +40,10 @@ class SnapshotError(RuntimeError):
 
 class SnapshotCorruptError(SnapshotError):
     """A snapshot whose files do not match the checksums recorded when it was committed."""
+
+
+class SnapshotNoSpaceError(SnapshotError):
+    """A save that did not commit because a rank's disk (or quota) was full: retrying won't help."""
 
 
 # ---- model state -------------------------------------------------------------------------------
@@ -85,15 +93,24 @@ def check_topology(
 
 
 class _HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through it."""
+    """A write-only file wrapper that hashes and counts what passes through it.
+
+    It keeps the first `OSError` a write raised: torch.save reports a failed write only as
+    "[enforce fail at inline_container.cc] unexpected pos", which hides the full disk.
+    """
 
     def __init__(self, f):
         self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.sha256.update(data)
         self.bytes += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -108,15 +125,27 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durably(path: Path, obj: Any) -> dict[str, Any]:
-    """torch.save `obj` (or raw bytes) to `path`, fsync it; return its checksum and size."""
-    with open(path, "wb") as f:
-        w = _HashingWriter(f)
+    """torch.save `obj` (or raw bytes) to `path`, fsync it; return its checksum and size.
+
+    A failed write raises the `OSError` that caused it (errno ENOSPC on a full disk), with
+    no chain of follow-up errors from torch or from closing the file.
+    """
+    f = open(path, "wb")  # noqa: SIM115 - closed below; quietly when the write already failed
+    w = _HashingWriter(f)
+    try:
         if isinstance(obj, bytes):
             w.write(obj)
         else:
             torch.save(obj, w)  # hashed while written: no second read, no in-memory copy
         f.flush()
         os.fsync(f.fileno())
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            f.close()  # its flush fails the same way on a full disk; the first error says why
+        if w.error is not None and e is not w.error:
+            raise w.error from None
+        raise
+    f.close()
     return {"sha256": w.sha256.hexdigest(), "bytes": w.bytes}
 
 
@@ -140,6 +169,37 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if hashlib.sha256(raw).hexdigest() != expected:
         raise SnapshotCorruptError(f"{path.name}/{MANIFEST}: sha256 differs from the one committed")
     return json.loads(raw)
+
+
+def snap_dirs(root: Path) -> list[Path]:
+    """`snap-*` directories, newest step first (committed or not)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("snap-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def remove_unfinished(root_dir: str | os.PathLike) -> list[Path]:
+    """Remove the temp directories of saves that never finished (a crash, a full disk).
+
+    Call once, on one process, before any rank saves (a run's start): a save in progress
+    writes into one. Committed snapshots and replaced ones (`.old-snap-*`) are left alone.
+    """
+    root = Path(root_dir)
+    found = sorted(p for p in root.glob(f"{TEMP_PREFIX}*") if p.is_dir()) if root.is_dir() else []
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
+
+
+def newest_snapshot_bytes(root_dir: str | os.PathLike) -> int | None:
+    """Size of the newest committed snapshot under `root_dir` (from its manifest), or None."""
+    for p in snap_dirs(Path(root_dir)):
+        try:
+            return sum(f["bytes"] for f in read_manifest(p)["files"].values())
+        except SnapshotError:
+            continue
+    return None
 
 
 def verify(path: Path, manifest: dict[str, Any], names: list[str] | None = None) -> None:

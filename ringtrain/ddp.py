@@ -32,6 +32,7 @@ from ringtrain.buckets import (
 )
 from ringtrain.lanes import comm_lanes as comm_lanes_for
 from ringtrain.reducer import Reducer
+from ringtrain.runtime import register_exit_grace
 from ringtrain.unused_params import UnusedParametersError
 
 __all__ = ["DistributedDataParallel", "GradBucket", "UnusedParametersError", "broadcast_coalesced",
@@ -209,6 +210,7 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.require_backward_grad_sync = True  # cleared by no_sync()
+        register_exit_grace()  # gloo's threads must not abort this process's exit (runtime.py)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:

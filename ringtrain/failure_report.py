@@ -4,7 +4,9 @@
 
 It says which rank failed first (`root_cause`: a rank that only lost its peer is a symptom), its
 exit code or signal, and its traceback, written by workers whose main is decorated with
-`ringtrain.launcher.record`; then, one line each, what became of the other ranks.
+`ringtrain.launcher.record`; then, one line each, what became of the other ranks. When every
+failed rank exited with 2 (`explained_by_workers`), the workers have explained a user mistake
+themselves (`ringtrain train` prints it once, on rank 0): the launcher prints no report.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import socket
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from ringtrain.errors import USAGE_EXIT_CODE
 from ringtrain.watchdog import PEER_FAILED_EXIT_CODE, is_connection_lost
 
-# `ringtrain train` workers exit with 128 + SIGTERM after saving a snapshot on SIGTERM.
+# `ringtrain train` workers exit with 128 + SIGTERM after saving a snapshot on SIGTERM or SIGINT.
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 _PEER_FAILURE = "PeerFailure: "  # how a watchdog's error file starts (ringtrain.watchdog)
 # Lines torch's agent logs that the failure report below says once, better.
@@ -35,7 +38,7 @@ def _describe_exit(failure: ProcessFailure) -> str:
     if failure.exitcode == PEER_FAILED_EXIT_CODE:
         return f"exit code {failure.exitcode} (stopped by its watchdog: a peer failed)"
     if failure.exitcode == STOPPED_EXIT_CODE:
-        return f"exit code {failure.exitcode} (stopped on SIGTERM; a snapshot resumes the run)"
+        return f"exit code {failure.exitcode} (stopped on a signal; a snapshot resumes the run)"
     return f"exit code {failure.exitcode}"
 
 
@@ -46,6 +49,15 @@ def _error_text(failure: ProcessFailure) -> tuple[str, str]:
         extra = message.get("extraInfo", {})
         return str(message.get("message", "")), str(extra.get("py_callstack", "")).strip()
     return "", ""  # torch's made-up text ("Signal 9 received by PID ...") says nothing new
+
+
+def explained_by_workers(failures: dict[int, ProcessFailure]) -> bool:
+    """True when the workers have already explained why they stopped: every failed rank exited
+    with `USAGE_EXIT_CODE` (2) and wrote no error file, or was stopped by the launcher after."""
+    usage = [f for f in failures.values() if f.exitcode == USAGE_EXIT_CODE]
+    others = [f for f in failures.values() if f.exitcode != USAGE_EXIT_CODE]
+    return (bool(usage) and not any(_error_text(f)[0] for f in usage)
+            and all(f.exitcode == -signal.SIGTERM for f in others))
 
 
 def _is_symptom(failure: ProcessFailure) -> bool:

@@ -16,6 +16,7 @@ local-synchronisation group would depend on every member having made the same gr
 
 from __future__ import annotations
 
+import os
 import weakref
 from datetime import timedelta
 
@@ -56,10 +57,25 @@ def comm_lanes(process_group: dist.ProcessGroup, count: int | None = None) -> li
             f"{dist.get_process_group_ranks(process_group)} are not supported; pass comm_lanes=1")
     extra = _cache.setdefault(process_group, [])  # never the key itself: it would never die
     while len(extra) < count - 1:
-        extra.append(dist.new_group(dist.get_process_group_ranks(process_group),
-                                    timeout=_timeout(process_group),
-                                    backend=dist.get_backend(process_group)))
+        try:
+            extra.append(dist.new_group(dist.get_process_group_ranks(process_group),
+                                        timeout=_timeout(process_group),
+                                        backend=dist.get_backend(process_group)))
+        except RuntimeError as e:
+            raise RuntimeError(_lane_failure(e)) from e
     return [process_group, *extra[:count - 1]]
+
+
+def _lane_failure(e: RuntimeError) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    why = ("under torchrun's agent a restarted group shares the store of the attempt before and "
+           "can read its dead ranks' addresses (pytorch/pytorch#135712): start the group with "
+           "ringtrain.init_distributed(), which keeps each restart's keys apart, or export "
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun"
+           if restart != "0" else "a peer may have died, or the ranks made groups in different orders")
+    return (f"could not connect the communication lanes (extra gloo groups of the DDP) on restart "
+            f"{restart}: {first}; {why}; comm_lanes=1 makes no extra group")
 
 
 def _timeout(process_group: dist.ProcessGroup) -> timedelta | None:

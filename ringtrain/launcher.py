@@ -39,9 +39,11 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 from torch.distributed.run import get_args_parser as _torch_args_parser
 
+from ringtrain.errors import USAGE_EXIT_CODE
 from ringtrain.failure_report import (
     _REPEATED_BY_REPORT,
     STOPPED_EXIT_CODE,
+    explained_by_workers,
     format_failure,
     root_cause,
 )
@@ -50,12 +52,16 @@ from ringtrain.rendezvous import (
     _multi_node_addresses,
     _single_node_rendezvous,
 )
+from ringtrain.run_dir import DISK_FULL_EXIT_CODE
+from ringtrain.runtime import WATCHDOG_ENV
 from ringtrain.watchdog import PEER_FAILED_EXIT_CODE
 
 __all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_parser", "launch",
            "main", "record", "root_cause"]
 
 LAUNCHER_PID_ENV = "RINGTRAIN_LAUNCHER_PID"  # lets a worker check its parent is still there
+# A rank may work alone (save, evaluate) while the others wait this long before it is named.
+DEFAULT_WATCHDOG_TIMEOUT_S = 60.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -84,6 +90,12 @@ def get_args_parser():
     parser = _torch_args_parser()
     parser.prog = "ringtrain run"
     parser.set_defaults(monitor_interval=0.1)  # notice a dead worker fast (older torch: 5 s)
+    parser.add_argument(
+        "--watchdog-timeout", "--watchdog_timeout", type=float, default=DEFAULT_WATCHDOG_TIMEOUT_S,
+        help="(ringtrain) seconds after which a rank that died, froze, or never entered a "
+             "collective the others wait in is named and every rank stopped; the script must "
+             "start its group with ringtrain.init_distributed(); 0 turns it off "
+             f"(default {DEFAULT_WATCHDOG_TIMEOUT_S:g})")
     parser.description = (
         "Launch a script on N processes per node with torch's elastic agent (torchrun's flags). "
         "On a single node a free port is picked automatically. When a worker fails, all "
@@ -212,10 +224,14 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
             elastic_launch(config, cmd)(*cmd_args)
         return 0
     except ChildFailedError as e:
+        if explained_by_workers(e.failures):  # a user mistake, which rank 0 has printed once
+            return USAGE_EXIT_CODE
+        codes = {f.exitcode for f in e.failures.values()}
+        if DISK_FULL_EXIT_CODE in codes and codes <= {DISK_FULL_EXIT_CODE, -signal.SIGTERM}:
+            return DISK_FULL_EXIT_CODE  # stopped at their last snapshot; rank 0 said why
         print(format_failure(e), file=sys.stderr, flush=True)
         # The workers stopped on SIGTERM after saving (a slow one may have been stopped by the
         # agent itself): say so with the same code, not 1.
-        codes = {f.exitcode for f in e.failures.values()}
         if STOPPED_EXIT_CODE in codes and codes <= {STOPPED_EXIT_CODE, -signal.SIGTERM}:
             return STOPPED_EXIT_CODE
         return 1
@@ -223,6 +239,9 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         name = signal.Signals(e.sigval).name
         print(f"ringtrain run: got {name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except KeyboardInterrupt:  # Ctrl-C before the agent's handler was in place; it stopped them
+        print("ringtrain run: got SIGINT; stopped all workers", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except RendezvousConnectionError as e:
         cause = e.__cause__ or e
         print(f"ringtrain run: cannot reach the rendezvous store at {config.rdzv_endpoint} "
@@ -245,16 +264,30 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
 def main(argv: list[str]) -> int:
     """`ringtrain run ARGS`; returns the exit code.
 
-    0 when every worker succeeded, 1 when one failed (reported on stderr), 2 for bad flags,
-    128 + N when the launcher got signal N (the workers are stopped first), 143 when every
-    worker exited with 143 (`ringtrain train` workers do after saving a snapshot on SIGTERM).
+    0 when every worker succeeded, 1 when one failed (reported on stderr), 2 for bad flags or
+    when the workers exited with 2 (a mistake they explained: no report), 128 + N when the
+    launcher got signal N (the workers are stopped first), 143 when every worker exited with
+    143 (`ringtrain train` workers do after saving a snapshot on SIGTERM or SIGINT), 74 when
+    they exited with 74 (`ringtrain train`: the run directory is full; rank 0 said so).
     """
     parser = get_args_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return int(e.code or 0)
-    return _run(args)
+    if args.watchdog_timeout < 0:
+        print(f"ringtrain run: error: --watchdog-timeout {args.watchdog_timeout:g}: it must be "
+              ">= 0 (0 turns the watchdog off)", file=sys.stderr)
+        return 2
+    previous = os.environ.get(WATCHDOG_ENV)
+    os.environ[WATCHDOG_ENV] = str(args.watchdog_timeout)  # read by init_distributed in workers
+    try:
+        return _run(args)
+    finally:
+        if previous is None:
+            os.environ.pop(WATCHDOG_ENV, None)
+        else:
+            os.environ[WATCHDOG_ENV] = previous
 
 
 def launch(

@@ -9,6 +9,8 @@ Only rank 0 draws the bar and logs at INFO; every rank logs warnings and errors,
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -18,6 +20,8 @@ import warnings
 from typing import Any
 
 from tqdm import tqdm
+
+from ringtrain.run_dir import describe_space
 
 LOGGER_NAME = "ringtrain"
 
@@ -83,7 +87,11 @@ class Progress:
 
 
 class MetricsLog:
-    """`metrics.jsonl`: one JSON object per logged step, flushed as it is written.
+    """`metrics.jsonl`: one JSON object per logged step, written (unbuffered) as it comes.
+
+    A write that fails (a full disk) never raises into the training loop: the file is cut back
+    to its last whole line, a warning names it and the free space, and the lines wait in
+    `unwritten` for the next write or `close` to try again. `records` always holds them all.
 
     Args:
         path: the file; None keeps the records in memory only.
@@ -96,41 +104,70 @@ class MetricsLog:
     def __init__(self, path: str | None, append: bool = False, resume_at: int | None = None):
         self.path = path
         self.records: list[dict[str, Any]] = []
+        self.unwritten: list[str] = []  # lines a failed write left for the next try
+        self.error: OSError | None = None  # why they are unwritten
         if path and resume_at is not None:
-            self.records = _records_up_to(path, resume_at)
-            tmp = f"{path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.records)
-            os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
+            self.records = _cut_after(path, resume_at)
             append = True
-        self._file = open(path, "a" if append else "w", encoding="utf-8") if path else None  # noqa: SIM115
+        self._file = open(path, "ab" if append else "wb", buffering=0) if path else None  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
         record = {k: _finite(v) for k, v in record.items()}
         self.records.append(record)
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            self.unwritten.append(json.dumps(record) + "\n")
+            self._write_unwritten()
+
+    def _write_unwritten(self) -> None:
+        assert self._file is not None
+        fd = self._file.fileno()
+        size = os.fstat(fd).st_size
+        data = memoryview("".join(self.unwritten).encode())
+        try:
+            while data:
+                n = self._file.write(data)  # a full disk: a short write, then ENOSPC
+                if not n:
+                    raise OSError(errno.EIO, f"write() returned {n}")
+                data = data[n:]
+        except OSError as e:
+            with contextlib.suppress(OSError):  # no torn line: readers and the next try see whole lines
+                os.ftruncate(fd, size)
+            if self.error is None:
+                logging.getLogger(LOGGER_NAME).warning(
+                    "warning: cannot write %s (%s; %s): its lines are kept and written when "
+                    "there is room", self.path, e.strerror, describe_space(self.path))
+            self.error = e
+            return
+        self.unwritten, self.error = [], None
 
     def close(self) -> None:
         if self._file:
-            self._file.close()
+            if self.unwritten:
+                self._write_unwritten()  # a last try; what still fails stays in `unwritten`
+            self._file.close()  # unbuffered: nothing left to flush, so nothing to fail
             self._file = None
 
 
-def _records_up_to(path: str, step: int) -> list[dict[str, Any]]:
-    """The records of `path` with step <= `step`; a torn last line (a crash mid-write) is dropped."""
+def _cut_after(path: str, step: int) -> list[dict[str, Any]]:
+    """The records of `path` up to `step`; the file is cut after them, where a later line starts.
+
+    A torn line (a crash mid-write) ends the kept part too. Cutting in place needs no free
+    space (a rewrite needs room for a copy) and is one step: a crash leaves either file.
+    """
     if not os.path.exists(path):
         return []
-    out = []
-    with open(path, encoding="utf-8") as f:
+    out, keep = [], 0
+    with open(path, "rb") as f:
         for line in f:
             try:
                 record = json.loads(line)
             except ValueError:
-                continue
-            if record.get("step", 0) <= step:
-                out.append(record)
+                break
+            if not line.endswith(b"\n") or record.get("step", 0) > step:
+                break
+            out.append(record)
+            keep += len(line)
+    os.truncate(path, keep)
     return out
 
 
@@ -142,12 +179,17 @@ def _finite(value: Any) -> Any:
 
 
 def write_json(path: str, obj: dict[str, Any]) -> None:
-    """Write `obj` as indented JSON, atomically (temp file, then rename)."""
+    """Write `obj` as indented JSON, atomically (temp file, then rename; no temp file left)."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({k: _finite(v) for k, v in obj.items()}, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({k: _finite(v) for k, v in obj.items()}, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def format_summary(summary: dict[str, Any]) -> str:

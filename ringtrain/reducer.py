@@ -30,6 +30,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from ringtrain.buckets import Bucket, GradBucket, assign_buckets, build_buckets, hook_result
+from ringtrain.torch_internals import backward_tls_free
 from ringtrain.unused_params import check_unused, fill_status
 
 
@@ -38,13 +39,15 @@ def _grad_ready(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> No
     # wrapper alive nor act for it.
     reducer = reducer_ref()
     if reducer is not None:
-        reducer._on_grad(index)
+        with backward_tls_free():  # it may launch a bucket's all-reduce
+            reducer._on_grad(index)
 
 
 def _finalize(reducer_ref: weakref.ref) -> None:
     reducer = reducer_ref()
     if reducer is not None:
-        reducer._finalize()
+        with backward_tls_free():
+            reducer._finalize()
 
 
 # The autograd node running on this thread; inside the end-of-backward callback it is None
@@ -105,6 +108,8 @@ class Reducer:
 
         self._ready = bytearray(len(self.params))  # staged this round
         self._unused: list[int] = []  # staged without a gradient this round
+        self._status: torch.Tensor | None = None  # the unused-parameter status (_launch_status)
+        self._retired: list = []  # the last round's works, see _reset
         self._accumulated = bytearray(len(self.params))  # got a gradient under no_sync
         self._next = 0  # the next bucket to launch
         self._hold = False  # stage without launching (sync_gradients picks its own order)
@@ -321,9 +326,14 @@ class Reducer:
                                       raise_error=not self.find_unused_parameters))
 
     def _launch_status(self) -> tuple[torch.Tensor, Any]:
-        status = torch.empty(len(self.params) + self.world_size, dtype=torch.int32,
-                             device=self.buckets[0].flat.device)
-        fill_status(status, self._unused, len(self.params), self.rank)
+        # One buffer for the reducer's life, never a temporary: gloo's worker thread drops its
+        # reference to a Work (and its tensors) a moment after the work completes; a tensor
+        # whose Python object died first hands that object to C++, and its last release then
+        # needs the GIL on the worker thread, which aborts the process during interpreter exit.
+        if self._status is None:
+            self._status = torch.empty(len(self.params) + self.world_size, dtype=torch.int32,
+                                       device=self.buckets[0].flat.device)
+        status = fill_status(self._status, self._unused, len(self.params), self.rank)
         return status, dist.all_reduce(status, group=self.process_group, async_op=True)
 
     def _write_back(self, globally_unused: set[int]) -> None:
@@ -342,6 +352,12 @@ class Reducer:
                     p.grad.copy_(view)
 
     def _reset(self) -> None:
+        # Keep this round's works (and so the tensors they hold) until the next synced forward:
+        # gloo's worker thread drops its own reference a moment after a work completes, and if
+        # that is the last one, a tensor whose Python object died meanwhile (a gradient set to
+        # None by zero_grad) needs the GIL on that thread, which aborts a process already in
+        # interpreter shutdown ("terminate called without an active exception").
+        self._retired = [b.work or b.fut for b in self.buckets if b.work is not None or b.fut is not None]
         for bucket in self.buckets:
             bucket.pending = len(bucket.members)
             bucket.buffer, bucket.work, bucket.fut, bucket.in_place = None, None, None, False
@@ -358,6 +374,7 @@ class Reducer:
 
     def prepare_for_backward(self) -> None:
         """Called by a forward whose backward must be synced."""
+        self._retired = []  # long done on gloo's side: released here, with the GIL
         if self._deferred:
             raise RuntimeError("a deferred backward's gradients were never sent: call "
                                "reducer.flush() after it, before the next forward")

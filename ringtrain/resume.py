@@ -44,8 +44,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ringtrain.checkpoint import SaveResult, SnapshotError, SnapshotManager, check_topology
+from ringtrain.checkpoint import (
+    SaveResult,
+    SnapshotError,
+    SnapshotManager,
+    SnapshotNoSpaceError,
+    check_topology,
+    newest_snapshot_bytes,
+    remove_unfinished,
+)
+from ringtrain.errors import ConfigError
 from ringtrain.rng import get_rng_state, set_rng_state
+from ringtrain.run_dir import DiskFullError, no_space_message
 
 if TYPE_CHECKING:
     from ringtrain.trainer import Trainer
@@ -75,7 +85,7 @@ def elastic_batch(global_batch: int, data_world_size: int, batch_size: int, *,
     """
     if global_batch % data_world_size:
         fits = [w for w in range(1, global_batch + 1) if global_batch % w == 0][:8]
-        raise ValueError(
+        raise ConfigError(
             f"cannot keep the global batch of {global_batch} samples per step (set when the run "
             f"started, on {saved_data_world_size} data ranks) on {data_world_size} data ranks: "
             f"{global_batch} is not a multiple of {data_world_size}. Resume on a number of data "
@@ -211,8 +221,10 @@ class Checkpointer:
     def save(self, step: int, reason: str = "periodic") -> SaveResult | None:
         """Write a snapshot of `step` on every rank; a failed save is logged, training goes on.
 
-        A save that fails (a rank's disk is full or too slow) raises `SnapshotError` on every
+        A save that fails (a rank's disk is too slow, or failing) raises `SnapshotError` on every
         rank inside the manager; the previous snapshot stays the newest, so carrying on is safe.
+        A full disk raises `DiskFullError` on every rank instead: training on would only lose
+        the steps since the last snapshot, and every later save would fail the same way.
         """
         t, rt, s = self.trainer, self.trainer.runtime, self.trainer.strategy
         start = time.perf_counter()
@@ -231,6 +243,11 @@ class Checkpointer:
                     "grad_accum": c.grad_accum, "replicated": self.replicated}
         try:
             result = self.manager.save(step, shared, per_rank, meta)
+        except SnapshotNoSpaceError as e:
+            log.debug("snapshot of step %d not saved: %s", step, e)
+            need = self.saves[-1][1] if self.saves else newest_snapshot_bytes(self.manager.root)
+            raise DiskFullError(no_space_message(self.manager.root, f"the snapshot of step {step}",
+                                                 self.saved_step, need)) from None
         except SnapshotError as e:
             log.warning("warning: snapshot of step %d not saved, training goes on: %s", step, e)
             return None
@@ -276,17 +293,24 @@ class Checkpointer:
         world sizes) when the strategy's state cannot be resharded to this world size.
         """
         t, rt = self.trainer, self.trainer.runtime
+        if rt.rank == 0:  # before any rank saves: the temp folders of saves that never finished
+            for p in remove_unfinished(self.manager.root):
+                log.info("removed %s, left by a save that did not finish", p)
         with warnings.catch_warnings():
             if rt.rank != 0:  # one report of a skipped snapshot, not one per rank
                 warnings.simplefilter("ignore")
             snap = self.manager.latest()
         step = self._agreed_step(snap.step if snap is not None else None)
         if snap is None or step is None:
+            skipped = [p for p in self.manager.root.glob("snap-*") if p.is_dir()]
+            if skipped and rt.rank == 0:  # each was named in a warning above
+                log.warning("warning: none of the %d snapshots in %s can be used; training "
+                            "starts afresh from step 0", len(skipped), self.manager.root)
             return None
         meta = snap.metadata
         diffs = config_differences(meta.get("config", {}), self.config)
         if diffs:
-            raise ValueError(
+            raise ConfigError(
                 f"{snap.path} (step {snap.step}) was saved by a run with other options: "
                 f"{'; '.join(diffs)}. Resume with the snapshot's options, or start afresh with "
                 "--no-resume (its snapshots are deleted) or in another --run-dir")

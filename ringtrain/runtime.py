@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import gc
 import logging
 import os
 import socket
@@ -178,6 +179,45 @@ def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float)
         time.sleep(0.05)
 
 
+def _agent_store(addr: str, port: int, timeout_s: float) -> dist.Store:
+    """A client of the store torchrun's agent hosts, with this restart's keys apart.
+
+    The agent hands every restart of the group the same store, and torch's process-group keys
+    (each rank's gloo address, under the group's name) carry no restart number: a restarted
+    rank could read the dead attempt's addresses and fail with "Connection refused" or wait on
+    a port that is someone else's now (pytorch/pytorch#135712). Under a prefix naming the run
+    and the restart, every attempt starts from an empty key space.
+    """
+    try:
+        client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:
+        raise DistributedInitError(
+            f"could not reach the launcher's store at {addr}:{port} within {timeout_s:g} s "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is the agent "
+            "(torchrun / ringtrain run) still running?") from e
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ringtrain/{run}/attempt_{attempt}", client)
+
+
+def _own_rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """Rank 0 hosts a TCPStore, every rank checks in (bounded): no launcher ran a rendezvous."""
+    global _own_store
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        role = "listen on" if rank == 0 else "reach the master at"
+        raise DistributedInitError(
+            f"rank {rank} could not {role} {addr}:{port} within {timeout_s:g} s "
+            f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); check "
+            "MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that the port is free"
+        ) from e
+    _rendezvous(store, rank, world_size, timeout_s)
+    _own_store = store
+    return store
+
+
 def init_distributed(
     backend: str | None = None,
     *,
@@ -221,34 +261,74 @@ def init_distributed(
     if world_size == 1:
         store: dist.Store = dist.HashStore()
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_addr is None:
-        store = None  # torchrun's agent already ran the rendezvous; env:// reuses its store
+        store = _agent_store(addr, port, rendezvous_timeout_s)  # torchrun's agent ran the rendezvous
     else:
-        try:
-            store = dist.TCPStore(
-                addr, port, world_size, is_master=rank == 0,
-                timeout=timedelta(seconds=rendezvous_timeout_s), wait_for_workers=False,
-            )
-        except (RuntimeError, OSError) as e:
-            role = "listen on" if rank == 0 else "reach the master at"
-            raise DistributedInitError(
-                f"rank {rank} could not {role} {addr}:{port} within {rendezvous_timeout_s:g} s "
-                f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); check "
-                "MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that the port is free"
-            ) from e
-        _rendezvous(store, rank, world_size, rendezvous_timeout_s)
-        global _own_store
-        _own_store = store
-        store = dist.PrefixStore("ringtrain/pg", store)
-    if store is None:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    shared_store = _own_store or dist.distributed_c10d._get_default_store()
+        store = _own_rendezvous(addr, port, rank, world_size, rendezvous_timeout_s)
+    dist.init_process_group(backend, store=dist.PrefixStore("ringtrain/pg", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+    shared_store = store
     _runtime = Runtime(rank, world_size, local_rank, backend, device, dist.group.WORLD, shared_store)
-    # A process that exits with the group still up can abort in gloo's destructor
-    # ("terminate called without an active exception"); teardown is idempotent.
-    atexit.register(destroy_distributed)
+    # Teardown at interpreter exit too, whatever the script called (it is idempotent), then
+    # the grace that keeps gloo's threads from aborting the exit (settle_comm_threads).
+    register_exit_grace()
+    atexit.register(destroy_distributed)  # registered last, so it runs first
+    _start_watchdog(_runtime)
     return _runtime
+
+
+WATCHDOG_ENV = "RINGTRAIN_WATCHDOG_TIMEOUT"  # set by `ringtrain run --watchdog-timeout`
+_watchdog = None  # the Watchdog init_distributed started for a script under `ringtrain run`
+
+
+def _start_watchdog(rt: Runtime) -> None:
+    """Under `ringtrain run`, watch the peers: a rank that dies, raises or hangs is named.
+
+    Without it a rank that hangs outside a collective leaves the others waiting in it for
+    the collective timeout (300 s), and they are the ones reported.
+    """
+    global _watchdog
+    value = os.environ.get(WATCHDOG_ENV, "")
+    try:
+        timeout_s = float(value) if value else 0.0
+    except ValueError:
+        raise DistributedInitError(f"{WATCHDOG_ENV}={value!r} is not a number of seconds") from None
+    if rt.world_size == 1 or timeout_s <= 0:
+        return
+    from ringtrain.watchdog import Watchdog  # it imports this module
+
+    _watchdog = Watchdog(timeout_s=timeout_s, interval_s=min(1.0, timeout_s / 3)).start()
+
+
+# How long an exiting process lets communication threads finish releasing their last works.
+EXIT_GRACE_S = 0.1
+_grace_registered = False
+
+
+def settle_comm_threads(grace_s: float = EXIT_GRACE_S) -> None:
+    """Let gloo's worker threads drop what they still hold while Python can still serve them.
+
+    A gloo worker thread releases its reference to a finished work a moment after the waiter
+    was woken. When that reference is the last one to a tensor whose Python object died in the
+    meantime (or to Python state captured with the work), the release takes the GIL; once
+    interpreter shutdown has begun, taking the GIL ends the thread through a noexcept C++ frame
+    and the process dies with SIGABRT ("terminate called without an active exception"), after
+    the script has finished. Called from an exit handler, which runs before shutdown begins:
+    collect garbage, then sleep with the GIL released so any such release completes now.
+    """
+    gc.collect()
+    time.sleep(grace_s)
+
+
+def register_exit_grace() -> None:
+    """Run `settle_comm_threads` at interpreter exit (once per process, idempotent).
+
+    Registered when ringtrain starts a process group or wraps a module, so that exit handlers
+    registered earlier, such as torch's own, run after it.
+    """
+    global _grace_registered
+    if not _grace_registered:
+        _grace_registered = True
+        atexit.register(settle_comm_threads)
 
 
 def destroy_distributed(checkout_timeout_s: float = 5.0) -> None:
@@ -258,7 +338,10 @@ def destroy_distributed(checkout_timeout_s: float = 5.0) -> None:
     abort in C++ ("terminate called without an active exception"). So each rank checks out
     through the store and rank 0 waits, at most `checkout_timeout_s`, for the others.
     """
-    global _runtime, _own_store
+    global _runtime, _own_store, _watchdog
+    if _watchdog is not None:  # first: the peers must see this rank finish, not go silent
+        _watchdog.stop(done=getattr(sys, "last_value", None) is None)
+        _watchdog = None
     rt, store = _runtime, _own_store
     _runtime = _own_store = None
     if dist.is_available() and dist.is_initialized():

@@ -14,7 +14,15 @@ rank 0 prints the progress bar and the summary. Each run writes `runs/<timestamp
     ringtrain train --run-dir runs/a --nproc-per-node 3                    # resume runs/a on 3 workers
 
 A run directory with a committed snapshot is resumed by itself (`--no-resume` starts afresh).
-After SIGTERM every worker saves the same step and exits with 143 (128 + SIGTERM).
+After SIGTERM or Ctrl-C (SIGINT) every worker saves the same step; `ringtrain train` exits with
+128 + the signal (143, 130) and says how to resume.
+
+A mistake in the options exits with 2 after one message: `check_args` finds most before any
+worker starts; what only the workers can find (a snapshot written with other options) raises
+`ConfigError` on every rank, rank 0 prints it and the launcher adds nothing. An unusable
+`--run-dir` (a file, read-only, full) is one message and exit 2 before any worker starts; a disk
+that fills up during the run stops every rank at its last committed snapshot, with one message
+(where, how full, the fix) and exit code 74 (`ringtrain.run_dir`).
 
     ringtrain train --strategy ps --servers 1 --ps-mode async --nproc-per-node 4
 
@@ -27,10 +35,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from typing import Any
+
+from ringtrain.errors import USAGE_EXIT_CODE, ConfigError
+from ringtrain.run_dir import DISK_FULL_EXIT_CODE, RunDirError, check_run_dir
 
 # Re-exported (the `as` says so): tests, benchmarks and docs/ps.md find it here.
 from ringtrain.train_args import ASYNC_BETA1 as ASYNC_BETA1
@@ -46,7 +59,12 @@ from ringtrain.train_args import (
     worker_argv,
 )
 
-STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: stopped on a signal, after saving a snapshot
+# What a launched worker exits with after it stopped on a signal (SIGTERM or SIGINT) and saved
+# a snapshot: 128 + SIGTERM, whichever signal it was (the launcher's failure report knows it).
+STOPPED_EXIT_CODE = 143
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # Ctrl-C outside the training loop: nothing saved
+MISTAKE_WAIT_S = 10.0  # how long a rank waits for the others to find the same ConfigError
+# DISK_FULL_EXIT_CODE (74): stopped at its last committed snapshot, the run directory was full.
 
 
 def new_run_dir(root: str = "runs") -> str:
@@ -60,6 +78,9 @@ def new_run_dir(root: str = "runs") -> str:
         except FileExistsError:
             n += 1
             path = f"{base}-{n}"
+        except OSError as e:
+            raise RunDirError(f"cannot create the run directory {path} ({e.strerror}); pass "
+                              "--run-dir with a directory you can write to") from None
 
 
 def _in_launched_worker() -> bool:
@@ -105,8 +126,12 @@ def _bf16_supported(device) -> bool:
     return True
 
 
-def run_job(args: argparse.Namespace, started_at: float) -> int:
-    """One worker: start the process group, train, print the summary on rank 0."""
+def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | None = None) -> int:
+    """One worker: start the process group, train, print the summary on rank 0.
+
+    `mistake`: what `check_args` found wrong in this worker only (where the launcher could not
+    know the number of ranks); it is reported like a `ConfigError`, once the ranks have met.
+    """
     import torch
 
     from ringtrain.launcher import record
@@ -127,6 +152,8 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
         log = setup_logging(rt.rank)
         try:
+            if mistake is not None:
+                raise ConfigError(str(mistake))
             if args.dtype == "bf16" and not _bf16_supported(rt.device):
                 log.warning("warning: bf16 autocast is not supported on %s; training in fp32", rt.device)
                 args.dtype = "fp32"
@@ -170,23 +197,78 @@ def run_job(args: argparse.Namespace, started_at: float) -> int:
                         tolerate=tolerate, on_departed=_dropper(strategy) if tolerate else None))
                     trainer.on_step = watchdog.set_step
                 trainer.on_step = with_test_fault(trainer.on_step, rt.rank)
-                summary = trainer.fit()
+                try:
+                    summary = trainer.fit()
+                except (ConfigError, KeyboardInterrupt) as e:
+                    # Handled here, not by the watchdog (which would stop every peer with a
+                    # line of its own): every rank meets the same mistake, or the same Ctrl-C.
+                    return _explain_once(e, rt) if isinstance(e, ConfigError) else _interrupted()
             strategy.close()
+            if summary.get("disk_full") and summary.get("stopped_by"):  # every rank, same save
+                return _explain_once(summary["disk_full"], rt, DISK_FULL_EXIT_CODE)
+            if summary.get("disk_full"):  # rank 0 alone, writing summary.json at the end
+                print(f"ringtrain train: error: {summary['disk_full']}", file=sys.stderr, flush=True)
+                return DISK_FULL_EXIT_CODE
             if summary.get("stopped_by"):
                 if rt.rank == 0:
                     print(f"stopped at step {summary['steps']} on {summary['stopped_by']}; snapshot "
                           f"of step {summary['snapshot_step']} in {args.run_dir}/snapshots: run "
                           "the same command again to resume", flush=True)
-                return STOPPED_EXIT_CODE
+                if _in_launched_worker():
+                    return STOPPED_EXIT_CODE
+                return 128 + signal.Signals[summary["stopped_by"]]
             if rt.rank == 0:
                 print(format_summary(summary), flush=True)
             return 0
+        except ConfigError as e:
+            return _explain_once(e, rt)
+        except KeyboardInterrupt:
+            return _interrupted()
         finally:
             destroy_distributed()
 
     if _in_launched_worker():
         job = record(job)  # the launcher's failure report then shows this worker's traceback
-    return job()
+    try:
+        return job()
+    except KeyboardInterrupt:  # Ctrl-C while the process group was starting
+        return _interrupted()
+
+
+def _explain_once(error: ConfigError | str, rt, exit_code: int = USAGE_EXIT_CODE) -> int:
+    """Rank 0 prints `error`; every rank returns `exit_code` once all have found it (bounded wait).
+
+    Every rank finds the same mistake (same options, same files) at about the same time. No
+    rank exits before rank 0 has printed: the launcher stops the others as soon as one exits,
+    which could cut rank 0 off. A rank left waiting (rank 0 never found it) says it itself.
+    Also used for a disk that filled up: every rank stops at the same failed save.
+    """
+    if rt.rank == 0:
+        print(f"ringtrain train: error: {error}", file=sys.stderr, flush=True)
+    if rt.world_size == 1:
+        return exit_code
+    keys = [f"ringtrain/config_error/{r}" for r in range(rt.world_size)]
+    try:
+        rt.store.set(keys[rt.rank], "1")
+        rt.store.wait(keys, timedelta(seconds=MISTAKE_WAIT_S))
+    except RuntimeError:  # a rank went on, or the store's host (rank 0) has exited
+        told = True
+        with contextlib.suppress(RuntimeError):
+            told = rt.store.check(keys[:1])
+        if not told:
+            print(f"ringtrain train: error: rank {rt.rank}: {error}", file=sys.stderr, flush=True)
+    return exit_code
+
+
+def _interrupted() -> int:
+    """Ctrl-C outside the training loop (snapshots off, or while starting): a quiet exit.
+
+    A launched worker says nothing: the launcher, interrupted too, says it stopped the workers.
+    """
+    if not _in_launched_worker():
+        print("ringtrain train: interrupted (SIGINT); nothing saved since the last snapshot",
+              file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT_CODE
 
 
 def _dropper(strategy):
@@ -214,6 +296,22 @@ def _resume_or_clear(args: argparse.Namespace, rank: int, log) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`ringtrain train ARGS`; returns the exit code (0, 2 for a mistake, 128 + a signal)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before any worker started (importing torch takes seconds)
+        return _interrupted()
+
+
+def _known_world_size(args: argparse.Namespace) -> int | None:
+    """The job's number of ranks if known here: a launched worker's WORLD_SIZE, else
+    --nnodes N x --nproc-per-node (None for an elastic --nnodes MIN:MAX)."""
+    if _in_launched_worker():
+        return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    return int(args.nnodes) * args.nproc_per_node if args.nnodes.isdigit() else None
+
+
+def _main(argv: list[str] | None) -> int:
     started_at = float(os.environ.get("RINGTRAIN_STARTED_AT", time.time()))
     parser = build_parser()
     try:
@@ -221,15 +319,29 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a bad option (2): argparse has printed why
         return int(e.code or 0)
     try:
-        check_args(args)
+        warnings = check_args(args, world_size=_known_world_size(args))
     except ValueError as e:
+        if _in_launched_worker():  # every rank finds it: said once, by rank 0, once they meet
+            return run_job(args, started_at, mistake=e)
         parser.print_usage(sys.stderr)
         print(f"ringtrain train: error: {e}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    if not _in_launched_worker():  # said once, where the command was typed
+        for warning in warnings:
+            print(f"ringtrain train: warning: {warning}", file=sys.stderr, flush=True)
+    try:
+        if args.run_dir is None and os.environ.get("RANK", "0") == "0":
+            # Decided once, before any relaunch, so all workers agree; under an outside launcher
+            # only rank 0 (the one that writes) makes one.
+            args.run_dir = new_run_dir()
+        if args.run_dir is not None and not _in_launched_worker():
+            # Before any worker starts: an unusable directory is one line, not a traceback per
+            # worker. Launched workers skip it (their launcher checked; one failing alone would
+            # leave the others waiting for it).
+            check_run_dir(args.run_dir)
+    except RunDirError as e:
+        print(f"ringtrain train: error: {e}", file=sys.stderr)
         return 2
-    if args.run_dir is None and os.environ.get("RANK", "0") == "0":
-        # Decided once, before any relaunch, so all workers agree; under an outside launcher
-        # only rank 0 (the one that writes) makes one.
-        args.run_dir = new_run_dir()
     # One worker with --max-restarts also goes through the launcher: its agent does the restarts.
     multinode = args.nnodes != "1"
     if (args.nproc_per_node > 1 or args.max_restarts > 0 or multinode) and not _in_launched_worker():

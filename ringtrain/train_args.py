@@ -67,8 +67,15 @@ def _task_default(key: str) -> str:
     return f"default: {TASK_DEFAULTS['addition'][key]} (addition) / {TASK_DEFAULTS['text'][key]} (text)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """--help lists every option; a mistake gets one usage line (the full one is 25 lines)."""
+
+    def format_usage(self) -> str:  # used by error() and print_usage(); --help builds its own
+        return f"usage: {self.prog} [options]; `{self.prog} --help` lists them\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ringtrain train", description="Train a GPT on 2-digit addition (default) or on your "
         "text (--data), on one or many processes. Every option has a default.")
     g = p.add_argument_group("launch")
@@ -165,8 +172,23 @@ def task_name(args: argparse.Namespace) -> str:
     return "text" if args.data else "addition"
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Errors the parser cannot see: flags that do not apply, an unusable data file."""
+def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[str]:
+    """Errors the parser cannot see: flags that do not apply, an unusable data file.
+
+    Raises ValueError naming the values and the fix; returns warnings (one line each): what is
+    allowed but likely a mistake. Fills in the task's defaults.
+
+    Args:
+        world_size: the job's number of ranks where it is known before the workers start
+            (--nnodes N x --nproc-per-node): the strategy's layout and the batch are checked
+            against it too. None skips those checks.
+    """
+    warnings: list[str] = []
+    cores = os.cpu_count() or 1
+    if args.nproc_per_node > cores:
+        warnings.append(f"--nproc-per-node {args.nproc_per_node} is more than this machine's "
+                        f"{cores} CPU cores: the workers take turns on them and every step waits "
+                        f"for the slowest; --nproc-per-node {cores} or fewer trains faster")
     if args.nnodes != "1" and not (args.rdzv_endpoint and args.run_dir):
         raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address) "
                          "and --run-dir (the same path on every node, so ranks share snapshots)")
@@ -181,9 +203,11 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError("--stop-at-accuracy needs the addition task (text has no accuracy); "
                              "drop it or drop --data")
         args.block_size = args.block_size or 64
-        from ringtrain.data.chars import read_text
+        from ringtrain.data.chars import read_text, text_warnings, train_windows
 
-        read_text(args.data, args.block_size)  # missing, unreadable or too short: say so now
+        text = read_text(args.data, args.block_size)  # missing, unreadable or too short: say so now
+        warnings += text_warnings(args.data, text)
+        train_samples = train_windows(len(text), args.block_size)
     else:
         if args.block_size is not None:
             raise ValueError("--block-size applies to --data (the addition task fixes its own)")
@@ -192,6 +216,9 @@ def check_args(args: argparse.Namespace) -> None:
 
         if args.digits > MAX_DIGITS:
             raise ValueError(f"--digits {args.digits}: the addition task supports 1..{MAX_DIGITS}")
+        # AdditionDataset's train split, counted without building it (3 digits: 10^6 sums, ~10 s).
+        pairs = 10 ** (2 * args.digits)
+        train_samples = pairs - min(pairs // 5, 500)
     for name, flags in STRATEGY_FLAGS.items():
         if name == args.strategy:
             continue
@@ -209,6 +236,39 @@ def check_args(args: argparse.Namespace) -> None:
         trainer_config(args).resolved()
     except ValueError as e:  # say it with the flag's name: "lr=0.0" -> "--lr 0.0"
         raise ValueError("--" + str(e).replace("_", "-").replace("=", " ", 1)) from None
+    if world_size is not None:
+        _check_layout(args, world_size, train_samples)
+    return warnings
+
+
+def _check_layout(args: argparse.Namespace, world_size: int, train_samples: int) -> None:
+    """What the workers would otherwise find one by one: a strategy layout that does not fit
+    `world_size`, a micro-batch larger than one data rank's share of the training set."""
+    data_world_size = world_size
+    if args.strategy == "pipeline":
+        from ringtrain.topology import Topology
+
+        pp = args.pp or 2  # PipelineStrategy's default
+        data_world_size = Topology(world_size, pp).dp  # raises: pp must divide world_size
+        step_batch, m = args.batch_size * args.grad_accum, args.microbatches
+        if m is not None and (m < pp or step_batch % m):
+            fits = [d for d in range(pp, step_batch + 1) if step_batch % d == 0]
+            fix = f"--microbatches in {fits}" if fits else f"--batch-size {pp} or more"
+            raise ValueError(f"--microbatches {m} must be at least --pp {pp} and divide the "
+                             f"{step_batch} samples of a step (--batch-size x --grad-accum); "
+                             f"use {fix}")
+    elif args.strategy == "ps":
+        from ringtrain.ps.protocol import PSTopology
+
+        # Raises when no worker is left; servers read no data.
+        data_world_size = PSTopology(world_size, args.servers or 1).workers
+    per_rank = -(-train_samples // data_world_size)  # the sampler pads the last rank's share
+    if per_rank < args.batch_size:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is more than one data rank's share of the training "
+            f"set: {train_samples} samples over {data_world_size} data rank"
+            f"{'s' if data_world_size > 1 else ''} is {per_rank} each; use --batch-size "
+            f"{per_rank} or less, fewer ranks, or more data")
 
 
 def strategy_options(args: argparse.Namespace) -> dict[str, Any]:

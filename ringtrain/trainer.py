@@ -23,8 +23,9 @@ The loop knows nothing about the model or how it is distributed: it hands micro-
   once a rank has left (a snapshot needs every rank's part).
 The step counter (with the sampler's state and the metrics window) is the loop's state: see
 `state_dict()`. With `run_dir` and `snapshot_every`, `ringtrain.resume.Checkpointer` saves it
-with the model, optimizer and RNG states every N steps and on SIGTERM, and `fit` resumes from
-the run directory's newest committed snapshot by itself (`resume=False` starts afresh).
+with the model, optimizer and RNG states every N steps and on SIGTERM or SIGINT (Ctrl-C), and
+`fit` resumes from the run directory's newest committed snapshot by itself (`resume=False`
+starts afresh).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -45,6 +47,7 @@ from torch.utils.data import Dataset, default_collate
 from ringtrain.membership import Membership
 from ringtrain.progress import MetricsLog, Progress, write_json
 from ringtrain.resume import Checkpointer, StopSignal
+from ringtrain.run_dir import DiskFullError, is_no_space, no_space_message
 from ringtrain.runtime import Runtime
 from ringtrain.sampler import DistributedSampler
 from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
@@ -53,6 +56,10 @@ from ringtrain.trainer_config import TrainerConfig, adamw, lr_at, param_sha256, 
 __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
 
 log = logging.getLogger("ringtrain")
+
+# Caught while snapshots are on: every rank saves the same step, then `fit` returns early.
+# SIGINT too: Ctrl-C reaches every process of the job (the terminal signals the whole group).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> per sample
 
@@ -75,8 +82,8 @@ class Trainer:
             sample, a few answers).
         stop_when: given a reduced metrics record, True to stop early (same answer on all ranks).
         started_at: `time.time()` when the run began (for `wall_s`); default when `fit` starts.
-        snapshot_every: steps between snapshots under `run_dir/snapshots` (and one on SIGTERM,
-            at the same step on every rank); 0: none.
+        snapshot_every: steps between snapshots under `run_dir/snapshots` (and one on SIGTERM
+            or SIGINT, at the same step on every rank); 0: none (and neither signal is caught).
         keep: committed snapshots kept.
         resume: resume from the newest committed snapshot under `run_dir`, if there is one.
         run_config: options that must equal a snapshot's to resume from it (name -> value, e.g.
@@ -111,7 +118,7 @@ class Trainer:
         if not strategy.lockstep and runtime.world_size > 1:
             self.membership = Membership.of(runtime, "trainer")
         self._rounds = 0  # store rounds so far: every rank numbers them alike (same call order)
-        self._stop_votes = 0.0  # ranks that got SIGTERM, as of the last metrics reduction
+        self._stop_votes = 0.0  # ranks that got a stop signal, as of the last metrics reduction
         self._snapshots_off = False
         self.train_sampler: DistributedSampler | None = None
         if self.data_rank is not None:
@@ -245,7 +252,7 @@ class Trainer:
              evaluated: bool, stop_vote: float = 0.0) -> dict[str, Any]:
         """Reduce the window's sums (and eval sums) once; rank 0 writes the metrics line.
 
-        `stop_vote` (1 on a rank that got SIGTERM) rides along: `_stop_votes` is its sum.
+        `stop_vote` (1 on a rank that got a stop signal) rides along: `_stop_votes` is its sum.
         """
         ev = self._evaluate() if evaluated else []
         r = self._reduce(window + ev + [stop_vote])
@@ -276,7 +283,10 @@ class Trainer:
         """Train, evaluate, and write the run directory; returns the summary (on every rank).
 
         Resumes first from the newest committed snapshot under `run_dir` (unless `resume` is
-        False). After a SIGTERM it saves a snapshot and returns early, with `stopped_by` set.
+        False). After SIGTERM or SIGINT it saves a snapshot and returns early, with `stopped_by`
+        set to the signal's name.
+        When a snapshot finds the disk full it returns early on every rank too, with
+        `disk_full` holding the message (see `ringtrain.run_dir`).
         """
         started = self.started_at or time.time()
         cp = self.checkpointer
@@ -289,19 +299,24 @@ class Trainer:
             self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
                                       resume_at=self.step if self.step > 0 else None)
         catch = cp is not None and cp.every > 0
+        disk_full = None
         try:
-            with StopSignal() if catch else nullcontext() as stop:
-                stopped = self._loop(progress, stop, resumed=resumed_at is not None)
+            with StopSignal(STOP_SIGNALS) if catch else nullcontext() as stop:
+                try:
+                    stopped = self._loop(progress, stop, resumed=resumed_at is not None)
+                except DiskFullError as e:  # raised by the same save on every rank: all stop
+                    stopped, disk_full = "disk full", str(e)
         finally:
             progress.close()
             self.metrics.close()
         if stopped:
             return {"steps": self.step, "stopped_by": stopped, "run_dir": self.run_dir,
-                    "snapshot_step": cp.saved_step if cp is not None else None}
+                    "snapshot_step": cp.saved_step if cp is not None else None,
+                    "disk_full": disk_full}
         return self._finish(started)
 
     def _loop(self, progress: Progress, stop: StopSignal | None = None, resumed: bool = False) -> str | None:
-        """The steps; returns why it stopped early on a signal ("SIGTERM"), else None."""
+        """The steps; returns the signal it stopped early on ("SIGTERM", "SIGINT"), else None."""
         c, s, cp = self.config, self.strategy, self.checkpointer
         while self.step < c.steps:
             lr = lr_at(self.step, c)
@@ -355,12 +370,17 @@ class Trainer:
             else:
                 agreed = stop is not None and logged and self._stop_votes > 0
             if agreed:
-                assert cp is not None  # this rank or another got SIGTERM
+                assert cp is not None  # this rank or another got a stop signal
+                # A rank stopped by a peer's vote does not learn which signal: SIGTERM is the
+                # one schedulers send, and Ctrl-C reaches every rank itself.
+                name = signal.Signals(stop.received).name if stop.received else "SIGTERM"
                 if cp.saved_step != self.step:
-                    self._save(self.step, reason="SIGTERM")
-                log.warning("warning: stopping at step %d on SIGTERM; the snapshot of step %s "
-                            "resumes the run (run the same command again)", self.step, cp.saved_step)
-                return "SIGTERM"
+                    self._save(self.step, reason=name)
+                if self.runtime.rank == 0:  # every rank stops at this step: one line says it
+                    log.warning("warning: stopping at step %d on %s; the snapshot of step %s "
+                                "resumes the run (run the same command again)", self.step, name,
+                                cp.saved_step)
+                return name
         return None
 
     def _save(self, step: int, reason: str = "periodic") -> None:
@@ -428,9 +448,16 @@ class Trainer:
                 summary["sample"] = self.sample_fn(self.model)
             if self.run_dir:
                 summary["run_dir"] = self.run_dir
-                write_json(os.path.join(self.run_dir, "summary.json"), summary)
-                from ringtrain.report import write_report  # matplotlib: rank 0 only, at the end
+                try:
+                    write_json(os.path.join(self.run_dir, "summary.json"), summary)
+                    from ringtrain.report import write_report  # matplotlib: rank 0 only, at the end
 
-                write_report(self.metrics.records, os.path.join(self.run_dir, "report.png"),
-                             title=f"{s.name}, world_size {rt.world_size}")
+                    write_report(self.metrics.records, os.path.join(self.run_dir, "report.png"),
+                                 title=f"{s.name}, world_size {rt.world_size}")
+                except OSError as e:  # a full disk: said in one message (`disk_full`), not raised
+                    if not is_no_space(e):
+                        raise
+                    summary["disk_full"] = no_space_message(
+                        self.run_dir, "summary.json and report.png",
+                        self.checkpointer.saved_step if self.checkpointer else None)
         return summary

@@ -38,6 +38,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
+from ringtrain.hang import HangCheck, collective_progress, describe_main_thread
 from ringtrain.runtime import get_runtime
 
 # sysexits' EX_TEMPFAIL: "a peer failed, this rank is fine; restarting the group may help".
@@ -58,7 +59,8 @@ _CONNECTION_LOST = (
 
 @dataclass(frozen=True)
 class PeerFailure:
-    """What the watchdog found: `kind` is "failed" (raised), "died" (silent) or "store" (lost)."""
+    """What the watchdog found: `kind` is "failed" (raised), "died" (silent), "hung" (never
+    entered the collective the others wait in, `ringtrain.hang`) or "store" (lost)."""
 
     kind: str
     rank: int | None  # the rank at fault; None when the store's host is not a rank's process
@@ -67,6 +69,8 @@ class PeerFailure:
     def __str__(self) -> str:
         if self.kind == "failed":
             return f"rank {self.rank} failed {self.reason}"
+        if self.kind == "hung":
+            return f"rank {self.rank} hangs: {self.reason}"
         if self.kind == "died":
             return f"rank {self.rank} died ({self.reason})"
         return self.reason
@@ -102,21 +106,24 @@ def exit_on_peer_failure(rank: int, failure: PeerFailure) -> None:
 
     `os._exit` because the main thread may be stuck in a collective that will never return:
     a normal exit would wait for it (and for atexit handlers that call into the dead group).
+    A rank that found itself hanging (`failure.rank == rank`) is the cause, not a symptom:
+    it also prints where its main thread is stuck and exits with 1, not PEER_FAILED_EXIT_CODE.
     """
-    message = f"[rank {rank}] {failure}"
-    print(message, file=sys.stderr, flush=True)
+    own = failure.kind == "hung" and failure.rank == rank
+    stack = describe_main_thread(rank) if own else ""
+    print(f"[rank {rank}] {failure}" + (f"\n{stack}" if stack else ""), file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torch's error-file format, so `ringtrain run` can say why this rank stopped
-        text = f"PeerFailure: {failure}"
+        text = f"{'RankHung' if own else 'PeerFailure'}: {failure}"
         data = {"message": {"message": text, "extraInfo": {
-            "py_callstack": text, "timestamp": str(int(time.time()))}}}
+            "py_callstack": stack or text, "timestamp": str(int(time.time()))}}}
         try:
             with open(error_file, "w") as f:
                 json.dump(data, f)
         except OSError:
             pass
     sys.stdout.flush()
-    os._exit(PEER_FAILED_EXIT_CODE)
+    os._exit(1 if own else PEER_FAILED_EXIT_CODE)
 
 
 class Watchdog:
@@ -186,6 +193,9 @@ class Watchdog:
         self.tolerate = frozenset(tolerate)
         self._on_departed = on_departed
         self._departed: set[int] = set()  # tolerated peers found dead: no longer watched
+        # A rank stuck outside the collective the others wait in (ringtrain.hang).
+        self._hangs = HangCheck(timeout_s)
+        self._published_count = 0
         tcp = _tcp_store(store)
         self._store_addr = f"{tcp.host}:{tcp.port}" if tcp is not None else "(in-process store)"
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -326,15 +336,24 @@ class Watchdog:
         if step != self._published_step:  # add() never blocks on a missing key, unlike get()
             store.add(f"step/{self.rank}", step - self._published_step)
             self._published_step = step
+        # Never backwards: a script that destroyed its groups has issued what it issued.
+        issued = max(collective_progress(self.world_size), self._published_count)
+        if issued != self._published_count:
+            store.add(f"issued/{self.rank}", issued - self._published_count)
+            self._published_count = issued
         now = time.monotonic()
+        self._hangs.observe(self.rank, issued, now)
         for r in tuple(self._watched):
             count = store.add(f"hb/{r}", 0)
             if count != self._seen[r]:
                 self._seen[r], self._last_change[r] = count, now
             elif store.check([f"done/{r}"]):
                 self._watched.discard(r)
+                self._hangs.forget(r)
+                continue
             else:
                 self._last_step[r] = store.add(f"step/{r}", 0)
+            self._hangs.observe(r, store.add(f"issued/{r}", 0), now)
         if self._found is None and store.add("nfailed", 0) > 0:
             for r in self._peers:
                 if r not in self._departed and store.check([f"failed/{r}"]):
@@ -359,6 +378,7 @@ class Watchdog:
         assert failure.rank is not None
         self._departed.add(failure.rank)
         self._watched.discard(failure.rank)
+        self._hangs.forget(failure.rank)
         if self._found is failure:  # read from its failure key: the next round skips that key
             self._found = None
         if self._on_departed is not None:
@@ -387,6 +407,14 @@ class Watchdog:
             if age > limit:
                 return PeerFailure("died", r, f"no heartbeat for {age:.1f} s; last step "
                                               f"{self._last_step[r]}")
+        hang = self._hangs.hang([self.rank, *self._watched], self._last_ok)
+        if hang is None:
+            return None
+        if self.rank in hang.behind:  # this rank is the cause: it says so itself, with its stack
+            return PeerFailure("hung", self.rank, hang.reason())
+        # The rank behind reports itself (with its stack); name it here only if it cannot.
+        if hang.stuck_s > self.timeout_s + 3 * self.interval_s:
+            return PeerFailure("hung", hang.behind[0], hang.reason())
         return None
 
     def _fire(self, failure: PeerFailure, found_here: bool) -> None:
@@ -399,7 +427,7 @@ class Watchdog:
             # Share the verdict and count the ranks that reached it, so every rank names the
             # same peer even when this rank's exit takes the store down (outside `ringtrain
             # run` it lives in rank 0's process). Store calls off-thread: it may be gone too.
-            seen = PeerFailure("died", failure.rank, f"{failure.reason}; seen by rank {self.rank}")
+            seen = PeerFailure(failure.kind, failure.rank, f"{failure.reason}; seen by rank {self.rank}")
             worker = threading.Thread(target=self._share, args=(seen if found_here else None,),
                                       daemon=True)
             worker.start()

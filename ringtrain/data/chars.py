@@ -82,6 +82,25 @@ def min_chars(block_size: int) -> int:
     return int((block_size + 1) / VAL_FRACTION) + 1
 
 
+def train_windows(n_chars: int, block_size: int) -> int:
+    """Training windows in a text of `n_chars` characters (what `load_text` makes of it)."""
+    return _train_chars(n_chars) - block_size
+
+
+def _train_chars(n_chars: int) -> int:
+    return int(n_chars * (1 - VAL_FRACTION))
+
+
+def text_warnings(path: str, text: str) -> list[str]:
+    """What is allowed but almost surely not meant, one line each: a single repeated character."""
+    chars = sorted(set(text))
+    if len(chars) == 1:
+        return [f"--data {path}: the text has a vocabulary of one character ({chars[0]!r}): every "
+                "next character is certain, so the loss is 0 from the first step and the model "
+                "learns nothing; use a text with more than one distinct character"]
+    return []
+
+
 def read_text(path: str, block_size: int) -> str:
     """The file's text, or a ValueError that says what is wrong and what to do."""
     if not os.path.exists(path):
@@ -110,7 +129,7 @@ def load_text(path: str, block_size: int) -> TextData:
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
     data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    n_train = int(len(data) * (1 - VAL_FRACTION))
+    n_train = _train_chars(len(data))
     train = CharDataset(data[:n_train], block_size, stride=1)
     val = CharDataset(data[n_train:], block_size, stride=block_size, max_windows=MAX_EVAL_WINDOWS)
     return TextData(path, train, val, chars)

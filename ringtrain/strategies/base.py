@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringtrain.errors import ConfigError
+
 # --strategy name -> "module:Class"; modules are imported only when chosen.
 STRATEGIES: dict[str, str] = {
     "ddp": "ringtrain.strategies.ddp:DDPStrategy",
@@ -119,6 +121,6 @@ def eval_forward(module: nn.Module, x: torch.Tensor, device: torch.device) -> to
 def make_strategy(name: str, **options: Any) -> Strategy:
     """Build the strategy registered as `name` with its options (e.g. pp=2, schedule='1f1b')."""
     if name not in STRATEGIES:
-        raise ValueError(f"--strategy {name!r} is not known; choose one of {sorted(STRATEGIES)}")
+        raise ConfigError(f"--strategy {name!r} is not known; choose one of {sorted(STRATEGIES)}")
     module, cls = STRATEGIES[name].split(":")
     return getattr(importlib.import_module(module), cls)(**options)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.errors import ConfigError
 from ringtrain.pipeline.engine import PipelineStage
 from ringtrain.pipeline.partition import partition, tied_parameters
 from ringtrain.pipeline.schedule import SCHEDULES
@@ -64,14 +65,17 @@ class PipelineStrategy(Strategy):
     def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
                  microbatches: int | None = None, split: Sequence[int] | None = None):
         if schedule not in SCHEDULES:
-            raise ValueError(f"--schedule {schedule!r} is not known; choose one of {sorted(SCHEDULES)}")
+            raise ConfigError(f"--schedule {schedule!r} is not known; choose one of {sorted(SCHEDULES)}")
         if microbatches is not None and microbatches < pp:
-            raise ValueError(
+            raise ConfigError(
                 f"--microbatches {microbatches} is fewer than --pp {pp} stages: some stages would "
                 f"never overlap. Use --microbatches {pp} or more (e.g. {4 * pp})"
             )
         self.runtime = runtime
-        self.topology = Topology(runtime.world_size, pp)
+        try:
+            self.topology = Topology(runtime.world_size, pp)
+        except ValueError as e:  # pp does not divide the world: the same on every rank
+            raise ConfigError(str(e)) from None
         self.schedule, self.microbatches, self.split = schedule, microbatches, split
         self.groups = create_process_groups(self.topology, runtime.rank)
 
@@ -222,7 +226,7 @@ class PipelineStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, now = state.get("layout"), self._layout()
         if saved != now:
-            raise ValueError(
+            raise ConfigError(
                 f"this pipeline state was saved with layout {saved} but this rank runs {now}: "
                 f"stages hold different layers, so it cannot be loaded here. Restart with "
                 f"--pp {saved and saved['pp']} and --nproc-per-node {saved and saved['world_size']}, "

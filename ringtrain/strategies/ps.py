@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.errors import ConfigError
 from ringtrain.membership import Membership
 from ringtrain.ps.protocol import PSError, PSTopology, make_ps_groups
 from ringtrain.ps.server import MODES, ParameterServer
@@ -79,11 +80,11 @@ class PSStrategy(Strategy):
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                  timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
         if mode not in MODES:
-            raise ValueError(f"--ps-mode {mode!r}: choose one of {', '.join(MODES)}")
+            raise ConfigError(f"--ps-mode {mode!r}: choose one of {', '.join(MODES)}")
         if not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"--staleness {staleness!r}: SSP's bound must be an integer >= 0")
+            raise ConfigError(f"--staleness {staleness!r}: SSP's bound must be an integer >= 0")
         if runtime.world_size < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"--strategy ps needs at least one worker and one server, but world_size="
                 f"{runtime.world_size}; run with --nproc-per-node {servers + 1} or more")
         self.runtime, self.mode, self.staleness = runtime, mode, staleness
@@ -91,7 +92,10 @@ class PSStrategy(Strategy):
         # anything (SIGTERM) every step, only at metric steps. Servers' parts are per rank.
         self.lockstep = mode == "sync"
         self.replicated_state = False
-        self.topology = PSTopology(runtime.world_size, servers)
+        try:
+            self.topology = PSTopology(runtime.world_size, servers)
+        except ValueError as e:  # no worker left: the same on every rank
+            raise ConfigError(str(e)) from None
         self.split_numel, self.bucket_numel, self.timeout_s = split_numel, bucket_numel, timeout_s
         self.groups = make_ps_groups(self.topology, timeout_s)  # every rank, same order
         # async/ssp go on without a dead worker: who is still in the job is kept in the store.
@@ -152,7 +156,7 @@ class PSStrategy(Strategy):
                                 topo.servers, self.split_numel)
         empty = [topo.server_ranks[i] for i, n in enumerate(self.plan.loads()) if n == 0]
         if empty:
-            raise ValueError(
+            raise ConfigError(
                 f"--servers {topo.servers}: the model's {len(self.plan.pieces)} parameter pieces "
                 f"leave servers {empty} with nothing to hold; lower --servers (or split_numel)")
         if topo.is_server(rank):
