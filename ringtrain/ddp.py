@@ -33,6 +33,11 @@ from ringtrain.buckets import (
 from ringtrain.lanes import comm_lanes as comm_lanes_for
 from ringtrain.reducer import Reducer
 from ringtrain.runtime import register_exit_grace
+from ringtrain.torch_internals import (
+    flatten_dense_tensors,
+    preserve_version_counter,
+    unflatten_dense_tensors,
+)
 from ringtrain.unused_params import UnusedParametersError
 
 __all__ = ["DistributedDataParallel", "GradBucket", "UnusedParametersError", "broadcast_coalesced",
@@ -108,10 +113,10 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
     src_global = dist.get_global_rank(process_group, src) if process_group != dist.group.WORLD else src
     is_src = process_group.rank() == src
     for chunk in _chunks(groups, bucket_bytes):
-        flat = torch._utils._flatten_dense_tensors([t.detach() for t in chunk])
+        flat = flatten_dense_tensors([t.detach() for t in chunk])
         dist.broadcast(flat, src_global, group=process_group)
         if not is_src:
-            for t, synced in zip(chunk, torch._utils._unflatten_dense_tensors(flat, chunk), strict=True):
+            for t, synced in zip(chunk, unflatten_dense_tensors(flat, chunk), strict=True):
                 t.detach().copy_(synced)
 
 
@@ -303,7 +308,7 @@ class DistributedDataParallel(nn.Module):
             return
         # The broadcast writes in place into buffers a pending backward may have saved; keep
         # their version counters so autograd does not mistake it for a user's in-place edit.
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+        with torch.no_grad(), preserve_version_counter(tuple(buffers)):
             broadcast_coalesced(buffers, 0, self.process_group)
 
     # ---- the torch DDP surface -------------------------------------------------------------

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import os
 import weakref
-from datetime import timedelta
 
-import torch
 import torch.distributed as dist
+
+from ringtrain.torch_internals import group_timeout
 
 # Lanes per group on gloo (the group itself included). 3 measured best on 2 cores for the
 # benchmark's 17 buckets (sync 0.94 of a raw all-reduce, against 0.75 with one lane).
@@ -56,10 +56,11 @@ def comm_lanes(process_group: dist.ProcessGroup, count: int | None = None) -> li
             f"comm_lanes={count} needs the world group: lanes on a subgroup of ranks "
             f"{dist.get_process_group_ranks(process_group)} are not supported; pass comm_lanes=1")
     extra = _cache.setdefault(process_group, [])  # never the key itself: it would never die
+    timeout = group_timeout(process_group)  # a lane fails as soon as its group would
     while len(extra) < count - 1:
         try:
             extra.append(dist.new_group(dist.get_process_group_ranks(process_group),
-                                        timeout=_timeout(process_group),
+                                        timeout=timeout,
                                         backend=dist.get_backend(process_group)))
         except RuntimeError as e:
             raise RuntimeError(_lane_failure(e)) from e
@@ -76,11 +77,3 @@ def _lane_failure(e: RuntimeError) -> str:
            if restart != "0" else "a peer may have died, or the ranks made groups in different orders")
     return (f"could not connect the communication lanes (extra gloo groups of the DDP) on restart "
             f"{restart}: {first}; {why}; comm_lanes=1 makes no extra group")
-
-
-def _timeout(process_group: dist.ProcessGroup) -> timedelta | None:
-    """The group's collective timeout, so a lane fails as soon as its group would."""
-    try:
-        return process_group._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        return None

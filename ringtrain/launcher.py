@@ -32,7 +32,6 @@ import sys
 from collections.abc import Callable, Collection, Iterator
 
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.launcher.api import elastic_launch
@@ -54,6 +53,7 @@ from ringtrain.rendezvous import (
 )
 from ringtrain.run_dir import DISK_FULL_EXIT_CODE
 from ringtrain.runtime import WATCHDOG_ENV
+from ringtrain.torch_internals import CAPTURE_PROCESS_FAILURES, mark_finished, running_workers
 from ringtrain.watchdog import PEER_FAILED_EXIT_CODE
 
 __all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_parser", "launch",
@@ -150,26 +150,25 @@ def _tolerated_exit(exitcode: int) -> bool:
 def _tolerating(ranks: Collection[int]) -> Iterator[None]:
     """Inside: a tolerated global rank's own death is a warning, not a failure of the job.
 
-    torch's agent polls `SubprocessContext._poll`, which records every non-zero exit as a
+    torch's agent polls its `SubprocessContext`, which records every non-zero exit as a
     failure and then stops every worker. Here the recording step is wrapped: a tolerated
     rank that died is logged and taken off the running ranks as if it had finished, so the
-    others run on and the job succeeds if they do. Relies on torch internals (the context's
-    `_running_local_ranks`, `subprocess_handlers`, `envs` with RANK), checked at torch 2.13.0;
-    functions launched in-process (`launch(fn)`) use another context and are not covered.
+    others run on and the job succeeds if they do. Relies on torch internals (the recording
+    step and the context's running workers), taken through `ringtrain.torch_internals`, which
+    checks them at import; functions launched in-process (`launch(fn)`) use another context
+    and are not covered.
     """
     if not ranks:
         yield
         return
-    original = SubprocessContext._capture_process_failures
+    original = CAPTURE_PROCESS_FAILURES.get()
     tolerated = frozenset(ranks)
 
     def capture(self, done_local_ranks: set[int]) -> None:
-        for local_rank in sorted(self._running_local_ranks):
-            proc = self.subprocess_handlers[local_rank].proc
-            rank = int(self.envs[local_rank].get("RANK", -1))
+        for local_rank, rank, proc in running_workers(self):
             exitcode = proc.poll()
             if rank in tolerated and exitcode is not None and _tolerated_exit(exitcode):
-                self._running_local_ranks.discard(local_rank)  # torch's step never sees it
+                mark_finished(self, local_rank)  # torch's step never sees it
                 done_local_ranks.add(local_rank)
                 how = (f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0
                        else f"exit code {exitcode}")
@@ -178,11 +177,8 @@ def _tolerating(ranks: Collection[int]) -> Iterator[None]:
                       file=sys.stderr, flush=True)
         original(self, done_local_ranks)
 
-    SubprocessContext._capture_process_failures = capture
-    try:
+    with CAPTURE_PROCESS_FAILURES.replaced(capture):
         yield
-    finally:
-        SubprocessContext._capture_process_failures = original
 
 
 def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None,

@@ -27,10 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
 from ringtrain.buckets import Bucket, GradBucket, assign_buckets, build_buckets, hook_result
-from ringtrain.torch_internals import backward_tls_free
+from ringtrain.torch_internals import (
+    backward_tls_free,
+    current_autograd_node,
+    queue_backward_callback,
+)
 from ringtrain.unused_params import check_unused, fill_status
 
 
@@ -48,11 +51,6 @@ def _finalize(reducer_ref: weakref.ref) -> None:
     if reducer is not None:
         with backward_tls_free():
             reducer._finalize()
-
-
-# The autograd node running on this thread; inside the end-of-backward callback it is None
-# unless that backward is nested in another one's node (reentrant checkpointing).
-_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -155,7 +153,7 @@ class Reducer:
             return
         if not self._queued:
             self._queued = True
-            Variable._execution_engine.queue_callback(functools.partial(_finalize, weakref.ref(self)))
+            queue_backward_callback(functools.partial(_finalize, weakref.ref(self)))
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {self.names[i]!r} got a second gradient in one synced backward, after "
@@ -251,7 +249,7 @@ class Reducer:
     # ---- when backward ends ----------------------------------------------------------------
 
     def _finalize(self) -> None:
-        if _current_node() is not None and not all(self._ready):
+        if current_autograd_node() is not None and not all(self._ready):
             # This backward is nested in another one's node: a reentrant activation checkpoint
             # (torch.utils.checkpoint(use_reentrant=True)) around the layers whose gradients
             # came first. The outer backward is not done; let its next gradient queue the

@@ -12,9 +12,9 @@ rendezvous before `elastic_launch` starts:
 - across nodes, a rendezvous handler whose store queries cannot block the agent when the store's
   host vanishes (`_BoundedRendezvous`, installed by `_bounded_rendezvous`).
 
-.. warning:: relies on torch internals (`torch.distributed.launcher.api.rdzv_registry`,
-   `torch.distributed.elastic.rendezvous.utils._matches_machine_hostname`), checked at
-   torch 2.13.0.
+.. warning:: relies on torch internals (the launcher's rendezvous registry, torch's own test
+   of whether a host names this machine), taken through `ringtrain.torch_internals`, which
+   checks them at import.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import types
 import uuid
 from collections.abc import Callable, Iterator
 
-import torch.distributed.launcher.api as _launcher_api
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
-from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from ringtrain.runtime import network_interfaces, route_source
+from ringtrain.torch_internals import RDZV_REGISTRY, matches_machine_hostname
 
 # Across nodes, the agent gives up on a rendezvous store silent this long (the watchdog's
 # default timeout: the workers notice the same loss about as fast), and waits this long
@@ -87,7 +86,7 @@ def _multi_node_addresses(args) -> None:
               f"{args.rdzv_endpoint}; --local-addr overrides it", file=sys.stderr, flush=True)
     conf = args.rdzv_conf or ""
     if (args.rdzv_backend == "c10d" and "is_host=" not in conf
-            and host_ip in interfaces.values() and not _matches_machine_hostname(host)):
+            and host_ip in interfaces.values() and not matches_machine_hostname(host)):
         args.rdzv_conf = ",".join(filter(None, [conf, "is_host=true"]))
 
 
@@ -152,11 +151,9 @@ class _BoundedRendezvous:
 @contextlib.contextmanager
 def _bounded_rendezvous(endpoint: str) -> Iterator[None]:
     """Have `elastic_launch` (only it) wrap its rendezvous handler in `_BoundedRendezvous`."""
-    registry = _launcher_api.rdzv_registry
-    _launcher_api.rdzv_registry = types.SimpleNamespace(
-        get_rendezvous_handler=lambda params: _BoundedRendezvous(
-            registry.get_rendezvous_handler(params), endpoint, RENDEZVOUS_SILENT_S, RENDEZVOUS_CLOSE_S))
-    try:
+    registry = RDZV_REGISTRY.get()
+    with RDZV_REGISTRY.replaced(types.SimpleNamespace(
+            get_rendezvous_handler=lambda params: _BoundedRendezvous(
+                registry.get_rendezvous_handler(params), endpoint, RENDEZVOUS_SILENT_S,
+                RENDEZVOUS_CLOSE_S))):
         yield
-    finally:
-        _launcher_api.rdzv_registry = registry

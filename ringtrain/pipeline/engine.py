@@ -35,6 +35,7 @@ from ringtrain.pipeline.schedule import (
     build_schedule,
     validate,
 )
+from ringtrain.torch_internals import BatchNorm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -184,7 +185,7 @@ class PipelineStage:
         self._shapes: dict[tuple, _Boundary] = {}  # batch shape/dtype -> this stage's boundaries
         self._validated: set[tuple] = set()
         self._batchnorm = [n for n, m in module.named_modules()
-                           if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+                           if isinstance(m, BatchNorm)]
         self._warned_batchnorm = False
 
     # -- neighbours -------------------------------------------------------------------------
