@@ -74,7 +74,7 @@ def worker(how: str, where: str, ready_file: str, watchdog_timeout_s: float, vic
     torch.set_num_threads(1)
     rt = init_distributed("gloo")
     t = watchdog_timeout_s
-    with Watchdog(timeout_s=t, interval_s=min(1.0, t / 3)) as watchdog:  # as `ringtrain train`
+    with Watchdog(name="train", timeout_s=t, interval_s=min(1.0, t / 3)) as watchdog:  # as `ringtrain train`
         dist.all_reduce(torch.ones(1))  # everyone is up before anyone fails
         a = torch.randn(64, 64)
         for step in range(10**9):

@@ -30,7 +30,6 @@ the next start) and all by the next save.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -65,6 +64,8 @@ from ringtrain.checkpoint_io import (
 )
 from ringtrain.checkpoint_io import verify as verify_files
 from ringtrain.run_dir import is_no_space
+from ringtrain.store_keys import claim_key
+from ringtrain.torch_internals import default_store
 
 __all__ = [
     "SaveResult", "Snapshot", "SnapshotCorruptError", "SnapshotError", "SnapshotManager",
@@ -129,13 +130,16 @@ class SnapshotManager:
         timeout_s: how long each rank may take to write its part once rank 0 has started the
             save (and to wait for rank 0 to start it); every rank returns or raises within
             about 2 * timeout_s of rank 0 starting, 3 * timeout_s of its own call at worst.
+        name: names this manager's store keys, the same on every rank. A second manager of
+            this rank for the same directory on the same store (a new trainer resuming in the
+            same process group) needs another name: ValueError otherwise, as it would read the
+            first one's stale keys.
     """
-
-    _made = itertools.count()  # managers made in this process, for their store keys
 
     def __init__(
         self, root_dir: str | os.PathLike, *, rank: int, world_size: int,
         store: dist.Store | None = None, keep: int = 2, timeout_s: float = 60.0,
+        name: str = "snapshots",
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
@@ -151,15 +155,18 @@ class SnapshotManager:
                     f"world_size={world_size} needs a store shared by the ranks: call "
                     "ringtrain.init_distributed() first, or pass store="
                 )
-            store = dist.distributed_c10d._get_default_store()
+            store = default_store()
         self.store = store
         self._saves = 0  # every rank calls save in the same order, so this numbers them alike
-        # A restarted job may reuse torchrun's store, and a process may make a second manager for
-        # the same directory (a new trainer resuming in the same process group): keep their keys
-        # apart. Every rank makes its n-th manager with the same n, as with the save numbers.
+        # A restarted job may reuse torchrun's store: the restart keeps its keys apart. Managers
+        # of one process are kept apart by their directory and the caller's name, which every
+        # rank gives alike whatever order it makes them in (never by a count of managers made).
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         where = hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]
-        self._prefix = f"ringtrain/snapshot/{restart}/{where}/{next(SnapshotManager._made)}"
+        self.name = name
+        self._prefix = f"ringtrain/snapshot/{restart}/{where}/{name}"
+        if store is not None:  # one rank alone uses no keys
+            claim_key(store, self._prefix, rank, "SnapshotManager", name)
 
     # ---- saving ------------------------------------------------------------------------------
 

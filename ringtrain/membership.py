@@ -1,6 +1,6 @@
 """Which ranks are still in the job, and sums over the live ones, through the rendezvous store.
 
-    membership = Membership.of(get_runtime(), scope="trainer")
+    membership = Membership.of(get_runtime(), "trainer")
     totals = membership.reduce("step-40", [loss_sum, count])   # every live rank, same order
 
 Used where a job goes on after losing a rank (a parameter-server worker in async/ssp mode,
@@ -18,7 +18,6 @@ the first reader who gave up, so every reader sees the same set of payloads and 
 
 from __future__ import annotations
 
-import itertools
 import os
 import struct
 import time
@@ -27,6 +26,7 @@ from collections.abc import Iterable
 import torch.distributed as dist
 
 from ringtrain.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, Runtime
+from ringtrain.store_keys import claim_key
 
 DEPARTED = b"DEPARTED"
 
@@ -42,34 +42,34 @@ class Membership:
         store: the rendezvous store (`runtime.store`); a clone is used, so waits here never
             block another thread's store calls.
         rank, world_size: this rank and the job's size.
-        scope: names this view's `gather` keys; views made in the same order on every rank
-            (`Membership.of`) get the same scope, two views never share one.
+        scope: names this view's `gather` keys, the same on every rank ("trainer"), whatever
+            order the views are made in; a second view of this rank on the same store and
+            prefix needs another scope (ValueError otherwise: their gathers would mix).
+            Which ranks departed is shared by every scope of the job.
         timeout_s: bound on waiting for a live rank's payload.
         prefix: the job's key prefix; default unique per run and restart.
     """
-
-    _made: dict[str, itertools.count] = {}  # scope -> views made in this process
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, scope: str = "default",
                  timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, prefix: str | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
+        if prefix is None:
+            prefix = (f"ringtrain/membership/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/"
+                      f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        claim_key(store, f"{prefix}/{scope}", rank, "Membership", scope)
         try:
             store = store.clone()
         except (AttributeError, RuntimeError):  # an in-process store (HashStore): shared is fine
             pass
-        if prefix is None:
-            prefix = (f"ringtrain/membership/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/"
-                      f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         self._store = dist.PrefixStore(prefix, store)
         self.rank, self.world_size, self.scope, self.timeout_s = rank, world_size, scope, timeout_s
         self._departed: dict[int, str] = {}  # grows only: a departed rank never comes back
 
     @classmethod
     def of(cls, runtime: Runtime, scope: str, **kw) -> Membership:
-        """The n-th view named `scope` made in this process (the same n on every rank)."""
-        n = next(cls._made.setdefault(scope, itertools.count()))
-        return cls(runtime.store, runtime.rank, runtime.world_size, scope=f"{scope}/{n}", **kw)
+        """This rank's view named `scope` ("trainer"): every rank's view of that name meets it."""
+        return cls(runtime.store, runtime.rank, runtime.world_size, scope=scope, **kw)
 
     # -- who is in ----------------------------------------------------------------------------
     def depart(self, rank: int, reason: str) -> bool:

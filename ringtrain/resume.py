@@ -32,11 +32,9 @@ import logging
 import os
 import random
 import signal
-import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +58,7 @@ from ringtrain.run_dir import DiskFullError, no_space_message
 if TYPE_CHECKING:
     from ringtrain.trainer import Trainer
 
-__all__ = ["Checkpointer", "StopSignal", "config_differences", "elastic_batch", "reseed",
-           "with_test_fault"]
+__all__ = ["Checkpointer", "StopSignal", "config_differences", "elastic_batch", "reseed"]
 
 log = logging.getLogger("ringtrain")
 
@@ -192,17 +189,21 @@ class Checkpointer:
         keep: committed snapshots kept.
         timeout_s: bound on each rank's part of a save (see `SnapshotManager`).
         run_config: options that must equal the snapshot's to resume (flag name -> value).
+        name: names the snapshot handshake's store keys, the same on every rank (see
+            `SnapshotManager`); a second checkpointer of the same directory in one process
+            group needs another.
     """
 
     def __init__(self, trainer: Trainer, root_dir: str, *, every: int = 0, keep: int = 2,
-                 timeout_s: float = 60.0, run_config: dict[str, Any] | None = None):
+                 timeout_s: float = 60.0, run_config: dict[str, Any] | None = None,
+                 name: str = "trainer"):
         if every < 0:
             raise ValueError(f"snapshot_every={every}: use 0 (no snapshots) or a positive step count")
         rt = trainer.runtime
         self.trainer, self.every = trainer, every
         self.manager = SnapshotManager(root_dir, rank=rt.rank, world_size=rt.world_size,
                                        store=rt.store if rt.world_size > 1 else None, keep=keep,
-                                       timeout_s=timeout_s)
+                                       timeout_s=timeout_s, name=name)
         c = trainer.config
         self.config = {**(run_config or {}), "strategy": trainer.strategy.name,
                        **{k: getattr(c, k) for k in TRAINING_FIELDS}}
@@ -360,45 +361,3 @@ class Checkpointer:
                  "per rank (was %d x %d on %d)", self.global_batch, wd, b, a, meta["batch_size"],
                  meta["grad_accum"], meta["topology"]["data_world_size"])
         c.batch_size, c.grad_accum = b, a
-
-
-# ---- fault injection, for tests -------------------------------------------------------------
-
-
-def with_test_fault(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], None] | None:
-    """Test-only fault injection: RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP.
-
-    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
-    (SIGTERM itself) or `term-launcher` (SIGTERM its parent, the launcher, and wait for the
-    signal it forwards, so the job stops at that step). Only in the first attempt of a job, so
-    a restarted job runs through. It prints the wall-clock time first, so a test can time the
-    recovery.
-    """
-    spec = os.environ.get("RINGTRAIN_TEST_FAULT")
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
-        return on_step
-    action, fault_rank, fault_step = spec.split(":")
-    if int(fault_rank) != rank:
-        return on_step
-
-    def hook(step: int) -> None:
-        if on_step is not None:
-            on_step(step)
-        if step != int(fault_step):
-            return
-        print(f"[rank {rank}] test fault: {action} after step {step} at unix time {time.time():.3f}",
-              file=sys.stderr, flush=True)
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "term":
-            os.kill(os.getpid(), signal.SIGTERM)
-        elif action == "term-launcher":
-            os.kill(os.getppid(), signal.SIGTERM)
-            # Wait (bounded) until the launcher has forwarded it here, so this is the stop step.
-            stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
-            deadline = time.monotonic() + 10
-            while getattr(stop, "received", 0) is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-        else:
-            raise ValueError(f"RINGTRAIN_TEST_FAULT={spec!r}: ACTION is kill, term or term-launcher")
-    return hook

@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ringtrain.torch_internals import default_store
+
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
@@ -296,7 +298,7 @@ def _start_watchdog(rt: Runtime) -> None:
         return
     from ringtrain.watchdog import Watchdog  # it imports this module
 
-    _watchdog = Watchdog(timeout_s=timeout_s, interval_s=min(1.0, timeout_s / 3)).start()
+    _watchdog = Watchdog(name="run", timeout_s=timeout_s, interval_s=min(1.0, timeout_s / 3)).start()
 
 
 # How long an exiting process lets communication threads finish releasing their last works.
@@ -365,7 +367,7 @@ def _require() -> Runtime:
         if dist.is_available() and dist.is_initialized():  # started by torch directly
             return Runtime(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
                            dist.get_backend(), torch.device("cpu"), dist.group.WORLD,
-                           dist.distributed_c10d._get_default_store())
+                           default_store())
         raise DistributedInitError(
             "the process group is not initialised: call ringtrain.init_distributed() first "
             "(it falls back to a single process when no launcher variables are set)"

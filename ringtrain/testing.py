@@ -1,12 +1,17 @@
-"""The one helper that runs a function on N local gloo ranks, for tests and benchmarks.
+"""Test helpers: run a function on N local gloo ranks, and inject faults into `ringtrain train`.
 
     results = run_workers(fn, world_size=2, args=(x,), timeout_s=60)
+    RINGTRAIN_TEST_FAULT=kill:1:5 ringtrain train --nproc-per-node 2    # rank 1 dies after step 5
 
 `fn(rank, world_size, *args)` must be a module-level function (spawned processes import it).
 Each rank runs with `torch.set_num_threads(1)`, an initialised gloo group (unless `init=False`),
 and teardown in `finally`. Results come back per rank, in rank order. The first rank that
 raises stops the rest and its traceback is re-raised with its rank; a run that outlives
 `timeout_s` is killed and the unfinished ranks are named: no test can hang.
+
+`fault_hook` is the fault injection behind RINGTRAIN_TEST_FAULT; production code holds only
+the hook point (`ringtrain.train.run_job` imports it when that variable is set). Tests:
+`.venv/bin/pytest -q tests/test_restart.py tests/test_store_keys.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -118,3 +125,59 @@ def run_workers(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+# ---- fault injection (RINGTRAIN_TEST_FAULT) --------------------------------------------------
+
+FAULT_ENV = "RINGTRAIN_TEST_FAULT"
+FAULT_ACTIONS = ("kill", "term", "term-launcher", "int")
+
+
+def fault_hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], None] | None:
+    """Wrap a trainer's `on_step` with the fault RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP asks for.
+
+    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
+    (SIGTERM itself), `int` (SIGINT itself, as Ctrl-C) or `term-launcher` (SIGTERM its parent,
+    the launcher, and wait for the signal it forwards, so the job stops at that step). Only in
+    the first attempt of a job (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs through.
+    It prints the wall-clock time first, so a test can time the recovery. Returns `on_step`
+    itself when the variable is unset or names another rank.
+
+    Args:
+        on_step: the callback to keep calling first (a watchdog's `set_step`), or None.
+        rank: this process's rank.
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return on_step
+    try:
+        action, fault_rank, fault_step = spec.split(":")
+        at_rank, at_step = int(fault_rank), int(fault_step)
+    except ValueError:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected ACTION:RANK:STEP, e.g. kill:1:5") from None
+    if action not in FAULT_ACTIONS:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: ACTION is one of {', '.join(FAULT_ACTIONS)}")
+    if at_rank != rank:
+        return on_step
+
+    def hook(step: int) -> None:
+        if on_step is not None:
+            on_step(step)
+        if step != at_step:
+            return
+        print(f"[rank {rank}] test fault: {action} after step {step} at unix time {time.time():.3f}",
+              file=sys.stderr, flush=True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif action == "int":
+            os.kill(os.getpid(), signal.SIGINT)
+        else:  # term-launcher
+            os.kill(os.getppid(), signal.SIGTERM)
+            # Wait (bounded) until the launcher has forwarded it here, so this is the stop step.
+            stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+            deadline = time.monotonic() + 10
+            while getattr(stop, "received", 0) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+    return hook

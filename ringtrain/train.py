@@ -136,7 +136,6 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
 
     from ringtrain.launcher import record
     from ringtrain.progress import format_summary, setup_logging, write_json
-    from ringtrain.resume import with_test_fault
     from ringtrain.runtime import destroy_distributed, init_distributed
     from ringtrain.strategies import make_strategy
     from ringtrain.trainer import Trainer
@@ -193,10 +192,14 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
                     # one the strategy can lose (an async parameter-server worker) is dropped.
                     tolerate = getattr(strategy, "tolerated_ranks", frozenset())
                     watchdog = stack.enter_context(Watchdog(
-                        timeout_s=args.watchdog_timeout, interval_s=min(1.0, args.watchdog_timeout / 3),
+                        name="train", timeout_s=args.watchdog_timeout,
+                        interval_s=min(1.0, args.watchdog_timeout / 3),
                         tolerate=tolerate, on_departed=_dropper(strategy) if tolerate else None))
                     trainer.on_step = watchdog.set_step
-                trainer.on_step = with_test_fault(trainer.on_step, rt.rank)
+                if "RINGTRAIN_TEST_FAULT" in os.environ:  # tests' fault injection, ringtrain.testing
+                    from ringtrain.testing import fault_hook
+
+                    trainer.on_step = fault_hook(trainer.on_step, rt.rank)
                 try:
                     summary = trainer.fit()
                 except (ConfigError, KeyboardInterrupt) as e:

@@ -89,6 +89,9 @@ class Trainer:
         run_config: options that must equal a snapshot's to resume from it (name -> value, e.g.
             the model's); the trainer adds its own (steps, lr, seed, ...).
         snapshot_timeout_s: bound on each rank's part of a save.
+        name: names this trainer's store keys (snapshot handshakes, store reductions), the
+            same on every rank; a second trainer in one process group that snapshots to the
+            same directory, or reduces through the store, needs another name (ValueError).
     """
 
     def __init__(self, strategy: Strategy, runtime: Runtime, model_fn: Callable[[], nn.Module],
@@ -99,7 +102,7 @@ class Trainer:
                  stop_when: Callable[[dict[str, Any]], bool] | None = None,
                  started_at: float | None = None, snapshot_every: int = 0, keep: int = 2,
                  resume: bool = True, run_config: dict[str, Any] | None = None,
-                 snapshot_timeout_s: float = 60.0):
+                 snapshot_timeout_s: float = 60.0, name: str = "trainer"):
         self.strategy, self.runtime = strategy, runtime
         self.config = config.resolved()
         self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
@@ -116,7 +119,7 @@ class Trainer:
         # Drifting ranks must not meet in world collectives: one that died would stop them all.
         self.membership: Membership | None = None
         if not strategy.lockstep and runtime.world_size > 1:
-            self.membership = Membership.of(runtime, "trainer")
+            self.membership = Membership.of(runtime, name)
         self._rounds = 0  # store rounds so far: every rank numbers them alike (same call order)
         self._stop_votes = 0.0  # ranks that got a stop signal, as of the last metrics reduction
         self._snapshots_off = False
@@ -145,7 +148,7 @@ class Trainer:
         if run_dir is not None:
             self.checkpointer = Checkpointer(
                 self, os.path.join(run_dir, "snapshots"), every=snapshot_every, keep=keep,
-                timeout_s=snapshot_timeout_s, run_config=run_config)
+                timeout_s=snapshot_timeout_s, run_config=run_config, name=name)
 
     # -- state for resume: the step counter and the sampler's position are the loop's state ---
     def state_dict(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ unreachable (the host that runs it died), this rank prints one line naming the p
 with `PEER_FAILED_EXIT_CODE`, even while its main thread is blocked inside a collective: the
 check runs on its own thread, and a thread blocked in a C++ collective has released the GIL.
 
-    with Watchdog(timeout_s=30) as watchdog:      # after ringtrain.init_distributed()
+    with Watchdog(timeout_s=30, name="train") as watchdog:   # after ringtrain.init_distributed()
         for step, batch in enumerate(loader):
             watchdog.set_step(step)
             ...
@@ -25,7 +25,6 @@ rank that went silent instead of reporting the symptom.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from ringtrain.hang import HangCheck, collective_progress, describe_main_thread
 from ringtrain.runtime import get_runtime
+from ringtrain.store_keys import claim_key
 
 # sysexits' EX_TEMPFAIL: "a peer failed, this rank is fine; restarting the group may help".
 # The launcher uses it to tell ranks that stopped because of a peer from the root cause.
@@ -139,9 +139,12 @@ class Watchdog:
         timeout_s: a peer silent for this long is dead; also the bound on losing the store.
         on_dead: called once with a `PeerFailure`; default `exit_on_peer_failure` (prints one
             line, exits with PEER_FAILED_EXIT_CODE). A custom one that returns stops the watch.
-        prefix: store key prefix; default unique per run, restart (TORCHELASTIC_RUN_ID,
-            TORCHELASTIC_RESTART_COUNT) and watchdog made in this process, so a restarted group
-            or a second watchdog never reads stale keys.
+        name: names this watchdog's store keys, the same on every rank ("train"); with the
+            run and restart (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT) it makes the key
+            prefix, so a restarted group never reads stale keys. A second watchdog of this rank
+            on the same store needs another name (ValueError otherwise: it would read the
+            first one's keys).
+        prefix: the whole store key prefix instead (then `name` is only used in messages).
         excepthook: while running, an uncaught exception goes through `report_failure` first.
         tolerate: peers whose death (silence or a raised error) the job survives, e.g. the
             workers of an async parameter server: such a peer is reported to `on_departed`
@@ -154,8 +157,6 @@ class Watchdog:
         rank that finishes early is not taken for dead.
     """
 
-    _made = itertools.count()  # watchdogs made in this process, for their default key prefix
-
     def __init__(
         self,
         store: dist.Store | None = None,
@@ -165,6 +166,7 @@ class Watchdog:
         interval_s: float = 1.0,
         timeout_s: float = 30.0,
         on_dead: Callable[[PeerFailure], None] | None = None,
+        name: str = "watchdog",
         prefix: str | None = None,
         excepthook: bool = True,
         tolerate: Collection[int] = (),
@@ -196,6 +198,7 @@ class Watchdog:
         # A rank stuck outside the collective the others wait in (ringtrain.hang).
         self._hangs = HangCheck(timeout_s)
         self._published_count = 0
+        shared = store  # the caller's store, before the clone: names are claimed on it
         tcp = _tcp_store(store)
         self._store_addr = f"{tcp.host}:{tcp.port}" if tcp is not None else "(in-process store)"
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -205,9 +208,11 @@ class Watchdog:
             store.set_timeout(timedelta(seconds=timeout_s))
         except (AttributeError, RuntimeError):
             pass
-        if prefix is None:  # every rank builds its n-th watchdog with the same n
+        if prefix is None:  # from the caller's name: the same on every rank, whatever the order
             prefix = (f"ringtrain/watchdog/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/"
-                      f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(Watchdog._made)}")
+                      f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}")
+        claim_key(shared, prefix, self.rank, "Watchdog", name)
+        self.name = name
         self._store = dist.PrefixStore(prefix, store)
         self._excepthook = excepthook
         self._previous_hook = None

@@ -197,16 +197,8 @@ def test_a_snapshot_with_other_options_is_one_message_from_the_workers(tmp_path)
 # ---- Ctrl-C ----------------------------------------------------------------------------------
 
 def test_ctrl_c_in_one_process_saves_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
-    import ringtrain.resume
-
-    def interrupt_after_step_2(on_step, rank):
-        def hook(step):
-            if on_step is not None:
-                on_step(step)
-            if step == 2:
-                os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C does
-        return hook
-    monkeypatch.setattr(ringtrain.resume, "with_test_fault", interrupt_after_step_2)
+    monkeypatch.setenv("RINGTRAIN_TEST_FAULT", "int:0:2")  # SIGINT after step 2, as Ctrl-C does
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     run = tmp_path / "run"
     try:
         rc = main([*TINY, "--steps", "50", "--snapshot-every", "100", "--run-dir", str(run)])

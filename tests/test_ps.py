@@ -143,7 +143,7 @@ def test_sync_equals_ddp_and_single_process(servers, grad_clip):
 def _straggler(rank, world_size, steps, delay_s, staleness):
     out = {}
     for mode in ("ssp", "async"):
-        s = ps_strategy(mode, 1, staleness=staleness)
+        s = ps_strategy(mode, 1, staleness=staleness, scope=mode)  # two in one process group
         log = []  # (step, start, push): push is just before the gradient left
         if s.is_worker:
             for step in range(steps):

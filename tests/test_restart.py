@@ -3,7 +3,7 @@
     .venv/bin/pytest -q tests/test_restart.py -s      # -s prints the measured recovery time
 
 Each faulty run ends with the same `param_sha256` and logged losses as an uninterrupted one.
-The faults come from the test-only RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP (`ringtrain.train`):
+The faults come from the test-only RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP (`ringtrain.testing`):
 the worker itself sends the signal right after that step, so the step is exact.
 """
 

@@ -38,15 +38,18 @@ class Crash(RuntimeError):
     """Raised on every rank at the same step boundary: the job dies, a new trainer resumes."""
 
 
-def make_trainer(runtime, run_dir, *, lr=3e-3, fault=None):
-    """A 1-layer GPT on 1-digit addition; `fault` = (action, step) for this rank."""
+def make_trainer(runtime, run_dir, *, lr=3e-3, fault=None, name="trainer"):
+    """A 1-layer GPT on 1-digit addition; `fault` = (action, step) for this rank.
+
+    `name`: a second trainer of `run_dir` in one process group (the resumed one) needs another.
+    """
     train, test = AdditionDataset("train", 1), AdditionDataset("test", 1)
     cfg = TrainerConfig(steps=STEPS, batch_size=8, lr=lr, seed=0, progress=False, log_every=1,
                         eval_every=6, eval_batch_size=4)
     trainer = Trainer(make_strategy("ddp", runtime=runtime), runtime, lambda: GPT(MODEL), train,
                       Subset(test, range(5)), loss_fn, cfg, eval_metrics={"accuracy": exact_match},
                       run_dir=str(run_dir), snapshot_every=EVERY, run_config={"n_embd": MODEL.n_embd},
-                      snapshot_timeout_s=10.0)
+                      snapshot_timeout_s=10.0, name=name)
     if fault is not None:
         action, at_step = fault
 
@@ -86,7 +89,7 @@ def _scenarios(rank, world_size, root, crash_step):
     snap = root / "term" / "snapshots" / "snap-00000007"
     out["term_manifest"] = json.loads((snap / "manifest.json").read_text())
     out["term_rank_steps"] = [torch.load(snap / f"rank{r}.pt", weights_only=True)["step"] for r in range(2)]
-    out["term_resumed"] = make_trainer(rt, root / "term").fit()
+    out["term_resumed"] = make_trainer(rt, root / "term", name="resumed").fit()
     # Rank 1's part of snapshot 6 is torn; the save fails on both ranks; the job dies at step 7.
     write = checkpoint.write_durably
     if rank == 1:
@@ -95,11 +98,11 @@ def _scenarios(rank, world_size, root, crash_step):
         make_trainer(rt, root / "torn", fault=("crash", 7)).fit()
     checkpoint.write_durably = write
     out["torn_partial"] = sorted(p.name for p in (root / "torn" / "snapshots").iterdir())
-    out["torn_resumed"] = make_trainer(rt, root / "torn").fit()
+    out["torn_resumed"] = make_trainer(rt, root / "torn", name="resumed").fit()
     # A crash at a random step.
     with pytest.raises(Crash):
         make_trainer(rt, root / "crash", fault=("crash", crash_step)).fit()
-    out["crash_resumed"] = make_trainer(rt, root / "crash").fit()
+    out["crash_resumed"] = make_trainer(rt, root / "crash", name="resumed").fit()
     return out
 
 

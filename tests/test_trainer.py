@@ -195,7 +195,7 @@ def test_store_reduce_leaves_out_a_departed_rank_consistently():
 
     import torch.distributed as dist
 
-    from ringtrain.membership import MemberDepartedError, Membership
+    from ringtrain.membership import MemberDepartedError
 
     views = _views(dist.HashStore())
     # Rank 2 never arrives; the survivors wait until it is declared departed, then both
@@ -213,7 +213,8 @@ def test_store_reduce_leaves_out_a_departed_rank_consistently():
         views[2].reduce("a", [4.0])
     # A rank that wrote before it departed is counted, by every reader alike.
     store = dist.HashStore()
-    views, dying = _views(store), Membership(store, 2, 3, scope="t", timeout_s=0.1)
+    views = _views(store)
+    dying, dying.timeout_s = views[2], 0.1
     with pytest.raises(TimeoutError):  # it writes its payload, then "dies" waiting for the others
         dying.gather("b", b"x")
     views[0].depart(2, "gone after writing")

@@ -157,7 +157,7 @@ def _survivor_writes(rank: int, out_dir: str):
 def _scenario(rank, world_size, victim, how, compute_ranks, timeout_s, out_dir):
     """Every rank all-reduces or computes in a loop; `victim` does `how` at step 3."""
     torch.manual_seed(rank)
-    watchdog = Watchdog(interval_s=0.25, timeout_s=timeout_s, excepthook=False,
+    watchdog = Watchdog(name="scenario", interval_s=0.25, timeout_s=timeout_s, excepthook=False,
                         on_dead=_survivor_writes(rank, out_dir)).start()
     x, a = torch.ones(1), torch.randn(64, 64)
     dist.all_reduce(x)

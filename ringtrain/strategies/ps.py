@@ -67,6 +67,8 @@ class PSStrategy(Strategy):
         split_numel: tensors larger than this are split across servers by rows.
         bucket_numel: push bucket size; each bucket leaves as soon as backward fills it.
         timeout_s: bound on every parameter-server wait; a worker silent for this long is lost.
+        scope: names the store keys of async/ssp's membership view (`Membership.of`), the same
+            on every rank; a second async/ssp strategy in one process group needs another.
 
     .. warning:: In async/ssp the workers' replicas differ between pulls; `model_state_dict()`
        is the servers' state, the same on every rank. The update rule in async/ssp applies
@@ -78,7 +80,7 @@ class PSStrategy(Strategy):
     def __init__(self, runtime: Runtime, servers: int = 1, mode: str = "sync", staleness: int = 2,
                  *, split_numel: int | None = DEFAULT_SPLIT_NUMEL,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                 timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, scope: str = "ps"):
         if mode not in MODES:
             raise ConfigError(f"--ps-mode {mode!r}: choose one of {', '.join(MODES)}")
         if not isinstance(staleness, int) or staleness < 0:
@@ -101,7 +103,7 @@ class PSStrategy(Strategy):
         # async/ssp go on without a dead worker: who is still in the job is kept in the store.
         self.membership: Membership | None = None
         if mode != "sync":
-            self.membership = Membership.of(runtime, "ps", timeout_s=timeout_s)
+            self.membership = Membership.of(runtime, scope, timeout_s=timeout_s)
         self.server: ParameterServer | None = None
         self.worker: PSWorker | None = None
         self.module: nn.Module | None = None

@@ -57,7 +57,7 @@ def main() -> None:
     rt = ringtrain.init_distributed("gloo")
     watchdog = None
     if args.watchdog_timeout > 0:
-        watchdog = Watchdog(interval_s=min(1.0, args.watchdog_timeout / 6),
+        watchdog = Watchdog(name="allreduce-loop", interval_s=min(1.0, args.watchdog_timeout / 6),
                             timeout_s=args.watchdog_timeout).start()
     total = torch.zeros(1)
     x = torch.ones(1) * (rt.rank + 1)
