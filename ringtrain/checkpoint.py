@@ -344,8 +344,9 @@ class SnapshotManager:
 
     def _retain(self) -> None:
         """Rank 0, after a commit: keep the newest `keep` committed snapshots, drop the debris."""
-        committed = [p for p in snap_dirs(self.root) if (p / COMMITTED).is_file()]
-        stale = committed[self.keep:] + [p for p in snap_dirs(self.root) if not (p / COMMITTED).is_file()]
+        dirs = snap_dirs(self.root)
+        committed = [p for p in dirs if (p / COMMITTED).is_file()]
+        stale = committed[self.keep:] + [p for p in dirs if p not in committed]
         stale += [p for p in self.root.glob(".*-snap-*") if p.is_dir()]  # temp and replaced dirs
         for p in stale:
             shutil.rmtree(p, ignore_errors=True)

@@ -212,13 +212,11 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[
         if args.block_size is not None:
             raise ValueError("--block-size applies to --data (the addition task fixes its own)")
         args.digits = args.digits or 2
-        from ringtrain.data.addition import MAX_DIGITS
+        from ringtrain.data.addition import MAX_DIGITS, train_size
 
         if args.digits > MAX_DIGITS:
             raise ValueError(f"--digits {args.digits}: the addition task supports 1..{MAX_DIGITS}")
-        # AdditionDataset's train split, counted without building it (3 digits: 10^6 sums, ~10 s).
-        pairs = 10 ** (2 * args.digits)
-        train_samples = pairs - min(pairs // 5, 500)
+        train_samples = train_size(args.digits)
     for name, flags in STRATEGY_FLAGS.items():
         if name == args.strategy:
             continue
