@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.ddp import DistributedDataParallel
-from ringtrain.naive_ddp import NaiveDistributedDataParallel
+from ringtrain.ddp.distributed import DistributedDataParallel
+from ringtrain.ddp.naive import NaiveDistributedDataParallel
 from ringtrain.testing import run_workers
 
 

@@ -66,9 +66,9 @@ def worker(how: str, where: str, ready_file: str, watchdog_timeout_s: float, vic
     import torch
     import torch.distributed as dist
 
-    from ringtrain.launcher import die_with_parent
-    from ringtrain.runtime import init_distributed
-    from ringtrain.watchdog import Watchdog
+    from ringtrain.launch.launcher import die_with_parent
+    from ringtrain.launch.process_group import init_distributed
+    from ringtrain.launch.watchdog import Watchdog
 
     die_with_parent()
     torch.set_num_threads(1)
@@ -167,7 +167,7 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         how, where, ready, timeout_s, victim = args.worker
-        from ringtrain.launcher import record
+        from ringtrain.launch.launcher import record
 
         record(worker)(how, where, ready, float(timeout_s), int(victim))
         return

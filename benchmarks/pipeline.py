@@ -46,8 +46,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ringtrain.pipeline import PipelineStage, partition  # noqa: E402
+from ringtrain.pipeline.topology import Topology, create_process_groups  # noqa: E402
 from ringtrain.testing import run_workers  # noqa: E402
-from ringtrain.topology import Topology, create_process_groups  # noqa: E402
 
 PP = 2
 _MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20),

@@ -50,8 +50,8 @@ def _run(rank: int, world_size: int, mode: str, delay_s: float, target: float, s
     from ringtrain.models import GPT, GPTConfig, loss_fn
     from ringtrain.runtime import get_runtime
     from ringtrain.strategies import make_strategy
-    from ringtrain.train import ASYNC_BETA1
-    from ringtrain.trainer import TrainerConfig, adamw, lr_at
+    from ringtrain.strategies.ps import ASYNC_BETA1
+    from ringtrain.training.trainer import TrainerConfig, adamw, lr_at
 
     rt = get_runtime()
     train, test = AdditionDataset("train"), AdditionDataset("test")

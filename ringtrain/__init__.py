@@ -5,15 +5,8 @@
     model = ringtrain.DistributedDataParallel(model)
 """
 
-from ringtrain.runtime import (
-    DistributedInitError,
-    Runtime,
-    destroy_distributed,
-    get_rank,
-    get_runtime,
-    get_world_size,
-    init_distributed,
-)
+from ringtrain.launch.process_group import destroy_distributed, init_distributed
+from ringtrain.runtime import DistributedInitError, Runtime, get_rank, get_runtime, get_world_size
 
 __all__ = [
     "DistributedInitError",
@@ -29,9 +22,9 @@ __version__ = "0.1.0"
 
 # Heavier pieces load on first use, so `import ringtrain` stays cheap in every rank.
 _LAZY = {
-    "DistributedDataParallel": "ringtrain.ddp",
-    "DistributedSampler": "ringtrain.sampler",
-    "Watchdog": "ringtrain.watchdog",
+    "DistributedDataParallel": "ringtrain.ddp.distributed",
+    "DistributedSampler": "ringtrain.data.sampler",
+    "Watchdog": "ringtrain.launch.watchdog",
 }
 __all__ += list(_LAZY)
 

@@ -1,11 +1,9 @@
-"""Process-group start-up and teardown: one call that validates before it waits.
+"""This process's place in the job once the process group is up: `Runtime`, and the helpers
+that read it (`get_runtime`, `get_rank`, `get_world_size`), plus the exit grace every process
+that communicates needs. Starting and ending the group is `ringtrain.launch.process_group`
+(`ringtrain.init_distributed()`); this module imports nothing of ringtrain's above torch's shim.
 
-`init_distributed()` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT), or explicit arguments, or falls back to a single process when nothing is set.
-gloo on CPU, NCCL on CUDA. Outside torchrun's agent it runs its own rendezvous on a TCPStore so
-that a missing rank is reported by number within a bounded time instead of hanging.
-
-    python -c "import ringtrain; rt = ringtrain.init_distributed(); print(rt)"
+    python -c "import ringtrain; rt = ringtrain.init_distributed(); print(ringtrain.get_runtime())"
 """
 
 from __future__ import annotations
@@ -13,22 +11,17 @@ from __future__ import annotations
 import atexit
 import fcntl
 import gc
-import logging
 import os
 import socket
 import struct
-import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ringtrain.torch_internals import default_store
 
-_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
-DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 
 
@@ -54,8 +47,12 @@ class Runtime:
 
 
 _runtime: Runtime | None = None  # the default group's facts; helpers below read it
-_own_store: dist.Store | None = None  # the TCPStore we host/joined (None under torchrun's agent)
-log = logging.getLogger("ringtrain")
+
+
+def set_runtime(runtime: Runtime | None) -> None:
+    """Record (None: forget) the default group's `Runtime` (`ringtrain.launch.process_group`)."""
+    global _runtime
+    _runtime = runtime
 
 
 def network_interfaces() -> dict[str, str]:
@@ -83,222 +80,6 @@ def route_source(host_ip: str) -> str | None:
     except OSError:
         return None
 
-
-def _pick_gloo_interface(master_addr: str, rank: int) -> None:
-    """Make gloo use the interface that routes to the master, or reject a bad GLOO_SOCKET_IFNAME.
-
-    gloo otherwise binds to whatever the hostname resolves to, often 127.0.0.1, which cannot
-    reach another host: the classic multi-node hang.
-    """
-    interfaces = network_interfaces()
-    chosen = os.environ.get("GLOO_SOCKET_IFNAME")
-    if chosen:
-        bad = [n for n in chosen.split(",") if n not in interfaces]
-        if bad:
-            raise DistributedInitError(
-                f"GLOO_SOCKET_IFNAME={chosen!r}: no interface {bad} with an IPv4 address here; "
-                f"interfaces: {', '.join(f'{n} ({a})' for n, a in interfaces.items())}"
-            )
-    else:
-        try:
-            local = route_source(socket.gethostbyname(master_addr))
-        except OSError:
-            return
-        names = [n for n, a in interfaces.items() if a == local]
-        if local is None or not names:
-            return
-        chosen = names[0]
-        os.environ["GLOO_SOCKET_IFNAME"] = chosen
-    log.debug("rank %d: gloo uses interface %s (%s)", rank, chosen, interfaces.get(chosen.split(",")[0]))
-
-
-def _env_int(name: str) -> int:
-    value = os.environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise DistributedInitError(f"{name}={value!r} is not an integer") from None
-
-
-def _resolve(rank, world_size, master_addr, master_port):
-    """Explicit arguments win, then the environment; all unset means one process."""
-    given = {
-        "RANK": rank,
-        "WORLD_SIZE": world_size,
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": master_port,
-    }
-    for name in _ENV_VARS:
-        if given[name] is None and name in os.environ:
-            given[name] = _env_int(name) if name in ("RANK", "WORLD_SIZE") else os.environ[name]
-    if all(v is None for v in given.values()):
-        return 0, 1, None, None
-    if given["WORLD_SIZE"] == 1 and given["RANK"] in (None, 0):
-        return 0, 1, None, None
-    missing = [name for name in _ENV_VARS if given[name] is None]
-    if missing:
-        raise DistributedInitError(
-            f"cannot start the process group: {', '.join(missing)} not set "
-            f"(have {', '.join(f'{k}={v}' for k, v in given.items() if v is not None) or 'nothing'}). "
-            "Launch with `ringtrain run --nproc-per-node N script.py` (it sets all four), or export "
-            "MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=N RANK=i for each process."
-        )
-    world_size, rank = int(given["WORLD_SIZE"]), int(given["RANK"])
-    if world_size < 1:
-        raise DistributedInitError(f"world_size={world_size}: it must be at least 1")
-    if not 0 <= rank < world_size:
-        raise DistributedInitError(
-            f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}] "
-            f"for world_size={world_size}"
-        )
-    try:
-        port = int(given["MASTER_PORT"])
-    except ValueError:
-        raise DistributedInitError(f"MASTER_PORT={given['MASTER_PORT']!r} is not a port number") from None
-    if not 0 < port < 65536:
-        raise DistributedInitError(f"MASTER_PORT={port} is outside 1..65535")
-    return rank, world_size, str(given["MASTER_ADDR"]), port
-
-
-def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
-    """Every rank announces itself, then waits (bounded) until all have; names who is missing."""
-    if store.add(f"ringtrain/rdzv/{rank}", 1) > 1:
-        raise DistributedInitError(
-            f"rank {rank} joined twice: two processes were started with RANK={rank}; "
-            "give each process its own RANK in [0, WORLD_SIZE)"
-        )
-    keys = [f"ringtrain/rdzv/{r}" for r in range(world_size)]
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            arrived = [r for r, k in enumerate(keys) if store.check([k])]
-            missing = [r for r in range(world_size) if r not in arrived]
-            raise DistributedInitError(
-                f"world_size={world_size} but only {len(arrived)} ranks joined within "
-                f"{timeout_s:g} s: ranks {arrived} arrived, {missing} missing; start the missing "
-                "ranks, or lower WORLD_SIZE / --nproc-per-node"
-            )
-        time.sleep(0.05)
-
-
-def _agent_store(addr: str, port: int, timeout_s: float) -> dist.Store:
-    """A client of the store torchrun's agent hosts, with this restart's keys apart.
-
-    The agent hands every restart of the group the same store, and torch's process-group keys
-    (each rank's gloo address, under the group's name) carry no restart number: a restarted
-    rank could read the dead attempt's addresses and fail with "Connection refused" or wait on
-    a port that is someone else's now (pytorch/pytorch#135712). Under a prefix naming the run
-    and the restart, every attempt starts from an empty key space.
-    """
-    try:
-        client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    except (RuntimeError, OSError) as e:
-        raise DistributedInitError(
-            f"could not reach the launcher's store at {addr}:{port} within {timeout_s:g} s "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is the agent "
-            "(torchrun / ringtrain run) still running?") from e
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"ringtrain/{run}/attempt_{attempt}", client)
-
-
-def _own_rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
-    """Rank 0 hosts a TCPStore, every rank checks in (bounded): no launcher ran a rendezvous."""
-    global _own_store
-    try:
-        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    except (RuntimeError, OSError) as e:
-        role = "listen on" if rank == 0 else "reach the master at"
-        raise DistributedInitError(
-            f"rank {rank} could not {role} {addr}:{port} within {timeout_s:g} s "
-            f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); check "
-            "MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that the port is free"
-        ) from e
-    _rendezvous(store, rank, world_size, timeout_s)
-    _own_store = store
-    return store
-
-
-def init_distributed(
-    backend: str | None = None,
-    *,
-    rank: int | None = None,
-    world_size: int | None = None,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
-    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-) -> Runtime:
-    """Start the default process group and return this process's `Runtime`.
-
-    Args:
-        backend: "gloo" or "nccl"; default NCCL when CUDA is available, else gloo.
-        rank, world_size, master_addr, master_port: override torchrun's variables.
-        rendezvous_timeout_s: how long to wait for every rank to arrive before failing.
-        timeout_s: collective timeout handed to the process group.
-
-    Calling it again while initialised returns the existing runtime.
-    """
-    global _runtime
-    if _runtime is not None:
-        return _runtime
-    rank, world_size, addr, port = _resolve(rank, world_size, master_addr, master_port)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise DistributedInitError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise DistributedInitError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
-    local_rank = int(os.environ.get("LOCAL_RANK", rank if world_size > 1 else 0))
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "gloo" and world_size > 1:
-        _pick_gloo_interface(addr or os.environ.get("MASTER_ADDR", "127.0.0.1"), rank)
-    if world_size == 1:
-        store: dist.Store = dist.HashStore()
-    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_addr is None:
-        store = _agent_store(addr, port, rendezvous_timeout_s)  # torchrun's agent ran the rendezvous
-    else:
-        store = _own_rendezvous(addr, port, rank, world_size, rendezvous_timeout_s)
-    dist.init_process_group(backend, store=dist.PrefixStore("ringtrain/pg", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
-    shared_store = store
-    _runtime = Runtime(rank, world_size, local_rank, backend, device, dist.group.WORLD, shared_store)
-    # Teardown at interpreter exit too, whatever the script called (it is idempotent), then
-    # the grace that keeps gloo's threads from aborting the exit (settle_comm_threads).
-    register_exit_grace()
-    atexit.register(destroy_distributed)  # registered last, so it runs first
-    _start_watchdog(_runtime)
-    return _runtime
-
-
-WATCHDOG_ENV = "RINGTRAIN_WATCHDOG_TIMEOUT"  # set by `ringtrain run --watchdog-timeout`
-_watchdog = None  # the Watchdog init_distributed started for a script under `ringtrain run`
-
-
-def _start_watchdog(rt: Runtime) -> None:
-    """Under `ringtrain run`, watch the peers: a rank that dies, raises or hangs is named.
-
-    Without it a rank that hangs outside a collective leaves the others waiting in it for
-    the collective timeout (300 s), and they are the ones reported.
-    """
-    global _watchdog
-    value = os.environ.get(WATCHDOG_ENV, "")
-    try:
-        timeout_s = float(value) if value else 0.0
-    except ValueError:
-        raise DistributedInitError(f"{WATCHDOG_ENV}={value!r} is not a number of seconds") from None
-    if rt.world_size == 1 or timeout_s <= 0:
-        return
-    from ringtrain.watchdog import Watchdog  # it imports this module
-
-    _watchdog = Watchdog(name="run", timeout_s=timeout_s, interval_s=min(1.0, timeout_s / 3)).start()
 
 
 # How long an exiting process lets communication threads finish releasing their last works.
@@ -331,35 +112,6 @@ def register_exit_grace() -> None:
     if not _grace_registered:
         _grace_registered = True
         atexit.register(settle_comm_threads)
-
-
-def destroy_distributed(checkout_timeout_s: float = 5.0) -> None:
-    """Tear the default process group down. Safe to call twice or without init.
-
-    Rank 0 hosts the TCPStore; if it exits while a peer still talks to the store, the peer can
-    abort in C++ ("terminate called without an active exception"). So each rank checks out
-    through the store and rank 0 waits, at most `checkout_timeout_s`, for the others.
-    """
-    global _runtime, _own_store, _watchdog
-    if _watchdog is not None:  # first: the peers must see this rank finish, not go silent
-        _watchdog.stop(done=getattr(sys, "last_value", None) is None)
-        _watchdog = None
-    rt, store = _runtime, _own_store
-    _runtime = _own_store = None
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    if getattr(sys, "last_value", None) is not None:
-        checkout_timeout_s = 0.0  # exiting on an uncaught exception: peers may be dead, don't wait
-    if rt is not None and store is not None and rt.world_size > 1:
-        try:  # after the group is gone, so no peer thread still uses the store when rank 0 exits
-            left = store.add("ringtrain/checkout", 1)
-            deadline = time.monotonic() + checkout_timeout_s
-            while rt.rank == 0 and left < rt.world_size and time.monotonic() < deadline:
-                time.sleep(0.02)
-                left = store.add("ringtrain/checkout", 0)
-        except (RuntimeError, OSError):  # the store is gone already (a peer died): nothing to wait for
-            pass
-    del store  # non-zero ranks close their client here, while rank 0's server still listens
 
 
 def _require() -> Runtime:

@@ -10,7 +10,7 @@ raises stops the rest and its traceback is re-raised with its rank; a run that o
 `timeout_s` is killed and the unfinished ranks are named: no test can hang.
 
 `fault_hook` is the fault injection behind RINGTRAIN_TEST_FAULT; production code holds only
-the hook point (`ringtrain.train.run_job` imports it when that variable is set). Tests:
+the hook point (`ringtrain.cli.train.run_job` imports it when that variable is set). Tests:
 `.venv/bin/pytest -q tests/test_restart.py tests/test_store_keys.py`.
 """
 
@@ -48,7 +48,7 @@ def _dumps(obj: Any) -> bytes:
 def _worker(fn, rank, world_size, port, args, init, env, threads, out):
     os.environ.update(env)
     torch.set_num_threads(threads)
-    from ringtrain.runtime import destroy_distributed, init_distributed
+    from ringtrain.launch.process_group import destroy_distributed, init_distributed
 
     try:
         if init:

@@ -11,27 +11,27 @@ quietly does less on another torch. No other module of ringtrain touches these n
 Features and the names each one needs:
 - a clean exit after collectives launched during backward (`backward_tls_free`):
   `torch._C._is_key_in_tls`, `_get_obj_in_tls`, `_remove_obj_from_tls`, `_stash_obj_in_tls`;
-- naming a rank that hangs (`process_groups`, `sequence_number`, used by ringtrain.hang):
+- naming a rank that hangs (`process_groups`, `sequence_number`, used by ringtrain.launch.hang):
   `torch.distributed.distributed_c10d._world` (its `pg_map`),
   `ProcessGroup._get_sequence_number_for_group`;
-- the bucketed all-reduce at the end of backward (ringtrain.reducer: `current_autograd_node`,
+- the bucketed all-reduce at the end of backward (ringtrain.ddp.reducer: `current_autograd_node`,
   `queue_backward_callback`): `torch._C._current_autograd_node`,
   `torch.autograd.Variable._execution_engine` (its `queue_callback`);
-- broadcasting tensors in a few flat chunks (ringtrain.ddp's `broadcast_coalesced`:
+- broadcasting tensors in a few flat chunks (ringtrain.ddp.distributed's `broadcast_coalesced`:
   `flatten_dense_tensors`, `unflatten_dense_tensors`): `torch._utils._flatten_dense_tensors`,
   `torch._utils._unflatten_dense_tensors`;
-- syncing buffers while a backward still holds them (ringtrain.ddp, `preserve_version_counter`):
+- syncing buffers while a backward still holds them (ringtrain.ddp.distributed, `preserve_version_counter`):
   `torch.autograd._unsafe_preserve_version_counter`;
-- the store of a process group torch started (ringtrain.runtime, ringtrain.checkpoint:
+- the store of a process group torch started (ringtrain.runtime, ringtrain.checkpoint.snapshot:
   `default_store`): `torch.distributed.distributed_c10d._get_default_store`;
-- communication lanes with their group's timeout (ringtrain.lanes, `group_timeout`):
+- communication lanes with their group's timeout (ringtrain.ddp.lanes, `group_timeout`):
   `ProcessGroup._get_backend`, `torch._C._distributed_c10d.Backend.Options._timeout`;
-- advertising a reachable address across nodes (ringtrain.rendezvous,
+- advertising a reachable address across nodes (ringtrain.launch.rendezvous,
   `matches_machine_hostname`):
   `torch.distributed.elastic.rendezvous.utils._matches_machine_hostname`;
-- bounded rendezvous store queries across nodes (ringtrain.rendezvous, `RDZV_REGISTRY`):
+- bounded rendezvous store queries across nodes (ringtrain.launch.rendezvous, `RDZV_REGISTRY`):
   `torch.distributed.launcher.api.rdzv_registry`;
-- tolerated ranks in `ringtrain run` (ringtrain.launcher, `CAPTURE_PROCESS_FAILURES`,
+- tolerated ranks in `ringtrain run` (ringtrain.launch.launcher, `CAPTURE_PROCESS_FAILURES`,
   `running_workers`, `mark_finished`): `SubprocessContext._capture_process_failures`, and the
   attributes its constructors set: `_running_local_ranks`, `subprocess_handlers` (each with
   `proc`), `envs`;
@@ -163,9 +163,9 @@ def backward_tls_free() -> Iterator[None]:
         _stash_obj_in_tls(_BACKWARD_CONTEXT_KEY, saved)
 
 
-# ---- naming a rank that hangs (ringtrain.hang) ---------------------------------------------
+# ---- naming a rank that hangs (ringtrain.launch.hang) ---------------------------------------------
 
-_FEATURE_HANG = "naming a rank that hangs outside a collective the others wait in (ringtrain.hang)"
+_FEATURE_HANG = "naming a rank that hangs outside a collective the others wait in (ringtrain.launch.hang)"
 _c10d = _require(torch.distributed, "distributed_c10d", _FEATURE_HANG)
 _world = _require(_c10d, "_world", _FEATURE_HANG)
 _require(torch.distributed.ProcessGroup, "_get_sequence_number_for_group", _FEATURE_HANG)
@@ -181,9 +181,9 @@ def sequence_number(group: torch.distributed.ProcessGroup) -> int:
     return int(group._get_sequence_number_for_group())
 
 
-# ---- the bucketed all-reduce at the end of backward (ringtrain.reducer) --------------------
+# ---- the bucketed all-reduce at the end of backward (ringtrain.ddp.reducer) --------------------
 
-_FEATURE_REDUCER = "the bucketed gradient all-reduce at the end of backward (ringtrain.reducer)"
+_FEATURE_REDUCER = "the bucketed gradient all-reduce at the end of backward (ringtrain.ddp.reducer)"
 
 _current_autograd_node = _require(torch._C, "_current_autograd_node", _FEATURE_REDUCER)
 _engine = _require(torch.autograd.Variable, "_execution_engine", _FEATURE_REDUCER)
@@ -209,25 +209,25 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     _engine.queue_callback(callback)
 
 
-# ---- broadcasting tensors in a few flat chunks (ringtrain.ddp) -----------------------------
+# ---- broadcasting tensors in a few flat chunks (ringtrain.ddp.distributed) -----------------------------
 
 _FEATURE_COALESCED = ("broadcasting parameters and buffers in a few flat chunks "
-                      "(ringtrain.ddp.broadcast_coalesced)")
+                      "(ringtrain.ddp.distributed.broadcast_coalesced)")
 #: `flatten_dense_tensors(tensors)`: one 1-D tensor holding `tensors` back to back (a copy).
 flatten_dense_tensors = _require(torch._utils, "_flatten_dense_tensors", _FEATURE_COALESCED)
 #: `unflatten_dense_tensors(flat, like)`: views of `flat` shaped as the tensors in `like`.
 unflatten_dense_tensors = _require(torch._utils, "_unflatten_dense_tensors", _FEATURE_COALESCED)
 
-_FEATURE_BUFFERS = "syncing buffers while a backward still holds them (ringtrain.ddp)"
+_FEATURE_BUFFERS = "syncing buffers while a backward still holds them (ringtrain.ddp.distributed)"
 #: `with preserve_version_counter(tensors):` in-place writes inside leave their version counters
 #: as they were, so autograd does not take them for a user's in-place edit of a saved tensor.
 preserve_version_counter = _require(torch.autograd, "_unsafe_preserve_version_counter",
                                     _FEATURE_BUFFERS)
 
 
-# ---- the store of a process group torch started (ringtrain.runtime, ringtrain.checkpoint) --
+# ---- the store of a process group torch started (ringtrain.runtime, ringtrain.checkpoint.snapshot) --
 
-_FEATURE_STORE = "the default process group's store (ringtrain.runtime, ringtrain.checkpoint)"
+_FEATURE_STORE = "the default process group's store (ringtrain.runtime, ringtrain.checkpoint.snapshot)"
 _get_default_store = _require(_c10d, "_get_default_store", _FEATURE_STORE)
 
 
@@ -236,9 +236,9 @@ def default_store() -> torch.distributed.Store:
     return _get_default_store()
 
 
-# ---- communication lanes with their group's timeout (ringtrain.lanes) ----------------------
+# ---- communication lanes with their group's timeout (ringtrain.ddp.lanes) ----------------------
 
-_FEATURE_LANES = "giving communication lanes their group's timeout (ringtrain.lanes)"
+_FEATURE_LANES = "giving communication lanes their group's timeout (ringtrain.ddp.lanes)"
 _require(torch.distributed.ProcessGroup, "_get_backend", _FEATURE_LANES)
 _c10d_ext = _require(torch._C, "_distributed_c10d", _FEATURE_LANES)
 _require(_require(_require(_c10d_ext, "Backend", _FEATURE_LANES), "Options", _FEATURE_LANES),
@@ -259,23 +259,23 @@ def group_timeout(group: torch.distributed.ProcessGroup) -> timedelta | None:
     return None if options is None else options._timeout
 
 
-# ---- rendezvous across nodes (ringtrain.rendezvous) ----------------------------------------
+# ---- rendezvous across nodes (ringtrain.launch.rendezvous) ----------------------------------------
 
 _FEATURE_HOSTNAME = ("telling the rendezvous host across nodes that it hosts the store "
-                     "(ringtrain.rendezvous)")
+                     "(ringtrain.launch.rendezvous)")
 #: `matches_machine_hostname(host)`: whether `host` names this machine (torch's own test).
 matches_machine_hostname: Callable[[str], bool] = _require(
     _rdzv_utils, "_matches_machine_hostname", _FEATURE_HOSTNAME)
 
-_FEATURE_RDZV = "bounding the agent's rendezvous store queries across nodes (ringtrain.rendezvous)"
+_FEATURE_RDZV = "bounding the agent's rendezvous store queries across nodes (ringtrain.launch.rendezvous)"
 #: The registry `elastic_launch` gets its rendezvous handler from.
 RDZV_REGISTRY = _patch_point(_launcher_api, "rdzv_registry", _FEATURE_RDZV)
 
 
-# ---- tolerated ranks in `ringtrain run` (ringtrain.launcher) -------------------------------
+# ---- tolerated ranks in `ringtrain run` (ringtrain.launch.launcher) -------------------------------
 
 _FEATURE_TOLERATE = ("tolerated ranks in `ringtrain run` (launch(..., tolerate_ranks=...), "
-                     "ringtrain.launcher)")
+                     "ringtrain.launch.launcher)")
 SubprocessContext = _mp_api.SubprocessContext
 #: `SubprocessContext._capture_process_failures(self, done_local_ranks)`: the step of the
 #: agent's poll that records each exited worker as finished or failed.

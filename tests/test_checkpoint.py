@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from ringtrain.checkpoint import (
+from ringtrain.checkpoint.rng import get_rng_state, set_rng_state
+from ringtrain.checkpoint.snapshot import (
     SnapshotCorruptError,
     SnapshotError,
     SnapshotManager,
@@ -26,8 +27,7 @@ from ringtrain.checkpoint import (
     load_model_state_dict,
     unwrap_state_dict,
 )
-from ringtrain.rng import get_rng_state, set_rng_state
-from ringtrain.sampler import DistributedSampler
+from ringtrain.data.sampler import DistributedSampler
 from ringtrain.testing import WorkerError, run_workers
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.buckets import GradBucket
-from ringtrain.comm_hooks import (
+from ringtrain.ddp.buckets import GradBucket
+from ringtrain.ddp.comm_hooks import (
     RingAllReduceState,
     allreduce_hook,
     bf16_compress_hook,
@@ -27,7 +27,7 @@ from ringtrain.comm_hooks import (
     ring_chunk_bounds,
     ring_schedule,
 )
-from ringtrain.ddp import DistributedDataParallel
+from ringtrain.ddp.distributed import DistributedDataParallel
 from ringtrain.testing import run_workers
 
 SIZES = [1, 2, 5, 17, 1001]  # odd, and smaller than the ring

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.buckets import GradBucket, assign_buckets
-from ringtrain.ddp import DistributedDataParallel, ReplicaMismatchError
-from ringtrain.naive_ddp import NaiveDistributedDataParallel
+from ringtrain.ddp.buckets import GradBucket, assign_buckets
+from ringtrain.ddp.distributed import DistributedDataParallel, ReplicaMismatchError
+from ringtrain.ddp.naive import NaiveDistributedDataParallel
+from ringtrain.ddp.unused_params import UnusedParametersError
 from ringtrain.testing import run_workers
-from ringtrain.unused_params import UnusedParametersError
 
 B = 4  # samples per rank
 

@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch.utils.data import Subset
 
-from ringtrain.checkpoint import SnapshotError, SnapshotManager
-from ringtrain.progress import MetricsLog
+from ringtrain.checkpoint.snapshot import SnapshotError, SnapshotManager
+from ringtrain.cli.train import main
 from ringtrain.testing import run_workers
-from ringtrain.train import main
+from ringtrain.training.progress import MetricsLog
 
 # The command (`--steps 40 --snapshot-every 10`), shortened: the third save fails.
 RUN = ["--steps", "30", "--snapshot-every", "10", "--eval-every", "10", "--no-progress"]
@@ -137,7 +137,7 @@ def test_full_run_dir_is_refused_naming_the_free_space(tmpfs, capsys, not_launch
 
 
 def test_unfinished_snapshot_folders_are_removed_at_the_next_start(tmp_path):
-    from ringtrain.run_dir import check_run_dir
+    from ringtrain.checkpoint.run_dir import check_run_dir
 
     snapshots = tmp_path / "run" / "snapshots"
     manager = SnapshotManager(snapshots, rank=0, world_size=1)
@@ -154,7 +154,7 @@ def test_unfinished_snapshot_folders_are_removed_at_the_next_start(tmp_path):
 
 
 def test_snapshot_on_a_full_disk_raises_the_disk_error_and_leaves_no_temp_folder(tmpfs):
-    from ringtrain.checkpoint import SnapshotNoSpaceError
+    from ringtrain.checkpoint.snapshot import SnapshotNoSpaceError
 
     root = tmpfs("1m") / "snapshots"
     manager = SnapshotManager(root, rank=0, world_size=1, keep=2)
@@ -250,7 +250,7 @@ class _FailsWhilePickled:
 
 
 def _mixed_failures(rank, world_size, root):
-    from ringtrain.checkpoint import SnapshotNoSpaceError
+    from ringtrain.checkpoint.snapshot import SnapshotNoSpaceError
 
     manager = SnapshotManager(root, rank=rank, world_size=world_size, timeout_s=20)
     manager.save(1, shared={"x": 1}, per_rank={"rank": rank})
@@ -280,14 +280,14 @@ def test_every_rank_raises_the_same_kind_of_save_failure(tmp_path):
 
 def test_full_disk_at_the_end_is_a_message_not_a_traceback(tmpfs, monkeypatch):
     from ringtrain.data.addition import AdditionDataset
+    from ringtrain.launch.process_group import destroy_distributed, init_distributed
     from ringtrain.models import GPT, GPTConfig, loss_fn
-    from ringtrain.runtime import destroy_distributed, init_distributed
     from ringtrain.strategies import make_strategy
-    from ringtrain.trainer import Trainer, TrainerConfig
+    from ringtrain.training.trainer import Trainer, TrainerConfig
 
     for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(v, raising=False)
-    monkeypatch.setattr("ringtrain.report.write_report", lambda *args, **kwargs: None)
+    monkeypatch.setattr("ringtrain.training.report.write_report", lambda *args, **kwargs: None)
     disk = tmpfs("1m")
     rt = init_distributed()
     try:

@@ -20,14 +20,15 @@ import pytest
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ringtrain.checkpoint import SnapshotError
+from ringtrain.checkpoint.resume import config_differences, elastic_batch
+from ringtrain.checkpoint.snapshot import SnapshotError
 from ringtrain.data.addition import AdditionDataset
+from ringtrain.launch.process_group import destroy_distributed, init_distributed
 from ringtrain.models import GPT, GPTConfig, loss_fn
-from ringtrain.resume import config_differences, elastic_batch
-from ringtrain.runtime import destroy_distributed, get_runtime, init_distributed
+from ringtrain.runtime import get_runtime
 from ringtrain.strategies import make_strategy
 from ringtrain.testing import run_workers
-from ringtrain.trainer import Trainer, TrainerConfig
+from ringtrain.training.trainer import Trainer, TrainerConfig
 
 # No dropout: with it, the fresh per-rank RNG of an elastic resume changes the masks, and the
 # comparison with the uninterrupted run below could not be this tight.
@@ -68,9 +69,9 @@ def make_trainer(runtime, run_dir, *, strategy="ddp", stop_at=None, **options):
 
 def _two_ranks(rank, world_size, root):
     """The uninterrupted run and the stopped ones (DDP, and a 2-stage pipeline)."""
-    import ringtrain.report
+    import ringtrain.training.report
 
-    ringtrain.report.write_report = lambda *args, **kwargs: None
+    ringtrain.training.report.write_report = lambda *args, **kwargs: None
     rt, root = get_runtime(), Path(root)
     reference = make_trainer(rt, root / "reference").fit()
     stopped = make_trainer(rt, root / "ddp", stop_at=STOP if rank == 0 else None).fit()
@@ -86,9 +87,9 @@ def _two_ranks(rank, world_size, root):
 
 
 def _resume(rank, world_size, run_dir):
-    import ringtrain.report
+    import ringtrain.training.report
 
-    ringtrain.report.write_report = lambda *args, **kwargs: None
+    ringtrain.training.report.write_report = lambda *args, **kwargs: None
     trainer = make_trainer(get_runtime(), run_dir)
     summary = trainer.fit()
     return summary, trainer.train_set.seen, (trainer.config.batch_size, trainer.config.grad_accum)
@@ -139,7 +140,7 @@ def test_two_ranks_to_three(stopped):
 def single_process(monkeypatch):
     for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(v, raising=False)
-    monkeypatch.setattr("ringtrain.report.write_report", lambda *args, **kwargs: None)
+    monkeypatch.setattr("ringtrain.training.report.write_report", lambda *args, **kwargs: None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield init_distributed()

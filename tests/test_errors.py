@@ -23,8 +23,8 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ringtrain.runtime import destroy_distributed
-from ringtrain.train import build_parser, main
+from ringtrain.cli.train import build_parser, main
+from ringtrain.launch.process_group import destroy_distributed
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--batch-size", "16", "--no-progress", "--threads", "1"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -54,8 +54,8 @@ def no_launch(monkeypatch):
     """Fail (rather than train) if `main` gets as far as starting the job."""
     def refuse(*args, **kwargs):
         raise AssertionError("the job started: the mistake was not caught before launch")
-    monkeypatch.setattr("ringtrain.launcher.launch", refuse)
-    monkeypatch.setattr("ringtrain.train.run_job", refuse)
+    monkeypatch.setattr("ringtrain.launch.launcher.launch", refuse)
+    monkeypatch.setattr("ringtrain.cli.train.run_job", refuse)
 
 
 # ---- found before any worker starts: two lines, exit 2 --------------------------------------
@@ -93,8 +93,8 @@ def test_help_still_lists_every_option(capsys):
 
 
 def test_the_layout_is_checked_where_the_world_size_is_known(monkeypatch):
-    from ringtrain.train import _known_world_size
-    from ringtrain.train_args import check_args
+    from ringtrain.cli.train import _known_world_size
+    from ringtrain.cli.train_args import check_args
 
     args = build_parser().parse_args(["--strategy", "pipeline", "--pp", "3", "--nnodes", "1:2"])
     assert _known_world_size(args) is None  # elastic: the workers check, once they know
@@ -108,9 +108,9 @@ def test_the_layout_is_checked_where_the_world_size_is_known(monkeypatch):
 
 def test_training_set_sizes_are_counted_without_building_it(tmp_path):
     """`check_args` counts the training samples with a formula: it must match the datasets."""
+    from ringtrain.cli.train_args import check_args
     from ringtrain.data.addition import AdditionDataset
     from ringtrain.data.chars import load_text
-    from ringtrain.train_args import check_args
 
     text = tmp_path / "t.txt"
     text.write_text("abcdefghij" * 40)
@@ -128,7 +128,7 @@ def test_training_set_sizes_are_counted_without_building_it(tmp_path):
 def test_more_workers_than_cores_warns_once_at_launch(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     launched = []
-    monkeypatch.setattr("ringtrain.launcher.launch", lambda *a, **k: launched.append(k) or 0)
+    monkeypatch.setattr("ringtrain.launch.launcher.launch", lambda *a, **k: launched.append(k) or 0)
     assert main(["--nproc-per-node", "3", "--run-dir", str(tmp_path / "run")]) == 0
     err = capsys.readouterr().err
     assert launched and err.count("--nproc-per-node 3 is more than this machine's 2 CPU cores") == 1
@@ -136,7 +136,7 @@ def test_more_workers_than_cores_warns_once_at_launch(monkeypatch, capsys, tmp_p
 
 
 def test_a_one_character_text_warns_once(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr("ringtrain.train.run_job", lambda *a, **k: 0)
+    monkeypatch.setattr("ringtrain.cli.train.run_job", lambda *a, **k: 0)
     data = tmp_path / "a.txt"
     data.write_text("a" * 2000)
     assert main(["--data", str(data), "--block-size", "8", "--run-dir", str(tmp_path / "run")]) == 0
@@ -169,7 +169,7 @@ def _failure(tmp_path, rank: int, exitcode: int, raised: str | None = None) -> P
 
 
 def test_the_launcher_adds_nothing_to_a_mistake_the_workers_explained(tmp_path):
-    from ringtrain.failure_report import explained_by_workers
+    from ringtrain.launch.failure_report import explained_by_workers
 
     assert explained_by_workers({0: _failure(tmp_path, 0, 2), 1: _failure(tmp_path, 1, 2)})
     stopped_after = _failure(tmp_path, 0, -signal.SIGTERM)  # by the launcher, once rank 1 exited

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.hang import HangCheck
+from ringtrain.launch.hang import HangCheck
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"

@@ -21,9 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.failure_report import ChildFailedError, ProcessFailure, format_failure, root_cause
-from ringtrain.launcher import main
-from ringtrain.watchdog import PEER_FAILED_EXIT_CODE
+from ringtrain.launch.failure_report import (
+    ChildFailedError,
+    ProcessFailure,
+    format_failure,
+    root_cause,
+)
+from ringtrain.launch.launcher import main
+from ringtrain.launch.peer_failure import PEER_FAILED_EXIT_CODE
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tests" / "scripts" / "allreduce_loop.py")
@@ -83,7 +88,7 @@ def _wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 30.0) 
 def test_two_single_node_jobs_at_once_both_succeed(tmp_path):
     # No port given to either: each must pick its own. Job A uses torchrun's `_` spelling,
     # job B the Python API that `ringtrain train` relaunches itself through.
-    api = ("import sys; from ringtrain.launcher import launch; "
+    api = ("import sys; from ringtrain.launch.launcher import launch; "
            f"sys.exit(launch({SCRIPT!r}, ['--steps', '5'], nproc_per_node=2))")
     jobs = [
         subprocess.Popen([*RUN, "--nproc_per_node=2", SCRIPT, "--steps", "5"], env=ENV,
@@ -230,7 +235,7 @@ def test_report_for_a_signal_without_error_file(tmp_path):
     assert report.splitlines()[0].endswith("killed by SIGKILL")
     failures = {0: _failure(tmp_path, 0, 3)}
     assert "exit code 3" in format_failure(ChildFailedError("x.py", failures))
-    assert "@ringtrain.launcher.record" in format_failure(ChildFailedError("x.py", failures))
+    assert "@ringtrain.launch.launcher.record" in format_failure(ChildFailedError("x.py", failures))
 
 
 DIE = """
@@ -252,7 +257,7 @@ def test_a_tolerated_rank_dies_and_the_others_finish(tmp_path, tag, how, tolerat
     # (75: "a peer failed") is never the rank's own death: it still fails the job.
     script = tmp_path / "die.py"
     script.write_text(DIE)
-    api = ("import sys; from ringtrain.launcher import launch; "
+    api = ("import sys; from ringtrain.launch.launcher import launch; "
            f"sys.exit(launch({str(script)!r}, [{how!r}, {tag!r}], nproc_per_node=3, "
            "tolerate_ranks={1, 2}))")
     out = subprocess.run([sys.executable, "-c", api], env=ENV, capture_output=True, text=True,
@@ -270,7 +275,7 @@ def test_a_tolerated_rank_dies_and_the_others_finish(tmp_path, tag, how, tolerat
 
 
 def test_tolerate_ranks_is_refused_for_a_function():
-    from ringtrain.launcher import launch
+    from ringtrain.launch.launcher import launch
 
     with pytest.raises(ValueError, match="not a function"):
         launch(print, [], nproc_per_node=2, tolerate_ranks={1})

@@ -9,7 +9,7 @@ with the same `param_sha256` as 2 processes on one host; SIGKILLing every proces
 mid-run stops host a within the watchdog bound, naming rank 1; relaunching both hosts on the
 same run directory resumes from the last committed snapshot and ends with the same parameters.
 Both namespaces share the hostname `vm`, which resolves to 127.0.0.1: the launcher has to find
-each host's real address by itself (see `ringtrain.rendezvous._multi_node_addresses`).
+each host's real address by itself (see `ringtrain.launch.rendezvous._multi_node_addresses`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import pytest
 from netns import Host, two_hosts, unavailable
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from ringtrain.failure_report import ChildFailedError, ProcessFailure, format_failure
-from ringtrain.launcher import get_args_parser
-from ringtrain.rendezvous import _BoundedRendezvous, _multi_node_addresses
-from ringtrain.watchdog import PEER_FAILED_EXIT_CODE
+from ringtrain.launch.failure_report import ChildFailedError, ProcessFailure, format_failure
+from ringtrain.launch.launcher import get_args_parser
+from ringtrain.launch.peer_failure import PEER_FAILED_EXIT_CODE
+from ringtrain.launch.rendezvous import _BoundedRendezvous, _multi_node_addresses
 
 REPO = Path(__file__).resolve().parent.parent
 WATCHDOG_S = 5.0  # --watchdog-timeout of the runs below

@@ -16,7 +16,7 @@ from ringtrain.pipeline.partition import (
     partition,
     tied_parameters,
 )
-from ringtrain.topology import Topology
+from ringtrain.pipeline.topology import Topology
 
 
 def _stack(widths=(4, 8, 8, 8, 2)):

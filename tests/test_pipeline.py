@@ -18,6 +18,8 @@ import pytest
 import torch
 from torch import nn
 
+from ringtrain.cli.train import main as train_main
+from ringtrain.launch.process_group import destroy_distributed
 from ringtrain.models.gpt import GPT, GPTConfig, loss_fn
 from ringtrain.pipeline import PipelineStage, ScheduleError, partition
 from ringtrain.pipeline.schedule import (
@@ -28,10 +30,9 @@ from ringtrain.pipeline.schedule import (
     SendActivation,
     SendGrad,
 )
-from ringtrain.runtime import destroy_distributed, get_runtime
+from ringtrain.pipeline.topology import Topology, create_process_groups
+from ringtrain.runtime import get_runtime
 from ringtrain.testing import run_workers
-from ringtrain.topology import Topology, create_process_groups
-from ringtrain.train import main as train_main
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 

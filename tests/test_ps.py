@@ -22,9 +22,11 @@ from torch import nn
 from ringtrain.ps.protocol import PSError, PSTopology
 from ringtrain.runtime import Runtime, get_runtime
 from ringtrain.strategies import make_strategy
-from ringtrain.strategies.ps import PSStrategy
+from ringtrain.strategies.ps import (
+    ASYNC_BETA1,  # what `ringtrain train --ps-mode async` uses
+    PSStrategy,
+)
 from ringtrain.testing import run_workers
-from ringtrain.train import ASYNC_BETA1  # what `ringtrain train --ps-mode async` uses
 
 BATCH = 4
 
@@ -277,7 +279,7 @@ def test_a_dead_server_is_named_by_every_worker():
 
 # -- server state survives a snapshot ----------------------------------------------------------
 def _snapshot_restore(rank, world_size, root):
-    from ringtrain.checkpoint import SnapshotManager
+    from ringtrain.checkpoint.snapshot import SnapshotManager
 
     s = ps_strategy("sync", 1, "adamw")
     manager = SnapshotManager(root, rank=rank, world_size=world_size, timeout_s=30)
@@ -340,9 +342,9 @@ def test_topology_puts_workers_first():
 def _async_vs_ddp(rank, world_size, ddp_steps, eval_every):
     """DDP for `ddp_steps`, then async PS for twice as many, each with the trainer's schedule."""
     from ringtrain.data.addition import AdditionDataset, exact_match
-    from ringtrain.ddp import DistributedDataParallel
+    from ringtrain.ddp.distributed import DistributedDataParallel
     from ringtrain.models import GPT, GPTConfig, loss_fn
-    from ringtrain.trainer import TrainerConfig, adamw, lr_at
+    from ringtrain.training.trainer import TrainerConfig, adamw, lr_at
 
     train, test = AdditionDataset("train"), AdditionDataset("test")
     config = GPTConfig(vocab_size=train.vocab_size, block_size=train.block_size)  # the default GPT

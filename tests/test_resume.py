@@ -1,4 +1,4 @@
-"""Snapshots of the training loop and exact resume (`ringtrain.resume` through `Trainer`).
+"""Snapshots of the training loop and exact resume (`ringtrain.checkpoint.resume` through `Trainer`).
 
     .venv/bin/pytest -q tests/test_resume.py
 
@@ -22,13 +22,14 @@ import pytest
 import torch
 from torch.utils.data import Subset
 
-import ringtrain.checkpoint as checkpoint
+import ringtrain.checkpoint.snapshot as checkpoint
 from ringtrain.data.addition import AdditionDataset, exact_match
+from ringtrain.launch.process_group import destroy_distributed, init_distributed
 from ringtrain.models import GPT, GPTConfig, loss_fn
-from ringtrain.runtime import destroy_distributed, get_runtime, init_distributed
+from ringtrain.runtime import get_runtime
 from ringtrain.strategies import make_strategy
 from ringtrain.testing import run_workers
-from ringtrain.trainer import Trainer, TrainerConfig
+from ringtrain.training.trainer import Trainer, TrainerConfig
 
 MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
 STEPS, EVERY = 12, 3  # 80 samples, 8 per rank per step: 2 ranks end epochs at steps 5 and 10
@@ -79,9 +80,9 @@ def _fails_writing(step: int) -> None:
 
 def _scenarios(rank, world_size, root, crash_step):
     """Every two-rank scenario, one after another in this process group; returns the summaries."""
-    import ringtrain.report
+    import ringtrain.training.report
 
-    ringtrain.report.write_report = lambda *args, **kwargs: None  # matplotlib: not tested here
+    ringtrain.training.report.write_report = lambda *args, **kwargs: None  # matplotlib: not tested here
     rt, root, out = get_runtime(), Path(root), {}
     out["reference"] = make_trainer(rt, root / "reference").fit()
     # SIGTERM to rank 1 alone after step 7: both ranks save step 7 and stop; then resume.
@@ -183,7 +184,7 @@ def test_the_snapshot_holds_every_rank_state(two_ranks):
 def single_process(monkeypatch):
     for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(v, raising=False)
-    monkeypatch.setattr("ringtrain.report.write_report", lambda *args, **kwargs: None)
+    monkeypatch.setattr("ringtrain.training.report.write_report", lambda *args, **kwargs: None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield init_distributed()

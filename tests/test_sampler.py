@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
-from ringtrain.sampler import DistributedSampler
+from ringtrain.data.sampler import DistributedSampler
 
 
 def _ranks(n, world, **kw):
@@ -222,7 +222,8 @@ def test_errors_carry_the_values():
 
 
 def test_defaults_come_from_the_process_group():
-    from ringtrain.runtime import DistributedInitError, destroy_distributed, init_distributed
+    from ringtrain.launch.process_group import destroy_distributed, init_distributed
+    from ringtrain.runtime import DistributedInitError
 
     destroy_distributed()
     with pytest.raises(DistributedInitError, match="init_distributed"):

@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from ringtrain.checkpoint import SnapshotManager
-from ringtrain.membership import Membership
+from ringtrain.agreement.membership import Membership
+from ringtrain.checkpoint.snapshot import SnapshotManager
+from ringtrain.launch.watchdog import Watchdog
 from ringtrain.runtime import get_runtime
 from ringtrain.testing import run_workers
-from ringtrain.watchdog import Watchdog
 
 # ---- one process: a name is taken once per store and rank -------------------------------------
 

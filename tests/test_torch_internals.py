@@ -28,19 +28,19 @@ PACKAGE = ROOT / "ringtrain"
 PRIVATE_NAMES = [
     # backward_tls_free
     "_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls", "_stash_obj_in_tls",
-    # process_groups, sequence_number (ringtrain.hang)
+    # process_groups, sequence_number (ringtrain.launch.hang)
     "_world", "pg_map", "_get_sequence_number_for_group",
-    # current_autograd_node, queue_backward_callback (ringtrain.reducer)
+    # current_autograd_node, queue_backward_callback (ringtrain.ddp.reducer)
     "_current_autograd_node", "_execution_engine", "queue_callback",
-    # flatten/unflatten_dense_tensors, preserve_version_counter (ringtrain.ddp)
+    # flatten/unflatten_dense_tensors, preserve_version_counter (ringtrain.ddp.distributed)
     "_flatten_dense_tensors", "_unflatten_dense_tensors", "_unsafe_preserve_version_counter",
-    # default_store (ringtrain.runtime, ringtrain.checkpoint)
+    # default_store (ringtrain.runtime, ringtrain.checkpoint.snapshot)
     "_get_default_store",
-    # group_timeout (ringtrain.lanes)
+    # group_timeout (ringtrain.ddp.lanes)
     "_get_backend", "_distributed_c10d",
-    # matches_machine_hostname, RDZV_REGISTRY (ringtrain.rendezvous)
+    # matches_machine_hostname, RDZV_REGISTRY (ringtrain.launch.rendezvous)
     "_matches_machine_hostname", "rdzv_registry",
-    # CAPTURE_PROCESS_FAILURES, running_workers, mark_finished (ringtrain.launcher)
+    # CAPTURE_PROCESS_FAILURES, running_workers, mark_finished (ringtrain.launch.launcher)
     "_capture_process_failures", "_running_local_ranks", "subprocess_handlers",
     # BatchNorm (ringtrain.pipeline.engine)
     "_BatchNorm",
@@ -76,11 +76,11 @@ def test_pyproject_torch_range_is_the_one_the_shim_was_checked_against():
 def test_a_missing_name_fails_naming_the_torch_version_the_feature_and_the_fix():
     owner = types.SimpleNamespace(__name__="torch._C")
     with pytest.raises(TorchInternalsError) as e:
-        ti._require(owner, "_gone_in_this_release", "the bucketed all-reduce (ringtrain.reducer)")
+        ti._require(owner, "_gone_in_this_release", "the bucketed all-reduce (ringtrain.ddp.reducer)")
     msg = str(e.value)
     assert f"torch {torch.__version__}" in msg
     assert "torch._C._gone_in_this_release" in msg
-    assert "the bucketed all-reduce (ringtrain.reducer)" in msg
+    assert "the bucketed all-reduce (ringtrain.ddp.reducer)" in msg
     assert f"pip install torch=={TESTED_TORCH}" in msg
     assert isinstance(e.value, ImportError)  # it fails `import ringtrain`, not a later call
 
@@ -179,7 +179,7 @@ def test_no_other_module_mentions_a_private_torch_name():
 
 
 def test_bounded_rendezvous_wraps_torchs_registry_and_puts_it_back():
-    from ringtrain.rendezvous import _bounded_rendezvous, _BoundedRendezvous
+    from ringtrain.launch.rendezvous import _bounded_rendezvous, _BoundedRendezvous
 
     inner = object()
     fake = types.SimpleNamespace(get_rendezvous_handler=lambda params: inner)

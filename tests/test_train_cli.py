@@ -10,10 +10,7 @@ import sys
 import pytest
 import torch
 
-from ringtrain.progress import setup_logging
-from ringtrain.runtime import destroy_distributed
-from ringtrain.train import (
-    ASYNC_BETA1,
+from ringtrain.cli.train import (
     build_parser,
     check_args,
     main,
@@ -21,6 +18,9 @@ from ringtrain.train import (
     trainer_config,
     worker_argv,
 )
+from ringtrain.launch.process_group import destroy_distributed
+from ringtrain.strategies.ps import ASYNC_BETA1
+from ringtrain.training.progress import setup_logging
 
 SUMMARY_KEYS = ("steps", "world_size", "strategy", "train_loss", "eval_loss", "eval_accuracy",
                 "tokens_per_s", "wall_s", "restarts", "param_sha256")

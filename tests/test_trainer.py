@@ -1,4 +1,4 @@
-"""The training loop (`ringtrain.trainer`) with the DDP strategy: single process and 2 ranks."""
+"""The training loop (`ringtrain.training.trainer`) with the DDP strategy: single process and 2 ranks."""
 
 import json
 import math
@@ -9,11 +9,12 @@ import torch
 from torch.utils.data import Subset
 
 from ringtrain.data.addition import AdditionDataset, exact_match
+from ringtrain.launch.process_group import destroy_distributed, init_distributed
 from ringtrain.models import GPT, GPTConfig, loss_fn
-from ringtrain.runtime import destroy_distributed, get_runtime, init_distributed
+from ringtrain.runtime import get_runtime
 from ringtrain.strategies import make_strategy
 from ringtrain.testing import run_workers
-from ringtrain.trainer import Trainer, TrainerConfig, lr_at, param_sha256, rank_seed
+from ringtrain.training.trainer import Trainer, TrainerConfig, lr_at, param_sha256, rank_seed
 
 _VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=2, n_embd=16)
@@ -106,7 +107,7 @@ def test_early_stop_and_resume_state():
     trainer.stop_when = lambda rec: rec["eval_loss"] < 100
     summary = trainer.fit()
     assert summary["steps"] == 5
-    state = trainer.state_dict()
+    state = trainer.state.state_dict()
     assert state["step"] == 5
     assert state["sampler"]["samples_consumed"] == 5 * 8 and state["sampler"]["epoch"] == 0
 
@@ -154,9 +155,9 @@ def test_param_sha256_and_rank_seed():
     assert os.environ.get("RANK") is None
 
 
-# -- sums through the store that leave out a departed rank (ringtrain.membership) --------------
+# -- sums through the store that leave out a departed rank (ringtrain.agreement.membership) --------------
 def _views(store, world_size=3, **kw):
-    from ringtrain.membership import Membership
+    from ringtrain.agreement.membership import Membership
 
     return [Membership(store, r, world_size, scope="t", timeout_s=5, **kw) for r in range(world_size)]
 
@@ -195,7 +196,7 @@ def test_store_reduce_leaves_out_a_departed_rank_consistently():
 
     import torch.distributed as dist
 
-    from ringtrain.membership import MemberDepartedError
+    from ringtrain.agreement.membership import MemberDepartedError
 
     views = _views(dist.HashStore())
     # Rank 2 never arrives; the survivors wait until it is declared departed, then both
@@ -225,7 +226,7 @@ def test_store_reduce_leaves_out_a_departed_rank_consistently():
 def test_store_reduce_names_a_silent_rank_that_has_not_departed():
     import torch.distributed as dist
 
-    from ringtrain.membership import Membership
+    from ringtrain.agreement.membership import Membership
 
     views = [Membership(dist.HashStore(), 0, 2, scope="t", timeout_s=0.3)]
     with pytest.raises(TimeoutError, match=r"ranks \[1\] did not reach 'x' within 0.3 s"):

@@ -22,14 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ringtrain.errors import is_connection_lost
+from ringtrain.launch.peer_failure import PEER_FAILED_EXIT_CODE, PeerFailure, exit_on_peer_failure
+from ringtrain.launch.watchdog import Watchdog
 from ringtrain.testing import WorkerError, run_workers
-from ringtrain.watchdog import (
-    PEER_FAILED_EXIT_CODE,
-    PeerFailure,
-    Watchdog,
-    exit_on_peer_failure,
-    is_connection_lost,
-)
 
 GLOO_RESET = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
               "[127.0.0.1]:64185: Connection reset by peer. This is typically caused by a remote "

@@ -6,7 +6,7 @@
     engine.py     one stage running its actions
 
 The trainer-facing strategy is `ringtrain.strategies.pipeline.PipelineStrategy`;
-`ringtrain.topology` lays out dp x pp ranks and their process groups.
+`ringtrain.pipeline.topology` lays out dp x pp ranks and their process groups.
 """
 
 from ringtrain.pipeline.engine import PipelineStage, StepStats, split_batch

@@ -6,6 +6,8 @@
 - `protocol`: the rank layout, the process groups and the messages;
 - `server`: a server rank's shard, optimizer and the three modes;
 - `worker`: a worker rank's push of gradients and pull of parameters;
+- `stats`: staleness and update-lag figures, merged across servers;
+- `final_state`: the end of a run, the servers' parameters gathered on every rank;
 - `ringtrain.strategies.ps.PSStrategy`: all of it behind the trainer's `Strategy` seam.
 """
 

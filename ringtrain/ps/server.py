@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.errors import is_connection_lost
 from ringtrain.ps.protocol import Kind, PSError, recv_request, send_params
 from ringtrain.ps.sharding import DEFAULT_BUCKET_NUMEL, Piece, bucket_bounds, piece_views
 from ringtrain.ps.stats import Tally
-from ringtrain.strategies.base import OptimizerFn
-from ringtrain.watchdog import is_connection_lost
+from ringtrain.types import OptimizerFn
 
 MODES = ("sync", "async", "ssp")
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -39,3 +40,18 @@ class Tally:
     def summary(self, name: str) -> dict[str, float]:
         """{`name`_max, `name`_mean}: the figures a run summary reports."""
         return {f"{name}_max": self.max, f"{name}_mean": round(self.mean, 4)}
+
+
+def merge_stats(tallies: list[list[float]], *, mode: str, servers: int,
+                staleness: int) -> dict[str, Any]:
+    """The run's figures from every server's `stats_tensor()` (staleness, update lag, counts)."""
+    gap, lag = Tally(), Tally()
+    for t in tallies:
+        gap = gap.merge(Tally.from_list(t[0:3]))
+        lag = lag.merge(Tally.from_list(t[3:6]))
+    # Every server sees every push, so the counts repeat per server: keep max and mean.
+    return {"ps_mode": mode, "ps_servers": servers,
+            "ps_staleness_bound": staleness if mode == "ssp" else None,
+            "ps_updates": int(max(t[6] for t in tallies)),
+            "ps_workers_lost": int(max(t[7] for t in tallies)),
+            **gap.summary("staleness"), **lag.summary("update_lag")}

@@ -1,9 +1,46 @@
 """Strategies: how a rank holds the model, meets its peers' gradients and saves state.
 
-The trainer talks only to `Strategy` (see `base.py`); `make_strategy(name, ...)` builds one.
-Each strategy module registers itself in `STRATEGIES` under the `--strategy` name it answers to.
+Read `base.py` first (the seam the trainer talks to), then `ddp.py` (the simplest), then
+`pipeline.py` and `ps.py`. Each module here holds one `Strategy` subclass with a `name`; it is
+found by that name (`--strategy NAME`, `make_strategy(NAME, ...)`) without a list to edit.
+Strategy modules may import `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`,
+`ringtrain.agreement`, `ringtrain.runtime`; never the trainer or the command line.
 """
 
-from ringtrain.strategies.base import STRATEGIES, StepResult, Strategy, make_strategy
+from __future__ import annotations
 
-__all__ = ["STRATEGIES", "StepResult", "Strategy", "make_strategy"]
+import importlib
+import pkgutil
+from typing import Any
+
+from ringtrain.errors import ConfigError
+from ringtrain.strategies.base import EvalShard, Option, StepResult, Strategy
+
+__all__ = ["EvalShard", "Option", "StepResult", "Strategy", "make_strategy", "registered"]
+
+_NOT_STRATEGIES = {"base"}
+
+
+def registered() -> dict[str, type[Strategy]]:
+    """--strategy name -> class, for every strategy module in this package (sorted by name)."""
+    found: dict[str, type[Strategy]] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name in _NOT_STRATEGIES or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for value in vars(module).values():
+            if (isinstance(value, type) and issubclass(value, Strategy) and value.name
+                    and value.__module__ == module.__name__):
+                if value.name in found:
+                    raise TypeError(f"two strategies are named {value.name!r}: "
+                                    f"{found[value.name].__module__} and {module.__name__}")
+                found[value.name] = value
+    return dict(sorted(found.items()))
+
+
+def make_strategy(name: str, **options: Any) -> Strategy:
+    """Build the strategy registered as `name` with its options (e.g. pp=2, schedule='1f1b')."""
+    strategies = registered()
+    if name not in strategies:
+        raise ConfigError(f"--strategy {name!r} is not known; choose one of {sorted(strategies)}")
+    return strategies[name](**options)

@@ -1,32 +1,35 @@
 """The seam between the trainer and a way of distributing a model.
 
 The trainer never asks which strategy it holds: it calls these methods on every rank, in the
-same order, and reduces metrics as (sum, count) over the world group. A rank that has nothing
-to report (a pipeline stage without the loss, a parameter server) reports count 0.
+same order, and reduces metrics as (sum, count) through the strategy's `agreement`. A rank
+that has nothing to report (a pipeline stage without the loss, a parameter server) reports
+count 0. Optional behaviour is a method here with a default that does nothing.
+
+A strategy is one module in `ringtrain/strategies/` holding one `Strategy` subclass with a
+`name`: the command line (`ringtrain train --strategy NAME`) finds it there, with its
+`options` (its own flags), `plan` (its checks before any worker starts) and
+`tolerated_ranks_for` (which ranks the launcher may lose). See docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import importlib
+import argparse
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ringtrain.errors import ConfigError
+from ringtrain.agreement.base import Agreement, CollectiveAgreement
+from ringtrain.types import LossFn, OptimizerFn
 
-# --strategy name -> "module:Class"; modules are imported only when chosen.
-STRATEGIES: dict[str, str] = {
-    "ddp": "ringtrain.strategies.ddp:DDPStrategy",
-    "pipeline": "ringtrain.strategies.pipeline:PipelineStrategy",
-    "ps": "ringtrain.strategies.ps:PSStrategy",
-}
+if TYPE_CHECKING:
+    from ringtrain.runtime import Runtime
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
-OptimizerFn = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+__all__ = ["EvalShard", "LossFn", "OptimizerFn", "Option", "StepResult", "Strategy", "eval_forward",
+           "int_at_least"]
 
 
 @dataclass
@@ -39,17 +42,77 @@ class StepResult:
     comm_s: float = 0.0  # time spent waiting on communication
 
 
+@dataclass(frozen=True)
+class EvalShard:
+    """The part of the eval set this rank scores: shard `index` of `count` (exact, no padding).
+
+    `index` None: this rank scores nothing but makes every `eval_logits` call the others make
+    (a pipeline stage without the data, a parameter server in lockstep).
+    """
+
+    index: int | None
+    count: int
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low`, with a message naming the value otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be {low} or more")
+        return value
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option of a strategy: `flag` becomes the constructor's keyword `name`.
+
+    Unset options are not passed: the constructor's default applies.
+    """
+
+    flag: str  # "--pp"
+    name: str  # "pp"
+    type: Callable[[str], Any] = str  # parses the text (an argparse type)
+    choices: tuple[str, ...] | None = None
+    help: str = ""
+
+    @property
+    def dest(self) -> str:
+        """The attribute on the parsed arguments (`--ps-mode` -> `ps_mode`)."""
+        return self.flag[2:].replace("-", "_")
+
+
 class Strategy(ABC):
     """One rank's view of a distributed model. Call every method on every rank, same order."""
 
     name: str = ""
+    options: tuple[Option, ...] = ()  # its own flags (`ringtrain train --help`, "strategy")
     # True when every rank holds the whole model and optimizer state (DDP): a snapshot is then
     # written once and can be resumed on any number of ranks. False: per-rank parts, same layout.
     replicated_state: bool = False
-    # False when ranks may legitimately drift apart in steps (async/ssp parameter server): the
-    # trainer then asks for agreement (SIGTERM, stop) at metric steps only, which all ranks share.
-    lockstep: bool = True
 
+    # -- before any worker starts (the command line asks, with the options the user set) -------
+    @classmethod
+    def plan(cls, options: dict[str, Any], world_size: int, step_batch: int) -> int:
+        """Check `options` against `world_size` ranks and a step of `step_batch` samples per
+        data rank; return how many data ranks read data. Raises ConfigError naming the fix."""
+        return world_size
+
+    @classmethod
+    def tolerated_ranks_for(cls, options: dict[str, Any], world_size: int) -> frozenset[int]:
+        """Ranks whose death the job survives (the launcher keeps the others going)."""
+        return frozenset()
+
+    @classmethod
+    def trainer_defaults(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """TrainerConfig defaults this strategy changes (e.g. AdamW's beta1), by field name."""
+        return {}
+
+    # -- the seam ------------------------------------------------------------------------------
     @abstractmethod
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
         """Take the plain model (identically initialised on every rank) and build the optimizer."""
@@ -85,6 +148,22 @@ class Strategy(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of `state_dict`."""
 
+    # -- optional, with defaults for lockstep strategies ----------------------------------------
+    def agreement(self, runtime: Runtime, name: str) -> Agreement:
+        """How this strategy's ranks agree on sums, votes and digests (`ringtrain.agreement`).
+
+        `name` names store keys where the agreement uses the store (the trainer's name).
+        Default: collectives over the world group (ranks move in step).
+        """
+        return CollectiveAgreement(runtime.process_group, runtime.world_size)
+
+    def eval_shard(self) -> EvalShard | None:
+        """The part of the eval set this rank scores; None: it takes no part in evaluation.
+
+        Default: its data shard, every rank making the same number of `eval_logits` calls.
+        """
+        return EvalShard(self.data_rank, self.data_world_size)
+
     @property
     def is_worker(self) -> bool:
         """False on ranks that serve rather than train (parameter servers).
@@ -94,6 +173,19 @@ class Strategy(ABC):
         returns None, while the strategy serves its peers inside those calls.
         """
         return True
+
+    @property
+    def tolerated_ranks(self) -> frozenset[int]:
+        """Ranks whose death this job survives; `rank_departed` is told when one dies."""
+        return frozenset()
+
+    def rank_departed(self, rank: int, why: str) -> None:
+        """A tolerated rank died (the watchdog found it): go on without it."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """The strategy's own figures for the run's summary (after `model_state_dict`)."""
+        return {}
 
     def serve(self) -> None:
         """Run a non-worker rank's role outside the trainer loop (optional)."""
@@ -116,11 +208,3 @@ def eval_forward(module: nn.Module, x: torch.Tensor, device: torch.device) -> to
         return module(x.to(device))
     finally:
         module.train(was_training)
-
-
-def make_strategy(name: str, **options: Any) -> Strategy:
-    """Build the strategy registered as `name` with its options (e.g. pp=2, schedule='1f1b')."""
-    if name not in STRATEGIES:
-        raise ConfigError(f"--strategy {name!r} is not known; choose one of {sorted(STRATEGIES)}")
-    module, cls = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module), cls)(**options)

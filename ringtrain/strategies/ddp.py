@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.ddp import DistributedDataParallel
+from ringtrain.ddp.distributed import DistributedDataParallel
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy, eval_forward
+from ringtrain.strategies.base import StepResult, Strategy, eval_forward
+from ringtrain.types import LossFn, OptimizerFn
 
 
 def _strip_module_prefix(state: dict[str, Any]) -> dict[str, Any]:

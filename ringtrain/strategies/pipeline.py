@@ -3,7 +3,7 @@
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 [--schedule 1f1b|gpipe] [--microbatches 4]
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 4      # dp=2 x pp=2
 
-The world's ranks form `dp` pipelines of `pp` stages (`ringtrain.topology`). Every rank gets
+The world's ranks form `dp` pipelines of `pp` stages (`ringtrain.pipeline.topology`). Every rank gets
 the full, identically initialised model in `setup`, splits it the same way (the model's
 `to_sequential()`, or the model itself if it is an `nn.Sequential`) and keeps its own stage.
 Every stage of one pipeline reads the same batch (`data_rank` is the dp coordinate); the
@@ -28,9 +28,10 @@ from ringtrain.errors import ConfigError
 from ringtrain.pipeline.engine import PipelineStage
 from ringtrain.pipeline.partition import partition, tied_parameters
 from ringtrain.pipeline.schedule import SCHEDULES
+from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
-from ringtrain.topology import Topology, create_process_groups
+from ringtrain.strategies.base import Option, StepResult, Strategy, int_at_least
+from ringtrain.types import LossFn, OptimizerFn
 
 
 def _default_microbatches(batch: int, pp: int) -> int:
@@ -61,6 +62,30 @@ class PipelineStrategy(Strategy):
     """
 
     name = "pipeline"
+    options = (
+        Option("--pp", "pp", int_at_least(1), help="pipeline stages (default: 2)"),
+        Option("--schedule", "schedule", choices=tuple(sorted(SCHEDULES)),
+               help="pipeline schedule (default: 1f1b)"),
+        Option("--microbatches", "microbatches", int_at_least(1),
+               help="pipeline micro-batches per batch (default: the most up to 4 x pp that "
+                    "divide the batch)"),
+    )
+
+    @classmethod
+    def plan(cls, options: dict[str, Any], world_size: int, step_batch: int) -> int:
+        pp = options.get("pp", 2)
+        try:
+            dp = Topology(world_size, pp).dp
+        except ValueError as e:  # pp must divide world_size
+            raise ConfigError(str(e)) from None
+        m = options.get("microbatches")
+        if m is not None and (m < pp or step_batch % m):
+            fits = [d for d in range(pp, step_batch + 1) if step_batch % d == 0]
+            fix = f"--microbatches in {fits}" if fits else f"--batch-size {pp} or more"
+            raise ConfigError(f"--microbatches {m} must be at least --pp {pp} and divide the "
+                              f"{step_batch} samples of a step (--batch-size x --grad-accum); "
+                              f"use {fix}")
+        return dp
 
     def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
                  microbatches: int | None = None, split: Sequence[int] | None = None):
@@ -111,7 +136,7 @@ class PipelineStrategy(Strategy):
 
         self.ddp = None
         if self.topology.dp > 1:
-            from ringtrain.ddp import DistributedDataParallel
+            from ringtrain.ddp.distributed import DistributedDataParallel
 
             # No buffer broadcast: buffers start equal, and a broadcast per micro-batch
             # forward would add a collective to every schedule step.

@@ -24,7 +24,6 @@ only copy of the parameters) are never tolerated: their loss still ends the job.
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 import warnings
@@ -35,8 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.agreement.base import Agreement
+from ringtrain.agreement.membership import Membership
+from ringtrain.agreement.store import StoreAgreement
 from ringtrain.errors import ConfigError
-from ringtrain.membership import Membership
+from ringtrain.ps.final_state import broadcast_final_state, gather_final_state
 from ringtrain.ps.protocol import PSError, PSTopology, make_ps_groups
 from ringtrain.ps.server import MODES, ParameterServer
 from ringtrain.ps.sharding import (
@@ -44,14 +46,23 @@ from ringtrain.ps.sharding import (
     DEFAULT_SPLIT_NUMEL,
     pack,
     plan_shards,
-    unpack,
 )
-from ringtrain.ps.stats import Tally
+from ringtrain.ps.stats import Tally, merge_stats
 from ringtrain.ps.worker import PSWorker
 from ringtrain.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, Runtime
-from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy, eval_forward
+from ringtrain.strategies.base import (
+    EvalShard,
+    Option,
+    StepResult,
+    Strategy,
+    eval_forward,
+    int_at_least,
+)
+from ringtrain.types import LossFn, OptimizerFn
 
 log = logging.getLogger("ringtrain")
+
+ASYNC_BETA1 = 0.5  # AdamW's beta1 under --ps-mode async (see `PSStrategy.trainer_defaults`)
 
 
 class PSStrategy(Strategy):
@@ -76,6 +87,37 @@ class PSStrategy(Strategy):
     """
 
     name = "ps"
+    options = (
+        Option("--servers", "servers", int_at_least(1), help="parameter-server ranks, the last "
+               "ones (default: 1)"),
+        Option("--ps-mode", "mode", choices=MODES, help="parameter-server mode (default: sync)"),
+        Option("--staleness", "staleness", int_at_least(0), help="SSP bound (--ps-mode ssp; "
+               "default: 2)"),
+    )
+
+    @classmethod
+    def plan(cls, options: dict[str, Any], world_size: int, step_batch: int) -> int:
+        try:  # servers read no data; raises when no worker is left
+            return PSTopology(world_size, options.get("servers", 1)).workers
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    @classmethod
+    def tolerated_ranks_for(cls, options: dict[str, Any], world_size: int) -> frozenset[int]:
+        """`PSTopology.tolerated_ranks` before any worker exists (the launcher needs it)."""
+        try:
+            topology = PSTopology(world_size, options.get("servers", 1))
+        except ValueError:  # no worker left: the strategy says why at start
+            return frozenset()
+        return topology.tolerated_ranks(options.get("mode", "sync"))
+
+    @classmethod
+    def trainer_defaults(cls, options: dict[str, Any]) -> dict[str, Any]:
+        # Asynchronous SGD behaves as if it had momentum of about 1 - 1/W on top of the
+        # optimizer's (Mitliagkas et al. 2016, "Asynchrony begets momentum"): with Adam's usual
+        # 0.9 the async test reached DDP's accuracy at steps 412-482 of 500 allowed, with 0.5
+        # at 276-424 (tests/test_ps.py).
+        return {"beta1": ASYNC_BETA1} if options.get("mode") == "async" else {}
 
     def __init__(self, runtime: Runtime, servers: int = 1, mode: str = "sync", staleness: int = 2,
                  *, split_numel: int | None = DEFAULT_SPLIT_NUMEL,
@@ -90,10 +132,7 @@ class PSStrategy(Strategy):
                 f"--strategy ps needs at least one worker and one server, but world_size="
                 f"{runtime.world_size}; run with --nproc-per-node {servers + 1} or more")
         self.runtime, self.mode, self.staleness = runtime, mode, staleness
-        # async/ssp workers drift apart by design: the trainer should not make them agree on
-        # anything (SIGTERM) every step, only at metric steps. Servers' parts are per rank.
-        self.lockstep = mode == "sync"
-        self.replicated_state = False
+        self.replicated_state = False  # servers' parts are per rank
         try:
             self.topology = PSTopology(runtime.world_size, servers)
         except ValueError as e:  # no worker left: the same on every rank
@@ -126,6 +165,23 @@ class PSStrategy(Strategy):
     def tolerated_ranks(self) -> frozenset[int]:
         """Ranks whose death the job survives: async/ssp workers other than rank 0."""
         return self.topology.tolerated_ranks(self.mode)
+
+    def agreement(self, runtime: Runtime, name: str) -> Agreement:
+        """async/ssp workers drift apart by design, and may die: they agree through the store,
+        over the ranks still in the job, and vote (SIGTERM) at metric steps only."""
+        if self.mode == "sync":
+            return super().agreement(runtime, name)
+        return StoreAgreement(Membership.of(runtime, name, timeout_s=self.timeout_s))
+
+    def eval_shard(self) -> EvalShard | None:
+        """async/ssp: replicas differ and a worker may leave, so worker rank 0 evaluates the
+        whole set alone, on the parameters its last step brought back (no collective)."""
+        if self.mode == "sync":
+            return super().eval_shard()
+        return EvalShard(0, 1) if self.data_rank == 0 else None
+
+    def rank_departed(self, rank: int, why: str) -> None:
+        self.drop_worker(rank, why)
 
     def drop_worker(self, rank: int, why: str) -> bool:
         """Mark worker `rank` departed (a watchdog found it dead); warns once per job.
@@ -236,89 +292,15 @@ class PSStrategy(Strategy):
         if self.worker is not None:
             self.worker.sync_point()  # lets a server parked in serve() come here
         if self.membership is not None:
-            return self._final_state_of_the_living()
-        dist.barrier(group=group)
-        state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-        params = {n: state[n] for n, _ in self.plan.shapes}
-        tallies = []
-        for i, s in enumerate(topo.server_ranks):
-            pieces = self.plan.for_server(i)
-            if self.server is not None and s == self.runtime.rank:
-                flat = self.server.snapshot_flat()
-                st = self.server.stats_tensor()
-            else:
-                flat = torch.zeros(sum(p.numel for p in pieces))
-                st = torch.zeros(8, dtype=torch.float64)
-            dist.broadcast(flat, s, group=group)
-            dist.broadcast(st, s, group=group)
-            unpack(flat, pieces, params)
-            tallies.append(st.tolist())
-        # Buffers and frozen parameters are not served: every rank takes rank 0's.
-        for key in sorted(set(state) - set(params)):
-            if state[key].is_floating_point() or state[key].dtype in (torch.int64, torch.int32):
-                dist.broadcast(state[key], 0, group=group)
-        self._stats = self._merge_stats(tallies)
-        if self.worker is None:
-            with torch.no_grad():
-                self.module.load_state_dict(state)
+            state, tallies = gather_final_state(
+                self.membership, self.module, self.plan, topo, self.runtime.rank, self.worker,
+                self.server, self.groups.servers)
+        else:
+            state, tallies = broadcast_final_state(self.module, self.plan, topo,
+                                                   self.runtime.rank, self.server, group)
+        self._stats = merge_stats(tallies, mode=self.mode, servers=topo.servers,
+                                  staleness=self.staleness)
         return state
-
-    def _final_state_of_the_living(self) -> dict[str, torch.Tensor]:
-        """`model_state_dict` in async/ssp: without collectives, so a dead worker is no obstacle.
-
-        Two store rounds among the ranks still in the job: the first says every live worker
-        has finished (its last push applied), so the servers' shards and figures are final;
-        in the second the servers give their figures and rank 0 its buffers. Then workers
-        pull the final parameters over their own pair groups, and servers swap shards on the
-        servers' group (all servers are alive, or the job fails here).
-        """
-        assert self.membership is not None and self.module is not None
-        topo, rank = self.topology, self.runtime.rank
-        present = sorted(self.membership.gather("final/arrived", b"1"))
-        missing = [r for r in (0, *topo.server_ranks) if r not in present]
-        if missing:
-            raise PSError(
-                f"rank {rank}: ranks {missing} left the job before its end; the final state "
-                "needs rank 0 and every server. Restart from the last snapshot")
-        if self.worker is not None:
-            self.worker.pull()  # nothing is pushed any more: this is the servers' final state
-        state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-        params = {n: state[n] for n, _ in self.plan.shapes}
-        mine: dict[str, Any] = {}
-        if self.server is not None:
-            mine["stats"] = self.server.stats_tensor().tolist()
-        if rank == 0:  # buffers and frozen parameters are not served: every rank takes rank 0's
-            mine["buffers"] = {k: v for k, v in state.items() if k not in params}
-        parts = {r: _loads(b) for r, b in self.membership.gather("final/figures", _dumps(mine)).items()}
-        missing = [r for r in (0, *topo.server_ranks) if r not in parts]
-        if missing:
-            raise PSError(f"rank {rank}: ranks {missing} left the job while its final state "
-                          "was gathered. Restart from the last snapshot")
-        for key, value in parts[0]["buffers"].items():
-            state[key].copy_(value)
-        if self.server is not None:
-            for i, s in enumerate(topo.server_ranks):
-                flat = (self.server.snapshot_flat() if s == rank
-                        else torch.zeros(self.plan.server_numel(i)))
-                if topo.servers > 1:
-                    dist.broadcast(flat, s, group=self.groups.servers)
-                unpack(flat, self.plan.for_server(i), params)
-            with torch.no_grad():
-                self.module.load_state_dict(state)
-        self._stats = self._merge_stats([parts[s]["stats"] for s in topo.server_ranks])
-        return state
-
-    def _merge_stats(self, tallies: list[list[float]]) -> dict[str, Any]:
-        gap, lag = Tally(), Tally()
-        for t in tallies:
-            gap = gap.merge(Tally.from_list(t[0:3]))
-            lag = lag.merge(Tally.from_list(t[3:6]))
-        # Every server sees every push, so the counts repeat per server: keep max and mean.
-        return {"ps_mode": self.mode, "ps_servers": self.topology.servers,
-                "ps_staleness_bound": self.staleness if self.mode == "ssp" else None,
-                "ps_updates": int(max(t[6] for t in tallies)),
-                "ps_workers_lost": int(max(t[7] for t in tallies)),
-                **gap.summary("staleness"), **lag.summary("update_lag")}
 
     def stats(self) -> dict[str, Any]:
         """Observed staleness (steps ahead of the slowest worker) and update lag: max, mean.
@@ -326,12 +308,14 @@ class PSStrategy(Strategy):
         Global after `model_state_dict()` (which gathers the servers' figures); before that,
         this rank's own view.
         """
+        departed = ({} if self.membership is None
+                    else {"departed_ranks": sorted(self.membership.departed())})
         if self._stats is not None:
-            return dict(self._stats)
+            return {**self._stats, **departed}
         if self.server is not None:
-            return {"ps_mode": self.mode, **self.server.stats()}
+            return {"ps_mode": self.mode, **self.server.stats(), **departed}
         gap = self.worker.gap if self.worker is not None else Tally()
-        return {"ps_mode": self.mode, **gap.summary("staleness")}
+        return {"ps_mode": self.mode, **gap.summary("staleness"), **departed}
 
     def state_dict(self) -> dict[str, Any]:
         """A server's shard, optimizer and clocks; a worker's clock. Collective.
@@ -382,12 +366,3 @@ class PSStrategy(Strategy):
                 warnings.warn(str(e), stacklevel=2)
             self.server.close()
 
-
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)

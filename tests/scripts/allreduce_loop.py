@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import ringtrain
-from ringtrain.launcher import die_with_parent, record
-from ringtrain.watchdog import Watchdog
+from ringtrain.launch.launcher import die_with_parent, record
+from ringtrain.launch.watchdog import Watchdog
 
 
 def fail(how: str, step: int, ready_file: str | None) -> None:

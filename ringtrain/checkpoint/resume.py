@@ -1,6 +1,7 @@
 """The training loop's fault tolerance: snapshots, exact and elastic resume, SIGTERM.
 
-    checkpointer = Checkpointer(trainer, "runs/x/snapshots", every=100, keep=2)
+    checkpointer = Checkpointer(loop_state, strategy, runtime, agreement, config, data_world_size,
+                                "runs/x/snapshots", every=100, keep=2)
     checkpointer.resume()          # every rank, before the loop: the newest committed snapshot
     checkpointer.save(step)        # every rank, at the same step boundary
 
@@ -8,7 +9,7 @@
 by itself from its run directory.) Tests: `.venv/bin/pytest -q tests/test_resume.py
 tests/test_elastic.py tests/test_restart.py`.
 
-What a snapshot holds (files written by `ringtrain.checkpoint.SnapshotManager`):
+What a snapshot holds (files written by `ringtrain.checkpoint.snapshot.SnapshotManager`):
 - `shared.pt` (rank 0): the trainer's state (step, sampler cursor and epoch, running totals,
   resume history), the metrics window summed over ranks, and, for strategies whose ranks hold
   the same state (DDP), the strategy's state: the unwrapped model and the optimizer. The LR
@@ -35,14 +36,17 @@ import signal
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ringtrain.checkpoint import (
+from ringtrain.checkpoint.rng import get_rng_state, set_rng_state
+from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
+from ringtrain.checkpoint.snapshot import (
     SaveResult,
     SnapshotError,
     SnapshotManager,
@@ -52,11 +56,11 @@ from ringtrain.checkpoint import (
     remove_unfinished,
 )
 from ringtrain.errors import ConfigError
-from ringtrain.rng import get_rng_state, set_rng_state
-from ringtrain.run_dir import DiskFullError, no_space_message
 
 if TYPE_CHECKING:
-    from ringtrain.trainer import Trainer
+    from ringtrain.agreement.base import Agreement
+    from ringtrain.runtime import Runtime
+    from ringtrain.strategies.base import Strategy
 
 __all__ = ["Checkpointer", "StopSignal", "config_differences", "elastic_batch", "reseed"]
 
@@ -124,8 +128,8 @@ class StopSignal:
     """SIGTERM becomes a request to save and stop at the next step boundary.
 
     The handler only sets a flag (a signal may land anywhere, e.g. inside a collective's
-    Python wrapper); the loop reduces the flag over the ranks at each step boundary, so all
-    ranks stop at the same step even when only one was signalled.
+    Python wrapper); the loop votes on the flag through the strategy's agreement at each step
+    boundary, so all ranks stop at the same step even when only one was signalled.
 
     .. warning:: On the way out with an exception, a signal that arrived is delivered again
        to the previous handler (by default: the process ends). An agent that stops the group
@@ -147,18 +151,6 @@ class StopSignal:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 
-    def agreed(self, world_size: int, process_group: dist.ProcessGroup | None = None) -> bool:
-        """Did any rank get the signal? One int all-reduced (MAX): call on every rank.
-
-        Cheap enough for every step boundary: on gloo with 2 ranks it takes ~0.2 ms (median; a
-        few ms at the 90th percentile on a loaded 2-core machine), against tens of ms per step.
-        """
-        if world_size == 1:
-            return self.received is not None
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
-        return bool(flag.item())
-
     def __exit__(self, exc_type, exc, tb) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
@@ -170,20 +162,41 @@ class StopSignal:
 # ---- the trainer's snapshots -----------------------------------------------------------------
 
 
-def _replicated(strategy: Any) -> bool:
-    """True when every rank holds the same strategy state (the whole model and optimizer).
+class LoopStateLike(Protocol):
+    """What the checkpointer needs of the training loop's state (`ringtrain.training.state`)."""
 
-    Then rank 0 alone writes it and any number of ranks can load it (elastic resume).
-    Strategies say so with their `replicated_state` attribute.
-    """
-    return bool(strategy.replicated_state)
+    window: list[float]
+    resumes: list[dict[str, Any]]
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def window_state(self) -> dict[str, Any]: ...
+    def load_window_state(self, state: dict[str, Any]) -> None: ...
+    def restart_window(self, window_sum: list[float], *, holder: bool) -> None: ...
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resume put the loop: the step, and the per-rank batch layout that keeps the
+    run's global batch on this run's data ranks (changed only by an elastic resume)."""
+
+    step: int
+    batch_size: int
+    grad_accum: int
 
 
 class Checkpointer:
-    """Saves the trainer's state as snapshots and resumes it; every method is collective.
+    """Saves the loop's state with the strategy's as snapshots and resumes them; every method
+    is collective.
 
     Args:
-        trainer: the `Trainer` whose state is saved (its strategy already set up).
+        state: the training loop's `LoopState` (step, sampler cursor, metrics window).
+        strategy: the set-up strategy whose state is saved with it.
+        runtime: this process's `Runtime`.
+        agreement: the strategy's agreement (sums the metrics window for an elastic resume).
+        config: the trainer's resolved `TrainerConfig`: the fields that must match to resume
+            (`TRAINING_FIELDS`), the seed, the steps and the batch layout are read from it.
+        data_world_size: the strategy's number of data ranks.
         root_dir: the snapshot directory, the same on every rank (`<run_dir>/snapshots`).
         every: steps between periodic snapshots; 0 saves none (and SIGTERM is not caught).
         keep: committed snapshots kept.
@@ -194,21 +207,25 @@ class Checkpointer:
             group needs another.
     """
 
-    def __init__(self, trainer: Trainer, root_dir: str, *, every: int = 0, keep: int = 2,
-                 timeout_s: float = 60.0, run_config: dict[str, Any] | None = None,
-                 name: str = "trainer"):
+    def __init__(self, state: LoopStateLike, strategy: Strategy, runtime: Runtime,
+                 agreement: Agreement, config: Any, data_world_size: int,
+                 root_dir: str, *, every: int = 0, keep: int = 2, timeout_s: float = 60.0,
+                 run_config: dict[str, Any] | None = None, name: str = "trainer"):
         if every < 0:
             raise ValueError(f"snapshot_every={every}: use 0 (no snapshots) or a positive step count")
-        rt = trainer.runtime
-        self.trainer, self.every = trainer, every
-        self.manager = SnapshotManager(root_dir, rank=rt.rank, world_size=rt.world_size,
-                                       store=rt.store if rt.world_size > 1 else None, keep=keep,
-                                       timeout_s=timeout_s, name=name)
-        c = trainer.config
-        self.config = {**(run_config or {}), "strategy": trainer.strategy.name,
-                       **{k: getattr(c, k) for k in TRAINING_FIELDS}}
-        self.replicated = _replicated(trainer.strategy)
-        self.global_batch = c.batch_size * c.grad_accum * trainer.data_world_size
+        self.state, self.strategy, self.runtime, self.agreement = state, strategy, runtime, agreement
+        self.every, self.data_world_size, self.seed = every, data_world_size, config.seed
+        self.manager = SnapshotManager(root_dir, rank=runtime.rank, world_size=runtime.world_size,
+                                       store=runtime.store if runtime.world_size > 1 else None,
+                                       keep=keep, timeout_s=timeout_s, name=name)
+        self.config = {**(run_config or {}), "strategy": strategy.name,
+                       **{k: getattr(config, k) for k in TRAINING_FIELDS}}
+        # Every rank holds the same strategy state (DDP): rank 0 alone writes it, and any
+        # number of ranks can load it (elastic resume).
+        self.replicated = bool(strategy.replicated_state)
+        self.batch_size, self.grad_accum = config.batch_size, config.grad_accum
+        self.global_batch = config.batch_size * config.grad_accum * data_world_size
+        self.steps = config.steps
         self.saves: list[tuple[float, int]] = []  # (seconds, bytes of all ranks) per save
         self.saved_step: int | None = None
 
@@ -217,7 +234,7 @@ class Checkpointer:
         return self.every > 0 and step % self.every == 0
 
     def _topology(self) -> dict[str, Any]:
-        return {"strategy": self.trainer.strategy.name, "data_world_size": self.trainer.data_world_size}
+        return {"strategy": self.strategy.name, "data_world_size": self.data_world_size}
 
     def save(self, step: int, reason: str = "periodic") -> SaveResult | None:
         """Write a snapshot of `step` on every rank; a failed save is logged, training goes on.
@@ -227,21 +244,19 @@ class Checkpointer:
         A full disk raises `DiskFullError` on every rank instead: training on would only lose
         the steps since the last snapshot, and every later save would fail the same way.
         """
-        t, rt, s = self.trainer, self.trainer.runtime, self.trainer.strategy
+        st, rt, s = self.state, self.runtime, self.strategy
         start = time.perf_counter()
-        window_sum = t._reduce(list(t._window))  # collective: for a resume on other ranks
-        per_rank: dict[str, Any] = {"step": step, "rng": get_rng_state(), "window": list(t._window),
-                                    "window_s": t._window_s, "window_steps": t._window_steps}
+        window_sum = self.agreement.sum(list(st.window))  # every rank: for a resume on other ranks
+        per_rank: dict[str, Any] = {"step": step, "rng": get_rng_state(), **st.window_state()}
         if not self.replicated:
             per_rank["strategy"] = s.state_dict()  # may be collective (parameter servers)
         shared = meta = None
         if rt.rank == 0:
-            c = t.config
-            shared = {"trainer": t.state_dict(), "window_sum": window_sum, "scaler": None,
+            shared = {"trainer": st.state_dict(), "window_sum": window_sum, "scaler": None,
                       "strategy": s.state_dict() if self.replicated else None}
             meta = {"config": self.config, "topology": self._topology(), "reason": reason,
-                    "global_batch": self.global_batch, "batch_size": c.batch_size,
-                    "grad_accum": c.grad_accum, "replicated": self.replicated}
+                    "global_batch": self.global_batch, "batch_size": self.batch_size,
+                    "grad_accum": self.grad_accum, "replicated": self.replicated}
         try:
             result = self.manager.save(step, shared, per_rank, meta)
         except SnapshotNoSpaceError as e:
@@ -272,8 +287,11 @@ class Checkpointer:
 
     # -- resuming ------------------------------------------------------------------------------
     def _agreed_step(self, step: int | None) -> int | None:
-        """Every rank picked a snapshot on its own (checksums verified): check they agree."""
-        rt = self.trainer.runtime
+        """Every rank picked a snapshot on its own (checksums verified): check they agree.
+
+        At the start of a run, when every rank is present: a collective, whatever the strategy.
+        """
+        rt = self.runtime
         if rt.world_size == 1:
             return step
         t = torch.tensor([-1 if step is None else step] * 2, dtype=torch.int64)
@@ -286,14 +304,15 @@ class Checkpointer:
                 f"{self.manager.root}: is it on a filesystem every rank sees the same way?")
         return None if high < 0 else high
 
-    def resume(self) -> int | None:
-        """Load the newest committed snapshot that verifies, if any; returns its step.
+    def resume(self) -> ResumePoint | None:
+        """Load the newest committed snapshot that verifies, if any, into the loop's state and
+        the strategy; returns where the loop goes on (None: nothing to resume).
 
-        Raises ValueError when the snapshot's options differ from this run's (naming them), or
-        when the global batch cannot be kept on this many ranks; `SnapshotError` (with both
-        world sizes) when the strategy's state cannot be resharded to this world size.
+        Raises ConfigError when the snapshot's options differ from this run's (naming them), or
+        ValueError when the global batch cannot be kept on this many ranks; `SnapshotError`
+        (with both world sizes) when the strategy's state cannot be resharded to this world size.
         """
-        t, rt = self.trainer, self.trainer.runtime
+        st, rt = self.state, self.runtime
         if rt.rank == 0:  # before any rank saves: the temp folders of saves that never finished
             for p in remove_unfinished(self.manager.root):
                 log.info("removed %s, left by a save that did not finish", p)
@@ -321,43 +340,39 @@ class Checkpointer:
         self._fit_global_batch(meta)
         shared, per_rank, _ = self.manager.load(snap)
         assert shared is not None, "a committed snapshot always has shared.pt"
-        s = t.strategy
         if self.replicated:
-            s.load_state_dict(shared["strategy"])
+            self.strategy.load_state_dict(shared["strategy"])
         else:  # check_topology made sure this rank's file exists
-            s.load_state_dict(per_rank["strategy"])
-        t.load_state_dict(shared["trainer"])
+            self.strategy.load_state_dict(per_rank["strategy"])
+        st.load_state_dict(shared["trainer"])
         if not resharded and per_rank is not None:
             set_rng_state(per_rank["rng"])
-            t._window = list(per_rank["window"])
-            t._window_s, t._window_steps = per_rank["window_s"], per_rank["window_steps"]
+            st.load_window_state(per_rank)
         else:
-            reseed(t.config.seed, rt.rank, snap.step)
+            reseed(self.seed, rt.rank, snap.step)
             if rt.rank == 0:
                 log.warning(
                     "warning: snapshot of step %d was written by world_size=%d, this run has "
                     "world_size=%d: random generators (dropout) are seeded afresh from (seed, "
                     "rank, step), so this run is not bit-identical to one without the change",
                     snap.step, meta["world_size"], rt.world_size)
-            n = len(shared["window_sum"])
-            t._window = list(shared["window_sum"]) if rt.rank == 0 else [0.0] * n
-            t._window_s, t._window_steps = 0.0, 0
-        t.resumes.append({"step": snap.step, "world_size": rt.world_size,
-                          "saved_world_size": meta["world_size"],
-                          "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+            st.restart_window(shared["window_sum"], holder=rt.rank == 0)
+        st.resumes.append({"step": snap.step, "world_size": rt.world_size,
+                           "saved_world_size": meta["world_size"],
+                           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
         self.saved_step = snap.step
         log.info("resumed from %s: step %d of %d (saved by world_size %d)", snap.path, snap.step,
-                 t.config.steps, meta["world_size"])
-        return snap.step
+                 self.steps, meta["world_size"])
+        return ResumePoint(snap.step, self.batch_size, self.grad_accum)
 
     def _fit_global_batch(self, meta: dict[str, Any]) -> None:
         """Keep the run's global batch on this run's data ranks (elastic resume)."""
-        c, wd = self.trainer.config, self.trainer.data_world_size
-        if c.batch_size * c.grad_accum * wd == self.global_batch:
+        wd = self.data_world_size
+        if self.batch_size * self.grad_accum * wd == self.global_batch:
             return
-        b, a = elastic_batch(self.global_batch, wd, c.batch_size,
+        b, a = elastic_batch(self.global_batch, wd, self.batch_size,
                              saved_data_world_size=meta["topology"]["data_world_size"])
         log.info("keeping the global batch of %d on %d data ranks: batch_size %d x grad_accum %d "
                  "per rank (was %d x %d on %d)", self.global_batch, wd, b, a, meta["batch_size"],
                  meta["grad_accum"], meta["topology"]["data_world_size"])
-        c.batch_size, c.grad_accum = b, a
+        self.batch_size, self.grad_accum = b, a

@@ -1,12 +1,12 @@
 """The run directory: checked before a run starts, and the words for a disk that fills up.
 
     ringtrain train --run-dir /proc/forbidden      # one line naming the directory and the fix, exit 2
-    python -c "from ringtrain.run_dir import describe_space; print(describe_space('.'))"
+    python -c "from ringtrain.checkpoint.run_dir import describe_space; print(describe_space('.'))"
 
 `ringtrain train` calls `check_run_dir` in `main()`, before any worker starts, so a directory
 that cannot be used (not a directory, not writable, full) is one message and exit code 2, not a
 traceback per worker. A disk that fills up *during* a run stops it at its last committed
-snapshot with `DiskFullError` (`ringtrain.resume.Checkpointer`), which `ringtrain train` turns
+snapshot with `DiskFullError` (`ringtrain.checkpoint.resume.Checkpointer`), which `ringtrain train` turns
 into one message and `DISK_FULL_EXIT_CODE`. Tests: `.venv/bin/pytest -q tests/test_disk.py`.
 """
 
@@ -17,12 +17,11 @@ import os
 import shutil
 from pathlib import Path
 
+from ringtrain.errors import DISK_FULL_EXIT_CODE
+
 __all__ = ["DISK_FULL_EXIT_CODE", "MIN_FREE_BYTES", "DiskFullError", "RunDirError",
            "check_run_dir", "describe_space", "disk_space", "is_no_space", "no_space_message"]
 
-# sysexits' EX_IOERR ("an error occurred while doing I/O on some file"): the run stopped because
-# its directory is full; unlike 1 (a bug, a crash) it says "make room, then run it again".
-DISK_FULL_EXIT_CODE = 74
 # Below this a run cannot even write config.json, a few metrics lines and summary.json.
 MIN_FREE_BYTES = 1_000_000
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -91,7 +90,7 @@ def check_run_dir(path: str | os.PathLike, min_free_bytes: int = MIN_FREE_BYTES)
     Call it before any worker starts: a save in progress writes into such a folder.
     """
     # Here, not at the top: checkpoint_io imports torch, and this module is imported early.
-    from ringtrain.checkpoint_io import newest_snapshot_bytes, remove_unfinished
+    from ringtrain.checkpoint.files import newest_snapshot_bytes, remove_unfinished
 
     p = Path(path)
     existing = p

@@ -1,6 +1,6 @@
 """What the user sees while a run goes: one progress bar, rank-prefixed messages, the run files.
 
-    python -c "from ringtrain.progress import Progress; import time; p = Progress(50); \
+    python -c "from ringtrain.training.progress import Progress; import time; p = Progress(50); \
 [(time.sleep(0.02), p.update(i + 1)) for i in range(50)]; p.close()"
 
 Only rank 0 draws the bar and logs at INFO; every rank logs warnings and errors, prefixed
@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ringtrain.run_dir import describe_space
+from ringtrain.checkpoint.run_dir import describe_space
 
 LOGGER_NAME = "ringtrain"
 

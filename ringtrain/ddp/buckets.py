@@ -132,6 +132,68 @@ def build_buckets(params: Sequence[torch.Tensor], plan: list[list[int]], status_
                               pending=len(members)))
     return buckets
 
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+def stage(bucket: Bucket, slot: int, p: torch.Tensor, grad: torch.Tensor | None, *, used: bool,
+          hot: bool, scale: float | None, as_view: bool) -> None:
+    """Put parameter `p`'s gradient (slot `slot` of `bucket`) where the bucket's collective reads it.
+
+    `scale`: 1 / world_size when averaging here (None: a comm hook averages); `hot`: called
+    from backward, the gradient still in cache; `as_view`: gradient_as_bucket_view.
+    """
+    if len(bucket.members) == 1:
+        if (used and grad is not None and grad.layout == torch.strided
+                and grad.dtype == p.dtype and grad.is_contiguous()):
+            buffer = grad.view(-1)  # reduce .grad itself: no copy in, no copy out
+            if scale is not None and (hot or buffer.element_size() < 4):
+                # Divide now: in backward the gradient was just written by its matmul and
+                # is still in cache, so this pass is cheap; 16-bit gradients are always
+                # divided first, or their sum may overflow.
+                buffer.mul_(scale)
+            else:
+                # A cold fp32/fp64 gradient (sync_gradients(), or accumulated under
+                # no_sync): divide after the sum, where the scaling of one bucket overlaps
+                # the buckets still in flight.
+                bucket.scale_after = scale
+            bucket.buffer, bucket.in_place, bucket.gradients = buffer, True, [grad]
+            return
+        if bucket.payload.numel() != p.numel():
+            bucket.flat = bucket.payload = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+            bucket.views = [bucket.payload.view(p.shape)]
+    view = bucket.views[slot]
+    if grad is None:
+        view.zero_()
+    elif same_tensor(grad, view):  # already a bucket view (gradient_as_bucket_view)
+        if scale is not None:
+            view.mul_(scale)
+    elif scale is not None:
+        torch.mul(grad, scale, out=view)
+    else:
+        view.copy_(grad)
+    if as_view and used and grad is not None:
+        p.grad = view
+    bucket.buffer, bucket.in_place, bucket.gradients = bucket.payload, False, bucket.views
+
+
+def write_back(buckets: Sequence[Bucket], params: Sequence[torch.Tensor], globally_unused: set[int],
+               *, as_view: bool) -> None:
+    """Copy each bucket's averaged gradients into `.grad` (in-place buckets are there already)."""
+    for bucket in buckets:
+        if bucket.in_place:
+            continue  # the collective already wrote into .grad
+        for slot, i in enumerate(bucket.members):
+            if i in globally_unused:
+                continue  # torch leaves the .grad of a parameter no rank used untouched
+            p, view = params[i], bucket.views[slot]
+            if as_view:
+                p.grad = view
+            elif p.grad is None:
+                p.grad = torch.empty_like(p).copy_(view)  # keeps the parameter's strides
+            elif not same_tensor(p.grad, view):
+                p.grad.copy_(view)
+
 
 def hook_result(value: Any, buffer: torch.Tensor, hook: Any, index: int) -> torch.Tensor:
     """The averaged buffer a comm hook's Future gave, checked, flattened like `buffer`."""

@@ -10,7 +10,7 @@ the counts differ and none has moved for `timeout_s`, the ranks behind have not 
 collective that the ranks ahead are blocked in: they hang, and the ones ahead only wait.
 
 The check is pure (`HangCheck`, fed counts and times) and tested without processes; the
-watchdog feeds it (`ringtrain.watchdog`), and a rank that finds itself behind reports itself
+watchdog feeds it (`ringtrain.launch.watchdog`), and a rank that finds itself behind reports itself
 with the stack of its main thread (`describe_main_thread`), so the report shows where it is stuck.
 """
 

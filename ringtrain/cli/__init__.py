@@ -1,5 +1,9 @@
 """The `ringtrain` command: `ringtrain run ...` (launcher) and `ringtrain train ...` (main job).
 
+This `__init__` dispatches; `train.py` runs the `ringtrain train` job and `train_args.py` holds
+its command line (the strategies' own flags come from `ringtrain.strategies`). `ringtrain run`
+is `ringtrain.launch.launcher`. The CLI may import every package; nothing imports the CLI.
+
     ringtrain run --nproc-per-node 2 my_script.py --my-arg 1
     ringtrain train --nproc-per-node 2
 """
@@ -25,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from ringtrain.launcher import main as run_main
+        from ringtrain.launch.launcher import main as run_main
 
         return run_main(rest)
     if command == "train":
-        from ringtrain.train import main as train_main
+        from ringtrain.cli.train import main as train_main
 
         return train_main(rest)
     print(f"ringtrain: unknown command {command!r}; expected 'run' or 'train'\n\n{_USAGE}", file=sys.stderr)

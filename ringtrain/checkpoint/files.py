@@ -1,6 +1,6 @@
 """Snapshot files: durable writes, checksums, manifests; model-state and topology helpers.
 
-The file-level half of `ringtrain.checkpoint` (whose `SnapshotManager` runs the collective
+The file-level half of `ringtrain.checkpoint.snapshot` (whose `SnapshotManager` runs the collective
 save): everything here works on one directory and needs no process group.
 
     info = write_durably(path, state)          # torch.save + fsync; {"sha256", "bytes"}
@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,28 @@ def verify(path: Path, manifest: dict[str, Any], names: list[str] | None = None)
             raise SnapshotCorruptError(
                 f"{path.name}/{name}: sha256 {actual[:12]}... but {expected[:12]}... was committed"
             )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A committed snapshot on disk; `manifest` holds its files' checksums and its metadata."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.manifest["metadata"]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one `save` did, for the trainer's log. Times in seconds."""
+
+    step: int
+    path: Path
+    bytes: int  # written by this rank
+    total_bytes: int  # written by all ranks
+    write_s: float  # this rank serialising and fsyncing its files
+    total_s: float  # the whole collective step, waits included

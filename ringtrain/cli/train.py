@@ -22,7 +22,7 @@ worker starts; what only the workers can find (a snapshot written with other opt
 `ConfigError` on every rank, rank 0 prints it and the launcher adds nothing. An unusable
 `--run-dir` (a file, read-only, full) is one message and exit 2 before any worker starts; a disk
 that fills up during the run stops every rank at its last committed snapshot, with one message
-(where, how full, the fix) and exit code 74 (`ringtrain.run_dir`).
+(where, how full, the fix) and exit code 74 (`ringtrain.checkpoint.run_dir`).
 
     ringtrain train --strategy ps --servers 1 --ps-mode async --nproc-per-node 4
 
@@ -42,12 +42,8 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from ringtrain.errors import USAGE_EXIT_CODE, ConfigError
-from ringtrain.run_dir import DISK_FULL_EXIT_CODE, RunDirError, check_run_dir
-
-# Re-exported (the `as` says so): tests, benchmarks and docs/ps.md find it here.
-from ringtrain.train_args import ASYNC_BETA1 as ASYNC_BETA1
-from ringtrain.train_args import (
+from ringtrain.checkpoint.run_dir import DISK_FULL_EXIT_CODE, RunDirError, check_run_dir
+from ringtrain.cli.train_args import (
     LAUNCHER_FLAGS,
     build_parser,
     check_args,
@@ -58,6 +54,7 @@ from ringtrain.train_args import (
     trainer_config,
     worker_argv,
 )
+from ringtrain.errors import USAGE_EXIT_CODE, ConfigError
 
 # What a launched worker exits with after it stopped on a signal (SIGTERM or SIGINT) and saved
 # a snapshot: 128 + SIGTERM, whichever signal it was (the launcher's failure report knows it).
@@ -134,15 +131,15 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
     """
     import torch
 
-    from ringtrain.launcher import record
-    from ringtrain.progress import format_summary, setup_logging, write_json
-    from ringtrain.runtime import destroy_distributed, init_distributed
+    from ringtrain.launch.launcher import record
+    from ringtrain.launch.process_group import destroy_distributed, init_distributed
     from ringtrain.strategies import make_strategy
-    from ringtrain.trainer import Trainer
+    from ringtrain.training.progress import format_summary, setup_logging, write_json
+    from ringtrain.training.trainer import Trainer
 
     def job() -> int:
         if _in_launched_worker():
-            from ringtrain.launcher import die_with_parent
+            from ringtrain.launch.launcher import die_with_parent
 
             die_with_parent()  # a SIGKILLed launcher must not leave this worker running
         rt = init_distributed()
@@ -186,15 +183,15 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
                      config.batch_size * config.grad_accum * strategy.data_world_size, config.steps)
             with contextlib.ExitStack() as stack:
                 if rt.world_size > 1 and args.watchdog_timeout:
-                    from ringtrain.watchdog import Watchdog
+                    from ringtrain.launch.watchdog import Watchdog
 
                     # A rank that dies or hangs stops the others within the timeout, naming it;
                     # one the strategy can lose (an async parameter-server worker) is dropped.
-                    tolerate = getattr(strategy, "tolerated_ranks", frozenset())
+                    tolerate = strategy.tolerated_ranks
                     watchdog = stack.enter_context(Watchdog(
                         name="train", timeout_s=args.watchdog_timeout,
                         interval_s=min(1.0, args.watchdog_timeout / 3),
-                        tolerate=tolerate, on_departed=_dropper(strategy) if tolerate else None))
+                        tolerate=tolerate, on_departed=_departed(strategy) if tolerate else None))
                     trainer.on_step = watchdog.set_step
                 if "RINGTRAIN_TEST_FAULT" in os.environ:  # tests' fault injection, ringtrain.testing
                     from ringtrain.testing import fault_hook
@@ -274,12 +271,12 @@ def _interrupted() -> int:
     return INTERRUPTED_EXIT_CODE
 
 
-def _dropper(strategy):
-    """The watchdog's `on_departed`: hand a dead tolerated worker to the strategy."""
-    def drop(failure) -> None:
+def _departed(strategy):
+    """The watchdog's `on_departed`: tell the strategy a tolerated rank died."""
+    def departed(failure) -> None:
         why = failure.reason if failure.kind == "died" else f"raised {failure.reason}"
-        strategy.drop_worker(failure.rank, why)
-    return drop
+        strategy.rank_departed(failure.rank, why)
+    return departed
 
 
 def _resume_or_clear(args: argparse.Namespace, rank: int, log) -> bool:
@@ -348,7 +345,7 @@ def _main(argv: list[str] | None) -> int:
     # One worker with --max-restarts also goes through the launcher: its agent does the restarts.
     multinode = args.nnodes != "1"
     if (args.nproc_per_node > 1 or args.max_restarts > 0 or multinode) and not _in_launched_worker():
-        from ringtrain.launcher import launch
+        from ringtrain.launch.launcher import launch
 
         os.environ["RINGTRAIN_STARTED_AT"] = str(started_at)  # wall_s includes the start-up
         run_id = args.rdzv_id or (os.path.basename(os.path.normpath(args.run_dir)) if multinode else None)

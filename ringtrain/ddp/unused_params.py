@@ -1,15 +1,17 @@
 """What a synced backward reports about parameters that got no gradient.
 
 Every rank learns, in the same collective, which parameters were unused on which rank (see
-`ringtrain/reducer.py`), so the error below is raised on all ranks in the same backward and
+`ringtrain/ddp/reducer.py`), so the error below is raised on all ranks in the same backward and
 names the parameters and the ranks, with the fix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class UnusedParametersError(RuntimeError):
@@ -66,3 +68,25 @@ def check_unused(summed: torch.Tensor, rank: int, names: Sequence[str], mine: Se
         anywhere = [i for i in range(n) if counts[i]]
         raise UnusedParametersError(unused_message(rank, names, mine, bad_ranks, anywhere))
     return {i for i in range(n) if counts[i] == world_size}
+
+
+class StatusBuffer:
+    """The status of a backward whose buckets did not carry it: one small all-reduce of its own.
+
+    One buffer for the reducer's life, never a temporary: gloo's worker thread drops its
+    reference to a Work (and its tensors) a moment after the work completes; a tensor whose
+    Python object died first hands that object to C++, and its last release then needs the GIL
+    on the worker thread, which aborts the process during interpreter exit.
+    """
+
+    def __init__(self, n_params: int, world_size: int, device: torch.device):
+        self.n_params, self.world_size, self.device = n_params, world_size, device
+        self._buffer: torch.Tensor | None = None
+
+    def launch(self, unused: Sequence[int], rank: int, group: dist.ProcessGroup) -> tuple[torch.Tensor, Any]:
+        """Fill this rank's status and start its all-reduce: (the buffer, the work)."""
+        if self._buffer is None:
+            self._buffer = torch.empty(self.n_params + self.world_size, dtype=torch.int32,
+                                       device=self.device)
+        status = fill_status(self._buffer, unused, self.n_params, rank)
+        return status, dist.all_reduce(status, group=group, async_op=True)

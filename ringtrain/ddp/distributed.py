@@ -4,7 +4,7 @@ Drop-in for `torch.nn.parallel.DistributedDataParallel`: same constructor argume
 defaults, `.module`, `no_sync()`, `register_comm_hook(state, hook)` and a `state_dict()` with
 the `module.` prefix. Replicas start identical (checked, then broadcast from rank 0), buffers
 follow rank 0 before each forward, and gradients are averaged in buckets during backward
-(`ringtrain/reducer.py`). `ringtrain/naive_ddp.py` is the one-all-reduce-per-parameter version
+(`ringtrain/ddp/reducer.py`). `ringtrain/ddp/naive.py` is the one-all-reduce-per-parameter version
 of the same idea.
 
     import ringtrain
@@ -24,21 +24,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.buckets import (
+from ringtrain.ddp.buckets import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_BYTES,
     SOLO_BYTES_CPU,
     GradBucket,
 )
-from ringtrain.lanes import comm_lanes as comm_lanes_for
-from ringtrain.reducer import Reducer
+from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
+from ringtrain.ddp.reducer import Reducer
+from ringtrain.ddp.unused_params import UnusedParametersError
 from ringtrain.runtime import register_exit_grace
 from ringtrain.torch_internals import (
     flatten_dense_tensors,
     preserve_version_counter,
     unflatten_dense_tensors,
 )
-from ringtrain.unused_params import UnusedParametersError
 
 __all__ = ["DistributedDataParallel", "GradBucket", "UnusedParametersError", "broadcast_coalesced",
            "verify_same_parameters"]
@@ -173,7 +173,7 @@ class DistributedDataParallel(nn.Module):
         static_graph: the set of used parameters does not change between steps; unused
             parameters are then handled as with find_unused_parameters=True.
         comm_lanes: (ringtrain only) how many groups over the same ranks carry the buckets
-            side by side; default 3 on a gloo world group, else 1 (see `ringtrain/lanes.py`).
+            side by side; default 3 on a gloo world group, else 1 (see `ringtrain/ddp/lanes.py`).
             Buckets a comm hook handles use the hook's own group.
 
     .. warning::
@@ -340,7 +340,7 @@ class DistributedDataParallel(nn.Module):
             hook: `hook(state, bucket) -> torch.futures.Future[Tensor]` whose value is the
                 averaged `bucket.buffer()`; the hook divides by the world size itself. torch's
                 hooks (`torch.distributed.algorithms.ddp_comm_hooks`) and
-                `ringtrain.comm_hooks` both work.
+                `ringtrain.ddp.comm_hooks` both work.
         """
         if not callable(hook):
             raise TypeError(f"hook={hook!r} is not callable; pass a function hook(state, bucket)")

@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.buckets import Bucket, GradBucket, assign_buckets, build_buckets, hook_result
+from ringtrain.ddp import buckets
+from ringtrain.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets, hook_result
+from ringtrain.ddp.unused_params import StatusBuffer, check_unused, fill_status
 from ringtrain.torch_internals import (
     backward_tls_free,
     current_autograd_node,
     queue_backward_callback,
 )
-from ringtrain.unused_params import check_unused, fill_status
 
 
 def _grad_ready(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
@@ -51,10 +52,6 @@ def _finalize(reducer_ref: weakref.ref) -> None:
     if reducer is not None:
         with backward_tls_free():
             reducer._finalize()
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
 class Reducer:
@@ -106,7 +103,8 @@ class Reducer:
 
         self._ready = bytearray(len(self.params))  # staged this round
         self._unused: list[int] = []  # staged without a gradient this round
-        self._status: torch.Tensor | None = None  # the unused-parameter status (_launch_status)
+        # The unused-parameter status, when no bucket carries it.
+        self._status = StatusBuffer(len(self.params), self.world_size, self.buckets[0].flat.device)
         self._retired: list = []  # the last round's works, see _reset
         self._accumulated = bytearray(len(self.params))  # got a gradient under no_sync
         self._next = 0  # the next bucket to launch
@@ -174,7 +172,8 @@ class Reducer:
     def _mark_ready(self, i: int, grad: torch.Tensor | None, used: bool, hot: bool = False) -> None:
         self._ready[i] = 1
         bucket = self.buckets[self._bucket_of[i]]
-        self._stage(bucket, i, grad, used, hot)
+        buckets.stage(bucket, self._slot_of[i], self.params[i], grad, used=used, hot=hot,
+                      scale=self._scale(), as_view=self.gradient_as_bucket_view)
         bucket.pending -= 1
         # Launch in index order only: every rank must issue the same collectives in the same order.
         while (not self._hold and not self._defer and self._next < len(self.buckets)
@@ -187,41 +186,6 @@ class Reducer:
         # bucket (one pass, as torch does), in-place ones after the sum. A comm hook owns the
         # averaging (torch's hooks divide by the group size themselves).
         return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self.world_size
-
-    def _stage(self, bucket: Bucket, i: int, grad: torch.Tensor | None, used: bool, hot: bool) -> None:
-        p, scale = self.params[i], self._scale()
-        if len(bucket.members) == 1:
-            if (used and grad is not None and grad.layout == torch.strided
-                    and grad.dtype == p.dtype and grad.is_contiguous()):
-                buffer = grad.view(-1)  # reduce .grad itself: no copy in, no copy out
-                if scale is not None and (hot or buffer.element_size() < 4):
-                    # Divide now: in backward the gradient was just written by its matmul and
-                    # is still in cache, so this pass is cheap; 16-bit gradients are always
-                    # divided first, or their sum may overflow.
-                    buffer.mul_(scale)
-                else:
-                    # A cold fp32/fp64 gradient (sync_gradients(), or accumulated under
-                    # no_sync): divide after the sum, where the scaling of one bucket overlaps
-                    # the buckets still in flight.
-                    bucket.scale_after = scale
-                bucket.buffer, bucket.in_place, bucket.gradients = buffer, True, [grad]
-                return
-            if bucket.payload.numel() != p.numel():
-                bucket.flat = bucket.payload = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
-                bucket.views = [bucket.payload.view(p.shape)]
-        view = bucket.views[self._slot_of[i]]
-        if grad is None:
-            view.zero_()
-        elif _same_tensor(grad, view):  # already a bucket view (gradient_as_bucket_view)
-            if scale is not None:
-                view.mul_(scale)
-        elif scale is not None:
-            torch.mul(grad, scale, out=view)
-        else:
-            view.copy_(grad)
-        if self.gradient_as_bucket_view and used and grad is not None:
-            p.grad = view
-        bucket.buffer, bucket.in_place, bucket.gradients = bucket.payload, False, bucket.views
 
     def _launch(self, bucket: Bucket) -> None:
         if self.comm_hook is None:
@@ -265,13 +229,10 @@ class Reducer:
             return
         try:
             with torch.no_grad():
-                self._finish()
+                self._stage_rest()
+                self._complete()
         finally:
             self._reset()
-
-    def _finish(self) -> None:
-        self._stage_rest()
-        self._complete()
 
     def _stage_rest(self) -> None:
         """Stage what never got a hook call this round: no_sync gradients and unused ones."""
@@ -295,13 +256,13 @@ class Reducer:
         mask_work = None
         if self.world_size > 1 and status_bucket is None and self.comm_hook is None:
             # No bucket carried the status: one small all-reduce, in flight with the buckets.
-            mask, mask_work = self._launch_status()
+            mask, mask_work = self._status.launch(self._unused, self.rank, self.process_group)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
             elif bucket.fut is not None:
                 result = hook_result(bucket.fut.wait(), bucket.buffer, self.comm_hook, bucket.index)
-                if not _same_tensor(result, bucket.buffer):
+                if not buckets.same_tensor(result, bucket.buffer):
                     bucket.buffer.copy_(result)  # e.g. an fp16 result into fp32 gradients
             if bucket.scale_after is not None:
                 bucket.buffer.mul_(bucket.scale_after)
@@ -317,37 +278,12 @@ class Reducer:
                 # After a comm hook's buckets are done, not before: a hook may still issue
                 # collectives from its callbacks (PowerSGD does) and ours must not race them for
                 # a place in the group's order.
-                mask, mask_work = self._launch_status()
+                mask, mask_work = self._status.launch(self._unused, self.rank, self.process_group)
             mask_work.wait()
             status = mask
-        self._write_back(check_unused(status, self.rank, self.names, unused,
-                                      raise_error=not self.find_unused_parameters))
-
-    def _launch_status(self) -> tuple[torch.Tensor, Any]:
-        # One buffer for the reducer's life, never a temporary: gloo's worker thread drops its
-        # reference to a Work (and its tensors) a moment after the work completes; a tensor
-        # whose Python object died first hands that object to C++, and its last release then
-        # needs the GIL on the worker thread, which aborts the process during interpreter exit.
-        if self._status is None:
-            self._status = torch.empty(len(self.params) + self.world_size, dtype=torch.int32,
-                                       device=self.buckets[0].flat.device)
-        status = fill_status(self._status, self._unused, len(self.params), self.rank)
-        return status, dist.all_reduce(status, group=self.process_group, async_op=True)
-
-    def _write_back(self, globally_unused: set[int]) -> None:
-        for bucket in self.buckets:
-            if bucket.in_place:
-                continue  # the collective already wrote into .grad
-            for slot, i in enumerate(bucket.members):
-                if i in globally_unused:
-                    continue  # torch leaves the .grad of a parameter no rank used untouched
-                p, view = self.params[i], bucket.views[slot]
-                if self.gradient_as_bucket_view:
-                    p.grad = view
-                elif p.grad is None:
-                    p.grad = torch.empty_like(p).copy_(view)  # keeps the parameter's strides
-                elif not _same_tensor(p.grad, view):
-                    p.grad.copy_(view)
+        buckets.write_back(self.buckets, self.params, check_unused(
+            status, self.rank, self.names, unused, raise_error=not self.find_unused_parameters),
+            as_view=self.gradient_as_bucket_view)
 
     def _reset(self) -> None:
         # Keep this round's works (and so the tensors they hold) until the next synced forward:
@@ -460,6 +396,5 @@ class Reducer:
 
 
 def _remove_all(handles: list) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
+    while handles:
+        handles.pop().remove()

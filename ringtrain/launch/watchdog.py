@@ -25,105 +25,26 @@ rank that went silent instead of reporting the symptom.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 
 import torch.distributed as dist
 
-from ringtrain.hang import HangCheck, collective_progress, describe_main_thread
+from ringtrain.errors import is_connection_lost
+from ringtrain.launch.hang import HangCheck, collective_progress
+from ringtrain.launch.peer_failure import (
+    PeerFailure,
+    describe_error,
+    exit_on_peer_failure,
+    tcp_store,
+)
 from ringtrain.runtime import get_runtime
 from ringtrain.store_keys import claim_key
-
-# sysexits' EX_TEMPFAIL: "a peer failed, this rank is fine; restarting the group may help".
-# The launcher uses it to tell ranks that stopped because of a peer from the root cause.
-PEER_FAILED_EXIT_CODE = 75
-
-# Messages of errors that mean "the other end of a connection is gone" (gloo, NCCL, TCPStore).
-_CONNECTION_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Connection refused",
-    "gloo/transport",
-    "NCCL communicator was aborted",
-    "NCCL error",
-)
-
-
-@dataclass(frozen=True)
-class PeerFailure:
-    """What the watchdog found: `kind` is "failed" (raised), "died" (silent), "hung" (never
-    entered the collective the others wait in, `ringtrain.hang`) or "store" (lost)."""
-
-    kind: str
-    rank: int | None  # the rank at fault; None when the store's host is not a rank's process
-    reason: str
-
-    def __str__(self) -> str:
-        if self.kind == "failed":
-            return f"rank {self.rank} failed {self.reason}"
-        if self.kind == "hung":
-            return f"rank {self.rank} hangs: {self.reason}"
-        if self.kind == "died":
-            return f"rank {self.rank} died ({self.reason})"
-        return self.reason
-
-
-def is_connection_lost(exc: BaseException | str) -> bool:
-    """True when `exc` (or an error message) says a collective or the store lost its peer.
-
-    Such an error is a symptom of another rank's failure, not a cause.
-    """
-    if isinstance(exc, BaseException):
-        if isinstance(exc, getattr(dist, "DistNetworkError", ())):
-            return True
-        if not isinstance(exc, RuntimeError):
-            return False
-    return any(s in str(exc) for s in _CONNECTION_LOST)
-
-
-def _describe(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    first = lines[0] if lines else ""
-    return f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__
-
-
-def _tcp_store(store: dist.Store) -> dist.Store | None:
-    while not hasattr(store, "host") and hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    return store if hasattr(store, "host") else None
-
-
-def exit_on_peer_failure(rank: int, failure: PeerFailure) -> None:
-    """The default reaction: one line on stderr, the launcher's error file, then `os._exit`.
-
-    `os._exit` because the main thread may be stuck in a collective that will never return:
-    a normal exit would wait for it (and for atexit handlers that call into the dead group).
-    A rank that found itself hanging (`failure.rank == rank`) is the cause, not a symptom:
-    it also prints where its main thread is stuck and exits with 1, not PEER_FAILED_EXIT_CODE.
-    """
-    own = failure.kind == "hung" and failure.rank == rank
-    stack = describe_main_thread(rank) if own else ""
-    print(f"[rank {rank}] {failure}" + (f"\n{stack}" if stack else ""), file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:  # torch's error-file format, so `ringtrain run` can say why this rank stopped
-        text = f"{'RankHung' if own else 'PeerFailure'}: {failure}"
-        data = {"message": {"message": text, "extraInfo": {
-            "py_callstack": stack or text, "timestamp": str(int(time.time()))}}}
-        try:
-            with open(error_file, "w") as f:
-                json.dump(data, f)
-        except OSError:
-            pass
-    sys.stdout.flush()
-    os._exit(1 if own else PEER_FAILED_EXIT_CODE)
 
 
 class Watchdog:
@@ -195,11 +116,11 @@ class Watchdog:
         self.tolerate = frozenset(tolerate)
         self._on_departed = on_departed
         self._departed: set[int] = set()  # tolerated peers found dead: no longer watched
-        # A rank stuck outside the collective the others wait in (ringtrain.hang).
+        # A rank stuck outside the collective the others wait in (ringtrain.launch.hang).
         self._hangs = HangCheck(timeout_s)
         self._published_count = 0
         shared = store  # the caller's store, before the clone: names are claimed on it
-        tcp = _tcp_store(store)
+        tcp = tcp_store(store)
         self._store_addr = f"{tcp.host}:{tcp.port}" if tcp is not None else "(in-process store)"
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self._store_owner = None if agent_store else 0  # ringtrain's own rendezvous: rank 0 hosts it
@@ -296,7 +217,7 @@ class Watchdog:
             if self._fired.wait(self.timeout_s + self.interval_s):
                 self._handled.wait(self.timeout_s)
                 return
-        self._publish(PeerFailure("failed", self.rank, f"at step {self._step}: {_describe(exc)}"))
+        self._publish(PeerFailure("failed", self.rank, f"at step {self._step}: {describe_error(exc)}"))
 
     def _publish(self, failure: PeerFailure) -> None:
         """Write a verdict where every rank reads it within one interval."""
@@ -328,7 +249,7 @@ class Watchdog:
                 self._last_ok = time.monotonic()
                 self._store_error = ""
             except RuntimeError as e:  # the store is unreachable; the check thread times it
-                self._store_error = _describe(e)
+                self._store_error = describe_error(e)
                 if is_connection_lost(e):  # closed for good (its process is gone): stop asking,
                     self._store_gone_at = time.monotonic()  # each failed op logs a C++ stack
                     return
@@ -390,7 +311,7 @@ class Watchdog:
             try:
                 self._on_departed(failure)
             except Exception as e:  # noqa: BLE001 - the watch must go on for the others
-                print(f"[rank {self.rank}] watchdog: on_departed({failure}) raised {_describe(e)}",
+                print(f"[rank {self.rank}] watchdog: on_departed({failure}) raised {describe_error(e)}",
                       file=sys.stderr, flush=True)
 
     def _check_once(self, now: float) -> PeerFailure | None:

@@ -4,7 +4,7 @@
 
 It says which rank failed first (`root_cause`: a rank that only lost its peer is a symptom), its
 exit code or signal, and its traceback, written by workers whose main is decorated with
-`ringtrain.launcher.record`; then, one line each, what became of the other ranks. When every
+`ringtrain.launch.launcher.record`; then, one line each, what became of the other ranks. When every
 failed rank exited with 2 (`explained_by_workers`), the workers have explained a user mistake
 themselves (`ringtrain train` prints it once, on rank 0): the launcher prints no report.
 """
@@ -16,12 +16,12 @@ import socket
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from ringtrain.errors import USAGE_EXIT_CODE
-from ringtrain.watchdog import PEER_FAILED_EXIT_CODE, is_connection_lost
+from ringtrain.errors import USAGE_EXIT_CODE, is_connection_lost
+from ringtrain.launch.peer_failure import PEER_FAILED_EXIT_CODE
 
 # `ringtrain train` workers exit with 128 + SIGTERM after saving a snapshot on SIGTERM or SIGINT.
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
-_PEER_FAILURE = "PeerFailure: "  # how a watchdog's error file starts (ringtrain.watchdog)
+_PEER_FAILURE = "PeerFailure: "  # how a watchdog's error file starts (ringtrain.launch.watchdog)
 # Lines torch's agent logs that the failure report below says once, better.
 _REPEATED_BY_REPORT = (
     "closing signal",  # one line per surviving worker
@@ -96,7 +96,7 @@ def format_failure(err: ChildFailedError) -> str:
         lines += ["  " + line for line in callstack.splitlines()]
     elif not message and failure.exitcode > 0 and failure.exitcode != STOPPED_EXIT_CODE:
         lines.append("  (its traceback, if any, is in its output above; decorate the script's "
-                     "main with @ringtrain.launcher.record to have it here)")
+                     "main with @ringtrain.launch.launcher.record to have it here)")
     others: dict[str, list[int]] = {}
     for r, f in err.failures.items():
         if r != rank:

@@ -1,6 +1,6 @@
 """report.png: a run's curves on one page, drawn from its metrics.jsonl.
 
-    python -m ringtrain.report runs/<timestamp>        # (re)draw runs/<timestamp>/report.png
+    python -m ringtrain.training.report runs/<timestamp>        # (re)draw runs/<timestamp>/report.png
 
 Panels: train and eval loss; eval accuracy (or the learning rate when there is none);
 throughput in tokens/s across all ranks; step time split into compute and communication wait.
@@ -86,7 +86,7 @@ def write_report(records: list[dict[str, Any]], path: str, title: str = "") -> N
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m ringtrain.report RUN_DIR", file=sys.stderr)
+        print("usage: python -m ringtrain.training.report RUN_DIR", file=sys.stderr)
         return 2
     run_dir = argv[0]
     metrics = os.path.join(run_dir, "metrics.jsonl")

@@ -6,7 +6,7 @@
 turns the options into what the job needs: the relaunched workers' argv (`worker_argv`), the
 trainer's settings (`trainer_config`), the chosen strategy's options (`strategy_options`), the
 options a snapshot must match (`run_config`) and the ranks the job may lose (`tolerated_ranks`).
-The job itself (`run_job`, `main`) is in `ringtrain.train`. The data and trainer modules are
+The job itself (`run_job`, `main`) is in `ringtrain.cli.train`. The data and trainer modules are
 imported inside the functions that use them, so that `--help` stays fast.
 """
 
@@ -16,17 +16,13 @@ import argparse
 import os
 from typing import Any
 
-from ringtrain.strategies.base import STRATEGIES
+from ringtrain.strategies import Strategy, registered
+from ringtrain.strategies.base import int_at_least
 
 # Flags that belong to the launcher: the relaunched workers do not see them.
 LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
-# Flags of each strategy: --flag dest -> the strategy's option name. Only the chosen strategy's
-# flags are passed to make_strategy, and only those the user set (its own defaults apply).
-STRATEGY_FLAGS: dict[str, dict[str, str]] = {
-    "ddp": {},
-    "pipeline": {"pp": "pp", "schedule": "schedule", "microbatches": "microbatches"},
-    "ps": {"servers": "servers", "ps_mode": "mode", "staleness": "staleness"},
-}
+# Each strategy's own flags are declared by the strategy (`Strategy.options`): only the chosen
+# strategy's flags are passed to make_strategy, and only those the user set (its defaults apply).
 # Defaults that depend on the task; --help shows them as "addition / text". The addition
 # default reaches 100 % held-out accuracy by step ~700 of 1000 on 2 processes (seeds 1-3, 1337).
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -38,19 +34,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be {low} or more")
-        return value
-    return parse
-
-
-_positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
+_positive_int, _non_negative_int = int_at_least(1), int_at_least(0)
 
 
 def _non_negative_float(text: str) -> float:
@@ -155,17 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start afresh in --run-dir, deleting its snapshots (default: resume from "
                    "its newest committed snapshot; a restarted worker always resumes)")
     g = p.add_argument_group("strategy")
-    g.add_argument("--strategy", choices=sorted(STRATEGIES), default="ddp",
+    strategies = registered()
+    g.add_argument("--strategy", choices=list(strategies), default="ddp",
                    help="how the model is distributed (default: ddp)")
-    g.add_argument("--pp", type=_positive_int, help="pipeline stages (--strategy pipeline)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe"), help="pipeline schedule (--strategy pipeline)")
-    g.add_argument("--microbatches", type=_positive_int, help="pipeline micro-batches per batch "
-                   "(--strategy pipeline)")
-    g.add_argument("--servers", type=_positive_int, help="parameter-server ranks (--strategy ps)")
-    g.add_argument("--ps-mode", choices=("sync", "async", "ssp"), help="parameter-server mode "
-                   "(--strategy ps)")
-    g.add_argument("--staleness", type=_non_negative_int, help="SSP bound (--strategy ps --ps-mode ssp)")
+    for name, cls in strategies.items():  # each strategy's own flags, declared by it
+        if cls.options:
+            g = p.add_argument_group(f"--strategy {name}")
+        for o in cls.options:
+            g.add_argument(o.flag, type=o.type, choices=o.choices, help=o.help)
     return p
+
+
+def _strategy(args: argparse.Namespace) -> type[Strategy]:
+    return registered()[args.strategy]
 
 
 def task_name(args: argparse.Namespace) -> str:
@@ -217,14 +203,13 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[
         if args.digits > MAX_DIGITS:
             raise ValueError(f"--digits {args.digits}: the addition task supports 1..{MAX_DIGITS}")
         train_samples = train_size(args.digits)
-    for name, flags in STRATEGY_FLAGS.items():
+    for name, cls in registered().items():
         if name == args.strategy:
             continue
-        for dest in flags:
-            if getattr(args, dest) is not None:
-                flag = "--" + dest.replace("_", "-")
-                raise ValueError(f"{flag} applies to --strategy {name}, not {args.strategy}; "
-                                 f"add --strategy {name} or drop {flag}")
+        for o in cls.options:
+            if getattr(args, o.dest) is not None:
+                raise ValueError(f"{o.flag} applies to --strategy {name}, not {args.strategy}; "
+                                 f"add --strategy {name} or drop {o.flag}")
     if args.n_embd % args.n_head:
         raise ValueError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}; "
                          "choose --n-embd as a multiple of --n-head")
@@ -241,25 +226,10 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[
 
 def _check_layout(args: argparse.Namespace, world_size: int, train_samples: int) -> None:
     """What the workers would otherwise find one by one: a strategy layout that does not fit
-    `world_size`, a micro-batch larger than one data rank's share of the training set."""
-    data_world_size = world_size
-    if args.strategy == "pipeline":
-        from ringtrain.topology import Topology
-
-        pp = args.pp or 2  # PipelineStrategy's default
-        data_world_size = Topology(world_size, pp).dp  # raises: pp must divide world_size
-        step_batch, m = args.batch_size * args.grad_accum, args.microbatches
-        if m is not None and (m < pp or step_batch % m):
-            fits = [d for d in range(pp, step_batch + 1) if step_batch % d == 0]
-            fix = f"--microbatches in {fits}" if fits else f"--batch-size {pp} or more"
-            raise ValueError(f"--microbatches {m} must be at least --pp {pp} and divide the "
-                             f"{step_batch} samples of a step (--batch-size x --grad-accum); "
-                             f"use {fix}")
-    elif args.strategy == "ps":
-        from ringtrain.ps.protocol import PSTopology
-
-        # Raises when no worker is left; servers read no data.
-        data_world_size = PSTopology(world_size, args.servers or 1).workers
+    `world_size` (the strategy's own `plan`), a micro-batch larger than one data rank's share
+    of the training set."""
+    data_world_size = _strategy(args).plan(strategy_options(args), world_size,
+                                           args.batch_size * args.grad_accum)
     per_rank = -(-train_samples // data_world_size)  # the sampler pads the last rank's share
     if per_rank < args.batch_size:
         raise ValueError(
@@ -271,8 +241,8 @@ def _check_layout(args: argparse.Namespace, world_size: int, train_samples: int)
 
 def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
     """The chosen strategy's own options, only those set on the command line."""
-    flags = STRATEGY_FLAGS.get(args.strategy, {})
-    return {opt: getattr(args, dest) for dest, opt in flags.items() if getattr(args, dest) is not None}
+    options = _strategy(args).options
+    return {o.name: getattr(args, o.dest) for o in options if getattr(args, o.dest) is not None}
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -287,23 +257,17 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 
 
 def tolerated_ranks(args: argparse.Namespace, world_size: int | None = None) -> frozenset[int]:
-    """Global ranks the job survives losing: async/ssp parameter-server workers but rank 0.
+    """Global ranks the job survives losing (the strategy's `tolerated_ranks_for`).
 
-    `PSTopology.tolerated_ranks` before any worker exists (the launcher needs it).
     `world_size` defaults to --nnodes x --nproc-per-node; an elastic --nnodes MIN:MAX has no
     fixed layout, so nothing is tolerated there.
     """
-    if args.strategy != "ps":
-        return frozenset()
-    from ringtrain.ps.protocol import PSTopology
-
     try:
         if world_size is None:
             world_size = int(args.nnodes) * args.nproc_per_node
-        topology = PSTopology(world_size, args.servers or 1)
-    except ValueError:  # elastic --nnodes, or no worker left: the strategy says why at start
+    except ValueError:  # elastic --nnodes
         return frozenset()
-    return topology.tolerated_ranks(args.ps_mode or "sync")
+    return _strategy(args).tolerated_ranks_for(strategy_options(args), world_size)
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -313,18 +277,13 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             **{k: getattr(args, k) for k in keys}}
 
 
-# Asynchronous SGD behaves as if it had momentum of about 1 - 1/W on top of the optimizer's
-# (Mitliagkas et al. 2016, "Asynchrony begets momentum"): with Adam's usual 0.9 the async test
-# reached DDP's accuracy at steps 412-482 of 500 allowed, with 0.5 at 276-424 (tests/test_ps.py).
-ASYNC_BETA1 = 0.5
-
-
 def default_beta1(args: argparse.Namespace) -> float:
-    return ASYNC_BETA1 if args.strategy == "ps" and getattr(args, "ps_mode", None) == "async" else 0.9
+    """AdamW's beta1 unless --beta1 is given: 0.9, or the chosen strategy's default."""
+    return _strategy(args).trainer_defaults(strategy_options(args)).get("beta1", 0.9)
 
 
 def trainer_config(args: argparse.Namespace):
-    from ringtrain.trainer import TrainerConfig
+    from ringtrain.training.trainer import TrainerConfig
 
     return TrainerConfig(
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,

@@ -3,7 +3,7 @@
     ringtrain run --nproc-per-node 2 train.py                                     # one node
     ringtrain run --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 train.py   # on each node
 
-What the launcher (`ringtrain.launcher._run`) does to torchrun's arguments and to torch's
+What the launcher (`ringtrain.launch.launcher._run`) does to torchrun's arguments and to torch's
 rendezvous before `elastic_launch` starts:
 - on a single node, a c10d rendezvous at localhost:0, so the OS picks a free port and two jobs
   at once never collide (`_single_node_rendezvous`);

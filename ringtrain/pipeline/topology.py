@@ -7,7 +7,7 @@ Layout: the stages of one pipeline are adjacent ranks, `rank = dp_rank * pp + pp
 with `world_size=4, pp=2` the pipelines are [0, 1] and [2, 3] and the data-parallel groups
 (one per stage) are [0, 2] and [1, 3].
 
-    python -c "from ringtrain.topology import Topology; print(Topology(4, pp=2).coords(3))"
+    python -c "from ringtrain.pipeline.topology import Topology; print(Topology(4, pp=2).coords(3))"
 """
 
 from __future__ import annotations

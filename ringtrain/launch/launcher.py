@@ -7,16 +7,16 @@
 Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
 (`torch.distributed.run` / `elastic_launch`); this file only
 - picks a free port by itself on a single node (two jobs at once never collide), and across
-  nodes advertises an address the others can reach (`ringtrain.rendezvous`),
+  nodes advertises an address the others can reach (`ringtrain.launch.rendezvous`),
 - polls the workers every 0.1 s, so a dead worker stops the rest promptly,
 - replaces torch's multi-page error dump by one block: which rank failed first, its exit code
-  or signal, and its traceback (`ringtrain.failure_report`; the traceback is written by workers
+  or signal, and its traceback (`ringtrain.launch.failure_report`; the traceback is written by workers
   whose main is decorated with `record`),
 - keeps workers from outliving a SIGKILLed launcher (`die_with_parent`, called in the worker),
 - lets chosen ranks die without stopping the others (`launch(..., tolerate_ranks=...)`, used by
   `ringtrain train --strategy ps --ps-mode async` for its workers other than rank 0).
 
-    from ringtrain.launcher import record
+    from ringtrain.launch.launcher import record
     @record                          # the launcher then prints this worker's traceback
     def main(): ...
 """
@@ -38,23 +38,22 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 from torch.distributed.run import get_args_parser as _torch_args_parser
 
-from ringtrain.errors import USAGE_EXIT_CODE
-from ringtrain.failure_report import (
+from ringtrain.errors import DISK_FULL_EXIT_CODE, USAGE_EXIT_CODE
+from ringtrain.launch.failure_report import (
     _REPEATED_BY_REPORT,
     STOPPED_EXIT_CODE,
     explained_by_workers,
     format_failure,
     root_cause,
 )
-from ringtrain.rendezvous import (
+from ringtrain.launch.peer_failure import PEER_FAILED_EXIT_CODE
+from ringtrain.launch.process_group import WATCHDOG_ENV
+from ringtrain.launch.rendezvous import (
     _bounded_rendezvous,
     _multi_node_addresses,
     _single_node_rendezvous,
 )
-from ringtrain.run_dir import DISK_FULL_EXIT_CODE
-from ringtrain.runtime import WATCHDOG_ENV
 from ringtrain.torch_internals import CAPTURE_PROCESS_FAILURES, mark_finished, running_workers
-from ringtrain.watchdog import PEER_FAILED_EXIT_CODE
 
 __all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_parser", "launch",
            "main", "record", "root_cause"]

@@ -1,6 +1,6 @@
 """The trainer's settings and the small pure helpers it uses: LR schedule, optimizer, seeds, hashes.
 
-    from ringtrain.trainer import TrainerConfig, lr_at   # re-exported by the trainer
+    from ringtrain.training.trainer import TrainerConfig, lr_at   # re-exported by the trainer
     config = TrainerConfig(steps=1000, lr=3e-3).resolved()
     lrs = [lr_at(step, config) for step in range(config.steps)]
 
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ringtrain.strategies.base import OptimizerFn
+from ringtrain.types import OptimizerFn
 
 
 @dataclass

@@ -7,7 +7,7 @@
     shared, per_rank, metadata = manager.load(snap)
 
 Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`. File-level helpers (durable writes,
-checksums, manifests, `unwrap_state_dict`, `check_topology`) live in `ringtrain.checkpoint_io`.
+checksums, manifests, `unwrap_state_dict`, `check_topology`) live in `ringtrain.checkpoint.files`.
 
 Layout under `root_dir` (a directory every rank sees, e.g. on a shared filesystem):
 
@@ -37,18 +37,19 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ringtrain.checkpoint_io import (
+from ringtrain.checkpoint.files import (
     COMMITTED,
     MANIFEST,
     SHARED,
     TEMP_PREFIX,
+    SaveResult,
+    Snapshot,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNoSpaceError,
@@ -62,8 +63,8 @@ from ringtrain.checkpoint_io import (
     unwrap_state_dict,
     write_durably,
 )
-from ringtrain.checkpoint_io import verify as verify_files
-from ringtrain.run_dir import is_no_space
+from ringtrain.checkpoint.files import verify as verify_files
+from ringtrain.checkpoint.run_dir import is_no_space
 from ringtrain.store_keys import claim_key
 from ringtrain.torch_internals import default_store
 
@@ -88,31 +89,6 @@ def _report(error: SnapshotError) -> dict[str, Any]:
 
 def _raised(report: dict[str, Any], message: str) -> SnapshotError:
     return (SnapshotNoSpaceError if report.get("no_space") else SnapshotError)(message)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A committed snapshot on disk; `manifest` holds its files' checksums and its metadata."""
-
-    path: Path
-    step: int
-    manifest: dict[str, Any]
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self.manifest["metadata"]
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """What one `save` did, for the trainer's log. Times in seconds."""
-
-    step: int
-    path: Path
-    bytes: int  # written by this rank
-    total_bytes: int  # written by all ranks
-    write_s: float  # this rank serialising and fsyncing its files
-    total_s: float  # the whole collective step, waits included
 
 
 # ---- the manager -------------------------------------------------------------------------------

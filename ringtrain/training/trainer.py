@@ -17,15 +17,16 @@ The loop knows nothing about the model or how it is distributed: it hands micro-
 - evaluation uses the sampler's exact mode (no padded duplicates);
 - every rank runs the loop, also one that reads no data (`data_rank` None, a parameter
   server): it passes no micro-batches, gets count 0 back and joins the same collectives;
-- strategies whose ranks drift apart (`lockstep = False`, an async parameter server) may lose
-  a rank and go on: their sums go through the store (`ringtrain.membership`) over the ranks
-  still in the job, data rank 0 evaluates the whole eval set alone, and no snapshot is taken
-  once a rank has left (a snapshot needs every rank's part).
-The step counter (with the sampler's state and the metrics window) is the loop's state: see
-`state_dict()`. With `run_dir` and `snapshot_every`, `ringtrain.resume.Checkpointer` saves it
-with the model, optimizer and RNG states every N steps and on SIGTERM or SIGINT (Ctrl-C), and
-`fit` resumes from the run directory's newest committed snapshot by itself (`resume=False`
-starts afresh).
+- every agreement between ranks (metric sums, the stop vote, the final digest, whether every
+  rank is still there for a snapshot) goes through the strategy's `agreement`: collectives for
+  lockstep strategies, the store over the ranks still in the job for drifting ones (an async
+  parameter server may lose a worker and go on; no snapshot is taken once a rank has left);
+  which part of the eval set a rank scores is the strategy's `eval_shard`.
+The step counter (with the sampler's state and the metrics window) is the loop's state:
+`LoopState` (`ringtrain.training.state`). With `run_dir` and `snapshot_every`,
+`ringtrain.checkpoint.resume.Checkpointer` saves it with the model, optimizer and RNG states
+every N steps and on SIGTERM or SIGINT (Ctrl-C), and `fit` resumes from the run directory's
+newest committed snapshot by itself (`resume=False` starts afresh).
 """
 
 from __future__ import annotations
@@ -37,21 +38,23 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
-from ringtrain.membership import Membership
-from ringtrain.progress import MetricsLog, Progress, write_json
-from ringtrain.resume import Checkpointer, StopSignal
-from ringtrain.run_dir import DiskFullError, is_no_space, no_space_message
+from ringtrain.checkpoint.resume import Checkpointer, StopSignal
+from ringtrain.checkpoint.run_dir import DiskFullError, is_no_space, no_space_message
+from ringtrain.data.sampler import DistributedSampler
 from ringtrain.runtime import Runtime
-from ringtrain.sampler import DistributedSampler
-from ringtrain.strategies.base import LossFn, OptimizerFn, StepResult, Strategy
-from ringtrain.trainer_config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
+from ringtrain.strategies.base import StepResult, Strategy
+from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
+from ringtrain.training.evaluate import collate, eval_sums
+from ringtrain.training.progress import MetricsLog, Progress, write_json
+from ringtrain.training.state import LoopState
+from ringtrain.types import LossFn, MetricFn, OptimizerFn
 
 __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
 
@@ -60,9 +63,6 @@ log = logging.getLogger("ringtrain")
 # Caught while snapshots are on: every rank saves the same step, then `fit` returns early.
 # SIGINT too: Ctrl-C reaches every process of the job (the terminal signals the whole group).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> per sample
-
 
 class Trainer:
     """Runs `config.steps` optimizer steps of `strategy` on `train_set`, evaluating on `eval_set`.
@@ -116,12 +116,7 @@ class Trainer:
         strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay, betas=(c.beta1, 0.95)), loss_fn)
         torch.manual_seed(rank_seed(c.seed, runtime.rank))  # dropout differs per rank
         self.data_rank, self.data_world_size = strategy.data_rank, strategy.data_world_size
-        # Drifting ranks must not meet in world collectives: one that died would stop them all.
-        self.membership: Membership | None = None
-        if not strategy.lockstep and runtime.world_size > 1:
-            self.membership = Membership.of(runtime, name)
-        self._rounds = 0  # store rounds so far: every rank numbers them alike (same call order)
-        self._stop_votes = 0.0  # ranks that got a stop signal, as of the last metrics reduction
+        self.agreement = strategy.agreement(runtime, name)  # sums, votes, digests across ranks
         self._snapshots_off = False
         self.train_sampler: DistributedSampler | None = None
         if self.data_rank is not None:
@@ -134,44 +129,23 @@ class Trainer:
                     f"data rank over {self.data_world_size} ranks: fewer than one batch of "
                     f"--batch-size {c.batch_size}; lower --batch-size or use more data")
         self._batches: Iterator[int] | None = None
-        self.step = 0
-        self.train_time_s = 0.0  # rank 0's time in training steps (excludes eval and logging)
-        self.tokens = 0.0  # tokens trained on, all ranks
+        # Step, metrics window (per rank, saved so logged losses continue exactly), totals and
+        # the sampler's cursor: what a snapshot holds of the loop.
+        self.state = LoopState(self.train_sampler)
         self.metrics = MetricsLog(None)
-        self.last: dict[str, Any] = {}
-        self.resumes: list[dict[str, Any]] = []  # one entry per resume, carried in snapshots
-        # Sums since the last metrics line (loss_sum, count, tokens, compute_s, comm_s, steps of
-        # data ranks), per rank: saved in snapshots so logged losses continue exactly.
-        self._window, self._window_s, self._window_steps = [0.0] * 6, 0.0, 0
         self.resume = resume
         self.checkpointer: Checkpointer | None = None
         if run_dir is not None:
             self.checkpointer = Checkpointer(
-                self, os.path.join(run_dir, "snapshots"), every=snapshot_every, keep=keep,
+                self.state, strategy, runtime, self.agreement, self.config, self.data_world_size,
+                os.path.join(run_dir, "snapshots"), every=snapshot_every, keep=keep,
                 timeout_s=snapshot_timeout_s, run_config=run_config, name=name)
 
-    # -- state for resume: the step counter and the sampler's position are the loop's state ---
-    def state_dict(self) -> dict[str, Any]:
-        """Step, sampler (epoch, global cursor), running totals and resume history (rank 0's).
-
-        The per-rank metrics window and RNG states are saved per rank by the `Checkpointer`.
-        """
-        return {"step": self.step, "train_time_s": self.train_time_s, "tokens": self.tokens,
-                "sampler": self.train_sampler.state_dict() if self.train_sampler else None,
-                "last": dict(self.last), "resumes": [dict(r) for r in self.resumes]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.train_time_s, self.tokens = state["step"], state["train_time_s"], state["tokens"]
-        if self.train_sampler and state.get("sampler"):
-            self.train_sampler.load_state_dict(state["sampler"])  # re-split if num_replicas differs
-        self.last = dict(state.get("last", {}))
-        self.resumes = [dict(r) for r in state.get("resumes", [])]
-        self._batches = None
+    @property
+    def step(self) -> int:
+        return self.state.step
 
     # -- data ------------------------------------------------------------------------------------
-    def _collate(self, dataset: Dataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return default_collate([dataset[i] for i in indices])
-
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next micro-batch of this rank's shard; a new epoch starts when one runs out.
 
@@ -187,7 +161,7 @@ class Trainer:
                 indices.append(next(self._batches))
             except StopIteration:
                 self._batches, indices = None, []
-        return self._collate(self.train_set, indices)
+        return collate(self.train_set, indices)
 
     def _autocast(self):
         # Around the strategy's whole step (so every strategy gets it without an option of its
@@ -196,72 +170,15 @@ class Trainer:
             return nullcontext()
         return torch.autocast(device_type=self.runtime.device.type, dtype=torch.bfloat16)
 
-    # -- evaluation ----------------------------------------------------------------------------
-    def _evaluate(self) -> list[float]:
-        """This rank's [loss_sum, count, (metric_sum, metric_count) per metric] on its eval shard.
-
-        Every rank makes the same number of `eval_logits` calls (a pipeline needs all stages);
-        a rank whose exact shard is one sample shorter runs a placeholder batch and counts nothing.
-        """
-        B = self.config.eval_batch_size
-        sums = [0.0] * (2 + 2 * len(self.eval_metrics))
-        eval_world = self.data_world_size
-        if self.membership is not None:
-            # Drifting replicas differ and a data rank may leave: data rank 0 evaluates the
-            # whole set alone, on the parameters its last step brought back (no collective).
-            if self.data_rank != 0:
-                return sums
-            eval_world = 1
-        indices: list[int] = []
-        if self.data_rank is not None:
-            sampler = DistributedSampler(self.eval_set, num_replicas=eval_world,
-                                         rank=self.data_rank, shuffle=False, exact=True)
-            indices = list(sampler)
-        longest = math.ceil(len(self.eval_set) / eval_world)  # exact mode: n or n + 1
-        for b in range(math.ceil(longest / B)):
-            chunk = indices[b * B:(b + 1) * B]
-            x, y = self._collate(self.eval_set, chunk or [0])
-            with self._autocast():
-                logits = self.strategy.eval_logits(x)
-            if logits is None or not chunk:
-                continue
-            y = y.to(logits.device)
-            sums[0] += float(self.loss_fn(logits, y)) * len(chunk)
-            sums[1] += len(chunk)
-            for i, fn in enumerate(self.eval_metrics.values()):
-                sums[2 + 2 * i] += float(fn(logits, y).sum())
-                sums[3 + 2 * i] += len(chunk)
-        return sums
-
     # -- the loop --------------------------------------------------------------------------------
-    def _round(self, name: str) -> str:
-        self._rounds += 1
-        return f"{name}/{self._rounds}"
-
-    def _reduce(self, values: list[float]) -> list[float]:
-        """Sum `values` over the world group: one collective, called by every rank.
-
-        Drifting strategies sum through the store over the ranks still in the job instead.
-        """
-        if self.runtime.world_size == 1:
-            return values
-        if self.membership is not None:
-            return self.membership.reduce(self._round("sum"), values)
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.runtime.process_group)
-        return t.tolist()
-
-    def _log(self, step: int, lr: float, window: list[float], window_s: float, window_steps: int,
-             evaluated: bool, stop_vote: float = 0.0) -> dict[str, Any]:
-        """Reduce the window's sums (and eval sums) once; rank 0 writes the metrics line.
-
-        `stop_vote` (1 on a rank that got a stop signal) rides along: `_stop_votes` is its sum.
-        """
-        ev = self._evaluate() if evaluated else []
-        r = self._reduce(window + ev + [stop_vote])
-        self._stop_votes, r = r[-1], r[:-1]
+    def _log(self, step: int, lr: float, evaluated: bool) -> dict[str, Any]:
+        """Reduce the window's sums (and eval sums) once; rank 0 writes the metrics line."""
+        ev = eval_sums(self.strategy, self.eval_set, self.loss_fn, self.eval_metrics,
+                       self.config.eval_batch_size, self._autocast) if evaluated else []
+        window, window_s, window_steps = self.state.take_window()
+        r = self.agreement.sum(window + ev)
         loss_sum, count, tokens, compute_s, comm_s, worker_steps = r[:6]
-        self.tokens += tokens
+        self.state.tokens += tokens
         rec: dict[str, Any] = {
             "step": step, "loss": loss_sum / count if count else float("nan"), "lr": lr,
             "tokens_per_s": tokens / window_s if window_s > 0 else 0.0,
@@ -279,7 +196,7 @@ class Trainer:
                 f"the training loss became {rec['loss']} at step {step} (lr {lr:.3g}); lower --lr, "
                 "set --grad-clip, or use --dtype fp32")
         self.metrics.write(rec)
-        self.last.update(rec)
+        self.state.last.update(rec)
         return rec
 
     def fit(self) -> dict[str, Any]:
@@ -289,11 +206,16 @@ class Trainer:
         False). After SIGTERM or SIGINT it saves a snapshot and returns early, with `stopped_by`
         set to the signal's name.
         When a snapshot finds the disk full it returns early on every rank too, with
-        `disk_full` holding the message (see `ringtrain.run_dir`).
+        `disk_full` holding the message (see `ringtrain.checkpoint.run_dir`).
         """
         started = self.started_at or time.time()
         cp = self.checkpointer
         resumed_at = cp.resume() if cp is not None and self.resume else None
+        if resumed_at is not None:
+            self._batches = None  # the sampler's cursor moved: a new iterator
+            # An elastic resume keeps the global batch with another per-rank layout.
+            self.config = replace(self.config, batch_size=resumed_at.batch_size,
+                                  grad_accum=resumed_at.grad_accum).resolved()
         c = self.config
         progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0, initial=self.step)
         if self.run_dir and self.runtime.rank == 0:
@@ -327,21 +249,16 @@ class Trainer:
             t0 = time.perf_counter()
             with self._autocast():
                 res: StepResult = s.train_step(micro, lr=lr, grad_clip=c.grad_clip)
-            dt = time.perf_counter() - t0
-            self._window_s += dt
-            self._window_steps += 1
-            self.train_time_s += dt
             tokens_per_sample = micro[0][0][0].numel() if micro else 0
             reads_data = 1.0 if self.data_rank is not None else 0.0  # whose times are averaged
-            for i, v in enumerate((res.loss_sum, res.count, res.count * tokens_per_sample,
-                                   res.compute_s, res.comm_s, reads_data)):
-                self._window[i] += v
-            self.step += 1
+            self.state.add((res.loss_sum, res.count, res.count * tokens_per_sample,
+                            res.compute_s, res.comm_s, reads_data), time.perf_counter() - t0)
+            self.state.step += 1
             if resumed:  # the figure behind "recovery time": from a kill to this line
                 resumed = False
-                self.resumes[-1]["first_step_unix"] = time.time()
+                self.state.resumes[-1]["first_step_unix"] = time.time()
                 log.info("first step after resuming: step %d at unix time %.3f", self.step,
-                         self.resumes[-1]["first_step_unix"])
+                         self.state.resumes[-1]["first_step_unix"])
             progress.update(self.step)
             if self.on_step is not None:
                 self.on_step(self.step)
@@ -349,11 +266,9 @@ class Trainer:
             evaluated = self.eval_set is not None and (self.step % c.eval_every == 0 or last)
             logged = self.step % c.log_every == 0 or evaluated or last
             if logged:
-                vote = 1.0 if stop is not None and stop.received is not None else 0.0
-                rec = self._log(self.step, lr, self._window, self._window_s, self._window_steps,
-                                evaluated, vote)
-                self._window, self._window_s, self._window_steps = [0.0] * 6, 0.0, 0
-                shown = {n: self.last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in self.last}
+                rec = self._log(self.step, lr, evaluated)
+                last = self.state.last
+                shown = {n: last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in last}
                 progress.set_metrics(rec["loss"], rec["tokens_per_s"], **shown)
                 # Only reduced values (bit-identical on every rank) decide; timings are local.
                 agreed = {k: v for k, v in rec.items() if k in ("step", "loss", "lr") or k.startswith("eval_")}
@@ -364,15 +279,10 @@ class Trainer:
                     log.info("step %d: %s", self.step, self._eval_text(rec))
             if cp is not None and cp.due(self.step):
                 self._save(self.step)
-            # Strategies whose ranks do not move in step (asynchronous parameter servers) may set
-            # `lockstep = False`: they are asked at metric steps only, which every rank shares,
-            # through the votes reduced with the metrics (no world collective).
-            if s.lockstep:
-                agreed = stop is not None and stop.agreed(self.runtime.world_size,
-                                                          self.runtime.process_group)
-            else:
-                agreed = stop is not None and logged and self._stop_votes > 0
-            if agreed:
+            # Every step, every rank: did any rank get a stop signal? (An agreement whose ranks
+            # drift apart answers at metric steps only, which every rank shares.)
+            if stop is not None and self.agreement.vote(stop.received is not None,
+                                                        at_shared_step=logged):
                 assert cp is not None  # this rank or another got a stop signal
                 # A rank stopped by a peer's vote does not learn which signal: SIGTERM is the
                 # one schedulers send, and Ctrl-C reaches every rank itself.
@@ -389,12 +299,11 @@ class Trainer:
     def _save(self, step: int, reason: str = "periodic") -> None:
         """`Checkpointer.save`, unless a rank has left the job: its part would be missing."""
         assert self.checkpointer is not None
-        if self.membership is not None and not self._snapshots_off:
-            # One store round decides it, so every rank skips (or saves) the same step.
-            present = self.membership.gather(self._round("snapshot"), b"")
-            if len(present) < self.runtime.world_size:
+        if not self._snapshots_off:
+            # One agreement decides it, so every rank skips (or saves) the same step.
+            gone = self.agreement.absent_ranks()
+            if gone:
                 self._snapshots_off = True
-                gone = sorted(set(range(self.runtime.world_size)) - set(present))
                 if self.runtime.rank == 0:
                     log.warning("warning: no more snapshots from step %d: ranks %s left the job "
                                 "and a snapshot needs every rank's part; training goes on",
@@ -409,41 +318,32 @@ class Trainer:
 
     def _finish(self, started: float) -> dict[str, Any]:
         """Final state: hash checked across ranks, summary and report on rank 0."""
-        rt, s = self.runtime, self.strategy
+        rt, s, st = self.runtime, self.strategy, self.state
         state = s.model_state_dict()
         sha = param_sha256(state)
         if rt.world_size > 1:
-            if self.membership is not None:  # the ranks still in the job
-                got = self.membership.gather(self._round("sha"), sha.encode())
-                digests = {r: d.decode() for r, d in got.items()}
-            else:
-                gathered: list[str] = [""] * rt.world_size
-                dist.all_gather_object(gathered, sha, group=rt.process_group)
-                digests = dict(enumerate(gathered))
+            digests = self.agreement.gather(sha)  # the ranks still in the job
             if len(set(digests.values())) > 1 and rt.rank == 0:
                 log.warning("warning: param_sha256 differs across ranks, the replicas diverged: %s",
                             ", ".join(f"rank {r} {d[:12]}" for r, d in digests.items()))
         summary: dict[str, Any] = {
             "steps": self.step, "world_size": rt.world_size, "strategy": s.name,
-            "train_loss": self.last.get("loss"), "eval_loss": self.last.get("eval_loss"),
+            "train_loss": st.last.get("loss"), "eval_loss": st.last.get("eval_loss"),
         }
-        summary.update({f"eval_{n}": self.last.get(f"eval_{n}") for n in self.eval_metrics})
+        summary.update({f"eval_{n}": st.last.get(f"eval_{n}") for n in self.eval_metrics})
         summary.update({
-            "tokens_per_s": self.tokens / self.train_time_s if self.train_time_s else 0.0,
+            "tokens_per_s": st.tokens / st.train_time_s if st.train_time_s else 0.0,
             "wall_s": time.time() - started,
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            "resumed_from_step": [r["step"] for r in self.resumes], "resumes": self.resumes,
+            "resumed_from_step": [r["step"] for r in st.resumes], "resumes": st.resumes,
             "param_sha256": sha,
-            "compute_s_per_step": self.last.get("compute_s"), "comm_s_per_step": self.last.get("comm_s"),
+            "compute_s_per_step": st.last.get("compute_s"), "comm_s_per_step": st.last.get("comm_s"),
             "seed": self.config.seed, "dtype": self.config.dtype,
             "global_batch_size": self.config.batch_size * self.config.grad_accum * self.data_world_size,
         })
-        if self.membership is not None:
-            summary["departed_ranks"] = sorted(self.membership.departed())
         if self.checkpointer is not None:
             summary.update(self.checkpointer.summary())
-        if hasattr(s, "stats"):  # strategy-specific figures (e.g. a parameter server's staleness)
-            summary.update(s.stats())
+        summary.update(s.stats())  # the strategy's own figures (a parameter server's staleness)
         if rt.rank == 0:
             if self.sample_fn is not None:
                 self.model.load_state_dict(state)
@@ -453,7 +353,9 @@ class Trainer:
                 summary["run_dir"] = self.run_dir
                 try:
                     write_json(os.path.join(self.run_dir, "summary.json"), summary)
-                    from ringtrain.report import write_report  # matplotlib: rank 0 only, at the end
+                    from ringtrain.training.report import (
+                        write_report,  # matplotlib: rank 0 only, at the end
+                    )
 
                     write_report(self.metrics.records, os.path.join(self.run_dir, "report.png"),
                                  title=f"{s.name}, world_size {rt.world_size}")

@@ -1,0 +1,14 @@
+"""Snapshots and resume: nothing a run has done is lost to a crash, a signal or a full disk.
+
+Read in this order:
+- `files.py`: durable writes, checksums, manifests (one file at a time, no processes).
+- `snapshot.py`: `SnapshotManager`, a save as a bounded collective step, committed last.
+- `rng.py`: each rank's random generators (Python, NumPy, torch, CUDA), saved and restored.
+- `run_dir.py`: the run directory checked before a run, and the words for a full disk.
+- `resume.py`: `Checkpointer`, what the training loop saves and how it resumes (exact, or
+  elastic on another world size), and `StopSignal` (SIGTERM/SIGINT to a saved stop).
+
+May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
+`ringtrain.store_keys`, `ringtrain.agreement` (the strategy's agreement), `ringtrain.strategies`
+(the seam, for types). Never the trainer: the loop hands over its `LoopState`.
+"""

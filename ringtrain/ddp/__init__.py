@@ -1,0 +1,19 @@
+"""Data parallelism: every rank holds the whole model; gradients are averaged by all-reduce.
+
+Read in this order:
+- `naive.py`: the reference. After backward, one all-reduce per parameter; 55 lines.
+- `distributed.py`: `DistributedDataParallel`, the drop-in for torch's (same arguments,
+  `no_sync`, comm hooks, unused parameters); it hands every gradient to the reducer.
+- `reducer.py`: the bucketed all-reduce, launched from autograd hooks while backward still runs.
+- `buckets.py`: which gradients travel together (pure planning, unit-tested without processes).
+- `lanes.py`: extra gloo groups over the same ranks, so buckets travel side by side.
+- `comm_hooks.py`: replacements for a bucket's all-reduce (fp16/bf16 compression, ring all-reduce).
+- `unused_params.py`: what a synced backward reports about parameters that got no gradient.
+
+May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
+`ringtrain.ranges`. Never the trainer, strategies or launcher.
+"""
+
+from ringtrain.ddp.distributed import DistributedDataParallel
+
+__all__ = ["DistributedDataParallel"]

@@ -1,0 +1,15 @@
+"""Launching a job and keeping it honest: `ringtrain run`, rendezvous, failure report, watchdog.
+
+Read in this order:
+- `launcher.py`: `ringtrain run`, torchrun's flags on torch's elastic agent.
+- `rendezvous.py`: a free port on one node, reachable addresses across nodes.
+- `process_group.py`: `init_distributed` / `destroy_distributed`, a worker's side of the rendezvous.
+- `failure_report.py`: one readable block when a worker fails, instead of torch's dump.
+- `watchdog.py`: every rank's heartbeat; a rank that dies or hangs stops the others, named.
+- `peer_failure.py`: what a watchdog found, and the default reaction (one line, exit 75).
+- `hang.py`: which rank never entered the collective the others wait in.
+
+May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
+`ringtrain.store_keys`. Never the trainer, a strategy or the snapshot code: the launcher runs
+any script.
+"""

@@ -1,0 +1,79 @@
+"""What a watchdog found, and the default reaction to it: one line, the error file, the exit.
+
+    failure = PeerFailure("died", 1, "no heartbeat for 30 s")
+    exit_on_peer_failure(rank=0, failure=failure)    # prints "[rank 0] rank 1 died (...)", exits 75
+
+Used by `ringtrain.launch.watchdog.Watchdog` (which finds failures) and by the launcher's
+failure report (which reads the exit codes and error files back).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ringtrain.launch.hang import describe_main_thread
+
+# sysexits' EX_TEMPFAIL: "a peer failed, this rank is fine; restarting the group may help".
+# The launcher uses it to tell ranks that stopped because of a peer from the root cause.
+PEER_FAILED_EXIT_CODE = 75
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """What the watchdog found: `kind` is "failed" (raised), "died" (silent), "hung" (never
+    entered the collective the others wait in, `ringtrain.launch.hang`) or "store" (lost)."""
+
+    kind: str
+    rank: int | None  # the rank at fault; None when the store's host is not a rank's process
+    reason: str
+
+    def __str__(self) -> str:
+        if self.kind == "failed":
+            return f"rank {self.rank} failed {self.reason}"
+        if self.kind == "hung":
+            return f"rank {self.rank} hangs: {self.reason}"
+        if self.kind == "died":
+            return f"rank {self.rank} died ({self.reason})"
+        return self.reason
+
+
+def describe_error(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__
+
+
+def tcp_store(store: dist.Store) -> dist.Store | None:
+    while not hasattr(store, "host") and hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store if hasattr(store, "host") else None
+
+
+def exit_on_peer_failure(rank: int, failure: PeerFailure) -> None:
+    """The default reaction: one line on stderr, the launcher's error file, then `os._exit`.
+
+    `os._exit` because the main thread may be stuck in a collective that will never return:
+    a normal exit would wait for it (and for atexit handlers that call into the dead group).
+    A rank that found itself hanging (`failure.rank == rank`) is the cause, not a symptom:
+    it also prints where its main thread is stuck and exits with 1, not PEER_FAILED_EXIT_CODE.
+    """
+    own = failure.kind == "hung" and failure.rank == rank
+    stack = describe_main_thread(rank) if own else ""
+    print(f"[rank {rank}] {failure}" + (f"\n{stack}" if stack else ""), file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torch's error-file format, so `ringtrain run` can say why this rank stopped
+        text = f"{'RankHung' if own else 'PeerFailure'}: {failure}"
+        data = {"message": {"message": text, "extraInfo": {
+            "py_callstack": stack or text, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+    sys.stdout.flush()
+    os._exit(1 if own else PEER_FAILED_EXIT_CODE)

@@ -1,0 +1,20 @@
+"""The training loop: model-agnostic, it hands micro-batches to a strategy and reduces results.
+
+Read in this order:
+- `config.py`: `TrainerConfig`, the LR schedule, the default optimizer, seeds and hashes.
+- `state.py`: `LoopState`, the loop's own state (step, metrics window, tokens, sampler cursor).
+- `trainer.py`: `Trainer.fit()`: the steps, metrics, snapshots, the summary.
+- `evaluate.py`: evaluation on the exact eval shard the strategy names.
+- `progress.py`: the progress bar, rank-prefixed logging, metrics.jsonl and summary.json.
+- `report.py`: report.png from metrics.jsonl.
+
+May import: torch, `ringtrain.strategies` (the seam only: `Strategy`, `StepResult`),
+`ringtrain.agreement`, `ringtrain.checkpoint`, `ringtrain.data.sampler`, `ringtrain.runtime`,
+`ringtrain.types`, `ringtrain.errors`. Never a concrete strategy, model or launcher.
+"""
+
+from ringtrain.training.config import TrainerConfig
+from ringtrain.training.state import LoopState
+from ringtrain.training.trainer import Trainer
+
+__all__ = ["LoopState", "Trainer", "TrainerConfig"]

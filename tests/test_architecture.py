@@ -1,0 +1,102 @@
+"""The house rules, checked on the source: no import cycle, each package imports only what
+docs/architecture.md allows, short files, a trainer that asks its strategy and never probes it.
+
+    .venv/bin/pytest -q tests/test_architecture.py
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+from architecture import PACKAGE, area, area_graph, cycles, graph
+
+# What each area may import (besides torch and the standard library). An area is a package
+# under ringtrain/ or a top-level module. docs/architecture.md draws the same table.
+BOTTOM = {"errors", "types", "ranges", "torch_internals", "store_keys"}
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(), "types": set(), "ranges": set(), "torch_internals": set(),
+    "store_keys": set(),
+    "runtime": {"torch_internals"},
+    "models": set(),
+    "data": {"runtime"},
+    "agreement": {"runtime", "store_keys"},
+    "ddp": {"runtime", "torch_internals", "errors", "ranges"},
+    "pipeline": {"runtime", "torch_internals", "errors"},
+    "ps": {"runtime", "errors", "ranges", "types"},
+    "launch": {"runtime", "torch_internals", "errors", "store_keys"},
+    "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies"},
+    "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps"},
+    "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data"},
+    "testing": {"runtime", "launch"},
+    "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
+            "models", "testing"},
+    "ringtrain": {"runtime", "launch"},  # the package's __init__: the public names
+    "__main__": {"cli"},
+}
+MAX_LINES = 400
+
+
+def test_no_import_cycle_between_modules_or_packages():
+    g = graph()
+    assert cycles(g) == []
+    assert cycles(area_graph(g)) == []
+
+
+def test_each_package_imports_only_what_it_may():
+    wrong = []
+    for module, deps in graph().items():
+        here = area(module)
+        assert here in ALLOWED, f"{module}: add its package to ALLOWED and docs/architecture.md"
+        for d in deps:
+            if area(d) != here and area(d) not in ALLOWED[here]:
+                wrong.append(f"{module} imports {d}")
+    assert wrong == []
+
+
+def test_models_never_import_distribution():
+    for module, deps in graph().items():
+        if area(module) == "models":
+            assert deps <= {m for m in deps if area(m) == "models"}, module
+            text = (PACKAGE / "models").joinpath(*module.split(".")[2:]).with_suffix(".py")
+            if text.exists():
+                assert "torch.distributed" not in text.read_text(), module
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_file_over_400_lines(path):
+    assert len(path.read_text().splitlines()) <= MAX_LINES
+
+
+def _calls_and_probes(path):
+    """(probing calls, strategy attributes read in conditions) in a module's code."""
+    tree = ast.parse(path.read_text())
+    probes = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id in ("hasattr", "getattr", "isinstance")
+              and n.args and "strateg" in ast.unparse(n.args[0])]
+    branches = [n for n in ast.walk(tree) if isinstance(n, ast.If | ast.IfExp | ast.While)
+                and re.search(r"\b(s|strategy|self\.strategy)\.[a-z_]+\b(?!\()", ast.unparse(n.test))]
+    return probes, branches
+
+
+@pytest.mark.parametrize("name", ["training/trainer.py", "cli/train.py", "cli/train_args.py"])
+def test_the_loop_and_the_command_ask_the_strategy_and_never_probe_it(name):
+    probes, branches = _calls_and_probes(PACKAGE / name)
+    assert [ast.unparse(p) for p in probes] == []
+    assert [ast.unparse(b.test) for b in branches] == []
+    tree = ast.parse((PACKAGE / name).read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    # Strategy-specific words in code (docstrings may explain them): ask the strategy instead.
+    assert names & {"lockstep", "membership", "Membership", "drop_worker", "ps_mode", "pp",
+                    "servers", "PSTopology", "Topology"} == set()
+    compared = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Compare)
+                and "strategy" in ast.unparse(n.left)]
+    assert compared == [], "branches on which strategy it is"
+
+
+def test_bottom_modules_import_nothing_above_them():
+    for module, deps in graph().items():
+        if area(module) in BOTTOM:
+            assert {area(d) for d in deps} <= BOTTOM, module
