@@ -52,10 +52,15 @@ class CollectiveAgreement(Agreement):
     Args:
         process_group: the world group (None: torch's default group).
         world_size: ranks in the group; with 1 every answer is local (no collective).
+        vote_every_step: False votes at shared (metrics) steps only: for strategies whose
+            ranks meet rarely on purpose (local SGD over a slow link), where a vote every step
+            would cost a round trip every step.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None, world_size: int):
+    def __init__(self, process_group: dist.ProcessGroup | None, world_size: int, *,
+                 vote_every_step: bool = True):
         self.process_group, self.world_size = process_group, world_size
+        self.vote_every_step = vote_every_step
 
     def sum(self, values: list[float]) -> list[float]:
         if self.world_size == 1:
@@ -72,6 +77,8 @@ class CollectiveAgreement(Agreement):
         """
         if self.world_size == 1:
             return flag
+        if not (self.vote_every_step or at_shared_step):
+            return False
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(t.item())

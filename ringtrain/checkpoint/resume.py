@@ -334,11 +334,14 @@ class Checkpointer:
                 f"{snap.path} (step {snap.step}) was saved by a run with other options: "
                 f"{'; '.join(diffs)}. Resume with the snapshot's options, or start afresh with "
                 "--no-resume (its snapshots are deleted) or in another --run-dir")
-        resharded = check_topology(meta, rt.world_size, reshardable=self.replicated,
-                                   topology=self._topology())
+        # Per-rank state saved by another number of ranks: the strategy may name the part
+        # this rank takes (None: it cannot be resharded, and check_topology refuses).
+        source = None if self.replicated else self.strategy.reshard_source(int(meta["world_size"]))
+        resharded = check_topology(meta, rt.world_size, topology=self._topology(),
+                                   reshardable=self.replicated or source is not None)
         self.global_batch = int(meta["global_batch"])
         self._fit_global_batch(meta)
-        shared, per_rank, _ = self.manager.load(snap)
+        shared, per_rank, _ = self.manager.load(snap, rank=source if resharded else None)
         assert shared is not None, "a committed snapshot always has shared.pt"
         if self.replicated:
             self.strategy.load_state_dict(shared["strategy"])

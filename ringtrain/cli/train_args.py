@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from ringtrain.strategies import Strategy, registered
-from ringtrain.strategies.base import int_at_least
+from ringtrain.strategies.base import int_at_least, non_negative_float
 
 # Flags that belong to the launcher: the relaunched workers do not see them.
 LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
@@ -35,16 +35,6 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 _positive_int, _non_negative_int = int_at_least(1), int_at_least(0)
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be 0 or more")
-    return value
 
 
 def _task_default(key: str) -> str:
@@ -68,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_positive_int,
                    help="torch threads per worker (default: CPU cores / --nproc-per-node; 1 is "
                    "faster for small models on a busy machine)")
-    g.add_argument("--watchdog-timeout", type=_non_negative_float, default=30.0,
+    g.add_argument("--watchdog-timeout", type=non_negative_float, default=30.0,
                    help="stop every rank this many seconds after a peer went silent; 0 disables "
                    "(default: 30)")
     g.add_argument("--max-restarts", type=_non_negative_int, default=0,
@@ -91,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-layer", type=_positive_int, help=_task_default("n_layer"))
     g.add_argument("--n-head", type=_positive_int, help=_task_default("n_head"))
     g.add_argument("--n-embd", type=_positive_int, help=_task_default("n_embd"))
-    g.add_argument("--dropout", type=_non_negative_float, help=_task_default("dropout"))
+    g.add_argument("--dropout", type=non_negative_float, help=_task_default("dropout"))
     g.add_argument("--tie-embeddings", action="store_true",
                    help="share the token embedding with the output layer (default: untied)")
     g = p.add_argument_group("optimisation")
@@ -100,18 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per micro-batch per rank; " + _task_default("batch_size"))
     g.add_argument("--grad-accum", type=_positive_int, default=1,
                    help="micro-batches per optimizer step (default: 1)")
-    g.add_argument("--lr", type=_non_negative_float, help="peak learning rate; " + _task_default("lr"))
-    g.add_argument("--min-lr", type=_non_negative_float, help="final learning rate (default: lr / 10)")
+    g.add_argument("--lr", type=non_negative_float, help="peak learning rate; " + _task_default("lr"))
+    g.add_argument("--min-lr", type=non_negative_float, help="final learning rate (default: lr / 10)")
     g.add_argument("--warmup-steps", type=_non_negative_int,
                    help="linear warmup steps (default: min(100, steps / 10))")
     g.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
                    help="after warmup (default: cosine)")
-    g.add_argument("--weight-decay", type=_non_negative_float, default=0.1,
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.1,
                    help="AdamW weight decay on matrices (default: 0.1)")
-    g.add_argument("--beta1", type=_non_negative_float,
+    g.add_argument("--beta1", type=non_negative_float,
                    help="AdamW's momentum (default: 0.9; 0.5 with --strategy ps --ps-mode async, "
                         "where asynchrony adds momentum of its own: docs/ps.md)")
-    g.add_argument("--grad-clip", type=_non_negative_float, default=1.0,
+    g.add_argument("--grad-clip", type=non_negative_float, default=1.0,
                    help="max gradient norm, 0 disables (default: 1.0)")
     g.add_argument("--seed", type=int, default=1337, help="initialisation, data order, dropout "
                    "(default: 1337)")
@@ -124,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=_positive_int, help="steps between evaluations "
                    "(default: steps / 10; the last step always evaluates)")
     g.add_argument("--eval-batch-size", type=_positive_int, help="default: max(batch size, 256)")
-    g.add_argument("--stop-at-accuracy", type=_non_negative_float, metavar="FRACTION",
+    g.add_argument("--stop-at-accuracy", type=non_negative_float, metavar="FRACTION",
                    help="stop once the held-out accuracy reaches this, e.g. 0.99 (addition only)")
     g.add_argument("--sample-length", type=_positive_int, default=300,
                    help="characters generated at the end with --data (default: 300)")
@@ -142,12 +132,26 @@ def build_parser() -> argparse.ArgumentParser:
     strategies = registered()
     g.add_argument("--strategy", choices=list(strategies), default="ddp",
                    help="how the model is distributed (default: ddp)")
-    for name, cls in strategies.items():  # each strategy's own flags, declared by it
-        if cls.options:
+    # Each strategy's own flags, declared by it; a flag several strategies share (diloco
+    # extends localsgd) is listed once, under the first, naming every strategy that takes it.
+    owners = _flag_owners(strategies)
+    for name, cls in strategies.items():
+        mine = [o for o in cls.options if owners[o.flag][0] == name]
+        if mine:
             g = p.add_argument_group(f"--strategy {name}")
-        for o in cls.options:
-            g.add_argument(o.flag, type=o.type, choices=o.choices, help=o.help)
+        for o in mine:
+            shared = f" (--strategy {', '.join(owners[o.flag])})" if len(owners[o.flag]) > 1 else ""
+            g.add_argument(o.flag, type=o.type, choices=o.choices, help=o.help + shared)
     return p
+
+
+def _flag_owners(strategies: dict[str, type[Strategy]]) -> dict[str, list[str]]:
+    """--flag -> the strategies that declare it, in registry order."""
+    owners: dict[str, list[str]] = {}
+    for name, cls in strategies.items():
+        for o in cls.options:
+            owners.setdefault(o.flag, []).append(name)
+    return owners
 
 
 def _strategy(args: argparse.Namespace) -> type[Strategy]:
@@ -203,13 +207,13 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[
         if args.digits > MAX_DIGITS:
             raise ValueError(f"--digits {args.digits}: the addition task supports 1..{MAX_DIGITS}")
         train_samples = train_size(args.digits)
-    for name, cls in registered().items():
-        if name == args.strategy:
-            continue
-        for o in cls.options:
-            if getattr(args, o.dest) is not None:
-                raise ValueError(f"{o.flag} applies to --strategy {name}, not {args.strategy}; "
-                                 f"add --strategy {name} or drop {o.flag}")
+    strategies = registered()
+    mine = {o.flag for o in strategies[args.strategy].options}
+    for flag, names in _flag_owners(strategies).items():
+        if flag not in mine and getattr(args, flag[2:].replace("-", "_")) is not None:
+            which = " or ".join(f"--strategy {n}" for n in names)
+            raise ValueError(f"{flag} applies to {which}, not {args.strategy}; "
+                             f"add {which.split(' or ')[0]} or drop {flag}")
     if args.n_embd % args.n_head:
         raise ValueError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}; "
                          "choose --n-embd as a multiple of --n-head")

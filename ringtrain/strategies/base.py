@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
 
 __all__ = ["EvalShard", "LossFn", "OptimizerFn", "Option", "StepResult", "Strategy", "eval_forward",
-           "int_at_least"]
+           "int_at_least", "non_negative_float"]
 
 
 @dataclass
@@ -65,6 +65,17 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be {low} or more")
         return value
     return parse
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a number >= 0, with a message naming the value otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be 0 or more")
+    return value
 
 
 @dataclass(frozen=True)
@@ -186,6 +197,12 @@ class Strategy(ABC):
     def stats(self) -> dict[str, Any]:
         """The strategy's own figures for the run's summary (after `model_state_dict`)."""
         return {}
+
+    def reshard_source(self, saved_world_size: int) -> int | None:
+        """Resuming per-rank state saved by another number of ranks: which saved rank's part
+        this rank loads; None (the default): the state cannot be resharded (refused, naming
+        both world sizes). Replicated state (`replicated_state`) needs no answer."""
+        return None
 
     def serve(self) -> None:
         """Run a non-worker rank's role outside the trainer loop (optional)."""

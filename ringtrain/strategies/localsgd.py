@@ -1,0 +1,166 @@
+"""`--strategy localsgd`: every worker trains alone for H steps, then the weights are averaged.
+
+    ringtrain train --strategy localsgd --sync-every 10 --nproc-per-node 2
+
+Each rank holds a full replica and its own optimizer and reads its own data shard, like DDP,
+but no gradient is all-reduced: after every `--sync-every` H optimizer steps the ranks meet
+once and average their parameters (`ringtrain.localsgd.outer.average_weights`), so a slow link
+carries one model per H steps instead of one gradient per step. With H = 1 and plain SGD this
+is DDP with SGD (the mean of the updated weights is the update with the mean gradient).
+Evaluation and `model_state_dict()` use the weights of the last meeting, the same on every
+rank; `model_state_dict()` first meets once more if steps were taken since (every rank calls
+it at the same point, at the end). A stop signal (SIGTERM) is voted on at metric steps only:
+a per-step vote would cost a round trip on the slow link every step. `ringtrain.strategies.
+diloco` adds DiLoCo's outer optimizer on top of this.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringtrain.agreement.base import Agreement, CollectiveAgreement
+from ringtrain.errors import ConfigError
+from ringtrain.localsgd.outer import average_weights
+from ringtrain.runtime import Runtime
+from ringtrain.strategies.base import Option, StepResult, Strategy, eval_forward, int_at_least
+from ringtrain.types import LossFn, OptimizerFn
+
+
+class LocalSGDStrategy(Strategy):
+    """One replica per rank, trained alone for `sync_every` steps between meetings.
+
+    Args:
+        runtime: this process's `Runtime`.
+        sync_every: optimizer steps between meetings (H, --sync-every).
+    """
+
+    name = "localsgd"
+    options = (Option("--sync-every", "sync_every", int_at_least(1),
+                      help="optimizer steps between the workers' meetings, H (default: 50)"),)
+
+    def __init__(self, runtime: Runtime, sync_every: int = 50):
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ConfigError(f"--sync-every {sync_every!r}: it must be a positive number of steps")
+        self.runtime, self.sync_every = runtime, sync_every
+        self.replicated_state = False  # optimizer states differ per rank; see reshard_source
+        self.module: nn.Module | None = None
+        self.inner_steps = 0  # optimizer steps taken; a meeting after every sync_every-th
+        self.meetings, self.bytes_sent, self.meeting_s = 0, 0, 0.0
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
+        self.module = model.to(self.runtime.device)
+        self.optimizer = optimizer_fn(self.module.parameters())
+        self.loss_fn = loss_fn
+        self.synced = copy.deepcopy(self.module)  # the weights of the last meeting (evaluation)
+        self.synced.requires_grad_(False)
+
+    def _params(self) -> list[torch.Tensor]:
+        assert self.module is not None, "setup() first"
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _meet(self) -> None:
+        """Every rank, at the same inner step: agree on one model (here: the mean)."""
+        self.bytes_sent += average_weights(self._params(), self.runtime.process_group,
+                                           self.runtime.world_size)
+
+    def _met(self) -> None:
+        self.meetings += 1
+        with torch.no_grad():
+            for s, p in zip(self.synced.parameters(), self.module.parameters(), strict=True):
+                s.copy_(p)
+
+    # -- the seam ---------------------------------------------------------------------------------
+    @property
+    def data_rank(self) -> int | None:
+        return self.runtime.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.runtime.world_size
+
+    def agreement(self, runtime: Runtime, name: str) -> Agreement:
+        return CollectiveAgreement(runtime.process_group, runtime.world_size, vote_every_step=False)
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
+                   grad_clip: float | None) -> StepResult:
+        assert self.module is not None, "setup() first"
+        if not micro_batches:
+            raise ValueError(f"rank {self.runtime.rank}: train_step got no micro-batches; every "
+                             f"{self.name} rank trains on its own shard")
+        start = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = sum(len(x) for x, _ in micro_batches)
+        loss_sum, device = 0.0, self.runtime.device
+        for x, y in micro_batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = self.loss_fn(self.module(x), y)
+            (loss * (len(x) / total)).backward()
+            loss_sum += float(loss.detach()) * len(x)
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(self._params(), grad_clip)  # this worker's own norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.inner_steps += 1
+        comm_s = 0.0
+        if self.inner_steps % self.sync_every == 0:
+            t0 = time.perf_counter()
+            self._meet()
+            self._met()
+            comm_s = time.perf_counter() - t0
+            self.meeting_s += comm_s
+        elapsed = time.perf_counter() - start
+        return StepResult(loss_sum=loss_sum, count=total, compute_s=elapsed - comm_s, comm_s=comm_s)
+
+    @torch.no_grad()
+    def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        return eval_forward(self.synced, x, self.runtime.device)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The agreed model: a last meeting first if steps were taken since the previous one."""
+        assert self.module is not None, "setup() first"
+        if self.inner_steps % self.sync_every:
+            self._meet()
+            self._met()
+        return self.synced.state_dict()
+
+    def stats(self) -> dict[str, Any]:
+        return {"sync_every": self.sync_every, "meetings": self.meetings,
+                "meeting_bytes_sent": self.bytes_sent,
+                "meeting_s_mean": self.meeting_s / self.meetings if self.meetings else None}
+
+    # -- snapshots --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's replica and optimizer, the last meeting's weights and the step count."""
+        assert self.module is not None, "setup() first"
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "synced": self.synced.state_dict(), "inner_steps": self.inner_steps,
+                "world_size": self.runtime.world_size, "sync_every": self.sync_every}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.module is not None, "setup() first"
+        steps, saved_ws = int(state["inner_steps"]), int(state["world_size"])
+        if saved_ws != self.runtime.world_size and steps % self.sync_every:
+            raise ConfigError(
+                f"the snapshot (step {steps}) was written between two meetings of "
+                f"{saved_ws} workers (--sync-every {self.sync_every}); another number of workers "
+                f"can only resume at a meeting. Resume on {saved_ws} workers, or from a snapshot "
+                f"at a multiple of --sync-every (use --snapshot-every {self.sync_every} or a "
+                "multiple of it)")
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.synced.load_state_dict(state["synced"])
+        self.inner_steps = steps
+
+    def reshard_source(self, saved_world_size: int) -> int | None:
+        """At a meeting every replica holds the same weights: rank r takes saved rank r's part
+        (its optimizer state) modulo the saved world size. `load_state_dict` refuses a snapshot
+        taken between meetings."""
+        return self.runtime.rank % saved_world_size
