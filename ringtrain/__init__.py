@@ -1,7 +1,7 @@
 """ringtrain: train PyTorch models across many processes and machines.
 
     import ringtrain
-    rt = ringtrain.init_distributed()          # torchrun variables, or one process
+    rt = ringtrain.init_distributed()   # ringtrain run, torchrun, Slurm, Kubernetes, Ray Train, TorchX, MPI, or one process
     model = ringtrain.DistributedDataParallel(model)
 """
 

@@ -1,4 +1,4 @@
-"""User mistakes, told apart from bugs: `ConfigError` and the exit code that says "explained".
+"""User mistakes, told apart from bugs: `ConfigError` and the exit codes that say what happened.
 
     raise ConfigError("--pp 3 does not divide world_size=2; use --pp in [1, 2]")
 
@@ -15,6 +15,11 @@ from __future__ import annotations
 import torch.distributed as dist
 
 USAGE_EXIT_CODE = 2  # argparse's: a usage error, already explained to the user
+# "Requeue me": stopped on the scheduler's request (SIGTERM: preemption, scancel, a pod being
+# evicted; SIGUSR1: Slurm's `--signal=USR1@SECONDS` before the time limit) after every rank saved
+# the same step; the same command resumes. 128 + SIGTERM, which Kubernetes' `restartPolicy:
+# ExitCode` (128..255) retries, and which a Slurm batch script or `RequeueExit=143` can requeue.
+REQUEUE_EXIT_CODE = 143
 # sysexits' EX_IOERR ("an error occurred while doing I/O on some file"): the run stopped because
 # its directory is full; unlike 1 (a bug, a crash) it says "make room, then run it again".
 DISK_FULL_EXIT_CODE = 74

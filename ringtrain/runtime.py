@@ -114,12 +114,27 @@ def register_exit_grace() -> None:
         atexit.register(settle_comm_threads)
 
 
+def _group_device(backend: str) -> torch.device:
+    """The device of a group someone else started (Ray Train, a script calling torch directly).
+
+    Ray Train tells each worker its device in ACCELERATE_TORCH_DEVICE (for Hugging Face
+    Accelerate; "cpu" with use_gpu=False). Otherwise NCCL means the current CUDA device, which
+    the launcher set; anything else is the CPU, and no torch.cuda call is made to find that out.
+    """
+    given = os.environ.get("ACCELERATE_TORCH_DEVICE")
+    if given:
+        return torch.device(given)
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _require() -> Runtime:
     if _runtime is None:
         if dist.is_available() and dist.is_initialized():  # started by torch directly
+            backend = dist.get_backend()
             return Runtime(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
-                           dist.get_backend(), torch.device("cpu"), dist.group.WORLD,
-                           default_store())
+                           backend, _group_device(backend), dist.group.WORLD, default_store())
         raise DistributedInitError(
             "the process group is not initialised: call ringtrain.init_distributed() first "
             "(it falls back to a single process when no launcher variables are set)"

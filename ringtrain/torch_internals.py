@@ -35,6 +35,10 @@ Features and the names each one needs:
   `running_workers`, `mark_finished`): `SubprocessContext._capture_process_failures`, and the
   attributes its constructors set: `_running_local_ranks`, `subprocess_handlers` (each with
   `proc`), `envs`;
+- restarts counted for the job, not per node, in `ringtrain run` (ringtrain.launch.launcher,
+  `START_WORKERS`, `RESTART_WORKERS`, `set_remaining_restarts`):
+  `LocalElasticAgent._start_workers`, `SimpleElasticAgent._restart_workers`, and the attribute
+  its constructor sets: `_remaining_restarts`;
 - the BatchNorm warning of pipeline stages (ringtrain.pipeline.engine, `BatchNorm`):
   `torch.nn.modules.batchnorm._BatchNorm`.
 """
@@ -51,6 +55,8 @@ from typing import Any
 import torch
 import torch.autograd
 import torch.distributed
+import torch.distributed.elastic.agent.server.api as _agent_api
+import torch.distributed.elastic.agent.server.local_elastic_agent as _local_agent
 import torch.distributed.elastic.multiprocessing.api as _mp_api
 import torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler as _handler
 import torch.distributed.elastic.rendezvous.utils as _rdzv_utils
@@ -302,6 +308,24 @@ def running_workers(context: Any) -> list[tuple[int, int, subprocess.Popen]]:
 def mark_finished(context: Any, local_rank: int) -> None:
     """Take `local_rank` off `context`'s running workers, so its poll never sees it exit."""
     context._running_local_ranks.discard(local_rank)
+
+
+# ---- restarts counted for the job in `ringtrain run` (ringtrain.launch.launcher) ---------------
+
+_FEATURE_RESTARTS = ("restarts counted for the whole job across nodes, not per node "
+                     "(`ringtrain run --nnodes N --max-restarts M`, ringtrain.launch.launcher)")
+#: `LocalElasticAgent._start_workers(self, worker_group)`: after each rendezvous, starts the
+#: workers with TORCHELASTIC_RESTART_COUNT = max_restarts - the agent's remaining restarts.
+START_WORKERS = _patch_point(_local_agent.LocalElasticAgent, "_start_workers", _FEATURE_RESTARTS)
+#: `SimpleElasticAgent._restart_workers(self, worker_group)`: stop, rendezvous again, start; called
+#: after a failure (the group's state FAILED or UNHEALTHY) or when nodes wait to join (HEALTHY).
+RESTART_WORKERS = _patch_point(_agent_api.SimpleElasticAgent, "_restart_workers", _FEATURE_RESTARTS)
+_require_set_by_init(_agent_api.SimpleElasticAgent, "_remaining_restarts", _FEATURE_RESTARTS)
+
+
+def set_remaining_restarts(agent: Any, remaining: int) -> None:
+    """Set the restarts `agent` has left: its loop restarts after a failure while it is > 0."""
+    agent._remaining_restarts = remaining
 
 
 # ---- the BatchNorm warning of pipeline stages (ringtrain.pipeline.engine) ------------------

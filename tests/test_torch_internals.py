@@ -42,6 +42,8 @@ PRIVATE_NAMES = [
     "_matches_machine_hostname", "rdzv_registry",
     # CAPTURE_PROCESS_FAILURES, running_workers, mark_finished (ringtrain.launch.launcher)
     "_capture_process_failures", "_running_local_ranks", "subprocess_handlers",
+    # START_WORKERS, RESTART_WORKERS, set_remaining_restarts (ringtrain.launch.launcher)
+    "_start_workers", "_restart_workers", "_remaining_restarts",
     # BatchNorm (ringtrain.pipeline.engine)
     "_BatchNorm",
 ]

@@ -14,8 +14,10 @@ rank 0 prints the progress bar and the summary. Each run writes `runs/<timestamp
     ringtrain train --run-dir runs/a --nproc-per-node 3                    # resume runs/a on 3 workers
 
 A run directory with a committed snapshot is resumed by itself (`--no-resume` starts afresh).
-After SIGTERM or Ctrl-C (SIGINT) every worker saves the same step; `ringtrain train` exits with
-128 + the signal (143, 130) and says how to resume.
+After SIGTERM, SIGUSR1 (Slurm's `--signal=USR1@90`) or Ctrl-C (SIGINT) every worker saves the
+same step; `ringtrain train` says how to resume and exits with 143 after SIGTERM or SIGUSR1
+(`REQUEUE_EXIT_CODE`, "requeue me"), 130 after Ctrl-C. Run directly under `srun -n N` (one task
+per process) it does the same on each task (docs/clusters.md).
 
 A mistake in the options exits with 2 after one message: `check_args` finds most before any
 worker starts; what only the workers can find (a snapshot written with other options) raises
@@ -54,11 +56,11 @@ from ringtrain.cli.train_args import (
     trainer_config,
     worker_argv,
 )
-from ringtrain.errors import USAGE_EXIT_CODE, ConfigError
+from ringtrain.errors import REQUEUE_EXIT_CODE, USAGE_EXIT_CODE, ConfigError
 
-# What a launched worker exits with after it stopped on a signal (SIGTERM or SIGINT) and saved
-# a snapshot: 128 + SIGTERM, whichever signal it was (the launcher's failure report knows it).
-STOPPED_EXIT_CODE = 143
+# What a launched worker exits with after it stopped on a signal (SIGTERM, SIGUSR1 or SIGINT)
+# and saved a snapshot: 143, whichever signal it was (the launcher's failure report knows it).
+STOPPED_EXIT_CODE = REQUEUE_EXIT_CODE
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # Ctrl-C outside the training loop: nothing saved
 MISTAKE_WAIT_S = 10.0  # how long a rank waits for the others to find the same ConfigError
 # DISK_FULL_EXIT_CODE (74): stopped at its last committed snapshot, the run directory was full.
@@ -80,8 +82,29 @@ def new_run_dir(root: str = "runs") -> str:
                               "--run-dir with a directory you can write to") from None
 
 
-def _in_launched_worker() -> bool:
+def _under_agent() -> bool:
+    """torch's elastic agent (`ringtrain run`, torchrun) started this process."""
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _outside_job() -> tuple[int, int] | None:
+    """(rank, world_size) when a launcher started this process as one of several: the agent,
+    or one that starts every process itself (`srun -n N`, `mpirun`, a PyTorchJob); else None.
+    A broken environment is None here: `init_distributed` says what is wrong with it."""
+    from ringtrain.errors import ConfigError
+    from ringtrain.launch.environments import detect
+    from ringtrain.runtime import DistributedInitError
+
+    try:
+        env = detect(os.environ)
+    except (DistributedInitError, ConfigError, ValueError):
+        return None
+    return (env.rank, env.world_size) if env.world_size > 1 or _under_agent() else None
+
+
+def _in_launched_worker() -> bool:
+    """One of the job's processes, started by a launcher (not the command a user typed)."""
+    return _under_agent() or _outside_job() is not None
 
 
 def build_job(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,10 +161,12 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
     from ringtrain.training.trainer import Trainer
 
     def job() -> int:
-        if _in_launched_worker():
+        if _under_agent():
             from ringtrain.launch.launcher import die_with_parent
 
             die_with_parent()  # a SIGKILLed launcher must not leave this worker running
+        job_rank = (_outside_job() or (0, 1))[0]
+        setup_logging(job_rank)  # before init: rank 0 says which launcher it found
         rt = init_distributed()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
         # Workers of one machine share its cores: more threads than cores makes every op wait.
@@ -216,7 +241,8 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
                           "the same command again to resume", flush=True)
                 if _in_launched_worker():
                     return STOPPED_EXIT_CODE
-                return 128 + signal.Signals[summary["stopped_by"]]
+                # Ctrl-C: the user stopped it (130); SIGTERM, SIGUSR1: a scheduler did, requeue.
+                return INTERRUPTED_EXIT_CODE if summary["stopped_by"] == "SIGINT" else REQUEUE_EXIT_CODE
             if rt.rank == 0:
                 print(format_summary(summary), flush=True)
             return 0
@@ -227,7 +253,7 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
         finally:
             destroy_distributed()
 
-    if _in_launched_worker():
+    if _under_agent():
         job = record(job)  # the launcher's failure report then shows this worker's traceback
     try:
         return job()
@@ -304,10 +330,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _known_world_size(args: argparse.Namespace) -> int | None:
-    """The job's number of ranks if known here: a launched worker's WORLD_SIZE, else
-    --nnodes N x --nproc-per-node (None for an elastic --nnodes MIN:MAX)."""
-    if _in_launched_worker():
-        return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    """The job's number of ranks if known here: what the launcher that started this process
+    says (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS, ...), else --nnodes N x --nproc-per-node
+    (None for an elastic --nnodes MIN:MAX)."""
+    job = _outside_job()
+    if job is not None:
+        return job[1]
+    if _under_agent():
+        return None
     return int(args.nnodes) * args.nproc_per_node if args.nnodes.isdigit() else None
 
 
@@ -330,7 +360,7 @@ def _main(argv: list[str] | None) -> int:
         for warning in warnings:
             print(f"ringtrain train: warning: {warning}", file=sys.stderr, flush=True)
     try:
-        if args.run_dir is None and os.environ.get("RANK", "0") == "0":
+        if args.run_dir is None and (_outside_job() or (0, 1))[0] == 0:
             # Decided once, before any relaunch, so all workers agree; under an outside launcher
             # only rank 0 (the one that writes) makes one.
             args.run_dir = new_run_dir()
@@ -353,8 +383,9 @@ def _main(argv: list[str] | None) -> int:
                       nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
                       nnodes=args.nnodes, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, run_id=run_id,
-                      tolerate_ranks=tolerated_ranks(args))
+                      tolerate_ranks=tolerated_ranks(args), shutdown_timeout=args.shutdown_timeout)
     return run_job(args, started_at)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,8 @@ from ringtrain.strategies import Strategy, registered
 from ringtrain.strategies.base import int_at_least, non_negative_float
 
 # Flags that belong to the launcher: the relaunched workers do not see them.
-LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
+LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
+                  "shutdown_timeout")
 # Each strategy's own flags are declared by the strategy (`Strategy.options`): only the chosen
 # strategy's flags are passed to make_strategy, and only those the user set (its defaults apply).
 # Defaults that depend on the task; --help shows them as "addition / text". The addition
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="node 0's address and a free port, the same on every node (--nnodes > 1)")
     g.add_argument("--rdzv-id", help="a job id, the same on every node (default: the run dir)")
+    g.add_argument("--shutdown-timeout", type=_non_negative_int, metavar="SECONDS",
+                   help="after SIGTERM or SIGUSR1, how long the workers get to save a snapshot "
+                   "and exit before the launcher kills them (default: 30)")
     g = p.add_argument_group("data")
     g.add_argument("--data", metavar="FILE.txt",
                    help="character-level LM on this UTF-8 text (90/10 split); default: addition")

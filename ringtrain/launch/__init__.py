@@ -4,6 +4,8 @@ Read in this order:
 - `launcher.py`: `ringtrain run`, torchrun's flags on torch's elastic agent.
 - `rendezvous.py`: a free port on one node, reachable addresses across nodes.
 - `process_group.py`: `init_distributed` / `destroy_distributed`, a worker's side of the rendezvous.
+- `environments.py`: which launcher started this process (torchrun, Slurm, Kubernetes, Ray
+  Train, TorchX, MPI) and what it says, as pure functions of the environment.
 - `failure_report.py`: one readable block when a worker fails, instead of torch's dump.
 - `watchdog.py`: every rank's heartbeat; a rank that dies or hangs stops the others, named.
 - `peer_failure.py`: what a watchdog found, and the default reaction (one line, exit 75).

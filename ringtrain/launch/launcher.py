@@ -13,6 +13,9 @@ Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
   or signal, and its traceback (`ringtrain.launch.failure_report`; the traceback is written by workers
   whose main is decorated with `record`),
 - keeps workers from outliving a SIGKILLed launcher (`die_with_parent`, called in the worker),
+- passes SIGUSR1 on too (Slurm's `--signal=USR1@90`), giving the workers `--shutdown-timeout`
+  seconds to save, and then exits with 143 ("requeue me", `ringtrain.errors.REQUEUE_EXIT_CODE`),
+- across nodes, counts restarts for the job, not per node (`_restarts_for_the_job`),
 - lets chosen ranks die without stopping the others (`launch(..., tolerate_ranks=...)`, used by
   `ringtrain train --strategy ps --ps-mode async` for its workers other than rank 0).
 
@@ -31,6 +34,7 @@ import signal
 import sys
 from collections.abc import Callable, Collection, Iterator
 
+from torch.distributed.elastic.agent.server import WorkerState
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
@@ -38,7 +42,8 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 from torch.distributed.run import get_args_parser as _torch_args_parser
 
-from ringtrain.errors import DISK_FULL_EXIT_CODE, USAGE_EXIT_CODE
+from ringtrain.errors import DISK_FULL_EXIT_CODE, REQUEUE_EXIT_CODE, USAGE_EXIT_CODE
+from ringtrain.launch.environments import LAUNCHER_PID_ENV
 from ringtrain.launch.failure_report import (
     _REPEATED_BY_REPORT,
     STOPPED_EXIT_CODE,
@@ -53,12 +58,20 @@ from ringtrain.launch.rendezvous import (
     _multi_node_addresses,
     _single_node_rendezvous,
 )
-from ringtrain.torch_internals import CAPTURE_PROCESS_FAILURES, mark_finished, running_workers
+from ringtrain.torch_internals import (
+    CAPTURE_PROCESS_FAILURES,
+    RESTART_WORKERS,
+    START_WORKERS,
+    mark_finished,
+    running_workers,
+    set_remaining_restarts,
+)
 
 __all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_parser", "launch",
            "main", "record", "root_cause"]
 
-LAUNCHER_PID_ENV = "RINGTRAIN_LAUNCHER_PID"  # lets a worker check its parent is still there
+# The signals the agent passes on to its workers: torch's four, and Slurm's warning signal.
+HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 # A rank may work alone (save, evaluate) while the others wait this long before it is named.
 DEFAULT_WATCHDOG_TIMEOUT_S = 60.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -88,7 +101,8 @@ def get_args_parser():
     """torchrun's argument parser (every flag, `-` and `_` spellings), named `ringtrain run`."""
     parser = _torch_args_parser()
     parser.prog = "ringtrain run"
-    parser.set_defaults(monitor_interval=0.1)  # notice a dead worker fast (older torch: 5 s)
+    parser.set_defaults(monitor_interval=0.1,  # notice a dead worker fast (older torch: 5 s)
+                        signals_to_handle=",".join(HANDLED_SIGNALS))
     parser.add_argument(
         "--watchdog-timeout", "--watchdog_timeout", type=float, default=DEFAULT_WATCHDOG_TIMEOUT_S,
         help="(ringtrain) seconds after which a rank that died, froze, or never entered a "
@@ -98,7 +112,8 @@ def get_args_parser():
     parser.description = (
         "Launch a script on N processes per node with torch's elastic agent (torchrun's flags). "
         "On a single node a free port is picked automatically. When a worker fails, all "
-        "workers stop and the failing rank is reported once."
+        "workers stop and the failing rank is reported once. SIGTERM and SIGUSR1 are passed on: "
+        "workers get --shutdown-timeout s (default 30) to save, then exit code 143 (requeue me)."
     )
     return parser
 
@@ -180,6 +195,40 @@ def _tolerating(ranks: Collection[int]) -> Iterator[None]:
         yield
 
 
+RESTARTS_KEY = "ringtrain/restarts"  # in the rendezvous store: the job's restarts after failures
+
+
+@contextlib.contextmanager
+def _restarts_for_the_job() -> Iterator[None]:
+    """Inside: --max-restarts and TORCHELASTIC_RESTART_COUNT count the job's restarts, not a node's.
+
+    torch's agent counts the failures its own node saw (pytorch/pytorch#108158): the failed
+    node's workers see restart count 1, the others 0, and N nodes restart up to N x
+    --max-restarts times. Here the first agent to restart after attempt n failed counts it in the
+    rendezvous store; every agent, after the rendezvous, starts its workers with that count
+    (restarts because a node joined are not counted, as in torch)."""
+    start, restart = START_WORKERS.get(), RESTART_WORKERS.get()
+    seen = [0]  # the count this agent's workers were started with
+
+    def job_store(group):  # the rendezvous store without this round's prefix
+        return getattr(group.store, "underlying_store", group.store)
+
+    def start_workers(self, worker_group):
+        seen[0] = int(job_store(worker_group).add(RESTARTS_KEY, 0))
+        set_remaining_restarts(self, worker_group.spec.max_restarts - seen[0])
+        return start(self, worker_group)
+
+    def restart_workers(self, worker_group):
+        if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            store = job_store(worker_group)  # the peers' workers fail too: count attempt n once
+            if store.add(f"{RESTARTS_KEY}/after/{seen[0]}", 1) == 1:
+                store.add(RESTARTS_KEY, 1)
+        return restart(self, worker_group)
+
+    with START_WORKERS.replaced(start_workers), RESTART_WORKERS.replaced(restart_workers):
+        yield
+
+
 def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None,
          tolerate_ranks: Collection[int] = ()) -> int:
     """Launch from parsed torchrun arguments; the entrypoint may be replaced by a function.
@@ -211,11 +260,15 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         os.environ[_SHARE_STORE_ENV] = "1"
     # The agent installs handlers for these (raising SignalException); put ours back after.
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
-                                                 signal.SIGQUIT)}
+                                                 signal.SIGQUIT, signal.SIGUSR1)}
     multi_node = int(str(args.nnodes).split(":")[-1]) > 1
     try:
-        with _quiet_torch_logs(), _tolerating(tolerate_ranks), (
-                _bounded_rendezvous(config.rdzv_endpoint) if multi_node else contextlib.nullcontext()):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_quiet_torch_logs())
+            stack.enter_context(_tolerating(tolerate_ranks))
+            if multi_node:
+                stack.enter_context(_bounded_rendezvous(config.rdzv_endpoint))
+                stack.enter_context(_restarts_for_the_job())
             elastic_launch(config, cmd)(*cmd_args)
         return 0
     except ChildFailedError as e:
@@ -233,6 +286,8 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     except SignalException as e:  # the agent already stopped the workers with the same signal
         name = signal.Signals(e.sigval).name
         print(f"ringtrain run: got {name}; stopped all workers", file=sys.stderr, flush=True)
+        if e.sigval in (signal.SIGTERM, signal.SIGUSR1):  # a scheduler's: requeue the job
+            return REQUEUE_EXIT_CODE
         return 128 + int(e.sigval)
     except KeyboardInterrupt:  # Ctrl-C before the agent's handler was in place; it stopped them
         print("ringtrain run: got SIGINT; stopped all workers", file=sys.stderr, flush=True)
@@ -261,9 +316,10 @@ def main(argv: list[str]) -> int:
 
     0 when every worker succeeded, 1 when one failed (reported on stderr), 2 for bad flags or
     when the workers exited with 2 (a mistake they explained: no report), 128 + N when the
-    launcher got signal N (the workers are stopped first), 143 when every worker exited with
-    143 (`ringtrain train` workers do after saving a snapshot on SIGTERM or SIGINT), 74 when
-    they exited with 74 (`ringtrain train`: the run directory is full; rank 0 said so).
+    launcher got signal N (the workers are stopped first), 143 ("requeue me") after SIGTERM or
+    SIGUSR1, or when every worker exited with 143 (`ringtrain train` workers do after saving a
+    snapshot on SIGTERM, SIGUSR1 or SIGINT), 74 when they exited with 74 (`ringtrain train`:
+    the run directory is full; rank 0 said so).
     """
     parser = get_args_parser()
     try:
@@ -299,6 +355,7 @@ def launch(
     run_id: str | None = None,
     module: bool = False,
     tolerate_ranks: Collection[int] = (),
+    shutdown_timeout: int | None = None,
 ) -> int:
     """Run `entrypoint` on `nproc_per_node` workers here (and join `nnodes` nodes); return the exit code.
 
@@ -311,6 +368,8 @@ def launch(
             monitor_interval, run_id: torchrun's flags of the same names. A single node without
             `rdzv_endpoint` picks a free port; several nodes need `rdzv_endpoint` (host:port
             of node 0) and the same `run_id` on every node.
+        shutdown_timeout: seconds the workers get to exit after SIGTERM or SIGUSR1 was passed
+            on, before SIGKILL (torch's flag; default 30 or TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
         tolerate_ranks: global ranks (the same set on every node) whose own death (a signal,
             a non-zero exit other than the watchdog's 75 or SIGTERM's 143) is a warning, not a
             failure: the other workers run on. Scripts and modules only, not functions; the
@@ -329,6 +388,8 @@ def launch(
         argv += ["--rdzv-endpoint", rdzv_endpoint]
     if run_id:
         argv += ["--rdzv-id", run_id]
+    if shutdown_timeout is not None:
+        argv += ["--shutdown-timeout", str(shutdown_timeout)]
     if callable(entrypoint):
         if tolerate_ranks:
             raise ValueError("tolerate_ranks applies to a script or module entrypoint, not a "

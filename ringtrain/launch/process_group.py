@@ -1,10 +1,12 @@
 """Process-group start-up and teardown: one call that validates before it waits.
 
-`init_distributed()` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT), or explicit arguments, or falls back to a single process when nothing is set.
-gloo on CPU, NCCL on CUDA. Outside torchrun's agent it runs its own rendezvous on a TCPStore so
-that a missing rank is reported by number within a bounded time instead of hanging. Under
-`ringtrain run` it also starts the watchdog (`ringtrain.launch.watchdog`).
+`init_distributed()` reads whichever launcher started the process (`ringtrain run` / torchrun /
+TorchX, Slurm's srun, Kubernetes, MPI: `ringtrain.launch.environments`), or explicit arguments,
+or falls back to a single process when nothing is set; under Ray Train, which starts the group
+itself, it takes the group as it is. gloo on CPU, NCCL on CUDA. Outside torchrun's agent it runs
+its own rendezvous on a TCPStore so that a missing rank is reported by number within a bounded
+time instead of hanging. Under `ringtrain run` it also starts the watchdog
+(`ringtrain.launch.watchdog`). Rank 0 logs what it found, once (logger "ringtrain", INFO).
 
     python -c "import ringtrain; rt = ringtrain.init_distributed(); print(rt)"
 """
@@ -22,21 +24,23 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ringtrain.launch.environments import detect, existing_group_name, from_arguments
 from ringtrain.launch.watchdog import Watchdog
 from ringtrain.runtime import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DistributedInitError,
     Runtime,
+    get_runtime,
     network_interfaces,
     register_exit_grace,
     route_source,
     set_runtime,
 )
 
-_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
 _runtime: Runtime | None = None  # what this module started (`ringtrain.runtime` records it too)
 _own_store: dist.Store | None = None  # the TCPStore we host/joined (None under torchrun's agent)
+_own_group = False  # whether init_distributed started the group (not Ray Train, not the script)
 log = logging.getLogger("ringtrain")
 
 
@@ -66,54 +70,6 @@ def _pick_gloo_interface(master_addr: str, rank: int) -> None:
         chosen = names[0]
         os.environ["GLOO_SOCKET_IFNAME"] = chosen
     log.debug("rank %d: gloo uses interface %s (%s)", rank, chosen, interfaces.get(chosen.split(",")[0]))
-
-
-def _env_int(name: str) -> int:
-    value = os.environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise DistributedInitError(f"{name}={value!r} is not an integer") from None
-
-
-def _resolve(rank, world_size, master_addr, master_port):
-    """Explicit arguments win, then the environment; all unset means one process."""
-    given = {
-        "RANK": rank,
-        "WORLD_SIZE": world_size,
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": master_port,
-    }
-    for name in _ENV_VARS:
-        if given[name] is None and name in os.environ:
-            given[name] = _env_int(name) if name in ("RANK", "WORLD_SIZE") else os.environ[name]
-    if all(v is None for v in given.values()):
-        return 0, 1, None, None
-    if given["WORLD_SIZE"] == 1 and given["RANK"] in (None, 0):
-        return 0, 1, None, None
-    missing = [name for name in _ENV_VARS if given[name] is None]
-    if missing:
-        raise DistributedInitError(
-            f"cannot start the process group: {', '.join(missing)} not set "
-            f"(have {', '.join(f'{k}={v}' for k, v in given.items() if v is not None) or 'nothing'}). "
-            "Launch with `ringtrain run --nproc-per-node N script.py` (it sets all four), or export "
-            "MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=N RANK=i for each process."
-        )
-    world_size, rank = int(given["WORLD_SIZE"]), int(given["RANK"])
-    if world_size < 1:
-        raise DistributedInitError(f"world_size={world_size}: it must be at least 1")
-    if not 0 <= rank < world_size:
-        raise DistributedInitError(
-            f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}] "
-            f"for world_size={world_size}"
-        )
-    try:
-        port = int(given["MASTER_PORT"])
-    except ValueError:
-        raise DistributedInitError(f"MASTER_PORT={given['MASTER_PORT']!r} is not a port number") from None
-    if not 0 < port < 65536:
-        raise DistributedInitError(f"MASTER_PORT={port} is outside 1..65535")
-    return rank, world_size, str(given["MASTER_ADDR"]), port
 
 
 def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
@@ -190,23 +146,31 @@ def init_distributed(
 
     Args:
         backend: "gloo" or "nccl"; default NCCL when CUDA is available, else gloo.
-        rank, world_size, master_addr, master_port: override torchrun's variables.
+        rank, world_size, master_addr, master_port: override torchrun's variables (any of
+            them given: the launcher's other variables are not read).
         rendezvous_timeout_s: how long to wait for every rank to arrive before failing.
         timeout_s: collective timeout handed to the process group.
 
-    Calling it again while initialised returns the existing runtime.
+    Calling it again while initialised returns the existing runtime. A process group that is
+    already up (Ray Train's) is taken as it is, and left to whoever started it.
     """
-    global _runtime
+    global _runtime, _own_group
     if _runtime is not None:
         return _runtime
-    rank, world_size, addr, port = _resolve(rank, world_size, master_addr, master_port)
+    if dist.is_available() and dist.is_initialized():  # Ray Train (or the script) started it
+        return _adopt_group(existing_group_name(os.environ))
+    if (rank, world_size, master_addr, master_port) == (None, None, None, None):
+        found = detect(os.environ)
+    else:
+        found = from_arguments(os.environ, rank, world_size, master_addr, master_port)
+    rank, world_size, addr, port = found.rank, found.world_size, found.master_addr, found.master_port
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl"):
         raise DistributedInitError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
     if backend == "nccl" and not torch.cuda.is_available():
         raise DistributedInitError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
-    local_rank = int(os.environ.get("LOCAL_RANK", rank if world_size > 1 else 0))
+    local_rank = found.local_rank
     if backend == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -224,8 +188,9 @@ def init_distributed(
         store = _own_rendezvous(addr, port, rank, world_size, rendezvous_timeout_s)
     dist.init_process_group(backend, store=dist.PrefixStore("ringtrain/pg", store), rank=rank,
                             world_size=world_size, timeout=timeout)
-    shared_store = store
-    _runtime = Runtime(rank, world_size, local_rank, backend, device, dist.group.WORLD, shared_store)
+    _own_group = True
+    _runtime = Runtime(rank, world_size, local_rank, backend, device, dist.group.WORLD, store)
+    _log_found(found.name, _runtime, addr, port)
     # Teardown at interpreter exit too, whatever the script called (it is idempotent), then
     # the grace that keeps gloo's threads from aborting the exit (settle_comm_threads).
     register_exit_grace()
@@ -233,6 +198,28 @@ def init_distributed(
     set_runtime(_runtime)  # get_runtime() and every helper reading it
     _start_watchdog(_runtime)
     return _runtime
+
+
+def _adopt_group(name: str) -> Runtime:
+    """The group someone else started, as a `Runtime`; `destroy_distributed` leaves it to them.
+
+    Ray Train's TorchTrainer calls init_process_group itself (gloo when its workers have no
+    GPU) and destroys the group after the training function returns. The device is the one
+    the worker was given (`ringtrain.runtime`); MASTER_ADDR/PORT are what Ray exported.
+    """
+    global _runtime
+    _runtime = get_runtime()  # built from the group (ringtrain.runtime._require)
+    set_runtime(_runtime)
+    register_exit_grace()
+    _log_found(name, _runtime, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    return _runtime
+
+
+def _log_found(name: str, rt: Runtime, addr: str | None, port: object) -> None:
+    if rt.rank == 0:  # once per job: every rank found the same launcher
+        where = f"master {addr}:{port}" if addr else "no master (one process)"
+        log.info("ringtrain: %s: rank %d of world_size %d (local_rank %d), %s, device %s",
+                 name, rt.rank, rt.world_size, rt.local_rank, where, rt.device)
 
 
 WATCHDOG_ENV = "RINGTRAIN_WATCHDOG_TIMEOUT"  # set by `ringtrain run --watchdog-timeout`
@@ -263,15 +250,16 @@ def destroy_distributed(checkout_timeout_s: float = 5.0) -> None:
     abort in C++ ("terminate called without an active exception"). So each rank checks out
     through the store and rank 0 waits, at most `checkout_timeout_s`, for the others.
     """
-    global _runtime, _own_store, _watchdog
+    global _runtime, _own_store, _watchdog, _own_group
     if _watchdog is not None:  # first: the peers must see this rank finish, not go silent
         _watchdog.stop(done=getattr(sys, "last_value", None) is None)
         _watchdog = None
-    rt, store = _runtime, _own_store
+    rt, store, own = _runtime, _own_store, _own_group
     _runtime = _own_store = None
+    _own_group = False
     set_runtime(None)
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if (own or rt is None) and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # not a group Ray Train started: Ray destroys that one
     if getattr(sys, "last_value", None) is not None:
         checkout_timeout_s = 0.0  # exiting on an uncaught exception: peers may be dead, don't wait
     if rt is not None and store is not None and rt.world_size > 1:

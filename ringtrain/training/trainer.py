@@ -25,7 +25,7 @@ The loop knows nothing about the model or how it is distributed: it hands micro-
 The step counter (with the sampler's state and the metrics window) is the loop's state:
 `LoopState` (`ringtrain.training.state`). With `run_dir` and `snapshot_every`,
 `ringtrain.checkpoint.resume.Checkpointer` saves it with the model, optimizer and RNG states
-every N steps and on SIGTERM or SIGINT (Ctrl-C), and `fit` resumes from the run directory's
+every N steps and on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C), and `fit` resumes from the run directory's
 newest committed snapshot by itself (`resume=False` starts afresh).
 """
 
@@ -61,8 +61,10 @@ __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha2
 log = logging.getLogger("ringtrain")
 
 # Caught while snapshots are on: every rank saves the same step, then `fit` returns early.
-# SIGINT too: Ctrl-C reaches every process of the job (the terminal signals the whole group).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGINT too: Ctrl-C reaches every process of the job (the terminal signals the whole group);
+# SIGUSR1: Slurm's warning before the time limit (`sbatch --signal=USR1@90`).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
 
 class Trainer:
     """Runs `config.steps` optimizer steps of `strategy` on `train_set`, evaluating on `eval_set`.
@@ -82,8 +84,8 @@ class Trainer:
             sample, a few answers).
         stop_when: given a reduced metrics record, True to stop early (same answer on all ranks).
         started_at: `time.time()` when the run began (for `wall_s`); default when `fit` starts.
-        snapshot_every: steps between snapshots under `run_dir/snapshots` (and one on SIGTERM
-            or SIGINT, at the same step on every rank); 0: none (and neither signal is caught).
+        snapshot_every: steps between snapshots under `run_dir/snapshots` (and one on SIGTERM,
+            SIGUSR1 or SIGINT, at the same step on every rank); 0: none (no signal is caught).
         keep: committed snapshots kept.
         resume: resume from the newest committed snapshot under `run_dir`, if there is one.
         run_config: options that must equal a snapshot's to resume from it (name -> value, e.g.
@@ -109,6 +111,7 @@ class Trainer:
         self.eval_metrics = dict(eval_metrics or {})
         self.run_dir, self.sample_fn, self.stop_when = run_dir, sample_fn, stop_when
         self.started_at = started_at
+        self._started = time.time()  # set again by `fit`
         self.on_step: Callable[[int], None] | None = None  # told each finished step (a watchdog)
         c = self.config
         torch.manual_seed(c.seed)  # the same initial weights on every rank
@@ -181,6 +184,7 @@ class Trainer:
         self.state.tokens += tokens
         rec: dict[str, Any] = {
             "step": step, "loss": loss_sum / count if count else float("nan"), "lr": lr,
+            "time_s": time.time() - self._started,  # since the run began (time to a loss)
             "tokens_per_s": tokens / window_s if window_s > 0 else 0.0,
             "step_s": window_s / window_steps,
             "compute_s": compute_s / worker_steps if worker_steps else 0.0,
@@ -203,12 +207,12 @@ class Trainer:
         """Train, evaluate, and write the run directory; returns the summary (on every rank).
 
         Resumes first from the newest committed snapshot under `run_dir` (unless `resume` is
-        False). After SIGTERM or SIGINT it saves a snapshot and returns early, with `stopped_by`
+        False). After SIGTERM, SIGUSR1 or SIGINT it saves a snapshot and returns early, with `stopped_by`
         set to the signal's name.
         When a snapshot finds the disk full it returns early on every rank too, with
         `disk_full` holding the message (see `ringtrain.checkpoint.run_dir`).
         """
-        started = self.started_at or time.time()
+        started = self._started = self.started_at or time.time()
         cp = self.checkpointer
         resumed_at = cp.resume() if cp is not None and self.resume else None
         if resumed_at is not None:
