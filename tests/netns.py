@@ -63,6 +63,13 @@ class Host:
         """
         _ip("-n", self.netns, "link", "set", self.ifname, "down")
 
+    def tx_bytes(self) -> int:
+        """Bytes this host has sent on its link so far (the kernel's counter: headers included)."""
+        out = subprocess.run(["ip", "netns", "exec", self.netns, "cat",
+                              f"/sys/class/net/{self.ifname}/statistics/tx_bytes"],
+                             check=True, capture_output=True, text=True, timeout=10)
+        return int(out.stdout)
+
     def kill_all(self) -> None:
         """SIGKILL every process inside this host: the host 'vanishes'."""
         for pid in self.pids():
@@ -72,9 +79,34 @@ class Host:
                 pass
 
 
+def can_delay() -> str | None:
+    """None when tc's netem (link delay) works here, else the reason."""
+    name = f"rtnetem{os.getpid()}"
+    try:
+        _ip("netns", "add", name)
+        out = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root",
+                              "netem", "delay", "1ms"], capture_output=True, text=True, timeout=10)
+        return None if out.returncode == 0 else f"tc netem: {out.stderr.strip()} (no sch_netem)"
+    finally:
+        _ip("netns", "del", name, check=False)
+
+
+def _limit(h: Host, rate: str | None, delay: str | None) -> None:
+    """Each host shapes what it sends: `rate` with tbf, or rate and `delay` with netem."""
+    if delay:
+        spec = ["netem", "delay", delay, *(["rate", rate] if rate else []), "limit", "100000"]
+    elif rate:
+        spec = ["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+    else:
+        return
+    subprocess.run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", h.ifname, "root",
+                    *spec], check=True, capture_output=True, timeout=10)
+
+
 @contextmanager
-def two_hosts(rate: str | None = None):
-    """Yield two hosts joined by a veth pair; `rate` (e.g. "1gbit") adds a tc tbf limit."""
+def two_hosts(rate: str | None = None, delay: str | None = None):
+    """Yield two hosts joined by a veth pair; `rate` (e.g. "1gbit") adds a tc tbf limit,
+    `delay` (e.g. "20ms", each way) a netem delay (see `can_delay`)."""
     tag = f"rt{os.getpid() % 100000}"
     hosts = [Host(f"{tag}a", f"{tag}va", "198.18.0.1"), Host(f"{tag}b", f"{tag}vb", "198.18.0.2")]
     try:
@@ -86,10 +118,7 @@ def two_hosts(rate: str | None = None):
             _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
             _ip("-n", h.netns, "link", "set", h.ifname, "up")
             _ip("-n", h.netns, "link", "set", "lo", "up")
-            if rate:
-                subprocess.run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", h.ifname,
-                                "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"],
-                               check=True, capture_output=True, timeout=10)
+            _limit(h, rate, delay)
         yield hosts
     finally:
         for h in hosts:

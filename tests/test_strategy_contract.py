@@ -39,7 +39,8 @@ WORLD = 2
 MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=2, n_head=2, n_embd=16)  # 2 blocks: pp=2
 STEPS, EVERY, BATCH = 6, 2, 4
 # Variants beyond each strategy's defaults: (strategy, options, deterministic).
-VARIANTS = [("ps", {"mode": "async"}, False)]
+VARIANTS = [("ps", {"mode": "async"}, False), ("ddp", {"grad_compress": "powersgd:2"}, True),
+            ("diloco", {"sync_every": 2, "outer_compress": "int8"}, True)]
 CASES = [(name, {}, True) for name in registered()] + VARIANTS
 
 

@@ -53,6 +53,20 @@ class PowerSGDState:
         self.iteration = 0  # steps seen (counted on the last bucket)
         self.bytes_sent = 0  # payload this rank sent, as a ring all-reduce sends it
 
+    def state_dict(self, params: list[torch.Tensor]) -> dict[str, Any]:
+        """Q and error feedback by parameter index (`params`: the model's, in order)."""
+        index = {id(p): i for i, p in enumerate(params)}
+        return {"q": {index[k]: v.clone() for k, v in self.q.items()},
+                "error": {index[k]: v.clone() for k, v in self.error.items()},
+                "iteration": self.iteration, "bytes_sent": self.bytes_sent,
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any], params: list[torch.Tensor]) -> None:
+        self.q = {id(params[i]): v.clone() for i, v in state["q"].items()}
+        self.error = {id(params[i]): v.clone() for i, v in state["error"].items()}
+        self.iteration, self.bytes_sent = int(state["iteration"]), int(state["bytes_sent"])
+        self.generator.set_state(state["generator"])
+
     def _all_reduce(self, t: torch.Tensor) -> None:
         n = self.process_group.size()
         self.bytes_sent += t.numel() * t.element_size() * 2 * (n - 1) // n

@@ -69,6 +69,8 @@ class DDPStrategy(Strategy):
             raise ConfigError(f"--grad-compress {e}") from None
         self.runtime, self.compress = runtime, grad_compress
         self.powersgd: PowerSGDState | None = None
+        # PowerSGD's error feedback differs per rank: each rank saves its own part.
+        self.replicated_state = not grad_compress.startswith("powersgd")
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self.module: nn.Module | None = None
@@ -161,12 +163,22 @@ class DDPStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         assert self.module is not None, "setup() first"
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.powersgd is not None:
+            state["powersgd"] = self.powersgd.state_dict(list(self.module.parameters()))
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.module is not None, "setup() first"
         self.module.load_state_dict(_strip_module_prefix(state["model"]))
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.powersgd is not None and "powersgd" in state:
+            self.powersgd.load_state_dict(state["powersgd"], list(self.module.parameters()))
+
+    def reshard_source(self, saved_world_size: int) -> int | None:
+        """PowerSGD on another number of ranks: the weights are the same on every rank, the
+        error feedback is taken from saved rank r modulo the saved world size."""
+        return self.runtime.rank % saved_world_size
 
     def stats(self) -> dict[str, Any]:
         if self.powersgd is None:

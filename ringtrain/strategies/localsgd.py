@@ -142,7 +142,8 @@ class LocalSGDStrategy(Strategy):
         assert self.module is not None, "setup() first"
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "synced": self.synced.state_dict(), "inner_steps": self.inner_steps,
-                "world_size": self.runtime.world_size, "sync_every": self.sync_every}
+                "world_size": self.runtime.world_size, "sync_every": self.sync_every,
+                "meetings": self.meetings, "bytes_sent": self.bytes_sent}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.module is not None, "setup() first"
@@ -158,6 +159,7 @@ class LocalSGDStrategy(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
         self.synced.load_state_dict(state["synced"])
         self.inner_steps = steps
+        self.meetings, self.bytes_sent = int(state["meetings"]), int(state["bytes_sent"])
 
     def reshard_source(self, saved_world_size: int) -> int | None:
         """At a meeting every replica holds the same weights: rank r takes saved rank r's part
