@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from netns import unavailable
 
 REPO = Path(__file__).resolve().parent.parent
