@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -80,7 +81,8 @@ class Host:
 
 
 def can_delay() -> str | None:
-    """None when tc's netem (link delay) works here, else the reason."""
+    """None when tc's netem (link delay) works here, else the reason (then `two_hosts` relays
+    frames through a third namespace instead, which needs ethtool)."""
     name = f"rtnetem{os.getpid()}"
     try:
         _ip("netns", "add", name)
@@ -103,24 +105,58 @@ def _limit(h: Host, rate: str | None, delay: str | None) -> None:
                     *spec], check=True, capture_output=True, timeout=10)
 
 
+RELAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "delay_relay.py")
+
+
+def _millis(delay: str) -> float:
+    """"20ms" -> 20.0 (also "0.02s")."""
+    return float(delay[:-2]) if delay.endswith("ms") else float(delay.rstrip("s")) * 1000
+
+
 @contextmanager
 def two_hosts(rate: str | None = None, delay: str | None = None):
-    """Yield two hosts joined by a veth pair; `rate` (e.g. "1gbit") adds a tc tbf limit,
-    `delay` (e.g. "20ms", each way) a netem delay (see `can_delay`)."""
+    """Yield two hosts joined by a link; `rate` (e.g. "1gbit") adds a tc tbf limit, `delay`
+    (e.g. "20ms", each way) a delay: netem's where the kernel has it (`can_delay`), else a
+    relay process in a third namespace between two veth pairs (scripts/delay_relay.py)."""
     tag = f"rt{os.getpid() % 100000}"
     hosts = [Host(f"{tag}a", f"{tag}va", "198.18.0.1"), Host(f"{tag}b", f"{tag}vb", "198.18.0.2")]
+    relay_ns = f"{tag}r" if delay and can_delay() else None
+    relay = None
     try:
         for h in hosts:
             _ip("netns", "add", h.netns)
-        _ip("link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)
+        if relay_ns is None:
+            _ip("link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)
+        else:
+            _ip("netns", "add", relay_ns)
+            middle = [f"{tag}ra", f"{tag}rb"]
+            for h, m in zip(hosts, middle, strict=True):
+                _ip("link", "add", h.ifname, "type", "veth", "peer", "name", m)
+                _ip("link", "set", m, "netns", relay_ns)
+                # Jumbo frames end to end: the relay's raw sockets pass frames whole.
+                _ip("-n", relay_ns, "link", "set", m, "mtu", "65535", "promisc", "on", "up")
+                _ip("link", "set", h.ifname, "mtu", "65535")
         for h in hosts:
             _ip("link", "set", h.ifname, "netns", h.netns)
             _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
             _ip("-n", h.netns, "link", "set", h.ifname, "up")
             _ip("-n", h.netns, "link", "set", "lo", "up")
-            _limit(h, rate, delay)
+            _limit(h, rate, delay if relay_ns is None else None)
+            if relay_ns is not None:
+                # The relay passes frames as they are: their TCP checksums must be in them
+                # already, not left to a NIC that a veth only pretends to be.
+                subprocess.run(["ip", "netns", "exec", h.netns, "ethtool", "-K", h.ifname, "tx",
+                                "off"], check=True, capture_output=True, timeout=10)
+        if relay_ns is not None:  # once both links are up
+            relay = subprocess.Popen(["ip", "netns", "exec", relay_ns, sys.executable, RELAY,
+                                      *middle, str(_millis(delay))], start_new_session=True)
         yield hosts
     finally:
         for h in hosts:
             h.kill_all()
             _ip("netns", "del", h.netns, check=False)  # deleting a namespace removes its veth end
+        if relay is not None:
+            relay.terminate()
+            relay.wait(timeout=10)
+        if relay_ns is not None:
+            _ip("netns", "del", relay_ns, check=False)

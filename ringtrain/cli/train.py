@@ -336,8 +336,8 @@ def _known_world_size(args: argparse.Namespace) -> int | None:
     job = _outside_job()
     if job is not None:
         return job[1]
-    if _under_agent():
-        return None
+    if _under_agent():  # the agent's variables, even where the rest is incomplete
+        return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
     return int(args.nnodes) * args.nproc_per_node if args.nnodes.isdigit() else None
 
 
