@@ -10,7 +10,7 @@ kernel has netem, else through a relay namespace that holds every frame for `--d
 (tests/scripts/delay_relay.py; needs ethtool). One
 worker per host trains the text GPT (`ringtrain train --data`, nanoGPT's CPU recipe: 4 x 128,
 block 64, batch 12 per worker) on a corpus made of this repository's docs and sources, the
-same steps and samples for every way:
+same steps and samples for every way (the corpus is shipped: benchmarks/data/corpus.txt.gz):
 - `ddp`: a gradient all-reduce every step;
 - `powersgd:R`: DDP with rank-R PowerSGD (`--grad-compress powersgd:R`);
 - `localsgd:H`, `diloco:H`: a meeting every H steps (`--strategy localsgd|diloco --sync-every H`;
@@ -24,6 +24,7 @@ unconstrained link for reference. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -48,10 +49,9 @@ DILOCO_EXTRA = ["--outer-lr", "--outer-momentum"]  # diloco:H:LR:MOMENTUM
 
 
 def corpus(path: Path) -> Path:
-    """The repository's docs and Python sources as one text (~0.5 MB): shipped, nothing fetched."""
-    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
-             *sorted((REPO / "ringtrain").rglob("*.py"))]
-    path.write_text("\n\n".join(f.read_text() for f in files))
+    """The text every way trains on: benchmarks/data/corpus.txt.gz, this repository's README,
+    docs and Python sources as of session 4 (0.5 MB): shipped, so runs stay comparable."""
+    path.write_bytes(gzip.decompress((REPO / "benchmarks" / "data" / "corpus.txt.gz").read_bytes()))
     return path
 
 
