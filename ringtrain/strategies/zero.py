@@ -1,0 +1,129 @@
+"""Sharded data parallelism (ZeRO): optimizer state, gradients and (stage 3) parameters split.
+
+    ringtrain train --nproc-per-node 2 --strategy zero --zero-stage 2
+
+Every rank reads its own data shard, as with `ddp`; `ringtrain.zero.ZeroDataParallel` keeps
+1/N of the AdamW moments (stage 1), of the gradients (2) and of the parameters (3) on each rank.
+Gradient accumulation runs every micro-batch but the last under `no_sync()`. State is per rank
+(each rank's shard); `model_state_dict()` gathers the full model on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringtrain.errors import ConfigError
+from ringtrain.runtime import Runtime
+from ringtrain.strategies.base import Option, StepResult, Strategy, eval_forward
+from ringtrain.types import LossFn, OptimizerFn
+from ringtrain.zero.shard import STAGES, expected_bytes
+from ringtrain.zero.sharded import ZeroDataParallel
+
+
+class ZeroStrategy(Strategy):
+    """ZeRO data parallelism over every rank.
+
+    Args:
+        runtime: this process's `Runtime` (rank, world_size, device, process_group).
+        zero_stage: 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters).
+    """
+
+    name = "zero"
+    replicated_state = False  # each rank saves its own shard
+    options = (Option("--zero-stage", "zero_stage", str, choices=tuple(str(s) for s in STAGES),
+                      help="what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters "
+                           "(default: 2)"),)
+
+    def __init__(self, runtime: Runtime, *, zero_stage: int | str = 2):
+        try:
+            stage = int(zero_stage)
+        except (TypeError, ValueError):
+            stage = -1
+        if stage not in STAGES:
+            raise ConfigError(f"--zero-stage {zero_stage!r}: choose 1 (optimizer state sharded), "
+                              "2 (+ gradients) or 3 (+ parameters)")
+        self.runtime, self.zero_stage = runtime, stage
+        self.model: ZeroDataParallel | None = None
+        self._memory: dict[str, Any] = {}
+
+    @staticmethod
+    def bytes_per_rank(numel: int, world_size: int, stage: int) -> dict[str, float]:
+        """Parameter, gradient and optimizer bytes a rank holds at `stage` (fp32 AdamW), for
+        `ringtrain plan`; the working set of stage 3 is not included."""
+        return expected_bytes(numel, world_size, stage)
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
+        self.model = ZeroDataParallel(model.to(self.runtime.device), optimizer_fn,
+                                      stage=self.zero_stage, process_group=self.runtime.process_group)
+        self.optimizer = self.model.optimizer
+        self.loss_fn = loss_fn
+
+    def _zero(self) -> ZeroDataParallel:
+        assert self.model is not None, "setup() first"
+        return self.model
+
+    @property
+    def data_rank(self) -> int | None:
+        return self.runtime.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.runtime.world_size
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
+                   grad_clip: float | None) -> StepResult:
+        model = self._zero()
+        if not micro_batches:
+            raise ValueError(f"rank {self.runtime.rank}: train_step got no micro-batches; every "
+                             "ZeRO rank must take part in every step")
+        start = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = sum(len(x) for x, _ in micro_batches)
+        losses = []
+        device = self.runtime.device
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            x, y = x.to(device), y.to(device)
+            with nullcontext() if last else model.no_sync():
+                loss = self.loss_fn(model(x), y)
+                # Each micro-batch weighted by its share: the mean over the whole step batch.
+                (loss * (len(x) / total)).backward()
+            losses.append((loss.detach(), len(x)))
+        if grad_clip:
+            model.clip_grad_norm_(grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self._memory = model.memory()  # what a rank holds between steps (counted, cheap)
+        loss_sum = sum(float(loss) * n for loss, n in losses)
+        return StepResult(loss_sum=loss_sum, count=total, compute_s=time.perf_counter() - start)
+
+    @torch.no_grad()
+    def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        # The wrapper, not the plain module: stage 3 gathers each unit as it runs.
+        return eval_forward(self._zero(), x, self.runtime.device)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        # The end of a run: the trainer may use the plain module afterwards (rank 0 samples from
+        # it), so stage 3 leaves it gathered; `stats()` reports the bytes of the last step.
+        return self._zero().full_state_dict(keep_gathered=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"zero": self._zero().shard_state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._zero().load_shard_state_dict(state["zero"])
+
+    def stats(self) -> dict[str, Any]:
+        memory = self._memory or self._zero().memory()
+        return {"zero_stage": self.zero_stage, **{f"zero_{k}": v for k, v in memory.items()}}
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.remove_hooks()

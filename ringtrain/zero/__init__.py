@@ -1,0 +1,22 @@
+"""Sharded data parallelism (ZeRO stages 1, 2, 3): each rank keeps 1/N of what DDP replicates.
+
+Read in this order:
+- `shard.py`: the plan: units of parameters laid out flat, padded, cut into N equal shards;
+  the bytes each stage holds (pure, unit-tested without processes).
+- `collectives.py`: ring reduce-scatter and all-gather over send/recv (faster than gloo's own
+  on CPU; the measurement is in its docstring), next to the naive all-reduce references.
+- `units.py`: one unit's storage: full parameters as views of one flat tensor, this rank's
+  shard, gradients; gather/free (stage 3), reduce (launched from backward hooks).
+- `optimizer.py`: `ZeroOptimizer`, the user's optimizer rebuilt over this rank's parts.
+- `sharded.py`: `ZeroDataParallel`, the wrapper for a plain module and an optimizer factory:
+  hooks, no_sync, clipping, state dicts, counted bytes.
+
+May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
+`ringtrain.ranges`, `ringtrain.ddp` (its communication lanes). Guide: docs/zero.md.
+"""
+
+from ringtrain.zero.optimizer import ZeroOptimizer
+from ringtrain.zero.shard import expected_bytes, plan_units
+from ringtrain.zero.sharded import ZeroDataParallel, default_units
+
+__all__ = ["ZeroDataParallel", "ZeroOptimizer", "default_units", "expected_bytes", "plan_units"]

@@ -1,0 +1,366 @@
+"""`ZeroDataParallel`: sharded data parallelism (ZeRO stages 1, 2, 3) for a plain module.
+
+    model = ZeroDataParallel(module, lambda ps: torch.optim.AdamW(ps, lr=1e-3), stage=2)
+    loss_fn(model(x), y).backward()      # gradients reduce-scattered during backward
+    model.clip_grad_norm_(1.0)            # global norm over every rank's shard
+    model.optimizer.step()                # updates this rank's shard, then all-gathers (1, 2)
+    model.optimizer.zero_grad()
+
+How one step goes. Each unit (`units.py`: a GPT block, or what is left) has a post-accumulate
+-grad hook on each parameter; when the last gradient of a unit arrives during backward, its
+gradients are scaled by 1/N into one flat vector and a ring reduce-scatter starts
+(`collectives.py`), overlapping the rest of backward. Units launch in one fixed order on every
+rank (the reverse of registration, the order backward produces them). A callback at the end of
+backward reduces what never fired (unused parameters count as zero) and waits for every unit;
+`backward()` returns with this rank's shard of the averaged gradient. After `step()`, stages 1
+and 2 start the all-gather of every unit at once and wait for each in its forward pre-hook, so
+the parameters travel while earlier units compute. Stage 3 gathers a unit's parameters in its
+forward pre-hook (and starts the next unit's: a prefetch), frees them after its forward, gathers
+them again from a hook on its output's gradient just before its backward (prefetching the
+previous unit) and frees them once its gradients are in; the root unit (embeddings, head) stays
+gathered from forward to the end of backward. Under `no_sync()` nothing is reduced: `.grad`
+accumulates in full, as in torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringtrain.ddp import lanes as ddp_lanes
+from ringtrain.torch_internals import backward_tls_free, queue_backward_callback
+from ringtrain.zero.optimizer import OptimizerFactory, ZeroOptimizer
+from ringtrain.zero.shard import STAGES, expected_bytes, plan_units
+from ringtrain.zero.units import FlatUnit
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """The submodules gathered one at a time: `module.blocks` (a GPT), the children of a
+    Sequential/ModuleList, else none (one unit: the whole model)."""
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, nn.ModuleList | nn.Sequential):
+        return list(blocks)
+    if isinstance(module, nn.ModuleList | nn.Sequential):
+        return list(module)
+    return []
+
+
+def _on_grad(ref: weakref.ref, unit: int, _param: torch.Tensor) -> None:
+    me = ref()
+    if me is not None:
+        with backward_tls_free():  # it may launch a collective (see ringtrain.ddp.reducer)
+            me._grad_ready(unit)
+
+
+def _on_backward_end(ref: weakref.ref) -> None:
+    me = ref()
+    if me is not None:
+        with backward_tls_free():
+            me._finish_backward()
+
+
+class ZeroDataParallel(nn.Module):
+    """Data parallelism with optimizer state (stage 1), gradients (2) and parameters (3) sharded.
+
+    Args:
+        module: the plain model, identically initialised on every rank (rank 0's is broadcast).
+        optimizer_fn: builds the optimizer from parameters, as for a plain model (parameter
+            groups and their options are kept); it is called once on the module's parameters,
+            then rebuilt over this rank's parts of them. `self.optimizer` steps it.
+        stage: 1, 2 or 3.
+        process_group: the ranks sharing the model (default: the world).
+        units: the submodules gathered and reduced one at a time (default: `default_units`).
+        comm_lanes: gloo groups to spread units over (`ringtrain.ddp.lanes`; default 3 on the
+            world group, 1 on a subgroup).
+
+    .. warning:: At stage 3 the module's parameters have no data between uses (their storage is
+       resized to 0): reading or writing them outside this wrapper's forward/backward crashes.
+       Use `full_state_dict()` (`keep_gathered=True` to use the plain module afterwards).
+
+    .. warning:: Stage 1 reduce-scatters too: `.grad` holds the average only in this rank's
+       part of each unit; the other parts hold this rank's own (scaled) gradient.
+    """
+
+    def __init__(self, module: nn.Module, optimizer_fn: OptimizerFactory, *, stage: int = 2,
+                 process_group: dist.ProcessGroup | None = None,
+                 units: Iterable[nn.Module] | None = None, comm_lanes: int | None = None):
+        super().__init__()
+        if stage not in STAGES:
+            raise ValueError(f"stage={stage!r}: ZeRO has stages {STAGES}; use 1 (optimizer state "
+                             "sharded), 2 (+ gradients) or 3 (+ parameters)")
+        self.module, self.stage = module, stage
+        self.process_group = process_group or dist.group.WORLD
+        self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
+        unit_modules = default_units(module) if units is None else list(units)
+        owner: dict[int, int] = {}
+        for u, m in enumerate(unit_modules, start=1):
+            for p in m.parameters():
+                owner.setdefault(id(p), u)
+        groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(unit_modules) + 1)]
+        for name, p in module.named_parameters():  # shared parameters appear once
+            if p.requires_grad:
+                groups[owner.get(id(p), 0)].append((name, p))
+        kept = [(i, g) for i, g in enumerate(groups) if g]
+        if not kept:
+            raise ValueError("ZeroDataParallel got a module with no parameter that requires grad")
+        self._broadcast_from_rank0(module)
+        plans = plan_units([[(n, tuple(p.shape)) for n, p in g] for _, g in kept], self.world_size)
+        lanes = (ddp_lanes.comm_lanes(self.process_group, comm_lanes) if self.world_size > 1
+                 else [self.process_group])
+        self.units = [FlatUnit(plan, [p for _, p in g], self.process_group,
+                               lanes[k % len(lanes)], stage)
+                      for k, (plan, (_, g)) in enumerate(zip(plans, kept, strict=True))]
+        self._root = self.units[0] if kept[0][0] == 0 else None
+        self.numel = sum(u.plan.numel for u in self.units)
+        self._order = list(reversed(self.units))  # launch order: the order backward makes them
+        self._next = 0
+        self._queued = False
+        self._sync = True  # False inside no_sync()
+        self._sync_this_backward = True
+        self._held_gathered = 0
+        self._in_forward = False  # the unit hooks act only inside this wrapper's forward
+        self.peak_gathered_bytes = 0  # stage 3's working set: the most unit bytes gathered at once
+        me = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, me, k))
+                         for k, u in enumerate(self.units) for p in u.params]
+        if self._root is not None:
+            # forward() gathers the root itself; this hook starts the first block's gather and
+            # catches the plain module called while its parameters are freed (stage 3).
+            self._handles.append(module.register_forward_pre_hook(functools.partial(_pre_forward, me, 0)))
+        for k, (i, _) in enumerate(kept):
+            if i > 0:
+                m = unit_modules[i - 1]
+                self._handles.append(m.register_forward_pre_hook(functools.partial(_pre_forward, me, k)))
+                if stage == 3:
+                    self._handles.append(m.register_forward_hook(functools.partial(_post_forward, me, k)))
+        self.optimizer = ZeroOptimizer(module, self.units, optimizer_fn, self._after_step)
+
+    def remove_hooks(self) -> None:
+        """Take this wrapper's hooks off the module (the parameters stay views of the units)."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _broadcast_from_rank0(self, module: nn.Module) -> None:
+        if self.world_size == 1:
+            return
+        src = dist.get_global_rank(self.process_group, 0)
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src, group=self.process_group)
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_this_backward = self._sync
+        if self._root is not None:
+            self._gather(self._root)
+        self._in_forward = True
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self._in_forward = False
+        if not torch.is_grad_enabled():
+            for unit in self.units:  # no backward will need them
+                self._free(unit)
+        return out
+
+    def _gather(self, unit: FlatUnit, *, wait: bool = True) -> None:
+        """Make `unit` present; `wait=False` only starts it (a prefetch, ahead of its use)."""
+        if self.stage == 3 and not unit.gathered:
+            self._held_gathered += unit.nbytes
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held_gathered)
+        unit.start_gather()  # stages 1, 2: the gather started after the last step, if any
+        if wait:
+            unit.wait_gather()
+
+    def _prefetch(self, k: int) -> None:
+        if self.stage == 3 and 0 <= k < len(self.units) and self.units[k] is not self._root:
+            self._gather(self.units[k], wait=False)
+
+    def _wait_all_gathers(self) -> None:
+        if self.stage < 3:
+            for unit in self.units:
+                unit.gather()
+
+    def _free(self, unit: FlatUnit) -> None:
+        if self.stage == 3 and unit.gathered:
+            unit.free()
+            self._held_gathered -= unit.nbytes
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes of forwards run inside accumulate `.grad` locally (in full)."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    # ---- backward -----------------------------------------------------------------------------
+
+    def _grad_ready(self, k: int) -> None:
+        if not self._queued:
+            self._queued = True
+            queue_backward_callback(functools.partial(_on_backward_end, weakref.ref(self)))
+        unit = self.units[k]
+        unit.ready += 1
+        if unit.ready == len(unit.params):
+            self._complete(unit)
+
+    def _complete(self, unit: FlatUnit) -> None:
+        unit.complete = True
+        if self._sync_this_backward and unit.reduced:
+            # Every rank raises here alike (same program), so no rank is left in a collective.
+            raise RuntimeError(
+                "a second synced backward before optimizer.zero_grad(): ZeRO reduces each synced "
+                "backward into this rank's shard and cannot add another to it. Run all but the "
+                "last backward of a step under model.no_sync(), and zero_grad() after step()")
+        if self._sync_this_backward:
+            # Launch strictly in `_order`: every rank must issue the same collectives in the
+            # same order on each lane, whatever order its gradients arrived in.
+            while self._next < len(self._order) and self._order[self._next].complete:
+                self._order[self._next].launch_reduce(1.0 / self.world_size)
+                self._next += 1
+        if unit is not self._root:
+            self._free(unit)  # its gradients are in: backward will not read its weights again
+
+    def _finish_backward(self) -> None:
+        try:
+            for unit in self._order:
+                if not unit.complete:  # parameters that got no gradient count as zero
+                    self._complete(unit)
+            if self._sync_this_backward:
+                for unit in self._order:
+                    unit.finish_reduce()
+        finally:
+            for unit in self.units:
+                unit.ready, unit.complete = 0, False
+                self._free(unit)
+            self._next, self._queued = 0, False
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the averaged gradients so their global 2-norm is at most `max_norm`; return the
+        norm before clipping (collective: the squares of every rank's shard are summed)."""
+        grads = [u.shard_grad for u in self.units]
+        sq = torch.stack([torch.linalg.vector_norm(g) for g in grads]).square().sum()
+        if self.world_size > 1:
+            dist.all_reduce(sq, group=self.process_group)
+        total = sq.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+    def _after_step(self) -> None:
+        # Stages 1 and 2: every rank updated its own part of `full`; spread the parts. All the
+        # gathers start now and each unit's is waited for just before its forward, so they
+        # travel while the forward of the units before it computes.
+        if self.stage < 3:
+            for u in self.units:
+                u.stale()
+                u.start_gather()
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def full_state_dict(self, *, keep_gathered: bool = False) -> dict[str, torch.Tensor]:
+        """The unwrapped module's state (copies), equal on every rank (collective at stage 3).
+
+        `keep_gathered`: stage 3 leaves every unit gathered afterwards, so the plain module can
+        be used as it is (sampling at the end of a run); the next forward frees them again.
+        """
+        with torch.no_grad():
+            for u in self.units:
+                self._gather(u)
+            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            if not keep_gathered:
+                for u in self.units:
+                    self._free(u)
+        return state
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's part: its shard of every unit, the layout it was cut with, the optimizer."""
+        self._wait_all_gathers()  # (stages 1, 2) the shard is a view of `full`: no write pending
+        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
+                "units": [u.plan.padded for u in self.units],
+                "shards": [u.shard.detach().clone() for u in self.units],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_shard_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `shard_state_dict`, on every rank (stages 1, 2 all-gather afterwards)."""
+        saved = (state["world_size"], state["units"])
+        mine = (self.world_size, [u.plan.padded for u in self.units])
+        if saved != mine:
+            raise ValueError(f"this ZeRO shard was saved by world_size={saved[0]} with unit sizes "
+                             f"{saved[1]}; this model has world_size={mine[0]}, {mine[1]}: resume "
+                             "on the same number of ranks, or load the full state dict instead")
+        self._wait_all_gathers()
+        for u in self.units:
+            self._free(u)  # stage 3: a unit left gathered would hold the old values
+        with torch.no_grad():
+            for u, s in zip(self.units, state["shards"], strict=True):
+                u.shard.copy_(s)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._after_step()
+
+    def memory(self) -> dict[str, int | float]:
+        """Bytes held now on this rank (counted from the tensors) next to the ZeRO formula."""
+        self._wait_all_gathers()
+        params = grads = 0
+        for u in self.units:
+            held = u.held_bytes()
+            params, grads = params + held["params"], grads + held["grads"]
+        opt = sum(t.untyped_storage().nbytes() for st in self.optimizer.state.values()
+                  for t in st.values() if isinstance(t, torch.Tensor))
+        want = expected_bytes(self.numel, self.world_size, self.stage)
+        return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": opt,
+                "expected_param_bytes": want["params"], "expected_grad_bytes": want["grads"],
+                "expected_optimizer_bytes": want["optimizer"],
+                "peak_gathered_bytes": self.peak_gathered_bytes}
+
+
+def _pre_forward(ref: weakref.ref, k: int, module: nn.Module, _args: Any) -> None:
+    me = ref()
+    if me is None:
+        return
+    if me._in_forward:
+        me._gather(me.units[k])
+        me._prefetch(k + 1)  # stage 3: the next unit travels while this one computes
+    elif me.units[k].gathered:
+        me.units[k].wait_gather()  # stages 1, 2: the gather started after the last step
+    else:
+        # The plain module called directly: gathering here would be a collective the other
+        # ranks are not making, and the parameters have no data.
+        raise RuntimeError(f"{type(module).__name__} was called outside ZeroDataParallel's forward "
+                           "while its parameters are sharded (stage 3): call the wrapper, or "
+                           "full_state_dict(keep_gathered=True) on every rank first")
+
+
+def _post_forward(ref: weakref.ref, k: int, _module: nn.Module, _args: Any, out: Any) -> None:
+    me = ref()
+    if me is None or not me._in_forward:
+        return
+    unit = me.units[k]
+    me._free(unit)
+    if torch.is_grad_enabled():
+        # Just before this unit's backward its output's gradient is complete: gather again then.
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(_pre_backward, ref, k))
+
+
+def _pre_backward(ref: weakref.ref, k: int, _grad: torch.Tensor) -> None:
+    me = ref()
+    if me is not None:
+        with backward_tls_free():
+            me._gather(me.units[k])
+            me._prefetch(k - 1)  # backward runs the units in reverse
