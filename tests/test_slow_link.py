@@ -62,7 +62,7 @@ def test_slow_link_benchmark_reduced():
         pytest.skip(f"the slow-link benchmark needs network namespaces: {reason}")
     proc = subprocess.run([sys.executable, "benchmarks/slow_link.py", "--quick", "--steps", "30",
                            "--ways", "ddp,diloco:10", "--no-reference", "--delay", ""], capture_output=True,
-                          text=True, timeout=300, cwd=REPO, env=_env())
+                          text=True, timeout=660, cwd=REPO, env=_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     ddp, diloco = out["results"]["slow/ddp"], out["results"]["slow/diloco:10"]

@@ -1,23 +1,31 @@
-"""The `ringtrain` command: `ringtrain run ...` (launcher) and `ringtrain train ...` (main job).
+"""The `ringtrain` command: `ringtrain run ...` (launcher), `ringtrain train ...` (main job),
+`ringtrain explain RUN_DIR` (what a run did) and `ringtrain plan ...` (memory per rank).
 
 This `__init__` dispatches; `train.py` runs the `ringtrain train` job and `train_args.py` holds
-its command line (the strategies' own flags come from `ringtrain.strategies`). `ringtrain run`
-is `ringtrain.launch.launcher`. The CLI may import every package; nothing imports the CLI.
+its command line (the strategies' own flags come from `ringtrain.strategies`); `explain.py`
+reads a run directory; `plan.py` predicts memory per rank. `ringtrain run` is `ringtrain.launch.launcher`. The CLI may import every
+package; nothing imports the CLI.
 
     ringtrain run --nproc-per-node 2 my_script.py --my-arg 1
     ringtrain train --nproc-per-node 2
+    ringtrain explain runs/20261121-220741
+    ringtrain plan --help
 """
 
 from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: ringtrain {run,train} ...
+_USAGE = """usage: ringtrain {run,train,explain,plan} ...
 
   run     launch a script on N processes (torchrun's flags), e.g.
           ringtrain run --nproc-per-node 2 train.py
   train   train a GPT with any strategy on the embedded default task or your own text, e.g.
           ringtrain train --nproc-per-node 2
+  explain say what a `ringtrain train` run did: ranks' roles, data split, bytes sent, timing,
+          the snapshot a resume would use, e.g. ringtrain explain runs/20261121-220741
+  plan    predict the bytes per rank of ddp and zero-1/2/3 for a GPT and a memory budget, e.g.
+          ringtrain plan --help
 
 `ringtrain COMMAND --help` lists a command's options."""
 
@@ -36,7 +44,16 @@ def main(argv: list[str] | None = None) -> int:
         from ringtrain.cli.train import main as train_main
 
         return train_main(rest)
-    print(f"ringtrain: unknown command {command!r}; expected 'run' or 'train'\n\n{_USAGE}", file=sys.stderr)
+    if command == "explain":
+        from ringtrain.cli.explain import main as explain_main
+
+        return explain_main(rest)
+    if command == "plan":
+        from ringtrain.cli.plan import main as plan_main
+
+        return plan_main(rest)
+    print(f"ringtrain: unknown command {command!r}; expected 'run', 'train', 'explain' or "
+          f"'plan'\n\n{_USAGE}", file=sys.stderr)
     return 2
 
 
