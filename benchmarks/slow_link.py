@@ -70,7 +70,9 @@ def run_way(way: str, hosts, data: Path, out: Path, common: list[str], timeout_s
     sent0 = [h.tx_bytes() for h in hosts]
     started = time.monotonic()
     procs, rid, port = [], uuid.uuid4().hex[:8], 29500 + os.getpid() % 1000
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Each host's workers pick their own interface: an inherited GLOO_SOCKET_IFNAME (lo) would
+    # keep gloo off the link between the hosts.
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"} | {"PYTHONUNBUFFERED": "1"}
     for node, h in enumerate(hosts):
         cmd = [sys.executable, "-m", "ringtrain", "train", "--data", str(data), "--nnodes", "2",
                "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-id", rid,

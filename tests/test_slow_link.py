@@ -22,7 +22,7 @@ from netns import unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
-                "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT")
+                "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT", "GLOO_SOCKET_IFNAME")
 DILOCO = ["--nproc-per-node", "2", "--steps", "16", "--n-layer", "1", "--n-embd", "32",
           "--batch-size", "16", "--dropout", "0.1", "--eval-every", "8", "--log-every", "2",
           "--snapshot-every", "4", "--threads", "1", "--no-progress", "--strategy", "diloco",

@@ -40,6 +40,9 @@ from ringtrain.runtime import (
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
 _runtime: Runtime | None = None  # what this module started (`ringtrain.runtime` records it too)
 _own_store: dist.Store | None = None  # the TCPStore we host/joined (None under torchrun's agent)
+# The gloo interface this module put in the environment: taken out again at teardown, so that
+# processes started afterwards (a launcher's workers in another network namespace) pick their own.
+_chosen_ifname: str | None = None
 _own_group = False  # whether init_distributed started the group (not Ray Train, not the script)
 log = logging.getLogger("ringtrain")
 
@@ -68,7 +71,8 @@ def _pick_gloo_interface(master_addr: str, rank: int) -> None:
         if local is None or not names:
             return
         chosen = names[0]
-        os.environ["GLOO_SOCKET_IFNAME"] = chosen
+        global _chosen_ifname
+        os.environ["GLOO_SOCKET_IFNAME"] = _chosen_ifname = chosen  # undone by destroy_distributed
     log.debug("rank %d: gloo uses interface %s (%s)", rank, chosen, interfaces.get(chosen.split(",")[0]))
 
 
@@ -258,6 +262,10 @@ def destroy_distributed(checkout_timeout_s: float = 5.0) -> None:
     _runtime = _own_store = None
     _own_group = False
     set_runtime(None)
+    global _chosen_ifname
+    if _chosen_ifname is not None and os.environ.get("GLOO_SOCKET_IFNAME") == _chosen_ifname:
+        del os.environ["GLOO_SOCKET_IFNAME"]
+    _chosen_ifname = None
     if (own or rt is None) and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # not a group Ray Train started: Ray destroys that one
     if getattr(sys, "last_value", None) is not None:
