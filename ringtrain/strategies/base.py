@@ -28,7 +28,7 @@ from ringtrain.types import LossFn, OptimizerFn
 if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
 
-__all__ = ["EvalShard", "LossFn", "OptimizerFn", "Option", "StepResult", "Strategy", "eval_forward",
+__all__ = ["EvalShard", "LossFn", "OptimizerFn", "Option", "ShardPerRank", "StepResult", "Strategy", "eval_forward",
            "int_at_least", "non_negative_float"]
 
 
@@ -211,6 +211,23 @@ class Strategy(ABC):
     def close(self) -> None:
         """Release process groups and threads."""
         return None
+
+
+class ShardPerRank:
+    """Mixin for data-parallel strategies: every rank reads its own shard (rank r of world_size).
+
+    List it before `Strategy`: `class DDPStrategy(ShardPerRank, Strategy)`.
+    """
+
+    runtime: Runtime
+
+    @property
+    def data_rank(self) -> int | None:
+        return self.runtime.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.runtime.world_size
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from ringtrain.ddp.distributed import DistributedDataParallel
 from ringtrain.ddp.powersgd import PowerSGDState, powersgd_hook
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import Option, StepResult, Strategy, eval_forward
+from ringtrain.strategies.base import Option, ShardPerRank, StepResult, Strategy, eval_forward
 from ringtrain.types import LossFn, OptimizerFn
 
 
@@ -46,7 +46,7 @@ def _strip_module_prefix(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(ShardPerRank, Strategy):
     """One full replica per rank, averaged gradients (`DistributedDataParallel`).
 
     Args:
@@ -112,14 +112,6 @@ class DDPStrategy(Strategy):
         return self.module.parameters()
 
     # -- the seam -------------------------------------------------------------------------------
-    @property
-    def data_rank(self) -> int | None:
-        return self.runtime.rank
-
-    @property
-    def data_world_size(self) -> int:
-        return self.runtime.world_size
-
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
                    grad_clip: float | None) -> StepResult:
         if not micro_batches:

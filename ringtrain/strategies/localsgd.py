@@ -28,11 +28,18 @@ from ringtrain.agreement.base import Agreement, CollectiveAgreement
 from ringtrain.errors import ConfigError
 from ringtrain.localsgd.outer import average_weights
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import Option, StepResult, Strategy, eval_forward, int_at_least
+from ringtrain.strategies.base import (
+    Option,
+    ShardPerRank,
+    StepResult,
+    Strategy,
+    eval_forward,
+    int_at_least,
+)
 from ringtrain.types import LossFn, OptimizerFn
 
 
-class LocalSGDStrategy(Strategy):
+class LocalSGDStrategy(ShardPerRank, Strategy):
     """One replica per rank, trained alone for `sync_every` steps between meetings.
 
     Args:
@@ -77,14 +84,6 @@ class LocalSGDStrategy(Strategy):
                 s.copy_(p)
 
     # -- the seam ---------------------------------------------------------------------------------
-    @property
-    def data_rank(self) -> int | None:
-        return self.runtime.rank
-
-    @property
-    def data_world_size(self) -> int:
-        return self.runtime.world_size
-
     def agreement(self, runtime: Runtime, name: str) -> Agreement:
         return CollectiveAgreement(runtime.process_group, runtime.world_size, vote_every_step=False)
 

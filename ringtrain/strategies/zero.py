@@ -20,13 +20,13 @@ from torch import nn
 
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import Option, StepResult, Strategy, eval_forward
+from ringtrain.strategies.base import Option, ShardPerRank, StepResult, Strategy, eval_forward
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero.shard import STAGES, expected_bytes
 from ringtrain.zero.sharded import ZeroDataParallel
 
 
-class ZeroStrategy(Strategy):
+class ZeroStrategy(ShardPerRank, Strategy):
     """ZeRO data parallelism over every rank.
 
     Args:
@@ -67,14 +67,6 @@ class ZeroStrategy(Strategy):
     def _zero(self) -> ZeroDataParallel:
         assert self.model is not None, "setup() first"
         return self.model
-
-    @property
-    def data_rank(self) -> int | None:
-        return self.runtime.rank
-
-    @property
-    def data_world_size(self) -> int:
-        return self.runtime.world_size
 
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
                    grad_clip: float | None) -> StepResult:
