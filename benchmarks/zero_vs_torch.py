@@ -1,10 +1,13 @@
 """ZeRO stages 1, 2, 3 (ringtrain.zero) against our DDP and torch's sharding, side by side.
 
-    .venv/bin/python benchmarks/zero_vs_torch.py             # ~17M params, 2 ranks, a few min
-    .venv/bin/python benchmarks/zero_vs_torch.py --quick     # a reduced run
+    .venv/bin/python benchmarks/zero_vs_torch.py             # 16.8M and 75.6M params, 2 ranks
+    .venv/bin/python benchmarks/zero_vs_torch.py --quick     # 3 rounds instead of 10
+    .venv/bin/python benchmarks/zero_vs_torch.py --sizes 2x128x512 --rounds 2   # a smoke run
 
 The model of benchmarks/ddp_vs_torch.py (8 residual Linear-GELU-Linear blocks, dim 512, hidden
-2048: 16.8M parameters), batch 32 per rank, AdamW, 2 gloo ranks of 1 thread. Every variant runs
+2048: 16.8M parameters) and a larger one (16 blocks, dim 768, hidden 3072: 75.6M), batch 32
+per rank, AdamW, 2 gloo ranks of 1 thread. Each block is one ZeRO unit (a model without blocks
+would be one unit: `ringtrain.zero.default_units`). Every variant runs
 once in its own pair of processes (its counted bytes and its own peak RSS), then all are built
 in one pair of processes and timed `--steps` steps at a time, in an order that rotates from
 round to round, so load from other processes hits all alike; the ratios to our DDP are medians
@@ -15,8 +18,9 @@ Variants: ringtrain DDP; ZeRO-1/2/3 (`ZeroDataParallel`, one unit per block); to
 block and the root, where it runs on gloo (its error is reported otherwise). Bytes are counted
 from the tensors each rank holds after a step: parameters, gradients, optimizer state.
 
-The last line printed is JSON: per variant step_ms, the bytes, peak_rss_mb, the ratios
-VARIANT_over_ddp (targets: zero2 <= 1.10, zero3 <= 1.5) and the load average at the end.
+The last line printed is JSON: per model ("models": {"8x512x2048": ...}) and variant step_ms,
+the bytes, peak_rss_mb, the ratios VARIANT_over_ddp (targets: zero2 <= 1.10, zero3 <= 1.5),
+and the load average at the end.
 """
 
 from __future__ import annotations
@@ -153,28 +157,22 @@ def _paired(rank: int, world_size: int, variants: list[str], cfg: dict) -> dict:
     return {"times": times, "errors": errors}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=32, help="samples per rank")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed run")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--quick", action="store_true", help="rounds=3")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds = 3
-    cfg = {k: getattr(args, k) for k in ("blocks", "dim", "hidden", "batch", "steps", "warmup", "rounds")}
-    variants = args.variants.split(",")
+def _parse_size(text: str) -> dict:
+    blocks, dim, hidden = (int(v) for v in text.lower().split("x"))
+    return {"blocks": blocks, "dim": dim, "hidden": hidden}
+
+
+def _one_model(args: argparse.Namespace, size: dict, variants: list[str]) -> dict:
+    """Every variant on one model: alone (bytes, peak RSS), then paired (step times)."""
+    cfg = {**size, **{k: getattr(args, k) for k in ("batch", "steps", "warmup", "rounds")}}
+    cfg["params"] = sum(p.numel() for p in build(size["blocks"], size["dim"], size["hidden"]).parameters())
+    label = f"{size['blocks']}x{size['dim']}x{size['hidden']}"
     result: dict = {"config": cfg}
     for v in variants:
-        out = run_workers(_alone, 2, args=(v, cfg), timeout_s=300)
+        out = run_workers(_alone, 2, args=(v, cfg), timeout_s=600)
         result[v] = {k: (max(o[k] for o in out) if k == "peak_rss_mb" else out[0][k]) for k in out[0]}
-        print(f"{v} alone: {result[v]}", flush=True)
-    paired = run_workers(_paired, 2, args=(variants, cfg), timeout_s=900)[0]
+        print(f"{label} {v} alone: {result[v]}", flush=True)
+    paired = run_workers(_paired, 2, args=(variants, cfg), timeout_s=1800)[0]
     for v, ts in paired["times"].items():
         result[v]["step_ms"] = round(statistics.median(ts), 1)
     for v, e in paired["errors"].items():
@@ -184,7 +182,29 @@ def main() -> None:
         if ddp and v != "ddp":
             # The median of per-round ratios: steadier than a ratio of medians on a busy host.
             result[f"{v}_over_ddp"] = round(statistics.median(t / d for t, d in zip(ts, ddp, strict=True)), 3)
-        print(f"{v}: step {result[v]['step_ms']} ms", flush=True)
+        print(f"{label} {v}: step {result[v]['step_ms']} ms", flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="8x512x2048,16x768x3072",
+                    help="models as BLOCKSxDIMxHIDDEN, comma-separated (default: the 16.8M model of "
+                         "ddp_vs_torch.py and a 75.6M one)")
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed run")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--quick", action="store_true", help="rounds=3")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds = 3
+    variants = args.variants.split(",")
+    result: dict = {"models": {}}
+    for text in args.sizes.split(","):
+        size = _parse_size(text)
+        result["models"][text] = _one_model(args, size, variants)
     result["load_average"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result))
 

@@ -2,6 +2,7 @@
 
     results = run_workers(fn, world_size=2, args=(x,), timeout_s=60)
     RINGTRAIN_TEST_FAULT=kill:1:5 ringtrain train --nproc-per-node 2    # rank 1 dies after step 5
+    RINGTRAIN_TEST_FAULT=plan:/tmp/plan.json ringtrain train ...        # a chaos schedule (ringtrain/chaos.py)
 
 `fn(rank, world_size, *args)` must be a module-level function (spawned processes import it).
 Each rank runs with `torch.set_num_threads(1)`, an initialised gloo group (unless `init=False`),
@@ -130,14 +131,15 @@ def run_workers(
 # ---- fault injection (RINGTRAIN_TEST_FAULT) --------------------------------------------------
 
 FAULT_ENV = "RINGTRAIN_TEST_FAULT"
-FAULT_ACTIONS = ("kill", "term", "term-launcher", "int")
+FAULT_ACTIONS = ("kill", "term", "term-launcher", "int", "raise")
 
 
 def fault_hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], None] | None:
     """Wrap a trainer's `on_step` with the fault RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP asks for.
 
     After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
-    (SIGTERM itself), `int` (SIGINT itself, as Ctrl-C) or `term-launcher` (SIGTERM its parent,
+    (SIGTERM itself), `int` (SIGINT itself, as Ctrl-C), `raise` (an exception out of the loop)
+    or `term-launcher` (SIGTERM its parent,
     the launcher, and wait for the signal it forwards, so the job stops at that step). Only in
     the first attempt of a job (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs through.
     It prints the wall-clock time first, so a test can time the recovery. Returns `on_step`
@@ -148,6 +150,10 @@ def fault_hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[in
         rank: this process's rank.
     """
     spec = os.environ.get(FAULT_ENV)
+    if spec and spec.startswith("plan:"):  # a chaos schedule (benchmarks/chaos.py), every attempt
+        from ringtrain.chaos import plan_hook
+
+        return plan_hook(on_step, rank, spec[len("plan:"):])
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         return on_step
     try:
@@ -173,6 +179,8 @@ def fault_hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[in
             os.kill(os.getpid(), signal.SIGTERM)
         elif action == "int":
             os.kill(os.getpid(), signal.SIGINT)
+        elif action == "raise":
+            raise RuntimeError(f"{FAULT_ENV}: an exception raised on rank {rank} after step {step}")
         else:  # term-launcher
             os.kill(os.getppid(), signal.SIGTERM)
             # Wait (bounded) until the launcher has forwarded it here, so this is the stop step.

@@ -14,27 +14,32 @@ from architecture import PACKAGE, area, area_graph, cycles, graph
 
 # What each area may import (besides torch and the standard library). An area is a package
 # under ringtrain/ or a top-level module. docs/architecture.md draws the same table.
-BOTTOM = {"errors", "types", "ranges", "torch_internals", "store_keys"}
+BOTTOM = {"errors", "types", "ranges", "torch_internals", "store_keys", "trace"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(), "types": set(), "ranges": set(), "torch_internals": set(),
     "store_keys": set(),
+    "trace": set(),  # the step timeline (--trace-steps): every engine may record into it
     "runtime": {"torch_internals"},
+    "collectives": {"runtime"},  # RINGTRAIN_DEBUG=collectives: calls checked across ranks
     "models": set(),
     "data": {"runtime"},
-    "agreement": {"runtime", "store_keys"},
-    "ddp": {"runtime", "torch_internals", "errors", "ranges"},
-    "pipeline": {"runtime", "torch_internals", "errors"},
-    "ps": {"runtime", "errors", "ranges", "types"},
+    "agreement": {"runtime", "store_keys", "collectives"},
+    "ddp": {"runtime", "torch_internals", "errors", "ranges", "trace", "collectives"},
+    "pipeline": {"runtime", "torch_internals", "errors", "trace"},
+    "ps": {"runtime", "errors", "ranges", "types", "trace"},
     "localsgd": {"errors"},
-    "zero": {"runtime", "torch_internals", "errors", "ranges", "ddp"},
+    "zero": {"runtime", "torch_internals", "errors", "ranges", "ddp", "trace"},
     "launch": {"runtime", "torch_internals", "errors", "store_keys"},
-    "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies"},
+    "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
+                   "collectives"},
     "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps", "localsgd",
-                   "zero"},
-    "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data"},
-    "testing": {"runtime", "launch"},
+                   "zero", "trace"},
+    "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace"},
+    "testing": {"runtime", "launch", "chaos"},
+    "chaos": set(),  # test-only fault schedule (benchmarks/chaos.py), reached through testing
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
-            "models", "testing"},
+            "models", "testing", "trace",
+            "zero"},  # `ringtrain sample`: a ZeRO snapshot's shards put together (reshard.consolidate)
     "ringtrain": {"runtime", "launch"},  # the package's __init__: the public names
     "__main__": {"cli"},
 }

@@ -242,7 +242,7 @@ def test_ctrl_c_stops_every_rank_at_one_snapshot(tmp_path):
                      r"command again to resume", out)
     assert stop and stop[1] == stop[2], out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
-    assert len(out.splitlines()) <= 6, out
+    assert len(out.splitlines()) <= 7, out  # start lines (TensorBoard's included) and the stop, once
     snap = run / "snapshots" / f"snap-{int(stop[1]):08d}"
     manifest = json.loads((snap / "manifest.json").read_text())
     assert (snap / "COMMITTED").exists() and manifest["metadata"]["reason"] == "SIGINT"

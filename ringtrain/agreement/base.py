@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
+from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
+
 
 class Agreement(ABC):
     """Sums, votes and digests that come out the same on every rank (of those still in the job)."""
@@ -66,7 +68,7 @@ class CollectiveAgreement(Agreement):
         if self.world_size == 1:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.process_group)
+        collectives.all_reduce(t, group=self.process_group)
         return t.tolist()
 
     def vote(self, flag: bool, *, at_shared_step: bool) -> bool:
@@ -80,12 +82,12 @@ class CollectiveAgreement(Agreement):
         if not (self.vote_every_step or at_shared_step):
             return False
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(t.item())
 
     def gather(self, text: str) -> dict[int, str]:
         if self.world_size == 1:
             return {0: text}
         out: list[str] = [""] * self.world_size
-        dist.all_gather_object(out, text, group=self.process_group)
+        collectives.all_gather_object(out, text, group=self.process_group)
         return dict(enumerate(out))

@@ -3,6 +3,7 @@
 Read in this order:
 - `files.py`: durable writes, checksums, manifests (one file at a time, no processes).
 - `snapshot.py`: `SnapshotManager`, a save as a bounded collective step, committed last.
+- `sharded.py`: several saved ranks' parts read for one rank (a sharded resume on M ranks).
 - `rng.py`: each rank's random generators (Python, NumPy, torch, CUDA), saved and restored.
 - `run_dir.py`: the run directory checked before a run, and the words for a full disk.
 - `resume.py`: `Checkpointer`, what the training loop saves and how it resumes (exact, or

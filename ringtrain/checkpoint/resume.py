@@ -44,8 +44,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ringtrain import collectives
 from ringtrain.checkpoint.rng import get_rng_state, set_rng_state
 from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
+from ringtrain.checkpoint.sharded import load_strategy_parts
 from ringtrain.checkpoint.snapshot import (
     SaveResult,
     SnapshotError,
@@ -296,7 +298,7 @@ class Checkpointer:
             return step
         t = torch.tensor([-1 if step is None else step] * 2, dtype=torch.int64)
         t[1] = -t[1]
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.process_group)
+        collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.process_group)
         high, low = int(t[0]), -int(t[1])
         if high != low:
             raise SnapshotError(
@@ -336,15 +338,17 @@ class Checkpointer:
                 "--no-resume (its snapshots are deleted) or in another --run-dir")
         # Per-rank state saved by another number of ranks: the strategy may name the part
         # this rank takes (None: it cannot be resharded, and check_topology refuses).
-        source = None if self.replicated else self.strategy.reshard_source(int(meta["world_size"]))
+        sources = None if self.replicated else self.strategy.reshard_sources(int(meta["world_size"]))
         resharded = check_topology(meta, rt.world_size, topology=self._topology(),
-                                   reshardable=self.replicated or source is not None)
+                                   reshardable=self.replicated or sources is not None)
         self.global_batch = int(meta["global_batch"])
         self._fit_global_batch(meta)
-        shared, per_rank, _ = self.manager.load(snap, rank=source if resharded else None)
+        shared, per_rank, _ = self.manager.load(snap, rank=sources[0] if resharded and sources else None)
         assert shared is not None, "a committed snapshot always has shared.pt"
         if self.replicated:
             self.strategy.load_state_dict(shared["strategy"])
+        elif resharded:  # the saved ranks' parts this rank's new share overlaps (ZeRO: several)
+            self.strategy.load_resharded_state_dict(load_strategy_parts(snap, sources or []))
         else:  # check_topology made sure this rank's file exists
             self.strategy.load_state_dict(per_rank["strategy"])
         st.load_state_dict(shared["trainer"])

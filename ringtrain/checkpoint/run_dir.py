@@ -13,9 +13,11 @@ into one message and `DISK_FULL_EXIT_CODE`. Tests: `.venv/bin/pytest -q tests/te
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from ringtrain.errors import DISK_FULL_EXIT_CODE
 
@@ -44,6 +46,19 @@ def is_no_space(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def unless_full(write, path: str, *args: Any) -> None:
+    """`write(path, *args)` for a file that only informs (config.json): on a full disk, one
+    warning and the run goes on. A restarted worker meets the disk a user has not freed yet
+    here first; its next snapshot then stops every rank with the one message (exit 74)."""
+    try:
+        write(path, *args)
+    except OSError as e:
+        if not is_no_space(e):
+            raise
+        logging.getLogger("ringtrain").warning("warning: %s not written: %s (%s)", path,
+                                               e.strerror, describe_space(os.path.dirname(path)))
 
 
 def disk_space(path: str | os.PathLike) -> tuple[int, int]:

@@ -1,4 +1,5 @@
 """The `ringtrain` command: `ringtrain run ...` (launcher), `ringtrain train ...` (main job),
+`ringtrain prepare` / `ringtrain sample` (text -> tokens, a run's model -> text),
 `ringtrain explain RUN_DIR` (what a run did) and `ringtrain plan ...` (memory per rank).
 
 This `__init__` dispatches; `train.py` runs the `ringtrain train` job and `train_args.py` holds
@@ -16,12 +17,16 @@ from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: ringtrain {run,train,explain,plan} ...
+_USAGE = """usage: ringtrain {run,train,prepare,sample,explain,plan} ...
 
   run     launch a script on N processes (torchrun's flags), e.g.
           ringtrain run --nproc-per-node 2 train.py
   train   train a GPT with any strategy on the embedded default task or your own text, e.g.
           ringtrain train --nproc-per-node 2
+  prepare tokenize a text file or folder (char or BPE) into train.bin/val.bin, e.g.
+          ringtrain prepare input.txt data/shakespeare
+  sample  generate text with a trained run's model, e.g.
+          ringtrain sample runs/20261121-220741 --prompt "ROMEO:" --tokens 200
   explain say what a `ringtrain train` run did: ranks' roles, data split, bytes sent, timing,
           the snapshot a resume would use, e.g. ringtrain explain runs/20261121-220741
   plan    predict the bytes per rank of ddp and zero-1/2/3 for a GPT and a memory budget, e.g.
@@ -52,8 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         from ringtrain.cli.plan import main as plan_main
 
         return plan_main(rest)
-    print(f"ringtrain: unknown command {command!r}; expected 'run', 'train', 'explain' or "
-          f"'plan'\n\n{_USAGE}", file=sys.stderr)
+    if command == "prepare":
+        from ringtrain.cli.prepare import main as prepare_main
+
+        return prepare_main(rest)
+    if command == "sample":
+        from ringtrain.cli.sample import main as sample_main
+
+        return sample_main(rest)
+    print(f"ringtrain: unknown command {command!r}; expected 'run', 'train', 'prepare', "
+          f"'sample', 'explain' or 'plan'\n\n{_USAGE}", file=sys.stderr)
     return 2
 
 

@@ -1,13 +1,19 @@
-"""`ringtrain plan`: will the model fit? Bytes per rank under DDP and ZeRO stages 1, 2, 3.
+"""`ringtrain plan`: will the model fit, and which strategy is fastest? DDP, ZeRO 1/2/3, pipeline.
 
     ringtrain plan --nproc-per-node 4 --n-layer 12 --n-embd 768 --vocab-size 50304 --block-size 1024
     ringtrain plan --nproc-per-node 8 --params 1.5B --memory-gb 16
 
-Counts the GPT's parameters without allocating them (on the meta device), then prints, per
-rank, the bytes of parameters, gradients and fp32 AdamW state each strategy holds (the ZeRO
-paper's count, `ringtrain.zero.shard.expected_bytes`), stage 3's working set (the root unit and
-two blocks gathered at once, see docs/zero.md) and, with --memory-gb, whether it fits.
-Activations are not counted: they depend on the batch, and every strategy pays them.
+Counts the GPT's parameters without allocating them (on the meta device), then prints per rank,
+for each strategy: the bytes of parameters, gradients and fp32 AdamW state it holds (the ZeRO
+paper's count, `ringtrain.zero.shard.expected_bytes`; a pipeline stage holds 16 bytes per
+parameter of its layers, split as `--strategy pipeline` splits them), stage 3's working set
+(the root unit and two blocks gathered at once, see docs/zero.md; a model given as a
+parameter count is one unit), the bytes each rank sends per step, and a step time by a simple
+model: compute 6 x parameters x tokens / --tflops (a pipeline: its heaviest stage, times the
+bubble (m + pp - 1) / m of m = 4 x pp micro-batches) plus the bytes sent over --link-gbit (no
+overlap assumed). With --memory-gb it says which fit; it names the fastest (of those that fit).
+Activations are not counted: they depend on the batch, and every strategy pays them (a pipeline
+stage pays them for its layers only: `--activation-checkpointing` cuts them for all).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from ringtrain.errors import USAGE_EXIT_CODE
 from ringtrain.models import GPT, GPTConfig
+from ringtrain.strategies.pipeline import partition  # the pipeline strategy's own split
 from ringtrain.strategies.zero import ZeroStrategy
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -42,25 +49,76 @@ def gpt_units(cfg: GPTConfig) -> tuple[int, int, int]:
     return total, total - sum(blocks), max(blocks)
 
 
-def plan_rows(numel: int, world_size: int, root: int | None = None,
-              block: int | None = None) -> list[dict]:
-    """Per strategy: bytes per rank of params, grads, optimizer, stage 3's working set, total."""
+def gpt_stages(cfg: GPTConfig, pp: int) -> list[int] | None:
+    """Parameters of each of `pp` pipeline stages, split as `--strategy pipeline --pp` splits
+    the GPT (embedding, blocks, head balanced by parameters); None: fewer layers than stages."""
+    if not 1 < pp <= cfg.n_layer + 2:
+        return None
+    with torch.device("meta"):
+        stages = partition(GPT(cfg).to_sequential(), pp)
+    return [sum(p.numel() for p in s.parameters()) for s in stages]
+
+
+def plan_rows(numel: int, world_size: int, root: int | None = None, block: int | None = None, *,
+              stages: list[int] | None = None, boundary_bytes: float = 0.0) -> list[dict]:
+    """Per strategy: bytes per rank held (params, grads, optimizer, working set, total), bytes
+    sent per rank per step (`comm`) and, for the pipeline, its stages' parameters.
+
+    Args:
+        numel: the model's parameters.
+        world_size: ranks.
+        root, block: stage 3's units: the root's parameters and the biggest block's; None: the
+            model is one unit (gathered whole while it computes).
+        stages: parameters per pipeline stage (`gpt_stages`); None: no pipeline row.
+        boundary_bytes: one step's activations crossing a stage boundary (the global batch x
+            block_size x n_embd x 4 bytes); the gradients go back the same size.
+    """
+    n = world_size
+    ring = (n - 1) / n * 4.0 * numel  # bytes a rank sends in one ring pass over all parameters
     rows = [{"strategy": "ddp", "params": 4.0 * numel, "grads": 4.0 * numel,
-             "optimizer": 8.0 * numel, "working_set": 0.0}]
+             "optimizer": 8.0 * numel, "working_set": 0.0, "comm": 2 * ring}]  # all-reduce
     for stage in (1, 2, 3):
-        b = ZeroStrategy.bytes_per_rank(numel, world_size, stage)
-        ws = 4.0 * (root + 2 * block) if stage == 3 and root is not None and block is not None else 0.0
-        rows.append({"strategy": f"zero --zero-stage {stage}", **b, "working_set": ws})
+        b = ZeroStrategy.bytes_per_rank(numel, n, stage)
+        ws, comm = 0.0, 2 * ring  # reduce-scatter + all-gather: one all-reduce's bytes
+        if stage == 3:
+            one_unit = root is None or block is None
+            ws = 4.0 * numel if one_unit else 4.0 * (root + 2 * block)
+            kept = numel if one_unit else root  # the root stays gathered forward to backward
+            comm = 3 * ring - (n - 1) / n * 4.0 * kept  # + the gather again before backward
+        rows.append({"strategy": f"zero --zero-stage {stage}", **b, "working_set": ws, "comm": comm})
+    if stages is not None:
+        heaviest = max(stages)
+        rows.append({"strategy": f"pipeline --pp {n}", "params": 4.0 * heaviest,
+                     "grads": 4.0 * heaviest, "optimizer": 8.0 * heaviest, "working_set": 0.0,
+                     # a middle stage sends activations forward and gradients back
+                     "comm": boundary_bytes * (2 if n > 2 else 1), "stages": stages})
     for r in rows:
         r["total"] = r["params"] + r["grads"] + r["optimizer"] + r["working_set"]
     return rows
+
+
+def step_seconds(row: dict, numel: int, tokens: int, world_size: int, tflops: float,
+                 link_gbit: float) -> float:
+    """The time model: compute at `tflops` per rank plus `row['comm']` bytes at `link_gbit`.
+
+    `tokens`: the global batch's tokens per step. Data parallel ranks each compute their
+    share of all parameters; a pipeline's heaviest stage computes every token, and waits
+    (pp - 1) micro-batches in the bubble of m = 4 x pp micro-batches.
+    """
+    flops = 6.0 * tokens / (tflops * 1e12)
+    if "stages" in row:
+        m = 4 * world_size
+        compute = flops * max(row["stages"]) * (m + world_size - 1) / m
+    else:
+        compute = flops * numel / world_size
+    return compute + row["comm"] * 8 / (link_gbit * 1e9)
 
 
 def _gb(x: float) -> str:
     return f"{x / 2**30:9.3f}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ringtrain plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc-per-node", type=int, default=1, help="ranks sharing the model")
@@ -70,19 +128,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--vocab-size", type=int, default=50304)
     ap.add_argument("--block-size", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=8,
+                    help="samples per step per data-parallel rank (the pipeline takes them all)")
     ap.add_argument("--memory-gb", type=float, help="memory per rank: say which strategies fit")
+    ap.add_argument("--tflops", type=float, default=0.1,
+                    help="compute per rank for the time model, in TFLOP/s (default: 0.1, a CPU)")
+    ap.add_argument("--link-gbit", type=float, default=10.0,
+                    help="bandwidth each rank sends at, in Gbit/s (default: 10)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0) and USAGE_EXIT_CODE
     world = args.nproc_per_node * args.nnodes
-    if world < 1:
-        print(f"ringtrain plan: --nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes} "
-              "ranks: there must be at least 1")
+    if world < 1 or args.tflops <= 0 or args.link_gbit <= 0 or args.batch_size < 1:
+        print(f"ringtrain plan: {args.nproc_per_node} x {args.nnodes} ranks, --tflops {args.tflops}, "
+              f"--link-gbit {args.link_gbit}, --batch-size {args.batch_size}: each must be positive")
         return USAGE_EXIT_CODE
     if args.params is not None:
-        numel, root, block = args.params, None, None
-        shape = f"{numel:,} parameters (stage 3's working set needs the shape: --n-layer ...)"
+        numel, root, block, stages = args.params, None, None, None
+        shape = f"{numel:,} parameters (one unit, no pipeline split: give --n-layer ... for those)"
+        boundary = 0.0
     else:
         try:
             cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
@@ -91,15 +161,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ringtrain plan: {e}")
             return USAGE_EXIT_CODE
         numel, root, block = gpt_units(cfg)
+        stages = gpt_stages(cfg, world)
         shape = (f"GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} vocab_size={cfg.vocab_size} "
                  f"block_size={cfg.block_size}: {numel:,} parameters")
-    print(f"{shape}; {world} ranks; fp32 AdamW; GiB per rank (activations not counted)")
+        boundary = 4.0 * args.batch_size * world * args.block_size * args.n_embd
+    tokens = args.batch_size * world * args.block_size
+    rows = plan_rows(numel, world, root, block, stages=stages, boundary_bytes=boundary)
+    print(f"{shape}; {world} ranks; fp32 AdamW; GiB per rank (activations not counted); global "
+          f"batch {args.batch_size * world} x {args.block_size} tokens; time model: "
+          f"{args.tflops:g} TFLOP/s per rank, {args.link_gbit:g} Gbit/s links")
     print(f"{'strategy':<22}{'params':>9} {'grads':>9} {'optim':>9} {'working':>9} {'total':>9}"
-          + ("  fits" if args.memory_gb else ""))
-    for r in plan_rows(numel, world, root, block):
-        fits = ""
-        if args.memory_gb:
-            fits = "  yes" if r["total"] <= args.memory_gb * 2**30 else "  no"
+          f" {'sent MB':>9} {'step s':>8}" + ("  fits" if args.memory_gb else ""))
+    best = None
+    for r in rows:
+        r["step_s"] = step_seconds(r, numel, tokens, world, args.tflops, args.link_gbit)
+        fits = args.memory_gb is None or r["total"] <= args.memory_gb * 2**30
+        # Equal times (DDP and ZeRO 1/2 send the same bytes): the one holding less wins.
+        if fits and (best is None or (r["step_s"], r["total"]) < (best["step_s"], best["total"])):
+            best = r
         print(f"{r['strategy']:<22}{_gb(r['params'])} {_gb(r['grads'])} {_gb(r['optimizer'])} "
-              f"{_gb(r['working_set'])} {_gb(r['total'])}{fits}")
+              f"{_gb(r['working_set'])} {_gb(r['total'])} {r['comm'] / 1e6:9.1f} {r['step_s']:8.3f}"
+              + (("  yes" if fits else "  no") if args.memory_gb else ""))
+    if best is None:
+        print(f"nothing fits in {args.memory_gb:g} GiB per rank: add ranks (zero --zero-stage 3 "
+              "needs 16/N bytes per parameter) or memory")
+    else:
+        print(f"fastest{' that fits' if args.memory_gb else ''} by this model: {best['strategy']} "
+              f"({best['step_s']:.3f} s per step)")
     return 0

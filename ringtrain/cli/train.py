@@ -7,8 +7,10 @@
 With `--nproc-per-node N` > 1 it relaunches itself through `ringtrain run` (the elastic
 launcher), minus the launcher's flags; each worker then starts the process group, trains, and
 rank 0 prints the progress bar and the summary. Each run writes `runs/<timestamp>/` (or
-`--run-dir`): config.json, metrics.jsonl, summary.json, report.png, and snapshots/ every
-`--snapshot-every` steps and on SIGTERM.
+`--run-dir`): config.json, metrics.jsonl, summary.json, report.png, the final model
+(model.safetensors + model_config.json, `ringtrain sample` reads them), and snapshots/ every
+`--snapshot-every` steps and on SIGTERM. What is trained (the task's data and GPT) is
+`ringtrain.cli.job`; `--data DIR` takes a `ringtrain prepare` directory.
 
     ringtrain train --run-dir runs/a --nproc-per-node 2 --max-restarts 3   # a dead worker: restart, resume
     ringtrain train --run-dir runs/a --nproc-per-node 3                    # resume runs/a on 3 workers
@@ -42,9 +44,14 @@ import sys
 import time
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any
 
-from ringtrain.checkpoint.run_dir import DISK_FULL_EXIT_CODE, RunDirError, check_run_dir
+from ringtrain.checkpoint.run_dir import (
+    DISK_FULL_EXIT_CODE,
+    RunDirError,
+    check_run_dir,
+    unless_full,
+)
+from ringtrain.cli.job import build_job, export_final
 from ringtrain.cli.train_args import (
     LAUNCHER_FLAGS,
     build_parser,
@@ -107,35 +114,6 @@ def _in_launched_worker() -> bool:
     return _under_agent() or _outside_job() is not None
 
 
-def build_job(args: argparse.Namespace) -> dict[str, Any]:
-    """Datasets, model factory, loss, eval metrics and sample function for the chosen task."""
-    from ringtrain.models import GPT, GPTConfig, loss_fn
-
-    if args.data:
-        from ringtrain.data.chars import load_text, sample_text
-
-        text = load_text(args.data, args.block_size)
-        train_set, eval_set, vocab, block = text.train_set, text.eval_set, text.vocab_size, args.block_size
-        metrics: dict[str, Any] = {}
-
-        def sample_fn(model):
-            return sample_text(model, text, args.sample_length, seed=args.seed)
-    else:
-        from ringtrain.data.addition import AdditionDataset, exact_match, show_sums
-
-        train_set, eval_set = AdditionDataset("train", args.digits), AdditionDataset("test", args.digits)
-        vocab, block, metrics = train_set.vocab_size, train_set.block_size, {"accuracy": exact_match}
-
-        def sample_fn(model):
-            return show_sums(model, eval_set)
-    model_config = GPTConfig(vocab_size=vocab, block_size=block, n_layer=args.n_layer,
-                             n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
-                             tie_embeddings=args.tie_embeddings)
-    return {"train_set": train_set, "eval_set": eval_set, "loss_fn": loss_fn,
-            "eval_metrics": metrics, "sample_fn": sample_fn, "model_config": model_config,
-            "model_fn": lambda: GPT(model_config)}
-
-
 def _bf16_supported(device) -> bool:
     import torch
 
@@ -178,18 +156,18 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
             if args.dtype == "bf16" and not _bf16_supported(rt.device):
                 log.warning("warning: bf16 autocast is not supported on %s; training in fp32", rt.device)
                 args.dtype = "fp32"
-            job = build_job(args)
             config = trainer_config(args)
-            if rt.rank == 0:
-                os.makedirs(args.run_dir, exist_ok=True)
-                write_json(os.path.join(args.run_dir, "config.json"), {
-                    "task": task_name(args), "world_size": rt.world_size, "argv": worker_argv(args),
-                    "args": {k: v for k, v in vars(args).items() if k not in LAUNCHER_FLAGS},
-                    "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
             if rt.world_size > 1:  # under an outside launcher only rank 0 named a run dir
                 holder = [args.run_dir]
                 torch.distributed.broadcast_object_list(holder, src=0, group=rt.process_group)
                 args.run_dir = holder[0]
+            job = build_job(args)  # --data FILE.txt: prepared into the run directory
+            if rt.rank == 0:
+                os.makedirs(args.run_dir, exist_ok=True)
+                unless_full(write_json, os.path.join(args.run_dir, "config.json"), {
+                    "task": task_name(args), "world_size": rt.world_size, "argv": worker_argv(args),
+                    "args": {k: v for k, v in vars(args).items() if k not in LAUNCHER_FLAGS},
+                    "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
             resume = _resume_or_clear(args, rt.rank, log)
             strategy = make_strategy(args.strategy, runtime=rt, **strategy_options(args))
             stop_when = None
@@ -201,7 +179,7 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
                               run_dir=args.run_dir, sample_fn=job["sample_fn"],
                               stop_when=stop_when, started_at=started_at,
                               snapshot_every=args.snapshot_every, keep=args.keep, resume=resume,
-                              run_config=run_config(args))
+                              run_config=run_config(args), trace_steps=args.trace_steps)
             n_params = sum(p.numel() for p in trainer.model.parameters())
             log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, %d steps",
                      task_name(args), n_params / 1e6, args.strategy, rt.world_size,
@@ -244,6 +222,7 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
                 # Ctrl-C: the user stopped it (130); SIGTERM, SIGUSR1: a scheduler did, requeue.
                 return INTERRUPTED_EXIT_CODE if summary["stopped_by"] == "SIGINT" else REQUEUE_EXIT_CODE
             if rt.rank == 0:
+                export_final(trainer.model, job, args.run_dir)  # model.safetensors + its config
                 print(format_summary(summary), flush=True)
             return 0
         except ConfigError as e:
@@ -374,16 +353,24 @@ def _main(argv: list[str] | None) -> int:
         return 2
     # One worker with --max-restarts also goes through the launcher: its agent does the restarts.
     multinode = args.nnodes != "1"
-    if (args.nproc_per_node > 1 or args.max_restarts > 0 or multinode) and not _in_launched_worker():
+    if (args.nproc_per_node > 1 or args.max_restarts > 0 or multinode or args.memory_limit) \
+            and not _in_launched_worker():
+        from ringtrain.launch.cgroup import CgroupUnavailable, worker_memory_limit
         from ringtrain.launch.launcher import launch
 
         os.environ["RINGTRAIN_STARTED_AT"] = str(started_at)  # wall_s includes the start-up
         run_id = args.rdzv_id or (os.path.basename(os.path.normpath(args.run_dir)) if multinode else None)
-        return launch("ringtrain", ["train", *worker_argv(args)], module=True,
-                      nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
-                      nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, run_id=run_id,
-                      tolerate_ranks=tolerated_ranks(args), shutdown_timeout=args.shutdown_timeout)
+        try:  # --memory-limit: a memory cgroup per worker, OOM kills named (launch/cgroup.py)
+            with worker_memory_limit(args.memory_limit, args.nproc_per_node) as limit:
+                return limit.report(launch(
+                    limit.entrypoint, ["train", *worker_argv(args)], module=limit.module,
+                    nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
+                    nnodes=args.nnodes, node_rank=args.node_rank,
+                    rdzv_endpoint=args.rdzv_endpoint, run_id=run_id,
+                    tolerate_ranks=tolerated_ranks(args), shutdown_timeout=args.shutdown_timeout))
+        except CgroupUnavailable as e:
+            print(f"ringtrain train: error: --memory-limit {args.memory_limit}: {e}", file=sys.stderr)
+            return USAGE_EXIT_CODE
     return run_job(args, started_at)
 
 

@@ -18,10 +18,11 @@ from typing import Any
 
 from ringtrain.strategies import Strategy, registered
 from ringtrain.strategies.base import int_at_least, non_negative_float
+from ringtrain.trace import parse_steps
 
 # Flags that belong to the launcher: the relaunched workers do not see them.
 LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
-                  "shutdown_timeout")
+                  "shutdown_timeout", "memory_limit")
 # Each strategy's own flags are declared by the strategy (`Strategy.options`): only the chosen
 # strategy's flags are passed to make_strategy, and only those the user set (its defaults apply).
 # Defaults that depend on the task; --help shows them as "addition / text". The addition
@@ -36,6 +37,17 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 _positive_int, _non_negative_int = int_at_least(1), int_at_least(0)
+
+
+def _memory_size(text: str) -> str:
+    from ringtrain.launch.cgroup import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+_NEGATABLE = ("bias",)  # --flag/--no-flag options: False is passed on as --no-flag
 
 
 def _task_default(key: str) -> str:
@@ -71,12 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="node 0's address and a free port, the same on every node (--nnodes > 1)")
     g.add_argument("--rdzv-id", help="a job id, the same on every node (default: the run dir)")
+    g.add_argument("--memory-limit", metavar="SIZE", type=_memory_size,
+                   help="kill a worker that uses more than SIZE (e.g. 1.5G) of memory, and say so: "
+                   "one memory cgroup per worker, needs root or a delegated cgroup (default: none)")
     g.add_argument("--shutdown-timeout", type=_non_negative_int, metavar="SECONDS",
                    help="after SIGTERM or SIGUSR1, how long the workers get to save a snapshot "
                    "and exit before the launcher kills them (default: 30)")
     g = p.add_argument_group("data")
-    g.add_argument("--data", metavar="FILE.txt",
-                   help="character-level LM on this UTF-8 text (90/10 split); default: addition")
+    g.add_argument("--data", metavar="FILE.txt|DIR",
+                   help="LM on a `ringtrain prepare` directory (memory-mapped), or on a UTF-8 text "
+                   "(char level, 90/10 split, prepared into RUN_DIR/data); default: addition")
     g.add_argument("--digits", type=_positive_int, default=None,
                    help="operand digits of the addition task, 1..3 (default: 2)")
     g.add_argument("--block-size", type=_positive_int, default=None,
@@ -88,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=non_negative_float, help=_task_default("dropout"))
     g.add_argument("--tie-embeddings", action="store_true",
                    help="share the token embedding with the output layer (default: untied)")
+    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True,
+                   help="biases in Linear and LayerNorm layers (default: --bias)")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block in backward instead of keeping its activations: "
+                   "less memory, ~1/3 more compute, same gradients (default: off)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=_positive_int, help="optimizer steps; " + _task_default("steps"))
     g.add_argument("--batch-size", type=_positive_int,
@@ -105,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--beta1", type=non_negative_float,
                    help="AdamW's momentum (default: 0.9; 0.5 with --strategy ps --ps-mode async, "
                         "where asynchrony adds momentum of its own: docs/ps.md)")
+    g.add_argument("--beta2", type=non_negative_float, default=0.95,
+                   help="AdamW's second-moment decay (default: 0.95; nanoGPT's Shakespeare recipe: 0.99)")
     g.add_argument("--grad-clip", type=non_negative_float, default=1.0,
                    help="max gradient norm, 0 disables (default: 1.0)")
     g.add_argument("--seed", type=int, default=1337, help="initialisation, data order, dropout "
@@ -123,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-length", type=_positive_int, default=300,
                    help="characters generated at the end with --data (default: 300)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--trace-steps", type=parse_steps, metavar="A:B",
+                   help="record a timeline of steps A to B-1 on every rank (forward, backward, "
+                   "each bucket's communication, optimizer) into RUN_DIR/trace.json, for "
+                   "ui.perfetto.dev or chrome://tracing (default: off)")
     g = p.add_argument_group("fault tolerance")
     g.add_argument("--snapshot-every", type=_non_negative_int,
                    help="steps between snapshots in RUN_DIR/snapshots (also one on SIGTERM), 0: "
@@ -132,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-resume", action="store_true",
                    help="start afresh in --run-dir, deleting its snapshots (default: resume from "
                    "its newest committed snapshot; a restarted worker always resumes)")
+    g.add_argument("--record-samples", action="store_true",
+                   help="record the sample indices of every step in the snapshots, to check "
+                   "exactly-once data (ringtrain/data/sample_log.py; default: off)")
     g = p.add_argument_group("strategy")
     strategies = registered()
     g.add_argument("--strategy", choices=list(strategies), default="ddp",
@@ -183,6 +213,10 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[
         warnings.append(f"--nproc-per-node {args.nproc_per_node} is more than this machine's "
                         f"{cores} CPU cores: the workers take turns on them and every step waits "
                         f"for the slowest; --nproc-per-node {cores} or fewer trains faster")
+    _check_nodes(args)
+    if args.stop_at_accuracy is not None and not 0 < args.stop_at_accuracy <= 1:
+        raise ValueError(f"--stop-at-accuracy {args.stop_at_accuracy}: a fraction of the held-out "
+                         "sums, in (0, 1], e.g. 0.99")
     if args.nnodes != "1" and not (args.rdzv_endpoint and args.run_dir):
         raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address) "
                          "and --run-dir (the same path on every node, so ranks share snapshots)")
@@ -197,11 +231,9 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[
             raise ValueError("--stop-at-accuracy needs the addition task (text has no accuracy); "
                              "drop it or drop --data")
         args.block_size = args.block_size or 64
-        from ringtrain.data.chars import read_text, text_warnings, train_windows
+        from ringtrain.cli.job import check_text_data
 
-        text = read_text(args.data, args.block_size)  # missing, unreadable or too short: say so now
-        warnings += text_warnings(args.data, text)
-        train_samples = train_windows(len(text), args.block_size)
+        train_samples = check_text_data(args.data, args.block_size, warnings)
     else:
         if args.block_size is not None:
             raise ValueError("--block-size applies to --data (the addition task fixes its own)")
@@ -227,9 +259,30 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[
         trainer_config(args).resolved()
     except ValueError as e:  # say it with the flag's name: "lr=0.0" -> "--lr 0.0"
         raise ValueError("--" + str(e).replace("_", "-").replace("=", " ", 1)) from None
+    if args.warmup_steps is not None and args.warmup_steps > args.steps:
+        warnings.append(f"--warmup-steps {args.warmup_steps} is more than --steps {args.steps}: "
+                        f"the learning rate never reaches --lr {args.lr}; lower --warmup-steps")
+    if args.trace_steps is not None and args.trace_steps.start > args.steps:
+        warnings.append(f"--trace-steps {args.trace_steps} starts after the run's last step "
+                        f"({args.steps}): the trace will be empty; pick steps up to {args.steps}")
     if world_size is not None:
         _check_layout(args, world_size, train_samples)
     return warnings
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """--nnodes N or MIN:MAX, --node-rank below N, --rdzv-endpoint HOST:PORT."""
+    parts = args.nnodes.split(":")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
+        raise ValueError(f"--nnodes {args.nnodes}: give the number of machines (2) or a range "
+                         "MIN:MAX for an elastic job (1:4)")
+    if args.node_rank >= int(parts[-1]):
+        raise ValueError(f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}: number "
+                         f"the machines 0..{int(parts[-1]) - 1}, node 0 at --rdzv-endpoint")
+    host, _, port = (args.rdzv_endpoint or "").rpartition(":")
+    if args.rdzv_endpoint and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint}: give node 0's address and a free "
+                         "port as HOST:PORT, e.g. 10.0.0.1:29400")
 
 
 def _check_layout(args: argparse.Namespace, world_size: int, train_samples: int) -> None:
@@ -257,7 +310,10 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     """The command line for a relaunched worker: every set option except the launcher's."""
     out: list[str] = []
     for dest, value in vars(args).items():
-        if dest in LAUNCHER_FLAGS or value is None or value is False:
+        if dest in LAUNCHER_FLAGS or value is None or (value is False and dest not in _NEGATABLE):
+            continue
+        if value is False:  # --no-bias
+            out.append("--no-" + dest.replace("_", "-"))
             continue
         flag = "--" + dest.replace("_", "-")
         out += [flag] if value is True else [flag, str(value)]
@@ -280,7 +336,7 @@ def tolerated_ranks(args: argparse.Namespace, world_size: int | None = None) -> 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The options (besides the trainer's) that must equal a snapshot's to resume from it."""
-    keys = ("digits", "block_size", "n_layer", "n_head", "n_embd", "dropout", "tie_embeddings")
+    keys = ("digits", "block_size", "n_layer", "n_head", "n_embd", "dropout", "tie_embeddings", "bias")
     return {"data": os.path.abspath(args.data) if args.data else None,
             **{k: getattr(args, k) for k in keys}}
 
@@ -297,6 +353,7 @@ def trainer_config(args: argparse.Namespace):
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
         weight_decay=args.weight_decay, beta1=default_beta1(args) if args.beta1 is None else args.beta1,
+        beta2=args.beta2,
         grad_clip=args.grad_clip, seed=args.seed, dtype=args.dtype,
         log_every=args.log_every, eval_every=args.eval_every, eval_batch_size=args.eval_batch_size,
-        progress=not args.no_progress)
+        progress=not args.no_progress, record_samples=args.record_samples)

@@ -80,6 +80,9 @@ class DistributedSampler(Sampler[int]):
         *,
         exact: bool = False,
     ) -> None:
+        if not isinstance(dataset, Sized):
+            raise TypeError(f"DistributedSampler needs a dataset with __len__ (map-style); got "
+                            f"{type(dataset).__name__}; wrap an iterable in a list or a Dataset")
         if num_replicas is None or rank is None:
             from ringtrain.runtime import get_runtime  # raises a clear error before init
 
@@ -243,6 +246,11 @@ class DistributedSampler(Sampler[int]):
         in progress must keep its order.
         """
         n = len(self.dataset)
+        missing = [k for k in ("dataset_len", "shuffle", "samples_consumed", "seed", "epoch")
+                   if k not in state]
+        if missing:
+            raise ValueError(f"not a DistributedSampler state: keys {missing} missing (it has "
+                             f"{sorted(state)}); pass what sampler.state_dict() returned")
         if state["dataset_len"] != n:
             raise ValueError(
                 f"sampler state was saved for a dataset of {state['dataset_len']} samples but "

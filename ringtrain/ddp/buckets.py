@@ -195,6 +195,20 @@ def write_back(buckets: Sequence[Bucket], params: Sequence[torch.Tensor], global
                 p.grad.copy_(view)
 
 
+def call_hook(hook: Any, state: Any, bucket: Bucket, params: list[torch.nn.Parameter], *,
+              is_last: bool) -> torch.futures.Future:
+    """Run comm hook `hook(state, GradBucket)` on `bucket`'s staged gradients; its future, checked."""
+    grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.gradients, params, is_last=is_last)
+    fut = hook(state, grad_bucket)
+    if not callable(getattr(fut, "wait", None)):  # Future.then() gives a torch._C.Future
+        raise TypeError(
+            f"comm hook {getattr(hook, '__name__', hook)!r} returned "
+            f"{type(fut).__name__}; a comm hook must return a torch.futures.Future whose value "
+            f"is the averaged bucket tensor ({bucket.buffer.numel()} elements)"
+        )
+    return fut
+
+
 def hook_result(value: Any, buffer: torch.Tensor, hook: Any, index: int) -> torch.Tensor:
     """The averaged buffer a comm hook's Future gave, checked, flattened like `buffer`."""
     if isinstance(value, (list, tuple)) and len(value) == 1:

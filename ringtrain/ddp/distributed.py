@@ -39,6 +39,7 @@ from ringtrain.torch_internals import (
     preserve_version_counter,
     unflatten_dense_tensors,
 )
+from ringtrain.trace import NO_TRACE, Tracer
 
 __all__ = ["DistributedDataParallel", "GradBucket", "UnusedParametersError", "broadcast_coalesced",
            "verify_same_parameters"]
@@ -175,6 +176,8 @@ class DistributedDataParallel(nn.Module):
         comm_lanes: (ringtrain only) how many groups over the same ranks carry the buckets
             side by side; default 3 on a gloo world group, else 1 (see `ringtrain/ddp/lanes.py`).
             Buckets a comm hook handles use the hook's own group.
+        tracer: (ringtrain only) a `ringtrain.trace.Tracer` that records each bucket's
+            communication during traced steps; default: none.
 
     .. warning::
         Like torch's DDP, whether a backward is synced is decided by the forward that built its
@@ -205,7 +208,11 @@ class DistributedDataParallel(nn.Module):
         static_graph: bool = False,
         *,
         comm_lanes: int | None = None,
+        tracer: Tracer = NO_TRACE,
     ):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel got {module!r} ({type(module).__name__}), "
+                            "not a torch.nn.Module: pass the model itself")
         super().__init__()
         self.module = module
         self.process_group = _default_group(process_group)
@@ -254,7 +261,7 @@ class DistributedDataParallel(nn.Module):
             solo_bytes=SOLO_BYTES_CPU if on_cpu else self.bucket_bytes_cap,
             find_unused_parameters=find_unused_parameters or static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            lanes=comm_lanes_for(self.process_group, comm_lanes),
+            lanes=comm_lanes_for(self.process_group, comm_lanes), tracer=tracer,
         )
 
     @staticmethod

@@ -12,9 +12,8 @@ optimizer always steps on synced gradients.
 Buckets launch strictly in index order on every rank: collectives on one process group must be
 issued in the same order everywhere, and gradients can arrive in a different order on different
 ranks. The first plan assumes reverse registration order; after the first synced backward the
-buckets are rebuilt once from the order rank 0 actually saw, as torch's reducer does.
-Tests: `.venv/bin/pytest -q tests/test_ddp.py`.
-"""
+buckets are rebuilt once from the order rank 0 actually saw, as torch's reducer does. Tests:
+`.venv/bin/pytest -q tests/test_ddp.py`."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp import buckets
 from ringtrain.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets, hook_result
 from ringtrain.ddp.unused_params import StatusBuffer, check_unused, fill_status
@@ -36,6 +36,7 @@ from ringtrain.torch_internals import (
     current_autograd_node,
     queue_backward_callback,
 )
+from ringtrain.trace import COMM, NO_TRACE, Tracer
 
 
 def _grad_ready(reducer_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
@@ -66,6 +67,8 @@ class Reducer:
         gradient_as_bucket_view: leave `.grad` as a view into the bucket instead of copying back.
         lanes: groups over the same ranks as `process_group` (itself first); bucket i is
             all-reduced on lane i % len(lanes), so buckets travel concurrently (`lanes.py`).
+        tracer: records each bucket's communication and the end-of-backward wait
+            (`ringtrain.trace`; default: nothing).
     """
 
     def __init__(
@@ -80,8 +83,10 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         lanes: Sequence[dist.ProcessGroup] | None = None,
+        tracer: Tracer = NO_TRACE,
     ):
         self.params = list(params)
+        self.tracer = tracer
         self.names = list(names)
         self.process_group = process_group
         self.rank = process_group.rank()
@@ -139,7 +144,7 @@ class Reducer:
         if self.world_size > 1:
             agreed = torch.tensor(order, dtype=torch.int64, device=self.buckets[0].flat.device)
             src = 0 if self.process_group == dist.group.WORLD else dist.get_global_rank(self.process_group, 0)
-            dist.broadcast(agreed, src, group=self.process_group)
+            collectives.broadcast(agreed, src, group=self.process_group)
             order = agreed.tolist()
         self._build(order)
 
@@ -196,19 +201,14 @@ class Reducer:
                     fill_status(bucket.tail, self._unused, len(self.params), self.rank)
                     sent, bucket.tail_sent = bucket.flat, True
                 lane = self.lanes[bucket.index % len(self.lanes)]
-                bucket.work = dist.all_reduce(sent, group=lane, async_op=True)
-            return
-        grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.gradients,
-                                 [self.params[i] for i in bucket.members],
-                                 is_last=bucket.index == len(self.buckets) - 1)
-        fut = self.comm_hook(self.comm_hook_state, grad_bucket)
-        if not callable(getattr(fut, "wait", None)):  # Future.then() gives a torch._C.Future
-            raise TypeError(
-                f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
-                f"{type(fut).__name__}; a comm hook must return a torch.futures.Future whose value "
-                f"is the averaged bucket tensor ({bucket.buffer.numel()} elements)"
-            )
-        bucket.fut = fut
+                bucket.work = collectives.all_reduce(sent, group=lane, async_op=True)
+        else:
+            bucket.fut = buckets.call_hook(self.comm_hook, self.comm_hook_state, bucket,
+                                           [self.params[i] for i in bucket.members],
+                                           is_last=bucket.index == len(self.buckets) - 1)
+        if self.tracer.active:  # from launch to the collective's completion
+            self.tracer.until_done(f"bucket {bucket.index}", COMM, bucket.work or bucket.fut,
+                                   bytes=bucket.buffer.numel() * bucket.buffer.element_size())
 
     # ---- when backward ends ----------------------------------------------------------------
 
@@ -228,7 +228,7 @@ class Reducer:
             self._defer, self._deferred = False, True  # flush() finishes this round
             return
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.tracer.span("finish gradient sync"):
                 self._stage_rest()
                 self._complete()
         finally:

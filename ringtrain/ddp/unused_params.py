@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import collectives
+
 
 class UnusedParametersError(RuntimeError):
     """A synced backward left parameters without a gradient on some rank."""
@@ -89,4 +91,4 @@ class StatusBuffer:
             self._buffer = torch.empty(self.n_params + self.world_size, dtype=torch.int32,
                                        device=self.device)
         status = fill_status(self._buffer, unused, self.n_params, rank)
-        return status, dist.all_reduce(status, group=group, async_op=True)
+        return status, collectives.all_reduce(status, group=group, async_op=True)

@@ -10,6 +10,8 @@ Read in this order:
 - `watchdog.py`: every rank's heartbeat; a rank that dies or hangs stops the others, named.
 - `peer_failure.py`: what a watchdog found, and the default reaction (one line, exit 75).
 - `hang.py`: which rank never entered the collective the others wait in.
+- `cgroup.py`, `memory_exec.py`: `--memory-limit`, a memory cgroup per worker, joined before
+  Python starts; which workers the OOM killer ended, and the limit, in the report.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.store_keys`. Never the trainer, a strategy or the snapshot code: the launcher runs

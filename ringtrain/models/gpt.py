@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class GPTConfig:
         tie_embeddings: share the token embedding with lm_head (off by default, as minGPT;
             tying makes the first and last pipeline stages hold one tensor).
         bias: biases in Linear and LayerNorm.
+        activation_checkpointing: keep only each block's input in forward and recompute the
+            block in backward (`torch.utils.checkpoint`, non-reentrant): less memory for
+            activations, about one more forward of the blocks per step; same gradients.
     """
 
     vocab_size: int
@@ -53,6 +57,7 @@ class GPTConfig:
     dropout: float = 0.0
     tie_embeddings: bool = False
     bias: bool = True
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -107,8 +112,16 @@ class Block(nn.Module):
             nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias),
             nn.Dropout(config.dropout),
         )
+        self.checkpoint = config.activation_checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint and torch.is_grad_enabled():
+            # Non-reentrant: parameter hooks (DDP's, ZeRO's gathers) and no_sync see the
+            # recompute like any backward; the RNG is replayed, so dropout masks match.
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 

@@ -42,6 +42,7 @@ from ringtrain.ps.sharding import (
     unpack,
 )
 from ringtrain.ps.stats import Tally
+from ringtrain.trace import COMM, NO_TRACE, Tracer
 
 
 @dataclass
@@ -62,12 +63,13 @@ class PSWorker:
         server_ranks: global rank of server index 0, 1, ...
         pair_groups: server rank -> the group this worker shares with it.
         bucket_numel: push bucket size in elements (the servers must use the same).
+        tracer: records each push-and-pull exchange (`ringtrain.trace`; default: nothing).
     """
 
     def __init__(self, module: nn.Module, plan: ShardPlan, *, rank: int,
                  server_ranks: Sequence[int], pair_groups: Mapping[int, dist.ProcessGroup],
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL):
-        self.module, self.plan, self.rank = module, plan, rank
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, tracer: Tracer = NO_TRACE):
+        self.module, self.plan, self.rank, self.tracer = module, plan, rank, tracer
         self.server_ranks = list(server_ranks)
         self.pair_groups = dict(pair_groups)
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
@@ -191,7 +193,7 @@ class PSWorker:
                 "optimizer state: restart from the last snapshot") from e
 
     def _finish(self, pending, sends, t0: float, *, record: bool) -> PullResult:
-        with self._naming_lost_server():
+        with self._naming_lost_server(), self.tracer.span("wait for servers"):
             for s, w in sends:
                 self._server = s
                 w.wait()
@@ -214,6 +216,8 @@ class PSWorker:
                 unpack(self._flats[i], self._pieces[i], self.params)
         if record:
             self.gap.add(gap)
+        if self.tracer.active:  # from the push header to the last parameters unpacked
+            self.tracer.add("push and pull", COMM, round(t0 * 1e9), time.perf_counter_ns(), {"gap": gap})
         return PullResult(time.perf_counter() - t0, gap)
 
     def sync_point(self) -> None:

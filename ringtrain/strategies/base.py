@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ringtrain.agreement.base import Agreement, CollectiveAgreement
+from ringtrain.trace import NO_TRACE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
 if TYPE_CHECKING:
@@ -73,8 +74,8 @@ def non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be 0 or more")
+    if not value >= 0 or value == float("inf"):  # nan and inf too: "nan >= 0" is False
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: it must be a finite number, 0 or more")
     return value
 
 
@@ -105,6 +106,7 @@ class Strategy(ABC):
     # True when every rank holds the whole model and optimizer state (DDP): a snapshot is then
     # written once and can be resumed on any number of ranks. False: per-rank parts, same layout.
     replicated_state: bool = False
+    tracer: Tracer = NO_TRACE  # spans of its steps (`ringtrain.trace`), set by `trace`
 
     # -- before any worker starts (the command line asks, with the options the user set) -------
     @classmethod
@@ -194,6 +196,11 @@ class Strategy(ABC):
         """A tolerated rank died (the watchdog found it): go on without it."""
         return None
 
+    def trace(self, tracer: Tracer) -> None:
+        """Record forward, backward, optimizer and communication spans into `tracer` (called
+        before `setup`, which hands it to the engines)."""
+        self.tracer = tracer
+
     def stats(self) -> dict[str, Any]:
         """The strategy's own figures for the run's summary (after `model_state_dict`)."""
         return {}
@@ -203,6 +210,19 @@ class Strategy(ABC):
         this rank loads; None (the default): the state cannot be resharded (refused, naming
         both world sizes). Replicated state (`replicated_state`) needs no answer."""
         return None
+
+    def reshard_sources(self, saved_world_size: int) -> list[int] | None:
+        """Resuming per-rank state saved by another number of ranks: every saved rank whose
+        part this rank reads (`load_resharded_state_dict` gets them). Default: the one
+        `reshard_source` names; None: it cannot be resharded."""
+        source = self.reshard_source(saved_world_size)
+        return None if source is None else [source]
+
+    def load_resharded_state_dict(self, parts: dict[int, dict[str, Any]]) -> None:
+        """Load per-rank state saved by another number of ranks: `parts` maps each saved rank of
+        `reshard_sources` to its `state_dict()`. Default: `load_state_dict` of the one part."""
+        (state,) = parts.values()
+        self.load_state_dict(state)
 
     def serve(self) -> None:
         """Run a non-worker rank's role outside the trainer loop (optional)."""

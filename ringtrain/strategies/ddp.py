@@ -87,6 +87,7 @@ class DDPStrategy(ShardPerRank, Strategy):
             process_group=self.runtime.process_group,
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
+            tracer=self.tracer,
         )
         if self.compress in ("fp16", "bf16"):
             hook = fp16_compress_hook if self.compress == "fp16" else bf16_compress_hook
@@ -128,17 +129,20 @@ class DDPStrategy(ShardPerRank, Strategy):
             last = i == len(micro_batches) - 1
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with nullcontext() if last else self.ddp.no_sync():
-                loss = self.loss_fn(self.ddp(x), y)
+                with self.tracer.span("forward", micro_batch=i):
+                    loss = self.loss_fn(self.ddp(x), y)
                 # Weight each micro-batch by its share of the samples: the accumulated gradient
                 # is then the mean over the whole step batch, whatever the split.
-                (loss * (len(x) / total)).backward()
-            if last:
+                with self.tracer.span("backward", micro_batch=i):
+                    (loss * (len(x) / total)).backward()
+            if last and self.runtime.world_size > 1:  # one rank: no communication, all compute
                 comm_s = max(0.0, time.perf_counter() - self._last_grad_at)
             losses.append((loss.detach(), len(x)))
         if grad_clip:
             # Gradients are identical on every rank after the all-reduce, so is the clip factor.
             torch.nn.utils.clip_grad_norm_(self._parameters(), grad_clip)
-        self.optimizer.step()
+        with self.tracer.span("optimizer step"):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = sum(float(loss) * n for loss, n in losses)
         elapsed = time.perf_counter() - start

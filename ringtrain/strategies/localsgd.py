@@ -100,20 +100,25 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
         loss_sum, device = 0.0, self.runtime.device
         for x, y in micro_batches:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = self.loss_fn(self.module(x), y)
-            (loss * (len(x) / total)).backward()
+            with self.tracer.span("forward"):
+                loss = self.loss_fn(self.module(x), y)
+            with self.tracer.span("backward"):
+                (loss * (len(x) / total)).backward()
             loss_sum += float(loss.detach()) * len(x)
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(self._params(), grad_clip)  # this worker's own norm
-        self.optimizer.step()
+        with self.tracer.span("optimizer step"):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.inner_steps += 1
         comm_s = 0.0
         if self.inner_steps % self.sync_every == 0:
             t0 = time.perf_counter()
-            self._meet()
-            self._met()
-            comm_s = time.perf_counter() - t0
+            with self.tracer.span("meeting (average the replicas)", "comm"):
+                self._meet()
+                self._met()
+            # One rank has no one to meet: its averaging is a copy, not communication.
+            comm_s = time.perf_counter() - t0 if self.runtime.world_size > 1 else 0.0
             self.meeting_s += comm_s
         elapsed = time.perf_counter() - start
         return StepResult(loss_sum=loss_sum, count=total, compute_s=elapsed - comm_s, comm_s=comm_s)

@@ -16,6 +16,7 @@ uses the norm over all stages.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,12 +26,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.errors import ConfigError
-from ringtrain.pipeline.engine import PipelineStage
+from ringtrain.pipeline.engine import PipelineStage, StepStats
 from ringtrain.pipeline.partition import partition, tied_parameters
-from ringtrain.pipeline.schedule import SCHEDULES
+from ringtrain.pipeline.schedule import SCHEDULES, Backward, Forward
 from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import Option, StepResult, Strategy, int_at_least
+from ringtrain.trace import COMM, COMPUTE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
 
@@ -40,6 +42,17 @@ def _default_microbatches(batch: int, pp: int) -> int:
         if batch % m == 0:
             return m
     return 4 * pp  # nothing divides: let split_batch raise with the choices
+
+
+def _trace_timeline(tracer: Tracer, stats: StepStats) -> None:
+    """The engine's timeline of this step as spans: forward and backward on the compute lane,
+    each send (its posting) and receive (its wait) on the comm lane, then the wait for the sends."""
+    for a, t0, t1 in stats.timeline:
+        lane = COMPUTE if isinstance(a, (Forward, Backward)) else COMM
+        words = re.sub(r"(?<!^)([A-Z])", r" \1", type(a).__name__).lower()  # "recv activation"
+        tracer.add(f"{words} {a.mb}", lane, round(t0 * 1e9), round(t1 * 1e9), {"micro_batch": a.mb})
+    if stats.timeline:
+        tracer.add("wait for sends", COMM, round(stats.timeline[-1][2] * 1e9), round(stats.end * 1e9))
 
 
 def _as_sequential(model: nn.Module) -> nn.Module | list[nn.Module]:
@@ -140,7 +153,8 @@ class PipelineStrategy(Strategy):
 
             # No buffer broadcast: buffers start equal, and a broadcast per micro-batch
             # forward would add a collective to every schedule step.
-            self.ddp = DistributedDataParallel(stage, process_group=g.dp_group, broadcast_buffers=False)
+            self.ddp = DistributedDataParallel(stage, process_group=g.dp_group, broadcast_buffers=False,
+                                               tracer=self.tracer)
         self.optimizer = optimizer_fn(stage.parameters())
         self.engine = PipelineStage(
             self.ddp or stage, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks, pp_group=g.pp_group,
@@ -182,6 +196,8 @@ class PipelineStrategy(Strategy):
         m = self.microbatches or _default_microbatches(x.shape[0], self.topology.pp)
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.engine.train_step(x, y, m)
+        if self.tracer.active:
+            _trace_timeline(self.tracer, stats)
         t0 = time.perf_counter()
         for p, group in self._ties:  # a tied weight's gradient is the sum of its uses
             if p.grad is None:
@@ -193,8 +209,11 @@ class PipelineStrategy(Strategy):
         t0 = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        with self.tracer.span("optimizer step"):
+            self.optimizer.step()
         step_s = time.perf_counter() - t0
+        if self.runtime.world_size == 1:  # nothing is sent: its waits and the clip are compute
+            stats.busy_s, stats.wait_s, comm_s = stats.busy_s + stats.wait_s + comm_s, 0.0, 0.0
         return StepResult(stats.loss_sum or 0.0, stats.count, stats.busy_s + step_s,
                           stats.wait_s + comm_s)
 

@@ -235,7 +235,7 @@ class PSStrategy(Strategy):
             self.worker = PSWorker(
                 self.module, self.plan, rank=rank, server_ranks=topo.server_ranks,
                 pair_groups={s: self.groups.pairs[(s, rank)] for s in topo.server_ranks},
-                bucket_numel=self.bucket_numel)
+                bucket_numel=self.bucket_numel, tracer=self.tracer)
             self.worker.pull()  # start from the servers' values, whatever the local init was
 
     # -- training -------------------------------------------------------------------------------
@@ -254,13 +254,15 @@ class PSStrategy(Strategy):
         loss_sum = 0.0
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = self.loss_fn(self.module(x), y)
+            with self.tracer.span("forward", micro_batch=i):
+                loss = self.loss_fn(self.module(x), y)
             if i == len(micro_batches) - 1:
                 # Gradient buckets leave during this backward. Clipping happens on the
                 # servers: of the mean gradient in sync (as data parallel clips), of each
                 # push by its own norm in async/ssp (each push is an update of its own).
                 self.worker.begin_push(lr=lr, grad_clip=grad_clip)
-            (loss * (len(x) / total)).backward()  # the accumulated gradient is the step's mean
+            with self.tracer.span("backward", micro_batch=i):
+                (loss * (len(x) / total)).backward()  # the accumulated gradient is the step's mean
             loss_sum += float(loss.detach()) * len(x)
         result = self.worker.finish_push()
         elapsed = time.perf_counter() - start

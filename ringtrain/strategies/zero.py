@@ -5,7 +5,8 @@
 Every rank reads its own data shard, as with `ddp`; `ringtrain.zero.ZeroDataParallel` keeps
 1/N of the AdamW moments (stage 1), of the gradients (2) and of the parameters (3) on each rank.
 Gradient accumulation runs every micro-batch but the last under `no_sync()`. State is per rank
-(each rank's shard); `model_state_dict()` gathers the full model on every rank.
+(each rank's shard, in a flat layout that resumes on any number of ranks: a snapshot of 2
+ranks resumes on 3); `model_state_dict()` gathers the full model on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import Option, ShardPerRank, StepResult, Strategy, eval_forward
 from ringtrain.types import LossFn, OptimizerFn
+from ringtrain.zero import reshard
 from ringtrain.zero.shard import STAGES, expected_bytes
 from ringtrain.zero.sharded import ZeroDataParallel
 
@@ -111,6 +113,16 @@ class ZeroStrategy(ShardPerRank, Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._zero().load_shard_state_dict(state["zero"])
+
+    def reshard_sources(self, saved_world_size: int) -> list[int] | None:
+        """The saved ranks whose shards overlap this rank's new ones (a snapshot of N ranks
+        resumes on M: each rank re-slices the flat units, `ringtrain.zero.reshard`)."""
+        numels = [u.plan.numel for u in self._zero().units]
+        # A rank holding only padding still reads one part (its optimizer's settings).
+        return reshard.sources(numels, saved_world_size, self.runtime.world_size, self.runtime.rank) or [0]
+
+    def load_resharded_state_dict(self, parts: dict[int, dict[str, Any]]) -> None:
+        self._zero().load_shard_state_dicts({r: p["zero"] for r, p in parts.items()})
 
     def stats(self) -> dict[str, Any]:
         memory = self._memory or self._zero().memory()

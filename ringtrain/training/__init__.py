@@ -7,10 +7,11 @@ Read in this order:
 - `evaluate.py`: evaluation on the exact eval shard the strategy names.
 - `progress.py`: the progress bar, rank-prefixed logging, metrics.jsonl and summary.json.
 - `report.py`: report.png from metrics.jsonl.
+- `tensorboard.py`: the same metrics as TensorBoard event files (rank 0, when installed).
 
 May import: torch, `ringtrain.strategies` (the seam only: `Strategy`, `StepResult`),
 `ringtrain.agreement`, `ringtrain.checkpoint`, `ringtrain.data.sampler`, `ringtrain.runtime`,
-`ringtrain.types`, `ringtrain.errors`. Never a concrete strategy, model or launcher.
+`ringtrain.types`, `ringtrain.errors`, `ringtrain.trace`. Never a concrete strategy, model or launcher.
 """
 
 from ringtrain.training.config import TrainerConfig

@@ -31,12 +31,15 @@ class TrainerConfig:
             decay to min_lr or 'constant'.
         weight_decay: AdamW decay on matrices (biases and norms are not decayed).
         beta1: AdamW's first-moment decay (momentum).
+        beta2: AdamW's second-moment decay (0.95; nanoGPT's small-batch recipes use 0.99).
         grad_clip: max global gradient norm; None or 0 disables.
         seed: shared initialisation, data order and (with the rank) dropout.
         dtype: 'fp32' or 'bf16' (autocast where the device supports it).
         log_every, eval_every: steps between metric lines and evaluations (the last step does both).
         eval_batch_size: samples per evaluation batch per rank.
         progress: draw the progress bar on rank 0.
+        record_samples: record each step's global sample indices in the snapshots
+            (`ringtrain.data.sample_log`; `--record-samples`).
     """
 
     steps: int = 2000
@@ -48,6 +51,7 @@ class TrainerConfig:
     lr_schedule: str = "cosine"
     weight_decay: float = 0.1
     beta1: float = 0.9
+    beta2: float = 0.95
     grad_clip: float | None = 1.0
     seed: int = 1337
     dtype: str = "fp32"
@@ -55,6 +59,7 @@ class TrainerConfig:
     eval_every: int | None = None
     eval_batch_size: int | None = None
     progress: bool = True
+    record_samples: bool = False
 
     def resolved(self) -> TrainerConfig:
         """A copy with every `None` derived, after checking each value (errors say the fix)."""
@@ -74,6 +79,12 @@ class TrainerConfig:
                 raise ValueError(f"{name}={value!r}: it must be a positive integer (or unset)")
         if not 0.0 <= self.beta1 < 1.0:
             raise ValueError(f"beta1={self.beta1}: Adam's momentum must be in [0, 1)")
+        if not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"beta2={self.beta2}: Adam's second-moment decay must be in [0, 1)")
+        if self.min_lr is not None and self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} is above the peak lr ({self.lr}): the "
+                             "schedule decays from the peak down to min_lr; lower min_lr "
+                             "(default: lr / 10)")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps}: it must be 0 or more")
         c = TrainerConfig(**asdict(self))

@@ -16,8 +16,9 @@ import logging
 import math
 import os
 import sys
+import time
 import warnings
-from typing import Any
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -63,27 +64,74 @@ def setup_logging(rank: int) -> logging.Logger:
 class Progress:
     """A step progress bar on rank 0 (nothing elsewhere): step, loss, tokens/s, ETA.
 
+    On a terminal it is a tqdm bar redrawn in place. When stderr is not a terminal (a log
+    file, a pipe, a batch job's output) redrawing would write a line per refresh, so it prints
+    one plain line per `log_every` steps instead (and at the last step), each once.
+
     Args:
         total: steps in the run.
         enabled: draw it (pass `rank == 0`).
         initial: first step (a resumed run starts past 0).
+        log_every: steps between plain lines (default: total / 100).
+        file: where it goes (default: sys.stderr).
     """
 
-    def __init__(self, total: int, enabled: bool = True, initial: int = 0):
-        self.bar = tqdm(total=total, initial=initial, disable=not enabled, desc="train",
-                        unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5,
-                        bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| [{elapsed}<{remaining}{postfix}]")
+    def __init__(self, total: int, enabled: bool = True, initial: int = 0,
+                 log_every: int | None = None, file: TextIO | None = None):
+        self.file = sys.stderr if file is None else file
+        self.total, self.initial, self.step = total, initial, initial
+        self.log_every = log_every or max(1, total // 100)
+        self.enabled = enabled
+        self.plain = enabled and not _isatty(self.file)
+        self.bar = None
+        if enabled and not self.plain:
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
+                            dynamic_ncols=True, file=self.file, mininterval=0.5,
+                            bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| [{elapsed}<{remaining}{postfix}]")
+        self._started = time.perf_counter()
+        self._printed = -1  # the last step a plain line was printed for
 
     def update(self, step: int) -> None:
-        self.bar.update(step - self.bar.n)
+        self.step = step
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
 
     def set_metrics(self, loss: float, tokens_per_s: float, **extra: float) -> None:
         postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
         postfix.update({k: f"{v:.4g}" for k, v in extra.items()})
-        self.bar.set_postfix(postfix, refresh=False)
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+        elif self.plain and self._printed != self.step and (
+                self.step % self.log_every == 0 or self.step == self.total):
+            self._printed = self.step
+            print(self._line(postfix), file=self.file, flush=True)
+
+    def _line(self, postfix: dict[str, str]) -> str:
+        """`train 120/2000 (6%) loss 2.3456 tok/s 12,345 elapsed 0:00:12 eta 0:03:10`."""
+        elapsed = time.perf_counter() - self._started
+        done = self.step - self.initial
+        eta = elapsed / done * (self.total - self.step) if done > 0 else float("nan")
+        metrics = " ".join(f"{k} {v}" for k, v in postfix.items())
+        return (f"train {self.step}/{self.total} ({self.step / max(1, self.total):.0%}) {metrics} "
+                f"elapsed {_clock(elapsed)} eta {_clock(eta)}")
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _isatty(file: TextIO) -> bool:
+    try:
+        return file.isatty()
+    except (AttributeError, ValueError):  # a closed or unusual stream: not a terminal
+        return False
+
+
+def _clock(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 class MetricsLog:
@@ -210,5 +258,5 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append(f"param_sha256: {summary.get('param_sha256')}")
     if summary.get("run_dir"):
         lines.append(f"run directory: {summary['run_dir']} (config.json, metrics.jsonl, summary.json, "
-                     "report.png)")
+                     "report.png, model.safetensors)")
     return "\n".join(lines)

@@ -3,7 +3,8 @@
     python -m ringtrain.training.report runs/<timestamp>        # (re)draw runs/<timestamp>/report.png
 
 Panels: train and eval loss; eval accuracy (or the learning rate when there is none);
-throughput in tokens/s across all ranks; step time split into compute and communication wait.
+throughput in tokens/s across all ranks; step time split into compute and communication wait
+(`comm_s`: 0 in a one-process run, where nothing is communicated; the legend says "none").
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ def write_report(records: list[dict[str, Any]], path: str, title: str = "") -> N
     _, comm = _series(records, "comm_s")
     if s and len(comm) == len(compute):
         ms = [1000 * c for c in compute], [1000 * c for c in comm]
-        ax_time.stackplot(s, *ms, labels=["compute", "communication wait"],
+        # A run without communication (one process) says so instead of drawing an empty band.
+        waited = any(c > 0 for c in comm)
+        ax_time.stackplot(s, *ms, labels=["compute", "communication wait" if waited else
+                                          "communication wait: none"],
                           colors=["tab:blue", "tab:orange"], alpha=0.8)
         ax_time.legend(loc="upper right")
     ax_time.set(title="step time per rank", xlabel="step", ylabel="ms", ylim=(0, None))

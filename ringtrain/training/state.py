@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
+from ringtrain.errors import ConfigError
 
 # The metrics window's sums: loss_sum, count, tokens, compute_s, comm_s, steps of data ranks.
 WINDOW_FIELDS = ("loss_sum", "count", "tokens", "compute_s", "comm_s", "data_rank_steps")
@@ -43,6 +45,7 @@ class LoopState:
     window: list[float] = field(default_factory=_empty_window)
     window_s: float = 0.0
     window_steps: int = 0
+    samples: SampleLog | None = None  # each step's sample indices (--record-samples), or None
 
     # -- the metrics window ------------------------------------------------------------------
     def add(self, values: tuple[float, ...], seconds: float) -> None:
@@ -64,7 +67,8 @@ class LoopState:
         """The shared part (rank 0's): step, totals, sampler (epoch, global cursor), resumes."""
         return {"step": self.step, "train_time_s": self.train_time_s, "tokens": self.tokens,
                 "sampler": self.sampler.state_dict() if self.sampler else None,
-                "last": dict(self.last), "resumes": [dict(r) for r in self.resumes]}
+                "last": dict(self.last), "resumes": [dict(r) for r in self.resumes],
+                **({"samples": self.samples.state_dict()} if self.samples is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.train_time_s, self.tokens = state["step"], state["train_time_s"], state["tokens"]
@@ -72,6 +76,13 @@ class LoopState:
             self.sampler.load_state_dict(state["sampler"])  # re-split if num_replicas differs
         self.last = dict(state.get("last", {}))
         self.resumes = [dict(r) for r in state.get("resumes", [])]
+        if self.samples is not None:  # the committed history; later steps are trained again
+            if "samples" not in state and self.step > 0:
+                raise ConfigError(f"--record-samples: the snapshot of step {self.step} holds no "
+                                  "sample history (saved without --record-samples); resume "
+                                  "without it, or start afresh with --no-resume")
+            if "samples" in state:
+                self.samples.load_state_dict(state["samples"])
 
     def window_state(self) -> dict[str, Any]:
         """This rank's part: its metrics window."""

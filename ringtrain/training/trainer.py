@@ -47,13 +47,16 @@ from torch.utils.data import Dataset
 
 from ringtrain.checkpoint.resume import Checkpointer, StopSignal
 from ringtrain.checkpoint.run_dir import DiskFullError, is_no_space, no_space_message
+from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy
+from ringtrain.trace import Tracer
 from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
 from ringtrain.training.evaluate import collate, eval_sums
 from ringtrain.training.progress import MetricsLog, Progress, write_json
 from ringtrain.training.state import LoopState
+from ringtrain.training.tensorboard import TensorBoardLog
 from ringtrain.types import LossFn, MetricFn, OptimizerFn
 
 __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
@@ -91,6 +94,8 @@ class Trainer:
         run_config: options that must equal a snapshot's to resume from it (name -> value, e.g.
             the model's); the trainer adds its own (steps, lr, seed, ...).
         snapshot_timeout_s: bound on each rank's part of a save.
+        trace_steps: (A, B): record a timeline of steps A to B-1 on every rank into
+            `run_dir`/trace.json (`ringtrain.trace`); None: none.
         name: names this trainer's store keys (snapshot handshakes, store reductions), the
             same on every rank; a second trainer in one process group that snapshots to the
             same directory, or reduces through the store, needs another name (ValueError).
@@ -104,7 +109,8 @@ class Trainer:
                  stop_when: Callable[[dict[str, Any]], bool] | None = None,
                  started_at: float | None = None, snapshot_every: int = 0, keep: int = 2,
                  resume: bool = True, run_config: dict[str, Any] | None = None,
-                 snapshot_timeout_s: float = 60.0, name: str = "trainer"):
+                 snapshot_timeout_s: float = 60.0, name: str = "trainer",
+                 trace_steps: tuple[int, int] | None = None):
         self.strategy, self.runtime = strategy, runtime
         self.config = config.resolved()
         self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
@@ -116,10 +122,13 @@ class Trainer:
         c = self.config
         torch.manual_seed(c.seed)  # the same initial weights on every rank
         self.model = model_fn()
-        strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay, betas=(c.beta1, 0.95)), loss_fn)
+        self.tracer = Tracer(runtime.rank, trace_steps)  # off (records nothing) without steps
+        strategy.trace(self.tracer)  # before setup, which hands it to the engines
+        strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay, betas=(c.beta1, c.beta2)), loss_fn)
         torch.manual_seed(rank_seed(c.seed, runtime.rank))  # dropout differs per rank
         self.data_rank, self.data_world_size = strategy.data_rank, strategy.data_world_size
         self.agreement = strategy.agreement(runtime, name)  # sums, votes, digests across ranks
+        self.tracer.align_clocks(self.agreement.gather)  # each rank's offset to rank 0's clock
         self._snapshots_off = False
         self.train_sampler: DistributedSampler | None = None
         if self.data_rank is not None:
@@ -134,7 +143,8 @@ class Trainer:
         self._batches: Iterator[int] | None = None
         # Step, metrics window (per rank, saved so logged losses continue exactly), totals and
         # the sampler's cursor: what a snapshot holds of the loop.
-        self.state = LoopState(self.train_sampler)
+        self.state = LoopState(self.train_sampler,
+                               samples=SampleLog(self.data_rank) if c.record_samples else None)
         self.metrics = MetricsLog(None)
         self.resume = resume
         self.checkpointer: Checkpointer | None = None
@@ -164,6 +174,8 @@ class Trainer:
                 indices.append(next(self._batches))
             except StopIteration:
                 self._batches, indices = None, []
+        if self.state.samples is not None:  # --record-samples: with the epoch it came from
+            self.state.samples.add(self.train_sampler.epoch, indices)
         return collate(self.train_set, indices)
 
     def _autocast(self):
@@ -221,12 +233,14 @@ class Trainer:
             self.config = replace(self.config, batch_size=resumed_at.batch_size,
                                   grad_accum=resumed_at.grad_accum).resolved()
         c = self.config
-        progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0, initial=self.step)
+        progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0, initial=self.step,
+                            log_every=c.log_every)  # not a terminal: a plain line per log_every
         if self.run_dir and self.runtime.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             # A resumed run drops the lines written after its snapshot (they are trained again).
             self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
                                       resume_at=self.step if self.step > 0 else None)
+            self.metrics = TensorBoardLog(self.metrics, self.run_dir, self.step)  # if installed
         catch = cp is not None and cp.every > 0
         disk_full = None
         try:
@@ -251,13 +265,15 @@ class Trainer:
             lr = lr_at(self.step, c)
             micro = [self._next_batch() for _ in range(c.grad_accum)] if self.train_sampler else []
             t0 = time.perf_counter()
-            with self._autocast():
+            with self._autocast(), self.tracer.step(self.step + 1):
                 res: StepResult = s.train_step(micro, lr=lr, grad_clip=c.grad_clip)
             tokens_per_sample = micro[0][0][0].numel() if micro else 0
             reads_data = 1.0 if self.data_rank is not None else 0.0  # whose times are averaged
             self.state.add((res.loss_sum, res.count, res.count * tokens_per_sample,
                             res.compute_s, res.comm_s, reads_data), time.perf_counter() - t0)
             self.state.step += 1
+            if self.state.samples is not None:
+                self.state.samples.end_step(self.step)
             if resumed:  # the figure behind "recovery time": from a kill to this line
                 resumed = False
                 self.state.resumes[-1]["first_step_unix"] = time.time()
@@ -314,6 +330,8 @@ class Trainer:
                                 step, gone)
         if self._snapshots_off:
             return
+        if self.state.samples is not None:  # every rank's steps since the last snapshot, merged
+            self.state.samples.sync(self.agreement.gather)
         self.checkpointer.save(step, reason=reason)
 
     @staticmethod
@@ -348,6 +366,7 @@ class Trainer:
         if self.checkpointer is not None:
             summary.update(self.checkpointer.summary())
         summary.update(s.stats())  # the strategy's own figures (a parameter server's staleness)
+        summary.update(self.tracer.finish(self.agreement.gather, self.run_dir))  # --trace-steps
         if rt.rank == 0:
             if self.sample_fn is not None:
                 self.model.load_state_dict(state)

@@ -10,13 +10,17 @@ Read in this order:
 - `optimizer.py`: `ZeroOptimizer`, the user's optimizer rebuilt over this rank's parts.
 - `sharded.py`: `ZeroDataParallel`, the wrapper for a plain module and an optimizer factory:
   hooks, no_sync, clipping, state dicts, counted bytes.
+- `reshard.py`, `state.py`: each rank's state in a flat layout that any number of ranks can
+  load (a snapshot of N ranks resumed on M), and the index math behind it.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.ranges`, `ringtrain.ddp` (its communication lanes). Guide: docs/zero.md.
 """
 
+from ringtrain.zero import reshard
 from ringtrain.zero.optimizer import ZeroOptimizer
 from ringtrain.zero.shard import expected_bytes, plan_units
 from ringtrain.zero.sharded import ZeroDataParallel, default_units
 
-__all__ = ["ZeroDataParallel", "ZeroOptimizer", "default_units", "expected_bytes", "plan_units"]
+__all__ = ["ZeroDataParallel", "ZeroOptimizer", "default_units", "expected_bytes", "plan_units",
+           "reshard"]

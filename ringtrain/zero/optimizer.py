@@ -30,11 +30,16 @@ class ZeroOptimizer:
         self.units, self.after_step = list(units), after_step
         template = optimizer_fn(module.parameters())  # no state yet: optimizers are lazy
         parts: dict[int, list[nn.Parameter]] = {}
-        for unit in self.units:
+        # (part, unit index, first element in the unit's shard, elements): where each part's
+        # optimizer state sits in the unit's flat layout (`reshard.py` saves it that way).
+        self.locations: list[tuple[nn.Parameter, int, int, int]] = []
+        for k, unit in enumerate(self.units):
             for p, piece, grad in unit.pieces():
                 part = nn.Parameter(piece)  # shares the shard's storage
                 part.grad = grad  # a view of the shard's gradient, filled by the reduce
                 parts.setdefault(id(p), []).append(part)
+                start = piece.storage_offset() - unit.shard.storage_offset()
+                self.locations.append((part, k, start, piece.numel()))
         groups = []
         for g in template.param_groups:
             opts = {k: v for k, v in g.items() if k != "params"}

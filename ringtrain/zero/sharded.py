@@ -36,9 +36,12 @@ from torch import nn
 
 from ringtrain.ddp import lanes as ddp_lanes
 from ringtrain.torch_internals import backward_tls_free, queue_backward_callback
+from ringtrain.zero import state as zero_state
 from ringtrain.zero.optimizer import OptimizerFactory, ZeroOptimizer
 from ringtrain.zero.shard import STAGES, expected_bytes, plan_units
 from ringtrain.zero.units import FlatUnit
+
+_REDUCES_IN_FLIGHT = 3  # one per default communication lane
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -228,6 +231,11 @@ class ZeroDataParallel(nn.Module):
             while self._next < len(self._order) and self._order[self._next].complete:
                 self._order[self._next].launch_reduce(1.0 / self.world_size)
                 self._next += 1
+                # Each reduce in flight holds its unit's whole flat gradient: finish the oldest
+                # beyond one per lane, or all of them would be alive at the end of backward (4
+                # bytes per parameter, as much as DDP's gradients). Same point on every rank.
+                if self.stage > 1 and self._next > _REDUCES_IN_FLIGHT:
+                    self._order[self._next - 1 - _REDUCES_IN_FLIGHT].finish_reduce()
         if unit is not self._root:
             self._free(unit)  # its gradients are in: backward will not read its weights again
 
@@ -273,43 +281,48 @@ class ZeroDataParallel(nn.Module):
     # ---- state --------------------------------------------------------------------------------
 
     def full_state_dict(self, *, keep_gathered: bool = False) -> dict[str, torch.Tensor]:
-        """The unwrapped module's state (copies), equal on every rank (collective at stage 3).
+        """The unwrapped module's state, equal on every rank (collective at stage 3).
 
-        `keep_gathered`: stage 3 leaves every unit gathered afterwards, so the plain module can
-        be used as it is (sampling at the end of a run); the next forward frees them again.
+        Copies, unless `keep_gathered`: then stage 3 leaves every unit gathered, so the plain
+        module can be used as it is (sampling at the end of a run), and the state is the
+        module's own tensors (no second copy of the model: the end of a run under a memory
+        limit); the next forward through this wrapper frees them again.
         """
         with torch.no_grad():
             for u in self.units:
                 self._gather(u)
-            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            state = {k: v.detach() if keep_gathered else v.detach().clone()
+                     for k, v in self.module.state_dict().items()}
             if not keep_gathered:
                 for u in self.units:
                     self._free(u)
         return state
 
     def shard_state_dict(self) -> dict[str, Any]:
-        """This rank's part: its shard of every unit, the layout it was cut with, the optimizer."""
+        """This rank's part: its shard of every unit and of the optimizer state, in the flat
+        layout any number of ranks can load (`reshard.py`)."""
         self._wait_all_gathers()  # (stages 1, 2) the shard is a view of `full`: no write pending
-        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
-                "units": [u.plan.padded for u in self.units],
-                "shards": [u.shard.detach().clone() for u in self.units],
-                "optimizer": self.optimizer.state_dict()}
+        return zero_state.shard_state(self.units, self.optimizer, stage=self.stage,
+                                      world_size=self.world_size, rank=self.rank)
 
     def load_shard_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of `shard_state_dict`, on every rank (stages 1, 2 all-gather afterwards)."""
-        saved = (state["world_size"], state["units"])
-        mine = (self.world_size, [u.plan.padded for u in self.units])
-        if saved != mine:
-            raise ValueError(f"this ZeRO shard was saved by world_size={saved[0]} with unit sizes "
-                             f"{saved[1]}; this model has world_size={mine[0]}, {mine[1]}: resume "
-                             "on the same number of ranks, or load the full state dict instead")
+        """Inverse of `shard_state_dict` on the same number of ranks, on every rank."""
+        if int(state["world_size"]) != self.world_size or int(state["rank"]) != self.rank:
+            raise ValueError(f"this ZeRO part was saved by rank {state['rank']} of world_size="
+                             f"{state['world_size']}; this is rank {self.rank} of {self.world_size}: "
+                             "pass the parts of the saved ranks `reshard.sources` names to "
+                             "load_shard_state_dicts")
+        self.load_shard_state_dicts({self.rank: state})
+
+    def load_shard_state_dicts(self, parts: dict[int, dict[str, Any]]) -> None:
+        """Load the parts saved by any number of ranks (saved rank -> its `shard_state_dict`;
+        at least those `reshard.sources` names for this rank), on every rank (a stage can differ
+        from the saved one: the layout is the same). Stages 1, 2 all-gather afterwards."""
         self._wait_all_gathers()
         for u in self.units:
             self._free(u)  # stage 3: a unit left gathered would hold the old values
-        with torch.no_grad():
-            for u, s in zip(self.units, state["shards"], strict=True):
-                u.shard.copy_(s)
-        self.optimizer.load_state_dict(state["optimizer"])
+        zero_state.load_parts(self.units, self.optimizer, parts, world_size=self.world_size,
+                              rank=self.rank)
         self._after_step()
 
     def memory(self) -> dict[str, int | float]:

@@ -1,0 +1,92 @@
+"""What `ringtrain train` trains: the task's datasets, model, loss, metrics, and the export.
+
+    build_job(args)     -> train/eval sets, GPT factory, loss, eval metrics, sample function
+    export_final(...)   -> RUN_DIR/model.safetensors + model_config.json (rank 0, at the end)
+
+`--data DIR` (a `ringtrain prepare` directory) is memory-mapped; `--data FILE.txt` is prepared
+at char level into RUN_DIR/data first (`ringtrain.data.tokens.prepare_text_in`), so both train
+the same way. Without --data it is the embedded addition task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def text_dataset_dir(args: argparse.Namespace) -> str:
+    """The prepared directory `--data` names, preparing a .txt into the run directory."""
+    if os.path.isdir(args.data):
+        return args.data
+    from ringtrain.data.tokens import prepare_text_in
+
+    return prepare_text_in(args.data, args.run_dir)
+
+
+def check_text_data(path: str, block_size: int, warnings: list[str]) -> int:
+    """Training windows of `--data` (a prepared directory or a text), or a ValueError that says
+    what is wrong (missing, not UTF-8, too short) before any worker starts; adds warnings."""
+    if os.path.isdir(path):
+        from ringtrain.data.tokens import check_tokens, train_windows
+
+        return train_windows(check_tokens(path, block_size), block_size)
+    from ringtrain.data.chars import read_text, text_warnings, train_windows
+
+    text = read_text(path, block_size)
+    warnings += text_warnings(path, text)
+    return train_windows(len(text), block_size)
+
+
+def build_job(args: argparse.Namespace) -> dict[str, Any]:
+    """Datasets, model factory, loss, eval metrics and sample function for the chosen task."""
+    from ringtrain.models import GPT, GPTConfig, loss_fn
+
+    tokenizer: dict[str, Any] | None = None
+    if args.data:
+        from ringtrain.data.tokens import load_tokens, sample_tokens
+        from ringtrain.errors import ConfigError
+
+        try:  # checked before launch; a file changed since is said once, like any mistake
+            data = load_tokens(text_dataset_dir(args), args.block_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        train_set, eval_set, vocab, block = data.train_set, data.eval_set, data.vocab_size, args.block_size
+        metrics: dict[str, Any] = {}
+        tokenizer = {"dir": os.path.abspath(data.path), "meta": data.meta}
+
+        def sample_fn(model):
+            return sample_tokens(model, data, args.sample_length, seed=args.seed)
+    else:
+        from ringtrain.data.addition import AdditionDataset, exact_match, show_sums
+
+        train_set, eval_set = AdditionDataset("train", args.digits), AdditionDataset("test", args.digits)
+        vocab, block, metrics = train_set.vocab_size, train_set.block_size, {"accuracy": exact_match}
+
+        def sample_fn(model):
+            return show_sums(model, eval_set)
+    model_config = GPTConfig(vocab_size=vocab, block_size=block, n_layer=args.n_layer,
+                             n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
+                             tie_embeddings=args.tie_embeddings,
+                             bias=True if args.bias is None else args.bias,
+                             activation_checkpointing=args.activation_checkpointing)
+    return {"train_set": train_set, "eval_set": eval_set, "loss_fn": loss_fn,
+            "eval_metrics": metrics, "sample_fn": sample_fn, "model_config": model_config,
+            "model_fn": lambda: GPT(model_config), "tokenizer": tokenizer}
+
+
+def export_final(model, job: dict[str, Any], run_dir: str) -> None:
+    """RUN_DIR/model.safetensors + model_config.json from rank 0's final model.
+
+    A failed write (a full disk) is a warning: the run itself succeeded and summary.json says so.
+    """
+    import logging
+
+    from ringtrain.models.export import export_model
+
+    try:
+        export_model(model, run_dir, tokenizer=job["tokenizer"])
+    except OSError as e:
+        logging.getLogger("ringtrain").warning(
+            "warning: the final model was not exported to %s (%s); its snapshots still hold it",
+            run_dir, e.strerror or e)

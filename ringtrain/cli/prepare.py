@@ -1,0 +1,59 @@
+"""`ringtrain prepare SRC OUT_DIR`: a text file or folder of text files -> a token dataset.
+
+    ringtrain prepare input.txt data/shakespeare
+    ringtrain prepare corpus/ data/corpus --tokenizer bpe --vocab-size 4096 --val-fraction 0.05
+    ringtrain train --data data/corpus --block-size 128
+
+What it writes and how (streaming, bounded memory): `ringtrain.data.prepare`. A mistake (no
+files, text that is not UTF-8, an empty text, a vocabulary larger than the data supports) is
+one message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ringtrain.errors import USAGE_EXIT_CODE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ringtrain prepare",
+        description="Tokenize a UTF-8 text file or a folder of them into OUT_DIR: train.bin, "
+        "val.bin (uint16 or uint32 token ids, np.memmap-able), meta.json and, for BPE, "
+        "tokenizer.json. Then: ringtrain train --data OUT_DIR.")
+    p.add_argument("src", metavar="SRC", help="a UTF-8 text file, or a folder of them (sorted, "
+                   "recursive, hidden files skipped)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where the dataset goes (created)")
+    p.add_argument("--tokenizer", choices=("char", "bpe"), default="char",
+                   help="char: every distinct character; bpe: byte-level BPE trained here on the "
+                   "training split (needs `tokenizers`) (default: char)")
+    p.add_argument("--vocab-size", type=int, metavar="N",
+                   help="BPE vocabulary, 256 or more (default: 4096)")
+    p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
+                   help="the end of the text held out for validation (default: 0.1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ringtrain.data.prepare import PrepareError, prepare
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        meta = prepare(args.src, args.out_dir, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                       val_fraction=args.val_fraction, progress=not args.no_progress)
+    except PrepareError as e:
+        print(f"ringtrain prepare: error: {e}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    print(f"{args.out_dir}: {meta['tokenizer']} vocabulary of {meta['vocab_size']}, "
+          f"{meta['train_tokens']:,} train and {meta['val_tokens']:,} validation tokens "
+          f"({meta['dtype']}) from {meta['characters']:,} characters in "
+          f"{len(meta['sources'])} file{'s' if len(meta['sources']) > 1 else ''}; "
+          f"train with: ringtrain train --data {args.out_dir}")
+    return 0

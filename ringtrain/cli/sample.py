@@ -1,0 +1,214 @@
+"""`ringtrain sample RUN_DIR`: generate text with a trained run's model (nanoGPT's sample.py).
+
+    ringtrain sample runs/shakespeare --prompt "ROMEO:" --tokens 200 --temperature 0.8 --top-k 40
+    ringtrain sample runs/shakespeare --snapshot 1000          # the model of step 1000's snapshot
+
+The final model is RUN_DIR/model.safetensors + model_config.json (`ringtrain train` exports
+them at the end); `--snapshot STEP` (or a run that has not finished) reads a committed snapshot
+instead. A snapshot of a replicated strategy (ddp, localsgd, diloco) holds the whole model; a
+ZeRO snapshot's per-rank shards are put together by `ringtrain.zero.reshard.consolidate` (any
+stage, any number of ranks); one written as per-rank parts by pipeline or ps is refused with
+the way out (the final model). The tokenizer is the run's own: the
+exported one, else the prepared dataset's (RUN_DIR/data for a .txt), else the addition task's
+digits. A mistake (no such run, snapshot or character) is one message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ringtrain.errors import USAGE_EXIT_CODE
+
+
+class SampleError(ValueError):
+    """What `ringtrain sample` cannot do, with the fix."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ringtrain sample",
+                                description="Generate text with the model of a `ringtrain train` run.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    p.add_argument("--tokens", type=int, default=200, metavar="N", help="tokens to generate (default: 200)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                   help="below 1 sharper, above 1 more random, 0 greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=200, metavar="K",
+                   help="sample among the K likeliest tokens, 0: all (default: 200)")
+    p.add_argument("--snapshot", type=int, metavar="STEP",
+                   help="the model of this committed snapshot (default: the exported final model)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples to draw (default: 1)")
+    p.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
+    return p
+
+
+def _run_config(run_dir: str) -> dict[str, Any]:
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        raise SampleError(f"{run_dir}: no config.json; give the directory of a `ringtrain train` run")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any]):
+    """The GPT of the committed snapshot of `step` (None: the newest), eval mode."""
+    import torch
+
+    from ringtrain.checkpoint.files import (
+        SHARED,
+        SnapshotError,
+        read_manifest,
+        snap_dirs,
+        unwrap_state_dict,
+        verify,
+    )
+    from ringtrain.models import GPT, GPTConfig
+    from ringtrain.models.export import state_to_model
+
+    dirs = snap_dirs(Path(run_dir) / "snapshots")
+    committed = {}
+    for p in dirs:
+        try:
+            committed[int(p.name[5:])] = (p, read_manifest(p))
+        except SnapshotError:
+            continue
+    if not committed:
+        what = "no committed snapshot" if step is not None else "no exported model and no committed snapshot"
+        raise SampleError(f"{run_dir}: {what}; wait for the run to finish or to save one "
+                          "(--snapshot-every)")
+    step = max(committed) if step is None else step
+    if step not in committed:
+        raise SampleError(f"{run_dir}: no committed snapshot of step {step}; committed: "
+                          f"{sorted(committed)}")
+    path, manifest = committed[step]
+    meta = manifest["metadata"]
+    strategy = meta.get("topology", {}).get("strategy", "?")
+    if not meta.get("replicated") and strategy == "zero":
+        model = GPT(GPTConfig(**model_config))
+        model.load_state_dict(_zero_state(path, manifest, step, model))
+        return model.eval()
+    if not meta.get("replicated"):
+        raise SampleError(
+            f"the snapshot of step {step} was written by --strategy {strategy} as per-rank parts, "
+            "and ringtrain has no way yet to assemble them outside a run; sample the final model "
+            f"(drop --snapshot), or resume the run with `ringtrain train --run-dir {run_dir} "
+            f"--steps {step}` on the same layout, which exports it")
+    try:
+        verify(path, manifest, [SHARED])
+    except SnapshotError as e:
+        raise SampleError(f"snapshot of step {step}: {e}") from None
+    shared = torch.load(path / SHARED, map_location="cpu", weights_only=True)
+    return state_to_model(unwrap_state_dict(shared["strategy"]["model"]), model_config)
+
+
+def _zero_state(path: Path, manifest: dict[str, Any], step: int, model) -> dict[str, Any]:
+    """The full model of a ZeRO snapshot: every rank's flat shards put end to end
+    (`ringtrain.zero.reshard.consolidate`), cut back into named tensors by the units' layout."""
+    import torch
+
+    from ringtrain.checkpoint.files import SnapshotError, verify
+
+    names = sorted(n for n in manifest["files"] if n.startswith("rank") and n.endswith(".pt"))
+    try:
+        from ringtrain.zero.reshard import consolidate
+
+        verify(path, manifest, names)
+        parts = [torch.load(path / n, map_location="cpu", weights_only=True)["strategy"]["zero"]
+                 for n in names]
+        full = consolidate(parts)
+    except (ImportError, KeyError, ValueError, SnapshotError) as e:
+        raise SampleError(f"the ZeRO snapshot of step {step} cannot be put together ({e}); "
+                          "sample the final model instead (drop --snapshot)") from None
+    # A unit's flat vector holds its parameters in layout order; shapes come from the model,
+    # and a tied weight (one parameter, two names) is in one unit under its first name.
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    state = {}
+    for names, flat in zip(full["names"], full["params"], strict=True):
+        offset = 0
+        for name in names:
+            n = shapes[name].numel()
+            state[name] = flat[offset:offset + n].view(shapes[name])
+            offset += n
+    first = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        state.setdefault(name, state[first[id(p)]])
+    return state
+
+
+def tokenizer_of(run_dir: str, config: dict[str, Any], exported: dict[str, Any] | None):
+    """(encode, decode) with the run's tokenizer."""
+    from ringtrain.data.tokens import BPETokenizer, CharTokenizer, read_meta, tokenizer_from
+
+    entry = exported["tokenizer"] if exported else None
+    if entry is None and config["args"].get("data"):  # not exported yet: the dataset's own
+        data = config["args"]["data"]
+        directory = data if os.path.isdir(data) else os.path.join(run_dir, "data")
+        try:
+            tok = tokenizer_from(read_meta(directory), directory)
+        except (ValueError, OSError) as e:
+            raise SampleError(f"{run_dir}: cannot find the run's tokenizer ({e})") from None
+    elif entry is not None and entry["type"] == "char":
+        tok = CharTokenizer(entry["chars"])
+    elif entry is not None and entry["type"] == "bpe":
+        tok = BPETokenizer(os.path.join(run_dir, entry["file"]))
+    else:  # the addition task: token i is the digit i
+        def encode(text: str) -> list[int]:
+            if not text.isdigit():
+                raise SampleError(f"--prompt {text!r}: the addition task's tokens are the digits "
+                                  "0-9; e.g. --prompt 1234 (12 + 34)")
+            return [int(c) for c in text]
+        return encode, lambda ids: "".join(str(i) for i in ids)
+    return tok.encode, tok.decode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        for text in generate(args):
+            print(text, flush=True)
+    except SampleError as e:
+        print(f"ringtrain sample: error: {e}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    return 0
+
+
+def generate(args: argparse.Namespace) -> list[str]:
+    """The samples `args` asks for, each the prompt and its continuation."""
+    import torch
+
+    from ringtrain.models.export import load_model, read_config
+
+    if args.tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
+        raise SampleError("--tokens and --num-samples must be 1 or more, --temperature and "
+                          "--top-k 0 or more")
+    config = _run_config(args.run_dir)
+    exported = None
+    if os.path.exists(os.path.join(args.run_dir, "model_config.json")):
+        exported = read_config(args.run_dir)
+    if args.snapshot is None and exported is not None:
+        model, _ = load_model(args.run_dir)
+    else:
+        model = snapshot_model(args.run_dir, args.snapshot, config["model"])
+    encode, decode = tokenizer_of(args.run_dir, config, exported)
+    try:
+        ids = encode(args.prompt)
+    except ValueError as e:
+        raise SampleError(f"--prompt: {e}") from None
+    if not ids:
+        raise SampleError("--prompt encodes to no tokens; give some text")
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.tensor([ids], dtype=torch.long)
+    out = []
+    for _ in range(args.num_samples):
+        y = model.generate(x, args.tokens, temperature=args.temperature,
+                           top_k=args.top_k or None, generator=g)
+        out.append(decode(y[0].tolist()))
+    return out

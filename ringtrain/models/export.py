@@ -1,0 +1,106 @@
+"""A trained GPT as plain files: `model.safetensors` (the weights) and `model_config.json`.
+
+    python -c "from ringtrain.models.export import load_model; m, cfg = load_model('runs/x'); print(cfg)"
+
+`ringtrain train` writes both into its run directory at the end. The weights are a flat
+name -> tensor map (`safetensors`: no pickle, nothing executes on load), with the names of
+`GPT.state_dict()`; a tied token embedding is stored under both of its names, so
+`load_state_dict` works whether or not the loading model ties them. `model_config.json`:
+
+    {"format": "ringtrain-gpt", "version": 1,
+     "model": {vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_embeddings, bias},
+     "tokenizer": {"type": "char", "chars": [...]} | {"type": "bpe", "file": "tokenizer.json"}
+                  | {"type": "digits"}   (the addition task: token i is the digit i)}
+
+Loading needs no ringtrain: `safetensors.torch.load_file` and `json.load` (docs/train.md shows
+the lines, and loading into ringtrain's GPT). Models import nothing of ringtrain's distributed parts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from ringtrain.models.gpt import GPT, GPTConfig
+
+WEIGHTS = "model.safetensors"
+CONFIG = "model_config.json"
+FORMAT = "ringtrain-gpt"
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ImportError("exporting or loading model.safetensors needs `safetensors`: pip install "
+                          "safetensors (ringtrain depends on it)") from None
+    return safetensors.torch
+
+
+def tokenizer_entry(tokenizer: dict[str, Any] | None, out_dir: str) -> dict[str, Any]:
+    """model_config.json's tokenizer from a prepared dataset's {"dir", "meta"} (None: digits);
+    a BPE's tokenizer.json is copied next to the weights."""
+    if tokenizer is None:
+        return {"type": "digits"}
+    meta = tokenizer["meta"]
+    if meta["tokenizer"] == "char":
+        return {"type": "char", "chars": meta["chars"]}
+    name = meta["tokenizer_file"]
+    src, dst = os.path.join(tokenizer["dir"], name), os.path.join(out_dir, name)
+    if os.path.abspath(src) != os.path.abspath(dst):
+        shutil.copyfile(src, dst)
+    return {"type": "bpe", "file": name}
+
+
+def export_model(model: GPT, out_dir: str, *, tokenizer: dict[str, Any] | None = None) -> list[str]:
+    """Write `model`'s weights and config into `out_dir`; returns the two paths.
+
+    Args:
+        model: a plain GPT (not wrapped) holding the final weights.
+        out_dir: a directory (created).
+        tokenizer: {"dir": prepared dataset directory, "meta": its meta.json}, or None for the
+            addition task's digits.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    # Tied weights are one tensor under two names; safetensors refuses shared storage, so each
+    # name gets its own contiguous copy.
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    paths = [os.path.join(out_dir, WEIGHTS), os.path.join(out_dir, CONFIG)]
+    config = {"format": FORMAT, "version": 1, "model": asdict(model.config),
+              "tokenizer": tokenizer_entry(tokenizer, out_dir)}
+    _safetensors().save_file(state, paths[0] + ".tmp", metadata={"format": "pt"})
+    os.replace(paths[0] + ".tmp", paths[0])
+    with open(paths[1] + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    os.replace(paths[1] + ".tmp", paths[1])
+    return paths
+
+
+def read_config(run_dir: str) -> dict[str, Any]:
+    path = os.path.join(run_dir, CONFIG)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no exported model (a run writes it when it finishes)")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_model(run_dir: str) -> tuple[GPT, dict[str, Any]]:
+    """The exported GPT of `run_dir` (eval mode, CPU) and its model_config.json."""
+    config = read_config(run_dir)
+    model = GPT(GPTConfig(**config["model"]))
+    state = _safetensors().load_file(os.path.join(run_dir, WEIGHTS))
+    model.load_state_dict(state)
+    return model.eval(), config
+
+
+def state_to_model(state: dict[str, torch.Tensor], model_config: dict[str, Any]) -> GPT:
+    """A GPT built from a model_config's "model" entry, holding `state`, in eval mode."""
+    model = GPT(GPTConfig(**model_config))
+    model.load_state_dict(state)
+    return model.eval()

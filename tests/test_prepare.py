@@ -1,0 +1,142 @@
+"""`ringtrain prepare` (`ringtrain.data.prepare`, `ringtrain.cli.prepare`): token files, the
+tokenizers, bad input, and bounded memory on a corpus larger than the memory allowed."""
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from ringtrain.cli import main as ringtrain_main
+from ringtrain.data import prepare as prepare_module
+from ringtrain.data.chars import load_text
+from ringtrain.data.prepare import prepare, read_chunks, source_files
+from ringtrain.data.tokens import load_tokens
+
+
+def _words(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    vocab = ["the", "king", "queen", "shall", "speak", "of", "love", "and", "war", "my", "lord",
+             "Good", "morrow,", "thee!", "what?", "naïve", "café"]
+    lines = (" ".join(rng.choice(vocab) for _ in range(rng.randint(3, 12))) for _ in range(n))
+    return "\n".join(lines) + "\n"
+
+
+def test_char_prepare_matches_the_in_memory_text_split(tmp_path):
+    text = _words(300)
+    src = tmp_path / "t.txt"
+    src.write_text(text, encoding="utf-8")
+    meta = prepare(str(src), str(tmp_path / "d"), progress=False, chunk_chars=97)  # many chunks
+    ref = load_text(str(src), 16)
+    assert meta["chars"] == ref.chars and meta["dtype"] == "uint16"
+    assert meta["train_tokens"] + meta["val_tokens"] == len(text)
+    ids = np.fromfile(tmp_path / "d" / "train.bin", dtype=np.uint16)
+    assert ref.decode(ids.tolist()) == text[: int(len(text) * 0.9)]
+    got = load_tokens(str(tmp_path / "d"), 16)
+    assert len(got.train_set) == len(ref.train_set) and len(got.eval_set) == len(ref.eval_set)
+    for i in (0, 7, len(ref.train_set) - 1):
+        assert [t.tolist() for t in got.train_set[i]] == [t.tolist() for t in ref.train_set[i]]
+    assert [t.tolist() for t in got.eval_set[3]] == [t.tolist() for t in ref.eval_set[3]]
+
+
+def test_folder_files_sorted_joined_by_a_newline(tmp_path):
+    src = tmp_path / "corpus"
+    (src / "sub").mkdir(parents=True)
+    (src / "b.txt").write_text("bbb")  # no final newline: one is added before the next file
+    (src / "a.txt").write_text("aaa\n")
+    (src / "sub" / "c.txt").write_text("ccc\n")
+    (src / ".hidden").write_text("never")
+    assert [os.path.relpath(f, src) for f in source_files(str(src))] == ["a.txt", "b.txt", "sub/c.txt"]
+    assert "".join(read_chunks(source_files(str(src)), 2)) == "aaa\nbbb\nccc\n"
+
+
+def test_bpe_trains_on_the_train_split_and_round_trips(tmp_path):
+    pytest.importorskip("tokenizers", reason="pip install -e '.[dev]' (or '.[tokens]')")
+    text = _words(2000)
+    src = tmp_path / "t.txt"
+    src.write_text(text, encoding="utf-8")
+    meta = prepare(str(src), str(tmp_path / "d"), tokenizer="bpe", vocab_size=300,
+                   progress=False, chunk_chars=4096)
+    assert meta["vocab_size"] == 300 and meta["tokenizer_file"] == "tokenizer.json"
+    data = load_tokens(str(tmp_path / "d"), 8)
+    n_train = int(len(text) * 0.9)
+    train = np.fromfile(tmp_path / "d" / "train.bin", dtype=np.uint16).tolist()
+    val = np.fromfile(tmp_path / "d" / "val.bin", dtype=np.uint16).tolist()
+    # Chunks are cut at line ends, where the byte-level pre-tokenizer splits anyway: lossless.
+    assert data.decode(train) == text[:n_train] and data.decode(val) == text[n_train:]
+    assert len(train) < n_train / 2  # merges happened
+    assert data.decode(data.encode("the king")) == "the king"
+
+
+@pytest.mark.parametrize("make,argv,message", [
+    (lambda p: None, ["missing"], "missing: no such file or directory"),
+    (lambda p: (p / "empty_dir").mkdir(), ["empty_dir"], "the folder holds no files"),
+    (lambda p: (p / "e.txt").write_text(""), ["e.txt"], "the text is empty"),
+    (lambda p: (p / "b.txt").write_bytes(b"ok\xff\xfe" * 10), ["b.txt"], "not UTF-8 text"),
+    (lambda p: (p / "t.txt").write_text("abc def\n" * 50), ["t.txt", "--tokenizer", "bpe",
+     "--vocab-size", "5000"], r"--vocab-size 5000 is larger than the training split supports: "
+     r"BPE found only \d+ tokens.*use --vocab-size \d+ or less"),
+    (lambda p: (p / "t.txt").write_text("abc\n"), ["t.txt", "--tokenizer", "bpe", "--vocab-size",
+     "100"], "starts from the 256 byte values"),
+    (lambda p: (p / "t.txt").write_text("abc\n"), ["t.txt", "--vocab-size", "100"],
+     "--vocab-size applies to --tokenizer bpe"),
+    (lambda p: (p / "t.txt").write_text("a"), ["t.txt"], "both need some"),
+])
+def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, make, argv, message):
+    if "5000" in argv:
+        pytest.importorskip("tokenizers", reason="pip install -e '.[dev]' (or '.[tokens]')")
+    make(tmp_path)
+    argv = [str(tmp_path / argv[0]), *argv[1:]]
+    assert ringtrain_main(["prepare", *argv, str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ringtrain prepare: error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+_LIMITED = textwrap.dedent("""
+    import importlib.util, resource, sys
+    # prepare.py by its path: it needs numpy only, and `import ringtrain` would map torch too.
+    spec = importlib.util.spec_from_file_location("prepare", sys.argv[4])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    def vm():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    limit = vm() + int(sys.argv[3])  # what the process already maps, plus a little
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:  # the control: reading the whole text does not fit
+        open(sys.argv[1], encoding="utf-8").read()
+        sys.exit("the limit does not bite: the whole text was read")
+    except MemoryError:
+        pass
+    meta = mod.prepare(sys.argv[1], sys.argv[2], progress=True, chunk_chars=1 << 18)
+    print(meta["train_tokens"] + meta["val_tokens"])
+""")
+
+
+def test_streaming_fits_a_memory_limit_smaller_than_the_corpus(tmp_path):
+    """RLIMIT_AS of 32 MiB above the interpreter's own mappings; the corpus is 40 MB."""
+    block = _words(20000, seed=1)  # ~1 MB
+    src = tmp_path / "big.txt"
+    with open(src, "w", encoding="utf-8") as f:
+        n = 0
+        while n < 40_000_000:
+            f.write(block)
+            n += len(block.encode())
+    chars = len(block) * (n // len(block.encode()))
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _LIMITED, str(src), str(tmp_path / "d"),
+                           str(32 << 20), prepare_module.__file__],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) == chars
+    assert re.search(r"^encode: [\d,]+ chars in [\d.]+ s$", proc.stderr, re.M)  # not a terminal: one line
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert os.path.getsize(tmp_path / "d" / "train.bin") == 2 * meta["train_tokens"]

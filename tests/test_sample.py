@@ -1,0 +1,131 @@
+"""`ringtrain sample` and the exported model (model.safetensors + model_config.json), on a BPE
+run with the recipe's flags (--beta2, --no-bias, --tie-embeddings), and docs/train.md's lines."""
+
+import contextlib
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringtrain.cli import main as ringtrain_main
+from ringtrain.data.prepare import prepare
+from ringtrain.launch.process_group import destroy_distributed
+from ringtrain.models.export import load_model
+
+pytest.importorskip("tokenizers", reason="the run here is BPE: pip install -e '.[dev]'")
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "train.md"
+TEXT = "".join(f"the king {i % 5} shall speak of love and war, my lord {i % 11}.\n" for i in range(200))
+
+
+@contextlib.contextmanager
+def _in_process():
+    """A `ringtrain train` in this process leaves no trace: env, logging, threads, group."""
+    logger = logging.getLogger("ringtrain")
+    saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())
+    with pytest.MonkeyPatch.context() as mp:
+        for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+            mp.delenv(v, raising=False)
+        try:
+            yield
+        finally:
+            destroy_distributed()
+            logger.handlers[:], logger.level, logger.propagate = saved[:3]
+            torch.set_num_threads(saved[3])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished 6-step run in <tmp>/runs/shakespeare, with snapshots of steps 3 and 6."""
+    root = tmp_path_factory.mktemp("sample")
+    (root / "t.txt").write_text(TEXT)
+    prepare(str(root / "t.txt"), str(root / "data"), tokenizer="bpe", vocab_size=280, progress=False)
+    run_dir = root / "runs" / "shakespeare"
+    with _in_process():
+        assert ringtrain_main([
+            "train", "--data", str(root / "data"), "--block-size", "16", "--steps", "6",
+            "--snapshot-every", "3", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4",
+            "--beta2", "0.99", "--no-bias", "--tie-embeddings", "--threads", "1", "--no-progress",
+            "--sample-length", "8", "--run-dir", str(run_dir)]) == 0
+    return run_dir
+
+
+def test_config_json_records_the_recipe_flags(run):
+    config = json.loads((run / "config.json").read_text())
+    assert (config["args"]["beta2"], config["args"]["bias"], config["args"]["tie_embeddings"]) == (0.99, False, True)
+    assert (config["model"]["bias"], config["model"]["tie_embeddings"]) == (False, True)
+    assert config["trainer"]["beta2"] == 0.99
+
+
+def test_sample_the_final_model_and_a_snapshot(run, capsys):
+    argv = ["sample", str(run), "--prompt", "the king", "--tokens", "12", "--seed", "1"]
+    assert ringtrain_main(argv) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("the king") and len(first) > len("the king\n")
+    assert ringtrain_main(argv) == 0 and capsys.readouterr().out == first  # seeded
+    # Greedy decoding equals the exported model's own argmax continuation.
+    assert ringtrain_main([*argv, "--temperature", "0"]) == 0
+    model, config = load_model(str(run))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(run / config["tokenizer"]["file"]))
+    out = model.generate(torch.tensor([tok.encode("the king").ids]), 12, temperature=0)
+    assert capsys.readouterr().out == tok.decode(out[0].tolist()) + "\n"
+    assert ringtrain_main([*argv, "--snapshot", "3"]) == 0 and capsys.readouterr().out.startswith("the king")
+    assert ringtrain_main([*argv, "--snapshot", "4"]) == 2
+    assert "no committed snapshot of step 4; committed: [3, 6]" in capsys.readouterr().err
+
+
+def test_docs_lines_load_the_export_literally(run, monkeypatch):
+    """docs/train.md's two blocks as written, from the run's parent directory: the first in a
+    process where ringtrain cannot be imported, then both here."""
+    docs = DOCS.read_text()
+    blocks = [re.search(rf"<!-- {name} -->\n```python\n(.*?)```", docs, re.S).group(1)
+              for name in ("load-without-ringtrain", "load-into-gpt")]
+    no_ringtrain = "import sys\nsys.modules['ringtrain'] = None\n" + blocks[0]
+    proc = subprocess.run([sys.executable, "-c", no_ringtrain], cwd=run.parent.parent,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[:2] == ["1", "bpe"]
+    monkeypatch.chdir(run.parent.parent)
+    scope: dict = {}
+    exec(blocks[0] + blocks[1], scope)
+    reference, _ = load_model(str(run))
+    x = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(scope["model"](x), reference(x))
+
+
+@pytest.fixture
+def clean_env():
+    with _in_process():
+        yield
+
+
+def test_a_zero_snapshot_is_put_together_and_the_addition_task_samples_digits(tmp_path, capsys,
+                                                                               clean_env):
+    """zero-3 on 1 rank, tied embeddings: the snapshot of the last step equals the export."""
+    run_dir = str(tmp_path / "zero")
+    assert ringtrain_main(["train", "--strategy", "zero", "--zero-stage", "3", "--tie-embeddings",
+                           "--steps", "2", "--snapshot-every", "2", "--n-layer", "1", "--n-embd", "16",
+                           "--threads", "1", "--no-progress", "--run-dir", run_dir]) == 0
+    capsys.readouterr()
+    greedy = ["sample", run_dir, "--prompt", "1234", "--tokens", "3", "--temperature", "0"]
+    assert ringtrain_main([*greedy, "--snapshot", "2"]) == 0
+    from_snapshot = capsys.readouterr().out
+    assert re.fullmatch(r"1234\d{3}\n", from_snapshot)
+    assert ringtrain_main(greedy) == 0 and capsys.readouterr().out == from_snapshot
+    from ringtrain.cli.sample import snapshot_model
+
+    manifest = json.loads((tmp_path / "zero" / "snapshots" / "snap-00000002" / "manifest.json").read_text())
+    assert manifest["metadata"]["replicated"] is False  # per-rank shards, put together here
+    config = json.loads((tmp_path / "zero" / "config.json").read_text())
+    snap, (final, _) = snapshot_model(run_dir, 2, config["model"]), load_model(run_dir)
+    for (name, a), (_, b) in zip(snap.state_dict().items(), final.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert ringtrain_main(["sample", run_dir, "--prompt", "12+34"]) == 2
+    assert "the addition task's tokens are the digits" in capsys.readouterr().err

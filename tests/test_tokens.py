@@ -1,0 +1,115 @@
+"""`ringtrain train --data DIR`: memory-mapped token windows (`ringtrain.data.tokens`), sampled
+through the resumable DistributedSampler, and the same validation loss on 1 and 2 processes."""
+
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ringtrain.cli.train import main
+from ringtrain.data.prepare import prepare
+from ringtrain.data.sampler import DistributedSampler
+from ringtrain.data.tokens import TokenWindows, load_tokens
+from ringtrain.launch.process_group import destroy_distributed
+
+TEXT = "".join(f"line {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs.\n"
+               for i in range(120))
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    (tmp_path / "t.txt").write_text(TEXT)
+    prepare(str(tmp_path / "t.txt"), str(tmp_path / "d"), progress=False)
+    return tmp_path / "d"
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(v, raising=False)
+    logger = logging.getLogger("ringtrain")
+    saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())
+    yield
+    destroy_distributed()
+    logger.handlers[:], logger.level, logger.propagate = saved[:3]
+    torch.set_num_threads(saved[3])
+
+
+def test_windows_are_memory_mapped_not_loaded(data_dir):
+    data = load_tokens(str(data_dir), 16)
+    train = data.train_set
+    assert train._tokens is None  # nothing read before a window is asked for
+    x, y = train[5]
+    assert isinstance(train.tokens, __import__("numpy").memmap)
+    assert x.dtype == torch.long and data.decode(x.tolist()) == TEXT[5:21]
+    assert data.decode(y.tolist()) == TEXT[6:22]
+    clone = pickle.loads(pickle.dumps(train))  # a worker process maps the file itself
+    assert clone._tokens is None and torch.equal(clone[5][0], x)
+    capped = TokenWindows(str(data_dir / "val.bin"), "uint16", 4, stride=4, max_windows=10)
+    assert len(capped) == 10 and capped.start(0) == 0 and capped.start(9) == (capped.n_windows - 1) * 4
+
+
+def test_resume_mid_epoch_on_another_number_of_ranks_is_exact(data_dir):
+    """2 ranks take 7 windows each, then 3 ranks resume: together they see the epoch's global
+    order of windows (1 rank's), each window once, no matter the split."""
+    ds = load_tokens(str(data_dir), 16).train_set
+    reference = list(DistributedSampler(ds, num_replicas=1, rank=0, seed=3))
+    two = [DistributedSampler(ds, num_replicas=2, rank=r, seed=3) for r in range(2)]
+    its = [iter(s) for s in two]
+    first = [[next(it) for _ in range(7)] for it in its]
+    state = two[0].state_dict()
+    assert state == two[1].state_dict() and state["samples_consumed"] == 14
+    taken = [first[r][i] for i in range(7) for r in range(2)]  # interleaved: the global order
+    assert taken == reference[:14]
+    three = [DistributedSampler(ds, num_replicas=3, rank=r, seed=3) for r in range(3)]
+    for s in three:
+        s.load_state_dict(state)
+    rest = [list(s) for s in three]
+    n = len(reference) - 14
+    resumed = [rest[i % 3][i // 3] for i in range(n)]
+    assert resumed == reference[14:]
+    assert sorted(taken + resumed) == list(range(len(ds)))  # every window once
+    for i in (taken[0], resumed[-1]):  # and what a window holds does not depend on the sampler
+        assert torch.equal(ds[i][0], torch.tensor(ds.tokens[i:i + 16].astype("int64")))
+
+
+def test_one_and_two_processes_report_the_same_validation_loss(data_dir, tmp_path, clean_env):
+    common = ["--data", str(data_dir), "--block-size", "16", "--steps", "3", "--n-layer", "1",
+              "--n-embd", "32", "--sample-length", "10", "--no-progress", "--threads", "1",
+              "--eval-batch-size", "16"]
+    assert main([*common, "--batch-size", "8", "--run-dir", str(tmp_path / "one")]) == 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "train", *common, "--batch-size", "4",
+         "--nproc-per-node", "2", "--run-dir", str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    one, two = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    assert two["world_size"] == 2 and two["global_batch_size"] == one["global_batch_size"] == 8
+    # The same fixed windows (all non-overlapping ones of the split), split exactly over ranks;
+    # only the float summation order differs.
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+
+
+def test_a_block_larger_than_the_validation_split_is_refused(data_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--data", str(data_dir), "--block-size", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "val.bin has" in err and "fewer than one window of --block-size + 1 = 4097" in err
+    assert main(["--data", str(tmp_path)]) == 2  # a directory that is not a prepared dataset
+    assert "run `ringtrain prepare SRC" in capsys.readouterr().err
+
+
+def test_uint32_token_files_for_large_vocabularies(tmp_path):
+    from ringtrain.data.prepare import token_dtype
+
+    assert (token_dtype(65_536), token_dtype(65_537)) == ("uint16", "uint32")
+    ids = __import__("numpy").arange(70_000, 70_100, dtype="uint32")
+    ids.tofile(tmp_path / "train.bin")
+    windows = TokenWindows(str(tmp_path / "train.bin"), "uint32", 8)
+    assert len(windows) == 92 and windows[3][0].tolist() == list(range(70_003, 70_011))
