@@ -19,8 +19,12 @@ install: $(BIN)/ringtrain
 demo: install
 	$(BIN)/ringtrain train --nproc-per-node 2
 
+# Two pytest workers (pytest-xdist), a test file each at a time: most tests wait on worker
+# processes starting and on timeouts, so two files at once fit the two cores; PYTEST_ARGS= runs
+# one file after another.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: install
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check ringtrain tests benchmarks

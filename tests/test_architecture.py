@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"runtime", "torch_internals", "errors", "trace"},
     "ps": {"runtime", "errors", "ranges", "types", "trace"},
     "localsgd": {"errors"},
-    "zero": {"runtime", "torch_internals", "errors", "ranges", "ddp", "trace"},
+    "zero": {"runtime", "torch_internals", "errors", "ranges", "ddp", "trace", "collectives"},
     "launch": {"runtime", "torch_internals", "errors", "store_keys"},
     "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
                    "collectives"},

@@ -285,12 +285,8 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
     ("trainer steps", _config(steps=0), ValueError, r"steps=0: it must be a positive integer"),
     ("trainer min_lr", _config(lr=0.1, min_lr=0.5), ValueError, r"min_lr=0\.5 is above the peak lr"),
     ("ddp not a module", _ddp(module="model"), TypeError, r"'model'.*nn\.Module"),
-    pytest.param("zero not a module", _zero("model", _sgd), TypeError, r"'model'.*nn\.Module",
-                 marks=pytest.mark.xfail(strict=True, reason="AttributeError (ringtrain/zero/sharded.py, "
-                                         "issue 11's)")),
-    pytest.param("zero optimizer_fn None", _zero(nn.Linear(2, 2), None), TypeError, r"optimizer_fn",
-                 marks=pytest.mark.xfail(strict=True, reason="'NoneType' object is not callable "
-                                         "(ringtrain/zero/sharded.py, issue 11's)")),
+    ("zero not a module", _zero("model", _sgd), TypeError, r"'model'.*nn\.Module"),
+    ("zero optimizer_fn None", _zero(nn.Linear(2, 2), None), TypeError, r"optimizer_fn"),
 ]
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ringtrain import collectives
 from ringtrain.agreement.base import CollectiveAgreement
 from ringtrain.testing import run_workers
+from ringtrain.zero import ZeroDataParallel
 
 ENV = {"RINGTRAIN_DEBUG": "collectives", "RINGTRAIN_DEBUG_TIMEOUT": "2"}
 
@@ -58,6 +59,21 @@ def _cases(rank, world_size):
     g = dist.new_group([0, 1])
     agreement = CollectiveAgreement(g, world_size)
     out["agreement"] = _caught(lambda: agreement.sum([1.0] * (2 + rank)))
+
+    # ZeRO's collectives: two matching stage-3 steps go through the checks untouched; then a
+    # model that differs on rank 1 is caught at its first collective (the broadcast), named.
+    torch.manual_seed(0)
+    model = ZeroDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+                             lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3,
+                             process_group=dist.new_group([0, 1]))
+    for _ in range(2):
+        model(torch.ones(2, 4) * (rank + 1)).sum().backward()
+        model.optimizer.step()
+        model.optimizer.zero_grad()
+    out["zero"] = [round(v, 6) for v in model.full_state_dict()["0.weight"].flatten().tolist()]
+    out["zero_mismatch"] = _caught(lambda: ZeroDataParallel(
+        torch.nn.Linear(4, 3 + rank), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=2,
+        process_group=dist.new_group([0, 1])))
     return out
 
 
@@ -102,3 +118,11 @@ def test_off_by_default_costs_no_handshake(monkeypatch):
     monkeypatch.setenv("RINGTRAIN_DEBUG", "trace, collectives")
     assert collectives.enabled()
     assert os.environ["RINGTRAIN_DEBUG"]
+
+
+def test_zero_steps_pass_the_checks_and_a_mismatched_model_is_named(results):
+    assert results[0]["zero"] == results[1]["zero"]  # the same update on both ranks
+    for r in results:
+        msg = r["zero_mismatch"]
+        assert msg is not None and "differs between ranks" in msg, r
+        assert "zero/sharded.py" in msg, msg  # ZeRO's own call, named

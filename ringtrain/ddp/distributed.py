@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp.buckets import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_BYTES,
@@ -73,7 +74,7 @@ def verify_same_parameters(module: nn.Module, process_group: dist.ProcessGroup) 
             for name, p in module.named_parameters()]
     world_size = process_group.size()
     everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=process_group)
+    collectives.all_gather_object(everyone, mine, group=process_group)
     if all(sig == everyone[0] for sig in everyone):
         return
     longest = max(len(sig) for sig in everyone)
@@ -115,7 +116,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
     is_src = process_group.rank() == src
     for chunk in _chunks(groups, bucket_bytes):
         flat = flatten_dense_tensors([t.detach() for t in chunk])
-        dist.broadcast(flat, src_global, group=process_group)
+        collectives.broadcast(flat, src_global, group=process_group)
         if not is_src:
             for t, synced in zip(chunk, unflatten_dense_tensors(flat, chunk), strict=True):
                 t.detach().copy_(synced)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringtrain import collectives as checked  # agreed first under RINGTRAIN_DEBUG=collectives
+
 
 def _check(flat: torch.Tensor, world_size: int, what: str) -> int:
     if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() % world_size:
@@ -114,6 +116,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proces
     """
     n = group.size()
     shard = _check(input, n, "reduce_scatter")
+    checked.check("reduce_scatter", [input], group)
     if output.numel() != shard:
         raise ValueError(f"reduce_scatter: output has {output.numel()} elements, it needs "
                          f"input.numel() // world_size = {shard}")
@@ -127,6 +130,7 @@ def all_gather(flat: torch.Tensor, group: dist.ProcessGroup) -> RingWork | _Done
     """Start filling `flat` (N equal chunks, chunk r already this rank's) with every rank's chunk."""
     n = group.size()
     _check(flat, n, "all_gather")
+    checked.check("all_gather", [flat], group)
     return _Done() if n == 1 else _AllGather(flat, group)
 
 

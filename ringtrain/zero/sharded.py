@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain import collectives as checked  # agreed first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp import lanes as ddp_lanes
 from ringtrain.torch_internals import backward_tls_free, queue_backward_callback
 from ringtrain.zero import state as zero_state
@@ -94,6 +95,13 @@ class ZeroDataParallel(nn.Module):
     def __init__(self, module: nn.Module, optimizer_fn: OptimizerFactory, *, stage: int = 2,
                  process_group: dist.ProcessGroup | None = None,
                  units: Iterable[nn.Module] | None = None, comm_lanes: int | None = None):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ZeroDataParallel got {module!r} ({type(module).__name__}), not a "
+                            "torch.nn.Module: pass the model itself")
+        if not callable(optimizer_fn):
+            raise TypeError(f"ZeroDataParallel(optimizer_fn={optimizer_fn!r}): it must be a "
+                            "function from parameters to an optimizer, e.g. "
+                            "lambda ps: torch.optim.AdamW(ps, lr=3e-4)")
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r}: ZeRO has stages {STAGES}; use 1 (optimizer state "
@@ -156,7 +164,7 @@ class ZeroDataParallel(nn.Module):
         src = dist.get_global_rank(self.process_group, 0)
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t.data, src, group=self.process_group)
+                checked.broadcast(t.data, src, group=self.process_group)
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -262,7 +270,7 @@ class ZeroDataParallel(nn.Module):
         grads = [u.shard_grad for u in self.units]
         sq = torch.stack([torch.linalg.vector_norm(g) for g in grads]).square().sum()
         if self.world_size > 1:
-            dist.all_reduce(sq, group=self.process_group)
+            checked.all_reduce(sq, group=self.process_group)
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
