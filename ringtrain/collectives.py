@@ -8,7 +8,8 @@ When two ranks call different collectives (rank 0 all_reduce of a (4,) tensor, r
 rank 0 all_reduce, rank 1 broadcast; rank 1 skipping a call), gloo hangs, or fails with a size
 error naming neither call. In debug mode every collective that goes through here (ringtrain's
 own: the DDP reducer and its unused-parameter status, the DDP constructor's checks, the
-trainer's agreement, ZeRO's; and the user's calls to this module's functions) first publishes a
+trainer's agreement, ZeRO's, the pipeline's, local SGD's, the parameter server's barriers and
+broadcasts; and the user's calls to this module's functions) first publishes a
 fingerprint (operation, shapes, dtypes, reduce op, call site) in the store under the group's
 call number, waits (bounded) for every rank of the group, and compares. A difference raises
 `CollectiveMismatchError` on every rank, naming both ranks' calls; a rank that does not arrive
@@ -17,7 +18,8 @@ environment lookup per call. Tests: `.venv/bin/pytest -q tests/test_debug_collec
 
 The call site is reported but not compared: one collective can legitimately be reached from
 two lines (rank 0's branch and the others'); op, shapes and dtypes must agree.
-Pipeline point-to-point sends and receives and the parameter server's calls are not checked.
+Not checked: pipeline sends and receives (pairs, not groups), the parameter servers' own
+all-reduce (on their threads), collectives inside a user's DDP comm hook.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def _run_all(commands: list[list[str]], timeout_s: float, parallel: int = 2) -> 
 
 @pytest.mark.slow
 def test_every_exit_path_of_a_user_script_is_clean_under_load():
-    runs = 25 if FULL else 3
+    runs = 25 if FULL else 1  # 4 launches under 2 burners; before the fix 1 in 3 aborted
     paths = ["torch_destroy", "rt_destroy", "none", "raise"]
     commands = [[*TORCHRUN, str(SCRIPTS / "exit_paths.py"), path] for path in paths for _ in range(runs)]
     with cpu_burners():

@@ -7,7 +7,8 @@ Over every strategy `ringtrain.strategies.registered()` finds (a new module in
 strategy's default options, plus the variants below:
 - the seam: build, a few steps (the reduced sample count is the batch), `state_dict` round trip
   (steps after the save are undone by loading it), `model_state_dict` equal on every rank,
-  `eval_logits` on the ranks that produce output, `stats`, `close`;
+  `eval_logits` on the ranks that produce output, `stats`, `close`, all under
+  RINGTRAIN_DEBUG=collectives (no strategy's collectives differ across ranks);
 - through `Trainer`: a run with snapshots, then the same run resumed from its first snapshot
   ends with the same `param_sha256` (strategies whose ranks drift apart, such as the async
   parameter server, are not deterministic: there the resumed run must finish, from the
@@ -44,6 +45,7 @@ VARIANTS = [("ps", {"mode": "async"}, False), ("ddp", {"grad_compress": "powersg
 CASES = [(name, {}, True) for name in registered()] + VARIANTS
 # Through Trainer: every strategy, and the variants whose state differs (not int8's codec).
 TRAINER_CASES = [c for c in CASES if c[1].get("outer_compress") is None]
+DEBUG_COLLECTIVES = {"RINGTRAIN_DEBUG": "collectives", "RINGTRAIN_DEBUG_TIMEOUT": "60"}
 
 
 def _ids(case):
@@ -122,7 +124,9 @@ def _seam(rank, world_size, name, options):
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_the_seam(case):
     name, options, _ = case
-    out = run_workers(_seam, WORLD, args=(name, options), timeout_s=120)
+    # Under RINGTRAIN_DEBUG=collectives: every strategy's collectives agree across ranks (a
+    # false mismatch would raise); the Trainer runs below go without it.
+    out = run_workers(_seam, WORLD, args=(name, options), timeout_s=120, env=DEBUG_COLLECTIVES)
     cls = registered()[name]
     data_ranks = cls.plan(options, WORLD, BATCH)
     for r in out:

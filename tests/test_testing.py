@@ -21,7 +21,7 @@ PACKAGE = Path(ringtrain.__file__).parent
 
 def test_production_modules_hold_only_the_hook_point():
     for path in PACKAGE.rglob("*.py"):
-        if path.name in ("testing.py", "train.py"):
+        if path.name in ("testing.py", "train.py", "chaos.py"):  # chaos.py: the test-only schedule
             continue
         text = path.read_text()
         assert "TEST_FAULT" not in text and "fault_hook" not in text, path

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
+
 CODECS = ("fp32", "bf16", "int8")
 
 
@@ -35,7 +37,7 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 def _gather(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> list[torch.Tensor]:
     parts = [torch.empty_like(t) for _ in range(world_size)]
-    dist.all_gather(parts, t, group=group)
+    collectives.all_gather(parts, t, group=group)
     return parts
 
 
@@ -50,7 +52,7 @@ def average_(tensors: list[torch.Tensor], codec: str, group: dist.ProcessGroup |
     if world_size == 1:
         return 0
     if codec == "fp32":
-        dist.all_reduce(flat, group=group)
+        collectives.all_reduce(flat, group=group)
         flat.div_(world_size)
         sent = flat.numel() * 4 * 2 * (world_size - 1) // world_size
     elif codec == "bf16":

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ps.protocol import PSError, PSTopology
 from ringtrain.ps.server import ParameterServer
 from ringtrain.ps.sharding import ShardPlan, unpack
@@ -29,7 +30,7 @@ def broadcast_final_state(module: nn.Module, plan: ShardPlan, topo: PSTopology, 
                           server: ParameterServer | None, group: dist.ProcessGroup
                           ) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
     """sync: every server broadcasts its shard and figures over `group` (every rank)."""
-    dist.barrier(group=group)
+    collectives.barrier(group=group)
     state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     params = {n: state[n] for n, _ in plan.shapes}
     tallies = []
@@ -41,14 +42,14 @@ def broadcast_final_state(module: nn.Module, plan: ShardPlan, topo: PSTopology, 
         else:
             flat = torch.zeros(sum(p.numel for p in pieces))
             st = torch.zeros(8, dtype=torch.float64)
-        dist.broadcast(flat, s, group=group)
-        dist.broadcast(st, s, group=group)
+        collectives.broadcast(flat, s, group=group)
+        collectives.broadcast(st, s, group=group)
         unpack(flat, pieces, params)
         tallies.append(st.tolist())
     # Buffers and frozen parameters are not served: every rank takes rank 0's.
     for key in sorted(set(state) - set(params)):
         if state[key].is_floating_point() or state[key].dtype in (torch.int64, torch.int32):
-            dist.broadcast(state[key], 0, group=group)
+            collectives.broadcast(state[key], 0, group=group)
     if server is not None:  # a server's module assembles the final state (workers' is current)
         with torch.no_grad():
             module.load_state_dict(state)
@@ -94,7 +95,7 @@ def gather_final_state(membership: Any, module: nn.Module, plan: ShardPlan, topo
         for i, s in enumerate(topo.server_ranks):
             flat = server.snapshot_flat() if s == rank else torch.zeros(plan.server_numel(i))
             if topo.servers > 1:
-                dist.broadcast(flat, s, group=servers_group)
+                collectives.broadcast(flat, s, group=servers_group)
             unpack(flat, plan.for_server(i), params)
         with torch.no_grad():
             module.load_state_dict(state)

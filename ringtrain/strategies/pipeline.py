@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 from ringtrain.errors import ConfigError
 from ringtrain.pipeline.engine import PipelineStage, StepStats
 from ringtrain.pipeline.partition import partition, tied_parameters
@@ -202,7 +203,7 @@ class PipelineStrategy(Strategy):
         for p, group in self._ties:  # a tied weight's gradient is the sum of its uses
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+            collectives.all_reduce(p.grad, group=group)
         if grad_clip is not None:
             self._clip(grad_clip)
         comm_s = time.perf_counter() - t0
@@ -227,7 +228,7 @@ class PipelineStrategy(Strategy):
         for grad in grads:
             sq += grad.detach().float().pow(2).sum()
         if self.topology.pp > 1:
-            dist.all_reduce(sq, group=self.groups.pp_group)
+            collectives.all_reduce(sq, group=self.groups.pp_group)
         total = float(sq.sqrt())
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
@@ -253,7 +254,7 @@ class PipelineStrategy(Strategy):
         if self.topology.pp == 1:
             return {name: local[name] for name in self._key_order}
         parts: list[dict[str, torch.Tensor] | None] = [None] * self.topology.pp
-        dist.all_gather_object(parts, local, group=self.groups.pp_group)
+        collectives.all_gather_object(parts, local, group=self.groups.pp_group)
         full: dict[str, torch.Tensor] = {}
         for part in parts:
             full.update(part or {})

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 from ringtrain.agreement.base import Agreement
 from ringtrain.agreement.membership import Membership
 from ringtrain.agreement.store import StoreAgreement
@@ -326,7 +326,7 @@ class PSStrategy(Strategy):
         consistent cut: every worker has finished the same step and nothing is in flight, so
         the servers' state is the one the workers' step counter says.
         """
-        dist.barrier(group=self.groups.everyone)
+        collectives.barrier(group=self.groups.everyone)
         topo = {"servers": self.topology.servers, "workers": self.topology.workers,
                 "mode": self.mode}
         if self.server is not None:
@@ -342,10 +342,10 @@ class PSStrategy(Strategy):
                 f"the snapshot was saved with {saved['servers']} servers and {saved['workers']} "
                 f"workers, this job has {self.topology.servers} and {self.topology.workers}; "
                 "resume with the same --servers and --nproc-per-node")
-        dist.barrier(group=self.groups.everyone)  # no push in flight: a server's threads idle
+        collectives.barrier(group=self.groups.everyone)  # no push in flight: a server's threads idle
         if self.server is not None:
             self.server.load_state_dict(state["server"])
-        dist.barrier(group=self.groups.everyone)  # every shard restored before anyone pulls
+        collectives.barrier(group=self.groups.everyone)  # every shard restored before anyone pulls
         if self.worker is not None:
             self.worker.clock = int(state["clock"])
             self.worker.pull()
