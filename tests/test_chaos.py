@@ -24,7 +24,6 @@ from torch.utils.data import Subset
 from ringtrain.data.addition import AdditionDataset
 from ringtrain.data.sample_log import SampleLog, check_history, epoch_order
 from ringtrain.errors import ConfigError
-from ringtrain.launch.process_group import destroy_distributed, init_distributed
 from ringtrain.models import GPT, GPTConfig, loss_fn
 from ringtrain.runtime import get_runtime
 from ringtrain.strategies import make_strategy
@@ -110,18 +109,6 @@ def _two_ranks(rank, world_size, root):
     reference = _trainer(rt, root / "reference").fit()
     stopped = _trainer(rt, root / "run", fault=_stop_at(4) if rank == 0 else None).fit()
     return reference["param_sha256"], stopped["steps"]
-
-
-@pytest.fixture()
-def single_process(monkeypatch):
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(v, raising=False)
-    monkeypatch.setattr("ringtrain.training.report.write_report", lambda *args, **kwargs: None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield init_distributed()
-    torch.set_num_threads(threads)
-    destroy_distributed()
 
 
 def test_history_is_exactly_once_across_restarts_and_a_world_size_change(tmp_path, single_process):

@@ -23,7 +23,6 @@ from torch.utils.data import Dataset, Subset
 from ringtrain.checkpoint.resume import config_differences, elastic_batch
 from ringtrain.checkpoint.snapshot import SnapshotError
 from ringtrain.data.addition import AdditionDataset
-from ringtrain.launch.process_group import destroy_distributed, init_distributed
 from ringtrain.models import GPT, GPTConfig, loss_fn
 from ringtrain.runtime import get_runtime
 from ringtrain.strategies import make_strategy
@@ -134,18 +133,6 @@ def test_two_ranks_to_three(stopped):
     _check_rest_of_epoch([r[1] for r in results], per_rank_step=4)
     _close_to_reference(results[0][0], outs[0][0])
     assert len({r[0]["param_sha256"] for r in results}) == 1
-
-
-@pytest.fixture()
-def single_process(monkeypatch):
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(v, raising=False)
-    monkeypatch.setattr("ringtrain.training.report.write_report", lambda *args, **kwargs: None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield init_distributed()
-    torch.set_num_threads(threads)
-    destroy_distributed()
 
 
 def test_two_ranks_to_one(stopped, single_process, caplog):

@@ -2,13 +2,8 @@
 line per --log-every steps (and the last step once) anywhere else."""
 
 import io
-import logging
 import re
 
-import pytest
-import torch
-
-from ringtrain.launch.process_group import destroy_distributed
 from ringtrain.training.progress import Progress
 
 
@@ -49,18 +44,6 @@ def test_a_terminal_gets_the_redrawn_bar_and_rank_1_nothing():
     quiet = io.StringIO()
     _run(Progress(50, enabled=False, log_every=10, file=quiet), 50, {10, 50})
     assert quiet.getvalue() == ""
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(v, raising=False)
-    logger = logging.getLogger("ringtrain")
-    saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())
-    yield
-    destroy_distributed()
-    logger.handlers[:], logger.level, logger.propagate = saved[:3]
-    torch.set_num_threads(saved[3])
 
 
 def test_a_log_file_of_a_real_run(tmp_path, capsys, clean_env):

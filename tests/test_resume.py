@@ -24,7 +24,6 @@ from torch.utils.data import Subset
 
 import ringtrain.checkpoint.snapshot as checkpoint
 from ringtrain.data.addition import AdditionDataset, exact_match
-from ringtrain.launch.process_group import destroy_distributed, init_distributed
 from ringtrain.models import GPT, GPTConfig, loss_fn
 from ringtrain.runtime import get_runtime
 from ringtrain.strategies import make_strategy
@@ -178,18 +177,6 @@ def test_the_snapshot_holds_every_rank_state(two_ranks):
 
 
 # ---- one process, in this process ---------------------------------------------------------
-
-
-@pytest.fixture()
-def single_process(monkeypatch):
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(v, raising=False)
-    monkeypatch.setattr("ringtrain.training.report.write_report", lambda *args, **kwargs: None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield init_distributed()
-    torch.set_num_threads(threads)
-    destroy_distributed()
 
 
 def test_flipped_byte_is_detected_and_the_previous_snapshot_used(tmp_path, single_process):

@@ -2,7 +2,6 @@
 through the resumable DistributedSampler, and the same validation loss on 1 and 2 processes."""
 
 import json
-import logging
 import os
 import pickle
 import subprocess
@@ -15,7 +14,6 @@ from ringtrain.cli.train import main
 from ringtrain.data.prepare import prepare
 from ringtrain.data.sampler import DistributedSampler
 from ringtrain.data.tokens import TokenWindows, load_tokens
-from ringtrain.launch.process_group import destroy_distributed
 
 TEXT = "".join(f"line {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs.\n"
                for i in range(120))
@@ -26,18 +24,6 @@ def data_dir(tmp_path):
     (tmp_path / "t.txt").write_text(TEXT)
     prepare(str(tmp_path / "t.txt"), str(tmp_path / "d"), progress=False)
     return tmp_path / "d"
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(v, raising=False)
-    logger = logging.getLogger("ringtrain")
-    saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())
-    yield
-    destroy_distributed()
-    logger.handlers[:], logger.level, logger.propagate = saved[:3]
-    torch.set_num_threads(saved[3])
 
 
 def test_windows_are_memory_mapped_not_loaded(data_dir):

@@ -1,14 +1,12 @@
 """`ringtrain train` end to end (2 processes through the launcher) and its option errors."""
 
 import json
-import logging
 import os
 import re
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from ringtrain.cli.train import (
     build_parser,
@@ -18,7 +16,6 @@ from ringtrain.cli.train import (
     trainer_config,
     worker_argv,
 )
-from ringtrain.launch.process_group import destroy_distributed
 from ringtrain.strategies.ps import ASYNC_BETA1
 from ringtrain.training.progress import setup_logging
 
@@ -28,16 +25,7 @@ TINY = ["--steps", "20", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16
         "--eval-every", "10", "--no-progress"]
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(v, raising=False)
-    logger = logging.getLogger("ringtrain")
-    saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())
-    yield
-    destroy_distributed()
-    logger.handlers[:], logger.level, logger.propagate = saved[:3]  # leave no trace for other tests
-    torch.set_num_threads(saved[3])
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py: in-process runs leave no trace
 
 
 def test_two_processes_end_to_end(tmp_path):
