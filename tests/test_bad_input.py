@@ -131,6 +131,7 @@ RUN_CASES = [
     (["--nnodes", "2", "--rdzv-endpoint", "nocolon", "SCRIPT"], r"--rdzv-endpoint nocolon: .*HOST:PORT"),
     (["--watchdog-timeout", "-1", "SCRIPT"], r"--watchdog-timeout -1: it must be >= 0"),
     (["DIR"], r"training script '\S*' not found .*pass a path to a \.py file"),
+    (["-m", "no_such_module_rt"], r"module 'no_such_module_rt' not found .*PYTHONPATH"),
 ]
 
 

@@ -279,3 +279,23 @@ def test_tolerate_ranks_is_refused_for_a_function():
 
     with pytest.raises(ValueError, match="not a function"):
         launch(print, [], nproc_per_node=2, tolerate_ranks={1})
+
+
+def test_a_module_entrypoint_is_found_as_python_m_would_without_importing_it(tmp_path, monkeypatch):
+    from ringtrain.launch.entrypoint import missing_entrypoint, module_found
+
+    pkg = tmp_path / "rtpkg"
+    (pkg / "sub").mkdir(parents=True)
+    # Importing the package would raise: finding must not run it.
+    (pkg / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "train.py").write_text("")
+    (tmp_path / "plain.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    for name in ("rtpkg", "rtpkg.sub.train", "plain", "json.tool", "sys"):
+        assert module_found(name), name
+    for name in ("rtpkg.nope", "plain.x", "nope_rt", "bad-name", "sys.x"):
+        assert not module_found(name), name
+    assert missing_entrypoint("rtpkg.sub.train", module=True, no_python=False) is None
+    assert "module 'nope_rt' not found" in missing_entrypoint("nope_rt", module=True, no_python=False)
+    assert missing_entrypoint("anything", module=False, no_python=True) is None

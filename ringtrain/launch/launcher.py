@@ -43,6 +43,7 @@ from torch.distributed.run import config_from_args
 from torch.distributed.run import get_args_parser as _torch_args_parser
 
 from ringtrain.errors import DISK_FULL_EXIT_CODE, REQUEUE_EXIT_CODE, USAGE_EXIT_CODE
+from ringtrain.launch.entrypoint import missing_entrypoint
 from ringtrain.launch.environments import LAUNCHER_PID_ENV
 from ringtrain.launch.failure_report import (
     _REPEATED_BY_REPORT,
@@ -235,10 +236,9 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
 
     `tolerate_ranks`: global ranks whose own death does not stop the others (`_tolerating`).
     """
-    script = args.training_script
-    if entrypoint is None and not args.module and not args.no_python and not os.path.isfile(script):
-        print(f"ringtrain run: error: training script {script!r} not found (in {os.getcwd()}); "
-              "pass a path to a .py file, or -m for a module", file=sys.stderr)
+    if entrypoint is None and (missing := missing_entrypoint(args.training_script, args.module,
+                                                             args.no_python)):
+        print(f"ringtrain run: error: {missing}", file=sys.stderr)
         return 2
     try:
         _single_node_rendezvous(args)
