@@ -29,7 +29,7 @@ def test_tags_group_the_metrics():
         "time/comm_s", "eval/accuracy", None, None]
 
 
-def test_without_tensorboard_it_says_so_once_and_keeps_metrics_jsonl(tmp_path, monkeypatch, caplog):
+def test_without_tensorboard_it_says_so_once_and_keeps_metrics_jsonl(tmp_path, monkeypatch):
     real_import = builtins.__import__
 
     def no_tensorboard(name, *args, **kwargs):
@@ -38,15 +38,21 @@ def test_without_tensorboard_it_says_so_once_and_keeps_metrics_jsonl(tmp_path, m
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    # A handler on the logger itself sees each emission once. caplog would not: pytest >= 9
+    # also attaches its handler to non-propagating loggers, and `ringtrain` is one once any
+    # earlier test in this process ran setup_logging, so a record could arrive twice.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
     logger = logging.getLogger("ringtrain")
-    monkeypatch.setattr(logger, "propagate", True)
-    with caplog.at_level(logging.INFO, logger="ringtrain"):
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    logger.addHandler(handler)
+    try:
         log = TensorBoardLog(MetricsLog(str(tmp_path / "metrics.jsonl")), str(tmp_path))
         log.write({"step": 1, "loss": 2.0})
         log.close()
-    # One emission (one LogRecord); a capture handler that another test left attached twice
-    # may hand the same record over twice, so records are counted by identity.
-    records = list({id(r): r for r in caplog.records}.values())
+    finally:
+        logger.removeHandler(handler)
     assert [r.getMessage().split(" (")[0] for r in records] == ["TensorBoard: off"]
     assert log.records == [{"step": 1, "loss": 2.0}] and not (tmp_path / "tensorboard").exists()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.0}
