@@ -81,3 +81,26 @@ def test_model_imports_nothing_distributed():
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in names if m.startswith("ringtrain") or "distributed" in m], names
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_export_copies_only_a_tied_embedding_and_loads_back_equal(tmp_path, monkeypatch, tie):
+    import safetensors.torch
+
+    from ringtrain.models.export import export_model, load_model
+
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8,
+                          tie_embeddings=tie))
+    saved = {}
+    real_save = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda state, *a, **k: (saved.update(state), real_save(state, *a, **k)))
+    export_model(model, str(tmp_path))
+    own = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    copied = sorted(k for k, v in saved.items() if v.data_ptr() != own[k])
+    # The second name of the tied weight needs storage of its own; nothing else is copied.
+    shared = [k for k, p in own.items() if list(own.values()).count(p) > 1]
+    assert len(copied) == (1 if tie else 0) and set(copied) <= set(shared), (copied, shared)
+    loaded, _ = load_model(str(tmp_path))
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k

@@ -67,9 +67,16 @@ def export_model(model: GPT, out_dir: str, *, tokenizer: dict[str, Any] | None =
             addition task's digits.
     """
     os.makedirs(out_dir, exist_ok=True)
-    # Tied weights are one tensor under two names; safetensors refuses shared storage, so each
-    # name gets its own contiguous copy.
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    # Tied weights are one tensor under two names, and safetensors refuses shared storage: a
+    # name whose storage was already seen gets its own copy. Nothing else is copied (on CPU),
+    # so the export costs the tied embedding, not a second model.
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu().contiguous()
+        ptr = tensor.untyped_storage().data_ptr()
+        state[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
     paths = [os.path.join(out_dir, WEIGHTS), os.path.join(out_dir, CONFIG)]
     config = {"format": FORMAT, "version": 1, "model": asdict(model.config),
               "tokenizer": tokenizer_entry(tokenizer, out_dir)}
