@@ -41,21 +41,8 @@ from torch import nn
 
 from ringtrain.ddp.distributed import DistributedDataParallel
 from ringtrain.ddp.naive import NaiveDistributedDataParallel
+from ringtrain.models.mlp import residual_mlp
 from ringtrain.testing import run_workers
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
-
-    def forward(self, x):  # (B, dim) -> (B, dim)
-        return x + self.fc2(self.act(self.fc1(x)))
-
-
-def build(blocks: int, dim: int, hidden: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*(Block(dim, hidden) for _ in range(blocks)))
 
 
 def _step(net: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, x, y, naive: bool) -> None:
@@ -82,7 +69,7 @@ def _bench(rank: int, world_size: int, cfg: dict) -> dict:
     y = torch.randn(cfg["batch"], cfg["dim"], generator=g)
     runs = {}
     for name in ("ringtrain", "torch", "naive"):
-        model = build(cfg["blocks"], cfg["dim"], cfg["hidden"])
+        model = residual_mlp(cfg["blocks"], cfg["dim"], cfg["hidden"])
         if name == "ringtrain":
             net = DistributedDataParallel(model, comm_lanes=cfg["lanes"])
         else:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.ddp.distributed import DistributedDataParallel
+from ringtrain.models.mlp import residual_mlp
 from ringtrain.testing import run_workers
 
 REPLICAS = 2
@@ -70,15 +71,6 @@ SMALL = {
 }
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
-
-    def forward(self, x):  # (B, dim) -> (B, dim)
-        return x + self.fc2(self.act(self.fc1(x)))
-
-
 def build(name: str, size: dict):
     """(model, x, y, loss_fn) for the global batch, the same on every call."""
     torch.manual_seed(0)
@@ -92,7 +84,7 @@ def build(name: str, size: dict):
         # Every sum has the same number of answer tokens, so the mean over the batch is the
         # mean of the halves' means: the three ways compute the same gradient.
         return model, data.x[: size["batch"]], data.y[: size["batch"]], loss_fn
-    model = nn.Sequential(*(Block(size["dim"], size["hidden"]) for _ in range(size["blocks"])))
+    model = residual_mlp(size["blocks"], size["dim"], size["hidden"], seed=None)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(size["batch"], size["dim"], generator=g)
     return model, x, torch.randn(size["batch"], size["dim"], generator=g), nn.functional.mse_loss

@@ -37,24 +37,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.ddp.distributed import DistributedDataParallel
+from ringtrain.models.mlp import residual_mlp
 from ringtrain.testing import run_workers
 from ringtrain.zero import ZeroDataParallel
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "torch_zero1", "torch_fsdp2")
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
-
-    def forward(self, x):  # (B, dim) -> (B, dim)
-        return x + self.fc2(self.act(self.fc1(x)))
-
-
-def build(blocks: int, dim: int, hidden: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*(Block(dim, hidden) for _ in range(blocks)))
 
 
 def _nbytes(tensors) -> int:
@@ -119,7 +106,7 @@ def _alone(rank: int, world_size: int, variant: str, cfg: dict) -> dict:
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(cfg["batch"], cfg["dim"], generator=g), torch.randn(cfg["batch"], cfg["dim"], generator=g)
     try:
-        net, step, zero_grad, counted = _make(variant, build(cfg["blocks"], cfg["dim"], cfg["hidden"]))
+        net, step, zero_grad, counted = _make(variant, residual_mlp(cfg["blocks"], cfg["dim"], cfg["hidden"]))
         for _ in range(2):
             nn.functional.mse_loss(net(x), y).backward()
             step()
@@ -138,7 +125,7 @@ def _paired(rank: int, world_size: int, variants: list[str], cfg: dict) -> dict:
     built, errors = {}, {}
     for v in variants:
         try:
-            built[v] = _make(v, build(cfg["blocks"], cfg["dim"], cfg["hidden"]))[:3]
+            built[v] = _make(v, residual_mlp(cfg["blocks"], cfg["dim"], cfg["hidden"]))[:3]
             for _ in range(cfg["warmup"]):
                 _step(*built[v], x, y)
         except Exception as e:  # noqa: BLE001
@@ -165,7 +152,7 @@ def _parse_size(text: str) -> dict:
 def _one_model(args: argparse.Namespace, size: dict, variants: list[str]) -> dict:
     """Every variant on one model: alone (bytes, peak RSS), then paired (step times)."""
     cfg = {**size, **{k: getattr(args, k) for k in ("batch", "steps", "warmup", "rounds")}}
-    cfg["params"] = sum(p.numel() for p in build(size["blocks"], size["dim"], size["hidden"]).parameters())
+    cfg["params"] = sum(p.numel() for p in residual_mlp(size["blocks"], size["dim"], size["hidden"]).parameters())
     label = f"{size['blocks']}x{size['dim']}x{size['hidden']}"
     result: dict = {"config": cfg}
     for v in variants:
