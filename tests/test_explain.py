@@ -126,6 +126,39 @@ def test_parameter_server_roles_traffic_and_staleness():
     assert "staleness" in text and "max 1, mean 0.25" in text
 
 
+def test_zero_says_what_each_rank_holds_and_sends():
+    params = _params(MODEL)
+    text = _text(_run(2, "zero", zero_stage="3"))
+    assert "holding 1/2 of the AdamW moments, the gradients and the parameters (stage 3)" in text
+    assert f"{params * 2:,} bytes of parameters" in text  # 4 bytes / 2 ranks
+    assert f"{3 * 0.5 * params * 4:,.0f} bytes sent per rank per step" in text  # 3 x (N-1)/N
+    text = _text(_run(2, "zero", zero_stage="1"))
+    assert "as many bytes as DDP's one all-reduce" in text and "0 / 0" not in text
+
+
+def test_local_sgd_and_diloco_meet_every_h_steps():
+    params = _params(MODEL)
+    summary = {"steps": 50, "train_loss": 1.0, "meetings": 5, "meeting_bytes_sent": 12345}
+    text = _text(_run(2, "localsgd", summary, sync_every=10))
+    assert "training alone on its own shard for 10 steps (--sync-every 10)" in text
+    assert f"at each meeting {params * 4:,} bytes sent per rank" in text  # 2(N-1)/N = 1 at N = 2
+    assert "12,345 bytes sent by rank 0 over 5 meetings" in text
+    text = _text(_run(3, "diloco", sync_every=50, outer_compress="int8"))
+    assert "pseudo-gradient" in text and "all-gathered in int8 with one fp32 scale" in text
+    assert f"at each meeting {params * 2:,} bytes sent per rank" in text  # 1 byte x (N-1)
+    assert "--outer-lr 0.7, --outer-momentum 0.9" in text
+
+
+def test_every_registered_strategy_explains_itself_in_its_own_words():
+    from ringtrain.strategies import registered
+    from ringtrain.strategies.base import Strategy
+
+    for name, cls in registered().items():
+        assert cls.explain.__func__ is not Strategy.explain.__func__, name
+        text = _text(_run(2, name))
+        assert "not estimated" not in text and "as the strategy plans" not in text, (name, text)
+
+
 def test_an_unknown_strategy_is_still_explained():
     text = _text(_run(2, "someday"))
     assert "--strategy someday: not known to this ringtrain" in text

@@ -6,17 +6,33 @@
 Without the check, N workers start, each dies of the same ImportError, and the user reads a
 failure report for what was a typing mistake.
 
-A module is looked up the way the workers' `python -u -m NAME` will: on the current directory
-(which `-m` puts first on sys.path) and this interpreter's sys.path (PYTHONPATH included; the
-workers run the same interpreter). Only finders are asked, so no package's `__init__` runs in the
-launcher: a package whose import has side effects (CUDA, a process group) stays untouched.
+A module is looked up the way the workers' `python -u -m NAME` will: in the current directory
+(which `-m` puts first on sys.path), then by this interpreter's own finders (sys.meta_path: its
+sys.path with PYTHONPATH, editable installs' finders, built-in modules; the workers run the same
+interpreter). Only finders are asked, so no package's `__init__` runs in the launcher: a
+package whose import has side effects (CUDA, a process group) stays untouched.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from importlib.machinery import PathFinder
+from importlib.machinery import ModuleSpec, PathFinder
+
+
+def _find_spec(fullname: str, path: list[str] | None) -> ModuleSpec | None:
+    """What `import` would find for `fullname` under a parent's `path` (None: top level)."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(fullname, path)
+        except (ImportError, ValueError, OSError):  # a finder that cannot tell: not found there
+            continue
+        if spec is not None:
+            return spec
+    return None
 
 
 def module_found(name: str, cwd: str | None = None) -> bool:
@@ -24,18 +40,13 @@ def module_found(name: str, cwd: str | None = None) -> bool:
     parts = name.split(".")
     if not all(p.isidentifier() for p in parts):
         return False
-    if parts[0] in sys.builtin_module_names:
-        return len(parts) == 1
-    path: list[str] | None = [cwd or os.getcwd(), *sys.path]
-    for depth, part in enumerate(parts):
-        spec = PathFinder.find_spec(part, path)
-        if spec is None:
+    spec = PathFinder.find_spec(parts[0], [cwd or os.getcwd()]) or _find_spec(parts[0], None)
+    for depth in range(1, len(parts)):
+        path = list(spec.submodule_search_locations or []) if spec else []
+        if not path:  # not found, or a plain module: no submodules
             return False
-        if depth < len(parts) - 1:
-            path = list(spec.submodule_search_locations or [])
-            if not path:  # a plain module has no submodules
-                return False
-    return True
+        spec = _find_spec(".".join(parts[: depth + 1]), path)
+    return spec is not None
 
 
 def missing_entrypoint(script: str, module: bool, no_python: bool) -> str | None:

@@ -8,7 +8,8 @@ count 0. Optional behaviour is a method here with a default that does nothing.
 A strategy is one module in `ringtrain/strategies/` holding one `Strategy` subclass with a
 `name`: the command line (`ringtrain train --strategy NAME`) finds it there, with its
 `options` (its own flags), `plan` (its checks before any worker starts) and
-`tolerated_ranks_for` (which ranks the launcher may lose). See docs/architecture.md.
+`tolerated_ranks_for` (which ranks the launcher may lose), and `explain` (its words in
+`ringtrain explain`). See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from ringtrain.agreement.base import Agreement, CollectiveAgreement
+from ringtrain.strategies.explaining import Explanation, RunFacts, generic
 from ringtrain.trace import NO_TRACE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -124,6 +126,11 @@ class Strategy(ABC):
     def trainer_defaults(cls, options: dict[str, Any]) -> dict[str, Any]:
         """TrainerConfig defaults this strategy changes (e.g. AdamW's beta1), by field name."""
         return {}
+
+    @classmethod
+    def explain(cls, facts: RunFacts) -> Explanation:
+        """What `ringtrain explain` says of a run of this strategy (roles, traffic, ...)."""
+        return generic(facts)
 
     # -- the seam ------------------------------------------------------------------------------
     @abstractmethod

@@ -23,6 +23,7 @@ from ringtrain.localsgd.compress import CODECS
 from ringtrain.localsgd.outer import OuterStep
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import Option, non_negative_float
+from ringtrain.strategies.explaining import RunFacts
 from ringtrain.strategies.localsgd import LocalSGDStrategy
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -47,6 +48,24 @@ class DiLoCoStrategy(LocalSGDStrategy):
         Option("--outer-compress", "outer_compress", choices=CODECS, help="how the "
                "pseudo-gradient travels (default: fp32)"),
     )
+
+    @classmethod
+    def _meeting_words(cls, f: RunFacts) -> str:
+        codec = f.option("outer_compress")
+        how = ("all-reduced in fp32" if codec == "fp32" else f"all-gathered in {codec}"
+               + (" with one fp32 scale per tensor" if codec == "int8" else "")
+               + " and summed in fp32 in rank order")
+        return (f"each rank's pseudo-gradient (the weights of the last outer step minus its "
+                f"weights now) is {how}, and the mean moves the shared weights by an outer SGD "
+                f"with Nesterov momentum (--outer-lr {f.option('outer_lr')}, --outer-momentum "
+                f"{f.option('outer_momentum')}), the same step on every rank (DiLoCo).")
+
+    @classmethod
+    def _meeting_bytes(cls, f: RunFacts) -> float:
+        codec = f.option("outer_compress")
+        if codec == "fp32":
+            return f.ring_share() * f.grad_bytes
+        return (f.params * (2 if codec == "bf16" else 1)) * (f.world - 1)  # all-gather
 
     def __init__(self, runtime: Runtime, sync_every: int = 50, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, outer_compress: str = "fp32"):

@@ -36,6 +36,7 @@ from ringtrain.strategies.base import (
     eval_forward,
     int_at_least,
 )
+from ringtrain.strategies.explaining import Explanation, RunFacts, n, nbytes, plural
 from ringtrain.types import LossFn, OptimizerFn
 
 
@@ -50,6 +51,36 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
     name = "localsgd"
     options = (Option("--sync-every", "sync_every", int_at_least(1),
                       help="optimizer steps between the workers' meetings, H (default: 50)"),)
+
+    @classmethod
+    def explain(cls, facts: RunFacts) -> Explanation:
+        f, h = facts, facts.option("sync_every")
+        roles = [f"{f.world} ranks, each a full replica of the GPT ({n(f.params)} parameters) "
+                 f"with its own optimizer, training alone on its own shard for {h} steps "
+                 f"(--sync-every {h}); then the replicas meet: "
+                 + cls._meeting_words(f) + " Evaluation and the final model use the weights of "
+                 "the last meeting, the same on every rank."]
+        if f.world == 1:
+            return Explanation(roles, ["nothing: one rank has no one to meet."], "every rank",
+                               "nothing: one rank")
+        s = f.summary
+        counted = (f" Counted (summary.json): {nbytes(s['meeting_bytes_sent'])} sent by rank 0 "
+                   f"over {plural(s['meetings'], 'meeting')}." if s.get("meetings") else "")
+        per_meeting = cls._meeting_bytes(f)
+        traffic = [f"nothing in {h - 1} steps out of {h}; at each meeting "
+                   f"{nbytes(per_meeting)} sent per rank, {nbytes(per_meeting / h)} per step on "
+                   f"average, against {nbytes(f.ring_share() * f.grad_bytes)} every step for "
+                   f"DDP's gradients.{counted}"]
+        return Explanation(roles, traffic, "every rank",
+                           "the meetings only (steps between them wait on no one)")
+
+    @classmethod
+    def _meeting_words(cls, f: RunFacts) -> str:
+        return "their parameters are all-reduced (ring, fp32) and divided by N: the mean."
+
+    @classmethod
+    def _meeting_bytes(cls, f: RunFacts) -> float:
+        return f.ring_share() * f.grad_bytes
 
     def __init__(self, runtime: Runtime, sync_every: int = 50):
         if not isinstance(sync_every, int) or sync_every < 1:

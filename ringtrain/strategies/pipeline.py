@@ -33,6 +33,7 @@ from ringtrain.pipeline.schedule import SCHEDULES, Backward, Forward
 from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import Option, StepResult, Strategy, int_at_least
+from ringtrain.strategies.explaining import FP32_BYTES, Explanation, RunFacts, n, nbytes, plural
 from ringtrain.trace import COMM, COMPUTE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -100,6 +101,39 @@ class PipelineStrategy(Strategy):
                               f"{step_batch} samples of a step (--batch-size x --grad-accum); "
                               f"use {fix}")
         return dp
+
+    @classmethod
+    def explain(cls, facts: RunFacts) -> Explanation:
+        f, pp = facts, facts.option("pp")
+        dp, m = f.world // pp, f.option("microbatches") or _default_microbatches(f.step_batch, pp)
+        roles = [f"{f.world} ranks = {plural(dp, 'pipeline')} x {pp} stages (model parallelism, "
+                 f"--pp {pp}): each stage holds a contiguous run of the GPT's layers (embedding, "
+                 f"blocks, head) balanced by parameter count, about {n(f.params / pp)} of the "
+                 f"{n(f.params)} parameters; rank = dp_rank x {pp} + pp_rank."]
+        roles += [f"pipeline {d}: " + ", ".join(f"stage {s} on rank {d * pp + s}" for s in range(pp))
+                  for d in range(dp)]
+        roles.append(f"each step's {f.step_batch} samples flow through the stages as {m} "
+                     f"micro-batches of {f.step_batch // m} (--schedule {f.option('schedule')}): "
+                     "the stages work at once on different micro-batches, except in the bubble "
+                     "at the start and the end of the step.")
+        if dp > 1:
+            roles.append(f"each stage's {dp} replicas average their gradients "
+                         "(DistributedDataParallel on the stage's data-parallel group).")
+        block, width = f.model.get("block_size", 0), f.model.get("n_embd", 0)
+        act = f.step_batch * block * width * FP32_BYTES
+        traffic = [f"estimate: between consecutive stages, the activations of a step's "
+                   f"{f.step_batch} samples ({block} tokens x {width} channels each, fp32) = "
+                   f"{nbytes(act)} forward, one micro-batch at a time, and as many bytes of their "
+                   "gradients backward; plus one number per stage (the gradient norm, for "
+                   "clipping)."]
+        if dp > 1:
+            traffic.append(f"estimate: each stage also all-reduces the gradients of its "
+                           f"~{n(f.params / pp)} parameters among its {dp} replicas: about "
+                           f"{nbytes(f.ring_share(dp) * f.grad_bytes / pp)} sent per rank per "
+                           "step (ring).")
+        return Explanation(roles, traffic, reader="the stages of a pipeline read the same shard",
+                           waiting="waiting for the neighbouring stages, the pipeline bubble "
+                                   "included")
 
     def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
                  microbatches: int | None = None, split: Sequence[int] | None = None):

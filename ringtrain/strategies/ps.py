@@ -58,6 +58,7 @@ from ringtrain.strategies.base import (
     eval_forward,
     int_at_least,
 )
+from ringtrain.strategies.explaining import Explanation, RunFacts, nbytes, plural, ranks
 from ringtrain.types import LossFn, OptimizerFn
 
 log = logging.getLogger("ringtrain")
@@ -101,6 +102,31 @@ class PSStrategy(Strategy):
             return PSTopology(world_size, options.get("servers", 1)).workers
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    @classmethod
+    def explain(cls, facts: RunFacts) -> Explanation:
+        f, servers, mode = facts, facts.option("servers"), facts.option("mode")
+        workers = f.world - servers
+        bound = f" (--staleness {f.option('staleness')})" if mode == "ssp" else ""
+        rule = {"sync": "the servers wait for every worker's gradient each step: data parallel "
+                        "on the same global batch.",
+                "async": "each gradient is applied as it arrives; a worker may compute on stale "
+                         "parameters.",
+                "ssp": "as async, but no worker runs more steps ahead of the slowest than the "
+                       "bound."}.get(mode, "")
+        held = "hold the parameters (split between them) and run" if servers > 1 else \
+            "holds the parameters and runs"
+        roles = [f"{f.world} ranks: {plural(workers, 'worker')} ({ranks(0, workers - 1)}) "
+                 f"compute{'s' if workers == 1 else ''} gradients on the data; "
+                 f"{plural(servers, 'parameter server')} ({ranks(workers, f.world - 1)}) {held} "
+                 f"the optimizer. Mode {mode}{bound}: {rule}"]
+        g = nbytes(f.grad_bytes)
+        traffic = [f"estimate: each worker pushes its gradients ({g}) to the servers and pulls the "
+                   f"new parameters ({g}) back, every step, point to point (no all-reduce); each "
+                   f"server receives {nbytes(workers * f.grad_bytes / servers)} per step (its "
+                   "share of every worker's push) and sends as much back."]
+        return Explanation(roles, traffic, reader="the workers; servers read none",
+                           waiting="the wait for the servers' answer (the new parameters)")
 
     @classmethod
     def tolerated_ranks_for(cls, options: dict[str, Any], world_size: int) -> frozenset[int]:
