@@ -57,17 +57,19 @@ def test_events_are_aligned_to_rank_0s_clock_with_a_track_per_lane():
 
 
 # -- a 2-rank DDP run -------------------------------------------------------------------------
-def _traced_ddp_worker(rank, world_size, run_dir):
+def _traced_ddp_worker(rank, world_size, run_dir, zero_stage=None):
     from ringtrain.data.addition import AdditionDataset
     from ringtrain.models import GPT, GPTConfig, loss_fn
     from ringtrain.runtime import get_runtime
     from ringtrain.strategies.ddp import DDPStrategy
+    from ringtrain.strategies.zero import ZeroStrategy
     from ringtrain.training.trainer import Trainer, TrainerConfig
 
     rt = get_runtime()
     model = GPTConfig(vocab_size=10, block_size=3, n_layer=2, n_head=2, n_embd=32)
     # Buckets of ~16 KiB: several per backward, the first leaving while backward goes on.
-    strategy = DDPStrategy(rt, bucket_cap_mb=1 / 64)
+    strategy = (DDPStrategy(rt, bucket_cap_mb=1 / 64) if zero_stage is None
+                else ZeroStrategy(rt, zero_stage=zero_stage))
     cfg = TrainerConfig(steps=4, batch_size=16, lr=3e-3, progress=False, eval_batch_size=8,
                         log_every=4)
     trainer = Trainer(strategy, rt, lambda: GPT(model), AdditionDataset("train", 1),
@@ -118,6 +120,24 @@ def test_ddp_trace_nests_and_bucket_communication_overlaps_backward(tmp_path):
                                                     sorted(finish, key=lambda e: e["ts"]), strict=True)
                  if b["ts"] < e["ts"] < f["ts"]]
         assert early, buckets
+
+
+def test_zero_3_trace_shows_each_units_gathers_and_reduces_inside_the_step(tmp_path):
+    run_workers(_traced_ddp_worker, 2, (str(tmp_path), 3), timeout_s=120)
+    x = [e for e in json.loads(open(tmp_path / "trace.json").read())["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e for e in x if e["pid"] == rank]
+        steps = [e for e in mine if e["name"].startswith("step ")]
+        assert sorted(e["name"] for e in steps) == ["step 2", "step 3"]
+        comm = [e for e in mine if e["cat"] == "comm"]
+        # 3 units (the root, 2 blocks): gathered for forward and backward, reduced once.
+        units = {e["args"]["unit"] for e in comm}
+        assert units == {"0", "1", "2"}, units
+        assert {e["name"] for e in comm} == {"all-gather", "reduce-scatter"}
+        assert all(any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] for s in steps)
+                   for e in mine if e["name"] in ("forward", "backward", "optimizer step", *units))
+        for track in {e["tid"] for e in mine}:
+            assert _nest_or_follow([(e["ts"], e["ts"] + e["dur"]) for e in mine if e["tid"] == track])
 
 
 def test_no_trace_costs_nothing_measurable_in_a_hook():

@@ -98,6 +98,7 @@ class ZeroStrategy(ShardPerRank, Strategy):
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
         self.model = ZeroDataParallel(model.to(self.runtime.device), optimizer_fn,
                                       stage=self.zero_stage, process_group=self.runtime.process_group)
+        self.model.trace(self.tracer)
         self.optimizer = self.model.optimizer
         self.loss_fn = loss_fn
 
@@ -121,13 +122,16 @@ class ZeroStrategy(ShardPerRank, Strategy):
             last = i == len(micro_batches) - 1
             x, y = x.to(device), y.to(device)
             with nullcontext() if last else model.no_sync():
-                loss = self.loss_fn(model(x), y)
+                with self.tracer.span("forward", micro_batch=i):
+                    loss = self.loss_fn(model(x), y)
                 # Each micro-batch weighted by its share: the mean over the whole step batch.
-                (loss * (len(x) / total)).backward()
+                with self.tracer.span("backward", micro_batch=i):
+                    (loss * (len(x) / total)).backward()
             losses.append((loss.detach(), len(x)))
         if grad_clip:
             model.clip_grad_norm_(grad_clip)
-        self.optimizer.step()
+        with self.tracer.span("optimizer step"):
+            self.optimizer.step()
         self.optimizer.zero_grad()
         self._memory = model.memory()  # what a rank holds between steps (counted, cheap)
         loss_sum = sum(float(loss) * n for loss, n in losses)

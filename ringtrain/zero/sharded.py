@@ -37,6 +37,7 @@ from torch import nn
 from ringtrain import collectives as checked  # agreed first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp import lanes as ddp_lanes
 from ringtrain.torch_internals import backward_tls_free, queue_backward_callback
+from ringtrain.trace import Tracer
 from ringtrain.zero import state as zero_state
 from ringtrain.zero.optimizer import OptimizerFactory, ZeroOptimizer
 from ringtrain.zero.shard import STAGES, expected_bytes, plan_units
@@ -152,6 +153,11 @@ class ZeroDataParallel(nn.Module):
                 if stage == 3:
                     self._handles.append(m.register_forward_hook(functools.partial(_post_forward, me, k)))
         self.optimizer = ZeroOptimizer(module, self.units, optimizer_fn, self._after_step)
+
+    def trace(self, tracer: Tracer) -> None:
+        """Record each unit's all-gather and reduce-scatter waits into `tracer`."""
+        for k, unit in enumerate(self.units):
+            unit.tracer, unit.label = tracer, str(k)
 
     def remove_hooks(self) -> None:
         """Take this wrapper's hooks off the module (the parameters stay views of the units)."""

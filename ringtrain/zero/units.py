@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.trace import COMM, NO_TRACE, Tracer
 from ringtrain.zero.collectives import all_gather, reduce_scatter
 from ringtrain.zero.shard import UnitPlan
 
@@ -36,6 +37,11 @@ class FlatUnit:
         lane: the group its collectives travel on (same ranks as `group`).
         stage: 1, 2 or 3.
     """
+
+    # What `--trace-steps` records: the waits for this unit's ring collectives, which advance
+    # inside `wait()` (`zero.collectives`), so the span is the time a step stood still for them.
+    tracer: Tracer = NO_TRACE
+    label = "unit"
 
     def __init__(self, plan: UnitPlan, params: Sequence[nn.Parameter], group: dist.ProcessGroup,
                  lane: dist.ProcessGroup, stage: int):
@@ -102,7 +108,8 @@ class FlatUnit:
 
     def wait_gather(self) -> None:
         if self._gather_work is not None:
-            self._gather_work.wait()
+            with self.tracer.span("all-gather", COMM, unit=self.label):
+                self._gather_work.wait()
             self._gather_work = None
 
     def gather(self) -> None:
@@ -155,7 +162,8 @@ class FlatUnit:
 
     def finish_reduce(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            with self.tracer.span("reduce-scatter", COMM, unit=self.label):
+                self._work.wait()
             self.reduced = True
         self._work, self._flat_grad = None, None
 
