@@ -66,7 +66,7 @@ def worker(how: str, where: str, ready_file: str, watchdog_timeout_s: float, vic
     import torch
     import torch.distributed as dist
 
-    from ringtrain.launch.launcher import die_with_parent
+    from ringtrain.launch.parent import die_with_parent
     from ringtrain.launch.process_group import init_distributed
     from ringtrain.launch.watchdog import Watchdog
 

@@ -140,7 +140,7 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
 
     def job() -> int:
         if _under_agent():
-            from ringtrain.launch.launcher import die_with_parent
+            from ringtrain.launch.parent import die_with_parent
 
             die_with_parent()  # a SIGKILLed launcher must not leave this worker running
         job_rank = (_outside_job() or (0, 1))[0]

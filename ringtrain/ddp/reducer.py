@@ -85,12 +85,9 @@ class Reducer:
         lanes: Sequence[dist.ProcessGroup] | None = None,
         tracer: Tracer = NO_TRACE,
     ):
-        self.params = list(params)
-        self.tracer = tracer
-        self.names = list(names)
+        self.params, self.names, self.tracer = list(params), list(names), tracer
         self.process_group = process_group
-        self.rank = process_group.rank()
-        self.world_size = process_group.size()
+        self.rank, self.world_size = process_group.rank(), process_group.size()
         self.lanes = list(lanes) if lanes else [process_group]
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view

@@ -12,7 +12,7 @@ Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
 - replaces torch's multi-page error dump by one block: which rank failed first, its exit code
   or signal, and its traceback (`ringtrain.launch.failure_report`; the traceback is written by workers
   whose main is decorated with `record`),
-- keeps workers from outliving a SIGKILLed launcher (`die_with_parent`, called in the worker),
+- keeps workers from outliving a SIGKILLed launcher (`ringtrain.launch.parent`, called in the worker),
 - passes SIGUSR1 on too (Slurm's `--signal=USR1@90`), giving the workers `--shutdown-timeout`
   seconds to save, and then exits with 143 ("requeue me", `ringtrain.errors.REQUEUE_EXIT_CODE`),
 - across nodes, counts restarts for the job, not per node (`_restarts_for_the_job`),
@@ -27,7 +27,6 @@ Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -68,34 +67,14 @@ from ringtrain.torch_internals import (
     set_remaining_restarts,
 )
 
-__all__ = ["ChildFailedError", "die_with_parent", "format_failure", "get_args_parser", "launch",
+__all__ = ["ChildFailedError", "format_failure", "get_args_parser", "launch",
            "main", "record", "root_cause"]
 
 # The signals the agent passes on to its workers: torch's four, and Slurm's warning signal.
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 # A rank may work alone (save, evaluate) while the others wait this long before it is named.
 DEFAULT_WATCHDOG_TIMEOUT_S = 60.0
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
-def die_with_parent(signum: int = signal.SIGKILL) -> None:
-    """Have the kernel send `signum` to this process when its parent (the launcher) dies.
-
-    Call it first thing in a worker: a SIGKILLed launcher runs no cleanup, and without this
-    its workers would keep running (and holding GPUs) as orphans. Linux only; no-op elsewhere.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    # The launcher may have died between our fork and the prctl call: then nobody will signal us.
-    if launcher and launcher.isdigit() and os.getppid() != int(launcher):
-        os.kill(os.getpid(), signum)
 
 
 def get_args_parser():

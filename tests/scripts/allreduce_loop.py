@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 import ringtrain
-from ringtrain.launch.launcher import die_with_parent, record
+from ringtrain.launch.launcher import record
+from ringtrain.launch.parent import die_with_parent
 from ringtrain.launch.watchdog import Watchdog
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ringtrain
-from ringtrain.launch.launcher import die_with_parent
+from ringtrain.launch.parent import die_with_parent
 
 WAIT_S = 60.0  # for a survivor: longer than any restart takes, shorter than the test's bound
 
