@@ -149,12 +149,11 @@ def _explanation(f: RunFacts) -> Explanation:
 # ---- the sections ---------------------------------------------------------------------------------
 
 
-def _data(run: RunFiles, f: RunFacts) -> list[str]:
+def _data(run: RunFiles, f: RunFacts, reader: str) -> list[str]:
     args, trainer = run.config["args"], run.config.get("trainer", {})
     batch, accum = trainer.get("batch_size", 1), trainer.get("grad_accum", 1)
     what = (f"addition, {args.get('digits')} digits" if run.config.get("task") == "addition"
             else f"text {args.get('data')}, block size {args.get('block_size')}")
-    reader = _explanation(f).reader
     if (samples := run.train_samples) is None:
         return [f"task: {what}: the file is not readable from here, so its size is unknown."]
     per_rank = math.ceil(samples / f.data_ranks)
@@ -178,7 +177,7 @@ def _data(run: RunFiles, f: RunFacts) -> list[str]:
     return lines
 
 
-def _timing(run: RunFiles, f: RunFacts) -> list[str]:
+def _timing(run: RunFiles, f: RunFacts, note: str) -> list[str]:
     s = run.summary or {}
     compute, comm = s.get("compute_s_per_step"), s.get("comm_s_per_step")
     windows = [m for m in run.metrics if "compute_s" in m and "comm_s" in m][1:]  # not the warm-up
@@ -192,7 +191,6 @@ def _timing(run: RunFiles, f: RunFacts) -> list[str]:
         w = statistics.median(m["comm_s"] for m in windows)
         lines.append(f"median over {len(windows)} logged windows (metrics.jsonl): compute "
                      f"{c * 1e3:.2f} ms, communication {w * 1e3:.2f} ms: {w / ((c + w) or 1):.0%}.")
-    note = _explanation(f).waiting
     lines.append("no timings: the run logged no step." if not lines else "one rank: what counts "
                  "as communication is the wrapper's bookkeeping; nothing travelled." if f.world == 1
                  else f"communication is {note}.")
@@ -240,9 +238,9 @@ def explain(run: RunFiles) -> str:
         ("", [f"run {run.path}: --strategy {f.name} on {plural(f.world, 'rank')}, task "
               f"{run.config.get('task')}: {state}"]),
         ("who did what", said.roles),
-        ("how the data was split", _data(run, f)),
+        ("how the data was split", _data(run, f, said.reader)),
         ("what travelled between ranks, per step", said.traffic),
-        ("communication against compute", _timing(run, f)),
+        ("communication against compute", _timing(run, f, said.waiting)),
         ("which snapshot a resume would use", _resume(run, f)),
     ]
     out = []
