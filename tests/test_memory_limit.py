@@ -8,12 +8,12 @@
 launcher stops the others (nothing hangs) and says so, naming the limit.
 
 Why 4 workers: at the end of a run every ZeRO-3 rank gathers the full model (4 bytes per
-parameter) for the summary's `param_sha256`, and rank 0 exports a copy of it
-(`model.safetensors`): rank 0 then holds 16/N + 8 bytes per parameter, against DDP's 16 on
-every rank while it trains. With 4 workers that is 12 against 16: a 39M-parameter GPT (reduced;
-docs/zero.md runs 57M) puts DDP at ~880 MiB per worker and ZeRO-3's rank 0 at ~740 MiB (torch
-itself ~270 MiB of each), so DDP is killed under 800 MiB and ZeRO-3 trains, with the losses of
-DDP without a limit. Skipped, saying why, where no memory cgroup can be made.
+parameter) for the summary's `param_sha256`, rank 0's export (`model.safetensors`) and its
+sample, on top of its 16/N, against DDP's 16 on every rank while it trains. A 39M-parameter GPT
+(reduced; docs/zero.md runs 57M) puts DDP at ~880 MiB per worker and ZeRO-3's rank 0 at ~740
+MiB with 4 workers (torch itself ~270 MiB of each), so DDP is killed under 800 MiB and ZeRO-3
+trains, with the losses of DDP without a limit. With 2 workers ZeRO-3's rank 0 is killed too
+(tried in session 6, after the export stopped copying the model). Skipped, saying why, where no memory cgroup can be made.
 """
 
 from __future__ import annotations
