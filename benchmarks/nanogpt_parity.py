@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/nanogpt_parity.py                 # full: 4 runs of 2,000 steps (~10 min on 2 quiet cores)
     .venv/bin/python benchmarks/nanogpt_parity.py --steps 200     # reduced (~1-2 min)
+    .venv/bin/python benchmarks/nanogpt_parity.py --seeds 1-8     # the loss over seeds (~20 min)
 
 The recipe is nanoGPT's README command for a CPU (config/train_shakespeare_char.py with its
 overrides): `--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64
@@ -31,6 +32,12 @@ logging included; the one evaluation at the end is not), for the plain loop the 
 `ms_plain` is the faster of its two runs in this run (`plain_ms_runs`), so `ratio_1p` =
 ms_1p / ms_plain (goal <= 1.0) errs against ringtrain. The 2-process loss curve is printed next to the 1-process one.
 
+`--seeds A-B` (or a list, `1,5,9`) asks the other question: a loss goal set from one seed of
+nanoGPT's is a draw from a distribution, so for each seed the plain loop (nanoGPT's batch draws)
+and ringtrain 1p train at the same time, one in this process and one in a worker (no timings
+then), and the line gives each side's losses, mean, sd, Welch's t of the difference and how
+many runs meet `goal_val_loss`. benchmarks/README.md has 18 seeds of nanoGPT's own train.py.
+
 The last line is JSON: {"steps", "val_loss_1p", "val_loss_2p", "val_loss_plain", "ms_1p",
 "ms_2p", "ms_plain", "ratio_1p", "wall_s_1p", "wall_s_2p", "curve_max_abs_diff",
 "comm_s_per_step_1p", "loadavg_before", "loadavg_after", ...}.
@@ -57,6 +64,7 @@ RECIPE = {"block_size": 64, "batch_size": 12, "n_layer": 4, "n_head": 4, "n_embd
           "dropout": 0.0, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 100, "beta1": 0.9,
           "beta2": 0.99, "weight_decay": 0.1, "grad_clip": 1.0, "bias": False,
           "tie_embeddings": True, "seed": 1337}
+GOAL_VAL_LOSS = 1.898  # issue 15: nanoGPT's final model, seed 1337, scored on every window
 
 
 def prepared(work: Path) -> Path:
@@ -68,20 +76,21 @@ def prepared(work: Path) -> Path:
     return work / "data"
 
 
-def train_args(data: Path, steps: int, log_every: int, threads: int) -> list[str]:
+def train_args(data: Path, steps: int, log_every: int, threads: int,
+               seed: int = RECIPE["seed"]) -> list[str]:
     r = RECIPE
     return ["--data", str(data), "--block-size", str(r["block_size"]), "--n-layer", str(r["n_layer"]),
             "--n-head", str(r["n_head"]), "--n-embd", str(r["n_embd"]), "--dropout", "0",
             "--lr", str(r["lr"]), "--min-lr", str(r["min_lr"]), "--warmup-steps", str(r["warmup_steps"]),
             "--beta2", str(r["beta2"]), "--no-bias", "--tie-embeddings", "--steps", str(steps),
             "--eval-every", str(steps), "--log-every", str(log_every), "--snapshot-every", "0",
-            "--threads", str(threads), "--no-progress", "--sample-length", "100"]
+            "--threads", str(threads), "--no-progress", "--sample-length", "100", "--seed", str(seed)]
 
 
 def run_ringtrain(data: Path, run_dir: Path, steps: int, log_every: int, threads: int,
-                  nproc: int) -> dict:
+                  nproc: int, seed: int = RECIPE["seed"]) -> dict:
     batch = RECIPE["batch_size"] // nproc
-    cmd = [sys.executable, "-m", "ringtrain", "train", *train_args(data, steps, log_every, threads),
+    cmd = [sys.executable, "-m", "ringtrain", "train", *train_args(data, steps, log_every, threads, seed),
            "--batch-size", str(batch), "--nproc-per-node", str(nproc), "--run-dir", str(run_dir)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
@@ -97,7 +106,8 @@ def run_ringtrain(data: Path, run_dir: Path, steps: int, log_every: int, threads
             "comm_s_per_step": summary.get("comm_s_per_step"), "sample": summary.get("sample")}
 
 
-def run_plain(data: Path, steps: int, log_every: int, threads: int) -> dict:
+def run_plain(data: Path, steps: int, log_every: int, threads: int,
+              seed: int = RECIPE["seed"]) -> dict:
     """The anchor: a plain PyTorch loop, nanoGPT's get_batch, same model and schedule."""
     from ringtrain.data.tokens import load_tokens
     from ringtrain.models import GPT, GPTConfig, loss_fn
@@ -109,7 +119,7 @@ def run_plain(data: Path, steps: int, log_every: int, threads: int) -> dict:
     config = GPTConfig(vocab_size=tokens.vocab_size, block_size=r["block_size"], n_layer=r["n_layer"],
                        n_head=r["n_head"], n_embd=r["n_embd"], dropout=0.0, bias=r["bias"],
                        tie_embeddings=r["tie_embeddings"])
-    torch.manual_seed(r["seed"])
+    torch.manual_seed(seed)
     model = GPT(config)
     opt = adamw(r["weight_decay"], betas=(r["beta1"], r["beta2"]))(model.parameters())
     schedule = TrainerConfig(steps=steps, lr=r["lr"], min_lr=r["min_lr"],
@@ -154,15 +164,66 @@ def run_plain(data: Path, steps: int, log_every: int, threads: int) -> dict:
             "eval_windows": count}
 
 
+def parse_seeds(text: str) -> list[int]:
+    """'1-8' or '1,5,9' (or both, '1-4,9')."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        seeds += range(int(lo), int(hi or lo) + 1)
+    if len(seeds) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least two seeds, e.g. 1-8")
+    return seeds
+
+
+def seed_study(data: Path, work: Path, seeds: list[int], steps: int, log_every: int,
+               threads: int) -> dict:
+    """Per seed, the plain loop here and ringtrain 1p in its worker at the same time."""
+    import math
+    import statistics
+    from concurrent.futures import ThreadPoolExecutor
+
+    plain, ours = [], []
+    with ThreadPoolExecutor(1) as pool:
+        for seed in seeds:
+            job = pool.submit(run_ringtrain, data, work / f"s{seed}", steps, log_every, threads, 1, seed)
+            plain.append(run_plain(data, steps, log_every, threads, seed)["val_loss"])
+            ours.append(job.result()["val_loss"])
+            print(f"seed {seed}: plain {plain[-1]:.4f}  ringtrain 1p {ours[-1]:.4f}", flush=True)
+    n, goal = len(seeds), GOAL_VAL_LOSS
+    sd = {k: statistics.stdev(v) for k, v in (("plain", plain), ("1p", ours))}
+    se = math.sqrt((sd["plain"] ** 2 + sd["1p"] ** 2) / n)
+    return {"seeds": seeds, "val_loss_plain": plain, "val_loss_1p": ours,
+            "mean_plain": statistics.mean(plain), "mean_1p": statistics.mean(ours),
+            "sd_plain": sd["plain"], "sd_1p": sd["1p"],
+            "welch_t": (statistics.mean(ours) - statistics.mean(plain)) / se if se else 0.0,
+            "at_or_below_goal_plain": sum(v <= goal for v in plain),
+            "at_or_below_goal_1p": sum(v <= goal for v in ours)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=2000, help="training steps (default: 2000, the recipe)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default: 1)")
     p.add_argument("--log-every", type=int, help="steps between loss lines (default: steps / 20)")
     p.add_argument("--skip-2p", action="store_true", help="no 2-process run")
+    p.add_argument("--seeds", type=parse_seeds, help="the loss over these seeds (1-8 or 1,5,9): "
+                   "plain loop and ringtrain 1p per seed, no timings")
     args = p.parse_args()
     log_every = args.log_every or max(1, args.steps // 20)
     before = os.getloadavg()
+    if args.seeds:
+        with tempfile.TemporaryDirectory(prefix="nanogpt_seeds_") as tmp:
+            study = seed_study(prepared(Path(tmp)), Path(tmp), args.seeds, args.steps, log_every,
+                               args.threads)
+        print(f"plain mean {study['mean_plain']:.4f} (sd {study['sd_plain']:.4f}), ringtrain 1p "
+              f"mean {study['mean_1p']:.4f} (sd {study['sd_1p']:.4f}), Welch t "
+              f"{study['welch_t']:.2f}; at or below {GOAL_VAL_LOSS}: plain "
+              f"{study['at_or_below_goal_plain']}, ringtrain {study['at_or_below_goal_1p']} "
+              f"of {len(args.seeds)}")
+        print(json.dumps({"steps": args.steps, "threads": args.threads, **study,
+                          "goal_val_loss": GOAL_VAL_LOSS, "loadavg_before": before,
+                          "loadavg_after": os.getloadavg()}))
+        return
     with tempfile.TemporaryDirectory(prefix="nanogpt_parity_") as tmp:
         work = Path(tmp)
         data = prepared(work)
@@ -197,7 +258,7 @@ def main() -> None:
               "ratio_1p": one["ms"] / plain["ms"], "wall_s_1p": one["wall_s"],
               "wall_s_2p": two["wall_s"] if two else None, "wall_s_plain": plain["wall_s"],
               "curve_max_abs_diff": diff, "comm_s_per_step_1p": one["comm_s_per_step"],
-              "goal_val_loss": 1.898, "loadavg_before": before, "loadavg_after": after}
+              "goal_val_loss": GOAL_VAL_LOSS, "loadavg_before": before, "loadavg_after": after}
     print(json.dumps(result))
 
 
