@@ -25,6 +25,8 @@ _LAZY = {
     "DistributedDataParallel": "ringtrain.ddp.distributed",
     "DistributedSampler": "ringtrain.data.sampler",
     "Watchdog": "ringtrain.launch.watchdog",
+    "check_replicas": "ringtrain.replicas",
+    "ReplicasDivergedError": "ringtrain.replicas",
 }
 __all__ += list(_LAZY)
 

@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "trace": set(),  # the step timeline (--trace-steps): every engine may record into it
     "runtime": {"torch_internals"},
     "collectives": {"runtime"},  # RINGTRAIN_DEBUG=collectives: calls checked across ranks
+    "replicas": {"collectives"},  # check_replicas: names the first tensor that differs
     "models": set(),
     "data": {"runtime"},
     "agreement": {"runtime", "store_keys", "collectives"},
@@ -34,7 +35,8 @@ ALLOWED: dict[str, set[str]] = {
                    "collectives"},
     "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps", "localsgd",
                    "zero", "trace", "collectives"},
-    "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace"},
+    "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace",
+                 "replicas"},
     "testing": {"runtime", "launch", "chaos"},
     "chaos": set(),  # test-only fault schedule (benchmarks/chaos.py), reached through testing
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",

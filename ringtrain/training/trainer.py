@@ -49,6 +49,7 @@ from ringtrain.checkpoint.resume import Checkpointer, StopSignal
 from ringtrain.checkpoint.run_dir import DiskFullError, is_no_space, no_space_message
 from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
+from ringtrain.replicas import divergence
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy
 from ringtrain.trace import Tracer
@@ -345,9 +346,12 @@ class Trainer:
         sha = param_sha256(state)
         if rt.world_size > 1:
             digests = self.agreement.gather(sha)  # the ranks still in the job
-            if len(set(digests.values())) > 1 and rt.rank == 0:
-                log.warning("warning: param_sha256 differs across ranks, the replicas diverged: %s",
-                            ", ".join(f"rank {r} {d[:12]}" for r, d in digests.items()))
+            if len(set(digests.values())) > 1:  # known on every rank: all take part
+                where = divergence(state, self.agreement.gather)
+                shas = ", ".join(f"rank {r} {d[:12]}" for r, d in digests.items())
+                if rt.rank == 0:
+                    log.warning("warning: param_sha256 differs across ranks, the replicas "
+                                "diverged: %s; %s", shas, where)
         summary: dict[str, Any] = {
             "steps": self.step, "world_size": rt.world_size, "strategy": s.name,
             "train_loss": st.last.get("loss"), "eval_loss": st.last.get("eval_loss"),
