@@ -69,7 +69,9 @@ def check_replicas(model: nn.Module | Mapping[str, torch.Tensor],
                    raise_error: bool = True) -> str | None:
     """Compare `model` (a module, a DDP wrapper or a state dict) across the group's ranks.
 
-    Call it on every rank at the same point. Returns None when all ranks hold the same bits;
+    For replicated models (DDP; local SGD right after a meeting). A ZeRO rank holds a shard,
+    not a replica: compare `ZeroDataParallel.full_state_dict()` instead. Call it on every rank
+    at the same point. Returns None when all ranks hold the same bits;
     otherwise raises `ReplicasDivergedError` (or returns its message, `raise_error=False`).
     """
     group = process_group or dist.group.WORLD
