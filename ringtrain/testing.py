@@ -93,7 +93,7 @@ def run_workers(
     env: dict[str, str] | None = None,
     threads: int = 1,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return results by rank."""
+    """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return results by rank."""
     from ringtrain.runtime import free_port
 
     ctx = _context()
