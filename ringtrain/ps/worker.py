@@ -106,10 +106,20 @@ class PSWorker:
         """Fetch the current parameters from every server (set-up, after a restore)."""
         t0 = time.perf_counter()
         with self._naming_lost_server():
-            pending = [post_recv_params(self._flats[i], server=s, group=self.pair_groups[s])
-                       for i, s in enumerate(self.server_ranks)]
-            sends = [(s, send_pull(server=s, group=self.pair_groups[s])) for s in self.server_ranks]
+            pending = self._post_receives()
+            sends = []
+            for s in self.server_ranks:
+                self._server = s
+                sends.append((s, send_pull(server=s, group=self.pair_groups[s])))
         return self._finish(pending, sends, t0, record=False)
+
+    def _post_receives(self) -> list:
+        """Post each server's answer receive; a server already gone is named (`_server`)."""
+        pending = []
+        for i, s in enumerate(self.server_ranks):
+            self._server = s
+            pending.append(post_recv_params(self._flats[i], server=s, group=self.pair_groups[s]))
+        return pending
 
     def push_pull(self, *, lr: float, grad_clip: float | None = None) -> PullResult:
         """Send this step's gradients (`.grad` of the module) and take the updated parameters.
@@ -134,8 +144,7 @@ class PSWorker:
         self.clock += 1
         self._sends = []
         with self._naming_lost_server():
-            self._pending = [post_recv_params(self._flats[i], server=s, group=self.pair_groups[s])
-                             for i, s in enumerate(self.server_ranks)]
+            self._pending = self._post_receives()
             self.pushed_at = time.monotonic()
             for i, s in enumerate(self.server_ranks):
                 self._server = s
