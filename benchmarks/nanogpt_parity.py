@@ -169,7 +169,11 @@ def parse_seeds(text: str) -> list[int]:
     seeds: list[int] = []
     for part in text.split(","):
         lo, _, hi = part.partition("-")
-        seeds += range(int(lo), int(hi or lo) + 1)
+        try:
+            seeds += range(int(lo), int(hi or lo) + 1)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: seeds are whole numbers, as a range or a "
+                                             "list: 1-8, or 1,5,9") from None
     if len(seeds) < 2:
         raise argparse.ArgumentTypeError(f"{text!r}: give at least two seeds, e.g. 1-8")
     return seeds
@@ -189,13 +193,12 @@ def seed_study(data: Path, work: Path, seeds: list[int], steps: int, log_every: 
             plain.append(run_plain(data, steps, log_every, threads, seed)["val_loss"])
             ours.append(job.result()["val_loss"])
             print(f"seed {seed}: plain {plain[-1]:.4f}  ringtrain 1p {ours[-1]:.4f}", flush=True)
-    n, goal = len(seeds), GOAL_VAL_LOSS
+    goal, mean_plain, mean_1p = GOAL_VAL_LOSS, statistics.mean(plain), statistics.mean(ours)
     sd = {k: statistics.stdev(v) for k, v in (("plain", plain), ("1p", ours))}
-    se = math.sqrt((sd["plain"] ** 2 + sd["1p"] ** 2) / n)
+    se = math.sqrt((sd["plain"] ** 2 + sd["1p"] ** 2) / len(seeds))
     return {"seeds": seeds, "val_loss_plain": plain, "val_loss_1p": ours,
-            "mean_plain": statistics.mean(plain), "mean_1p": statistics.mean(ours),
-            "sd_plain": sd["plain"], "sd_1p": sd["1p"],
-            "welch_t": (statistics.mean(ours) - statistics.mean(plain)) / se if se else 0.0,
+            "mean_plain": mean_plain, "mean_1p": mean_1p, "sd_plain": sd["plain"], "sd_1p": sd["1p"],
+            "welch_t": (mean_1p - mean_plain) / se if se else 0.0,
             "at_or_below_goal_plain": sum(v <= goal for v in plain),
             "at_or_below_goal_1p": sum(v <= goal for v in ours)}
 

@@ -76,9 +76,9 @@ def check_replicas(model: nn.Module | Mapping[str, torch.Tensor],
     """
     group = process_group or dist.group.WORLD
     world = dist.get_world_size(group)
-    named = _named(model)
     if world == 1:
         return None
+    named = _named(model)
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend(group) == "nccl" else torch.device("cpu"))
     sums = tensor_checksums(named.values()).to(device)
