@@ -10,7 +10,8 @@ otherwise): a rank starts in ~0.1 s instead of the ~1.4 s of a fresh interpreter
 torch, which over the suite's hundreds of worker starts is minutes. The server imports torch
 only (no CUDA, no threads), and each rank takes the caller's environment and working directory
 as they are at the call, as a spawned process would.
-Each rank runs with `torch.set_num_threads(1)`, an initialised gloo group (unless `init=False`),
+Each rank runs with `torch.set_num_threads(1)`, an initialised gloo group on the CPU (or a
+shared GPU with `device="cuda"`; unless `init=False`),
 and teardown in `finally`. Results come back per rank, in rank order. The first rank that
 raises stops the rest and its traceback is re-raised with its rank; a run that outlives
 `timeout_s` is killed and the unfinished ranks are named: no test can hang.
@@ -51,7 +52,7 @@ def _dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _worker(fn, rank, world_size, port, args, init, env, cwd, threads, out):
+def _worker(fn, rank, world_size, port, args, init, env, cwd, threads, device, out):
     os.environ.clear()  # the caller's, not the forkserver's (which it had when the server started)
     os.environ.update(env)
     os.chdir(cwd)
@@ -61,7 +62,7 @@ def _worker(fn, rank, world_size, port, args, init, env, cwd, threads, out):
     try:
         if init:
             init_distributed(
-                "gloo", rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                "gloo", device=device, rank=rank, world_size=world_size, master_addr="127.0.0.1",
                 master_port=port, rendezvous_timeout_s=30,
             )
         result = fn(rank, world_size, *args)
@@ -92,8 +93,13 @@ def run_workers(
     init: bool = True,
     env: dict[str, str] | None = None,
     threads: int = 1,
+    device: str = "cpu",
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return results by rank."""
+    """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return results by rank.
+
+    The group is gloo; `device="cuda"` gives every rank CUDA tensors on a shared GPU (rank i on
+    cuda:(i mod GPUs)), the way to test multi-process code on a box with fewer GPUs than ranks.
+    """
     from ringtrain.runtime import free_port
 
     ctx = _context()
@@ -103,7 +109,7 @@ def run_workers(
         ctx.Process(
             target=_worker,
             args=(fn, r, world_size, port, args, init, {**os.environ, **(env or {})},
-                  os.getcwd(), threads, out),
+                  os.getcwd(), threads, device, out),
             daemon=True,
         )
         for r in range(world_size)

@@ -4,16 +4,36 @@
   variables are unset, and the `ringtrain` logger, the torch thread count and the process group
   are put back afterwards.
 - `single_process`: a world of one in this process (1 thread, no report.png), its Runtime.
+- the device: every test means the CPU (gloo, CPU tensors) unless marked `cuda`. An unmarked
+  test runs with RINGTRAIN_DEVICE=cpu, which every process it starts inherits (`ringtrain
+  train`, `ringtrain run`, scripts calling `init_distributed()`): on a GPU box "auto" would pick
+  NCCL and put two ranks on one GPU. A test marked `cuda` picks the GPU itself and is skipped,
+  saying so, where torch sees none.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 
+from ringtrain.launch.device import DEVICE_ENV, cuda_device_count
 from ringtrain.launch.process_group import destroy_distributed, init_distributed
+
+# Set at import, before any test module copies os.environ into an ENV of its own.
+os.environ[DEVICE_ENV] = "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _device(request, monkeypatch):
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setenv(DEVICE_ENV, "cpu")  # a test that changed it does not leak it
+        return
+    if cuda_device_count() == 0:
+        pytest.skip("needs CUDA: torch sees no GPU here")
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
 
 
 @pytest.fixture

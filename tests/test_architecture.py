@@ -18,6 +18,7 @@ BOTTOM = {"errors", "types", "ranges", "torch_internals", "store_keys", "trace"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(), "types": set(), "ranges": set(), "torch_internals": set(),
     "store_keys": set(),
+    "staging": set(),  # point-to-point calls that also carry CUDA tensors over gloo
     "trace": set(),  # the step timeline (--trace-steps): every engine may record into it
     "runtime": {"torch_internals"},
     "collectives": {"runtime"},  # RINGTRAIN_DEBUG=collectives: calls checked across ranks
@@ -25,11 +26,11 @@ ALLOWED: dict[str, set[str]] = {
     "models": set(),
     "data": {"runtime"},
     "agreement": {"runtime", "store_keys", "collectives"},
-    "ddp": {"runtime", "torch_internals", "errors", "ranges", "trace", "collectives"},
-    "pipeline": {"runtime", "torch_internals", "errors", "trace"},
-    "ps": {"runtime", "errors", "ranges", "types", "trace", "collectives"},
+    "ddp": {"runtime", "staging", "torch_internals", "errors", "ranges", "trace", "collectives"},
+    "pipeline": {"runtime", "staging", "torch_internals", "errors", "trace"},
+    "ps": {"runtime", "staging", "errors", "ranges", "types", "trace", "collectives"},
     "localsgd": {"errors", "collectives"},
-    "zero": {"runtime", "torch_internals", "errors", "ranges", "ddp", "trace", "collectives"},
+    "zero": {"runtime", "staging", "torch_internals", "errors", "ranges", "ddp", "trace", "collectives"},
     "launch": {"runtime", "torch_internals", "errors", "store_keys"},
     "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
                    "collectives"},

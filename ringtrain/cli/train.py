@@ -145,7 +145,7 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
             die_with_parent()  # a SIGKILLed launcher must not leave this worker running
         job_rank = (_outside_job() or (0, 1))[0]
         setup_logging(job_rank)  # before init: rank 0 says which launcher it found
-        rt = init_distributed()
+        rt = init_distributed(args.backend, device=args.device)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
         # Workers of one machine share its cores: more threads than cores makes every op wait.
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))

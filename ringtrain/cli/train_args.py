@@ -16,6 +16,7 @@ import argparse
 import os
 from typing import Any
 
+from ringtrain.launch.device import BACKENDS, DEVICES, choose
 from ringtrain.strategies import Strategy, registered
 from ringtrain.strategies.base import int_at_least, non_negative_float
 from ringtrain.trace import parse_steps
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_positive_int,
                    help="torch threads per worker (default: CPU cores / --nproc-per-node; 1 is "
                    "faster for small models on a busy machine)")
+    g.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where tensors live: auto is CUDA where torch sees a GPU (one per "
+                   "process with NCCL), else the CPU (default: auto)")
+    g.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="process-group backend: auto is NCCL on CUDA, gloo on the CPU; gloo with "
+                   "--device cuda lets processes share a GPU, for testing (default: auto)")
     g.add_argument("--watchdog-timeout", type=non_negative_float, default=30.0,
                    help="stop every rank this many seconds after a peer went silent; 0 disables "
                    "(default: 30)")
@@ -214,6 +221,8 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[
                         f"{cores} CPU cores: the workers take turns on them and every step waits "
                         f"for the slowest; --nproc-per-node {cores} or fewer trains faster")
     _check_nodes(args)
+    # Before any worker starts: NCCL with more processes than GPUs, or CUDA without one.
+    choose(args.backend, args.device, local_world_size=args.nproc_per_node)
     if args.stop_at_accuracy is not None and not 0 < args.stop_at_accuracy <= 1:
         raise ValueError(f"--stop-at-accuracy {args.stop_at_accuracy}: a fraction of the held-out "
                          "sums, in (0, 1], e.g. 0.99")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import staging
 from ringtrain.ranges import even_ranges
 
 __all__ = [
@@ -116,9 +117,9 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int,
     # which agree because they compute the same bounds.
     works = []
     if recv.numel():
-        works.append(dist.irecv(recv, src=left, group=group, tag=_RING_TAG))
+        works.append(staging.irecv(recv, group, src=left, tag=_RING_TAG))
     if send.numel():
-        works.append(dist.isend(send, dst=right, group=group, tag=_RING_TAG))
+        works.append(staging.isend(send, group, dst=right, tag=_RING_TAG))
     for w in works:
         w.wait()
 

@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ringtrain.launch.device import choose
 from ringtrain.launch.environments import detect, existing_group_name, from_arguments
 from ringtrain.launch.watchdog import Watchdog
 from ringtrain.runtime import (
@@ -139,6 +140,7 @@ def _own_rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s:
 def init_distributed(
     backend: str | None = None,
     *,
+    device: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
     master_addr: str | None = None,
@@ -149,7 +151,12 @@ def init_distributed(
     """Start the default process group and return this process's `Runtime`.
 
     Args:
-        backend: "gloo" or "nccl"; default NCCL when CUDA is available, else gloo.
+        backend: "gloo" or "nccl"; default (None or "auto"): RINGTRAIN_BACKEND, else NCCL
+            where the device is CUDA and gloo on the CPU (`ringtrain.launch.device`).
+        device: "cpu" or "cuda"; default (None or "auto"): RINGTRAIN_DEVICE, else CUDA where
+            torch sees a GPU and the backend is not gloo. NCCL gives each local rank a GPU of
+            its own and refuses more processes per machine than GPUs; gloo with
+            device="cuda" lets ranks share one.
         rank, world_size, master_addr, master_port: override torchrun's variables (any of
             them given: the launcher's other variables are not read).
         rendezvous_timeout_s: how long to wait for every rank to arrive before failing.
@@ -168,21 +175,17 @@ def init_distributed(
     else:
         found = from_arguments(os.environ, rank, world_size, master_addr, master_port)
     rank, world_size, addr, port = found.rank, found.world_size, found.master_addr, found.master_port
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise DistributedInitError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise DistributedInitError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
     local_rank = found.local_rank
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    # LOCAL_WORLD_SIZE: torchrun's and `ringtrain run`'s; other launchers leave the check to
+    # the ranks whose local rank has no GPU of its own.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or local_rank + 1)
+    placement = choose(backend, device, local_rank=local_rank, local_world_size=local_world)
+    backend, device = placement.backend, placement.device
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
 
     timeout = timedelta(seconds=timeout_s)
-    if backend == "gloo" and world_size > 1:
+    if world_size > 1:  # NCCL's group has a gloo part too (below)
         _pick_gloo_interface(addr or os.environ.get("MASTER_ADDR", "127.0.0.1"), rank)
     if world_size == 1:
         store: dist.Store = dist.HashStore()
@@ -190,7 +193,10 @@ def init_distributed(
         store = _agent_store(addr, port, rendezvous_timeout_s)  # torchrun's agent ran the rendezvous
     else:
         store = _own_rendezvous(addr, port, rank, world_size, rendezvous_timeout_s)
-    dist.init_process_group(backend, store=dist.PrefixStore("ringtrain/pg", store), rank=rank,
+    # NCCL takes CUDA tensors only; the agreement's sums, the stop vote and resume's step
+    # vote are small CPU tensors, so an NCCL group carries those over gloo ("cpu:gloo").
+    dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+                            store=dist.PrefixStore("ringtrain/pg", store), rank=rank,
                             world_size=world_size, timeout=timeout)
     _own_group = True
     _runtime = Runtime(rank, world_size, local_rank, backend, device, dist.group.WORLD, store)

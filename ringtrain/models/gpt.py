@@ -219,7 +219,14 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append `max_new_tokens` sampled tokens to `idx` (B, T); temperature 0 means greedy."""
+        """Append `max_new_tokens` sampled tokens to `idx` (B, T); temperature 0 means greedy.
+
+        Args:
+            generator: the draws' generator. They are made on its device (a CPU generator, the
+                usual one, samples a CUDA model's probabilities on the CPU): torch refuses a
+                generator of another device, and the same seed then gives the same text on
+                either device wherever the probabilities agree.
+        """
         idx = idx.to(self.embed.wte.weight.device)
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size:])[:, -1, :]  # (B, vocab)
@@ -231,7 +238,9 @@ class GPT(nn.Module):
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 probs = F.softmax(logits.float(), dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
+                if generator is not None:
+                    probs = probs.to(generator.device)
+                nxt = torch.multinomial(probs, 1, generator=generator).to(idx.device)
             idx = torch.cat((idx, nxt), dim=1)
         return idx
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ringtrain import staging
+
 # dtypes a boundary tensor may have; the header carries the index.
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64,
            torch.int64, torch.int32, torch.bool, torch.uint8, torch.int8, torch.int16]
@@ -34,13 +36,13 @@ def send_meta(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
         raise TypeError(f"a stage output has dtype {tensor.dtype}, which cannot cross a stage boundary; use one of {_DTYPES}")
     header = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
     header += [0] * (_HEADER - len(header))
-    dist.send(torch.tensor(header, dtype=torch.int64, device=tensor.device), dst=dst, group=group)
+    staging.send(torch.tensor(header, dtype=torch.int64, device=tensor.device), group, dst=dst)
 
 
 def recv_meta(src: int, group: dist.ProcessGroup, device: torch.device) -> tuple[torch.Size, torch.dtype]:
     """Receive the shape and dtype that global rank `src` announced with `send_meta`."""
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src=src, group=group)
+    staging.recv(header, group, src=src)
     ndim, index, *shape = header.tolist()
     return torch.Size(shape[:ndim]), _DTYPES[index]
 
@@ -49,7 +51,7 @@ def recv_meta(src: int, group: dist.ProcessGroup, device: torch.device) -> tuple
 class PendingSend:
     """A posted send; holds its buffer, which must stay alive and unchanged until `wait()`."""
 
-    work: dist.Work
+    work: staging.StagedWork
     buffer: torch.Tensor
 
     def wait(self) -> None:
@@ -58,8 +60,7 @@ class PendingSend:
 
 def _isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
     buffer = tensor.detach().contiguous()
-    work = dist.isend(buffer, dst=dst, group=group)
-    assert work is not None  # None only when this rank is not in `group`
+    work = staging.isend(buffer, group, dst=dst)
     return PendingSend(work, buffer)
 
 
@@ -68,7 +69,7 @@ class PendingRecv:
     """A posted receive. Posting ahead of need lets the transfer run while this rank computes:
     gloo moves data only once both sides have posted, on its own I/O threads."""
 
-    work: dist.Work
+    work: staging.StagedWork
     buffer: torch.Tensor
     needs_grad: bool = False  # an activation: hand it out as a leaf that requires grad
 
@@ -80,8 +81,7 @@ class PendingRecv:
 def _irecv(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
            group: dist.ProcessGroup, needs_grad: bool) -> PendingRecv:
     buffer = torch.empty(shape, dtype=dtype, device=device)
-    work = dist.irecv(buffer, src=src, group=group)
-    assert work is not None  # None only when this rank is not in `group`
+    work = staging.irecv(buffer, group, src=src)
     return PendingRecv(work, buffer, needs_grad)
 
 

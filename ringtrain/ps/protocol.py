@@ -30,6 +30,8 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
+from ringtrain import staging
+
 HEADER_TAG = 1  # each part of a message has its own tag, so parts cannot be mistaken
 PARAMS_TAG = 2  # server -> worker: the parameters
 NORM_TAG = 3  # worker -> server: the squared norm of the whole gradient, after the buckets
@@ -159,9 +161,9 @@ def send_push_header(*, clock: int, base_version: int, lr: float, grad_clip: flo
 
 
 def send_bucket(grads: torch.Tensor, *, bucket: int, server: int,
-                group: dist.ProcessGroup) -> dist.Work:
+                group: dist.ProcessGroup) -> staging.StagedWork:
     """Start sending gradient bucket `bucket` of a push (a contiguous slice of the flat buffer)."""
-    return dist.isend(grads, server, group=group, tag=BUCKET_TAG + bucket)
+    return staging.isend(grads, group, dst=server, tag=BUCKET_TAG + bucket)
 
 
 def send_push_norm(sq_norm: float, *, server: int, group: dist.ProcessGroup) -> dist.Work:
@@ -191,7 +193,7 @@ class PendingParams:
     def __init__(self, out: torch.Tensor, server: int, group: dist.ProcessGroup):
         self._head = torch.zeros(HEADER_LEN, dtype=torch.float64)
         self._works = [dist.irecv(self._head, server, group=group, tag=HEADER_TAG),
-                       dist.irecv(out, server, group=group, tag=PARAMS_TAG)]
+                       staging.irecv(out, group, src=server, tag=PARAMS_TAG)]
 
     def wait(self) -> Header:
         for w in self._works:
@@ -218,7 +220,7 @@ def recv_request(grads_out: torch.Tensor, buckets: list[tuple[int, int]], *, wor
     if header.kind != Kind.PUSH:
         return header, 0.0
     sq_norm = torch.zeros(1, dtype=torch.float64)
-    works = [dist.irecv(grads_out[a:b], worker, group=group, tag=BUCKET_TAG + i)
+    works = [staging.irecv(grads_out[a:b], group, src=worker, tag=BUCKET_TAG + i)
              for i, (a, b) in enumerate(buckets)]
     works.append(dist.irecv(sq_norm, worker, group=group, tag=NORM_TAG))
     for w in works:
@@ -231,6 +233,6 @@ def send_params(params: torch.Tensor, *, kind: Kind, version: int, clock: int, g
     """Send the shard's parameters (a pull's answer) with its version; blocks until sent."""
     head = _header(kind, clock, version, gap=gap, applied=applied)
     works = [dist.isend(head, worker, group=group, tag=HEADER_TAG),
-             dist.isend(params, worker, group=group, tag=PARAMS_TAG)]
+             staging.isend(params, group, dst=worker, tag=PARAMS_TAG)]
     for w in works:
         w.wait()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import collectives as checked  # agreed first under RINGTRAIN_DEBUG=collectives
+from ringtrain import staging
 
 
 def _check(flat: torch.Tensor, world_size: int, what: str) -> int:
@@ -42,8 +43,9 @@ class RingWork:
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         n = self.world_size
-        self._works = [dist.isend(send, group=self.group, group_dst=(self.rank + 1) % n),
-                       dist.irecv(recv, group=self.group, group_src=(self.rank - 1) % n)]
+        # CUDA tensors on gloo cross a host copy (ringtrain.staging); the rest is torch's call.
+        self._works = [staging.isend(send, self.group, group_dst=(self.rank + 1) % n),
+                       staging.irecv(recv, self.group, group_src=(self.rank - 1) % n)]
 
     def _finish_exchange(self) -> None:
         for w in self._works:

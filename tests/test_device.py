@@ -1,0 +1,97 @@
+"""The backend and device rule (ringtrain.launch.device), and `ringtrain train`'s check of it
+before any worker starts. Pure: the GPU count is handed in (or torch's is patched), so these run
+on a CPU box; tests/test_cuda.py runs the same rule on a real GPU.
+
+    .venv/bin/pytest -q tests/test_device.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringtrain.launch.device import DEVICE_ENV, Placement, PlacementError, choose
+
+
+def _never() -> int:
+    raise AssertionError("the GPU count was asked for on a CPU path")
+
+
+def _gpus(n: int):
+    return lambda: n
+
+
+@pytest.mark.parametrize("backend, device, gpus, local_rank, want", [
+    (None, None, 0, 0, ("gloo", "cpu")),          # a CPU box
+    (None, None, 2, 1, ("nccl", "cuda:1")),       # one GPU per local rank
+    ("gloo", None, 2, 1, ("gloo", "cpu")),        # gloo alone means the CPU
+    ("gloo", "cuda", 1, 1, ("gloo", "cuda:0")),   # ranks share a GPU over gloo
+    (None, "cuda", 1, 0, ("nccl", "cuda:0")),
+    ("auto", "auto", 1, 0, ("nccl", "cuda:0")),
+])
+def test_the_rule(backend, device, gpus, local_rank, want):
+    got = choose(backend, device, local_rank=local_rank, local_world_size=2 if gpus > 1 else 1,
+                 env={}, gpus=_gpus(gpus))
+    assert got == Placement(want[0], torch.device(want[1]))
+
+
+def test_the_cpu_asked_for_never_asks_for_gpus():
+    assert choose(None, "cpu", env={}, gpus=_never).device == torch.device("cpu")
+    assert choose("gloo", None, env={}, gpus=_never).device == torch.device("cpu")
+    assert choose(None, None, env={DEVICE_ENV: "cpu"}, gpus=_never).backend == "gloo"
+
+
+def test_an_argument_wins_over_the_environment_which_wins_over_auto():
+    env = {DEVICE_ENV: "cpu", "RINGTRAIN_BACKEND": "gloo"}
+    assert choose(None, None, env=env, gpus=_gpus(1)) == Placement("gloo", torch.device("cpu"))
+    assert choose(None, "cuda", env=env, gpus=_gpus(1)) == Placement("gloo", torch.device("cuda", 0))
+
+
+def test_more_nccl_processes_than_gpus_is_one_clear_error():
+    with pytest.raises(PlacementError) as e:
+        choose(None, None, local_rank=1, local_world_size=2, env={}, gpus=_gpus(1))
+    text = str(e.value)
+    assert "2 processes on this machine but 1 GPU" in text
+    assert "--nproc-per-node 1" in text and "--backend gloo --device cuda" in text
+    assert "--device cpu" in text and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("backend, device, env, gpus, says", [
+    ("nccl", "cpu", {}, 1, "backend nccl needs CUDA tensors"),
+    (None, "cuda", {}, 0, "sees no GPU here"),
+    ("nccl", None, {}, 0, "sees no GPU here"),
+    (None, None, {DEVICE_ENV: "gpu"}, 1, "RINGTRAIN_DEVICE='gpu': use one of auto, cpu, cuda"),
+])
+def test_what_this_machine_cannot_give_is_named(backend, device, env, gpus, says):
+    with pytest.raises(PlacementError, match=says.replace("(", r"\(")):
+        choose(backend, device, env=env, gpus=_gpus(gpus))
+
+
+def test_ringtrain_train_refuses_two_nccl_ranks_on_one_gpu_before_any_worker_starts(
+        monkeypatch, capsys, clean_env):
+    """On a 1-GPU box `ringtrain train --nproc-per-node 2` used to start both workers, which
+    failed in NCCL with 'Duplicate GPU detected : rank 0 and rank 1 both on CUDA device'."""
+    from ringtrain.cli.train import main
+
+    monkeypatch.delenv(DEVICE_ENV)  # what a user's GPU box has: nothing set
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr("ringtrain.launch.launcher.launch", launched)
+    assert main(["--nproc-per-node", "2", "--steps", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "ringtrain train: error: 2 processes on this machine but 1 GPU" in err
+    assert "--nproc-per-node 1" in err and "--backend gloo --device cuda" in err
+
+
+def test_ringtrain_train_with_the_cpu_asked_for_starts_on_a_gpu_box(monkeypatch, clean_env, tmp_path):
+    """--device cpu on a box that has GPUs: gloo, CPU tensors, no GPU count needed."""
+    from ringtrain.cli.train import main
+
+    monkeypatch.setattr(torch.cuda, "device_count", _never)
+    assert main(["--device", "cpu", "--steps", "2", "--no-progress", "--n-layer", "1",
+                 "--n-embd", "16", "--n-head", "2", "--batch-size", "8",
+                 "--run-dir", str(tmp_path / "run")]) == 0
