@@ -37,9 +37,13 @@ __all__ = ["EvalShard", "LossFn", "OptimizerFn", "Option", "ShardPerRank", "Step
 
 @dataclass
 class StepResult:
-    """What one optimizer step did on this rank (sums, so the trainer can reduce them)."""
+    """What one optimizer step did on this rank (sums, so the trainer can reduce them).
 
-    loss_sum: float  # sum over this rank's samples of the per-sample mean loss
+    `loss_sum` may be a 0-dim tensor on the device: the trainer converts it only on steps it
+    logs, so a step that logs nothing never waits for the device (`ringtrain.strategies.step`).
+    """
+
+    loss_sum: float | torch.Tensor  # sum over this rank's samples of the per-sample mean loss
     count: int  # samples behind loss_sum; 0 where this rank computes no loss
     compute_s: float = 0.0  # forward + backward + optimizer time
     comm_s: float = 0.0  # time spent waiting on communication

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import Option, ShardPerRank, StepResult, Strategy, eval_forward
 from ringtrain.strategies.explaining import Explanation, RunFacts, n, nbytes
+from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 
 
@@ -154,34 +154,18 @@ class DDPStrategy(ShardPerRank, Strategy):
             raise ValueError(f"rank {self.runtime.rank}: train_step got no micro-batches; every DDP "
                              "rank must take part in every step")
         start = time.perf_counter()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        total = sum(len(x) for x, _ in micro_batches)
-        losses = []
+        lr_into(self.optimizer, lr)
+        acc = accumulate(micro_batches, self.ddp, self.loss_fn, device=self.runtime.device,
+                         tracer=self.tracer, no_sync=self.ddp.no_sync)
         comm_s = 0.0
-        device = self.runtime.device
-        for i, (x, y) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with nullcontext() if last else self.ddp.no_sync():
-                with self.tracer.span("forward", micro_batch=i):
-                    loss = self.loss_fn(self.ddp(x), y)
-                # Weight each micro-batch by its share of the samples: the accumulated gradient
-                # is then the mean over the whole step batch, whatever the split.
-                with self.tracer.span("backward", micro_batch=i):
-                    (loss * (len(x) / total)).backward()
-            if last and self.runtime.world_size > 1:  # one rank: no communication, all compute
-                comm_s = max(0.0, time.perf_counter() - self._last_grad_at)
-            losses.append((loss.detach(), len(x)))
-        if grad_clip:
-            # Gradients are identical on every rank after the all-reduce, so is the clip factor.
-            torch.nn.utils.clip_grad_norm_(self._parameters(), grad_clip)
-        with self.tracer.span("optimizer step"):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = sum(float(loss) * n for loss, n in losses)
+        if self.runtime.world_size > 1:  # one rank: no communication, all compute
+            comm_s = max(0.0, time.perf_counter() - self._last_grad_at)
+        # Gradients are identical on every rank after the all-reduce, so is the clip factor.
+        optimizer_step(self.optimizer, self.tracer, grad_clip=grad_clip,
+                       clip=lambda max_norm: torch.nn.utils.clip_grad_norm_(self._parameters(), max_norm))
         elapsed = time.perf_counter() - start
-        return StepResult(loss_sum=loss_sum, count=total, compute_s=elapsed - comm_s, comm_s=comm_s)
+        return StepResult(loss_sum=acc.loss_sum, count=acc.count, compute_s=elapsed - comm_s,
+                          comm_s=comm_s)
 
     @torch.no_grad()
     def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -37,6 +37,7 @@ from ringtrain.strategies.base import (
     int_at_least,
 )
 from ringtrain.strategies.explaining import Explanation, RunFacts, n, nbytes, plural
+from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 
 
@@ -125,22 +126,11 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
             raise ValueError(f"rank {self.runtime.rank}: train_step got no micro-batches; every "
                              f"{self.name} rank trains on its own shard")
         start = time.perf_counter()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        total = sum(len(x) for x, _ in micro_batches)
-        loss_sum, device = 0.0, self.runtime.device
-        for x, y in micro_batches:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with self.tracer.span("forward"):
-                loss = self.loss_fn(self.module(x), y)
-            with self.tracer.span("backward"):
-                (loss * (len(x) / total)).backward()
-            loss_sum += float(loss.detach()) * len(x)
-        if grad_clip:
-            torch.nn.utils.clip_grad_norm_(self._params(), grad_clip)  # this worker's own norm
-        with self.tracer.span("optimizer step"):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr_into(self.optimizer, lr)
+        acc = accumulate(micro_batches, self.module, self.loss_fn, device=self.runtime.device,
+                         tracer=self.tracer)
+        optimizer_step(self.optimizer, self.tracer, grad_clip=grad_clip,  # this worker's own norm
+                       clip=lambda max_norm: torch.nn.utils.clip_grad_norm_(self._params(), max_norm))
         self.inner_steps += 1
         comm_s = 0.0
         if self.inner_steps % self.sync_every == 0:
@@ -152,7 +142,8 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
             comm_s = time.perf_counter() - t0 if self.runtime.world_size > 1 else 0.0
             self.meeting_s += comm_s
         elapsed = time.perf_counter() - start
-        return StepResult(loss_sum=loss_sum, count=total, compute_s=elapsed - comm_s, comm_s=comm_s)
+        return StepResult(loss_sum=acc.loss_sum, count=acc.count, compute_s=elapsed - comm_s,
+                          comm_s=comm_s)
 
     @torch.no_grad()
     def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -59,6 +59,7 @@ from ringtrain.strategies.base import (
     int_at_least,
 )
 from ringtrain.strategies.explaining import Explanation, RunFacts, nbytes, plural, ranks
+from ringtrain.strategies.step import accumulate
 from ringtrain.types import LossFn, OptimizerFn
 
 log = logging.getLogger("ringtrain")
@@ -274,25 +275,17 @@ class PSStrategy(Strategy):
                              "every worker must take part in every step")
         assert self.module is not None, "setup() first"
         start = time.perf_counter()
-        device = self.runtime.device
-        total = sum(len(x) for x, _ in micro_batches)
         self.module.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with self.tracer.span("forward", micro_batch=i):
-                loss = self.loss_fn(self.module(x), y)
-            if i == len(micro_batches) - 1:
-                # Gradient buckets leave during this backward. Clipping happens on the
-                # servers: of the mean gradient in sync (as data parallel clips), of each
-                # push by its own norm in async/ssp (each push is an update of its own).
-                self.worker.begin_push(lr=lr, grad_clip=grad_clip)
-            with self.tracer.span("backward", micro_batch=i):
-                (loss * (len(x) / total)).backward()  # the accumulated gradient is the step's mean
-            loss_sum += float(loss.detach()) * len(x)
+        worker = self.worker
+        # Gradient buckets leave during the last backward. Clipping happens on the servers: of
+        # the mean gradient in sync (as data parallel clips), of each push by its own norm in
+        # async/ssp (each push is an update of its own).
+        acc = accumulate(micro_batches, self.module, self.loss_fn, device=self.runtime.device,
+                         tracer=self.tracer,
+                         before_last_backward=lambda: worker.begin_push(lr=lr, grad_clip=grad_clip))
         result = self.worker.finish_push()
         elapsed = time.perf_counter() - start
-        return StepResult(loss_sum=loss_sum, count=total, compute_s=elapsed - result.comm_s,
+        return StepResult(loss_sum=acc.loss_sum, count=acc.count, compute_s=elapsed - result.comm_s,
                           comm_s=result.comm_s)
 
     @torch.no_grad()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import Option, ShardPerRank, StepResult, Strategy, eval_forward
 from ringtrain.strategies.explaining import Explanation, RunFacts, nbytes
+from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import reshard
 from ringtrain.zero.shard import STAGES, expected_bytes
@@ -113,29 +113,13 @@ class ZeroStrategy(ShardPerRank, Strategy):
             raise ValueError(f"rank {self.runtime.rank}: train_step got no micro-batches; every "
                              "ZeRO rank must take part in every step")
         start = time.perf_counter()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        total = sum(len(x) for x, _ in micro_batches)
-        losses = []
-        device = self.runtime.device
-        for i, (x, y) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            x, y = x.to(device), y.to(device)
-            with nullcontext() if last else model.no_sync():
-                with self.tracer.span("forward", micro_batch=i):
-                    loss = self.loss_fn(model(x), y)
-                # Each micro-batch weighted by its share: the mean over the whole step batch.
-                with self.tracer.span("backward", micro_batch=i):
-                    (loss * (len(x) / total)).backward()
-            losses.append((loss.detach(), len(x)))
-        if grad_clip:
-            model.clip_grad_norm_(grad_clip)
-        with self.tracer.span("optimizer step"):
-            self.optimizer.step()
-        self.optimizer.zero_grad()
+        lr_into(self.optimizer, lr)
+        acc = accumulate(micro_batches, model, self.loss_fn, device=self.runtime.device,
+                         tracer=self.tracer, no_sync=model.no_sync)
+        optimizer_step(self.optimizer, self.tracer, grad_clip=grad_clip, clip=model.clip_grad_norm_)
         self._memory = model.memory()  # what a rank holds between steps (counted, cheap)
-        loss_sum = sum(float(loss) * n for loss, n in losses)
-        return StepResult(loss_sum=loss_sum, count=total, compute_s=time.perf_counter() - start)
+        return StepResult(loss_sum=acc.loss_sum, count=acc.count,
+                          compute_s=time.perf_counter() - start)
 
     @torch.no_grad()
     def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -4,6 +4,7 @@ Read in this order:
 - `config.py`: `TrainerConfig`, the LR schedule, the default optimizer, seeds and hashes.
 - `state.py`: `LoopState`, the loop's own state (step, metrics window, tokens, sampler cursor).
 - `trainer.py`: `Trainer.fit()`: the steps, metrics, snapshots, the summary.
+- `batches.py`: `MicroBatches`, a data rank's training batches (sampler order, pinned on CUDA).
 - `evaluate.py`: evaluation on the exact eval shard the strategy names.
 - `progress.py`: the progress bar, rank-prefixed logging, metrics.jsonl and summary.json.
 - `report.py`: report.png from metrics.jsonl.

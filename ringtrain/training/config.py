@@ -40,6 +40,9 @@ class TrainerConfig:
         progress: draw the progress bar on rank 0.
         record_samples: record each step's global sample indices in the snapshots
             (`ringtrain.data.sample_log`; `--record-samples`).
+        compile: `torch.compile` the model (`nn.Module.compile`: in place, the same parameter
+            names) once the strategy holds it; evaluation compiles a graph of its own, the end
+            of run sample runs on an uncompiled copy (`--compile`).
     """
 
     steps: int = 2000
@@ -60,6 +63,7 @@ class TrainerConfig:
     eval_batch_size: int | None = None
     progress: bool = True
     record_samples: bool = False
+    compile: bool = False
 
     def resolved(self) -> TrainerConfig:
         """A copy with every `None` derived, after checking each value (errors say the fix)."""
@@ -109,12 +113,19 @@ def lr_at(step: int, c: TrainerConfig) -> float:
 
 
 def adamw(weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> OptimizerFn:
-    """AdamW that decays matrices only: decaying biases and LayerNorm gains only hurts."""
+    """AdamW that decays matrices only: decaying biases and LayerNorm gains only hurts.
+
+    Fused (one kernel for all parameters, as nanoGPT's) when every parameter is on a CUDA
+    device; elsewhere torch's default (foreach), which keeps CPU runs bit for bit as they were.
+    """
     def build(params) -> torch.optim.Optimizer:
         params = [p for p in params if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=0.0, betas=betas)
+        # Asked of the tensors, not of torch.cuda: no CUDA call on a CPU path.
+        fused = bool(params) and all(p.device.type == "cuda" for p in params)
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=0.0, betas=betas,
+                                 **({"fused": True} if fused else {}))
     return build
 
 

@@ -12,8 +12,11 @@ window's sum over the old ranks (`restart_window`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
@@ -42,23 +45,57 @@ class LoopState:
     tokens: float = 0.0  # tokens trained on, all ranks
     last: dict[str, Any] = field(default_factory=dict)  # the newest reduced metrics
     resumes: list[dict[str, Any]] = field(default_factory=list)  # one entry per resume
-    window: list[float] = field(default_factory=_empty_window)
+    _sums: list[float] = field(default_factory=_empty_window, repr=False)
+    # Sums still on the device (index -> 0-dim tensor): a strategy's loss sum is not read back
+    # each step, which would make the host wait for the device every step; `window` reads them.
+    _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     window_s: float = 0.0
     window_steps: int = 0
     samples: SampleLog | None = None  # each step's sample indices (--record-samples), or None
 
     # -- the metrics window ------------------------------------------------------------------
-    def add(self, values: tuple[float, ...], seconds: float) -> None:
-        """One step's sums (in `WINDOW_FIELDS` order) and time into the window."""
+    @property
+    def window(self) -> list[float]:
+        """The window's sums as numbers (in `WINDOW_FIELDS` order). Reading it waits for the
+        device once, for the sums still there: do it on metrics and snapshot steps only."""
+        for i, t in self._pending.items():
+            self._sums[i] = float(t)
+        self._pending = {}
+        return self._sums
+
+    @window.setter
+    def window(self, sums: list[float]) -> None:
+        self._sums, self._pending = list(sums), {}
+
+    def add(self, values: tuple[float | torch.Tensor, ...], seconds: float) -> None:
+        """One step's sums (in `WINDOW_FIELDS` order) and time into the window; a tensor (a
+        loss sum on the device) stays there until `window` is read."""
         for i, v in enumerate(values):
-            self.window[i] += v
+            if isinstance(v, torch.Tensor):
+                # The same additions, in the same order, as on numbers: the window's value so
+                # far enters the device sum first, so the result is the same bit for bit.
+                held = self._pending.get(i)
+                self._pending[i] = v + self._sums[i] if held is None else held + v
+            elif i in self._pending:
+                self._pending[i] = self._pending[i] + v
+            else:
+                self._sums[i] += v
         self.window_s += seconds
         self.window_steps += 1
         self.train_time_s += seconds
 
     def take_window(self) -> tuple[list[float], float, int]:
-        """The window's (sums, seconds, steps), leaving it empty for the next metrics line."""
-        out = (self.window, self.window_s, self.window_steps)
+        """The window's (sums, seconds, steps), leaving it empty for the next metrics line.
+
+        The time reading the sums waits is counted as the window's: it is the device finishing
+        the steps the host queued (their host times alone would overstate the throughput).
+        """
+        t0 = time.perf_counter()
+        sums = self.window
+        waited = time.perf_counter() - t0
+        self.window_s += waited
+        self.train_time_s += waited
+        out = (sums, self.window_s, self.window_steps)
         self.window, self.window_s, self.window_steps = _empty_window(), 0.0, 0
         return out
 

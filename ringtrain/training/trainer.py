@@ -13,7 +13,8 @@ The loop knows nothing about the model or how it is distributed: it hands micro-
   rank waits in a collective another rank never calls (uneven data never hangs);
 - metrics are reduced once per logged step as (sum, count) over the world group, never a mean
   of means; ranks without output contribute 0; decisions (stop early, NaN) use those reduced
-  values, which are bit-identical on every rank;
+  values, which are bit-identical on every rank; a step that logs nothing reads nothing back
+  from the device (the loss sum stays a device tensor until then: `LoopState.window`);
 - evaluation uses the sampler's exact mode (no padded duplicates);
 - every rank runs the loop, also one that reads no data (`data_rank` None, a parameter
   server): it passes no micro-batches, gets count 0 back and joins the same collectives;
@@ -36,7 +37,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
@@ -53,8 +54,9 @@ from ringtrain.replicas import divergence
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy
 from ringtrain.trace import Tracer
+from ringtrain.training.batches import MicroBatches
 from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
-from ringtrain.training.evaluate import collate, eval_sums
+from ringtrain.training.evaluate import eval_sums
 from ringtrain.training.progress import MetricsLog, Progress, write_json
 from ringtrain.training.state import LoopState
 from ringtrain.training.tensorboard import TensorBoardLog
@@ -126,6 +128,12 @@ class Trainer:
         self.tracer = Tracer(runtime.rank, trace_steps)  # off (records nothing) without steps
         strategy.trace(self.tracer)  # before setup, which hands it to the engines
         strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay, betas=(c.beta1, c.beta2)), loss_fn)
+        self._model_fn = model_fn
+        if c.compile:
+            # From outside the model, after setup: a copy the strategy made in setup (local
+            # SGD's weights of the last meeting) stays eager, rather than sharing a compiled
+            # call bound to the original. In place, so state_dict names keep no `_orig_mod.`.
+            self.model.compile()
         torch.manual_seed(rank_seed(c.seed, runtime.rank))  # dropout differs per rank
         self.data_rank, self.data_world_size = strategy.data_rank, strategy.data_world_size
         self.agreement = strategy.agreement(runtime, name)  # sums, votes, digests across ranks
@@ -141,11 +149,15 @@ class Trainer:
                     f"the training set has {len(train_set)} samples, {len(self.train_sampler)} per "
                     f"data rank over {self.data_world_size} ranks: fewer than one batch of "
                     f"--batch-size {c.batch_size}; lower --batch-size or use more data")
-        self._batches: Iterator[int] | None = None
         # Step, metrics window (per rank, saved so logged losses continue exactly), totals and
         # the sampler's cursor: what a snapshot holds of the loop.
         self.state = LoopState(self.train_sampler,
                                samples=SampleLog(self.data_rank) if c.record_samples else None)
+        self.batches: MicroBatches | None = None
+        if self.train_sampler is not None:
+            self.batches = MicroBatches(train_set, self.train_sampler, batch_size=c.batch_size,
+                                        samples=self.state.samples,
+                                        pin=runtime.device.type == "cuda")
         self.metrics = MetricsLog(None)
         self.resume = resume
         self.checkpointer: Checkpointer | None = None
@@ -159,26 +171,6 @@ class Trainer:
     def step(self) -> int:
         return self.state.step
 
-    # -- data ------------------------------------------------------------------------------------
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next micro-batch of this rank's shard; a new epoch starts when one runs out.
-
-        Every rank's shard has the same length, so every rank starts a new epoch at the same
-        step; an epoch's last partial batch is dropped (never a short batch on one rank only).
-        """
-        assert self.train_sampler is not None
-        indices: list[int] = []
-        while len(indices) < self.config.batch_size:
-            if self._batches is None:
-                self._batches = iter(self.train_sampler)  # advances the epoch by itself
-            try:
-                indices.append(next(self._batches))
-            except StopIteration:
-                self._batches, indices = None, []
-        if self.state.samples is not None:  # --record-samples: with the epoch it came from
-            self.state.samples.add(self.train_sampler.epoch, indices)
-        return collate(self.train_set, indices)
-
     def _autocast(self):
         # Around the strategy's whole step (so every strategy gets it without an option of its
         # own): backward ops run in the dtype autocast chose for their forward op either way.
@@ -189,9 +181,9 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def _log(self, step: int, lr: float, evaluated: bool) -> dict[str, Any]:
         """Reduce the window's sums (and eval sums) once; rank 0 writes the metrics line."""
+        window, window_s, window_steps = self.state.take_window()  # first: it waits for the steps
         ev = eval_sums(self.strategy, self.eval_set, self.loss_fn, self.eval_metrics,
                        self.config.eval_batch_size, self._autocast) if evaluated else []
-        window, window_s, window_steps = self.state.take_window()
         r = self.agreement.sum(window + ev)
         loss_sum, count, tokens, compute_s, comm_s, worker_steps = r[:6]
         self.state.tokens += tokens
@@ -229,10 +221,11 @@ class Trainer:
         cp = self.checkpointer
         resumed_at = cp.resume() if cp is not None and self.resume else None
         if resumed_at is not None:
-            self._batches = None  # the sampler's cursor moved: a new iterator
             # An elastic resume keeps the global batch with another per-rank layout.
             self.config = replace(self.config, batch_size=resumed_at.batch_size,
                                   grad_accum=resumed_at.grad_accum).resolved()
+            if self.batches is not None:  # the sampler's cursor moved: a new iterator
+                self.batches.restart(self.config.batch_size)
         c = self.config
         progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0, initial=self.step,
                             log_every=c.log_every)  # not a terminal: a plain line per log_every
@@ -264,7 +257,7 @@ class Trainer:
         c, s, cp = self.config, self.strategy, self.checkpointer
         while self.step < c.steps:
             lr = lr_at(self.step, c)
-            micro = [self._next_batch() for _ in range(c.grad_accum)] if self.train_sampler else []
+            micro = [self.batches.next() for _ in range(c.grad_accum)] if self.batches else []
             t0 = time.perf_counter()
             with self._autocast(), self.tracer.step(self.step + 1):
                 res: StepResult = s.train_step(micro, lr=lr, grad_clip=c.grad_clip)
@@ -335,6 +328,15 @@ class Trainer:
             self.state.samples.sync(self.agreement.gather)
         self.checkpointer.save(step, reason=reason)
 
+    def _eager(self, model: nn.Module, state: dict[str, Any]) -> nn.Module:
+        """`model`, or under `compile` an uncompiled copy holding `state`: generating grows the
+        input one token at a time, and each new length would cost a compile."""
+        if not self.config.compile:
+            return model
+        eager = self._model_fn()
+        eager.load_state_dict(state)
+        return eager.to(next(model.parameters()).device).eval()
+
     @staticmethod
     def _eval_text(rec: dict[str, Any]) -> str:
         return ", ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("eval_"))
@@ -375,7 +377,7 @@ class Trainer:
             if self.sample_fn is not None:
                 self.model.load_state_dict(state)
                 self.model.eval()
-                summary["sample"] = self.sample_fn(self.model)
+                summary["sample"] = self.sample_fn(self._eager(self.model, state))
             if self.run_dir:
                 summary["run_dir"] = self.run_dir
                 try:

@@ -1,0 +1,154 @@
+"""The one step loop (ringtrain/strategies/step.py) and the trainer's device-resident loss sums.
+
+    .venv/bin/pytest -q tests/test_step_loop.py
+
+CPU, gloo, one process. What is checked: the loss sum a strategy returns is a device tensor
+equal, bit for bit, to the sum of Python floats the strategies computed before; the metrics
+window gives the same numbers from tensors as from floats (also after a resume mid-window);
+the trainer reads the loss back only on the steps it logs; AdamW is not fused off CUDA; and
+`compile=True` trains the model in place (same parameter names, same first-step loss).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Subset
+
+from ringtrain.data.addition import AdditionDataset
+from ringtrain.models import GPT, GPTConfig, loss_fn
+from ringtrain.strategies import make_strategy
+from ringtrain.strategies.step import accumulate, optimizer_step
+from ringtrain.trace import NO_TRACE
+from ringtrain.training.config import adamw
+from ringtrain.training.state import LoopState
+from ringtrain.training.trainer import Trainer, TrainerConfig
+
+MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=2, n_embd=16)
+
+
+def _micro_batches(sizes: list[int], seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 10, (n, 3), generator=g), torch.randint(0, 10, (n, 3), generator=g))
+            for n in sizes]
+
+
+def test_accumulate_keeps_the_loss_sum_on_the_device_equal_to_the_float_sum():
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    micro = _micro_batches([5, 3, 4])
+    acc = accumulate(micro, model, loss_fn, device=torch.device("cpu"), tracer=NO_TRACE)
+    assert isinstance(acc.loss_sum, torch.Tensor) and acc.loss_sum.dtype == torch.float64
+    assert acc.count == 12
+    # What the four hand-written loops computed: each micro-batch's loss as a float, times its
+    # samples, summed in order.
+    torch.manual_seed(0)
+    ref = GPT(MODEL)
+    expected = 0
+    for x, y in micro:
+        loss = loss_fn(ref(x), y)
+        (loss * (len(x) / 12)).backward()
+        expected += float(loss.detach()) * len(x)
+    assert float(acc.loss_sum) == expected  # bit for bit
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+
+
+def test_accumulate_runs_all_but_the_last_micro_batch_under_no_sync():
+    torch.manual_seed(0)
+    model, seen = GPT(MODEL), []
+
+    class NoSync:
+        def __enter__(self):
+            seen.append("no_sync")
+
+        def __exit__(self, *exc):
+            return False
+
+    calls = []
+    accumulate(_micro_batches([2, 2, 2]), model, loss_fn, device=torch.device("cpu"),
+               tracer=NO_TRACE, no_sync=NoSync, before_last_backward=lambda: calls.append(len(seen)))
+    assert seen == ["no_sync", "no_sync"] and calls == [2]
+
+
+def test_optimizer_step_clips_steps_and_drops_the_gradients():
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    accumulate(_micro_batches([4]), model, loss_fn, device=torch.device("cpu"), tracer=NO_TRACE)
+    clipped = []
+    optimizer_step(opt, NO_TRACE, grad_clip=1.0, clip=lambda m: clipped.append(m))
+    assert clipped == [1.0] and all(p.grad is None for p in model.parameters())
+    optimizer_step(opt, NO_TRACE, grad_clip=None, clip=lambda m: clipped.append(m))
+    assert clipped == [1.0]  # no clip asked: not called
+
+
+@pytest.mark.parametrize("resume_at", [None, 2])
+def test_the_window_gives_the_same_numbers_from_tensors_as_from_floats(resume_at):
+    steps = [(0.1 * (i + 1) / 3, 12, 36, 0.01, 0.0, 1.0) for i in range(5)]
+    floats, tensors = LoopState(), LoopState()
+    for i, values in enumerate(steps):
+        if i == resume_at:  # a resume mid-window: the saved numbers, then more device sums
+            tensors.load_window_state(tensors.window_state())
+        floats.add(values, 0.5)
+        tensors.add((torch.tensor(values[0], dtype=torch.float64), *values[1:]), 0.5)
+    assert tensors.window == floats.window  # == on floats: bit for bit
+    assert tensors.take_window()[0] == floats.take_window()[0]
+    assert tensors.window == [0.0] * 6
+
+
+def test_the_trainer_reads_the_loss_back_on_logged_steps_only(single_process):
+    reads = []
+
+    class Counted(torch.Tensor):
+        """A loss sum that records each read back to the host."""
+
+        def __float__(self):
+            reads.append(1)
+            return super().__float__()
+
+        def item(self):
+            reads.append(1)
+            return super().item()
+
+    train, test = AdditionDataset("train", 1), AdditionDataset("test", 1)
+    strategy = make_strategy("ddp", runtime=single_process)
+    step = strategy.train_step
+
+    def counted_step(*args, **kwargs):
+        res = step(*args, **kwargs)
+        assert isinstance(res.loss_sum, torch.Tensor)  # not a float: no read in the step
+        res.loss_sum = res.loss_sum.as_subclass(Counted)
+        return res
+
+    strategy.train_step = counted_step
+    config = TrainerConfig(steps=12, batch_size=8, lr=3e-3, progress=False, log_every=4,
+                           eval_every=12)
+    trainer = Trainer(strategy, single_process, lambda: GPT(MODEL), train, Subset(test, range(4)),
+                      loss_fn, config)
+    trainer.fit()
+    assert len(reads) == 3  # steps 4, 8 and 12 log; the other 9 read nothing back
+
+
+def test_adamw_is_fused_on_cuda_only():
+    params = list(GPT(MODEL).parameters())
+    assert not adamw(0.1)(params).defaults.get("fused")
+
+
+def test_compile_trains_the_model_in_place(single_process):
+    try:
+        torch.compile(lambda t: t + 1)(torch.ones(2))
+    except Exception as e:  # no C++ toolchain for inductor here
+        pytest.skip(f"torch.compile does not build here: {e}")
+    train = AdditionDataset("train", 1)
+    runs = {}
+    for compiled in (False, True):
+        config = TrainerConfig(steps=2, batch_size=8, lr=3e-3, progress=False, compile=compiled)
+        trainer = Trainer(make_strategy("ddp", runtime=single_process), single_process,
+                          lambda: GPT(MODEL), train, None, loss_fn, config)
+        summary = trainer.fit()
+        runs[compiled] = (list(trainer.strategy.model_state_dict()), summary["train_loss"])
+        trainer.strategy.close()
+    assert runs[True][0] == runs[False][0]  # no `_orig_mod.` in the names
+    assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-4)
