@@ -152,3 +152,13 @@ def test_compile_trains_the_model_in_place(single_process):
         trainer.strategy.close()
     assert runs[True][0] == runs[False][0]  # no `_orig_mod.` in the names
     assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-4)
+
+
+def test_the_compile_option_reaches_the_trainer_and_the_workers():
+    from ringtrain.cli.train_args import build_parser, check_args, trainer_config, worker_argv
+
+    for argv, compiled in (([], False), (["--compile"], True)):
+        args = build_parser().parse_args(argv)
+        check_args(args)
+        assert trainer_config(args).resolved().compile is compiled  # config.json's "trainer"
+        assert ("--compile" in worker_argv(args)) is compiled  # the relaunched workers
