@@ -112,6 +112,25 @@ def test_the_cuda_generator_state_is_in_snapshots_and_restored():
     assert torch.equal(torch.rand(4, device="cuda"), first)
 
 
+def _pinned(rank: int, world_size: int) -> tuple[bool, bool]:
+    """The trainer on CUDA hands the strategy page-locked batches (a copy the host does not
+    wait for); its micro-batches on the CPU are not pinned (no CUDA call on a CPU path)."""
+    from ringtrain.data.addition import AdditionDataset
+    from ringtrain.strategies import make_strategy
+    from ringtrain.training.trainer import Trainer, TrainerConfig
+
+    rt = get_runtime()
+    trainer = Trainer(make_strategy("ddp", runtime=rt), rt, lambda: GPT(MODEL),
+                      AdditionDataset("train", 1), None, loss_fn,
+                      TrainerConfig(steps=1, batch_size=4, progress=False))
+    x, y = trainer.batches.next()
+    return x.is_pinned(), y.is_pinned()
+
+
+def test_the_trainer_pins_its_batches_on_cuda():
+    assert run_workers(_pinned, 1, device="cuda", timeout_s=120) == [(True, True)]
+
+
 def test_sampling_a_cuda_model_with_the_usual_cpu_generator():
     """Used to raise "Expected a 'cuda' device type for generator but found 'cpu'" at the end of
     `ringtrain train --data` on CUDA (ringtrain.data.tokens.sample_tokens)."""
