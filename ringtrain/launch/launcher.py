@@ -82,7 +82,10 @@ def get_args_parser():
     parser = _torch_args_parser()
     parser.prog = "ringtrain run"
     parser.set_defaults(monitor_interval=0.1,  # notice a dead worker fast (older torch: 5 s)
-                        signals_to_handle=",".join(HANDLED_SIGNALS))
+                        signals_to_handle=",".join(HANDLED_SIGNALS),
+                        # None: "not given", as torch 2.13 says; 2.11 says 29500, which would
+                        # turn off the free port of a single-node run (rendezvous.py)
+                        master_port=None)
     parser.add_argument(
         "--watchdog-timeout", "--watchdog_timeout", type=float, default=DEFAULT_WATCHDOG_TIMEOUT_S,
         help="(ringtrain) seconds after which a rank that died, froze, or never entered a "
