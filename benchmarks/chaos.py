@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO))
 from ringtrain.chaos import KINDS_INSIDE, KINDS_OUTSIDE, corrupt_newest, fill, make_plan  # noqa: E402
 from ringtrain.data.addition import train_size  # noqa: E402
 from ringtrain.data.sample_log import SampleLog, check_history  # noqa: E402
+from ringtrain.launch.launcher import has_shutdown_timeout  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items()
        if k not in ("LOGLEVEL", "RINGTRAIN_TEST_FAULT", "TORCHELASTIC_RESTART_COUNT")} | {
@@ -107,7 +108,9 @@ class Job:
                 "--no-progress", "--snapshot-every", str(a.snapshot_every), "--keep", "2",
                 "--watchdog-timeout", str(a.watchdog_timeout), "--record-samples",
                 "--strategy", a.strategy, "--max-restarts", str(self.restarts),
-                "--shutdown-timeout", "5", "--run-dir", str(self.run_dir)]
+                # 5 s to save after SIGTERM instead of 30 (torch 2.11's agent has no such option)
+                *(["--shutdown-timeout", "5"] if has_shutdown_timeout() else []),
+                "--run-dir", str(self.run_dir)]
 
     def start(self) -> None:
         env = dict(ENV)

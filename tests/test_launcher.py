@@ -301,3 +301,28 @@ def test_a_module_entrypoint_is_found_as_python_m_would_without_importing_it(tmp
     assert missing_entrypoint("rtpkg.sub.train", module=True, no_python=False) is None
     assert "module 'nope_rt' not found" in missing_entrypoint("nope_rt", module=True, no_python=False)
     assert missing_entrypoint("anything", module=False, no_python=True) is None
+
+
+def test_shutdown_timeout_on_a_torch_without_it_is_one_clear_error(monkeypatch, capsys):
+    """torch 2.11's torchrun has no --shutdown-timeout: argparse said only 'unrecognized
+    arguments'. Here `ringtrain run` and `launch()` name the torch version and the fix."""
+    import ringtrain.launch.launcher as launcher
+
+    monkeypatch.setattr(launcher, "has_shutdown_timeout", lambda: False)
+    real = launcher._torch_args_parser
+
+    def without_it():  # torch 2.11's parser: the same, less the option
+        parser = real()
+        for action in list(parser._actions):
+            if "--shutdown-timeout" in action.option_strings:
+                parser._remove_action(action)
+                for flag in action.option_strings:
+                    del parser._option_string_actions[flag]
+        return parser
+
+    monkeypatch.setattr(launcher, "_torch_args_parser", without_it)
+    assert main(["--shutdown-timeout", "5", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --shutdown-timeout/--shutdown_timeout: needs torch 2.13 or newer" in err
+    with pytest.raises(ValueError, match="shutdown_timeout=5: needs torch 2.13 or newer"):
+        launcher.launch("x.py", [], nproc_per_node=1, shutdown_timeout=5)

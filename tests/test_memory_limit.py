@@ -36,6 +36,24 @@ COMMON = ["--digits", "1", "--n-head", "8", "--batch-size", "8", "--snapshot-eve
 # (flags, limit): the documented run with RINGTRAIN_FULL=1, else a reduced one.
 BIG = ((["--n-layer", "8", "--n-embd", "768", "--steps", "5", "--eval-every", "5"], "1G") if FULL
        else (["--n-layer", "8", "--n-embd", "640", "--steps", "2", "--eval-every", "2"], "800M"))
+# The limits above were measured with torch's CPU build, whose import leaves a worker ~147 MiB
+# of anonymous memory (2.13.0+cpu, RssAnon after importing ringtrain's trainer). A CUDA build
+# leaves ~272 MiB (2.11.0+cu130): the same model then needs that much more under every limit.
+# (Its shared libraries' pages, another ~140 MiB, count too but the kernel reclaims them under
+# the limit, so they do not move the line between killed and not.)
+CPU_BUILD_IMPORT_MIB = 147
+
+
+def _import_mib() -> int:
+    code = ("import torch, ringtrain.cli.train, ringtrain.training.trainer\n"
+            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('RssAnon')][0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1]) // 1024
+
+
+def _limit(size: str) -> str:
+    """`size` plus what this torch's import costs over the CPU build's."""
+    return f"{parse_size(size) // 2**20 + max(0, _import_mib() - CPU_BUILD_IMPORT_MIB)}M"
 
 
 @pytest.fixture(scope="module")
@@ -65,20 +83,21 @@ def _ours() -> set[Path]:
 
 def test_a_worker_over_the_limit_is_reported_naming_it(cgroups_usable, tmp_path):
     """DDP of a 7M-parameter GPT (16 bytes per parameter + torch) under 350 MiB: killed."""
-    before = _ours()
+    before, limit = _ours(), _limit("350M")
     out = _train(tmp_path / "ddp", 2, "--strategy", "ddp", "--n-layer", "4", "--n-embd", "384",
-                 "--steps", "2", "--memory-limit", "350M")
+                 "--steps", "2", "--memory-limit", limit)
     assert out.returncode != 0, out.stderr[-2000:]
     assert "killed by SIGKILL" in out.stderr, out.stderr[-3000:]
     assert "out of memory: the kernel's OOM killer ended worker" in out.stderr, out.stderr[-3000:]
-    assert "--memory-limit 350 MiB (367001600 bytes, cgroup v" in out.stderr
+    mib = int(limit[:-1])
+    assert f"--memory-limit {mib} MiB ({mib << 20} bytes, cgroup v" in out.stderr
     assert "--strategy zero --zero-stage 3" in out.stderr
     assert _ours() <= before, "the launcher left its cgroups behind"
 
 
 @pytest.mark.slow
 def test_zero3_trains_where_ddp_is_killed_with_ddps_losses(cgroups_usable, tmp_path):
-    flags, limit = BIG
+    flags, limit = BIG[0], _limit(BIG[1])
     ddp = _train(tmp_path / "ddp", 4, "--strategy", "ddp", "--memory-limit", limit, *flags)
     assert ddp.returncode != 0, ddp.stderr[-2000:]
     assert "out of memory: the kernel's OOM killer ended worker" in ddp.stderr, ddp.stderr[-3000:]

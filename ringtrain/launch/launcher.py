@@ -26,6 +26,7 @@ Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -33,6 +34,7 @@ import signal
 import sys
 from collections.abc import Callable, Collection, Iterator
 
+import torch
 from torch.distributed.elastic.agent.server import WorkerState
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -98,7 +100,21 @@ def get_args_parser():
         "workers stop and the failing rank is reported once. SIGTERM and SIGUSR1 are passed on: "
         "workers get --shutdown-timeout s (default 30) to save, then exit code 143 (requeue me)."
     )
+    if not has_shutdown_timeout():  # torch < 2.13: one clear error instead of argparse's
+        parser.add_argument("--shutdown-timeout", "--shutdown_timeout", type=_no_shutdown_timeout,
+                            help="(needs torch 2.13 or newer)")
     return parser
+
+
+def has_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun takes --shutdown-timeout (it came in torch 2.13)."""
+    return "--shutdown-timeout" in _torch_args_parser()._option_string_actions  # argparse's table
+
+
+def _no_shutdown_timeout(text: str) -> int:
+    raise argparse.ArgumentTypeError(
+        f"needs torch 2.13 or newer: torch {torch.__version__}'s agent gives the workers a fixed "
+        "30 s to exit after SIGTERM; drop --shutdown-timeout or upgrade torch")
 
 
 class _Curate(logging.Filter):
@@ -371,6 +387,10 @@ def launch(
     if run_id:
         argv += ["--rdzv-id", run_id]
     if shutdown_timeout is not None:
+        if not has_shutdown_timeout():
+            raise ValueError(f"shutdown_timeout={shutdown_timeout}: needs torch 2.13 or newer "
+                             f"(torch {torch.__version__}'s agent gives the workers a fixed 30 s "
+                             "to exit after SIGTERM); leave it None or upgrade torch")
         argv += ["--shutdown-timeout", str(shutdown_timeout)]
     if callable(entrypoint):
         if tolerate_ranks:
