@@ -2,7 +2,12 @@
 
 Read in this order:
 - `files.py`: durable writes, checksums, manifests (one file at a time, no processes).
-- `snapshot.py`: `SnapshotManager`, a save as a bounded collective step, committed last.
+- `snapshot.py`: `SnapshotManager`, a save as a bounded collective step, committed last;
+  finding and loading snapshots.
+- `handshake.py`: how the ranks of one save talk through the store (keys, failure reports that
+  every rank raises alike, waits bounded by deadlines).
+- `commit.py`: rank 0's directory work: the commit (rename, `COMMITTED` last) and the rotation
+  that keeps the newest `keep` snapshots.
 - `sharded.py`: several saved ranks' parts read for one rank (a sharded resume on M ranks).
 - `rng.py`: each rank's random generators (Python, NumPy, torch, CUDA), saved and restored.
 - `run_dir.py`: the run directory checked before a run, and the words for a full disk.

@@ -7,7 +7,11 @@
     shared, per_rank, metadata = manager.load(snap)
 
 Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`. File-level helpers (durable writes,
-checksums, manifests, `unwrap_state_dict`, `check_topology`) live in `ringtrain.checkpoint.files`.
+checksums, manifests, `unwrap_state_dict`, `check_topology`) live in `ringtrain.checkpoint.files`;
+the keys, reports and bounded waits of the ranks' handshake in `ringtrain.checkpoint.handshake`;
+rank 0's commit (rename, `COMMITTED` last) and the rotation of old snapshots in
+`ringtrain.checkpoint.commit`. This file holds the manager: the order of one save, each rank's
+own part (written in a thread, bounded by the deadline), and finding and loading snapshots.
 
 Layout under `root_dir` (a directory every rank sees, e.g. on a shared filesystem):
 
@@ -43,9 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.checkpoint.commit import commit, retain
 from ringtrain.checkpoint.files import (
-    COMMITTED,
-    MANIFEST,
     SHARED,
     TEMP_PREFIX,
     SaveResult,
@@ -54,7 +57,6 @@ from ringtrain.checkpoint.files import (
     SnapshotError,
     SnapshotNoSpaceError,
     check_topology,
-    fsync_dir,
     load_model_state_dict,
     newest_snapshot_bytes,
     read_manifest,
@@ -64,7 +66,13 @@ from ringtrain.checkpoint.files import (
     write_durably,
 )
 from ringtrain.checkpoint.files import verify as verify_files
-from ringtrain.checkpoint.run_dir import is_no_space
+from ringtrain.checkpoint.handshake import (
+    failure_report,
+    gather_parts,
+    publish,
+    save_error,
+    wait_one,
+)
 from ringtrain.store_keys import claim_key
 from ringtrain.torch_internals import default_store
 
@@ -73,25 +81,6 @@ __all__ = [
     "SnapshotNoSpaceError", "check_topology", "load_model_state_dict", "newest_snapshot_bytes",
     "remove_unfinished", "unwrap_state_dict",
 ]
-
-_POLL_S = 0.01
-
-
-def _failure(message: str, cause: BaseException | None = None) -> SnapshotError:
-    """The error of a failed save: `SnapshotNoSpaceError` when `cause` is a full disk."""
-    return (SnapshotNoSpaceError if cause is not None and is_no_space(cause) else SnapshotError)(message)
-
-
-def _report(error: SnapshotError) -> dict[str, Any]:
-    """A failure as published in the store, so other ranks raise the same kind."""
-    return {"error": str(error), "no_space": isinstance(error, SnapshotNoSpaceError)}
-
-
-def _raised(report: dict[str, Any], message: str) -> SnapshotError:
-    return (SnapshotNoSpaceError if report.get("no_space") else SnapshotError)(message)
-
-
-# ---- the manager -------------------------------------------------------------------------------
 
 
 class SnapshotManager:
@@ -173,49 +162,53 @@ class SnapshotManager:
                 self.root.mkdir(parents=True, exist_ok=True)
                 tmp.mkdir()
             except Exception as e:
-                error = _failure(f"rank 0 could not start snapshot step {step}: {e!r}", e)
-                self._publish(f"{keys}/start", _report(error))
+                error = save_error(f"rank 0 could not start snapshot step {step}: {e!r}", e)
+                publish(self.store, f"{keys}/start", failure_report(error))
                 if isinstance(e, OSError):  # the disk's fault: the same error as a failed write
                     raise error from None
                 raise  # a wrong argument: the caller's bug
-            self._publish(f"{keys}/start", {"dir": tmp.name})
+            publish(self.store, f"{keys}/start", {"dir": tmp.name})
         else:
-            tmp = self.root / self._wait_one(f"{keys}/start", t0 + self.timeout_s, "start the save")["dir"]
+            tmp = self.root / wait_one(self.store, f"{keys}/start", t0 + self.timeout_s, "start the save",
+                                       rank=self.rank, timeout_s=self.timeout_s)["dir"]
         # Deadlines count from rank 0's start, so a rank that waited for it is not penalised.
         deadline = time.monotonic() + self.timeout_s
 
         files, write_s, error = self._write_part(tmp, step, shared if self.rank == 0 else None,
                                                  per_rank, deadline)
         if self.rank != 0:
-            self._publish(f"{keys}/part/{self.rank}", _report(error) if error else {"files": files})
+            publish(self.store, f"{keys}/part/{self.rank}",
+                    failure_report(error) if error else {"files": files})
             # Even after its own failure it waits for rank 0's outcome (which names this failure):
             # every rank raises the same kind of error, so all decide alike whether to go on.
-            done = self._wait_one(f"{keys}/commit", deadline + self.timeout_s, "commit the save")
+            done = wait_one(self.store, f"{keys}/commit", deadline + self.timeout_s, "commit the save",
+                            rank=self.rank, timeout_s=self.timeout_s)
             mine = sum(f["bytes"] for f in files.values())
             return SaveResult(step, self.root / done["dir"], mine, done["bytes"], write_s,
                               time.monotonic() - t0)
         try:
             errors = [error] if error else []
-            parts, late = self._gather_parts(f"{keys}/part", deadline, step)
+            parts, late = gather_parts(self.store, f"{keys}/part", deadline, step,
+                                       world_size=self.world_size, timeout_s=self.timeout_s)
             errors += late
             if errors:
                 full = any(isinstance(e, SnapshotNoSpaceError) for e in errors)
                 raise (SnapshotNoSpaceError if full else SnapshotError)("; ".join(map(str, errors)))
             for part in parts:
                 files.update(part)
-            final = self._commit(tmp, step, files, meta)
+            final = commit(self.root, tmp, step, files, meta, world_size=self.world_size)
         except Exception as e:
             # Free the space first: the message the ranks print says how much is left.
             shutil.rmtree(tmp, ignore_errors=True)
-            error = e if isinstance(e, SnapshotError) else _failure(
+            error = e if isinstance(e, SnapshotError) else save_error(
                 f"rank 0 could not commit snapshot step {step}: {e!r}", e)
-            self._publish(f"{keys}/commit", _report(error))
+            publish(self.store, f"{keys}/commit", failure_report(error))
             if isinstance(e, SnapshotError | OSError):
                 raise error from None
             raise  # a bug, not the disk: its own traceback
         total = sum(f["bytes"] for f in files.values())
-        self._publish(f"{keys}/commit", {"dir": final.name, "bytes": total})
-        self._retain()
+        publish(self.store, f"{keys}/commit", {"dir": final.name, "bytes": total})
+        retain(self.root, self.keep)
         mine = sum(f["bytes"] for name, f in files.items() if name in (SHARED, "rank0.pt"))
         return SaveResult(step, final, mine, total, write_s, time.monotonic() - t0)
 
@@ -257,96 +250,10 @@ class SnapshotManager:
                 f"rank {self.rank} did not finish writing its part of snapshot step {step} within "
                 f"timeout_s={self.timeout_s:g} (slow disk?)")
         if failure:
-            return files, write_s, _failure(
+            return files, write_s, save_error(
                 f"rank {self.rank} failed to write its part of snapshot step {step}: {failure[0]!r}",
                 failure[0])
         return files, write_s, None
-
-    def _gather_parts(self, prefix: str, deadline: float, step: int
-                      ) -> tuple[list[dict[str, Any]], list[SnapshotError]]:
-        """Rank 0: every other rank's files, and the errors of the ranks that failed or are late.
-
-        A failed rank reports at once, so the others' reports are still waited for (until the
-        deadline): the outcome then says whether any disk was full.
-        """
-        pending, parts, errors = set(range(1, self.world_size)), [], []
-        while pending:
-            for r in sorted(pending):
-                if self.store.check([f"{prefix}/{r}"]):
-                    report = json.loads(self.store.get(f"{prefix}/{r}"))
-                    if "error" in report:
-                        errors.append(_raised(report, report["error"]))
-                    else:
-                        parts.append(report["files"])
-                    pending.discard(r)
-            if pending and time.monotonic() > deadline:
-                errors.append(SnapshotError(
-                    f"ranks {sorted(pending)} did not finish their part of snapshot step {step} "
-                    f"within timeout_s={self.timeout_s:g} (late to call save(), or a slow disk); "
-                    "snapshot not committed"))
-                break
-            if pending:
-                time.sleep(_POLL_S)
-        return parts, errors
-
-    def _commit(self, tmp: Path, step: int, files: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Rank 0: manifest, fsync, rename, then the COMMITTED marker last."""
-        manifest = {"format": 1, "step": step, "world_size": self.world_size,
-                    "created_unix": time.time(), "files": files, "metadata": meta}
-        raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        write_durably(tmp / MANIFEST, raw)
-        fsync_dir(tmp)
-        final, old = self.root / f"snap-{step:08d}", None
-        if final.exists():  # the same step saved again after a restart: the new one replaces it
-            old = self.root / f".old-snap-{step:08d}-{uuid.uuid4().hex[:8]}"
-            final.rename(old)
-        try:
-            tmp.rename(final)
-            marker = {"step": step, "manifest_sha256": hashlib.sha256(raw).hexdigest()}
-            write_durably(final / f".{COMMITTED}.tmp", json.dumps(marker).encode())
-            (final / f".{COMMITTED}.tmp").rename(final / COMMITTED)
-        except BaseException:
-            # Not committed (e.g. no room for the marker): put back the snapshot it replaced.
-            if not tmp.exists():  # renamed: `final` is this save's, without its marker
-                shutil.rmtree(final, ignore_errors=True)
-            if old is not None:
-                old.rename(final)
-            raise
-        fsync_dir(final)
-        fsync_dir(self.root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
-
-    def _retain(self) -> None:
-        """Rank 0, after a commit: keep the newest `keep` committed snapshots, drop the debris."""
-        dirs = snap_dirs(self.root)
-        committed = [p for p in dirs if (p / COMMITTED).is_file()]
-        stale = committed[self.keep:] + [p for p in dirs if p not in committed]
-        stale += [p for p in self.root.glob(".*-snap-*") if p.is_dir()]  # temp and replaced dirs
-        for p in stale:
-            shutil.rmtree(p, ignore_errors=True)
-
-    # ---- the store handshake -----------------------------------------------------------------
-
-    def _publish(self, key: str, value: dict[str, Any]) -> None:
-        if self.store is not None:
-            self.store.set(key, json.dumps(value))
-
-    def _wait_one(self, key: str, deadline: float, what: str) -> dict[str, Any]:
-        """Wait (until `deadline`) for rank 0's word on `key`; raise what it reports as failed."""
-        start = time.monotonic()
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise SnapshotError(
-                    f"rank {self.rank}: rank 0 did not {what} within {time.monotonic() - start:.1f} s "
-                    f"(timeout_s={self.timeout_s:g}); snapshot not committed"
-                )
-            time.sleep(_POLL_S)
-        value = json.loads(self.store.get(key))
-        if "error" in value:
-            raise _raised(value, f"rank {self.rank}: snapshot not committed: {value['error']}")
-        return value
 
     # ---- finding and loading -----------------------------------------------------------------
 
