@@ -9,7 +9,10 @@ Read in this order:
   shard, gradients; gather/free (stage 3), reduce (launched from backward hooks).
 - `optimizer.py`: `ZeroOptimizer`, the user's optimizer rebuilt over this rank's parts.
 - `sharded.py`: `ZeroDataParallel`, the wrapper for a plain module and an optimizer factory:
-  hooks, no_sync, clipping, state dicts, counted bytes.
+  the units built, forward, no_sync, clipping, state dicts, counted bytes.
+- `hooks.py`: `UnitHooks`, the wrapper's base class: the forward/backward hooks and the schedule
+  they drive (gather, prefetch, free; reduce-scatters launched in one order on every rank; the
+  end-of-backward callback).
 - `reshard.py`, `state.py`: each rank's state in a flat layout that any number of ranks can
   load (a snapshot of N ranks resumed on M), and the index math behind it.
 

@@ -20,13 +20,15 @@ them again from a hook on its output's gradient just before its backward (prefet
 previous unit) and frees them once its gradients are in; the root unit (embeddings, head) stays
 gathered from forward to the end of backward. Under `no_sync()` nothing is reduced: `.grad`
 accumulates in full, as in torch.
+
+This file builds the units and holds the wrapper's surface (forward, no_sync, clipping, state
+dicts, counted bytes); the hooks and the schedule they drive (gather, free, reduce in order,
+the end-of-backward callback) are in `hooks.py`, a base class of the wrapper.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -36,14 +38,12 @@ from torch import nn
 
 from ringtrain import collectives as checked  # agreed first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp import lanes as ddp_lanes
-from ringtrain.torch_internals import backward_tls_free, queue_backward_callback
 from ringtrain.trace import Tracer
 from ringtrain.zero import state as zero_state
+from ringtrain.zero.hooks import UnitHooks
 from ringtrain.zero.optimizer import OptimizerFactory, ZeroOptimizer
 from ringtrain.zero.shard import STAGES, expected_bytes, plan_units
 from ringtrain.zero.units import FlatUnit
-
-_REDUCES_IN_FLIGHT = 3  # one per default communication lane
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -57,21 +57,7 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     return []
 
 
-def _on_grad(ref: weakref.ref, unit: int, _param: torch.Tensor) -> None:
-    me = ref()
-    if me is not None:
-        with backward_tls_free():  # it may launch a collective (see ringtrain.ddp.reducer)
-            me._grad_ready(unit)
-
-
-def _on_backward_end(ref: weakref.ref) -> None:
-    me = ref()
-    if me is not None:
-        with backward_tls_free():
-            me._finish_backward()
-
-
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(UnitHooks, nn.Module):
     """Data parallelism with optimizer state (stage 1), gradients (2) and parameters (3) sharded.
 
     Args:
@@ -139,19 +125,7 @@ class ZeroDataParallel(nn.Module):
         self._held_gathered = 0
         self._in_forward = False  # the unit hooks act only inside this wrapper's forward
         self.peak_gathered_bytes = 0  # stage 3's working set: the most unit bytes gathered at once
-        me = weakref.ref(self)
-        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, me, k))
-                         for k, u in enumerate(self.units) for p in u.params]
-        if self._root is not None:
-            # forward() gathers the root itself; this hook starts the first block's gather and
-            # catches the plain module called while its parameters are freed (stage 3).
-            self._handles.append(module.register_forward_pre_hook(functools.partial(_pre_forward, me, 0)))
-        for k, (i, _) in enumerate(kept):
-            if i > 0:
-                m = unit_modules[i - 1]
-                self._handles.append(m.register_forward_pre_hook(functools.partial(_pre_forward, me, k)))
-                if stage == 3:
-                    self._handles.append(m.register_forward_hook(functools.partial(_post_forward, me, k)))
+        self._handles = self._register_hooks(module, unit_modules, kept)
         self.optimizer = ZeroOptimizer(module, self.units, optimizer_fn, self._after_step)
 
     def trace(self, tracer: Tracer) -> None:
@@ -188,29 +162,6 @@ class ZeroDataParallel(nn.Module):
                 self._free(unit)
         return out
 
-    def _gather(self, unit: FlatUnit, *, wait: bool = True) -> None:
-        """Make `unit` present; `wait=False` only starts it (a prefetch, ahead of its use)."""
-        if self.stage == 3 and not unit.gathered:
-            self._held_gathered += unit.nbytes
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held_gathered)
-        unit.start_gather()  # stages 1, 2: the gather started after the last step, if any
-        if wait:
-            unit.wait_gather()
-
-    def _prefetch(self, k: int) -> None:
-        if self.stage == 3 and 0 <= k < len(self.units) and self.units[k] is not self._root:
-            self._gather(self.units[k], wait=False)
-
-    def _wait_all_gathers(self) -> None:
-        if self.stage < 3:
-            for unit in self.units:
-                unit.gather()
-
-    def _free(self, unit: FlatUnit) -> None:
-        if self.stage == 3 and unit.gathered:
-            unit.free()
-            self._held_gathered -= unit.nbytes
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes of forwards run inside accumulate `.grad` locally (in full)."""
@@ -219,53 +170,6 @@ class ZeroDataParallel(nn.Module):
             yield
         finally:
             self._sync = old
-
-    # ---- backward -----------------------------------------------------------------------------
-
-    def _grad_ready(self, k: int) -> None:
-        if not self._queued:
-            self._queued = True
-            queue_backward_callback(functools.partial(_on_backward_end, weakref.ref(self)))
-        unit = self.units[k]
-        unit.ready += 1
-        if unit.ready == len(unit.params):
-            self._complete(unit)
-
-    def _complete(self, unit: FlatUnit) -> None:
-        unit.complete = True
-        if self._sync_this_backward and unit.reduced:
-            # Every rank raises here alike (same program), so no rank is left in a collective.
-            raise RuntimeError(
-                "a second synced backward before optimizer.zero_grad(): ZeRO reduces each synced "
-                "backward into this rank's shard and cannot add another to it. Run all but the "
-                "last backward of a step under model.no_sync(), and zero_grad() after step()")
-        if self._sync_this_backward:
-            # Launch strictly in `_order`: every rank must issue the same collectives in the
-            # same order on each lane, whatever order its gradients arrived in.
-            while self._next < len(self._order) and self._order[self._next].complete:
-                self._order[self._next].launch_reduce(1.0 / self.world_size)
-                self._next += 1
-                # Each reduce in flight holds its unit's whole flat gradient: finish the oldest
-                # beyond one per lane, or all of them would be alive at the end of backward (4
-                # bytes per parameter, as much as DDP's gradients). Same point on every rank.
-                if self.stage > 1 and self._next > _REDUCES_IN_FLIGHT:
-                    self._order[self._next - 1 - _REDUCES_IN_FLIGHT].finish_reduce()
-        if unit is not self._root:
-            self._free(unit)  # its gradients are in: backward will not read its weights again
-
-    def _finish_backward(self) -> None:
-        try:
-            for unit in self._order:
-                if not unit.complete:  # parameters that got no gradient count as zero
-                    self._complete(unit)
-            if self._sync_this_backward:
-                for unit in self._order:
-                    unit.finish_reduce()
-        finally:
-            for unit in self.units:
-                unit.ready, unit.complete = 0, False
-                self._free(unit)
-            self._next, self._queued = 0, False
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -353,41 +257,3 @@ class ZeroDataParallel(nn.Module):
                 "expected_param_bytes": want["params"], "expected_grad_bytes": want["grads"],
                 "expected_optimizer_bytes": want["optimizer"],
                 "peak_gathered_bytes": self.peak_gathered_bytes}
-
-
-def _pre_forward(ref: weakref.ref, k: int, module: nn.Module, _args: Any) -> None:
-    me = ref()
-    if me is None:
-        return
-    if me._in_forward:
-        me._gather(me.units[k])
-        me._prefetch(k + 1)  # stage 3: the next unit travels while this one computes
-    elif me.units[k].gathered:
-        me.units[k].wait_gather()  # stages 1, 2: the gather started after the last step
-    else:
-        # The plain module called directly: gathering here would be a collective the other
-        # ranks are not making, and the parameters have no data.
-        raise RuntimeError(f"{type(module).__name__} was called outside ZeroDataParallel's forward "
-                           "while its parameters are sharded (stage 3): call the wrapper, or "
-                           "full_state_dict(keep_gathered=True) on every rank first")
-
-
-def _post_forward(ref: weakref.ref, k: int, _module: nn.Module, _args: Any, out: Any) -> None:
-    me = ref()
-    if me is None or not me._in_forward:
-        return
-    unit = me.units[k]
-    me._free(unit)
-    if torch.is_grad_enabled():
-        # Just before this unit's backward its output's gradient is complete: gather again then.
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(functools.partial(_pre_backward, ref, k))
-
-
-def _pre_backward(ref: weakref.ref, k: int, _grad: torch.Tensor) -> None:
-    me = ref()
-    if me is not None:
-        with backward_tls_free():
-            me._gather(me.units[k])
-            me._prefetch(k - 1)  # backward runs the units in reverse
