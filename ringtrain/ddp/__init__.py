@@ -5,6 +5,9 @@ Read in this order:
 - `distributed.py`: `DistributedDataParallel`, the drop-in for torch's (same arguments,
   `no_sync`, comm hooks, unused parameters); it hands every gradient to the reducer.
 - `reducer.py`: the bucketed all-reduce, launched from autograd hooks while backward still runs.
+- `finalize.py`: how a round ends (the reducer's base class): the end-of-backward callback waits
+  for every bucket, agrees on unused parameters, writes the averages back; `sync_gradients`,
+  `defer`/`flush` outside backward.
 - `buckets.py`: which gradients travel together (pure planning, unit-tested without processes).
 - `lanes.py`: extra gloo groups over the same ranks, so buckets travel side by side.
 - `comm_hooks.py`: replacements for a bucket's all-reduce (fp16/bf16 compression, ring all-reduce).

@@ -12,8 +12,12 @@ optimizer always steps on synced gradients.
 Buckets launch strictly in index order on every rank: collectives on one process group must be
 issued in the same order everywhere, and gradients can arrive in a different order on different
 ranks. The first plan assumes reverse registration order; after the first synced backward the
-buckets are rebuilt once from the order rank 0 actually saw, as torch's reducer does. Tests:
-`.venv/bin/pytest -q tests/test_ddp.py`."""
+buckets are rebuilt once from the order rank 0 actually saw, as torch's reducer does.
+
+This file holds the bucket plan, the hooks and the launch, and the start of a synced round
+(`prepare_for_backward`); how a round ends (the end-of-backward callback, waiting, unused
+parameters, writing back; `sync_gradients`, `defer`/`flush`) is in `finalize.py`, the
+`Finalize` base class. Tests: `.venv/bin/pytest -q tests/test_ddp.py`."""
 
 from __future__ import annotations
 
@@ -29,11 +33,11 @@ from torch import nn
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp import buckets
-from ringtrain.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets, hook_result
-from ringtrain.ddp.unused_params import StatusBuffer, check_unused, fill_status
+from ringtrain.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets
+from ringtrain.ddp.finalize import Finalize
+from ringtrain.ddp.unused_params import StatusBuffer, fill_status
 from ringtrain.torch_internals import (
     backward_tls_free,
-    current_autograd_node,
     queue_backward_callback,
 )
 from ringtrain.trace import COMM, NO_TRACE, Tracer
@@ -55,7 +59,7 @@ def _finalize(reducer_ref: weakref.ref) -> None:
             reducer._finalize()
 
 
-class Reducer:
+class Reducer(Finalize):
     """Averages the gradients of `params` over `process_group` during backward.
 
     Args:
@@ -207,100 +211,6 @@ class Reducer:
             self.tracer.until_done(f"bucket {bucket.index}", COMM, bucket.work or bucket.fut,
                                    bytes=bucket.buffer.numel() * bucket.buffer.element_size())
 
-    # ---- when backward ends ----------------------------------------------------------------
-
-    def _finalize(self) -> None:
-        if current_autograd_node() is not None and not all(self._ready):
-            # This backward is nested in another one's node: a reentrant activation checkpoint
-            # (torch.utils.checkpoint(use_reentrant=True)) around the layers whose gradients
-            # came first. The outer backward is not done; let its next gradient queue the
-            # callback again, on the outer backward this time.
-            self._queued = False
-            return
-        if self._observed is not None:
-            seen = set(self._observed)
-            self._next_order = self._observed + [i for i in reversed(range(len(self.params))) if i not in seen]
-            self._observed = None
-        if self._defer:
-            self._defer, self._deferred = False, True  # flush() finishes this round
-            return
-        try:
-            with torch.no_grad(), self.tracer.span("finish gradient sync"):
-                self._stage_rest()
-                self._complete()
-        finally:
-            self._reset()
-
-    def _stage_rest(self) -> None:
-        """Stage what never got a hook call this round: no_sync gradients and unused ones."""
-        unused = self._unused
-        for i, p in enumerate(self.params):
-            if self._ready[i]:
-                continue
-            if self._accumulated[i] and p.grad is not None:
-                self._mark_ready(i, p.grad, used=True)  # its gradient came in a no_sync step
-            else:
-                unused.append(i)  # before staging: the last bucket's launch reads it
-                # Stage zeros (or a stale .grad, as torch does) so that this rank still issues
-                # every bucket's collective: the other ranks are waiting on them.
-                self._mark_ready(i, p.grad, used=False)
-
-    def _complete(self) -> None:
-        """Wait for every bucket, agree on unused parameters, write the averages back."""
-        unused = self._unused
-        n = len(self.params)
-        status_bucket = next((b for b in self.buckets if b.tail_sent), None)
-        mask_work = None
-        if self.world_size > 1 and status_bucket is None and self.comm_hook is None:
-            # No bucket carried the status: one small all-reduce, in flight with the buckets.
-            mask, mask_work = self._status.launch(self._unused, self.rank, self.process_group)
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            elif bucket.fut is not None:
-                result = hook_result(bucket.fut.wait(), bucket.buffer, self.comm_hook, bucket.index)
-                if not buckets.same_tensor(result, bucket.buffer):
-                    bucket.buffer.copy_(result)  # e.g. an fp16 result into fp32 gradients
-            if bucket.scale_after is not None:
-                bucket.buffer.mul_(bucket.scale_after)
-        # Every rank learns which parameters were unused where: an error is then raised on all
-        # ranks together (no rank left waiting in the next collective), and a parameter unused
-        # on every rank keeps its .grad, as in torch.
-        if self.world_size == 1:
-            status = fill_status(torch.zeros(n + 1), unused, n, 0)
-        elif status_bucket is not None:
-            status = status_bucket.tail
-        else:
-            if mask_work is None:
-                # After a comm hook's buckets are done, not before: a hook may still issue
-                # collectives from its callbacks (PowerSGD does) and ours must not race them for
-                # a place in the group's order.
-                mask, mask_work = self._status.launch(self._unused, self.rank, self.process_group)
-            mask_work.wait()
-            status = mask
-        buckets.write_back(self.buckets, self.params, check_unused(
-            status, self.rank, self.names, unused, raise_error=not self.find_unused_parameters),
-            as_view=self.gradient_as_bucket_view)
-
-    def _reset(self) -> None:
-        # Keep this round's works (and so the tensors they hold) until the next synced forward:
-        # gloo's worker thread drops its own reference a moment after a work completes, and if
-        # that is the last one, a tensor whose Python object died meanwhile (a gradient set to
-        # None by zero_grad) needs the GIL on that thread, which aborts a process already in
-        # interpreter shutdown ("terminate called without an active exception").
-        self._retired = [b.work or b.fut for b in self.buckets if b.work is not None or b.fut is not None]
-        for bucket in self.buckets:
-            bucket.pending = len(bucket.members)
-            bucket.buffer, bucket.work, bucket.fut, bucket.in_place = None, None, None, False
-            bucket.scale_after, bucket.tail_sent = None, False
-            bucket.gradients = []
-        self._ready = bytearray(len(self.params))
-        self._unused = []
-        self._accumulated = bytearray(len(self.params))
-        self._next = 0
-        self._queued = False
-        self.expect_sync = False
-
     # ---- control ---------------------------------------------------------------------------
 
     def prepare_for_backward(self) -> None:
@@ -323,70 +233,6 @@ class Reducer:
             order, self._next_order = self._next_order, None
             self._rebuild(order)
         self.expect_sync = True
-
-    def sync_gradients(self) -> None:
-        """Average the current `.grad` of every parameter now, outside backward.
-
-        The same buckets, copies, hooks and checks as a synced backward, in the same order; for
-        gradients that did not come from a DDP forward (and to time the sync path by itself,
-        as `benchmarks/ddp_vs_torch.py` does). Call it on every rank.
-        """
-        if self._queued:
-            raise RuntimeError("sync_gradients() was called during a synced backward; call it after")
-        try:
-            with torch.no_grad():
-                self._hold = True
-                for i, p in enumerate(self.params):
-                    if p.grad is not None:
-                        self._mark_ready(i, p.grad, used=True)
-                self._stage_rest()
-                self._hold = False
-                # Every gradient is already here, so unlike in backward nothing forces the
-                # production order: small buckets go first, their fixed cost hidden behind the
-                # transfer of the large ones. With a comm hook, index order (hooks such as
-                # PowerSGD count iterations on the last bucket).
-                order = list(self.buckets)
-                if self.comm_hook is None:
-                    order.sort(key=lambda b: b.buffer.numel())
-                for bucket in order:
-                    self._launch(bucket)
-                self._next = len(self.buckets)
-                self._complete()
-        finally:
-            self._hold = False
-            self._reset()
-
-    def defer(self) -> None:
-        """Make the next synced backward stage its gradients but send nothing; `flush()` sends.
-
-        Staging is the hooks' part (averaging each gradient while it is hot, copying small ones
-        into their bucket); `staging_s` records its time. `flush()` then launches every bucket in
-        order, waits, checks unused parameters and writes back: the communication alone, with
-        no compute running (`benchmarks/ddp_vs_torch.py` times the two to measure the sync path
-        as training runs it). Call both on every rank.
-        """
-        if self._queued or self._deferred:
-            raise RuntimeError("defer() must come before the forward of the backward to defer, "
-                               "and after the flush() of the previous one")
-        self._defer, self.staging_s = True, 0.0
-
-    def flush(self) -> None:
-        """Send and finish the deferred backward's buckets (see `defer()`)."""
-        if not self._deferred:
-            raise RuntimeError("flush() without a deferred backward: call defer(), then the "
-                               "forward and backward, then flush()")
-        try:
-            with torch.no_grad():
-                self._hold = True  # stage what never fired first: the last bucket's status
-                self._stage_rest()  # is final only then
-                self._hold = False
-                while self._next < len(self.buckets):
-                    self._launch(self.buckets[self._next])
-                    self._next += 1
-                self._complete()
-        finally:
-            self._hold, self._deferred = False, False
-            self._reset()
 
     def remove_hooks(self) -> None:
         _remove_all(self._handles)
