@@ -221,8 +221,8 @@ def show(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from ringtrain.launch.network import free_port
     from ringtrain.launch.process_group import destroy_distributed, init_distributed
-    from ringtrain.runtime import free_port
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compile", action="store_true", help="also the torch.compiled pair")

@@ -9,11 +9,8 @@ that communicates needs. Starting and ending the group is `ringtrain.launch.proc
 from __future__ import annotations
 
 import atexit
-import fcntl
 import gc
 import os
-import socket
-import struct
 import time
 from dataclasses import dataclass
 
@@ -41,10 +38,6 @@ class Runtime:
     process_group: dist.ProcessGroup
     store: dist.Store  # the rendezvous key-value store every rank reaches (heartbeats, snapshots)
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 _runtime: Runtime | None = None  # the default group's facts; helpers below read it
 
@@ -53,33 +46,6 @@ def set_runtime(runtime: Runtime | None) -> None:
     """Record (None: forget) the default group's `Runtime` (`ringtrain.launch.process_group`)."""
     global _runtime
     _runtime = runtime
-
-
-def network_interfaces() -> dict[str, str]:
-    """IPv4 address of every local interface that has one: {name: address}."""
-    found = {}
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:  # SIOCGIFADDR: the interface's IPv4 address (Linux)
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-        found[name] = socket.inet_ntoa(packed[20:24])
-    return found
-
-
-def route_source(host_ip: str) -> str | None:
-    """This machine's IPv4 address on the route to `host_ip`, or None when there is no route.
-
-    A UDP connect sends nothing; it only asks the kernel which source address the route uses.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host_ip, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
-
 
 
 # How long an exiting process lets communication threads finish releasing their last works.
@@ -153,10 +119,3 @@ def get_rank() -> int:
 
 def get_world_size() -> int:
     return _require().world_size
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

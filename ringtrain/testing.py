@@ -100,7 +100,7 @@ def run_workers(
     The group is gloo; `device="cuda"` gives every rank CUDA tensors on a shared GPU (rank i on
     cuda:(i mod GPUs)), the way to test multi-process code on a box with fewer GPUs than ranks.
     """
-    from ringtrain.runtime import free_port
+    from ringtrain.launch.network import free_port
 
     ctx = _context()
     out = ctx.Queue()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from netns import Host, two_hosts, unavailable
 
-from ringtrain.runtime import free_port
+from ringtrain.launch.network import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "restart_count.py"

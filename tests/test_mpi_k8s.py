@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 from same_weights import reference_digest, run_with_envs  # noqa: E402
 
-from ringtrain.runtime import free_port  # noqa: E402
+from ringtrain.launch.network import free_port  # noqa: E402
 
 
 def test_open_mpi_variables(request, tmp_path):

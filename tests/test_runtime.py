@@ -6,8 +6,9 @@ import time
 import pytest
 import torch.distributed as dist
 
+from ringtrain.launch.network import free_port
 from ringtrain.launch.process_group import destroy_distributed, init_distributed
-from ringtrain.runtime import DistributedInitError, free_port, get_rank
+from ringtrain.runtime import DistributedInitError, get_rank
 from ringtrain.testing import WorkerError, run_workers
 
 _VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")

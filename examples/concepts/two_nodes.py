@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ringtrain.runtime import free_port
+from ringtrain.launch.network import free_port
 
 ARGS = ["--steps", "60", "--threads", "1", "--no-progress"]
 

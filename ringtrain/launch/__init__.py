@@ -3,6 +3,7 @@
 Read in this order:
 - `launcher.py`: `ringtrain run`, torchrun's flags on torch's elastic agent.
 - `rendezvous.py`: a free port on one node, reachable addresses across nodes.
+- `network.py`: this machine's interfaces, its address on the route to a host, a free port.
 - `process_group.py`: `init_distributed` / `destroy_distributed`, a worker's side of the rendezvous.
 - `environments.py`: which launcher started this process (torchrun, Slurm, Kubernetes, Ray
   Train, TorchX, MPI) and what it says, as pure functions of the environment.

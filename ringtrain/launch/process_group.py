@@ -26,15 +26,14 @@ import torch.distributed as dist
 
 from ringtrain.launch.device import choose
 from ringtrain.launch.environments import detect, existing_group_name, from_arguments
+from ringtrain.launch.network import network_interfaces, route_source
 from ringtrain.launch.watchdog import Watchdog
 from ringtrain.runtime import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DistributedInitError,
     Runtime,
     get_runtime,
-    network_interfaces,
     register_exit_grace,
-    route_source,
     set_runtime,
 )
 

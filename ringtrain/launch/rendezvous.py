@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from ringtrain.runtime import network_interfaces, route_source
+from ringtrain.launch.network import network_interfaces, route_source
 from ringtrain.torch_internals import RDZV_REGISTRY, matches_machine_hostname
 
 # Across nodes, the agent gives up on a rendezvous store silent this long (the watchdog's
