@@ -9,6 +9,8 @@ Read in this order:
   Train, TorchX, MPI) and what it says, as pure functions of the environment.
 - `failure_report.py`: one readable block when a worker fails, instead of torch's dump.
 - `watchdog.py`: every rank's heartbeat; a rank that dies or hangs stops the others, named.
+- `verdicts.py`: what a watchdog does once it finds a failure (the watchdog's base class): fire
+  once, share the verdict so every rank names the same peer, let a tolerated peer go.
 - `peer_failure.py`: what a watchdog found, and the default reaction (one line, exit 75).
 - `hang.py`: which rank never entered the collective the others wait in.
 - `cgroup.py`, `memory_exec.py`: `--memory-limit`, a memory cgroup per worker, joined before

@@ -21,6 +21,11 @@ is frozen or its host vanishes (it waits for the collective timeout), and it nam
 not a rank; NCCL waits for its collective timeout (minutes). So an error that looks like a lost
 connection is handed to `report_failure`, which waits (bounded) for the watchdog to name the
 rank that went silent instead of reporting the symptom.
+
+This file holds the watch: the public surface, the heartbeat protocol over the store (`hb/`,
+`step/`, `issued/`, `done/` keys per rank) and the check that finds a dead, hung or failed peer
+or a lost store. What follows a finding (the verdict fired once, shared and counted through the
+store; a tolerated peer's departure) is in `verdicts.py`, the `Verdicts` base class.
 """
 
 from __future__ import annotations
@@ -43,11 +48,12 @@ from ringtrain.launch.peer_failure import (
     exit_on_peer_failure,
     tcp_store,
 )
+from ringtrain.launch.verdicts import Verdicts
 from ringtrain.runtime import get_runtime
 from ringtrain.store_keys import claim_key
 
 
-class Watchdog:
+class Watchdog(Verdicts):
     """Heartbeats through the store; stops this rank when a peer dies, raises, or the store is lost.
 
     Args:
@@ -219,14 +225,6 @@ class Watchdog:
                 return
         self._publish(PeerFailure("failed", self.rank, f"at step {self._step}: {describe_error(exc)}"))
 
-    def _publish(self, failure: PeerFailure) -> None:
-        """Write a verdict where every rank reads it within one interval."""
-        try:
-            self._store.set(f"failed/{failure.rank}", f"{failure.kind}|{failure.reason}")
-            self._store.add("nfailed", 1)
-        except RuntimeError:
-            pass  # the store is gone too: the peers find out through their own timeouts
-
     def __enter__(self) -> Watchdog:
         return self.start()
 
@@ -299,21 +297,6 @@ class Watchdog:
             self._fire(failure, found_here=failure is not self._found)
             return
 
-    def _depart(self, failure: PeerFailure) -> None:
-        """A tolerated peer died: stop watching it, say so, and keep watching the others."""
-        assert failure.rank is not None
-        self._departed.add(failure.rank)
-        self._watched.discard(failure.rank)
-        self._hangs.forget(failure.rank)
-        if self._found is failure:  # read from its failure key: the next round skips that key
-            self._found = None
-        if self._on_departed is not None:
-            try:
-                self._on_departed(failure)
-            except Exception as e:  # noqa: BLE001 - the watch must go on for the others
-                print(f"[rank {self.rank}] watchdog: on_departed({failure}) raised {describe_error(e)}",
-                      file=sys.stderr, flush=True)
-
     def _check_once(self, now: float) -> PeerFailure | None:
         if self._found is not None:
             return self._found
@@ -342,40 +325,3 @@ class Watchdog:
         if hang.stuck_s > self.timeout_s + 3 * self.interval_s:
             return PeerFailure("hung", hang.behind[0], hang.reason())
         return None
-
-    def _fire(self, failure: PeerFailure, found_here: bool) -> None:
-        with self._fire_lock:
-            if self._fired.is_set():
-                return
-            self._found = failure
-            self._fired.set()
-        if failure.kind != "store":
-            # Share the verdict and count the ranks that reached it, so every rank names the
-            # same peer even when this rank's exit takes the store down (outside `ringtrain
-            # run` it lives in rank 0's process). Store calls off-thread: it may be gone too.
-            seen = PeerFailure(failure.kind, failure.rank, f"{failure.reason}; seen by rank {self.rank}")
-            worker = threading.Thread(target=self._share, args=(seen if found_here else None,),
-                                      daemon=True)
-            worker.start()
-            worker.join(timeout=self.interval_s)
-            if self._store_owner == self.rank:
-                others = len(self._watched - {failure.rank})
-                # The others read it within one interval.
-                self._await_verdicts(others + 1, time.monotonic() + 2 * self.interval_s)
-        self._on_dead(failure)
-        self._handled.set()
-
-    def _share(self, verdict: PeerFailure | None) -> None:
-        if verdict is not None:
-            self._publish(verdict)
-        try:
-            self._store.add("verdicts", 1)
-        except RuntimeError:
-            pass
-
-    def _await_verdicts(self, count: int, deadline: float) -> None:
-        try:  # our own store: it answers unless this process is wedged
-            while self._store.add("verdicts", 0) < count and time.monotonic() < deadline:
-                time.sleep(0.01)
-        except RuntimeError:
-            pass
