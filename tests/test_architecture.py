@@ -112,3 +112,38 @@ def test_bottom_modules_import_nothing_above_them():
     for module, deps in graph().items():
         if area(module) in BOTTOM:
             assert {area(d) for d in deps} <= BOTTOM, module
+
+
+def _areas(text: str) -> set[str]:
+    """The names in backticks, less what parentheses say about them (`ringtrain.` dropped)."""
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\([^()]*\)", "", text)
+    return {name.removeprefix("ringtrain.").split(".")[0] for name in re.findall(r"`([^`]+)`", text)}
+
+
+def _doc_table() -> dict[str, set[str]]:
+    """docs/architecture.md's import table: area -> what it may import."""
+    lines = (PACKAGE.parent / "docs" / "architecture.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| package | may import"))
+    table: dict[str, set[str]] = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        who, may = line.strip("|").split(" | ")
+        for name in _areas(who):
+            assert name not in table, f"docs/architecture.md: `{name}` has two rows"
+            table[name] = _areas(may)
+    return table
+
+
+def test_the_architecture_doc_draws_the_enforced_table():
+    # One source: ALLOWED. The doc's rows name areas and what they may import in backticks;
+    # words in parentheses explain and are not compared.
+    assert _doc_table() == ALLOWED
+
+
+@pytest.mark.parametrize("init", sorted(PACKAGE.glob("*/__init__.py")), ids=lambda p: p.parent.name)
+def test_a_package_docstring_that_says_what_it_may_import_says_what_is_enforced(init):
+    said = re.search(r"May import:(.*?)\.(?:\s|$)", ast.get_docstring(ast.parse(init.read_text())) or "", re.S)
+    if said:  # "May import: torch, `ringtrain.runtime`, ... ." (torch and reasons not compared)
+        assert _areas(said.group(1)) == ALLOWED[init.parent.name], init

@@ -9,7 +9,7 @@ Read in this order:
   still in the job, for strategies whose ranks drift apart (async/SSP parameter server).
 
 A strategy hands out its agreement (`Strategy.agreement`); the trainer never picks one.
-May import: torch, `ringtrain.runtime`, `ringtrain.store_keys`.
+May import: torch, `ringtrain.runtime`, `ringtrain.store_keys`, `ringtrain.collectives`.
 """
 
 from ringtrain.agreement.base import Agreement, CollectiveAgreement

@@ -4,8 +4,9 @@
 
 This `__init__` dispatches; `train.py` runs the `ringtrain train` job and `train_args.py` holds
 its command line (the strategies' own flags come from `ringtrain.strategies`); `explain.py`
-reads a run directory; `plan.py` predicts memory per rank. `ringtrain run` is `ringtrain.launch.launcher`. The CLI may import every
-package; nothing imports the CLI.
+reads a run directory; `plan.py` predicts memory per rank. `ringtrain run` is `ringtrain.launch.launcher`. The CLI is the top: it
+may import most packages (docs/architecture.md's table says which); only `python -m ringtrain`
+imports it.
 
     ringtrain run --nproc-per-node 2 my_script.py --my-arg 1
     ringtrain train --nproc-per-node 2

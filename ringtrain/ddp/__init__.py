@@ -14,7 +14,8 @@ Read in this order:
 - `unused_params.py`: what a synced backward reports about parameters that got no gradient.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
-`ringtrain.ranges`. Never the trainer, strategies or launcher.
+`ringtrain.ranges`, `ringtrain.staging`, `ringtrain.trace`, `ringtrain.collectives`. Never the
+trainer, strategies or launcher.
 """
 
 from ringtrain.ddp.distributed import DistributedDataParallel

@@ -10,5 +10,5 @@ Read in this order:
 - `outer.py`: `average_weights` (local SGD, the reference) and `OuterStep` (DiLoCo).
 - `compress.py`: how the pseudo-gradient travels: fp32, bf16, or int8 with a per-tensor scale.
 The strategies are `ringtrain/strategies/localsgd.py` and `ringtrain/strategies/diloco.py`.
-May import: torch, `ringtrain.errors`.
+May import: torch, `ringtrain.errors`, `ringtrain.collectives`.
 """

@@ -3,8 +3,10 @@
 Read `base.py` first (the seam the trainer talks to), then `ddp.py` (the simplest), then
 `pipeline.py` and `ps.py`. Each module here holds one `Strategy` subclass with a `name`; it is
 found by that name (`--strategy NAME`, `make_strategy(NAME, ...)`) without a list to edit.
-Strategy modules may import `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`,
-`ringtrain.agreement`, `ringtrain.runtime`; never the trainer or the command line.
+May import: `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`, `ringtrain.localsgd`,
+`ringtrain.zero` (the engines), `ringtrain.agreement`, `ringtrain.runtime`,
+`ringtrain.errors`, `ringtrain.types`, `ringtrain.trace`, `ringtrain.collectives`. Never the
+trainer or the command line.
 """
 
 from __future__ import annotations

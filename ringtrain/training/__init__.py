@@ -11,8 +11,9 @@ Read in this order:
 - `tensorboard.py`: the same metrics as TensorBoard event files (rank 0, when installed).
 
 May import: torch, `ringtrain.strategies` (the seam only: `Strategy`, `StepResult`),
-`ringtrain.agreement`, `ringtrain.checkpoint`, `ringtrain.data.sampler`, `ringtrain.runtime`,
-`ringtrain.types`, `ringtrain.errors`, `ringtrain.trace`. Never a concrete strategy, model or launcher.
+`ringtrain.checkpoint`, `ringtrain.data.sampler`, `ringtrain.runtime`, `ringtrain.types`,
+`ringtrain.errors`, `ringtrain.trace`, `ringtrain.replicas`. Never a concrete strategy, model or
+launcher; agreement comes from the strategy.
 """
 
 from ringtrain.training.config import TrainerConfig

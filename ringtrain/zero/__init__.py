@@ -17,7 +17,8 @@ Read in this order:
   load (a snapshot of N ranks resumed on M), and the index math behind it.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
-`ringtrain.ranges`, `ringtrain.ddp` (its communication lanes). Guide: docs/zero.md.
+`ringtrain.ranges`, `ringtrain.ddp` (its communication lanes), `ringtrain.staging`,
+`ringtrain.trace`, `ringtrain.collectives`. Guide: docs/zero.md.
 """
 
 from ringtrain.zero import reshard
