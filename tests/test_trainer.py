@@ -119,9 +119,35 @@ def test_nan_loss_stops_on_the_reduced_value():
         trainer.fit()
 
 
-def test_bf16_autocast_runs():
-    _, summary, _ = _fit_here(steps=2, dtype="bf16")
+def _head_dtypes(dtype):
+    """The dtypes the GPT's lm_head produced in training and in evaluation over a 2-step fit on
+    the CPU (gloo), and the summary."""
+    seen = {"train": set(), "eval": set()}
+
+    def model_fn():
+        model = GPT(MODEL)
+        model.head.lm_head.register_forward_hook(
+            lambda m, args, out: seen["train" if m.training else "eval"].add(out.dtype))
+        return model
+
+    rt = init_distributed()
+    assert rt.device.type == "cpu"
+    cfg = TrainerConfig(steps=2, batch_size=8, progress=False, eval_batch_size=2, dtype=dtype)
+    trainer = Trainer(make_strategy("ddp", runtime=rt), rt, model_fn, AdditionDataset("train", 1),
+                      Subset(AdditionDataset("test", 1), range(5)), loss_fn, cfg)
+    summary = trainer.fit()
+    destroy_distributed()
+    return seen, summary
+
+
+def test_bf16_autocast_runs_on_the_cpu():
+    # The loss being finite proves nothing (fp32 gives one too): the head must see bf16
+    # activations, in the training steps and in evaluation, and fp32 must not.
+    bf16, summary = _head_dtypes("bf16")
+    assert bf16 == {"train": {torch.bfloat16}, "eval": {torch.bfloat16}}
     assert math.isfinite(summary["train_loss"])
+    fp32, _ = _head_dtypes("fp32")
+    assert fp32 == {"train": {torch.float32}, "eval": {torch.float32}}
 
 
 def test_lr_schedule_warmup_then_cosine():
