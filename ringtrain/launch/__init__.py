@@ -2,6 +2,8 @@
 
 Read in this order:
 - `launcher.py`: `ringtrain run`, torchrun's flags on torch's elastic agent.
+- `agent_patches.py`: what the launcher changes in torch's agent, for one launch: tolerated
+  ranks, restarts counted for the job across nodes.
 - `rendezvous.py`: a free port on one node, reachable addresses across nodes.
 - `network.py`: this machine's interfaces, its address on the route to a host, a free port.
 - `process_group.py`: `init_distributed` / `destroy_distributed`, a worker's side of the rendezvous.

@@ -15,7 +15,7 @@ Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
 - keeps workers from outliving a SIGKILLed launcher (`ringtrain.launch.parent`, called in the worker),
 - passes SIGUSR1 on too (Slurm's `--signal=USR1@90`), giving the workers `--shutdown-timeout`
   seconds to save, and then exits with 143 ("requeue me", `ringtrain.errors.REQUEUE_EXIT_CODE`),
-- across nodes, counts restarts for the job, not per node (`_restarts_for_the_job`),
+- across nodes, counts restarts for the job, not per node (`agent_patches.restarts_for_the_job`),
 - lets chosen ranks die without stopping the others (`launch(..., tolerate_ranks=...)`, used by
   `ringtrain train --strategy ps --ps-mode async` for its workers other than rank 0).
 
@@ -35,7 +35,6 @@ import sys
 from collections.abc import Callable, Collection, Iterator
 
 import torch
-from torch.distributed.elastic.agent.server import WorkerState
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
@@ -44,6 +43,7 @@ from torch.distributed.run import config_from_args
 from torch.distributed.run import get_args_parser as _torch_args_parser
 
 from ringtrain.errors import DISK_FULL_EXIT_CODE, REQUEUE_EXIT_CODE, USAGE_EXIT_CODE
+from ringtrain.launch.agent_patches import restarts_for_the_job, tolerating
 from ringtrain.launch.entrypoint import missing_entrypoint
 from ringtrain.launch.environments import LAUNCHER_PID_ENV
 from ringtrain.launch.failure_report import (
@@ -53,20 +53,11 @@ from ringtrain.launch.failure_report import (
     format_failure,
     root_cause,
 )
-from ringtrain.launch.peer_failure import PEER_FAILED_EXIT_CODE
 from ringtrain.launch.process_group import WATCHDOG_ENV
 from ringtrain.launch.rendezvous import (
     _bounded_rendezvous,
     _multi_node_addresses,
     _single_node_rendezvous,
-)
-from ringtrain.torch_internals import (
-    CAPTURE_PROCESS_FAILURES,
-    RESTART_WORKERS,
-    START_WORKERS,
-    mark_finished,
-    running_workers,
-    set_remaining_restarts,
 )
 
 __all__ = ["ChildFailedError", "format_failure", "get_args_parser", "launch",
@@ -150,89 +141,11 @@ def _quiet_torch_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _tolerated_exit(exitcode: int) -> bool:
-    """Whether a tolerated rank's exit code is its own death (not a stop the job asked for).
-
-    Exits that say "a peer failed" (the watchdog's) or "stopped on SIGTERM" (a snapshot was
-    saved, or the agent is tearing down) belong to the whole job: they are never tolerated.
-    """
-    return exitcode not in (0, PEER_FAILED_EXIT_CODE, STOPPED_EXIT_CODE, -signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def _tolerating(ranks: Collection[int]) -> Iterator[None]:
-    """Inside: a tolerated global rank's own death is a warning, not a failure of the job.
-
-    torch's agent polls its `SubprocessContext`, which records every non-zero exit as a
-    failure and then stops every worker. Here the recording step is wrapped: a tolerated
-    rank that died is logged and taken off the running ranks as if it had finished, so the
-    others run on and the job succeeds if they do. Relies on torch internals (the recording
-    step and the context's running workers), taken through `ringtrain.torch_internals`, which
-    checks them at import; functions launched in-process (`launch(fn)`) use another context
-    and are not covered.
-    """
-    if not ranks:
-        yield
-        return
-    original = CAPTURE_PROCESS_FAILURES.get()
-    tolerated = frozenset(ranks)
-
-    def capture(self, done_local_ranks: set[int]) -> None:
-        for local_rank, rank, proc in running_workers(self):
-            exitcode = proc.poll()
-            if rank in tolerated and exitcode is not None and _tolerated_exit(exitcode):
-                mark_finished(self, local_rank)  # torch's step never sees it
-                done_local_ranks.add(local_rank)
-                how = (f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0
-                       else f"exit code {exitcode}")
-                print(f"ringtrain run: warning: rank {rank} (local_rank {local_rank}, pid "
-                      f"{proc.pid}) died ({how}); it is a tolerated rank, the others go on",
-                      file=sys.stderr, flush=True)
-        original(self, done_local_ranks)
-
-    with CAPTURE_PROCESS_FAILURES.replaced(capture):
-        yield
-
-
-RESTARTS_KEY = "ringtrain/restarts"  # in the rendezvous store: the job's restarts after failures
-
-
-@contextlib.contextmanager
-def _restarts_for_the_job() -> Iterator[None]:
-    """Inside: --max-restarts and TORCHELASTIC_RESTART_COUNT count the job's restarts, not a node's.
-
-    torch's agent counts the failures its own node saw (pytorch/pytorch#108158): the failed
-    node's workers see restart count 1, the others 0, and N nodes restart up to N x
-    --max-restarts times. Here the first agent to restart after attempt n failed counts it in the
-    rendezvous store; every agent, after the rendezvous, starts its workers with that count
-    (restarts because a node joined are not counted, as in torch)."""
-    start, restart = START_WORKERS.get(), RESTART_WORKERS.get()
-    seen = [0]  # the count this agent's workers were started with
-
-    def job_store(group):  # the rendezvous store without this round's prefix
-        return getattr(group.store, "underlying_store", group.store)
-
-    def start_workers(self, worker_group):
-        seen[0] = int(job_store(worker_group).add(RESTARTS_KEY, 0))
-        set_remaining_restarts(self, worker_group.spec.max_restarts - seen[0])
-        return start(self, worker_group)
-
-    def restart_workers(self, worker_group):
-        if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            store = job_store(worker_group)  # the peers' workers fail too: count attempt n once
-            if store.add(f"{RESTARTS_KEY}/after/{seen[0]}", 1) == 1:
-                store.add(RESTARTS_KEY, 1)
-        return restart(self, worker_group)
-
-    with START_WORKERS.replaced(start_workers), RESTART_WORKERS.replaced(restart_workers):
-        yield
-
-
 def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None,
          tolerate_ranks: Collection[int] = ()) -> int:
     """Launch from parsed torchrun arguments; the entrypoint may be replaced by a function.
 
-    `tolerate_ranks`: global ranks whose own death does not stop the others (`_tolerating`).
+    `tolerate_ranks`: global ranks whose own death does not stop the others (`tolerating`).
     """
     if entrypoint is None and (missing := missing_entrypoint(args.training_script, args.module,
                                                              args.no_python)):
@@ -263,10 +176,10 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_quiet_torch_logs())
-            stack.enter_context(_tolerating(tolerate_ranks))
+            stack.enter_context(tolerating(tolerate_ranks))
             if multi_node:
                 stack.enter_context(_bounded_rendezvous(config.rdzv_endpoint))
-                stack.enter_context(_restarts_for_the_job())
+                stack.enter_context(restarts_for_the_job())
             elastic_launch(config, cmd)(*cmd_args)
         return 0
     except ChildFailedError as e:
