@@ -47,7 +47,8 @@ ALLOWED: dict[str, set[str]] = {
     "ringtrain": {"runtime", "launch", "ddp", "data", "replicas", "training", "strategies", "zero"},
     "__main__": {"cli"},
 }
-MAX_LINES = 400
+SPLIT_LINES = 400  # past this a file is asking to be split where its concerns part: a warning
+MAX_LINES = 600  # past this the test fails
 
 
 def test_no_import_cycle_between_modules_or_packages():
@@ -77,8 +78,19 @@ def test_models_never_import_distribution():
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_no_file_over_400_lines(path):
-    assert len(path.read_text().splitlines()) <= MAX_LINES
+def test_no_file_over_600_lines_and_a_warning_past_400(path):
+    # STYLE.md 36: split by meaning, not by count. Past SPLIT_LINES a warning names the file;
+    # trimming lines to get under it would hide the seam, so only MAX_LINES fails.
+    import warnings
+
+    lines = len(path.read_text().splitlines())
+    name = f"ringtrain/{path.relative_to(PACKAGE)}"
+    assert lines <= MAX_LINES, (f"{name} has {lines} lines (limit {MAX_LINES}): split it where "
+                                "its concerns part, each into a module that says what it holds")
+    if lines > SPLIT_LINES:
+        warnings.warn(f"{name} has {lines} lines (over {SPLIT_LINES}): it is asking to be split; "
+                      "split it by meaning, where its concerns part (STYLE.md 36), not by "
+                      "trimming lines", UserWarning, stacklevel=1)
 
 
 def _calls_and_probes(path):
