@@ -26,6 +26,17 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 test: install
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
+# The tiers: `make test` is all of it; `make test-fast` runs the tests that start no process
+# (~860 of them, ~26 s of CPU, so about 30 s on an idle machine), for the edit-test loop. A
+# test is in the fast tier by what it does, not by a label: under --fast (tests/conftest.py) a test that starts a process (subprocess,
+# multiprocessing, run_workers' forkserver) is skipped where it starts it, and the last line
+# counts both; a test over 2 s is named. One pytest process: two xdist workers cost more to
+# start than they save (117 s against 54 s wall on a loaded machine). `slow` stays out.
+# Markers pick among the rest: `pytest -m "not slow"`, `-m multinode` (root), `-m cuda` (a GPU).
+.PHONY: test-fast
+test-fast: install
+	$(BIN)/python -m pytest -q --fast -m "not slow"
+
 # `make test-torch TORCH_VERSION=2.11.0`: the same suite on another torch, in its own
 # .venv-torch-$(TORCH_VERSION), kept and reused (pip only checks an installed torch). This is
 # how the range in pyproject.toml was earned: a minor goes in only once this passes on it.
