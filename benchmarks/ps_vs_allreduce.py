@@ -73,10 +73,12 @@ def _run(rank: int, world_size: int, mode: str, delay_s: float, target: float, s
         """Global-batch steps so far: DDP's own count; gradients applied / workers for a PS."""
         return strategy.worker.applied // WORKERS if is_ps else own
 
+    # A server (PS, the last ranks) trains nothing: its threads serve until the workers leave.
+    trains = not (is_ps and strategy.topology.is_server(rank))
     own, reached, acc, step_s = 0, None, None, []
     dist.barrier()  # start together
     start = time.monotonic()
-    while strategy.is_worker and global_step(own) < steps:
+    while trains and global_step(own) < steps:
         if is_ps and rt.store.check(["bench/stop"]):
             break
         t0 = time.perf_counter()
@@ -101,7 +103,7 @@ def _run(rank: int, world_size: int, mode: str, delay_s: float, target: float, s
             break
     end = time.monotonic()
     strategy.close()
-    stats = strategy.stats() if is_ps and not strategy.is_worker else {}
+    stats = strategy.stats() if not trains else {}
     return {"steps": own, "start": start, "end": end, "reached": reached, "accuracy": acc,
             "stats": stats, "step_s": statistics.median(step_s) if step_s else 0.0}
 

@@ -18,6 +18,7 @@ BOTTOM = {"errors", "types", "ranges", "torch_internals", "store_keys", "trace"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(), "types": set(), "ranges": set(), "torch_internals": set(),
     "store_keys": set(),
+    "config": set(),  # options defined once: option(), the argparse generator, recipes
     "staging": set(),  # point-to-point calls that also carry CUDA tensors over gloo
     "trace": set(),  # the step timeline (--trace-steps): every engine may record into it
     "runtime": {"torch_internals"},
@@ -35,13 +36,13 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
                    "collectives"},
     "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps", "localsgd",
-                   "zero", "trace", "collectives"},
+                   "zero", "trace", "collectives", "config"},
     "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace",
-                 "replicas"},
+                 "replicas", "config"},
     "testing": {"runtime", "launch", "chaos"},
     "chaos": set(),  # test-only fault schedule (benchmarks/chaos.py), reached through testing
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
-            "models", "testing", "trace",
+            "models", "testing", "trace", "config",
             "zero"},  # `ringtrain sample`: a ZeRO snapshot's shards put together (reshard.consolidate)
     # the package's __init__: the public names, most loaded on first use (its _LAZY table)
     "ringtrain": {"runtime", "launch", "ddp", "data", "replicas", "training", "strategies", "zero"},

@@ -85,7 +85,7 @@ def _files(tmp: Path) -> dict[str, str]:
 TRAIN_CASES = [  # argv, the value named, the fix offered (regexes)
     (["--lr", "nan"], r"--lr: nan", r"a finite number"),
     (["--lr", "inf"], r"--lr: inf", r"a finite number"),
-    (["--min-lr", "1"], r"--min-lr 1\.0 is above the peak lr \(0\.003\)", r"lower min-lr"),
+    (["--min-lr", "1"], r"--min-lr 1\.0 is above the peak lr \(0\.003\)", r"lower --min-lr"),
     (["--stop-at-accuracy", "2"], r"--stop-at-accuracy 2\.0", r"in \(0, 1\], e\.g\. 0\.99"),
     (["--nnodes", "x"], r"--nnodes x", r"the number of machines \(2\) or a range MIN:MAX"),
     (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:29400", "--run-dir", "r"],

@@ -23,7 +23,8 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ringtrain.cli.train import build_parser, main
+from ringtrain.cli.train import main
+from ringtrain.cli.train_args import parse_options
 from ringtrain.launch.process_group import destroy_distributed
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--batch-size", "16", "--no-progress", "--threads", "1"]
@@ -96,14 +97,14 @@ def test_the_layout_is_checked_where_the_world_size_is_known(monkeypatch):
     from ringtrain.cli.train import _known_world_size
     from ringtrain.cli.train_args import check_args
 
-    args = build_parser().parse_args(["--strategy", "pipeline", "--pp", "3", "--nnodes", "1:2"])
+    args = parse_options(["--strategy", "pipeline", "--pp", "3", "--nnodes", "1:2"])
     assert _known_world_size(args) is None  # elastic: the workers check, once they know
-    check_args(build_parser().parse_args(["--strategy", "pipeline", "--pp", "3"]))
+    check_args(parse_options(["--strategy", "pipeline", "--pp", "3"]))
     with pytest.raises(ValueError, match="world_size=4 is not divisible by pp=3"):
-        check_args(build_parser().parse_args(["--strategy", "pipeline", "--pp", "3"]), world_size=4)
+        check_args(parse_options(["--strategy", "pipeline", "--pp", "3"]), world_size=4)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "6")
-    assert _known_world_size(build_parser().parse_args(["--nproc-per-node", "2"])) == 6
+    assert _known_world_size(parse_options(["--nproc-per-node", "2"])) == 6
 
 
 def test_training_set_sizes_are_counted_without_building_it(tmp_path):
@@ -118,9 +119,9 @@ def test_training_set_sizes_are_counted_without_building_it(tmp_path):
     for argv, n in ((["--digits", "1"], len(AdditionDataset("train", 1))),
                     (["--digits", "2"], len(AdditionDataset("train", 2))),
                     (["--data", str(text), "--block-size", "8"], windows)):
-        check_args(build_parser().parse_args([*argv, "--batch-size", str(n)]), world_size=1)
+        check_args(parse_options([*argv, "--batch-size", str(n)]), world_size=1)
         with pytest.raises(ValueError, match=f"{n} samples over 1 data rank"):
-            check_args(build_parser().parse_args([*argv, "--batch-size", str(n + 1)]), world_size=1)
+            check_args(parse_options([*argv, "--batch-size", str(n + 1)]), world_size=1)
 
 
 # ---- warnings: one line each, where the command was typed ------------------------------------

@@ -31,6 +31,11 @@ from ringtrain.testing import run_workers
 BATCH = 4
 
 
+def _trains(s) -> bool:
+    """A worker rank (not a parameter server): it reads data and steps."""
+    return not s.topology.is_server(s.runtime.rank)
+
+
 def tiny_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
@@ -88,12 +93,12 @@ def _sync_vs_ddp(rank, world_size, servers, steps, grad_clip):
         # buckets, so gradients leave from the hooks while backward still runs.
         s = ps_strategy("sync", servers, optimizer, split_numel=100, bucket_numel=64)
         for step in range(steps):
-            micro = [batch(step, rank)] if s.is_worker else []
+            micro = [batch(step, rank)] if _trains(s) else []
             s.train_step(micro, lr=LRS[step % len(LRS)], grad_clip=grad_clip)
         out[optimizer] = s.model_state_dict()
         s.close()
         out["stats"] = s.stats()
-        if s.is_worker:  # torch's DDP on the workers alone, same batches
+        if _trains(s):  # torch's DDP on the workers alone, same batches
             model = tiny_model()
             ddp = nn.parallel.DistributedDataParallel(model, process_group=worker_group)
             opt = OPTIMIZERS[optimizer](model.parameters())
@@ -109,7 +114,7 @@ def _sync_vs_ddp(rank, world_size, servers, steps, grad_clip):
     # The naive reference path: push everything after backward (no hooks, one bucket each).
     s = ps_strategy("sync", servers, "sgd", split_numel=100)
     for step in range(steps):
-        if s.is_worker:
+        if _trains(s):
             s.module.zero_grad()
             mse(s.module(batch(step, rank)[0]), batch(step, rank)[1]).backward()
             s.worker.push_pull(lr=LRS[step % len(LRS)], grad_clip=grad_clip)
@@ -147,7 +152,7 @@ def _straggler(rank, world_size, steps, delay_s, staleness):
     for mode in ("ssp", "async"):
         s = ps_strategy(mode, 1, staleness=staleness, scope=mode)  # two in one process group
         log = []  # (step, start, push): push is just before the gradient left
-        if s.is_worker:
+        if _trains(s):
             for step in range(steps):
                 start = time.monotonic()
                 if rank == 1:
@@ -156,7 +161,7 @@ def _straggler(rank, world_size, steps, delay_s, staleness):
                 log.append((step, start, s.worker.pushed_at))
             done = time.monotonic()
         s.close()
-        out[mode] = {"log": log, "end": done if s.is_worker else None,
+        out[mode] = {"log": log, "end": done if _trains(s) else None,
                      "stats": s.server.stats() if s.server else None}
     return out
 
@@ -286,7 +291,7 @@ def _snapshot_restore(rank, world_size, root):
 
     def train(first, last):
         for step in range(first, last):
-            s.train_step([batch(step, rank)] if s.is_worker else [], lr=LRS[step % len(LRS)],
+            s.train_step([batch(step, rank)] if _trains(s) else [], lr=LRS[step % len(LRS)],
                          grad_clip=None)
 
     train(0, 3)
@@ -389,7 +394,7 @@ def _async_vs_ddp(rank, world_size, ddp_steps, eval_every):
     schedule = TrainerConfig(steps=2 * ddp_steps, lr=3e-3).resolved()
     store, reached, best = get_runtime().store, None, 0.0
     step = 0
-    while s.is_worker and not store.check(["test_ps/reached"]):
+    while _trains(s) and not store.check(["test_ps/reached"]):
         # Steps of the global batch, as DDP counts them: gradients applied / workers. The
         # budget is global, so a worker that gets less CPU does not shrink it.
         global_step = s.worker.applied // workers

@@ -11,6 +11,8 @@ the trainer reads the loss back only on the steps it logs; AdamW is not fused of
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.utils.data import Subset
@@ -21,7 +23,7 @@ from ringtrain.strategies import make_strategy
 from ringtrain.strategies.step import accumulate, optimizer_step
 from ringtrain.trace import NO_TRACE
 from ringtrain.training.config import adamw
-from ringtrain.training.state import LoopState
+from ringtrain.training.state import LoopState, WindowSums
 from ringtrain.training.trainer import Trainer, TrainerConfig
 
 MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=2, n_embd=16)
@@ -91,11 +93,11 @@ def test_the_window_gives_the_same_numbers_from_tensors_as_from_floats(resume_at
     for i, values in enumerate(steps):
         if i == resume_at:  # a resume mid-window: the saved numbers, then more device sums
             tensors.load_window_state(tensors.window_state())
-        floats.add(values, 0.5)
-        tensors.add((torch.tensor(values[0], dtype=torch.float64), *values[1:]), 0.5)
+        floats.add(WindowSums(*values), 0.5)
+        tensors.add(WindowSums(torch.tensor(values[0], dtype=torch.float64), *values[1:]), 0.5)
     assert tensors.window == floats.window  # == on floats: bit for bit
     assert tensors.take_window()[0] == floats.take_window()[0]
-    assert tensors.window == [0.0] * 6
+    assert tensors.window == WindowSums() and list(tensors.window) == [0.0] * 6  # flat, by name
 
 
 def test_the_trainer_reads_the_loss_back_on_logged_steps_only(single_process):
@@ -155,10 +157,25 @@ def test_compile_trains_the_model_in_place(single_process):
 
 
 def test_the_compile_option_reaches_the_trainer_and_the_workers():
-    from ringtrain.cli.train_args import build_parser, check_args, trainer_config, worker_argv
+    from ringtrain.cli.train_args import check_args, options_from, parse_options
 
     for argv, compiled in (([], False), (["--compile"], True)):
-        args = build_parser().parse_args(argv)
-        check_args(args)
-        assert trainer_config(args).resolved().compile is compiled  # config.json's "trainer"
-        assert ("--compile" in worker_argv(args)) is compiled  # the relaunched workers
+        opts = parse_options(argv)
+        check_args(opts)
+        assert opts.trainer.resolved().compile is compiled  # config.json's "trainer"
+        again = options_from(json.loads(json.dumps(opts.flat())), parse_text=True)
+        assert again.trainer.compile is compiled  # the workers read config.json's "args"
+
+
+def test_metric_sums_go_flat_in_the_order_of_their_names_and_come_back():
+    from ringtrain.training.evaluate import EvalSums
+
+    w = WindowSums(loss_sum=1.5, count=4, tokens=12, compute_s=0.5, comm_s=0.25, worker_steps=2)
+    assert WindowSums.of(w.flat()) == w and list(w) == w.flat()
+    assert w.flat()[:2] == [1.5, 4]  # loss_sum, count: the fields' order
+    ev = EvalSums(2.0, 4, {"accuracy": [3.0, 4.0], "other": [1.0, 2.0]})
+    again = EvalSums.of(ev.flat(), ["accuracy", "other"])
+    assert again == ev and again.means() == {"eval_loss": 0.5, "eval_accuracy": 0.75, "eval_other": 0.5}
+    state = LoopState()  # a snapshot's window by name, or a list from an older snapshot
+    state.load_window_state({"window": w.flat(), "window_s": 1.0, "window_steps": 2})
+    assert state.window == w and state.window_state()["window"]["tokens"] == 12

@@ -128,7 +128,7 @@ def test_the_seam(case):
     # false mismatch would raise); the Trainer runs below go without it.
     out = run_workers(_seam, WORLD, args=(name, options), timeout_s=120, env=DEBUG_COLLECTIVES)
     cls = registered()[name]
-    data_ranks = cls.plan(options, WORLD, BATCH)
+    data_ranks = cls.Config(**options).plan(WORLD, BATCH)  # the pre-launch check agrees
     for r in out:
         # Every sample of a step counted once: data ranks x batch, whoever computes the loss.
         assert r["counts"] == [data_ranks * BATCH] * 2

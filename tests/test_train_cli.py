@@ -8,14 +8,8 @@ import sys
 
 import pytest
 
-from ringtrain.cli.train import (
-    build_parser,
-    check_args,
-    main,
-    strategy_options,
-    trainer_config,
-    worker_argv,
-)
+from ringtrain.cli.train import main
+from ringtrain.cli.train_args import check_args, options_from, parse_options
 from ringtrain.strategies.ps import ASYNC_BETA1
 from ringtrain.training.progress import setup_logging
 
@@ -87,39 +81,61 @@ def test_bad_options_exit_2_with_the_reason(argv, message, capsys, tmp_path, mon
 
 def test_help_and_defaults():
     assert main(["--help"]) == 0
-    args = build_parser().parse_args([])
-    check_args(args)
-    assert (args.strategy, args.nproc_per_node, args.digits, args.dtype) == ("ddp", 1, 2, "fp32")
+    opts = parse_options([])
+    check_args(opts)
+    assert (opts.run.strategy, opts.launch.nproc_per_node, opts.data.digits, opts.trainer.dtype) == \
+        ("ddp", 1, 2, "fp32")
 
 
 def test_async_parameter_server_lowers_adam_momentum_unless_told():
     for argv, beta1 in ([[], 0.9], [["--strategy", "ps", "--ps-mode", "ssp"], 0.9],
                         [["--strategy", "ps", "--ps-mode", "async"], ASYNC_BETA1],
                         [["--strategy", "ps", "--ps-mode", "async", "--beta1", "0.8"], 0.8]):
-        args = build_parser().parse_args(argv)
-        check_args(args)
-        assert trainer_config(args).resolved().beta1 == beta1, argv
+        opts = parse_options(argv)
+        check_args(opts)
+        assert opts.trainer.resolved().beta1 == beta1, argv
 
 
 def test_strategy_options_only_for_the_chosen_strategy():
-    args = build_parser().parse_args(["--strategy", "pipeline", "--pp", "2", "--schedule", "gpipe"])
-    check_args(args)
-    assert strategy_options(args) == {"pp": 2, "schedule": "gpipe"}
-    args = build_parser().parse_args(["--strategy", "ps", "--ps-mode", "ssp", "--staleness", "0"])
-    check_args(args)
-    assert strategy_options(args) == {"mode": "ssp", "staleness": 0}
+    opts = parse_options(["--strategy", "pipeline", "--pp", "2", "--schedule", "gpipe"])
+    assert opts.strategy.kwargs() == {"pp": 2, "schedule": "gpipe", "microbatches": None}
+    opts = parse_options(["--strategy", "ps", "--ps-mode", "ssp", "--staleness", "0"])
+    assert opts.strategy.kwargs() == {"servers": 1, "mode": "ssp", "staleness": 0}  # servers: its default
 
 
-def test_worker_argv_drops_launcher_flags_and_round_trips():
-    parser = build_parser()
-    args = parser.parse_args(["--nproc-per-node", "2", "--max-restarts", "1", "--lr", "0.01",
-                              "--tie-embeddings", "--run-dir", "x"])
-    check_args(args)
-    again = parser.parse_args(worker_argv(args))
-    check_args(again)
-    assert "--nproc-per-node" not in worker_argv(args)
-    assert {k: v for k, v in vars(again).items() if k not in ("nproc_per_node", "max_restarts")} == \
-        {k: v for k, v in vars(args).items() if k not in ("nproc_per_node", "max_restarts")}
+def test_the_workers_options_round_trip_through_config_json():
+    opts = parse_options(["--nproc-per-node", "2", "--max-restarts", "1", "--lr", "0.01",
+                          "--tie-embeddings", "--no-bias", "--run-dir", "x", "--trace-steps", "3:5",
+                          "--strategy", "ps", "--ps-mode", "async"])
+    flat = json.loads(json.dumps(opts.flat()))  # what the launcher writes into config.json
+    assert "nproc_per_node" not in flat and "max_restarts" not in flat  # the launcher's own
+    again = options_from(flat, parse_text=True)
+    assert again.flat() == opts.flat() and again.trainer == opts.trainer
+    assert (again.model.bias, again.run.trace_steps, again.strategy) == (False, opts.run.trace_steps,
+                                                                         opts.strategy)
+
+
+def test_task_defaults_and_recipes_in_order(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("abcdefghij" * 400)
+    opts = parse_options(["--data", str(text)])
+    assert (opts.model.n_layer, opts.trainer.beta2, opts.data.block_size) == (4, 0.99, 64)
+    opts = parse_options(["--data", str(text), "--recipe", "shakespeare_char", "--n-layer", "2"])
+    assert (opts.model.n_layer, opts.model.n_embd, opts.model.bias, opts.trainer.beta2,
+            opts.trainer.steps) == (2, 384, False, 0.99, 5000)  # the command line wins
+    assert parse_options([]).trainer.beta2 == 0.95  # the demo's addition default stays
+    bad = tmp_path / "bad.py"
+    bad.write_text("n_layers = 3\n")
+    with pytest.raises(ValueError, match="n_layers is not an option"):
+        parse_options(["--recipe", str(bad)])
+
+
+def test_library_errors_are_said_with_flags():
+    with pytest.raises(ValueError, match=r"^--n-embd 30 is not divisible by --n-head 4; choose "
+                                         r"--n-embd as a multiple of --n-head"):
+        parse_options(["--n-embd", "30"])
+    with pytest.raises(ValueError, match=r"^--min-lr 1\.0 is above the peak lr"):
+        check_args(parse_options(["--min-lr", "1"]))
 
 
 def test_messages_carry_the_rank_and_only_rank_0_logs_info(capsys):

@@ -68,10 +68,6 @@ __all__ = ["Checkpointer", "StopSignal", "config_differences", "elastic_batch", 
 
 log = logging.getLogger("ringtrain")
 
-# TrainerConfig fields that change the trained weights: a resume must use the same values.
-# (batch_size and grad_accum may change with the world size: the global batch is kept instead.)
-TRAINING_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "weight_decay",
-                   "grad_clip", "seed", "dtype")
 
 
 # ---- pure rules ------------------------------------------------------------------------------
@@ -197,7 +193,8 @@ class Checkpointer:
         runtime: this process's `Runtime`.
         agreement: the strategy's agreement (sums the metrics window for an elastic resume).
         config: the trainer's resolved `TrainerConfig`: the fields that must match to resume
-            (`TRAINING_FIELDS`), the seed, the steps and the batch layout are read from it.
+            (`must_match()`: its fields marked `resume=MUST_MATCH`), the seed, the steps and the batch layout
+            are read from it.
         data_world_size: the strategy's number of data ranks.
         root_dir: the snapshot directory, the same on every rank (`<run_dir>/snapshots`).
         every: steps between periodic snapshots; 0 saves none (and SIGTERM is not caught).
@@ -220,8 +217,8 @@ class Checkpointer:
         self.manager = SnapshotManager(root_dir, rank=runtime.rank, world_size=runtime.world_size,
                                        store=runtime.store if runtime.world_size > 1 else None,
                                        keep=keep, timeout_s=timeout_s, name=name)
-        self.config = {**(run_config or {}), "strategy": strategy.name,
-                       **{k: getattr(config, k) for k in TRAINING_FIELDS}}
+        # The trainer's fields that change the trained weights (TrainerConfig.must_match).
+        self.config = {**(run_config or {}), "strategy": strategy.name, **config.must_match()}
         # Every rank holds the same strategy state (DDP): rank 0 alone writes it, and any
         # number of ranks can load it (elastic resume).
         self.replicated = bool(strategy.replicated_state)

@@ -2,9 +2,11 @@
 `ringtrain prepare` / `ringtrain sample` (text -> tokens, a run's model -> text),
 `ringtrain explain RUN_DIR` (what a run did) and `ringtrain plan ...` (memory per rank).
 
-This `__init__` dispatches; `train.py` runs the `ringtrain train` job and `train_args.py` holds
-its command line (the strategies' own flags come from `ringtrain.strategies`); `explain.py`
-reads a run directory; `plan.py` predicts memory per rank. `ringtrain run` is `ringtrain.launch.launcher`. The CLI is the top: it
+This `__init__` dispatches; `train.py` runs the `ringtrain train` job, `options.py` defines its
+options (one dataclass field each; the strategies' own come from their `Config`s) and
+`train_args.py` makes the command line from them and checks it; `explain.py` reads a run
+directory (`explain_words.py`: what it says of each strategy); `plan.py` predicts memory per
+rank. `ringtrain run` is `ringtrain.launch.launcher`. The CLI is the top: it
 may import most packages (docs/architecture.md's table says which); only `python -m ringtrain`
 imports it.
 

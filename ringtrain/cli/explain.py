@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ringtrain.cli.explain_words import WORDS, Explanation, RunFacts, generic, n, plural
 from ringtrain.errors import USAGE_EXIT_CODE, ConfigError
-from ringtrain.strategies.explaining import Explanation, RunFacts, generic, n, plural
 
 WIDTH = 100  # the text wraps here; a command to copy stays on one line
 
@@ -126,7 +126,12 @@ def _facts(config: dict[str, Any], summary: dict[str, Any] | None) -> RunFacts:
     args, trainer, world = config["args"], config.get("trainer", {}), config["world_size"]
     name = args.get("strategy", "ddp")
     cls = registered().get(name)
-    options = {o.name: args[o.dest] for o in (cls.options if cls else ()) if args.get(o.dest) is not None}
+    strategy = None
+    if cls:  # config.json's args hold the options by flag words (ps_mode), as --help shows them
+        from ringtrain.cli.train_args import parsed_text
+        from ringtrain.config import set_values
+
+        strategy = cls.Config(**set_values(cls.Config, parsed_text(args)))
     try:
         params = sum(p.numel() for p in GPT(GPTConfig(**config["model"])).parameters())
     except (TypeError, ValueError) as e:
@@ -134,16 +139,16 @@ def _facts(config: dict[str, Any], summary: dict[str, Any] | None) -> RunFacts:
                           f"({e}); was it written by another version of ringtrain?") from None
     step_batch = trainer.get("batch_size", 1) * trainer.get("grad_accum", 1)
     try:  # the strategy says how many ranks read data (pipeline: dp; ps: the workers)
-        data_ranks = cls.plan(options, world, step_batch) if cls else world
+        data_ranks = strategy.plan(world, step_batch) if strategy else world
     except ValueError:
         data_ranks = world
-    return RunFacts(name, cls, options, world, params, step_batch, data_ranks,
+    return RunFacts(name, cls, strategy, world, params, step_batch, data_ranks,
                     model=config["model"], summary=summary or {})
 
 
 def _explanation(f: RunFacts) -> Explanation:
-    """The strategy's own words (`Strategy.explain`); the generic ones for an unknown one."""
-    return f.cls.explain(f) if f.cls else generic(f)
+    """The strategy's words (`explain_words.WORDS`); the generic ones for any other."""
+    return WORDS[f.name](f) if f.cls and f.name in WORDS else generic(f)
 
 
 # ---- the sections ---------------------------------------------------------------------------------
@@ -216,14 +221,23 @@ def _resume(run: RunFiles, f: RunFacts) -> list[str]:
     where = ("on any number of ranks that divides the global batch (every rank holds the whole "
              "state)" if run.resume_replicated else f"on the same layout (world size {f.world}), "
              "as ranks hold different parts, unless the strategy can re-split them")
-    argv = list(run.config.get("argv", []))
-    if "--run-dir" in argv:
-        argv[argv.index("--run-dir") + 1] = run.path
+    argv = _command_line(run)
     return lines + [
         f"{run.resume_path}: step {run.resume_step} of {steps}{left}, the newest of "
         f"{plural(run.snapshots, 'committed snapshot')} whose files match their checksums.",
         f"resume with the same options, {where}:",
         f"    ringtrain train --nproc-per-node {f.world} {' '.join(argv)}"]
+
+
+def _command_line(run: RunFiles) -> list[str]:
+    """The run's options as flags, its --run-dir this directory (older runs kept an "argv")."""
+    from ringtrain.cli.train_args import command_line
+
+    try:
+        argv = command_line({**run.config["args"], "run_dir": run.path, "resume": True})
+    except ValueError:  # written by another version of ringtrain: what it kept, if anything
+        argv = list(run.config.get("argv", []))
+    return argv
 
 
 def explain(run: RunFiles) -> str:

@@ -1,6 +1,6 @@
 """What `ringtrain train` trains: the task's datasets, model, loss, metrics, and the export.
 
-    build_job(args)     -> train/eval sets, GPT factory, loss, eval metrics, sample function
+    build_job(opts)     -> train/eval sets, GPT factory, loss, eval metrics, sample function
     export_final(...)   -> RUN_DIR/model.safetensors + model_config.json (rank 0, at the end)
 
 `--data DIR` (a `ringtrain prepare` directory) is memory-mapped; `--data FILE.txt` is prepared
@@ -10,18 +10,20 @@ the same way. Without --data it is the embedded addition task.
 
 from __future__ import annotations
 
-import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ringtrain.cli.options import TrainOptions
 
 
-def text_dataset_dir(args: argparse.Namespace) -> str:
+def text_dataset_dir(opts: TrainOptions) -> str:
     """The prepared directory `--data` names, preparing a .txt into the run directory."""
-    if os.path.isdir(args.data):
-        return args.data
+    if os.path.isdir(opts.data.data):
+        return opts.data.data
     from ringtrain.data.tokens import prepare_text_in
 
-    return prepare_text_in(args.data, args.run_dir)
+    return prepare_text_in(opts.data.data, opts.run.run_dir)
 
 
 def check_text_data(path: str, block_size: int, warnings: list[str]) -> int:
@@ -38,38 +40,38 @@ def check_text_data(path: str, block_size: int, warnings: list[str]) -> int:
     return train_windows(len(text), block_size)
 
 
-def build_job(args: argparse.Namespace) -> dict[str, Any]:
+def build_job(opts: TrainOptions) -> dict[str, Any]:
     """Datasets, model factory, loss, eval metrics and sample function for the chosen task."""
     from ringtrain.models import GPT, GPTConfig, loss_fn
 
     tokenizer: dict[str, Any] | None = None
-    if args.data:
+    d, m = opts.data, opts.model
+    if d.data:
         from ringtrain.data.tokens import load_tokens, sample_tokens
         from ringtrain.errors import ConfigError
 
         try:  # checked before launch; a file changed since is said once, like any mistake
-            data = load_tokens(text_dataset_dir(args), args.block_size)
+            data = load_tokens(text_dataset_dir(opts), d.block_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        train_set, eval_set, vocab, block = data.train_set, data.eval_set, data.vocab_size, args.block_size
+        train_set, eval_set, vocab, block = data.train_set, data.eval_set, data.vocab_size, d.block_size
         metrics: dict[str, Any] = {}
         tokenizer = {"dir": os.path.abspath(data.path), "meta": data.meta}
 
         def sample_fn(model):
-            return sample_tokens(model, data, args.sample_length, seed=args.seed)
+            return sample_tokens(model, data, opts.run.sample_length, seed=opts.trainer.seed)
     else:
         from ringtrain.data.addition import AdditionDataset, exact_match, show_sums
 
-        train_set, eval_set = AdditionDataset("train", args.digits), AdditionDataset("test", args.digits)
+        train_set, eval_set = AdditionDataset("train", d.digits), AdditionDataset("test", d.digits)
         vocab, block, metrics = train_set.vocab_size, train_set.block_size, {"accuracy": exact_match}
 
         def sample_fn(model):
             return show_sums(model, eval_set)
-    model_config = GPTConfig(vocab_size=vocab, block_size=block, n_layer=args.n_layer,
-                             n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
-                             tie_embeddings=args.tie_embeddings,
-                             bias=True if args.bias is None else args.bias,
-                             activation_checkpointing=args.activation_checkpointing)
+    model_config = GPTConfig(vocab_size=vocab, block_size=block, n_layer=m.n_layer,
+                             n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
+                             tie_embeddings=m.tie_embeddings, bias=m.bias,
+                             activation_checkpointing=m.activation_checkpointing)
     return {"train_set": train_set, "eval_set": eval_set, "loss_fn": loss_fn,
             "eval_metrics": metrics, "sample_fn": sample_fn, "model_config": model_config,
             "model_fn": lambda: GPT(model_config), "tokenizer": tokenizer}

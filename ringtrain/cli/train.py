@@ -5,7 +5,11 @@
     ringtrain train --data input.txt --steps 3000    # character-level LM on your text
 
 With `--nproc-per-node N` > 1 it relaunches itself through `ringtrain run` (the elastic
-launcher), minus the launcher's flags; each worker then starts the process group, trains, and
+launcher): the launching side writes the options to RUN_DIR/config.json first and the workers
+read them from there (`RINGTRAIN_CONFIG` names the file), so a worker runs exactly the options
+that were checked, and the file says what ran even if no worker starts. Rank 0 rewrites it with
+what only the job knows (world size, model, resolved trainer). Each worker starts the process
+group, trains, and
 rank 0 prints the progress bar and the summary. Each run writes `runs/<timestamp>/` (or
 `--run-dir`): config.json, metrics.jsonl, summary.json, report.png, the final model
 (model.safetensors + model_config.json, `ringtrain sample` reads them), and snapshots/ every
@@ -36,7 +40,6 @@ a warning and the others finish the run (`tolerated_ranks`); any other death end
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -52,16 +55,16 @@ from ringtrain.checkpoint.run_dir import (
     unless_full,
 )
 from ringtrain.cli.job import build_job, export_final
+from ringtrain.cli.options import TrainOptions
 from ringtrain.cli.train_args import (
-    LAUNCHER_FLAGS,
+    CONFIG_ENV,
     build_parser,
     check_args,
+    given_options,
+    options_from,
     run_config,
-    strategy_options,
-    task_name,
     tolerated_ranks,
-    trainer_config,
-    worker_argv,
+    write_options,
 )
 from ringtrain.errors import REQUEUE_EXIT_CODE, USAGE_EXIT_CODE, ConfigError
 
@@ -124,7 +127,7 @@ def _bf16_supported(device) -> bool:
     return True
 
 
-def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | None = None) -> int:
+def run_job(opts: TrainOptions, started_at: float, mistake: ValueError | None = None) -> int:
     """One worker: start the process group, train, print the summary on rank 0.
 
     `mistake`: what `check_args` found wrong in this worker only (where the launcher could not
@@ -145,55 +148,55 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
             die_with_parent()  # a SIGKILLed launcher must not leave this worker running
         job_rank = (_outside_job() or (0, 1))[0]
         setup_logging(job_rank)  # before init: rank 0 says which launcher it found
-        rt = init_distributed(args.backend, device=args.device)
+        launch, run = opts.launch, opts.run
+        rt = init_distributed(launch.backend, device=launch.device)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
         # Workers of one machine share its cores: more threads than cores makes every op wait.
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(launch.threads or max(1, (os.cpu_count() or 1) // local_world))
         log = setup_logging(rt.rank)
         try:
             if mistake is not None:
                 raise ConfigError(str(mistake))
-            if args.dtype == "bf16" and not _bf16_supported(rt.device):
+            config = opts.trainer
+            if config.dtype == "bf16" and not _bf16_supported(rt.device):
                 log.warning("warning: bf16 autocast is not supported on %s; training in fp32", rt.device)
-                args.dtype = "fp32"
-            config = trainer_config(args)
+                config.dtype = "fp32"
             if rt.world_size > 1:  # under an outside launcher only rank 0 named a run dir
-                holder = [args.run_dir]
+                holder = [run.run_dir]
                 torch.distributed.broadcast_object_list(holder, src=0, group=rt.process_group)
-                args.run_dir = holder[0]
-            job = build_job(args)  # --data FILE.txt: prepared into the run directory
+                run.run_dir = holder[0]
+            job = build_job(opts)  # --data FILE.txt: prepared into the run directory
             if rt.rank == 0:
-                os.makedirs(args.run_dir, exist_ok=True)
-                unless_full(write_json, os.path.join(args.run_dir, "config.json"), {
-                    "task": task_name(args), "world_size": rt.world_size, "argv": worker_argv(args),
-                    "args": {k: v for k, v in vars(args).items() if k not in LAUNCHER_FLAGS},
+                os.makedirs(run.run_dir, exist_ok=True)
+                unless_full(write_json, os.path.join(run.run_dir, "config.json"), {
+                    "task": opts.task, "world_size": rt.world_size, "args": opts.flat(),
                     "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
-            resume = _resume_or_clear(args, rt.rank, log)
-            strategy = make_strategy(args.strategy, runtime=rt, **strategy_options(args))
+            resume = _resume_or_clear(opts, rt.rank, log)
+            strategy = make_strategy(run.strategy, runtime=rt, **opts.strategy.kwargs())
             stop_when = None
-            if args.stop_at_accuracy is not None:
+            if run.stop_at_accuracy is not None:
                 def stop_when(rec):
-                    return rec.get("eval_accuracy", 0.0) >= args.stop_at_accuracy
+                    return rec.get("eval_accuracy", 0.0) >= run.stop_at_accuracy
             trainer = Trainer(strategy, rt, job["model_fn"], job["train_set"], job["eval_set"],
                               job["loss_fn"], config, eval_metrics=job["eval_metrics"],
-                              run_dir=args.run_dir, sample_fn=job["sample_fn"],
+                              run_dir=run.run_dir, sample_fn=job["sample_fn"],
                               stop_when=stop_when, started_at=started_at,
-                              snapshot_every=args.snapshot_every, keep=args.keep, resume=resume,
-                              run_config=run_config(args), trace_steps=args.trace_steps)
+                              snapshot_every=run.snapshot_every, keep=run.keep, resume=resume,
+                              run_config=run_config(opts), trace_steps=run.trace_steps)
             n_params = sum(p.numel() for p in trainer.model.parameters())
             log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, %d steps",
-                     task_name(args), n_params / 1e6, args.strategy, rt.world_size,
+                     opts.task, n_params / 1e6, run.strategy, rt.world_size,
                      config.batch_size * config.grad_accum * strategy.data_world_size, config.steps)
             with contextlib.ExitStack() as stack:
-                if rt.world_size > 1 and args.watchdog_timeout:
+                if rt.world_size > 1 and launch.watchdog_timeout:
                     from ringtrain.launch.watchdog import Watchdog
 
                     # A rank that dies or hangs stops the others within the timeout, naming it;
                     # one the strategy can lose (an async parameter-server worker) is dropped.
                     tolerate = strategy.tolerated_ranks
                     watchdog = stack.enter_context(Watchdog(
-                        name="train", timeout_s=args.watchdog_timeout,
-                        interval_s=min(1.0, args.watchdog_timeout / 3),
+                        name="train", timeout_s=launch.watchdog_timeout,
+                        interval_s=min(1.0, launch.watchdog_timeout / 3),
                         tolerate=tolerate, on_departed=_departed(strategy) if tolerate else None))
                     trainer.on_step = watchdog.set_step
                 if "RINGTRAIN_TEST_FAULT" in os.environ:  # tests' fault injection, ringtrain.testing
@@ -215,14 +218,14 @@ def run_job(args: argparse.Namespace, started_at: float, mistake: ValueError | N
             if summary.get("stopped_by"):
                 if rt.rank == 0:
                     print(f"stopped at step {summary['steps']} on {summary['stopped_by']}; snapshot "
-                          f"of step {summary['snapshot_step']} in {args.run_dir}/snapshots: run "
+                          f"of step {summary['snapshot_step']} in {run.run_dir}/snapshots: run "
                           "the same command again to resume", flush=True)
                 if _in_launched_worker():
                     return STOPPED_EXIT_CODE
                 # Ctrl-C: the user stopped it (130); SIGTERM, SIGUSR1: a scheduler did, requeue.
                 return INTERRUPTED_EXIT_CODE if summary["stopped_by"] == "SIGINT" else REQUEUE_EXIT_CODE
             if rt.rank == 0:
-                export_final(trainer.model, job, args.run_dir)  # model.safetensors + its config
+                export_final(trainer.model, job, run.run_dir)  # model.safetensors + its config
                 print(format_summary(summary), flush=True)
             return 0
         except ConfigError as e:
@@ -284,14 +287,14 @@ def _departed(strategy):
     return departed
 
 
-def _resume_or_clear(args: argparse.Namespace, rank: int, log) -> bool:
+def _resume_or_clear(opts: TrainOptions, rank: int, log) -> bool:
     """Whether to resume; with --no-resume (first attempt only) rank 0 deletes old snapshots.
 
     A restarted worker resumes even under --no-resume: it must continue the run it belongs to.
     """
-    if not args.no_resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+    if opts.run.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         return True
-    old = os.path.join(args.run_dir, "snapshots")
+    old = os.path.join(opts.run.run_dir, "snapshots")
     if rank == 0 and os.path.isdir(old):
         import shutil
 
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return _interrupted()
 
 
-def _known_world_size(args: argparse.Namespace) -> int | None:
+def _known_world_size(opts: TrainOptions) -> int | None:
     """The job's number of ranks if known here: what the launcher that started this process
     says (torchrun's WORLD_SIZE, Slurm's SLURM_NTASKS, ...), else --nnodes N x --nproc-per-node
     (None for an elastic --nnodes MIN:MAX)."""
@@ -317,61 +320,73 @@ def _known_world_size(args: argparse.Namespace) -> int | None:
         return job[1]
     if _under_agent():  # the agent's variables, even where the rest is incomplete
         return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
-    return int(args.nnodes) * args.nproc_per_node if args.nnodes.isdigit() else None
+    launch = opts.launch
+    return int(launch.nnodes) * launch.nproc_per_node if launch.nnodes.isdigit() else None
 
 
 def _main(argv: list[str] | None) -> int:
     started_at = float(os.environ.get("RINGTRAIN_STARTED_AT", time.time()))
     parser = build_parser()
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        given, from_file = given_options(parser, sys.argv[1:] if argv is None else argv,
+                                         launched=_in_launched_worker())
     except SystemExit as e:  # --help (0) or a bad option (2): argparse has printed why
         return int(e.code or 0)
     try:
-        warnings = check_args(args, world_size=_known_world_size(args))
+        opts = options_from(given, parse_text=from_file)
+        warnings = check_args(opts, world_size=_known_world_size(opts))
     except ValueError as e:
         if _in_launched_worker():  # every rank finds it: said once, by rank 0, once they meet
-            return run_job(args, started_at, mistake=e)
+            if "opts" not in locals():  # not even the options could be built: say it here
+                print(f"ringtrain train: error: {e}", file=sys.stderr)
+                return USAGE_EXIT_CODE
+            return run_job(opts, started_at, mistake=e)
         parser.print_usage(sys.stderr)
         print(f"ringtrain train: error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    launch, run = opts.launch, opts.run
     if not _in_launched_worker():  # said once, where the command was typed
         for warning in warnings:
             print(f"ringtrain train: warning: {warning}", file=sys.stderr, flush=True)
     try:
-        if args.run_dir is None and (_outside_job() or (0, 1))[0] == 0:
+        if run.run_dir is None and (_outside_job() or (0, 1))[0] == 0:
             # Decided once, before any relaunch, so all workers agree; under an outside launcher
             # only rank 0 (the one that writes) makes one.
-            args.run_dir = new_run_dir()
-        if args.run_dir is not None and not _in_launched_worker():
+            run.run_dir = new_run_dir()
+        if run.run_dir is not None and not _in_launched_worker():
             # Before any worker starts: an unusable directory is one line, not a traceback per
             # worker. Launched workers skip it (their launcher checked; one failing alone would
             # leave the others waiting for it).
-            check_run_dir(args.run_dir)
+            check_run_dir(run.run_dir)
     except RunDirError as e:
         print(f"ringtrain train: error: {e}", file=sys.stderr)
         return 2
     # One worker with --max-restarts also goes through the launcher: its agent does the restarts.
-    multinode = args.nnodes != "1"
-    if (args.nproc_per_node > 1 or args.max_restarts > 0 or multinode or args.memory_limit) \
+    multinode = launch.nnodes != "1"
+    if (launch.nproc_per_node > 1 or launch.max_restarts > 0 or multinode or launch.memory_limit) \
             and not _in_launched_worker():
         from ringtrain.launch.cgroup import CgroupUnavailable, worker_memory_limit
-        from ringtrain.launch.launcher import launch
+        from ringtrain.launch.launcher import launch as launch_job
 
         os.environ["RINGTRAIN_STARTED_AT"] = str(started_at)  # wall_s includes the start-up
-        run_id = args.rdzv_id or (os.path.basename(os.path.normpath(args.run_dir)) if multinode else None)
+        run_id = launch.rdzv_id or (os.path.basename(os.path.normpath(run.run_dir)) if multinode else None)
         try:  # --memory-limit: a memory cgroup per worker, OOM kills named (launch/cgroup.py)
-            with worker_memory_limit(args.memory_limit, args.nproc_per_node) as limit:
-                return limit.report(launch(
-                    limit.entrypoint, ["train", *worker_argv(args)], module=limit.module,
-                    nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
-                    nnodes=args.nnodes, node_rank=args.node_rank,
-                    rdzv_endpoint=args.rdzv_endpoint, run_id=run_id,
-                    tolerate_ranks=tolerated_ranks(args), shutdown_timeout=args.shutdown_timeout))
+            with worker_memory_limit(launch.memory_limit, launch.nproc_per_node) as limit:
+                os.environ[CONFIG_ENV] = write_options(opts)  # the workers' options
+                try:
+                    return limit.report(launch_job(
+                        limit.entrypoint, ["train"], module=limit.module,
+                        nproc_per_node=launch.nproc_per_node, max_restarts=launch.max_restarts,
+                        nnodes=launch.nnodes, node_rank=launch.node_rank,
+                        rdzv_endpoint=launch.rdzv_endpoint, run_id=run_id,
+                        tolerate_ranks=tolerated_ranks(opts),
+                        shutdown_timeout=launch.shutdown_timeout))
+                finally:  # for the workers only: this process (a test's) may run another job
+                    os.environ.pop(CONFIG_ENV, None)
         except CgroupUnavailable as e:
-            print(f"ringtrain train: error: --memory-limit {args.memory_limit}: {e}", file=sys.stderr)
+            print(f"ringtrain train: error: --memory-limit {launch.memory_limit}: {e}", file=sys.stderr)
             return USAGE_EXIT_CODE
-    return run_job(args, started_at)
+    return run_job(opts, started_at)
 
 
 if __name__ == "__main__":

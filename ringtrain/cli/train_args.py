@@ -1,58 +1,36 @@
-"""The command line of `ringtrain train`: its parser, and what the parsed options become.
+"""The command line of `ringtrain train`, generated from the option tree (`cli/options.py`).
 
     ringtrain train --help
 
-`build_parser` and `check_args` (the errors the parser cannot see) say what is allowed; the rest
-turns the options into what the job needs: the relaunched workers' argv (`worker_argv`), the
-trainer's settings (`trainer_config`), the chosen strategy's options (`strategy_options`), the
-options a snapshot must match (`run_config`) and the ranks the job may lose (`tolerated_ranks`).
-The job itself (`run_job`, `main`) is in `ringtrain.cli.train`. The data and trainer modules are
-imported inside the functions that use them, so that `--help` stays fast.
+`build_parser` makes the parser from the dataclass fields; `options_from` turns what was given
+(argv, or a worker's RUN_DIR/config.json) into a `TrainOptions`, applying the defaults in order
+(field, task, strategy, recipe, command line) and the classes' own checks; `check_args` finds
+what needs more than one section or the machine (cores, devices, the data file, the layout of
+the strategy over the ranks). Errors name fields (`lr=0.0`); `options_from` and `check_args`
+say them with flags (`--lr 0.0`) through `ringtrain.config.to_flags`, the one place that maps
+them. The data and trainer modules are imported inside the functions, so `--help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from ringtrain.launch.device import BACKENDS, DEVICES, choose
-from ringtrain.strategies import Strategy, registered
-from ringtrain.strategies.base import int_at_least, non_negative_float
-from ringtrain.trace import parse_steps
-
-# Flags that belong to the launcher: the relaunched workers do not see them.
-LAUNCHER_FLAGS = ("nproc_per_node", "max_restarts", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
-                  "shutdown_timeout", "memory_limit")
-# Each strategy's own flags are declared by the strategy (`Strategy.options`): only the chosen
-# strategy's flags are passed to make_strategy, and only those the user set (its defaults apply).
-# Defaults that depend on the task; --help shows them as "addition / text". The addition
-# default reaches 100 % held-out accuracy by step ~700 of 1000 on 2 processes (seeds 1-3, 1337).
-TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "addition": {"n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0, "steps": 1000,
-                 "batch_size": 64, "lr": 3e-3, "snapshot_every": 100},
-    # nanoGPT's CPU recipe for Shakespeare characters (block 64, batch 12, 4 x 128, 2000 steps).
-    "text": {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0, "steps": 2000,
-             "batch_size": 12, "lr": 1e-3, "snapshot_every": 200},
-}
-
-
-_positive_int, _non_negative_int = int_at_least(1), int_at_least(0)
-
-
-def _memory_size(text: str) -> str:
-    from ringtrain.launch.cgroup import parse_size
-
-    try:
-        parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-_NEGATABLE = ("bias",)  # --flag/--no-flag options: False is passed on as --no-flag
-
-
-def _task_default(key: str) -> str:
-    return f"default: {TASK_DEFAULTS['addition'][key]} (addition) / {TASK_DEFAULTS['text'][key]} (text)"
+from ringtrain.cli.options import (
+    SECTIONS,
+    TASK_DEFAULTS,
+    TrainOptions,
+    every_option_class,
+    per_task_text,
+)
+from ringtrain.config import add_section, dest, flag, resume_fields, set_values, to_flags
+from ringtrain.config.fields import meta, option_fields
+from ringtrain.config.recipes import load as load_recipe
+from ringtrain.launch.device import choose
+from ringtrain.strategies import registered
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,155 +41,100 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser, every option from its field; every argument defaults to None (unset)."""
     p = _Parser(
         prog="ringtrain train", description="Train a GPT on 2-digit addition (default) or on your "
         "text (--data), on one or many processes. Every option has a default.")
-    g = p.add_argument_group("launch")
-    g.add_argument("--nproc-per-node", type=_positive_int, default=1,
-                   help="worker processes on this machine (default: 1)")
-    g.add_argument("--threads", type=_positive_int,
-                   help="torch threads per worker (default: CPU cores / --nproc-per-node; 1 is "
-                   "faster for small models on a busy machine)")
-    g.add_argument("--device", choices=DEVICES, default="auto",
-                   help="where tensors live: auto is CUDA where torch sees a GPU (one per "
-                   "process with NCCL), else the CPU (default: auto)")
-    g.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="process-group backend: auto is NCCL on CUDA, gloo on the CPU; gloo with "
-                   "--device cuda lets processes share a GPU, for testing (default: auto)")
-    g.add_argument("--watchdog-timeout", type=non_negative_float, default=30.0,
-                   help="stop every rank this many seconds after a peer went silent; 0 disables "
-                   "(default: 30)")
-    g.add_argument("--max-restarts", type=_non_negative_int, default=0,
-                   help="restart the workers up to this many times after a failure (default: 0)")
-    g.add_argument("--nnodes", default="1",
-                   help="machines in the job, as in `ringtrain run` (default: 1)")
-    g.add_argument("--node-rank", type=_non_negative_int, default=0,
-                   help="this machine's index in [0, --nnodes) (default: 0)")
-    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                   help="node 0's address and a free port, the same on every node (--nnodes > 1)")
-    g.add_argument("--rdzv-id", help="a job id, the same on every node (default: the run dir)")
-    g.add_argument("--memory-limit", metavar="SIZE", type=_memory_size,
-                   help="kill a worker that uses more than SIZE (e.g. 1.5G) of memory, and say so: "
-                   "one memory cgroup per worker, needs root or a delegated cgroup (default: none)")
-    g.add_argument("--shutdown-timeout", type=_non_negative_int, metavar="SECONDS",
-                   help="after SIGTERM or SIGUSR1, how long the workers get to save a snapshot "
-                   "and exit before the launcher kills them (default: 30)")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", metavar="FILE.txt|DIR",
-                   help="LM on a `ringtrain prepare` directory (memory-mapped), or on a UTF-8 text "
-                   "(char level, 90/10 split, prepared into RUN_DIR/data); default: addition")
-    g.add_argument("--digits", type=_positive_int, default=None,
-                   help="operand digits of the addition task, 1..3 (default: 2)")
-    g.add_argument("--block-size", type=_positive_int, default=None,
-                   help="context length for --data (default: 64)")
-    g = p.add_argument_group("model")
-    g.add_argument("--n-layer", type=_positive_int, help=_task_default("n_layer"))
-    g.add_argument("--n-head", type=_positive_int, help=_task_default("n_head"))
-    g.add_argument("--n-embd", type=_positive_int, help=_task_default("n_embd"))
-    g.add_argument("--dropout", type=non_negative_float, help=_task_default("dropout"))
-    g.add_argument("--tie-embeddings", action="store_true",
-                   help="share the token embedding with the output layer (default: untied)")
-    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True,
-                   help="biases in Linear and LayerNorm layers (default: --bias)")
-    g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block in backward instead of keeping its activations: "
-                   "less memory, ~1/3 more compute, same gradients (default: off)")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model once the strategy holds it: faster steps after "
-                   "a compile of tens of seconds at the start (and again for evaluation); on a "
-                   "CPU it needs a C++ compiler (default: off)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=_positive_int, help="optimizer steps; " + _task_default("steps"))
-    g.add_argument("--batch-size", type=_positive_int,
-                   help="samples per micro-batch per rank; " + _task_default("batch_size"))
-    g.add_argument("--grad-accum", type=_positive_int, default=1,
-                   help="micro-batches per optimizer step (default: 1)")
-    g.add_argument("--lr", type=non_negative_float, help="peak learning rate; " + _task_default("lr"))
-    g.add_argument("--min-lr", type=non_negative_float, help="final learning rate (default: lr / 10)")
-    g.add_argument("--warmup-steps", type=_non_negative_int,
-                   help="linear warmup steps (default: min(100, steps / 10))")
-    g.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
-                   help="after warmup (default: cosine)")
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.1,
-                   help="AdamW weight decay on matrices (default: 0.1)")
-    g.add_argument("--beta1", type=non_negative_float,
-                   help="AdamW's momentum (default: 0.9; 0.5 with --strategy ps --ps-mode async, "
-                        "where asynchrony adds momentum of its own: docs/ps.md)")
-    g.add_argument("--beta2", type=non_negative_float, default=0.95,
-                   help="AdamW's second-moment decay (default: 0.95; nanoGPT's Shakespeare recipe: 0.99)")
-    g.add_argument("--grad-clip", type=non_negative_float, default=1.0,
-                   help="max gradient norm, 0 disables (default: 1.0)")
-    g.add_argument("--seed", type=int, default=1337, help="initialisation, data order, dropout "
-                   "(default: 1337)")
-    g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16 autocast where the device supports it (default: fp32)")
-    g = p.add_argument_group("run")
-    g.add_argument("--run-dir", help="where the run's files go (default: runs/<timestamp>)")
-    g.add_argument("--log-every", type=_positive_int, help="steps between metric lines "
-                   "(default: steps / 100)")
-    g.add_argument("--eval-every", type=_positive_int, help="steps between evaluations "
-                   "(default: steps / 10; the last step always evaluates)")
-    g.add_argument("--eval-batch-size", type=_positive_int, help="default: max(batch size, 256)")
-    g.add_argument("--stop-at-accuracy", type=non_negative_float, metavar="FRACTION",
-                   help="stop once the held-out accuracy reaches this, e.g. 0.99 (addition only)")
-    g.add_argument("--sample-length", type=_positive_int, default=300,
-                   help="characters generated at the end with --data (default: 300)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--trace-steps", type=parse_steps, metavar="A:B",
-                   help="record a timeline of steps A to B-1 on every rank (forward, backward, "
-                   "each bucket's communication, optimizer) into RUN_DIR/trace.json, for "
-                   "ui.perfetto.dev or chrome://tracing (default: off)")
-    g = p.add_argument_group("fault tolerance")
-    g.add_argument("--snapshot-every", type=_non_negative_int,
-                   help="steps between snapshots in RUN_DIR/snapshots (also one on SIGTERM), 0: "
-                   "none; " + _task_default("snapshot_every"))
-    g.add_argument("--keep", type=_positive_int, default=2,
-                   help="committed snapshots kept (default: 2: a corrupt newest one falls back)")
-    g.add_argument("--no-resume", action="store_true",
-                   help="start afresh in --run-dir, deleting its snapshots (default: resume from "
-                   "its newest committed snapshot; a restarted worker always resumes)")
-    g.add_argument("--record-samples", action="store_true",
-                   help="record the sample indices of every step in the snapshots, to check "
-                   "exactly-once data (ringtrain/data/sample_log.py; default: off)")
-    g = p.add_argument_group("strategy")
-    strategies = registered()
-    g.add_argument("--strategy", choices=list(strategies), default="ddp",
-                   help="how the model is distributed (default: ddp)")
-    # Each strategy's own flags, declared by it; a flag several strategies share (diloco
+    for title, cls in SECTIONS.items():
+        add_section(p, cls, title, shown=per_task_text)
+    # Each strategy's own options, from its Config; a flag several strategies share (diloco
     # extends localsgd) is listed once, under the first, naming every strategy that takes it.
-    owners = _flag_owners(strategies)
-    for name, cls in strategies.items():
-        mine = [o for o in cls.options if owners[o.flag][0] == name]
+    owners = _flag_owners()
+    for name, cls in registered().items():
+        mine = {flag(f) for f in option_fields(cls.Config) if owners[flag(f)][0] == name}
         if mine:
-            g = p.add_argument_group(f"--strategy {name}")
-        for o in mine:
-            shared = f" (--strategy {', '.join(owners[o.flag])})" if len(owners[o.flag]) > 1 else ""
-            g.add_argument(o.flag, type=o.type, choices=o.choices, help=o.help + shared)
+            add_section(p, cls.Config, f"--strategy {name}",
+                        skip={flag(f) for f in option_fields(cls.Config)} - mine,
+                        note=lambda f: _shared(owners[flag(f)]))
     return p
 
 
-def _flag_owners(strategies: dict[str, type[Strategy]]) -> dict[str, list[str]]:
+def _shared(names: list[str]) -> str:
+    return f" (--strategy {', '.join(names)})" if len(names) > 1 else ""
+
+
+def _flag_owners() -> dict[str, list[str]]:
     """--flag -> the strategies that declare it, in registry order."""
     owners: dict[str, list[str]] = {}
-    for name, cls in strategies.items():
-        for o in cls.options:
-            owners.setdefault(o.flag, []).append(name)
+    for name, cls in registered().items():
+        for f in option_fields(cls.Config):
+            owners.setdefault(flag(f), []).append(name)
     return owners
 
 
-def _strategy(args: argparse.Namespace) -> type[Strategy]:
-    return registered()[args.strategy]
+def parse_options(argv: list[str]) -> TrainOptions:
+    """argv -> options (argparse exits on a malformed flag; ValueError for the rest)."""
+    return options_from(vars(build_parser().parse_args(argv)))
 
 
-def task_name(args: argparse.Namespace) -> str:
-    return "text" if args.data else "addition"
+def options_from(given: Mapping[str, Any], *, parse_text: bool = False) -> TrainOptions:
+    """The options from `given` ({dest: value}, None for unset), the defaults filled in.
+
+    Args:
+        parse_text: `given` came from JSON (a worker's config.json): a text value of an option
+            with a parser (`--trace-steps 3:5`) is parsed again.
+    """
+    given = {k: v for k, v in given.items() if v is not None}
+    if parse_text:
+        given = parsed_text(given)
+    task = "text" if given.get("data") else "addition"
+    recipe = parsed_text(load_recipe(given["recipe"])) if given.get("recipe") else {}
+    _check_names(recipe, f"recipe={given.get('recipe')!r}")
+    values = {**TASK_DEFAULTS[task], **recipe, **given}
+    strategies = registered()
+    chosen = strategies[values.get("strategy", "ddp")]
+    mine = {flag(f) for f in option_fields(chosen.Config)}
+    for flag_, names in _flag_owners().items():
+        if flag_ not in mine and flag_[2:].replace("-", "_") in {**recipe, **given}:
+            which = " or ".join(f"--strategy {n}" for n in names)
+            raise ValueError(f"{flag_} applies to {which}, not {chosen.name}; "
+                             f"add {which.split(' or ')[0]} or drop {flag_}")
+    try:
+        strategy = chosen.Config(**set_values(chosen.Config, values))
+        values = {**TASK_DEFAULTS[task], **strategy.trainer_defaults(), **recipe, **given}
+        sections = {name: cls(**set_values(cls, values)) for name, cls in SECTIONS.items()}
+        return TrainOptions(**sections, strategy=strategy)
+    except ValueError as e:  # "lr=0.0: ..." -> "--lr 0.0: ..."
+        raise ValueError(to_flags(str(e), every_option_class())) from None
 
 
-def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[str]:
-    """Errors the parser cannot see: flags that do not apply, an unusable data file.
+def parsed_text(values: dict[str, Any]) -> dict[str, Any]:
+    """Text values of options that have a parser, parsed (a recipe's "3:5", config.json's)."""
+    parsers = {dest(f): meta(f)["type"] for cls in every_option_class() for f in option_fields(cls)
+               if meta(f)["type"] is not None}
+    out = dict(values)
+    for key, value in values.items():
+        if isinstance(value, str) and key in parsers:
+            try:
+                out[key] = parsers[key](value)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"{key}={value!r}: {e}") from None
+    return out
+
+
+def _check_names(values: Mapping[str, Any], where: str) -> None:
+    known = {dest(f) for cls in every_option_class() for f in option_fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: {', '.join(unknown)} {'is not an option' if len(unknown) == 1 else 'are not options'}"
+                         "; `ringtrain train --help` lists them (dashes as underscores)")
+
+
+def check_args(opts: TrainOptions, world_size: int | None = None) -> list[str]:
+    """What one section cannot check alone: the machine, the data file, the layout.
 
     Raises ValueError naming the values and the fix; returns warnings (one line each): what is
-    allowed but likely a mistake. Fills in the task's defaults.
+    allowed but likely a mistake.
 
     Args:
         world_size: the job's number of ranks where it is known before the workers start
@@ -219,155 +142,152 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> list[
             against it too. None skips those checks.
     """
     warnings: list[str] = []
+    launch, run, t = opts.launch, opts.run, opts.trainer
     cores = os.cpu_count() or 1
-    if args.nproc_per_node > cores:
-        warnings.append(f"--nproc-per-node {args.nproc_per_node} is more than this machine's "
+    if launch.nproc_per_node > cores:
+        warnings.append(f"--nproc-per-node {launch.nproc_per_node} is more than this machine's "
                         f"{cores} CPU cores: the workers take turns on them and every step waits "
                         f"for the slowest; --nproc-per-node {cores} or fewer trains faster")
-    _check_nodes(args)
     # Before any worker starts: NCCL with more processes than GPUs, or CUDA without one.
-    choose(args.backend, args.device, local_world_size=args.nproc_per_node)
-    if args.stop_at_accuracy is not None and not 0 < args.stop_at_accuracy <= 1:
-        raise ValueError(f"--stop-at-accuracy {args.stop_at_accuracy}: a fraction of the held-out "
-                         "sums, in (0, 1], e.g. 0.99")
-    if args.nnodes != "1" and not (args.rdzv_endpoint and args.run_dir):
-        raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address) "
-                         "and --run-dir (the same path on every node, so ranks share snapshots)")
-    task = task_name(args)
-    for dest, value in TASK_DEFAULTS[task].items():
-        if getattr(args, dest) is None:
-            setattr(args, dest, value)
-    if task == "text":
-        if args.digits is not None:
-            raise ValueError("--digits applies to the addition task; drop it or drop --data")
-        if args.stop_at_accuracy is not None:
+    choose(launch.backend, launch.device, local_world_size=launch.nproc_per_node)
+    if launch.nnodes != "1" and not (launch.rdzv_endpoint and run.run_dir):
+        raise ValueError(f"--nnodes {launch.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's "
+                         "address) and --run-dir (the same path on every node, so ranks share "
+                         "snapshots)")
+    if opts.task == "text":
+        if run.stop_at_accuracy is not None:
             raise ValueError("--stop-at-accuracy needs the addition task (text has no accuracy); "
                              "drop it or drop --data")
-        args.block_size = args.block_size or 64
         from ringtrain.cli.job import check_text_data
 
-        train_samples = check_text_data(args.data, args.block_size, warnings)
+        train_samples = check_text_data(opts.data.data, opts.data.block_size, warnings)
     else:
-        if args.block_size is not None:
-            raise ValueError("--block-size applies to --data (the addition task fixes its own)")
-        args.digits = args.digits or 2
-        from ringtrain.data.addition import MAX_DIGITS, train_size
+        from ringtrain.data.addition import train_size
 
-        if args.digits > MAX_DIGITS:
-            raise ValueError(f"--digits {args.digits}: the addition task supports 1..{MAX_DIGITS}")
-        train_samples = train_size(args.digits)
-    strategies = registered()
-    mine = {o.flag for o in strategies[args.strategy].options}
-    for flag, names in _flag_owners(strategies).items():
-        if flag not in mine and getattr(args, flag[2:].replace("-", "_")) is not None:
-            which = " or ".join(f"--strategy {n}" for n in names)
-            raise ValueError(f"{flag} applies to {which}, not {args.strategy}; "
-                             f"add {which.split(' or ')[0]} or drop {flag}")
-    if args.n_embd % args.n_head:
-        raise ValueError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}; "
-                         "choose --n-embd as a multiple of --n-head")
-    if args.dropout >= 1:
-        raise ValueError(f"--dropout {args.dropout}: it must be below 1")
+        train_samples = train_size(opts.data.digits)
     try:
-        trainer_config(args).resolved()
-    except ValueError as e:  # say it with the flag's name: "lr=0.0" -> "--lr 0.0"
-        raise ValueError("--" + str(e).replace("_", "-").replace("=", " ", 1)) from None
-    if args.warmup_steps is not None and args.warmup_steps > args.steps:
-        warnings.append(f"--warmup-steps {args.warmup_steps} is more than --steps {args.steps}: "
-                        f"the learning rate never reaches --lr {args.lr}; lower --warmup-steps")
-    if args.trace_steps is not None and args.trace_steps.start > args.steps:
-        warnings.append(f"--trace-steps {args.trace_steps} starts after the run's last step "
-                        f"({args.steps}): the trace will be empty; pick steps up to {args.steps}")
+        t.resolved()
+    except ValueError as e:
+        raise ValueError(to_flags(str(e), every_option_class())) from None
+    if t.warmup_steps is not None and t.warmup_steps > t.steps:
+        warnings.append(f"--warmup-steps {t.warmup_steps} is more than --steps {t.steps}: "
+                        f"the learning rate never reaches --lr {t.lr}; lower --warmup-steps")
+    if run.trace_steps is not None and run.trace_steps.start > t.steps:
+        warnings.append(f"--trace-steps {run.trace_steps} starts after the run's last step "
+                        f"({t.steps}): the trace will be empty; pick steps up to {t.steps}")
     if world_size is not None:
-        _check_layout(args, world_size, train_samples)
+        _check_layout(opts, world_size, train_samples)
     return warnings
 
 
-def _check_nodes(args: argparse.Namespace) -> None:
-    """--nnodes N or MIN:MAX, --node-rank below N, --rdzv-endpoint HOST:PORT."""
-    parts = args.nnodes.split(":")
-    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
-        raise ValueError(f"--nnodes {args.nnodes}: give the number of machines (2) or a range "
-                         "MIN:MAX for an elastic job (1:4)")
-    if args.node_rank >= int(parts[-1]):
-        raise ValueError(f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}: number "
-                         f"the machines 0..{int(parts[-1]) - 1}, node 0 at --rdzv-endpoint")
-    host, _, port = (args.rdzv_endpoint or "").rpartition(":")
-    if args.rdzv_endpoint and not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint}: give node 0's address and a free "
-                         "port as HOST:PORT, e.g. 10.0.0.1:29400")
-
-
-def _check_layout(args: argparse.Namespace, world_size: int, train_samples: int) -> None:
+def _check_layout(opts: TrainOptions, world_size: int, train_samples: int) -> None:
     """What the workers would otherwise find one by one: a strategy layout that does not fit
     `world_size` (the strategy's own `plan`), a micro-batch larger than one data rank's share
     of the training set."""
-    data_world_size = _strategy(args).plan(strategy_options(args), world_size,
-                                           args.batch_size * args.grad_accum)
+    batch = opts.trainer.batch_size
+    data_world_size = opts.strategy.plan(world_size, batch * opts.trainer.grad_accum)
     per_rank = -(-train_samples // data_world_size)  # the sampler pads the last rank's share
-    if per_rank < args.batch_size:
+    if per_rank < batch:
         raise ValueError(
-            f"--batch-size {args.batch_size} is more than one data rank's share of the training "
+            f"--batch-size {batch} is more than one data rank's share of the training "
             f"set: {train_samples} samples over {data_world_size} data rank"
             f"{'s' if data_world_size > 1 else ''} is {per_rank} each; use --batch-size "
             f"{per_rank} or less, fewer ranks, or more data")
 
 
-def strategy_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The chosen strategy's own options, only those set on the command line."""
-    options = _strategy(args).options
-    return {o.name: getattr(args, o.dest) for o in options if getattr(args, o.dest) is not None}
-
-
-def worker_argv(args: argparse.Namespace) -> list[str]:
-    """The command line for a relaunched worker: every set option except the launcher's."""
-    out: list[str] = []
-    for dest, value in vars(args).items():
-        if dest in LAUNCHER_FLAGS or value is None or (value is False and dest not in _NEGATABLE):
-            continue
-        if value is False:  # --no-bias
-            out.append("--no-" + dest.replace("_", "-"))
-            continue
-        flag = "--" + dest.replace("_", "-")
-        out += [flag] if value is True else [flag, str(value)]
-    return out
-
-
-def tolerated_ranks(args: argparse.Namespace, world_size: int | None = None) -> frozenset[int]:
-    """Global ranks the job survives losing (the strategy's `tolerated_ranks_for`).
+def tolerated_ranks(opts: TrainOptions, world_size: int | None = None) -> frozenset[int]:
+    """Global ranks the job survives losing (the strategy config's `tolerated_ranks`).
 
     `world_size` defaults to --nnodes x --nproc-per-node; an elastic --nnodes MIN:MAX has no
     fixed layout, so nothing is tolerated there.
     """
+    if world_size is None:
+        if not opts.launch.nnodes.isdigit():  # elastic --nnodes
+            return frozenset()
+        world_size = int(opts.launch.nnodes) * opts.launch.nproc_per_node
+    return opts.strategy.tolerated_ranks(world_size)
+
+
+def run_config(opts: TrainOptions) -> dict[str, Any]:
+    """The options (besides the trainer's) that must equal a snapshot's to resume from it: the
+    fields marked `resume=MUST_MATCH` of the data and model sections."""
+    out = {name: getattr(opts.data, name) for name in resume_fields(opts.data)}
+    out.update({name: getattr(opts.model, name) for name in resume_fields(opts.model)})
+    out["data"] = os.path.abspath(opts.data.data) if opts.data.data else None
+    return out
+
+
+def command_line(given: Mapping[str, Any]) -> list[str]:
+    """The flags that give config.json's `args` back (those off their default; `ringtrain
+    explain` shows it as the resume command), generated from the fields."""
+    opts = options_from(given, parse_text=True)
+    # The defaults to compare with: the same task, recipe and strategy options (ps async's beta1).
+    kept = ["data", "strategy", "recipe", *(dest(f) for f in option_fields(opts.strategy))]
+    base = options_from({k: given.get(k) for k in kept}, parse_text=True)
+    out: list[str] = []
+    defaults = [*base.sections()[:-1], type(opts.strategy)()]  # the strategy's own: its defaults
+    for section, default in zip(opts.sections(), defaults, strict=True):
+        for f in option_fields(section):
+            value = getattr(section, f.name)
+            if value == getattr(default, f.name) and f.name not in kept[:3]:  # data, strategy, recipe
+                continue
+            if value is None:
+                continue
+            if isinstance(value, bool):  # --compile, --no-progress, --bias / --no-bias
+                out.append(flag(f) if meta(f)["negatable"] is False or value else "--no-" + flag(f)[2:])
+            else:
+                out += [flag(f), str(value)]
+    return out
+
+
+def options_table() -> str:
+    """docs/train.md's table of options, from the fields (`tests/test_options.py` compares)."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    owners = _flag_owners()
+    groups = [(title, cls, "") for title, cls in SECTIONS.items()]
+    groups += [(f"--strategy {name}", cls.Config, name) for name, cls in registered().items()]
+    for title, cls, name in groups:
+        mine = [f for f in option_fields(cls) if not name or owners[flag(f)][0] == name]
+        if mine:
+            rows.append(f"| **{title}** | | |")
+        for f in mine:
+            names = f"{flag(f)}/--no-{flag(f)[2:]}" if meta(f)["negatable"] else flag(f)
+            help_ = meta(f)["help"] + (_shared(owners[flag(f)]) if name else "")
+            rows.append(f"| `{names}` | {per_task_text(f) or ''} | {help_} |")
+    return "\n".join(rows) + "\n"
+
+
+# ---- the workers' options: RUN_DIR/config.json, not a rebuilt argv ------------------------------
+
+CONFIG_ENV = "RINGTRAIN_CONFIG"  # the config.json a launched worker reads its options from
+
+
+def given_options(parser: argparse.ArgumentParser, argv: list[str], *,
+                  launched: bool) -> tuple[dict[str, Any], bool]:
+    """What this process was given ({dest: value}) and whether it came from config.json: a
+    `launched` worker with `RINGTRAIN_CONFIG` reads the options its launcher checked and wrote;
+    any other process (also each task under srun or mpirun, no launcher of ours) parses argv."""
+    path = os.environ.get(CONFIG_ENV)
+    if path and launched:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["args"], True
+    return vars(parser.parse_args(argv)), False
+
+
+def write_options(opts: TrainOptions) -> str:
+    """RUN_DIR/config.json with the options (not yet the job's figures), atomically, for the
+    workers; left as it is when it already holds them (another node of the job, or a resume,
+    wrote it: rank 0 may have added the job's figures since). Returns its path."""
+    from ringtrain.training.progress import write_json
+
+    path = os.path.join(opts.run.run_dir, "config.json")
+    args = json.loads(json.dumps(opts.flat()))
     try:
-        if world_size is None:
-            world_size = int(args.nnodes) * args.nproc_per_node
-    except ValueError:  # elastic --nnodes
-        return frozenset()
-    return _strategy(args).tolerated_ranks_for(strategy_options(args), world_size)
-
-
-def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The options (besides the trainer's) that must equal a snapshot's to resume from it."""
-    keys = ("digits", "block_size", "n_layer", "n_head", "n_embd", "dropout", "tie_embeddings", "bias")
-    return {"data": os.path.abspath(args.data) if args.data else None,
-            **{k: getattr(args, k) for k in keys}}
-
-
-def default_beta1(args: argparse.Namespace) -> float:
-    """AdamW's beta1 unless --beta1 is given: 0.9, or the chosen strategy's default."""
-    return _strategy(args).trainer_defaults(strategy_options(args)).get("beta1", 0.9)
-
-
-def trainer_config(args: argparse.Namespace):
-    from ringtrain.training.trainer import TrainerConfig
-
-    return TrainerConfig(
-        steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-        min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
-        weight_decay=args.weight_decay, beta1=default_beta1(args) if args.beta1 is None else args.beta1,
-        beta2=args.beta2,
-        grad_clip=args.grad_clip, seed=args.seed, dtype=args.dtype,
-        log_every=args.log_every, eval_every=args.eval_every, eval_batch_size=args.eval_batch_size,
-        progress=not args.no_progress, record_samples=args.record_samples,
-        compile=args.compile)
+        with open(path, encoding="utf-8") as f:
+            if json.load(f).get("args") == args:
+                return path
+    except (OSError, ValueError):
+        pass
+    os.makedirs(opts.run.run_dir, exist_ok=True)
+    write_json(path, {"task": opts.task, "args": args})
+    return path

@@ -3,7 +3,8 @@
 Read `base.py` first (the seam the trainer talks to), then `ddp.py` (the simplest), then
 `pipeline.py` and `ps.py`. Each module here holds one `Strategy` subclass with a `name`; it is
 found by that name (`--strategy NAME`, `make_strategy(NAME, ...)`) without a list to edit.
-May import: `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`, `ringtrain.localsgd`,
+Each strategy's options are its `Config` dataclass (`base.StrategyConfig`), declared in its
+module. May import: `ringtrain.config`, `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`, `ringtrain.localsgd`,
 `ringtrain.zero` (the engines), `ringtrain.agreement`, `ringtrain.runtime`,
 `ringtrain.errors`, `ringtrain.types`, `ringtrain.trace`, `ringtrain.collectives`. Never the
 trainer or the command line.
@@ -16,9 +17,9 @@ import pkgutil
 from typing import Any
 
 from ringtrain.errors import ConfigError
-from ringtrain.strategies.base import EvalShard, Option, StepResult, Strategy
+from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyConfig
 
-__all__ = ["EvalShard", "Option", "StepResult", "Strategy", "make_strategy", "registered"]
+__all__ = ["EvalShard", "StepResult", "Strategy", "StrategyConfig", "make_strategy", "registered"]
 
 _NOT_STRATEGIES = {"base"}
 

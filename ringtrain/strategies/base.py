@@ -6,33 +6,33 @@ that has nothing to report (a pipeline stage without the loss, a parameter serve
 count 0. Optional behaviour is a method here with a default that does nothing.
 
 A strategy is one module in `ringtrain/strategies/` holding one `Strategy` subclass with a
-`name`: the command line (`ringtrain train --strategy NAME`) finds it there, with its
-`options` (its own flags), `plan` (its checks before any worker starts) and
-`tolerated_ranks_for` (which ranks the launcher may lose), and `explain` (its words in
-`ringtrain explain`). See docs/architecture.md.
+`name` and a `Config` (a `StrategyConfig` dataclass): the command line (`ringtrain train
+--strategy NAME`) finds it there; the config holds its own flags (one field each), `plan` (its
+checks before any worker starts), `tolerated_ranks` (which ranks the launcher may lose),
+`trainer_defaults`, and the figures `ringtrain explain` needs of it (e.g.
+`LocalSGDConfig.meeting_bytes`; the words are the command's). `Strategy` itself is only what a
+rank does at run time. See docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import argparse
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from ringtrain.agreement.base import Agreement, CollectiveAgreement
-from ringtrain.strategies.explaining import Explanation, RunFacts, generic
 from ringtrain.trace import NO_TRACE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
 if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
 
-__all__ = ["EvalShard", "LossFn", "OptimizerFn", "Option", "ShardPerRank", "StepResult", "Strategy", "eval_forward",
-           "int_at_least", "non_negative_float"]
+__all__ = ["EvalShard", "LossFn", "OptimizerFn", "ShardPerRank", "StepResult", "Strategy", "StrategyConfig",
+           "eval_forward"]
 
 
 @dataclass
@@ -61,80 +61,40 @@ class EvalShard:
     count: int
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `low`, with a message naming the value otherwise."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be {low} or more")
-        return value
-    return parse
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a number >= 0, with a message naming the value otherwise."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0 or value == float("inf"):  # nan and inf too: "nan >= 0" is False
-        raise argparse.ArgumentTypeError(f"{text} is not allowed: it must be a finite number, 0 or more")
-    return value
-
-
-@dataclass(frozen=True)
-class Option:
-    """One command-line option of a strategy: `flag` becomes the constructor's keyword `name`.
-
-    Unset options are not passed: the constructor's default applies.
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    """A strategy's own options, one `ringtrain.config.option` field per flag, and what the
+    command line asks of them before any worker starts. Its defaults are the strategy's: an
+    option the user did not set keeps them. Subclass it next to the strategy, as `Config`.
     """
 
-    flag: str  # "--pp"
-    name: str  # "pp"
-    type: Callable[[str], Any] = str  # parses the text (an argparse type)
-    choices: tuple[str, ...] | None = None
-    help: str = ""
+    def kwargs(self) -> dict[str, Any]:
+        """The strategy constructor's keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @property
-    def dest(self) -> str:
-        """The attribute on the parsed arguments (`--ps-mode` -> `ps_mode`)."""
-        return self.flag[2:].replace("-", "_")
+    def plan(self, world_size: int, step_batch: int) -> int:
+        """Check these options against `world_size` ranks and a step of `step_batch` samples
+        per data rank; return how many data ranks read data. Raises ConfigError naming the fix."""
+        return world_size
+
+    def tolerated_ranks(self, world_size: int) -> frozenset[int]:
+        """Ranks whose death the job survives (the launcher keeps the others going)."""
+        return frozenset()
+
+    def trainer_defaults(self) -> dict[str, Any]:
+        """TrainerConfig defaults this strategy changes (e.g. AdamW's beta1), by field name."""
+        return {}
 
 
 class Strategy(ABC):
     """One rank's view of a distributed model. Call every method on every rank, same order."""
 
     name: str = ""
-    options: tuple[Option, ...] = ()  # its own flags (`ringtrain train --help`, "strategy")
+    Config: ClassVar[type[StrategyConfig]] = StrategyConfig  # its options and pre-launch checks
     # True when every rank holds the whole model and optimizer state (DDP): a snapshot is then
     # written once and can be resumed on any number of ranks. False: per-rank parts, same layout.
     replicated_state: bool = False
     tracer: Tracer = NO_TRACE  # spans of its steps (`ringtrain.trace`), set by `trace`
-
-    # -- before any worker starts (the command line asks, with the options the user set) -------
-    @classmethod
-    def plan(cls, options: dict[str, Any], world_size: int, step_batch: int) -> int:
-        """Check `options` against `world_size` ranks and a step of `step_batch` samples per
-        data rank; return how many data ranks read data. Raises ConfigError naming the fix."""
-        return world_size
-
-    @classmethod
-    def tolerated_ranks_for(cls, options: dict[str, Any], world_size: int) -> frozenset[int]:
-        """Ranks whose death the job survives (the launcher keeps the others going)."""
-        return frozenset()
-
-    @classmethod
-    def trainer_defaults(cls, options: dict[str, Any]) -> dict[str, Any]:
-        """TrainerConfig defaults this strategy changes (e.g. AdamW's beta1), by field name."""
-        return {}
-
-    @classmethod
-    def explain(cls, facts: RunFacts) -> Explanation:
-        """What `ringtrain explain` says of a run of this strategy (roles, traffic, ...)."""
-        return generic(facts)
 
     # -- the seam ------------------------------------------------------------------------------
     @abstractmethod
@@ -189,16 +149,6 @@ class Strategy(ABC):
         return EvalShard(self.data_rank, self.data_world_size)
 
     @property
-    def is_worker(self) -> bool:
-        """False on ranks that serve rather than train (parameter servers).
-
-        The trainer still runs its loop on every rank, so world collectives (metrics, eval) line
-        up: a non-worker reads no data, its `train_step` returns count 0 and its `eval_logits`
-        returns None, while the strategy serves its peers inside those calls.
-        """
-        return True
-
-    @property
     def tolerated_ranks(self) -> frozenset[int]:
         """Ranks whose death this job survives; `rank_departed` is told when one dies."""
         return frozenset()
@@ -216,28 +166,18 @@ class Strategy(ABC):
         """The strategy's own figures for the run's summary (after `model_state_dict`)."""
         return {}
 
-    def reshard_source(self, saved_world_size: int) -> int | None:
-        """Resuming per-rank state saved by another number of ranks: which saved rank's part
-        this rank loads; None (the default): the state cannot be resharded (refused, naming
-        both world sizes). Replicated state (`replicated_state`) needs no answer."""
-        return None
-
     def reshard_sources(self, saved_world_size: int) -> list[int] | None:
         """Resuming per-rank state saved by another number of ranks: every saved rank whose
-        part this rank reads (`load_resharded_state_dict` gets them). Default: the one
-        `reshard_source` names; None: it cannot be resharded."""
-        source = self.reshard_source(saved_world_size)
-        return None if source is None else [source]
+        part this rank reads (`load_resharded_state_dict` gets them); None (the default): the
+        state cannot be resharded (refused, naming both world sizes). Replicated state
+        (`replicated_state`) needs no answer."""
+        return None
 
     def load_resharded_state_dict(self, parts: dict[int, dict[str, Any]]) -> None:
         """Load per-rank state saved by another number of ranks: `parts` maps each saved rank of
         `reshard_sources` to its `state_dict()`. Default: `load_state_dict` of the one part."""
         (state,) = parts.values()
         self.load_state_dict(state)
-
-    def serve(self) -> None:
-        """Run a non-worker rank's role outside the trainer loop (optional)."""
-        return None
 
     def close(self) -> None:
         """Release process groups and threads."""

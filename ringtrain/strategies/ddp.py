@@ -13,18 +13,25 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ringtrain.config import option
 from ringtrain.ddp.comm_hooks import bf16_compress_hook, fp16_compress_hook
 from ringtrain.ddp.distributed import DistributedDataParallel
 from ringtrain.ddp.powersgd import PowerSGDState, powersgd_hook
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import Option, ShardPerRank, StepResult, Strategy, eval_forward
-from ringtrain.strategies.explaining import Explanation, RunFacts, n, nbytes
+from ringtrain.strategies.base import (
+    ShardPerRank,
+    StepResult,
+    Strategy,
+    StrategyConfig,
+    eval_forward,
+)
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -47,6 +54,14 @@ def _strip_module_prefix(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+@dataclass(frozen=True, kw_only=True)
+class DDPConfig(StrategyConfig):
+    """`--strategy ddp`'s options."""
+
+    grad_compress: str = option("none", "gradient compression: none, fp16, bf16 or powersgd:R",
+                                type=parse_grad_compress)
+
+
 class DDPStrategy(ShardPerRank, Strategy):
     """One full replica per rank, averaged gradients (`DistributedDataParallel`).
 
@@ -59,8 +74,7 @@ class DDPStrategy(ShardPerRank, Strategy):
 
     name = "ddp"
     replicated_state = True
-    options = (Option("--grad-compress", "grad_compress", parse_grad_compress,
-                      help="gradient compression: none, fp16, bf16 or powersgd:R (default: none)"),)
+    Config = DDPConfig
 
     def __init__(self, runtime: Runtime, *, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, grad_compress: str = "none"):
@@ -77,41 +91,6 @@ class DDPStrategy(ShardPerRank, Strategy):
         self.module: nn.Module | None = None
         self._hooks: list[Any] = []
         self._last_grad_at = 0.0
-
-    @classmethod
-    def explain(cls, facts: RunFacts) -> Explanation:
-        f, waiting = facts, ("the wait after the last local gradient; the buckets all-reduced "
-                             "before it overlapped the rest of backward")
-        if f.world == 1:
-            return Explanation(
-                roles=[f"1 rank holds the whole GPT ({n(f.params)} parameters): single-device "
-                       "training: no one to average with, so the plain module runs unwrapped (a "
-                       "--grad-compress hook keeps the DistributedDataParallel wrapper)."],
-                traffic=["nothing: one rank has no one to send to."], reader="every rank",
-                waiting=waiting)
-        roles = [f"{f.world} ranks, each a full replica of the GPT ({n(f.params)} parameters "
-                 "each): every rank runs forward and backward on its own shard of each batch, "
-                 "then the ranks average their gradients (DistributedDataParallel), so every "
-                 "replica takes the same optimizer step and the weights stay identical."]
-        share, compress, s = f.ring_share(), f.option("grad_compress"), f.summary
-        if compress.startswith("powersgd"):  # what it sent is counted, not estimated
-            sent = s.get("powersgd_bytes_sent") and s["powersgd_bytes_sent"] / (s.get("steps") or 1)
-            traffic = [f"PowerSGD (--grad-compress {compress}): low-rank factors of each gradient "
-                       f"matrix, all-reduced by ring, instead of {nbytes(f.grad_bytes)} of fp32 "
-                       "gradients" + (f": {nbytes(sent)} sent per rank per step (summary.json), "
-                                      f"{share * f.grad_bytes / sent:.1f} x fewer than a ring of "
-                                      "the full gradients." if sent else ".")]
-            return Explanation(roles, traffic, "every rank", waiting)
-        kind, size = (compress, f.grad_bytes // 2) if compress in ("fp16", "bf16") else \
-            ("fp32", f.grad_bytes)
-        traffic = [f"the gradients of {n(f.params)} parameters in {kind}: {nbytes(size)}, once "
-                   "per optimizer step (the --grad-accum micro-batches before the last run under "
-                   "no_sync), in buckets launched while backward still runs.",
-                   f"algorithm: ring all-reduce (gloo's default): a reduce-scatter then an "
-                   f"all-gather, each N-1 steps around the ring, so each rank sends 2(N-1)/N = "
-                   f"{share:.3g} x the buffer (N = {f.world}) = {nbytes(share * size)} per step, "
-                   "and receives as much."]
-        return Explanation(roles, traffic, "every rank", waiting)
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
@@ -200,10 +179,10 @@ class DDPStrategy(ShardPerRank, Strategy):
         if self.powersgd is not None and "powersgd" in state:
             self.powersgd.load_state_dict(state["powersgd"], list(self.module.parameters()))
 
-    def reshard_source(self, saved_world_size: int) -> int | None:
+    def reshard_sources(self, saved_world_size: int) -> list[int] | None:
         """PowerSGD on another number of ranks: the weights are the same on every rank, the
         error feedback is taken from saved rank r modulo the saved world size."""
-        return self.runtime.rank % saved_world_size
+        return [self.runtime.rank % saved_world_size]
 
     def stats(self) -> dict[str, Any]:
         if self.powersgd is None:

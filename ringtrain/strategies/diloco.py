@@ -14,18 +14,35 @@ local SGD. Everything else (data, evaluation, snapshots, stop votes) is local SG
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from ringtrain.config import non_negative_float, option
 from ringtrain.errors import ConfigError
 from ringtrain.localsgd.compress import CODECS
 from ringtrain.localsgd.outer import OuterStep
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import Option, non_negative_float
-from ringtrain.strategies.explaining import RunFacts
-from ringtrain.strategies.localsgd import LocalSGDStrategy
+from ringtrain.strategies.localsgd import LocalSGDConfig, LocalSGDStrategy
 from ringtrain.types import LossFn, OptimizerFn
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig(LocalSGDConfig):
+    """`--strategy diloco`'s options: local SGD's (--sync-every) and the outer step's."""
+
+    outer_lr: float = option(0.7, "DiLoCo's outer learning rate", type=non_negative_float)
+    outer_momentum: float = option(0.9, "DiLoCo's outer Nesterov momentum, 0 for none",
+                                   type=non_negative_float)
+    outer_compress: str = option("fp32", "how the pseudo-gradient travels", choices=CODECS)
+
+    def meeting_bytes(self, params: int, world_size: int) -> float:
+        """fp32: a ring all-reduce; bf16 and int8: an all-gather of every rank's pseudo-gradient
+        at 2 or 1 bytes a parameter (int8's one scale per tensor left out)."""
+        if self.outer_compress == "fp32":
+            return super().meeting_bytes(params, world_size)
+        return params * (2 if self.outer_compress == "bf16" else 1) * (world_size - 1)
 
 
 class DiLoCoStrategy(LocalSGDStrategy):
@@ -40,32 +57,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
     """
 
     name = "diloco"
-    options = LocalSGDStrategy.options + (
-        Option("--outer-lr", "outer_lr", non_negative_float, help="DiLoCo's outer learning rate "
-               "(default: 0.7)"),
-        Option("--outer-momentum", "outer_momentum", non_negative_float, help="DiLoCo's outer Nesterov "
-               "momentum, 0 for none (default: 0.9)"),
-        Option("--outer-compress", "outer_compress", choices=CODECS, help="how the "
-               "pseudo-gradient travels (default: fp32)"),
-    )
-
-    @classmethod
-    def _meeting_words(cls, f: RunFacts) -> str:
-        codec = f.option("outer_compress")
-        how = ("all-reduced in fp32" if codec == "fp32" else f"all-gathered in {codec}"
-               + (" with one fp32 scale per tensor" if codec == "int8" else "")
-               + " and summed in fp32 in rank order")
-        return (f"each rank's pseudo-gradient (the weights of the last outer step minus its "
-                f"weights now) is {how}, and the mean moves the shared weights by an outer SGD "
-                f"with Nesterov momentum (--outer-lr {f.option('outer_lr')}, --outer-momentum "
-                f"{f.option('outer_momentum')}), the same step on every rank (DiLoCo).")
-
-    @classmethod
-    def _meeting_bytes(cls, f: RunFacts) -> float:
-        codec = f.option("outer_compress")
-        if codec == "fp32":
-            return f.ring_share() * f.grad_bytes
-        return (f.params * (2 if codec == "bf16" else 1)) * (f.world - 1)  # all-gather
+    Config = DiLoCoConfig
 
     def __init__(self, runtime: Runtime, sync_every: int = 50, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, outer_compress: str = "fp32"):

@@ -19,26 +19,40 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ringtrain.agreement.base import Agreement, CollectiveAgreement
+from ringtrain.config import int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.localsgd.outer import average_weights
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import (
-    Option,
     ShardPerRank,
     StepResult,
     Strategy,
+    StrategyConfig,
     eval_forward,
-    int_at_least,
 )
-from ringtrain.strategies.explaining import Explanation, RunFacts, n, nbytes, plural
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
+
+FP32_BYTES = 4  # the parameters travel in fp32
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSGDConfig(StrategyConfig):
+    """`--strategy localsgd`'s options (DiLoCo's extend them)."""
+
+    sync_every: int = option(50, "optimizer steps between the workers' meetings, H",
+                             type=int_at_least(1))
+
+    def meeting_bytes(self, params: int, world_size: int) -> float:
+        """Bytes a rank sends per meeting: a ring all-reduce of the fp32 parameters, 2(N-1)/N."""
+        return 2 * (world_size - 1) / world_size * params * FP32_BYTES
 
 
 class LocalSGDStrategy(ShardPerRank, Strategy):
@@ -50,44 +64,13 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
     """
 
     name = "localsgd"
-    options = (Option("--sync-every", "sync_every", int_at_least(1),
-                      help="optimizer steps between the workers' meetings, H (default: 50)"),)
-
-    @classmethod
-    def explain(cls, facts: RunFacts) -> Explanation:
-        f, h = facts, facts.option("sync_every")
-        roles = [f"{f.world} ranks, each a full replica of the GPT ({n(f.params)} parameters) "
-                 f"with its own optimizer, training alone on its own shard for {h} steps "
-                 f"(--sync-every {h}); then the replicas meet: "
-                 + cls._meeting_words(f) + " Evaluation and the final model use the weights of "
-                 "the last meeting, the same on every rank."]
-        if f.world == 1:
-            return Explanation(roles, ["nothing: one rank has no one to meet."], "every rank",
-                               "nothing: one rank")
-        s = f.summary
-        counted = (f" Counted (summary.json): {nbytes(s['meeting_bytes_sent'])} sent by rank 0 "
-                   f"over {plural(s['meetings'], 'meeting')}." if s.get("meetings") else "")
-        per_meeting = cls._meeting_bytes(f)
-        traffic = [f"nothing in {h - 1} steps out of {h}; at each meeting "
-                   f"{nbytes(per_meeting)} sent per rank, {nbytes(per_meeting / h)} per step on "
-                   f"average, against {nbytes(f.ring_share() * f.grad_bytes)} every step for "
-                   f"DDP's gradients.{counted}"]
-        return Explanation(roles, traffic, "every rank",
-                           "the meetings only (steps between them wait on no one)")
-
-    @classmethod
-    def _meeting_words(cls, f: RunFacts) -> str:
-        return "their parameters are all-reduced (ring, fp32) and divided by N: the mean."
-
-    @classmethod
-    def _meeting_bytes(cls, f: RunFacts) -> float:
-        return f.ring_share() * f.grad_bytes
+    Config = LocalSGDConfig
 
     def __init__(self, runtime: Runtime, sync_every: int = 50):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ConfigError(f"--sync-every {sync_every!r}: it must be a positive number of steps")
         self.runtime, self.sync_every = runtime, sync_every
-        self.replicated_state = False  # optimizer states differ per rank; see reshard_source
+        self.replicated_state = False  # optimizer states differ per rank; see reshard_sources
         self.module: nn.Module | None = None
         self.inner_steps = 0  # optimizer steps taken; a meeting after every sync_every-th
         self.meetings, self.bytes_sent, self.meeting_s = 0, 0, 0.0
@@ -187,8 +170,8 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
         self.inner_steps = steps
         self.meetings, self.bytes_sent = int(state["meetings"]), int(state["bytes_sent"])
 
-    def reshard_source(self, saved_world_size: int) -> int | None:
+    def reshard_sources(self, saved_world_size: int) -> list[int] | None:
         """At a meeting every replica holds the same weights: rank r takes saved rank r's part
         (its optimizer state) modulo the saved world size. `load_state_dict` refuses a snapshot
         taken between meetings."""
-        return self.runtime.rank % saved_world_size
+        return [self.runtime.rank % saved_world_size]

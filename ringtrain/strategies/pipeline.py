@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,14 +27,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
+from ringtrain.config import int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.pipeline.engine import PipelineStage, StepStats
 from ringtrain.pipeline.partition import partition, tied_parameters
 from ringtrain.pipeline.schedule import SCHEDULES, Backward, Forward
 from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import Option, StepResult, Strategy, int_at_least
-from ringtrain.strategies.explaining import FP32_BYTES, Explanation, RunFacts, n, nbytes, plural
+from ringtrain.strategies.base import StepResult, Strategy, StrategyConfig
 from ringtrain.trace import COMM, COMPUTE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -64,6 +65,35 @@ def _as_sequential(model: nn.Module) -> nn.Module | list[nn.Module]:
     return model  # partition() raises a clear TypeError unless it is an nn.Sequential
 
 
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig(StrategyConfig):
+    """`--strategy pipeline`'s options, checked against the world size before launch."""
+
+    pp: int = option(2, "pipeline stages", type=int_at_least(1))
+    schedule: str = option("1f1b", "pipeline schedule", choices=sorted(SCHEDULES))
+    microbatches: int | None = option(None, "pipeline micro-batches per batch", type=int_at_least(1),
+                                      shown="the most up to 4 x pp that divide the batch")
+
+    def plan(self, world_size: int, step_batch: int) -> int:
+        pp = self.pp
+        try:
+            dp = Topology(world_size, pp).dp
+        except ValueError as e:  # pp must divide world_size
+            raise ConfigError(str(e)) from None
+        m = self.microbatches
+        if m is not None and (m < pp or step_batch % m):
+            fits = [d for d in range(pp, step_batch + 1) if step_batch % d == 0]
+            fix = f"--microbatches in {fits}" if fits else f"--batch-size {pp} or more"
+            raise ConfigError(f"--microbatches {m} must be at least --pp {pp} and divide the "
+                              f"{step_batch} samples of a step (--batch-size x --grad-accum); "
+                              f"use {fix}")
+        return dp
+
+    def microbatches_for(self, step_batch: int) -> int:
+        """Micro-batches of a step of `step_batch` samples: as set, else the default."""
+        return self.microbatches or _default_microbatches(step_batch, self.pp)
+
+
 class PipelineStrategy(Strategy):
     """One rank's stage of a dp x pp pipeline.
 
@@ -77,63 +107,7 @@ class PipelineStrategy(Strategy):
     """
 
     name = "pipeline"
-    options = (
-        Option("--pp", "pp", int_at_least(1), help="pipeline stages (default: 2)"),
-        Option("--schedule", "schedule", choices=tuple(sorted(SCHEDULES)),
-               help="pipeline schedule (default: 1f1b)"),
-        Option("--microbatches", "microbatches", int_at_least(1),
-               help="pipeline micro-batches per batch (default: the most up to 4 x pp that "
-                    "divide the batch)"),
-    )
-
-    @classmethod
-    def plan(cls, options: dict[str, Any], world_size: int, step_batch: int) -> int:
-        pp = options.get("pp", 2)
-        try:
-            dp = Topology(world_size, pp).dp
-        except ValueError as e:  # pp must divide world_size
-            raise ConfigError(str(e)) from None
-        m = options.get("microbatches")
-        if m is not None and (m < pp or step_batch % m):
-            fits = [d for d in range(pp, step_batch + 1) if step_batch % d == 0]
-            fix = f"--microbatches in {fits}" if fits else f"--batch-size {pp} or more"
-            raise ConfigError(f"--microbatches {m} must be at least --pp {pp} and divide the "
-                              f"{step_batch} samples of a step (--batch-size x --grad-accum); "
-                              f"use {fix}")
-        return dp
-
-    @classmethod
-    def explain(cls, facts: RunFacts) -> Explanation:
-        f, pp = facts, facts.option("pp")
-        dp, m = f.world // pp, f.option("microbatches") or _default_microbatches(f.step_batch, pp)
-        roles = [f"{f.world} ranks = {plural(dp, 'pipeline')} x {pp} stages (model parallelism, "
-                 f"--pp {pp}): each stage holds a contiguous run of the GPT's layers (embedding, "
-                 f"blocks, head) balanced by parameter count, about {n(f.params / pp)} of the "
-                 f"{n(f.params)} parameters; rank = dp_rank x {pp} + pp_rank."]
-        roles += [f"pipeline {d}: " + ", ".join(f"stage {s} on rank {d * pp + s}" for s in range(pp))
-                  for d in range(dp)]
-        roles.append(f"each step's {f.step_batch} samples flow through the stages as {m} "
-                     f"micro-batches of {f.step_batch // m} (--schedule {f.option('schedule')}): "
-                     "the stages work at once on different micro-batches, except in the bubble "
-                     "at the start and the end of the step.")
-        if dp > 1:
-            roles.append(f"each stage's {dp} replicas average their gradients "
-                         "(DistributedDataParallel on the stage's data-parallel group).")
-        block, width = f.model.get("block_size", 0), f.model.get("n_embd", 0)
-        act = f.step_batch * block * width * FP32_BYTES
-        traffic = [f"estimate: between consecutive stages, the activations of a step's "
-                   f"{f.step_batch} samples ({block} tokens x {width} channels each, fp32) = "
-                   f"{nbytes(act)} forward, one micro-batch at a time, and as many bytes of their "
-                   "gradients backward; plus one number per stage (the gradient norm, for "
-                   "clipping)."]
-        if dp > 1:
-            traffic.append(f"estimate: each stage also all-reduces the gradients of its "
-                           f"~{n(f.params / pp)} parameters among its {dp} replicas: about "
-                           f"{nbytes(f.ring_share(dp) * f.grad_bytes / pp)} sent per rank per "
-                           "step (ring).")
-        return Explanation(roles, traffic, reader="the stages of a pipeline read the same shard",
-                           waiting="waiting for the neighbouring stages, the pipeline bubble "
-                                   "included")
+    Config = PipelineConfig
 
     def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
                  microbatches: int | None = None, split: Sequence[int] | None = None):

@@ -12,8 +12,6 @@ server's `train_step` returns at once with count 0 and its `eval_logits` returns
 servers join the loop's metric sums (contributing 0) while their threads serve; at the end
 every rank calls `model_state_dict()`, where (sync) the servers broadcast their shards to all,
 or (async/ssp) the workers pull them after a store round among the ranks still in the job.
-A trainer that instead parks servers in `serve()` must keep the loop's collectives off the
-servers; `serve()` returns once every worker has left or reached `model_state_dict()`.
 
 A worker that dies in async/ssp mode is dropped and the job goes on (`tolerated_ranks`): the
 server that lost it (or the watchdog, via `drop_worker`) marks it departed in the job's
@@ -28,6 +26,7 @@ import logging
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collect
 from ringtrain.agreement.base import Agreement
 from ringtrain.agreement.membership import Membership
 from ringtrain.agreement.store import StoreAgreement
+from ringtrain.config import int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.ps.final_state import broadcast_final_state, gather_final_state
 from ringtrain.ps.protocol import PSError, PSTopology, make_ps_groups
@@ -52,19 +52,45 @@ from ringtrain.ps.worker import PSWorker
 from ringtrain.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, Runtime
 from ringtrain.strategies.base import (
     EvalShard,
-    Option,
     StepResult,
     Strategy,
+    StrategyConfig,
     eval_forward,
-    int_at_least,
 )
-from ringtrain.strategies.explaining import Explanation, RunFacts, nbytes, plural, ranks
 from ringtrain.strategies.step import accumulate
 from ringtrain.types import LossFn, OptimizerFn
 
 log = logging.getLogger("ringtrain")
 
-ASYNC_BETA1 = 0.5  # AdamW's beta1 under --ps-mode async (see `PSStrategy.trainer_defaults`)
+ASYNC_BETA1 = 0.5  # AdamW's beta1 under --ps-mode async (see `PSConfig.trainer_defaults`)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PSConfig(StrategyConfig):
+    """`--strategy ps`'s options, and what they mean before any worker starts."""
+
+    servers: int = option(1, "parameter-server ranks, the last ones", type=int_at_least(1))
+    mode: str = option("sync", "parameter-server mode", flag="--ps-mode", choices=MODES)
+    staleness: int = option(2, "SSP bound (--ps-mode ssp)", type=int_at_least(0))
+
+    def plan(self, world_size: int, step_batch: int) -> int:
+        try:  # servers read no data; raises when no worker is left
+            return PSTopology(world_size, self.servers).workers
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def tolerated_ranks(self, world_size: int) -> frozenset[int]:
+        """`PSTopology.tolerated_ranks` before any worker exists (the launcher needs it)."""
+        try:
+            topology = PSTopology(world_size, self.servers)
+        except ValueError:  # no worker left: the strategy says why at start
+            return frozenset()
+        return topology.tolerated_ranks(self.mode)
+
+    def trainer_defaults(self) -> dict[str, Any]:
+        """AdamW's beta1 0.5 under async: stale gradients already add momentum of their own
+        (docs/ps.md); sync and ssp keep 0.9."""
+        return {"beta1": ASYNC_BETA1} if self.mode == "async" else {}
 
 
 class PSStrategy(Strategy):
@@ -89,62 +115,7 @@ class PSStrategy(Strategy):
     """
 
     name = "ps"
-    options = (
-        Option("--servers", "servers", int_at_least(1), help="parameter-server ranks, the last "
-               "ones (default: 1)"),
-        Option("--ps-mode", "mode", choices=MODES, help="parameter-server mode (default: sync)"),
-        Option("--staleness", "staleness", int_at_least(0), help="SSP bound (--ps-mode ssp; "
-               "default: 2)"),
-    )
-
-    @classmethod
-    def plan(cls, options: dict[str, Any], world_size: int, step_batch: int) -> int:
-        try:  # servers read no data; raises when no worker is left
-            return PSTopology(world_size, options.get("servers", 1)).workers
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    @classmethod
-    def explain(cls, facts: RunFacts) -> Explanation:
-        f, servers, mode = facts, facts.option("servers"), facts.option("mode")
-        workers = f.world - servers
-        bound = f" (--staleness {f.option('staleness')})" if mode == "ssp" else ""
-        rule = {"sync": "the servers wait for every worker's gradient each step: data parallel "
-                        "on the same global batch.",
-                "async": "each gradient is applied as it arrives; a worker may compute on stale "
-                         "parameters.",
-                "ssp": "as async, but no worker runs more steps ahead of the slowest than the "
-                       "bound."}.get(mode, "")
-        held = "hold the parameters (split between them) and run" if servers > 1 else \
-            "holds the parameters and runs"
-        roles = [f"{f.world} ranks: {plural(workers, 'worker')} ({ranks(0, workers - 1)}) "
-                 f"compute{'s' if workers == 1 else ''} gradients on the data; "
-                 f"{plural(servers, 'parameter server')} ({ranks(workers, f.world - 1)}) {held} "
-                 f"the optimizer. Mode {mode}{bound}: {rule}"]
-        g = nbytes(f.grad_bytes)
-        traffic = [f"estimate: each worker pushes its gradients ({g}) to the servers and pulls the "
-                   f"new parameters ({g}) back, every step, point to point (no all-reduce); each "
-                   f"server receives {nbytes(workers * f.grad_bytes / servers)} per step (its "
-                   "share of every worker's push) and sends as much back."]
-        return Explanation(roles, traffic, reader="the workers; servers read none",
-                           waiting="the wait for the servers' answer (the new parameters)")
-
-    @classmethod
-    def tolerated_ranks_for(cls, options: dict[str, Any], world_size: int) -> frozenset[int]:
-        """`PSTopology.tolerated_ranks` before any worker exists (the launcher needs it)."""
-        try:
-            topology = PSTopology(world_size, options.get("servers", 1))
-        except ValueError:  # no worker left: the strategy says why at start
-            return frozenset()
-        return topology.tolerated_ranks(options.get("mode", "sync"))
-
-    @classmethod
-    def trainer_defaults(cls, options: dict[str, Any]) -> dict[str, Any]:
-        # Asynchronous SGD behaves as if it had momentum of about 1 - 1/W on top of the
-        # optimizer's (Mitliagkas et al. 2016, "Asynchrony begets momentum"): with Adam's usual
-        # 0.9 the async test reached DDP's accuracy at steps 412-482 of 500 allowed, with 0.5
-        # at 276-424 (tests/test_ps.py).
-        return {"beta1": ASYNC_BETA1} if options.get("mode") == "async" else {}
+    Config = PSConfig
 
     def __init__(self, runtime: Runtime, servers: int = 1, mode: str = "sync", staleness: int = 2,
                  *, split_numel: int | None = DEFAULT_SPLIT_NUMEL,
@@ -177,12 +148,8 @@ class PSStrategy(Strategy):
         self._closed = False
 
     @property
-    def is_worker(self) -> bool:
-        return not self.topology.is_server(self.runtime.rank)
-
-    @property
     def data_rank(self) -> int | None:
-        return self.runtime.rank if self.is_worker else None
+        return None if self.topology.is_server(self.runtime.rank) else self.runtime.rank
 
     @property
     def data_world_size(self) -> int:
@@ -237,16 +204,16 @@ class PSStrategy(Strategy):
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
         rank, topo = self.runtime.rank, self.topology
         self.loss_fn = loss_fn
-        self.plan = plan_shards([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad],
+        self.shards = plan_shards([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad],
                                 topo.servers, self.split_numel)
-        empty = [topo.server_ranks[i] for i, n in enumerate(self.plan.loads()) if n == 0]
+        empty = [topo.server_ranks[i] for i, n in enumerate(self.shards.loads()) if n == 0]
         if empty:
             raise ConfigError(
-                f"--servers {topo.servers}: the model's {len(self.plan.pieces)} parameter pieces "
+                f"--servers {topo.servers}: the model's {len(self.shards.pieces)} parameter pieces "
                 f"leave servers {empty} with nothing to hold; lower --servers (or split_numel)")
         if topo.is_server(rank):
             self.module = model  # kept on the CPU: it only assembles the final state
-            pieces = self.plan.for_server(topo.server_index(rank))
+            pieces = self.shards.for_server(topo.server_index(rank))
             flat = torch.zeros(sum(p.numel for p in pieces))
             with torch.no_grad():
                 pack(dict(model.named_parameters()), pieces, flat)
@@ -260,7 +227,7 @@ class PSStrategy(Strategy):
         else:
             self.module = model.to(self.runtime.device)
             self.worker = PSWorker(
-                self.module, self.plan, rank=rank, server_ranks=topo.server_ranks,
+                self.module, self.shards, rank=rank, server_ranks=topo.server_ranks,
                 pair_groups={s: self.groups.pairs[(s, rank)] for s in topo.server_ranks},
                 bucket_numel=self.bucket_numel, tracer=self.tracer)
             self.worker.pull()  # start from the servers' values, whatever the local init was
@@ -296,11 +263,6 @@ class PSStrategy(Strategy):
         return eval_forward(self.module, x, self.runtime.device)
 
     # -- end of run and state ---------------------------------------------------------------------
-    def serve(self) -> None:
-        """On a server: return once every worker has left or reached `model_state_dict()`."""
-        if self.server is not None:
-            self.server.wait(until_sync=True)
-
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The servers' parameters (and rank 0's buffers), the same on every rank. Collective.
 
@@ -311,13 +273,13 @@ class PSStrategy(Strategy):
         assert self.module is not None, "setup() first"
         group, topo = self.groups.everyone, self.topology
         if self.worker is not None:
-            self.worker.sync_point()  # lets a server parked in serve() come here
+            self.worker.sync_point()  # a server in `ParameterServer.wait(until_sync=True)` returns
         if self.membership is not None:
             state, tallies = gather_final_state(
-                self.membership, self.module, self.plan, topo, self.runtime.rank, self.worker,
+                self.membership, self.module, self.shards, topo, self.runtime.rank, self.worker,
                 self.server, self.groups.servers)
         else:
-            state, tallies = broadcast_final_state(self.module, self.plan, topo,
+            state, tallies = broadcast_final_state(self.module, self.shards, topo,
                                                    self.runtime.rank, self.server, group)
         self._stats = merge_stats(tallies, mode=self.mode, servers=topo.servers,
                                   staleness=self.staleness)

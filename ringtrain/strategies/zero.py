@@ -13,20 +13,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ringtrain.config import option
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import Option, ShardPerRank, StepResult, Strategy, eval_forward
-from ringtrain.strategies.explaining import Explanation, RunFacts, nbytes
+from ringtrain.strategies.base import (
+    ShardPerRank,
+    StepResult,
+    Strategy,
+    StrategyConfig,
+    eval_forward,
+)
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import reshard
 from ringtrain.zero.shard import STAGES, expected_bytes
 from ringtrain.zero.sharded import ZeroDataParallel
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig(StrategyConfig):
+    """`--strategy zero`'s options."""
+
+    zero_stage: int = option(2, "what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters",
+                             type=int, choices=STAGES)
 
 
 class ZeroStrategy(ShardPerRank, Strategy):
@@ -39,9 +54,7 @@ class ZeroStrategy(ShardPerRank, Strategy):
 
     name = "zero"
     replicated_state = False  # each rank saves its own shard
-    options = (Option("--zero-stage", "zero_stage", str, choices=tuple(str(s) for s in STAGES),
-                      help="what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters "
-                           "(default: 2)"),)
+    Config = ZeroConfig
 
     def __init__(self, runtime: Runtime, *, zero_stage: int | str = 2):
         try:
@@ -54,40 +67,6 @@ class ZeroStrategy(ShardPerRank, Strategy):
         self.runtime, self.zero_stage = runtime, stage
         self.model: ZeroDataParallel | None = None
         self._memory: dict[str, Any] = {}
-
-    @classmethod
-    def explain(cls, facts: RunFacts) -> Explanation:
-        f, stage = facts, int(facts.option("zero_stage"))
-        held = {1: "the AdamW moments (stage 1); every rank keeps the full parameters and "
-                   "gradients",
-                2: "the AdamW moments and the gradients (stage 2); every rank keeps the full "
-                   "parameters",
-                3: "the AdamW moments, the gradients and the parameters (stage 3): a unit's "
-                   "parameters are all-gathered just before its forward and again before its "
-                   "backward, and freed after"}[stage]
-        b = expected_bytes(f.params, f.world, stage)
-        roles = [f"{f.world} ranks, each reading its own shard of every batch as in ddp, each "
-                 f"holding 1/{f.world} of {held}.",
-                 f"between steps a rank holds {nbytes(b['params'])} of parameters, "
-                 f"{nbytes(b['grads'])} of gradients and {nbytes(b['optimizer'])} of optimizer "
-                 f"state: {nbytes(sum(b.values()))}, against {nbytes(4 * f.grad_bytes)} for a "
-                 "DDP replica (fp32 AdamW, 16 bytes per parameter)."]
-        if f.world == 1:
-            return Explanation(roles, ["nothing: one rank has no one to send to."], "every rank",
-                               "nothing: one rank")
-        share = (f.world - 1) / f.world
-        moves = ("an all-gather of the parameters for forward and another for backward, and a "
-                 "reduce-scatter of the gradients" if stage == 3 else "a reduce-scatter of the "
-                 "gradients (each rank gets the sum of its own 1/N) and, after the step, an "
-                 "all-gather of the updated parameters: together as many bytes as DDP's one "
-                 "all-reduce")
-        times = 3 if stage == 3 else 2
-        traffic = [f"{moves}; each sends (N-1)/N = {share:.3g} x the {nbytes(f.grad_bytes)} of "
-                   f"fp32 model per collective (N = {f.world}): {times} x = "
-                   f"{nbytes(times * share * f.grad_bytes)} sent per rank per step, and received."]
-        return Explanation(roles, traffic, "every rank",
-                           "not reported apart: ZeRO's collectives run inside forward, backward "
-                           "and the step, so their time is counted as compute")
 
     @staticmethod
     def bytes_per_rank(numel: int, world_size: int, stage: int) -> dict[str, float]:

@@ -12,8 +12,8 @@ Read in this order:
 
 May import: torch, `ringtrain.strategies` (the seam only: `Strategy`, `StepResult`),
 `ringtrain.checkpoint`, `ringtrain.data.sampler`, `ringtrain.runtime`, `ringtrain.types`,
-`ringtrain.errors`, `ringtrain.trace`, `ringtrain.replicas`. Never a concrete strategy, model or
-launcher; agreement comes from the strategy.
+`ringtrain.errors`, `ringtrain.trace`, `ringtrain.replicas`, `ringtrain.config` (options).
+Never a concrete strategy, model or launcher; agreement comes from the strategy.
 """
 
 from ringtrain.training.config import TrainerConfig

@@ -12,11 +12,22 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from ringtrain.config import (
+    MUST_MATCH,
+    int_at_least,
+    non_negative_float,
+    option,
+    option_fields,
+    resume_fields,
+)
 from ringtrain.types import OptimizerFn
+
+_positive, _non_negative = int_at_least(1), int_at_least(0)
 
 
 @dataclass
@@ -45,42 +56,60 @@ class TrainerConfig:
             of run sample runs on an uncompiled copy (`--compile`).
     """
 
-    steps: int = 2000
-    batch_size: int = 64
-    grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr: float | None = None
-    warmup_steps: int | None = None
-    lr_schedule: str = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float | None = 1.0
-    seed: int = 1337
-    dtype: str = "fp32"
-    log_every: int | None = None
-    eval_every: int | None = None
-    eval_batch_size: int | None = None
-    progress: bool = True
-    record_samples: bool = False
-    compile: bool = False
+    # The command line's flags are these fields (`ringtrain.config.option`); `per_task`
+    # defaults are the CLI's per task (cli/options.py TASK_DEFAULTS), these are the library's.
+    steps: int = option(2000, "optimizer steps", type=_positive, per_task=True, resume=MUST_MATCH)
+    batch_size: int = option(64, "samples per micro-batch per rank", type=_positive, per_task=True)
+    grad_accum: int = option(1, "micro-batches per optimizer step", type=_positive)
+    lr: float = option(1e-3, "peak learning rate", type=non_negative_float, per_task=True,
+                       resume=MUST_MATCH)
+    min_lr: float | None = option(None, "final learning rate", type=non_negative_float,
+                                  shown="lr / 10", resume=MUST_MATCH)
+    warmup_steps: int | None = option(None, "linear warmup steps", type=_non_negative,
+                                      shown="min(100, steps / 10)", resume=MUST_MATCH)
+    lr_schedule: str = option("cosine", "after warmup", choices=("cosine", "constant"),
+                              resume=MUST_MATCH)
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices", type=non_negative_float,
+                                 resume=MUST_MATCH)
+    beta1: float = option(0.9, "AdamW's momentum; a strategy may change it (ps async: 0.5, "
+                          "docs/ps.md)", type=non_negative_float)
+    beta2: float = option(0.95, "AdamW's second-moment decay", type=non_negative_float, per_task=True)
+    grad_clip: float | None = option(1.0, "max gradient norm, 0 disables", type=non_negative_float,
+                                     resume=MUST_MATCH)
+    seed: int = option(1337, "initialisation, data order, dropout", type=int, resume=MUST_MATCH)
+    dtype: str = option("fp32", "bf16 autocast where the device supports it",
+                        choices=("fp32", "bf16"), resume=MUST_MATCH)
+    log_every: int | None = option(None, "steps between metric lines", type=_positive,
+                                   shown="steps / 100")
+    eval_every: int | None = option(None, "steps between evaluations (the last step always "
+                                    "evaluates)", type=_positive, shown="steps / 10")
+    eval_batch_size: int | None = option(None, "samples per evaluation batch per rank",
+                                         type=_positive, shown="max(batch size, 256)")
+    progress: bool = option(True, "draw the progress bar", flag="--no-progress")
+    record_samples: bool = option(False, "record each step's sample indices in the snapshots, "
+                                  "to check exactly-once data (data/sample_log.py)")
+    compile: bool = option(False, "torch.compile the model once the strategy holds it: faster "
+                           "steps after tens of seconds of compiling; needs a C++ compiler on CPU")
+
+    def must_match(self) -> dict[str, Any]:
+        """{field: value} of the fields a resume must match (`resume=MUST_MATCH`): they change
+        the trained weights. batch_size and grad_accum may change with the world size (the
+        global batch is kept instead)."""
+        return {name: getattr(self, name) for name in resume_fields(self)}
 
     def resolved(self) -> TrainerConfig:
         """A copy with every `None` derived, after checking each value (errors say the fix)."""
-        for name in ("steps", "batch_size", "grad_accum"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: it must be a positive integer")
+        # What the command line's parsers check, checked here for a config built in a script.
+        for f in option_fields(self):
+            value, m = getattr(self, f.name), f.metadata["option"]
+            if m["type"] is _positive and not (value is None and f.default is None) and \
+                    (not isinstance(value, int) or value < 1):
+                unset = " (or unset)" if f.default is None else ""
+                raise ValueError(f"{f.name}={value!r}: it must be a positive integer{unset}")
+            if m["choices"] and value not in m["choices"]:
+                raise ValueError(f"{f.name}={value!r}: use {' or '.join(map(repr, m['choices']))}")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}: it must be positive")
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise ValueError(f"lr_schedule={self.lr_schedule!r}: use 'cosine' or 'constant'")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"dtype={self.dtype!r}: use 'fp32' or 'bf16'")
-        for name in ("log_every", "eval_every", "eval_batch_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r}: it must be a positive integer (or unset)")
         if not 0.0 <= self.beta1 < 1.0:
             raise ValueError(f"beta1={self.beta1}: Adam's momentum must be in [0, 1)")
         if not 0.0 <= self.beta2 < 1.0:

@@ -2,7 +2,7 @@
 
     sums = eval_sums(strategy, eval_set, loss_fn, {"accuracy": exact_match}, batch_size=256,
                      autocast=nullcontext)
-    # [loss_sum, count, accuracy_sum, accuracy_count] of this rank; the trainer reduces them
+    sums.loss_sum, sums.count, sums.metrics["accuracy"]   # this rank's; the trainer reduces them
 
 Which part a rank scores is the strategy's answer (`Strategy.eval_shard`): its data shard
 (the default), all of it on one rank (a drifting strategy: no collective), or nothing.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import Dataset, default_collate
@@ -26,15 +27,47 @@ def collate(dataset: Dataset, indices: list[int]) -> tuple[torch.Tensor, torch.T
     return default_collate([dataset[i] for i in indices])
 
 
+@dataclass
+class EvalSums:
+    """One rank's evaluation sums, by name: the loss and each metric as (sum, count).
+
+    Summed over ranks as one flat list (`flat`: loss_sum, count, then each metric's sum and
+    count in the metrics' order, the trainer's `eval_metrics`, the same on every rank).
+    """
+
+    loss_sum: float = 0.0
+    count: float = 0.0
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum, count]
+
+    def flat(self) -> list[float]:
+        return [self.loss_sum, self.count, *(v for pair in self.metrics.values() for v in pair)]
+
+    @classmethod
+    def of(cls, values: list[float], names: list[str]) -> EvalSums:
+        """From `flat()`'s list (a sum over ranks), the metrics named in `flat`'s order."""
+        if len(values) != 2 + 2 * len(names):
+            raise ValueError(f"{len(values)} eval sums for the metrics {names}: expected "
+                             f"{2 + 2 * len(names)}")
+        return cls(values[0], values[1], {name: list(values[2 + 2 * i:4 + 2 * i])
+                                          for i, name in enumerate(names)})
+
+    def means(self) -> dict[str, float]:
+        """{"eval_loss": ..., "eval_<metric>": ...}; nan where nothing was counted."""
+        def mean(total: float, count: float) -> float:
+            return total / count if count else float("nan")
+        return {"eval_loss": mean(self.loss_sum, self.count),
+                **{f"eval_{name}": mean(*pair) for name, pair in self.metrics.items()}}
+
+
 def eval_sums(strategy: Strategy, eval_set: Dataset, loss_fn: LossFn, metrics: dict[str, MetricFn],
-              batch_size: int, autocast: Callable[[], AbstractContextManager]) -> list[float]:
-    """This rank's [loss_sum, count, (metric_sum, metric_count) per metric] on its eval shard.
+              batch_size: int, autocast: Callable[[], AbstractContextManager]) -> EvalSums:
+    """This rank's loss and metric sums on its eval shard.
 
     Every rank of the shard's layout makes the same number of `eval_logits` calls (a pipeline
     needs all stages); a rank whose exact shard is one sample shorter runs a placeholder batch
     and counts nothing.
     """
-    sums = [0.0] * (2 + 2 * len(metrics))
+    sums = EvalSums(metrics={name: [0.0, 0.0] for name in metrics})
     shard = strategy.eval_shard()
     if shard is None:  # this rank takes no part (e.g. a drifting replica: rank 0 scores all)
         return sums
@@ -52,9 +85,9 @@ def eval_sums(strategy: Strategy, eval_set: Dataset, loss_fn: LossFn, metrics: d
         if logits is None or not chunk:
             continue
         y = y.to(logits.device)
-        sums[0] += float(loss_fn(logits, y)) * len(chunk)
-        sums[1] += len(chunk)
-        for i, fn in enumerate(metrics.values()):
-            sums[2 + 2 * i] += float(fn(logits, y).sum())
-            sums[3 + 2 * i] += len(chunk)
+        sums.loss_sum += float(loss_fn(logits, y)) * len(chunk)
+        sums.count += len(chunk)
+        for name, fn in metrics.items():
+            sums.metrics[name][0] += float(fn(logits, y).sum())
+            sums.metrics[name][1] += len(chunk)
     return sums

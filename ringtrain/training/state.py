@@ -13,7 +13,8 @@ window's sum over the old ranks (`restart_window`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -22,12 +23,38 @@ from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
 from ringtrain.errors import ConfigError
 
-# The metrics window's sums: loss_sum, count, tokens, compute_s, comm_s, steps of data ranks.
-WINDOW_FIELDS = ("loss_sum", "count", "tokens", "compute_s", "comm_s", "data_rank_steps")
 
+@dataclass
+class WindowSums:
+    """One rank's metric sums over the steps since the last metrics line, by name.
 
-def _empty_window() -> list[float]:
-    return [0.0] * len(WINDOW_FIELDS)
+    The ranks sum them as one flat list (`flat`, iterating gives the same), in the order of the
+    fields: every rank runs this code, so the order is the same on all; `of` reads it back.
+    `loss_sum` may be a 0-dim device tensor while the window fills (`LoopState.add`).
+    """
+
+    loss_sum: float = 0.0  # sum over samples of the per-sample mean loss
+    count: float = 0.0  # samples behind loss_sum
+    tokens: float = 0.0  # tokens trained on
+    compute_s: float = 0.0  # forward + backward + optimizer time
+    comm_s: float = 0.0  # time waiting on communication
+    worker_steps: float = 0.0  # steps of ranks that read data (the times are averaged over them)
+
+    def flat(self) -> list[float]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def __iter__(self) -> Iterator[float]:  # `list(window)`: what the checkpointer sums
+        return iter(self.flat())
+
+    @classmethod
+    def of(cls, values: list[float] | dict[str, float]) -> WindowSums:
+        """From `flat()`'s list (a sum over ranks) or a saved dict by name."""
+        if isinstance(values, dict):
+            return cls(**values)
+        names = [f.name for f in fields(cls)]
+        if len(values) != len(names):
+            raise ValueError(f"{len(values)} window sums, expected {len(names)} ({names})")
+        return cls(*values)
 
 
 @dataclass
@@ -45,46 +72,47 @@ class LoopState:
     tokens: float = 0.0  # tokens trained on, all ranks
     last: dict[str, Any] = field(default_factory=dict)  # the newest reduced metrics
     resumes: list[dict[str, Any]] = field(default_factory=list)  # one entry per resume
-    _sums: list[float] = field(default_factory=_empty_window, repr=False)
-    # Sums still on the device (index -> 0-dim tensor): a strategy's loss sum is not read back
+    _sums: WindowSums = field(default_factory=WindowSums, repr=False)
+    # Sums still on the device (name -> 0-dim tensor): a strategy's loss sum is not read back
     # each step, which would make the host wait for the device every step; `window` reads them.
-    _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _pending: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     window_s: float = 0.0
     window_steps: int = 0
     samples: SampleLog | None = None  # each step's sample indices (--record-samples), or None
 
     # -- the metrics window ------------------------------------------------------------------
     @property
-    def window(self) -> list[float]:
-        """The window's sums as numbers (in `WINDOW_FIELDS` order). Reading it waits for the
-        device once, for the sums still there: do it on metrics and snapshot steps only."""
-        for i, t in self._pending.items():
-            self._sums[i] = float(t)
+    def window(self) -> WindowSums:
+        """The window's sums as numbers. Reading it waits for the device once, for the sums
+        still there: do it on metrics and snapshot steps only."""
+        for name, t in self._pending.items():
+            setattr(self._sums, name, float(t))
         self._pending = {}
         return self._sums
 
     @window.setter
-    def window(self, sums: list[float]) -> None:
-        self._sums, self._pending = list(sums), {}
+    def window(self, sums: WindowSums | list[float]) -> None:
+        self._sums, self._pending = WindowSums.of(list(sums)), {}
 
-    def add(self, values: tuple[float | torch.Tensor, ...], seconds: float) -> None:
-        """One step's sums (in `WINDOW_FIELDS` order) and time into the window; a tensor (a
-        loss sum on the device) stays there until `window` is read."""
-        for i, v in enumerate(values):
+    def add(self, step: WindowSums, seconds: float) -> None:
+        """One step's sums and time into the window; a tensor (a loss sum on the device) stays
+        there until `window` is read."""
+        for f in fields(step):
+            name, v = f.name, getattr(step, f.name)
             if isinstance(v, torch.Tensor):
                 # The same additions, in the same order, as on numbers: the window's value so
                 # far enters the device sum first, so the result is the same bit for bit.
-                held = self._pending.get(i)
-                self._pending[i] = v + self._sums[i] if held is None else held + v
-            elif i in self._pending:
-                self._pending[i] = self._pending[i] + v
+                held = self._pending.get(name)
+                self._pending[name] = v + getattr(self._sums, name) if held is None else held + v
+            elif name in self._pending:
+                self._pending[name] = self._pending[name] + v
             else:
-                self._sums[i] += v
+                setattr(self._sums, name, getattr(self._sums, name) + v)
         self.window_s += seconds
         self.window_steps += 1
         self.train_time_s += seconds
 
-    def take_window(self) -> tuple[list[float], float, int]:
+    def take_window(self) -> tuple[WindowSums, float, int]:
         """The window's (sums, seconds, steps), leaving it empty for the next metrics line.
 
         The time reading the sums waits is counted as the window's: it is the device finishing
@@ -96,7 +124,7 @@ class LoopState:
         self.window_s += waited
         self.train_time_s += waited
         out = (sums, self.window_s, self.window_steps)
-        self.window, self.window_s, self.window_steps = _empty_window(), 0.0, 0
+        self.window, self.window_s, self.window_steps = WindowSums(), 0.0, 0
         return out
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -122,15 +150,16 @@ class LoopState:
                 self.samples.load_state_dict(state["samples"])
 
     def window_state(self) -> dict[str, Any]:
-        """This rank's part: its metrics window."""
-        return {"window": list(self.window), "window_s": self.window_s,
+        """This rank's part: its metrics window (by name)."""
+        return {"window": asdict(self.window), "window_s": self.window_s,
                 "window_steps": self.window_steps}
 
     def load_window_state(self, state: dict[str, Any]) -> None:
-        self.window = list(state["window"])
+        saved = state["window"]  # a dict by name; a list (in field order) from older snapshots
+        self._sums, self._pending = WindowSums.of(saved), {}
         self.window_s, self.window_steps = state["window_s"], state["window_steps"]
 
     def restart_window(self, window_sum: list[float], *, holder: bool) -> None:
         """After a resume on other ranks: the `holder` (rank 0) carries every old rank's sums."""
-        self.window = list(window_sum) if holder else [0.0] * len(window_sum)
+        self.window = WindowSums.of(list(window_sum)) if holder else WindowSums()
         self.window_s, self.window_steps = 0.0, 0

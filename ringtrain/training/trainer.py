@@ -56,9 +56,9 @@ from ringtrain.strategies.base import StepResult, Strategy
 from ringtrain.trace import Tracer
 from ringtrain.training.batches import MicroBatches
 from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
-from ringtrain.training.evaluate import eval_sums
+from ringtrain.training.evaluate import EvalSums, eval_sums
 from ringtrain.training.progress import MetricsLog, Progress, write_json
-from ringtrain.training.state import LoopState
+from ringtrain.training.state import LoopState, WindowSums
 from ringtrain.training.tensorboard import TensorBoardLog
 from ringtrain.types import LossFn, MetricFn, OptimizerFn
 
@@ -181,26 +181,25 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def _log(self, step: int, lr: float, evaluated: bool) -> dict[str, Any]:
         """Reduce the window's sums (and eval sums) once; rank 0 writes the metrics line."""
-        window, window_s, window_steps = self.state.take_window()  # first: it waits for the steps
+        mine, window_s, window_steps = self.state.take_window()  # first: it waits for the steps
         ev = eval_sums(self.strategy, self.eval_set, self.loss_fn, self.eval_metrics,
-                       self.config.eval_batch_size, self._autocast) if evaluated else []
-        r = self.agreement.sum(window + ev)
-        loss_sum, count, tokens, compute_s, comm_s, worker_steps = r[:6]
-        self.state.tokens += tokens
+                       self.config.eval_batch_size, self._autocast) if evaluated else None
+        # One reduction for both: the names' fixed order makes them one flat list.
+        r = self.agreement.sum(mine.flat() + (ev.flat() if ev else []))
+        w = WindowSums.of(r[:len(mine.flat())])
+        self.state.tokens += w.tokens
+        steps = w.worker_steps  # the times are averaged over the steps of ranks that read data
         rec: dict[str, Any] = {
-            "step": step, "loss": loss_sum / count if count else float("nan"), "lr": lr,
+            "step": step, "loss": w.loss_sum / w.count if w.count else float("nan"), "lr": lr,
             "time_s": time.time() - self._started,  # since the run began (time to a loss)
-            "tokens_per_s": tokens / window_s if window_s > 0 else 0.0,
+            "tokens_per_s": w.tokens / window_s if window_s > 0 else 0.0,
             "step_s": window_s / window_steps,
-            "compute_s": compute_s / worker_steps if worker_steps else 0.0,
-            "comm_s": comm_s / worker_steps if worker_steps else 0.0,
+            "compute_s": w.compute_s / steps if steps else 0.0,
+            "comm_s": w.comm_s / steps if steps else 0.0,
         }
-        if evaluated:
-            e = r[6:]
-            rec["eval_loss"] = e[0] / e[1] if e[1] else float("nan")
-            for i, name in enumerate(self.eval_metrics):
-                rec[f"eval_{name}"] = e[2 + 2 * i] / e[3 + 2 * i] if e[3 + 2 * i] else float("nan")
-        if not math.isfinite(rec["loss"]) and count:
+        if ev is not None:
+            rec.update(EvalSums.of(r[len(mine.flat()):], list(self.eval_metrics)).means())
+        if not math.isfinite(rec["loss"]) and w.count:
             raise FloatingPointError(
                 f"the training loss became {rec['loss']} at step {step} (lr {lr:.3g}); lower --lr, "
                 "set --grad-clip, or use --dtype fp32")
@@ -263,8 +262,10 @@ class Trainer:
                 res: StepResult = s.train_step(micro, lr=lr, grad_clip=c.grad_clip)
             tokens_per_sample = micro[0][0][0].numel() if micro else 0
             reads_data = 1.0 if self.data_rank is not None else 0.0  # whose times are averaged
-            self.state.add((res.loss_sum, res.count, res.count * tokens_per_sample,
-                            res.compute_s, res.comm_s, reads_data), time.perf_counter() - t0)
+            self.state.add(WindowSums(loss_sum=res.loss_sum, count=res.count,
+                                      tokens=res.count * tokens_per_sample, compute_s=res.compute_s,
+                                      comm_s=res.comm_s, worker_steps=reads_data),
+                           time.perf_counter() - t0)
             self.state.step += 1
             if self.state.samples is not None:
                 self.state.samples.end_step(self.step)

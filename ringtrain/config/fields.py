@@ -1,0 +1,154 @@
+"""One option = one dataclass field: `option()` stores the rest of what the command line needs.
+
+    @dataclass(kw_only=True)
+    class Example:
+        steps: int = option(1000, "optimizer steps", type=int_at_least(1), resume=MUST_MATCH)
+
+    parser = argparse.ArgumentParser(); add_section(parser, Example)   # --steps, with its help
+    set_values(Example, vars(parser.parse_args(["--steps", "5"])))     # {"steps": 5}
+
+The flag is `--` + the field's name with dashes unless the field names another (a strategy's
+`mode` is `--ps-mode`). Every generated argument defaults to None, so "not given" is visible and
+the defaults apply in one place, in order: the field's default, the task's (`per_task`), the
+recipe's, then the command line. Errors raised by the option classes name fields
+(`lr=0.0: ...`); `to_flags` says them with flags (`--lr 0.0: ...`) for the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, Field, field, fields
+from typing import Any
+
+MUST_MATCH = "must_match"  # `resume=`: a snapshot resumes only with the same value
+
+
+def option(default: Any, help: str, *, flag: str | None = None, type: Callable[[str], Any] | None = None,
+           choices: Iterable[Any] | None = None, metavar: str | None = None, shown: str | None = None,
+           resume: str | None = None, per_task: bool = False, launcher: bool = False,
+           negatable: bool = False) -> Any:
+    """A dataclass field that is also a command-line option.
+
+    Args:
+        default: the library's default (the command line's too, unless `per_task`).
+        help: what it does, without the default (generated from `default` or `shown`).
+        flag: the flag when it is not `--` + the name with dashes.
+        type: parses the text (an argparse type); default: the default's type.
+        shown: the default as --help says it when it is derived ("lr / 10").
+        resume: MUST_MATCH when a snapshot may only be resumed with the same value.
+        per_task: the command line's default depends on the task (`cli.options.TASK_DEFAULTS`).
+        launcher: read by the launcher only; not in config.json's options, not for the workers.
+        negatable: a `--x/--no-x` pair (a bool that defaults to True).
+    """
+    meta = {"help": help, "flag": flag, "type": type, "choices": tuple(choices) if choices else None,
+            "metavar": metavar, "shown": shown, "resume": resume, "per_task": per_task,
+            "launcher": launcher, "negatable": negatable}
+    return field(default=default, metadata={"option": meta})
+
+
+def option_fields(cls: Any) -> list[Field]:
+    """The fields of a dataclass (class or instance) that are options, in declaration order."""
+    return [f for f in fields(cls) if "option" in f.metadata]
+
+
+def meta(f: Field) -> dict[str, Any]:
+    return f.metadata["option"]
+
+
+def flag(f: Field) -> str:
+    return meta(f)["flag"] or "--" + f.name.replace("_", "-")
+
+
+def dest(f: Field) -> str:
+    """The key of the option in argparse's namespace and in config.json: the flag's words
+    (`--ps-mode`: ps_mode, unique over every strategy), a bool's own name (`--no-progress`:
+    progress, holding the field's value)."""
+    return f.name if isinstance(f.default, bool) else flag(f)[2:].replace("-", "_")
+
+
+def resume_fields(cls: Any) -> tuple[str, ...]:
+    """Names of the fields a resume must match (`resume=MUST_MATCH`)."""
+    return tuple(f.name for f in option_fields(cls) if meta(f)["resume"] == MUST_MATCH)
+
+
+def default_text(f: Field) -> str | None:
+    m = meta(f)
+    if m["shown"] is not None:
+        return m["shown"]
+    if f.default is MISSING or f.default is None:
+        return None
+    if isinstance(f.default, bool):
+        return ("--" if f.default else "--no-") + flag(f)[2:] if m["negatable"] else \
+            ("on" if f.default else "off")
+    return str(f.default)
+
+
+def add_section(parser: argparse.ArgumentParser, cls: Any, title: str, *,
+                shown: Callable[[Field], str | None] = default_text, skip: Iterable[str] = (),
+                note: Callable[[Field], str] = lambda f: "") -> None:
+    """Add `cls`'s options as one group titled `title` (flags in `skip` are left out: another
+    group has them). Every argument defaults to None: unset is visible (`set_values`)."""
+    group = parser.add_argument_group(title)
+    for f in option_fields(cls):
+        if flag(f) in skip:
+            continue
+        m = meta(f)
+        default = shown(f)
+        text = m["help"] + note(f) + (f" (default: {default})" if default is not None else "")
+        kwargs: dict[str, Any] = {"dest": dest(f), "default": None, "help": text}
+        if isinstance(f.default, bool):
+            # A bool flag turns the default over: --compile, --no-progress; --bias/--no-bias both.
+            kwargs["action"] = argparse.BooleanOptionalAction if m["negatable"] else "store_const"
+            if not m["negatable"]:
+                kwargs["const"] = not f.default
+        else:
+            parse = m["type"] or (type(f.default) if f.default not in (None, MISSING) else str)
+            # A short metavar (N, X) keeps each option on one line of --help.
+            short = "N" if "int" in str(f.type) else "X" if "float" in str(f.type) else None
+            kwargs.update(type=parse, choices=m["choices"], metavar=m["metavar"] or short)
+        group.add_argument(flag(f), **kwargs)
+
+
+def set_values(cls: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """{field name: value} of `cls`'s options present (not None) in `given` (keyed by dest)."""
+    return {f.name: given[dest(f)] for f in option_fields(cls) if given.get(dest(f)) is not None}
+
+
+def to_flags(message: str, classes: Iterable[Any]) -> str:
+    """A library message in the command line's words: `lr=0.0` -> `--lr 0.0`, and a field name
+    with an underscore (`min_lr`) -> its flag. The one place that maps fields to flags."""
+    flags = {f.name: flag(f) for cls in classes for f in option_fields(cls)}
+    if not flags:
+        return message
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    message = re.sub(rf"(?<![\w-])({names})=", lambda m: flags[m.group(1)] + " ", message)
+    return re.sub(rf"(?<![\w-])({names})(?![\w=])",
+                  lambda m: flags[m.group(1)] if "_" in m.group(1) else m.group(1), message)
+
+
+# -- argparse types: a message that names the value ---------------------------------------------
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low`, with a message naming the value otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be {low} or more")
+        return value
+    return parse
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a number >= 0, with a message naming the value otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):  # nan and inf too: "nan >= 0" is False
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: it must be a finite number, 0 or more")
+    return value
