@@ -1,7 +1,9 @@
 """ringtrain: train PyTorch models across many processes and machines.
 
     import ringtrain
-    rt = ringtrain.init_distributed()   # ringtrain run, torchrun, Slurm, Kubernetes, Ray Train, TorchX, MPI, or one process
+    rt = ringtrain.init_distributed()   # ringtrain run, torchrun, Slurm, Kubernetes, Ray Train,
+                                        # TorchX, MPI, or one process
+
     model = ringtrain.DistributedDataParallel(model)
 
 or the whole loop (docs/train.md):

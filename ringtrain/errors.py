@@ -6,8 +6,9 @@ A `ConfigError` is a mistake in the options or the inputs that only shows once t
 (a snapshot written with other options, a layout that needs the world size). Every rank finds
 the same one, so `ringtrain train` prints its message once (rank 0), with no traceback, and
 every worker exits with `USAGE_EXIT_CODE`; the launcher then adds nothing
-(`ringtrain.launch.failure_report.explained_by_workers`). Any other exception is reported as a failure,
-traceback and all. It subclasses ValueError, so code that catches ValueError still does.
+(`ringtrain.launch.failure_report.explained_by_workers`). Any other exception is reported as a
+failure, traceback and all. It subclasses ValueError, so code that catches ValueError still does.
+
 """
 
 from __future__ import annotations

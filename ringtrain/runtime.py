@@ -99,8 +99,10 @@ def _require() -> Runtime:
     if _runtime is None:
         if dist.is_available() and dist.is_initialized():  # started by torch directly
             backend = dist.get_backend()
-            return Runtime(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
-                           backend, _group_device(backend), dist.group.WORLD, default_store())
+            return Runtime(dist.get_rank(), dist.get_world_size(),
+                           int(os.environ.get("LOCAL_RANK", 0)), backend, _group_device(backend),
+                           dist.group.WORLD, default_store())
+
         raise DistributedInitError(
             "the process group is not initialised: call ringtrain.init_distributed() first "
             "(it falls back to a single process when no launcher variables are set)"

@@ -12,7 +12,9 @@ Two objects of one process that would use the same keys (the same name, on the s
 the same rank) would read each other's keys, or a finished one's stale keys, without a word:
 `claim_key` makes the second one raise instead. A key is held for as long as its store lives
 (a new process group's store starts with every name free), never released earlier: the first
-object's keys stay in the store after it is done. Tests: `.venv/bin/pytest -q tests/test_store_keys.py`.
+object's keys stay in the store after it is done. Tests:
+`.venv/bin/pytest -q tests/test_store_keys.py`.
+
 """
 
 from __future__ import annotations

@@ -53,7 +53,9 @@ class Membership:
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, scope: str = "default",
                  timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, prefix: str | None = None):
         if not 0 <= rank < world_size:
-            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
+            raise ValueError(f"Invalid rank {rank}, rank should be in the interval "
+                             f"[0, {world_size - 1}]")
+
         if prefix is None:
             prefix = (f"ringtrain/membership/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/"
                       f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")

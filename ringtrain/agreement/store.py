@@ -16,7 +16,9 @@ from ringtrain.agreement.membership import Membership
 
 
 class StoreAgreement(Agreement):
-    """`Agreement` through `membership`'s store rounds; the departed are left out of every answer."""
+    """`Agreement` through `membership`'s store rounds; the departed are left out of every
+    answer."""
+
 
     def __init__(self, membership: Membership):
         self.membership = membership

@@ -16,5 +16,6 @@ Read in this order:
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.store_keys`, `ringtrain.agreement` (the strategy's agreement), `ringtrain.strategies`
-(the seam, for types), `ringtrain.collectives`. Never the trainer: the loop hands over its `LoopState`.
+(the seam, for types), `ringtrain.collectives`. Never the trainer: the loop hands over its
+`LoopState`.
 """

@@ -36,7 +36,9 @@ TEMP_PREFIX = ".tmp-snap-"  # a save in progress, or one that died: never read
 
 
 class SnapshotError(RuntimeError):
-    """A save that did not commit (a rank failed or was too slow), or a snapshot that cannot be used."""
+    """A save that did not commit (a rank failed or was too slow), or a snapshot that cannot be
+    used."""
+
 
 
 class SnapshotCorruptError(SnapshotError):

@@ -24,7 +24,9 @@ _POLL_S = 0.01
 
 def save_error(message: str, cause: BaseException | None = None) -> SnapshotError:
     """The error of a failed save: `SnapshotNoSpaceError` when `cause` is a full disk."""
-    return (SnapshotNoSpaceError if cause is not None and is_no_space(cause) else SnapshotError)(message)
+    return (SnapshotNoSpaceError if cause is not None and is_no_space(cause)
+            else SnapshotError)(message)
+
 
 
 def failure_report(error: SnapshotError) -> dict[str, Any]:

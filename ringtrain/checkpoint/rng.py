@@ -3,7 +3,9 @@
 Saved per global rank in every snapshot, so dropout masks and augmentations continue after a
 resume exactly as they would have without it.
 
-    state = get_rng_state()      # plain containers and tensors: torch.load(weights_only=True) reads it
+    state = get_rng_state()   # plain containers and tensors: torch.load(weights_only=True) reads it
+
+
     set_rng_state(state)
 
 Tests: `.venv/bin/pytest -q tests/test_checkpoint.py -k rng`.

@@ -1,13 +1,16 @@
 """The run directory: checked before a run starts, and the words for a disk that fills up.
 
-    ringtrain train --run-dir /proc/forbidden      # one line naming the directory and the fix, exit 2
+    ringtrain train --run-dir /proc/forbidden   # one line naming the directory and the fix, exit 2
+
     python -c "from ringtrain.checkpoint.run_dir import describe_space; print(describe_space('.'))"
 
 `ringtrain train` calls `check_run_dir` in `main()`, before any worker starts, so a directory
 that cannot be used (not a directory, not writable, full) is one message and exit code 2, not a
 traceback per worker. A disk that fills up *during* a run stops it at its last committed
-snapshot with `DiskFullError` (`ringtrain.checkpoint.resume.Checkpointer`), which `ringtrain train` turns
-into one message and `DISK_FULL_EXIT_CODE`. Tests: `.venv/bin/pytest -q tests/test_disk.py`.
+snapshot with `DiskFullError` (`ringtrain.checkpoint.resume.Checkpointer`), which
+`ringtrain train` turns into one message and `DISK_FULL_EXIT_CODE`. Tests:
+`.venv/bin/pytest -q tests/test_disk.py`.
+
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ class RunDirError(ValueError):
 
 
 class DiskFullError(RuntimeError):
-    """The run directory filled up during a run; the message names it, its free space and the fix."""
+    """The run directory filled up during a run; the message names it, its free space and the
+    fix."""
 
 
 def is_no_space(exc: BaseException) -> bool:
-    """True when `exc`, or an error it was raised from or while handling, is a full disk or quota."""
+    """True when `exc`, or an error it was raised from or while handling, is a full disk or
+    quota."""
+
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

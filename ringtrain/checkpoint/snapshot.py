@@ -2,7 +2,8 @@
 
     manager = SnapshotManager("runs/x/snapshots", rank=rt.rank, world_size=rt.world_size)
     result = manager.save(step, shared={"model": ..., "optimizer": ..., "sampler": ...},
-                          per_rank={"rng": get_rng_state()}, metadata={"config": ..., "topology": ...})
+                          per_rank={"rng": get_rng_state()},
+                          metadata={"config": ..., "topology": ...})
     snap = manager.latest()                       # newest committed snapshot that verifies, or None
     shared, per_rank, metadata = manager.load(snap)
 
@@ -107,9 +108,12 @@ class SnapshotManager:
         name: str = "snapshots",
     ) -> None:
         if not 0 <= rank < world_size:
-            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]")
+            raise ValueError(f"Invalid rank {rank}, rank should be in the interval "
+                             f"[0, {world_size - 1}]")
         if keep < 1:
-            raise ValueError(f"keep={keep}: keep at least 1 committed snapshot (2 survives a corrupt one)")
+            raise ValueError(f"keep={keep}: keep at least 1 committed snapshot "
+                             "(2 survives a corrupt one)")
+
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: it must be positive")
         self.root = Path(root_dir)
@@ -136,8 +140,8 @@ class SnapshotManager:
     # ---- saving ------------------------------------------------------------------------------
 
     def save(
-        self, step: int, shared: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
-        metadata: dict[str, Any] | None = None,
+        self, step: int, shared: dict[str, Any] | None = None,
+        per_rank: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
     ) -> SaveResult:
         """Write one snapshot; call on every rank at the same step.
 
@@ -169,8 +173,9 @@ class SnapshotManager:
                 raise  # a wrong argument: the caller's bug
             publish(self.store, f"{keys}/start", {"dir": tmp.name})
         else:
-            tmp = self.root / wait_one(self.store, f"{keys}/start", t0 + self.timeout_s, "start the save",
-                                       rank=self.rank, timeout_s=self.timeout_s)["dir"]
+            tmp = self.root / wait_one(self.store, f"{keys}/start", t0 + self.timeout_s,
+                                       "start the save", rank=self.rank,
+                                       timeout_s=self.timeout_s)["dir"]
         # Deadlines count from rank 0's start, so a rank that waited for it is not penalised.
         deadline = time.monotonic() + self.timeout_s
 
@@ -181,8 +186,8 @@ class SnapshotManager:
                     failure_report(error) if error else {"files": files})
             # Even after its own failure it waits for rank 0's outcome (which names this failure):
             # every rank raises the same kind of error, so all decide alike whether to go on.
-            done = wait_one(self.store, f"{keys}/commit", deadline + self.timeout_s, "commit the save",
-                            rank=self.rank, timeout_s=self.timeout_s)
+            done = wait_one(self.store, f"{keys}/commit", deadline + self.timeout_s,
+                            "commit the save", rank=self.rank, timeout_s=self.timeout_s)
             mine = sum(f["bytes"] for f in files.values())
             return SaveResult(step, self.root / done["dir"], mine, done["bytes"], write_s,
                               time.monotonic() - t0)
@@ -220,7 +225,8 @@ class SnapshotManager:
         try:
             json.dumps(meta)  # fail before writing anything
         except TypeError as e:
-            raise TypeError(f"metadata goes into manifest.json and must be JSON-able: {e}") from None
+            raise TypeError(
+                f"metadata goes into manifest.json and must be JSON-able: {e}") from None
         return meta
 
     def _write_part(self, tmp: Path, step: int, shared, per_rank, deadline: float):
@@ -236,12 +242,14 @@ class SnapshotManager:
                 if shared is not None:
                     files[SHARED] = write_durably(tmp / SHARED, shared)
                 if per_rank is not None:
-                    files[f"rank{self.rank}.pt"] = write_durably(tmp / f"rank{self.rank}.pt", per_rank)
+                    files[f"rank{self.rank}.pt"] = write_durably(tmp / f"rank{self.rank}.pt",
+                                                                 per_rank)
             except BaseException as e:  # noqa: BLE001 - reported to every rank below
                 failure.append(e)
 
         t = time.monotonic()
-        writer = threading.Thread(target=write, name=f"snapshot-{step}-rank{self.rank}", daemon=True)
+        writer = threading.Thread(target=write, name=f"snapshot-{step}-rank{self.rank}",
+                                  daemon=True)
         writer.start()
         writer.join(max(0.0, deadline - t))
         write_s = time.monotonic() - t
@@ -251,7 +259,8 @@ class SnapshotManager:
                 f"timeout_s={self.timeout_s:g} (slow disk?)")
         if failure:
             return files, write_s, save_error(
-                f"rank {self.rank} failed to write its part of snapshot step {step}: {failure[0]!r}",
+                f"rank {self.rank} failed to write its part of snapshot step {step}: "
+                f"{failure[0]!r}",
                 failure[0])
         return files, write_s, None
 
@@ -298,6 +307,8 @@ class SnapshotManager:
         rank = self.rank if rank is None else rank
         names = [n for n in (SHARED, f"rank{rank}.pt") if n in snapshot.manifest["files"]]
         verify_files(snapshot.path, snapshot.manifest, names)
-        loaded = {n: torch.load(snapshot.path / n, map_location=map_location, weights_only=weights_only)
+        loaded = {n: torch.load(snapshot.path / n, map_location=map_location,
+                                weights_only=weights_only)
                   for n in names}
+
         return loaded.get(SHARED), loaded.get(f"rank{rank}.pt"), snapshot.metadata

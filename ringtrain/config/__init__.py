@@ -27,5 +27,6 @@ from ringtrain.config.fields import (
     to_flags,
 )
 
-__all__ = ["MUST_MATCH", "add_section", "dest", "flag", "int_at_least", "non_negative_float", "option",
-           "option_fields", "resume_fields", "set_values", "to_flags"]
+__all__ = ["MUST_MATCH", "add_section", "dest", "flag", "int_at_least", "non_negative_float",
+           "option", "option_fields", "resume_fields", "set_values", "to_flags"]
+

@@ -25,10 +25,11 @@ from typing import Any
 MUST_MATCH = "must_match"  # `resume=`: a snapshot resumes only with the same value
 
 
-def option(default: Any, help: str, *, flag: str | None = None, type: Callable[[str], Any] | None = None,
-           choices: Iterable[Any] | None = None, metavar: str | None = None, shown: str | None = None,
-           resume: str | None = None, per_task: bool = False, launcher: bool = False,
-           negatable: bool = False) -> Any:
+def option(default: Any, help: str, *, flag: str | None = None,
+           type: Callable[[str], Any] | None = None, choices: Iterable[Any] | None = None,
+           metavar: str | None = None, shown: str | None = None, resume: str | None = None,
+           per_task: bool = False, launcher: bool = False, negatable: bool = False) -> Any:
+
     """A dataclass field that is also a command-line option.
 
     Args:
@@ -42,7 +43,8 @@ def option(default: Any, help: str, *, flag: str | None = None, type: Callable[[
         launcher: read by the launcher only; not in config.json's options, not for the workers.
         negatable: a `--x/--no-x` pair (a bool that defaults to True).
     """
-    meta = {"help": help, "flag": flag, "type": type, "choices": tuple(choices) if choices else None,
+    meta = {"help": help, "flag": flag, "type": type,
+            "choices": tuple(choices) if choices else None,
             "metavar": metavar, "shown": shown, "resume": resume, "per_task": per_task,
             "launcher": launcher, "negatable": negatable}
     return field(default=default, metadata={"option": meta})
@@ -150,5 +152,7 @@ def non_negative_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value >= 0 or value == float("inf"):  # nan and inf too: "nan >= 0" is False
-        raise argparse.ArgumentTypeError(f"{text} is not allowed: it must be a finite number, 0 or more")
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: it must be a finite number, "
+                                         "0 or more")
+
     return value

@@ -1,6 +1,7 @@
 """The embedded default task: n-digit addition with a held-out test set (minGPT's adder).
 
-    python -c "from ringtrain.data.addition import AdditionDataset as D; d = D('train'); print(len(d), d[0])"
+    python -c "from ringtrain.data.addition import AdditionDataset as D; d = D('train'); \
+print(len(d), d[0])"
 
 A sum a + b = c is one token sequence of digits: a (n digits, zero-padded), b (n digits), then
 c reversed (n + 1 digits), e.g. 85 + 50 = 135 with n=2 is `8 5 5 0 5 3 1`. c is reversed because
@@ -52,7 +53,9 @@ class AdditionDataset(Dataset):
         if split not in ("train", "test"):
             raise ValueError(f"split={split!r}: use 'train' or 'test'")
         if not isinstance(digits, int) or not 1 <= digits <= MAX_DIGITS:
-            raise ValueError(f"digits={digits!r}: the addition task supports 1..{MAX_DIGITS} digits")
+            raise ValueError(f"digits={digits!r}: the addition task supports "
+                             f"1..{MAX_DIGITS} digits")
+
         self.split, self.digits = split, digits
         num = 10 ** (2 * digits)
         perm = torch.randperm(num, generator=torch.Generator().manual_seed(SPLIT_SEED))

@@ -116,9 +116,11 @@ def read_text(path: str, block_size: int) -> str:
     need = min_chars(block_size)
     if len(text) < need:
         raise ValueError(
-            f"--data {path}: {len(text)} characters is too short for --block-size {block_size}: the "
-            f"{VAL_FRACTION:.0%} validation split needs one window of {block_size + 1} characters, so "
-            f"the file needs at least {need}; use a longer text or a smaller --block-size"
+            f"--data {path}: {len(text)} characters is too short for --block-size {block_size}: "
+            f"the {VAL_FRACTION:.0%} validation split needs one window of {block_size + 1} "
+            f"characters, so the file needs at least {need}; use a longer text or a smaller "
+            "--block-size"
+
         )
     return text
 

@@ -74,7 +74,8 @@ def read_chunks(files: list[str], chunk_chars: int = CHUNK_CHARS, *,
         last = ""
         carry = ""
         try:
-            with open(path, encoding="utf-8") as f:  # newline=None, as `--data FILE.txt` always read
+            # newline=None, as `--data FILE.txt` always read
+            with open(path, encoding="utf-8") as f:
                 while True:
                     piece = f.read(chunk_chars)
                     if not piece:
@@ -132,7 +133,8 @@ class _Bar:
         if self.bar is not None:
             self.bar.close()
         elif self.plain:
-            print(f"{self.desc}: {self.n:,} {self.unit}s in {time.perf_counter() - self.started:.1f} s",
+            print(f"{self.desc}: {self.n:,} {self.unit}s in "
+                  f"{time.perf_counter() - self.started:.1f} s",
                   file=sys.stderr, flush=True)
 
 
@@ -161,7 +163,8 @@ def _train_bpe(files: list[str], n_train: int, vocab_size: int, chunk_chars: int
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    chunks = (train for train, _ in _split(read_chunks(files, chunk_chars, whole_lines=True), n_train))
+    chunks = (train for train, _ in _split(read_chunks(files, chunk_chars, whole_lines=True),
+                                           n_train))
     tok.train_from_iterator((c for c in chunks if c), trainer=trainer)
     return tok
 
@@ -189,7 +192,9 @@ def prepare(src: str, out_dir: str, *, tokenizer: str = "char", vocab_size: int 
         vocab_size = 4096 if vocab_size is None else vocab_size
         if vocab_size < MIN_BPE_VOCAB:
             raise PrepareError(f"--vocab-size {vocab_size}: a byte-level BPE starts from the "
-                               f"{MIN_BPE_VOCAB} byte values; use --vocab-size {MIN_BPE_VOCAB} or more")
+                               f"{MIN_BPE_VOCAB} byte values; use --vocab-size "
+                               f"{MIN_BPE_VOCAB} or more")
+
     if not 0.0 < val_fraction < 1.0:
         raise PrepareError(f"--val-fraction {val_fraction}: it must be between 0 and 1, e.g. 0.1")
     files = source_files(src)

@@ -138,7 +138,8 @@ def check_history(log: SampleLog, *, dataset_len: int, seed: int, global_batch: 
     partial last batch, by design) and `errors` (readable lines; empty means exactly once).
     """
     errors: list[str] = []
-    expect = list(range(1, (steps if steps is not None else (log.steps[-1] if log.steps else 0)) + 1))
+    expect = list(range(1, (steps if steps is not None
+                            else (log.steps[-1] if log.steps else 0)) + 1))
     missing = sorted(set(expect) - set(log.steps))
     doubled = len(log.steps) - len(set(log.steps))
     if missing:
@@ -172,7 +173,9 @@ def check_history(log: SampleLog, *, dataset_len: int, seed: int, global_batch: 
     for e, order in orders.items():
         skipped += len(set(order[:cursor[e]]) - taken[e])
     if out_of_order:
-        errors.append(f"steps not taking the next positions of their epoch's order: {out_of_order[:10]}")
+        errors.append(f"steps not taking the next positions of their epoch's order: "
+                      f"{out_of_order[:10]}")
+
     if repeated:
         errors.append(f"{repeated} indices taken twice within an epoch")
     if skipped:

@@ -114,7 +114,9 @@ class DistributedSampler(Sampler[int]):
         self._start = 0  # global cursor where the current/pending iteration of `epoch` starts
         self._yielded = 0  # samples this rank's current iteration has yielded
         self._phase = _PENDING
-        self._generation = 0  # tells a stale iterator (superseded by a newer iter()) to stop counting
+        # tells a stale iterator (superseded by a newer iter()) to stop counting
+        self._generation = 0
+
 
     # ---- index arithmetic (pure) -------------------------------------------------------------
 

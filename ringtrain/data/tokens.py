@@ -1,6 +1,8 @@
 """Training on a prepared token directory (`ringtrain train --data DIR`), memory-mapped.
 
-    python -c "from ringtrain.data.tokens import load_tokens; print(load_tokens('data/shakespeare', 64))"
+    python -c "from ringtrain.data.tokens import load_tokens; \
+print(load_tokens('data/shakespeare', 64))"
+
 
 `ringtrain prepare` (`ringtrain.data.prepare`) writes the directory. Here train.bin and val.bin
 are opened with `np.memmap` (nothing is read until a window is asked for), and cut into windows
@@ -45,7 +47,9 @@ class TokenWindows(Dataset):
 
     def __init__(self, path: str, dtype: str, block_size: int, stride: int = 1,
                  max_windows: int | None = None):
-        self.path, self.dtype, self.block_size, self.stride = path, np.dtype(dtype), block_size, stride
+        self.path, self.dtype, self.block_size, self.stride = (
+            path, np.dtype(dtype), block_size, stride)
+
         self.n_tokens = os.path.getsize(path) // self.dtype.itemsize
         if self.n_tokens < block_size + 1:
             raise ValueError(f"{path}: {self.n_tokens} tokens cannot hold one window of "

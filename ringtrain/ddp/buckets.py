@@ -106,7 +106,8 @@ class Bucket:
     gradients: list[torch.Tensor] = field(default_factory=list)
 
 
-def build_buckets(params: Sequence[torch.Tensor], plan: list[list[int]], status_slots: int = 0) -> list[Bucket]:
+def build_buckets(params: Sequence[torch.Tensor], plan: list[list[int]],
+                  status_slots: int = 0) -> list[Bucket]:
     """Allocate the flat buffer of each bucket of `plan` and the per-parameter views into it.
 
     The last bucket gets `status_slots` extra elements when it is coalesced and fp32/fp64 (small
@@ -128,8 +129,8 @@ def build_buckets(params: Sequence[torch.Tensor], plan: list[list[int]], status_
             for i in members:
                 views.append(payload[offset:offset + params[i].numel()].view(params[i].shape))
                 offset += params[i].numel()
-        buckets.append(Bucket(index, members, views, flat, payload, tail=flat[numel:] if extra else None,
-                              pending=len(members)))
+        buckets.append(Bucket(index, members, views, flat, payload,
+                              tail=flat[numel:] if extra else None, pending=len(members)))
     return buckets
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -138,7 +139,8 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def stage(bucket: Bucket, slot: int, p: torch.Tensor, grad: torch.Tensor | None, *, used: bool,
           hot: bool, scale: float | None, as_view: bool) -> None:
-    """Put parameter `p`'s gradient (slot `slot` of `bucket`) where the bucket's collective reads it.
+    """Put parameter `p`'s gradient (slot `slot` of `bucket`) where the bucket's collective
+    reads it.
 
     `scale`: 1 / world_size when averaging here (None: a comm hook averages); `hot`: called
     from backward, the gradient still in cache; `as_view`: gradient_as_bucket_view.
@@ -197,7 +199,8 @@ def write_back(buckets: Sequence[Bucket], params: Sequence[torch.Tensor], global
 
 def call_hook(hook: Any, state: Any, bucket: Bucket, params: list[torch.nn.Parameter], *,
               is_last: bool) -> torch.futures.Future:
-    """Run comm hook `hook(state, GradBucket)` on `bucket`'s staged gradients; its future, checked."""
+    """Run comm hook `hook(state, GradBucket)` on `bucket`'s staged gradients; its future,
+    checked."""
     grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.gradients, params, is_last=is_last)
     fut = hook(state, grad_bucket)
     if not callable(getattr(fut, "wait", None)):  # Future.then() gives a torch._C.Future
@@ -214,7 +217,8 @@ def hook_result(value: Any, buffer: torch.Tensor, hook: Any, index: int) -> torc
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel():
-        got = f"a tensor of {value.numel()} elements" if isinstance(value, torch.Tensor) else type(value).__name__
+        got = (f"a tensor of {value.numel()} elements" if isinstance(value, torch.Tensor)
+               else type(value).__name__)
         raise TypeError(
             f"comm hook {getattr(hook, '__name__', hook)!r}: its Future gave {got} for bucket "
             f"{index}; it must give one tensor of the bucket's {buffer.numel()} elements (the "
@@ -274,4 +278,6 @@ class GradBucket:
 
     def __repr__(self) -> str:
         return (f"GradBucket(index={self._index}, numel={self._buffer.numel()}, "
-                f"dtype={self._buffer.dtype}, params={len(self._parameters)}, is_last={self._is_last})")
+                f"dtype={self._buffer.dtype}, params={len(self._parameters)}, "
+                f"is_last={self._is_last})")
+

@@ -75,12 +75,14 @@ def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: Any) -> torch
     return work.get_future().then(decompress)
 
 
-def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future:
+def fp16_compress_hook(process_group: dist.ProcessGroup | None,
+                       bucket: Any) -> torch.futures.Future:
     """Average in float16: half the bytes of fp32, ~3 significant digits per gradient."""
     return _compress_hook(torch.float16, process_group, bucket)
 
 
-def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future:
+def bf16_compress_hook(process_group: dist.ProcessGroup | None,
+                       bucket: Any) -> torch.futures.Future:
     """Average in bfloat16: fp32's range with ~2 significant digits; never overflows."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
@@ -93,7 +95,9 @@ def ring_chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
     return even_ranges(numel, world_size)
 
 
-def ring_schedule(rank: int, world_size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def ring_schedule(
+    rank: int, world_size: int,
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The (send_chunk, recv_chunk) of each step for `rank`, in both phases.
 
     Every rank sends to `rank + 1` and receives from `rank - 1` (mod N). Reduce-scatter: at step
@@ -137,13 +141,16 @@ def ring_all_reduce(tensor: torch.Tensor, process_group: dist.ProcessGroup | Non
     group = _group(process_group)
     n, rank = group.size(), group.rank()
     if not tensor.is_contiguous():
-        raise ValueError(f"ring_all_reduce needs a contiguous tensor (got strides {tensor.stride()}); "
+        raise ValueError("ring_all_reduce needs a contiguous tensor "
+                         f"(got strides {tensor.stride()}); "
                          "pass tensor.contiguous() and copy the result back")
     if n == 1:
         return tensor
     flat = tensor.view(-1)
     chunks = [flat[a:b] for a, b in ring_chunk_bounds(flat.numel(), n)]
-    to_global = (lambda r: r) if group == dist.group.WORLD else (lambda r: dist.get_global_rank(group, r))
+    to_global = ((lambda r: r) if group == dist.group.WORLD
+                 else (lambda r: dist.get_global_rank(group, r)))
+
     right, left = to_global((rank + 1) % n), to_global((rank - 1) % n)
     reduce_scatter, all_gather = ring_schedule(rank, n)
     scratch = torch.empty_like(chunks[0])  # chunk 0 is the largest

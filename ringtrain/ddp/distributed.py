@@ -112,7 +112,8 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
-    src_global = dist.get_global_rank(process_group, src) if process_group != dist.group.WORLD else src
+    src_global = (dist.get_global_rank(process_group, src) if process_group != dist.group.WORLD
+                  else src)
     is_src = process_group.rank() == src
     for chunk in _chunks(groups, bucket_bytes):
         flat = flatten_dense_tensors([t.detach() for t in chunk])
@@ -239,7 +240,8 @@ class DistributedDataParallel(nn.Module):
                     "with sparse=False"
                 )
         devices = {p.device for _, p in named}
-        self.device_ids, self.output_device = self._check_devices(devices, device_ids, output_device)
+        self.device_ids, self.output_device = self._check_devices(devices, device_ids,
+                                                                  output_device)
         self.device = next(iter(devices))
 
         if init_sync and self.process_group.size() > 1:
@@ -268,7 +270,8 @@ class DistributedDataParallel(nn.Module):
     @staticmethod
     def _check_devices(devices: set[torch.device], device_ids, output_device):
         if device_ids is None or len(device_ids) == 0:
-            if output_device is not None and (len(devices) > 1 or next(iter(devices)).type == "cpu"):
+            if output_device is not None and (len(devices) > 1
+                                              or next(iter(devices)).type == "cpu"):
                 raise ValueError(
                     f"output_device={output_device!r} only works with single-device CUDA modules; "
                     f"this module's parameters are on {sorted(map(str, devices))}: pass "
@@ -285,12 +288,14 @@ class DistributedDataParallel(nn.Module):
                 f"device_ids={list(device_ids)}: one process drives one device, so device_ids can "
                 "only be None or contain a single element"
             )
-        index = torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else torch.device(device_ids[0])
+        index = (torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int)
+                 else torch.device(device_ids[0]))
         device = next(iter(devices))
         if index != device:
             raise ValueError(
                 f"device_ids={list(device_ids)} but the module's parameters are on {device}; "
-                f"move the module there first (module.to({str(index)!r})) or pass device_ids=[{device.index}]"
+                f"move the module there first (module.to({str(index)!r})) or pass "
+                f"device_ids=[{device.index}]"
             )
         return [device.index], device.index if output_device is None else output_device
 
@@ -340,7 +345,8 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
-    def register_comm_hook(self, state: object, hook: Callable[[Any, GradBucket], torch.futures.Future]) -> None:
+    def register_comm_hook(self, state: object,
+                           hook: Callable[[Any, GradBucket], torch.futures.Future]) -> None:
         """Replace the default averaging all-reduce of each bucket with `hook(state, bucket)`.
 
         Args:
@@ -358,7 +364,9 @@ class DistributedDataParallel(nn.Module):
                 "registered; register_comm_hook can only be called once, as in torch"
             )
         if self.reducer._queued:
-            raise RuntimeError("register_comm_hook was called during backward; call it before training")
+            raise RuntimeError("register_comm_hook was called during backward; "
+                               "call it before training")
+
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
 
     def train(self, mode: bool = True) -> DistributedDataParallel:

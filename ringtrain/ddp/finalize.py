@@ -71,7 +71,8 @@ class Finalize:
             return
         if self._observed is not None:
             seen = set(self._observed)
-            self._next_order = self._observed + [i for i in reversed(range(len(self.params))) if i not in seen]
+            self._next_order = self._observed + [i for i in reversed(range(len(self.params)))
+                                                 if i not in seen]
             self._observed = None
         if self._defer:
             self._defer, self._deferred = False, True  # flush() finishes this round
@@ -140,7 +141,8 @@ class Finalize:
         # that is the last one, a tensor whose Python object died meanwhile (a gradient set to
         # None by zero_grad) needs the GIL on that thread, which aborts a process already in
         # interpreter shutdown ("terminate called without an active exception").
-        self._retired = [b.work or b.fut for b in self.buckets if b.work is not None or b.fut is not None]
+        self._retired = [b.work or b.fut for b in self.buckets
+                         if b.work is not None or b.fut is not None]
         for bucket in self.buckets:
             bucket.pending = len(bucket.members)
             bucket.buffer, bucket.work, bucket.fut, bucket.in_place = None, None, None, False
@@ -163,7 +165,9 @@ class Finalize:
         as `benchmarks/ddp_vs_torch.py` does). Call it on every rank.
         """
         if self._queued:
-            raise RuntimeError("sync_gradients() was called during a synced backward; call it after")
+            raise RuntimeError("sync_gradients() was called during a synced backward; "
+                               "call it after")
+
         try:
             with torch.no_grad():
                 self._hold = True

@@ -39,7 +39,9 @@ def default_lane_count(process_group: dist.ProcessGroup) -> int:
     return DEFAULT_GLOO_LANES
 
 
-def comm_lanes(process_group: dist.ProcessGroup, count: int | None = None) -> list[dist.ProcessGroup]:
+def comm_lanes(process_group: dist.ProcessGroup,
+               count: int | None = None) -> list[dist.ProcessGroup]:
+
     """`process_group` followed by `count - 1` groups over the same ranks (made once, cached).
 
     Collective on the first call for a given group and count: call it on every rank.
@@ -74,6 +76,7 @@ def _lane_failure(e: RuntimeError) -> str:
            "can read its dead ranks' addresses (pytorch/pytorch#135712): start the group with "
            "ringtrain.init_distributed(), which keeps each restart's keys apart, or export "
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun"
-           if restart != "0" else "a peer may have died, or the ranks made groups in different orders")
+           if restart != "0"
+           else "a peer may have died, or the ranks made groups in different orders")
     return (f"could not connect the communication lanes (extra gloo groups of the DDP) on restart "
             f"{restart}: {first}; {why}; comm_lanes=1 makes no extra group")

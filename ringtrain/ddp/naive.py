@@ -34,7 +34,9 @@ class NaiveDistributedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.process_group = dist.group.WORLD if process_group is None else process_group
-        src = 0 if self.process_group == dist.group.WORLD else dist.get_global_rank(self.process_group, 0)
+        src = (0 if self.process_group == dist.group.WORLD
+               else dist.get_global_rank(self.process_group, 0))
+
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t.data, src, group=self.process_group)

@@ -1,7 +1,8 @@
 """PowerSGD: gradients compressed to rank-r factors before they travel (Vogels et al. 2019).
 
     state = PowerSGDState(process_group=None, rank=4)
-    ddp.register_comm_hook(state, powersgd_hook)      # or `ringtrain train --grad-compress powersgd:4`
+    ddp.register_comm_hook(state, powersgd_hook)  # or `ringtrain train --grad-compress powersgd:4`
+
 
 For each gradient matrix M (n x m; a conv or embedding weight is flattened to its first
 dimension) with error feedback E from the last step: M += E; P = M Q (Q: m x r, kept from the

@@ -99,8 +99,8 @@ class Reducer(Finalize):
         self.comm_hook_state: Any = None
         self.expect_sync = False  # set by a forward that wants this backward synced
 
-        self._plan_args = dict(bucket_cap_bytes=bucket_cap_bytes, first_bucket_bytes=first_bucket_bytes,
-                               solo_bytes=solo_bytes)
+        self._plan_args = dict(bucket_cap_bytes=bucket_cap_bytes,
+                               first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes)
         self._build(order=None)
         # Like torch's reducer, the buckets are rebuilt once, from the order in which the first
         # synced backward actually produced the gradients (rank 0's, so all ranks agree).
@@ -133,8 +133,10 @@ class Reducer(Finalize):
         if order is not None and plan == [b.members for b in self.buckets]:
             return
         # Status slots: per parameter "got no gradient here", then per rank "had such params".
-        self.buckets = build_buckets(self.params, plan,
-                                     status_slots=len(self.params) + self.world_size if self.world_size > 1 else 0)
+        self.buckets = build_buckets(
+            self.params, plan,
+            status_slots=len(self.params) + self.world_size if self.world_size > 1 else 0)
+
         self._bucket_of = [0] * len(self.params)
         self._slot_of = [0] * len(self.params)
         for bucket in self.buckets:
@@ -144,7 +146,8 @@ class Reducer(Finalize):
     def _rebuild(self, order: list[int]) -> None:
         if self.world_size > 1:
             agreed = torch.tensor(order, dtype=torch.int64, device=self.buckets[0].flat.device)
-            src = 0 if self.process_group == dist.group.WORLD else dist.get_global_rank(self.process_group, 0)
+            src = (0 if self.process_group == dist.group.WORLD
+                   else dist.get_global_rank(self.process_group, 0))
             collectives.broadcast(agreed, src, group=self.process_group)
             order = agreed.tolist()
         self._build(order)

@@ -49,7 +49,8 @@ def unused_message(rank: int, names: Sequence[str], mine: Sequence[int], bad_ran
 # slot if it had any). After the sum: how many ranks missed each parameter, and which ranks.
 
 
-def fill_status(status: torch.Tensor, unused: Sequence[int], n_params: int, rank: int) -> torch.Tensor:
+def fill_status(status: torch.Tensor, unused: Sequence[int], n_params: int,
+                rank: int) -> torch.Tensor:
     """Write this rank's part of the status into `status` (n_params + world_size slots)."""
     status.zero_()
     if unused:
@@ -85,7 +86,9 @@ class StatusBuffer:
         self.n_params, self.world_size, self.device = n_params, world_size, device
         self._buffer: torch.Tensor | None = None
 
-    def launch(self, unused: Sequence[int], rank: int, group: dist.ProcessGroup) -> tuple[torch.Tensor, Any]:
+    def launch(self, unused: Sequence[int], rank: int,
+               group: dist.ProcessGroup) -> tuple[torch.Tensor, Any]:
+
         """Fill this rank's status and start its all-reduce: (the buffer, the work)."""
         if self._buffer is None:
             self._buffer = torch.empty(self.n_params + self.world_size, dtype=torch.int32,

@@ -161,7 +161,8 @@ class WorkerMemoryLimit:
     def __init__(self, cgroups: MemoryCgroups | None):
         self.cgroups = cgroups
         # memory_exec.py joins the rank's cgroup, then execs `python -u -m ringtrain ...`.
-        self.entrypoint = str(Path(__file__).with_name("memory_exec.py")) if cgroups else "ringtrain"
+        self.entrypoint = (str(Path(__file__).with_name("memory_exec.py")) if cgroups
+                           else "ringtrain")
         self.module = cgroups is None
 
     def report(self, exit_code: int) -> int:
@@ -189,7 +190,9 @@ class WorkerMemoryLimit:
 
 
 @contextlib.contextmanager
-def worker_memory_limit(limit: str | int | None, nproc_per_node: int) -> Iterator[WorkerMemoryLimit]:
+def worker_memory_limit(limit: str | int | None,
+                        nproc_per_node: int) -> Iterator[WorkerMemoryLimit]:
+
     """Per-worker memory cgroups for the launch inside (none when `limit` is None); removed after.
 
     Raises `CgroupUnavailable` (why) when a limit is asked for and cannot be enforced.

@@ -1,9 +1,11 @@
 """Where rank, world size and the master come from: one reader per launcher, `detect` picks one.
 
     >>> from ringtrain.launch.environments import detect
-    >>> detect({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-    ...         "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_ID": "42"})
-    Environment(name='slurm', rank=1, world_size=2, local_rank=1, master_addr='node01', master_port=20042)
+    >>> detect({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+    ...         "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[01-02]",
+    ...         "SLURM_JOB_ID": "42"})  # doctest: +NORMALIZE_WHITESPACE
+    Environment(name='slurm', rank=1, world_size=2, local_rank=1, master_addr='node01',
+                master_port=20042)
 
 Pure functions of an environment mapping, so every launcher is tested without starting one
 (tests/test_environments.py). `ringtrain.init_distributed()` calls `detect(os.environ)`. The
@@ -39,7 +41,8 @@ TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 SLURM_PORT_BASE = 20000  # + the job id's last four digits: below Linux's ephemeral ports
 
 _HOW_TORCHRUN = ("Launch with `ringtrain run --nproc-per-node N script.py` (it sets all four), or "
-                 "export MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=N RANK=i for each process.")
+                 "export MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=N RANK=i for each "
+                 "process.")
 _HOW_SLURM = ("srun sets them for each task: start one task per process with `srun python "
               "script.py`, or one `ringtrain run` per node with `srun --ntasks-per-node=1`")
 _HOW_MPI = ("mpirun sets the rank and size; pass the master with `mpirun -x MASTER_ADDR=<host of "
@@ -213,7 +216,8 @@ def _by_hand(env: Mapping[str, str]) -> Environment:
                 f"reads them), or start the processes without {sched}")
     if world == 1:
         return Environment(name, rank, 1, 0, None, None)
-    local = _int(env, "LOCAL_RANK", how) if "LOCAL_RANK" in env else (0 if name == "kubernetes" else rank)
+    local = (_int(env, "LOCAL_RANK", how) if "LOCAL_RANK" in env
+             else (0 if name == "kubernetes" else rank))
     return Environment(name, rank, world, local, env["MASTER_ADDR"],
                        _port("MASTER_PORT", env["MASTER_PORT"]))
 
@@ -229,8 +233,9 @@ def _kubeflow_trainer(env: Mapping[str, str]) -> Environment:
             f"PET_NPROC_PER_NODE={per_node}: this pod should run {per_node} processes, but the "
             "script was started alone; start it with `ringtrain run script.py` (or torchrun), "
             "which reads the PET_ variables and starts them")
-    return Environment(name, _int(env, "PET_NODE_RANK", _HOW_PET), _int(env, "PET_NNODES", _HOW_PET),
-                       0, env["PET_MASTER_ADDR"], _port("PET_MASTER_PORT", env["PET_MASTER_PORT"]))
+    return Environment(name, _int(env, "PET_NODE_RANK", _HOW_PET),
+                       _int(env, "PET_NNODES", _HOW_PET), 0, env["PET_MASTER_ADDR"],
+                       _port("PET_MASTER_PORT", env["PET_MASTER_PORT"]))
 
 
 def _slurm(env: Mapping[str, str]) -> Environment:
@@ -246,7 +251,8 @@ def _slurm(env: Mapping[str, str]) -> Environment:
         return Environment("slurm", rank, world, local, None, None)
     addr = env.get("MASTER_ADDR")
     if addr is None:
-        lists = [v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if v in env]
+        lists = [v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                 if v in env]
         if not lists:
             raise DistributedInitError(
                 "cannot start the process group under slurm: no MASTER_ADDR and no node list "
@@ -255,7 +261,8 @@ def _slurm(env: Mapping[str, str]) -> Environment:
         try:
             addr = expand_nodelist(env[lists[0]])[0]
         except ValueError as e:
-            raise DistributedInitError(f"{lists[0]}: {e}; export MASTER_ADDR=<host of task 0>") from None
+            raise DistributedInitError(
+                f"{lists[0]}: {e}; export MASTER_ADDR=<host of task 0>") from None
     if "MASTER_PORT" in env:
         port = _port("MASTER_PORT", env["MASTER_PORT"])
     elif "SLURM_JOB_ID" in env:
@@ -297,7 +304,8 @@ def detect(env: Mapping[str, str]) -> Environment:
         return _checked(_kubeflow_trainer(env))
     if "SLURM_PROCID" in env:
         return _checked(_slurm(env))
-    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("PMI_RANK", "PMI_SIZE")):
         if rank_var in env:
             _missing("mpi", env, (rank_var, size_var), _HOW_MPI)
             return _checked(_mpi(env, rank_var, size_var))
@@ -306,12 +314,14 @@ def detect(env: Mapping[str, str]) -> Environment:
 
 def from_arguments(env: Mapping[str, str], rank: int | None, world_size: int | None,
                    master_addr: str | None, master_port: int | None) -> Environment:
-    """`init_distributed(rank=..., ...)`: each argument given wins, torchrun's variables fill the rest."""
+    """`init_distributed(rank=..., ...)`: each argument given wins, torchrun's variables fill the
+    rest."""
     given: dict[str, object] = {"RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": master_addr,
                                 "MASTER_PORT": master_port}
     for name in TORCHRUN_VARS:
         if given[name] is None and name in env:
-            given[name] = _int(env, name, _HOW_TORCHRUN) if name in ("RANK", "WORLD_SIZE") else env[name]
+            given[name] = (_int(env, name, _HOW_TORCHRUN) if name in ("RANK", "WORLD_SIZE")
+                           else env[name])
     if given["WORLD_SIZE"] == 1 and given["RANK"] in (None, 0):
         return Environment("arguments", 0, 1, 0, None, None)
     _missing("arguments", {k: str(v) for k, v in given.items() if v is not None}, TORCHRUN_VARS,
@@ -323,7 +333,9 @@ def from_arguments(env: Mapping[str, str], rank: int | None, world_size: int | N
 
 
 def existing_group_name(env: Mapping[str, str]) -> str:
-    """Who started the process group this process found already running (Ray Train, or the script)."""
+    """Who started the process group this process found already running (Ray Train, or the
+    script)."""
+
     if any(k.startswith("RAY_") for k in env) or "ACCELERATE_TORCH_DEVICE" in env:
         return "ray train"
     return "an existing process group"

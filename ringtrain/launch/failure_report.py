@@ -91,7 +91,9 @@ def format_failure(err: ChildFailedError) -> str:
         # Every rank here only stopped for a peer: the root cause ran on another node. Lead with it.
         lines = [f"ringtrain run: {message[len(_PEER_FAILURE):]}; rank {rank} ({where}) stopped"]
     else:  # what it raised says more than the exit code (or the SIGTERM that cut its exit short)
-        lines = [f"ringtrain run: rank {rank} failed ({where}): {message or _describe_exit(failure)}"]
+        lines = [f"ringtrain run: rank {rank} failed ({where}): "
+                 f"{message or _describe_exit(failure)}"]
+
     if callstack and callstack != message and not message.startswith(_PEER_FAILURE):
         lines += ["  " + line for line in callstack.splitlines()]
     elif not message and failure.exitcode > 0 and failure.exitcode != STOPPED_EXIT_CODE:

@@ -10,9 +10,10 @@ Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
   nodes advertises an address the others can reach (`ringtrain.launch.rendezvous`),
 - polls the workers every 0.1 s, so a dead worker stops the rest promptly,
 - replaces torch's multi-page error dump by one block: which rank failed first, its exit code
-  or signal, and its traceback (`ringtrain.launch.failure_report`; the traceback is written by workers
-  whose main is decorated with `record`),
-- keeps workers from outliving a SIGKILLed launcher (`ringtrain.launch.parent`, called in the worker),
+  or signal, and its traceback (`ringtrain.launch.failure_report`; the traceback is written by
+  workers whose main is decorated with `record`),
+- keeps workers from outliving a SIGKILLed launcher (`ringtrain.launch.parent`, called in the
+  worker),
 - passes SIGUSR1 on too (Slurm's `--signal=USR1@90`), giving the workers `--shutdown-timeout`
   seconds to save, and then exits with 143 ("requeue me", `ringtrain.errors.REQUEUE_EXIT_CODE`),
 - across nodes, counts restarts for the job, not per node (`agent_patches.restarts_for_the_job`),
@@ -207,7 +208,8 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         cause = e.__cause__ or e
         print(f"ringtrain run: cannot reach the rendezvous store at {config.rdzv_endpoint} "
               "(--rdzv-endpoint): its node died, is unreachable or has not started; stopped the "
-              f"workers here ({str(cause).splitlines()[0] if str(cause) else type(cause).__name__})",
+              "workers here "
+              f"({str(cause).splitlines()[0] if str(cause) else type(cause).__name__})",
               file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # rendezvous timeouts and the like: one line, not a stack
@@ -268,7 +270,9 @@ def launch(
     tolerate_ranks: Collection[int] = (),
     shutdown_timeout: int | None = None,
 ) -> int:
-    """Run `entrypoint` on `nproc_per_node` workers here (and join `nnodes` nodes); return the exit code.
+    """Run `entrypoint` on `nproc_per_node` workers here (and join `nnodes` nodes); return the
+    exit code.
+
 
     Args:
         entrypoint: a script path (run as `python -u script *args`), a module name with

@@ -73,7 +73,8 @@ def _pick_gloo_interface(master_addr: str, rank: int) -> None:
         chosen = names[0]
         global _chosen_ifname
         os.environ["GLOO_SOCKET_IFNAME"] = _chosen_ifname = chosen  # undone by destroy_distributed
-    log.debug("rank %d: gloo uses interface %s (%s)", rank, chosen, interfaces.get(chosen.split(",")[0]))
+    log.debug("rank %d: gloo uses interface %s (%s)", rank, chosen,
+              interfaces.get(chosen.split(",")[0]))
 
 
 def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
@@ -118,7 +119,8 @@ def _agent_store(addr: str, port: int, timeout_s: float) -> dist.Store:
     return dist.PrefixStore(f"ringtrain/{run}/attempt_{attempt}", client)
 
 
-def _own_rendezvous(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
+def _own_rendezvous(addr: str, port: int, rank: int, world_size: int,
+                    timeout_s: float) -> dist.Store:
     """Rank 0 hosts a TCPStore, every rank checks in (bounded): no launcher ran a rendezvous."""
     global _own_store
     try:
@@ -173,7 +175,8 @@ def init_distributed(
         found = detect(os.environ)
     else:
         found = from_arguments(os.environ, rank, world_size, master_addr, master_port)
-    rank, world_size, addr, port = found.rank, found.world_size, found.master_addr, found.master_port
+    rank, world_size, addr, port = (found.rank, found.world_size, found.master_addr,
+                                    found.master_port)
     local_rank = found.local_rank
     # LOCAL_WORLD_SIZE: torchrun's and `ringtrain run`'s; other launchers leave the check to
     # the ranks whose local rank has no GPU of its own.
@@ -189,7 +192,8 @@ def init_distributed(
     if world_size == 1:
         store: dist.Store = dist.HashStore()
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_addr is None:
-        store = _agent_store(addr, port, rendezvous_timeout_s)  # torchrun's agent ran the rendezvous
+        # torchrun's agent ran the rendezvous
+        store = _agent_store(addr, port, rendezvous_timeout_s)
     else:
         store = _own_rendezvous(addr, port, rank, world_size, rendezvous_timeout_s)
     # NCCL takes CUDA tensors only; the agreement's sums, the stop vote and resume's step
@@ -249,7 +253,8 @@ def _start_watchdog(rt: Runtime) -> None:
         raise DistributedInitError(f"{WATCHDOG_ENV}={value!r} is not a number of seconds") from None
     if rt.world_size == 1 or timeout_s <= 0:
         return
-    _watchdog = Watchdog(name="run", timeout_s=timeout_s, interval_s=min(1.0, timeout_s / 3)).start()
+    _watchdog = Watchdog(name="run", timeout_s=timeout_s,
+                         interval_s=min(1.0, timeout_s / 3)).start()
 
 
 def destroy_distributed(checkout_timeout_s: float = 5.0) -> None:
@@ -282,6 +287,7 @@ def destroy_distributed(checkout_timeout_s: float = 5.0) -> None:
             while rt.rank == 0 and left < rt.world_size and time.monotonic() < deadline:
                 time.sleep(0.02)
                 left = store.add("ringtrain/checkout", 0)
-        except (RuntimeError, OSError):  # the store is gone already (a peer died): nothing to wait for
-            pass
+        except (RuntimeError, OSError):
+            pass  # the store is gone already (a peer died): nothing to wait for
+
     del store  # non-zero ranks close their client here, while rank 0's server still listens

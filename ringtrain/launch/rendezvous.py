@@ -48,18 +48,22 @@ def _single_node_rendezvous(args) -> None:
     try:
         max_nodes = int(str(args.nnodes).split(":")[-1])
     except ValueError:
-        raise ValueError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX, e.g. --nnodes 2") from None
+        raise ValueError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX, "
+                         "e.g. --nnodes 2") from None
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) < 1:
-        raise ValueError(f"--nproc-per-node {args.nproc_per_node}: start at least one worker per node")
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node}: "
+                         "start at least one worker per node")
     if args.node_rank >= max_nodes:  # it would wait for a rendezvous that never completes
-        raise ValueError(f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}: number "
-                         f"the nodes 0..{max_nodes - 1}, node 0 at --rdzv-endpoint")
+        raise ValueError(f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}: "
+                         f"number the nodes 0..{max_nodes - 1}, node 0 at --rdzv-endpoint")
     if max_nodes > 1 and args.rdzv_endpoint and not args.rdzv_endpoint.rpartition(":")[2].isdigit():
         raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint}: give node 0's address and a free "
                          "port as HOST:PORT, e.g. 10.0.0.1:29400")
     if args.standalone or (max_nodes == 1 and not args.rdzv_endpoint and args.master_port is None
                            and args.rdzv_backend in ("static", "c10d")):
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = (
+            "c10d", "localhost:0", str(uuid.uuid4()))
+
     if args.master_port is None:
         args.master_port = 29500  # only read by the static backend, as in torchrun
 

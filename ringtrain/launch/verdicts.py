@@ -64,7 +64,8 @@ class Verdicts:
             try:
                 self._on_departed(failure)
             except Exception as e:  # noqa: BLE001 - the watch must go on for the others
-                print(f"[rank {self.rank}] watchdog: on_departed({failure}) raised {describe_error(e)}",
+                print(f"[rank {self.rank}] watchdog: on_departed({failure}) raised "
+                      f"{describe_error(e)}",
                       file=sys.stderr, flush=True)
 
     def _fire(self, failure: PeerFailure, found_here: bool) -> None:
@@ -77,7 +78,9 @@ class Verdicts:
             # Share the verdict and count the ranks that reached it, so every rank names the
             # same peer even when this rank's exit takes the store down (outside `ringtrain
             # run` it lives in rank 0's process). Store calls off-thread: it may be gone too.
-            seen = PeerFailure(failure.kind, failure.rank, f"{failure.reason}; seen by rank {self.rank}")
+            seen = PeerFailure(failure.kind, failure.rank,
+                               f"{failure.reason}; seen by rank {self.rank}")
+
             worker = threading.Thread(target=self._share, args=(seen if found_here else None,),
                                       daemon=True)
             worker.start()

@@ -57,9 +57,9 @@ class Watchdog(Verdicts):
     """Heartbeats through the store; stops this rank when a peer dies, raises, or the store is lost.
 
     Args:
-        store: the rendezvous store; default `get_runtime().store` (every rank reaches it). The watchdog
-            talks through its own clone of it, so a main thread blocked on the store (a barrier)
-            does not block the heartbeats.
+        store: the rendezvous store; default `get_runtime().store` (every rank reaches it). The
+            watchdog talks through its own clone of it, so a main thread blocked on the store (a
+            barrier) does not block the heartbeats.
         rank, world_size: default those of `get_runtime()`.
         interval_s: how often to publish and read heartbeats (each round costs world_size + 2
             store operations on every rank).
@@ -129,7 +129,8 @@ class Watchdog(Verdicts):
         tcp = tcp_store(store)
         self._store_addr = f"{tcp.host}:{tcp.port}" if tcp is not None else "(in-process store)"
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        self._store_owner = None if agent_store else 0  # ringtrain's own rendezvous: rank 0 hosts it
+        # ringtrain's own rendezvous: rank 0 hosts it
+        self._store_owner = None if agent_store else 0
         try:
             store = store.clone()  # its own connection: TCPStore serialises ops per connection
             store.set_timeout(timedelta(seconds=timeout_s))
@@ -223,7 +224,8 @@ class Watchdog(Verdicts):
             if self._fired.wait(self.timeout_s + self.interval_s):
                 self._handled.wait(self.timeout_s)
                 return
-        self._publish(PeerFailure("failed", self.rank, f"at step {self._step}: {describe_error(exc)}"))
+        self._publish(PeerFailure("failed", self.rank,
+                                  f"at step {self._step}: {describe_error(exc)}"))
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -281,7 +283,8 @@ class Watchdog(Verdicts):
         if self._found is None and store.add("nfailed", 0) > 0:
             for r in self._peers:
                 if r not in self._departed and store.check([f"failed/{r}"]):
-                    kind, _, reason = store.get(f"failed/{r}").decode(errors="replace").partition("|")
+                    kind, _, reason = (store.get(f"failed/{r}").decode(errors="replace")
+                                       .partition("|"))
                     self._found = PeerFailure(kind, r, reason)
                     break
 
@@ -309,7 +312,9 @@ class Watchdog(Verdicts):
                      else f"rank {self._store_owner}'s process")
             return PeerFailure("store", self._store_owner, (
                 f"lost the rendezvous store at {self._store_addr} (run by {owner}) for "
-                f"{silent:.1f} s: {self._store_error or 'no reply'}; that process or its host died"))
+                f"{silent:.1f} s: {self._store_error or 'no reply'}; "
+                "that process or its host died"))
+
         # Silence is measured up to the last good round, so a store outage is not blamed on peers.
         for r in tuple(self._watched):
             age = self._last_ok - self._last_change[r]

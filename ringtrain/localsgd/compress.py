@@ -35,7 +35,9 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += n
 
 
-def _gather(t: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> list[torch.Tensor]:
+def _gather(t: torch.Tensor, group: dist.ProcessGroup | None,
+            world_size: int) -> list[torch.Tensor]:
+
     parts = [torch.empty_like(t) for _ in range(world_size)]
     collectives.all_gather(parts, t, group=group)
     return parts

@@ -62,7 +62,9 @@ class OuterStep:
         return sent
 
     def state_dict(self) -> dict[str, Any]:
-        return {"anchor": [a.clone() for a in self.anchor], "optimizer": self.optimizer.state_dict()}
+        return {"anchor": [a.clone() for a in self.anchor],
+                "optimizer": self.optimizer.state_dict()}
+
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,6 +1,8 @@
 """A trained GPT as plain files: `model.safetensors` (the weights) and `model_config.json`.
 
-    python -c "from ringtrain.models.export import load_model; m, cfg = load_model('runs/x'); print(cfg)"
+    python -c "from ringtrain.models.export import load_model; m, cfg = load_model('runs/x'); \
+print(cfg)"
+
 
 `ringtrain train` writes both into its run directory at the end. The weights are a flat
 name -> tensor map (`safetensors`: no pickle, nothing executes on load), with the names of
@@ -13,7 +15,9 @@ name -> tensor map (`safetensors`: no pickle, nothing executes on load), with th
                   | {"type": "digits"}   (the addition task: token i is the digit i)}
 
 Loading needs no ringtrain: `safetensors.torch.load_file` and `json.load` (docs/train.md shows
-the lines, and loading into ringtrain's GPT). Models import nothing of ringtrain's distributed parts.
+the lines, and loading into ringtrain's GPT). Models import nothing of ringtrain's distributed
+parts.
+
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ loss (a pipeline computes the loss on its last stage only). It imports nothing f
 distributed parts of ringtrain: parallelism is applied from outside.
 
     python -c "from ringtrain.models import GPT, GPTConfig; \
-import torch; m = GPT(GPTConfig(vocab_size=10, block_size=6)); print(m(torch.zeros(2, 6).long()).shape)"
+import torch; m = GPT(GPTConfig(vocab_size=10, block_size=6)); \
+print(m(torch.zeros(2, 6).long()).shape)"
+
 
 The model is built from three kinds of stage module, so that `to_sequential()` can hand a
 pipeline the very same parameter objects:
@@ -67,7 +69,8 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"choose n_embd as a multiple of n_head (e.g. {self.n_head * max(1, self.n_embd // self.n_head)})"
+                "choose n_embd as a multiple of n_head "
+                f"(e.g. {self.n_head * max(1, self.n_embd // self.n_head)})"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout}: it must be in [0, 1)")
@@ -80,7 +83,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
+        # q, k, v at once
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
@@ -218,7 +222,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+
         """Append `max_new_tokens` sampled tokens to `idx` (B, T); temperature 0 means greedy.
 
         Args:
