@@ -11,11 +11,17 @@ Read in this order:
 - `sharded.py`: several saved ranks' parts read for one rank (a sharded resume on M ranks).
 - `rng.py`: each rank's random generators (Python, NumPy, torch, CUDA), saved and restored.
 - `run_dir.py`: the run directory checked before a run, and the words for a full disk.
+- `rules.py`: the rules of a resume as plain functions: which options must match
+  (`config_differences`), the global batch kept on another world size (`elastic_batch`), the
+  (seed, rank, step) reseed.
 - `resume.py`: `Checkpointer`, what the training loop saves and how it resumes (exact, or
-  elastic on another world size), and `StopSignal` (SIGTERM/SIGINT to a saved stop).
+  elastic on another world size), applying `rules.py`.
+- `stop.py`: `StopSignal` (SIGTERM/SIGINT/SIGUSR1 become a flag the loop votes on, then a
+  saved stop); still importable from `resume.py`, as the rules are.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.store_keys`, `ringtrain.agreement` (the strategy's agreement), `ringtrain.strategies`
 (the seam, for types), `ringtrain.collectives`. Never the trainer: the loop hands over its
 `LoopState`.
+
 """

@@ -1,7 +1,7 @@
-"""The training loop's fault tolerance: snapshots, exact and elastic resume, SIGTERM.
+"""The training loop's snapshots: what `Checkpointer` saves, and exact and elastic resume.
 
-    checkpointer = Checkpointer(loop_state, strategy, runtime, agreement, config, data_world_size,
-                                "runs/x/snapshots", every=100, keep=2)
+    checkpointer = Checkpointer(loop_state, strategy, runtime, agreement, config,
+                                data_world_size, "runs/x/snapshots", every=100, keep=2)
     checkpointer.resume()          # every rank, before the loop: the newest committed snapshot
     checkpointer.save(step)        # every rank, at the same step boundary
 
@@ -24,28 +24,27 @@ Exact resume (same world size): everything above is restored, so the run continu
 bit as if never stopped. Elastic resume (another number of data ranks, replicated strategies
 only): the global batch is kept by changing grad_accum (or the per-rank batch), the sampler
 re-splits the rest of the epoch, and each rank's RNG is derived afresh from (seed, rank, step).
+
+The rules it applies (what must match, the elastic batch, the reseed) are plain functions in
+`rules.py`; catching SIGTERM/SIGINT/SIGUSR1 is `StopSignal` in `stop.py`. Both names stay
+importable from here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import random
-import signal
-import threading
 import time
 import warnings
 from dataclasses import dataclass
-from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ringtrain import collectives
 from ringtrain.checkpoint.rng import get_rng_state, set_rng_state
+from ringtrain.checkpoint.rules import config_differences, elastic_batch, reseed
 from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
 from ringtrain.checkpoint.sharded import load_strategy_parts
 from ringtrain.checkpoint.snapshot import (
@@ -57,6 +56,7 @@ from ringtrain.checkpoint.snapshot import (
     newest_snapshot_bytes,
     remove_unfinished,
 )
+from ringtrain.checkpoint.stop import StopSignal
 from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -67,97 +67,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "StopSignal", "config_differences", "elastic_batch", "reseed"]
 
 log = logging.getLogger("ringtrain")
-
-
-
-# ---- pure rules ------------------------------------------------------------------------------
-
-
-def elastic_batch(global_batch: int, data_world_size: int, batch_size: int, *,
-                  saved_data_world_size: int) -> tuple[int, int]:
-    """(batch_size, grad_accum) per rank that keep `global_batch` on `data_world_size` ranks.
-
-    Keeps `batch_size` and changes grad_accum when that divides evenly; otherwise takes the
-    largest per-rank micro-batch up to `batch_size` (memory stays within what was asked) that
-    divides this rank's share. Raises ValueError naming both world sizes when the global batch
-    cannot be split evenly over the new number of ranks.
-    """
-    if global_batch % data_world_size:
-        fits = [w for w in range(1, global_batch + 1) if global_batch % w == 0][:8]
-        raise ConfigError(
-            f"cannot keep the global batch of {global_batch} samples per step (set when the run "
-            f"started, on {saved_data_world_size} data ranks) on {data_world_size} data ranks: "
-            f"{global_batch} is not a multiple of {data_world_size}. Resume on a number of data "
-            f"ranks that divides {global_batch} (e.g. {', '.join(map(str, fits))}), or start "
-            "afresh with --no-resume"
-        )
-    per_rank = global_batch // data_world_size
-    if per_rank % batch_size == 0:
-        return batch_size, per_rank // batch_size
-    accum = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= batch_size)
-    return per_rank // accum, accum
-
-
-def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The options whose values differ, as `--name saved (snapshot) vs now` lines."""
-    now = json.loads(json.dumps(now))  # the saved side went through JSON: compare like with like
-    missing = object()
-    out = []
-    for key in sorted(set(saved) | set(now)):
-        a, b = saved.get(key, missing), now.get(key, missing)
-        if a != b:
-            show = [("(unset)" if v is missing else repr(v)) for v in (a, b)]
-            out.append(f"--{key.replace('_', '-')} {show[0]} in the snapshot, {show[1]} now")
-    return out
-
-
-def reseed(seed: int, rank: int, step: int) -> None:
-    """Fresh Python, NumPy and torch generators for `rank` from (seed, rank, step)."""
-    a, b = np.random.SeedSequence([seed, rank, step]).generate_state(2)
-    random.seed(int(a))
-    np.random.seed(int(a))
-    torch.manual_seed(int(b))
-
-
-# ---- SIGTERM -----------------------------------------------------------------------------------
-
-
-class StopSignal:
-    """SIGTERM becomes a request to save and stop at the next step boundary.
-
-    The handler only sets a flag (a signal may land anywhere, e.g. inside a collective's
-    Python wrapper); the loop votes on the flag through the strategy's agreement at each step
-    boundary, so all ranks stop at the same step even when only one was signalled.
-
-    .. warning:: On the way out with an exception, a signal that arrived is delivered again
-       to the previous handler (by default: the process ends). An agent that stops the group
-       after a peer died sends SIGTERM and waits for the workers to exit; it must not wait for
-       a rank that would otherwise go on reporting a lost connection.
-    """
-
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
-        self.signals = signals
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
-
-    def __enter__(self) -> StopSignal:
-        if threading.current_thread() is threading.main_thread():  # signal.signal's rule
-            for s in self.signals:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-        if exc is not None and self.received is not None:
-            os.kill(os.getpid(), self.received)
-
-
-# ---- the trainer's snapshots -----------------------------------------------------------------
 
 
 class LoopStateLike(Protocol):
@@ -193,8 +102,8 @@ class Checkpointer:
         runtime: this process's `Runtime`.
         agreement: the strategy's agreement (sums the metrics window for an elastic resume).
         config: the trainer's resolved `TrainerConfig`: the fields that must match to resume
-            (`must_match()`: its fields marked `resume=MUST_MATCH`), the seed, the steps and the batch layout
-            are read from it.
+            (`must_match()`: its fields marked `resume=MUST_MATCH`), the seed, the steps and the
+            batch layout are read from it.
         data_world_size: the strategy's number of data ranks.
         root_dir: the snapshot directory, the same on every rank (`<run_dir>/snapshots`).
         every: steps between periodic snapshots; 0 saves none (and SIGTERM is not caught).
@@ -211,8 +120,10 @@ class Checkpointer:
                  root_dir: str, *, every: int = 0, keep: int = 2, timeout_s: float = 60.0,
                  run_config: dict[str, Any] | None = None, name: str = "trainer"):
         if every < 0:
-            raise ValueError(f"snapshot_every={every}: use 0 (no snapshots) or a positive step count")
-        self.state, self.strategy, self.runtime, self.agreement = state, strategy, runtime, agreement
+            raise ValueError(
+                f"snapshot_every={every}: use 0 (no snapshots) or a positive step count")
+        self.state, self.strategy = state, strategy
+        self.runtime, self.agreement = runtime, agreement
         self.every, self.data_world_size, self.seed = every, data_world_size, config.seed
         self.manager = SnapshotManager(root_dir, rank=runtime.rank, world_size=runtime.world_size,
                                        store=runtime.store if runtime.world_size > 1 else None,
@@ -335,12 +246,14 @@ class Checkpointer:
                 "--no-resume (its snapshots are deleted) or in another --run-dir")
         # Per-rank state saved by another number of ranks: the strategy may name the part
         # this rank takes (None: it cannot be resharded, and check_topology refuses).
-        sources = None if self.replicated else self.strategy.reshard_sources(int(meta["world_size"]))
+        sources = (None if self.replicated
+                   else self.strategy.reshard_sources(int(meta["world_size"])))
         resharded = check_topology(meta, rt.world_size, topology=self._topology(),
                                    reshardable=self.replicated or sources is not None)
         self.global_batch = int(meta["global_batch"])
         self._fit_global_batch(meta)
-        shared, per_rank, _ = self.manager.load(snap, rank=sources[0] if resharded and sources else None)
+        shared, per_rank, _ = self.manager.load(
+            snap, rank=sources[0] if resharded and sources else None)
         assert shared is not None, "a committed snapshot always has shared.pt"
         if self.replicated:
             self.strategy.load_state_dict(shared["strategy"])

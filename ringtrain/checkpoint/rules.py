@@ -1,0 +1,70 @@
+"""The rules of a resume, as plain functions: what must match, and how the global batch is kept.
+
+    elastic_batch(64, 3, 8, saved_data_world_size=2)   # ConfigError: 64 is not a multiple of 3
+    config_differences({"lr": 0.001}, {"lr": 0.002})   # ["--lr 0.001 in the snapshot, 0.002 now"]
+
+Apart from `Checkpointer` (`resume.py`), which applies them, because they need no process, no
+store and no file: each is unit-tested on its own (`.venv/bin/pytest -q tests/test_elastic.py`).
+`reseed` touches only this process's random generators: the (seed, rank, step) rule an elastic
+resume seeds them by.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from ringtrain.errors import ConfigError
+
+__all__ = ["config_differences", "elastic_batch", "reseed"]
+
+
+def elastic_batch(global_batch: int, data_world_size: int, batch_size: int, *,
+                  saved_data_world_size: int) -> tuple[int, int]:
+    """(batch_size, grad_accum) per rank that keep `global_batch` on `data_world_size` ranks.
+
+    Keeps `batch_size` and changes grad_accum when that divides evenly; otherwise takes the
+    largest per-rank micro-batch up to `batch_size` (memory stays within what was asked) that
+    divides this rank's share. Raises ValueError naming both world sizes when the global batch
+    cannot be split evenly over the new number of ranks.
+    """
+    if global_batch % data_world_size:
+        fits = [w for w in range(1, global_batch + 1) if global_batch % w == 0][:8]
+        raise ConfigError(
+            f"cannot keep the global batch of {global_batch} samples per step (set when the run "
+            f"started, on {saved_data_world_size} data ranks) on {data_world_size} data ranks: "
+            f"{global_batch} is not a multiple of {data_world_size}. Resume on a number of data "
+            f"ranks that divides {global_batch} (e.g. {', '.join(map(str, fits))}), or start "
+            "afresh with --no-resume"
+        )
+    per_rank = global_batch // data_world_size
+    if per_rank % batch_size == 0:
+        return batch_size, per_rank // batch_size
+    accum = next(a for a in range(1, per_rank + 1)
+                 if per_rank % a == 0 and per_rank // a <= batch_size)
+    return per_rank // accum, accum
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The options whose values differ, as `--name saved (snapshot) vs now` lines."""
+    now = json.loads(json.dumps(now))  # the saved side went through JSON: compare like with like
+    missing = object()
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key, missing), now.get(key, missing)
+        if a != b:
+            show = [("(unset)" if v is missing else repr(v)) for v in (a, b)]
+            out.append(f"--{key.replace('_', '-')} {show[0]} in the snapshot, {show[1]} now")
+    return out
+
+
+def reseed(seed: int, rank: int, step: int) -> None:
+    """Fresh Python, NumPy and torch generators for `rank` from (seed, rank, step)."""
+    a, b = np.random.SeedSequence([seed, rank, step]).generate_state(2)
+    random.seed(int(a))
+    np.random.seed(int(a))
+    torch.manual_seed(int(b))

@@ -1,0 +1,54 @@
+"""`StopSignal`: a signal (SIGTERM, SIGINT, SIGUSR1) becomes a request to save and stop.
+
+    with StopSignal((signal.SIGTERM, signal.SIGINT)) as stop:
+        ...                        # at each step boundary: vote on `stop.received is not None`
+
+Apart from the snapshots (`resume.py`) because it is process plumbing, not state: it swaps
+signal handlers in and out and knows nothing of what is saved; the training loop decides which
+signals to catch (`ringtrain.training.snapshots.STOP_SIGNALS`) and what a stop does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+__all__ = ["StopSignal"]
+
+
+class StopSignal:
+    """SIGTERM becomes a request to save and stop at the next step boundary.
+
+    The handler only sets a flag (a signal may land anywhere, e.g. inside a collective's
+    Python wrapper); the loop votes on the flag through the strategy's agreement at each step
+    boundary, so all ranks stop at the same step even when only one was signalled.
+
+    .. warning:: On the way out with an exception, a signal that arrived is delivered again
+       to the previous handler (by default: the process ends). An agent that stops the group
+       after a peer died sends SIGTERM and waits for the workers to exit; it must not wait for
+       a rank that would otherwise go on reporting a lost connection.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.signals = signals
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():  # signal.signal's rule
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+        if exc is not None and self.received is not None:
+            os.kill(os.getpid(), self.received)
