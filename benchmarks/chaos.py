@@ -5,8 +5,9 @@
     .venv/bin/python benchmarks/chaos.py --faults 4 --kinds kill-in-save,raise,corrupt  # the test's
 
 Runs the same `ringtrain train` twice: fault-free (the anchor), then under `--max-restarts` with
-`RINGTRAIN_TEST_FAULT=plan:PLAN` (`ringtrain/chaos.py`), a seeded schedule of faults, each
-fired once and in order, each meeting the job as the previous one left it:
+`RINGTRAIN_TEST_FAULT=plan:PLAN` (tests/support/chaos_plan.py, played in the workers by
+tests/support/faults.py through `RINGTRAIN_STEP_HOOK=faults:hook`), a seeded schedule of faults,
+each fired once and in order, each meeting the job as the previous one left it:
 
     kill           SIGKILL of a random worker after a random step
     kill-in-save   SIGKILL of a random worker while it writes its part of a snapshot
@@ -54,13 +55,22 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # netns.py: the two-host setup the tests use
 sys.path.insert(0, str(REPO))
 
-from ringtrain.chaos import KINDS_INSIDE, KINDS_OUTSIDE, corrupt_newest, fill, make_plan  # noqa: E402
+from support.chaos_plan import (  # noqa: E402 - the schedule, test code outside the package
+    KINDS_INSIDE,
+    KINDS_OUTSIDE,
+    corrupt_newest,
+    fill,
+    make_plan,
+)
+from support.faults import fault_env  # noqa: E402 - what the workers need to play the plan
+
 from ringtrain.data.addition import train_size  # noqa: E402
 from ringtrain.data.sample_log import SampleLog, check_history  # noqa: E402
 from ringtrain.launch.launcher import has_shutdown_timeout  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items()
-       if k not in ("LOGLEVEL", "RINGTRAIN_TEST_FAULT", "TORCHELASTIC_RESTART_COUNT")} | {
+       if k not in ("LOGLEVEL", "RINGTRAIN_TEST_FAULT", "RINGTRAIN_STEP_HOOK",
+                    "TORCHELASTIC_RESTART_COUNT")} | {
     "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 ALL_KINDS = KINDS_INSIDE + KINDS_OUTSIDE
 SEED, BATCH = 1337, 16
@@ -82,7 +92,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="what follows a corrupt snapshot: a kill, or a kill inside the next save")
     p.add_argument("--link-seconds", type=float, default=2.0, help="how long a link stays down")
     p.add_argument("--disk-size", default="32m", help="the tmpfs for the run directory")
-    p.add_argument("--relaunches", type=int, default=6, help="most relaunches (as a scheduler would)")
+    p.add_argument("--relaunches", type=int, default=6,
+                   help="most relaunches (as a scheduler would)")
     p.add_argument("--timeout", type=float, default=3600, help="bound on the chaos run (s)")
     p.add_argument("--out", help="directory for the runs (default: a temp dir, removed)")
     p.add_argument("--model", default="--n-layer 1 --n-head 2 --n-embd 32",
@@ -102,8 +113,9 @@ class Job:
 
     def argv(self) -> list[str]:
         a = self.a
-        return [sys.executable, "-m", "ringtrain", "train", *a.model.split(), "--steps", str(self.steps),
-                "--batch-size", str(BATCH), "--seed", str(SEED), "--eval-every", str(self.steps),
+        return [sys.executable, "-m", "ringtrain", "train", *a.model.split(),
+                "--steps", str(self.steps), "--batch-size", str(BATCH), "--seed", str(SEED),
+                "--eval-every", str(self.steps),
                 "--eval-batch-size", "64", "--log-every", str(a.snapshot_every), "--threads", "1",
                 "--no-progress", "--snapshot-every", str(a.snapshot_every), "--keep", "2",
                 "--watchdog-timeout", str(a.watchdog_timeout), "--record-samples",
@@ -115,7 +127,7 @@ class Job:
     def start(self) -> None:
         env = dict(ENV)
         if self.plan is not None:
-            env["RINGTRAIN_TEST_FAULT"] = f"plan:{self.plan}"
+            env.update(fault_env(f"plan:{self.plan}"))
         out = open(self.log, "a")  # noqa: SIM115 - the children hold it
         if self.hosts is None:
             self.procs = [subprocess.Popen([*self.argv(), "--nproc-per-node", str(self.a.nproc)],
@@ -226,8 +238,10 @@ def _drive(a, job, run_dir, log, plan, hosts, chaos_dir, disk) -> dict:
         time.sleep(0.05)
     wall = time.monotonic() - started
     job.stop()
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    return {"wall_s": wall, "exit_codes": codes, "launches": launches, "summary": summary, "notes": notes}
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    return {"wall_s": wall, "exit_codes": codes, "launches": launches, "summary": summary,
+            "notes": notes}
 
 
 def committed_history(run_dir: Path) -> SampleLog | None:
@@ -271,7 +285,8 @@ def report(a, faults, fired, ref, chaos, steps, check, same_history, left, extra
     sha_ref, sha = ref["summary"].get("param_sha256"), chaos["summary"].get("param_sha256")
     out = {
         "hosts": a.hosts, "world_size": chaos["summary"].get("world_size"), "strategy": a.strategy,
-        "seed": a.seed, "steps": steps, "faults_planned": len(faults), "faults_injected": len(fired),
+        "seed": a.seed, "steps": steps, "faults_planned": len(faults),
+        "faults_injected": len(fired),
         "faults_survived": len(fired) if finished else max(0, len(fired) - 1),
         "by_kind": {k: {"planned": v[0], "injected": v[1]} for k, v in kinds.items()},
         "restarts": extra["attempts"] - 1, "relaunches": chaos["launches"] - 1,
@@ -340,7 +355,8 @@ def main(argv=None) -> dict:
         ref_dir = root / "fault-free"
         ref = run(a, ref_dir, steps, root / "fault-free.log", None, hosts, None, None, 0)
         if ref["exit_codes"][-1:] != [0]:
-            raise SystemExit(f"the fault-free run failed: {ref['exit_codes']}; see {root}/fault-free.log")
+            raise SystemExit(f"the fault-free run failed: {ref['exit_codes']}; "
+                             f"see {root}/fault-free.log")
         run_dir = (disk or root) / "run"
         restarts = 3 * len(faults) + 5
         chaos = run(a, run_dir, steps, root / "chaos.log", plan, hosts, chaos_dir, disk, restarts)
@@ -350,7 +366,8 @@ def main(argv=None) -> dict:
         extra = {"steps_trained": len(steps_log.read_text().split()) if steps_log.exists() else 0,
                  "attempts": len(attempts.read_text().splitlines()) if attempts.exists() else 0,
                  "notes": notes}
-        global_batch = ref["summary"].get("global_batch_size", BATCH * world)  # pipeline: fewer data ranks
+        # pipeline: fewer data ranks
+        global_batch = ref["summary"].get("global_batch_size", BATCH * world)
         n = train_size(2)
         history, ref_history = committed_history(run_dir), committed_history(ref_dir)
         check = check_history(history, dataset_len=n, seed=SEED, global_batch=global_batch,

@@ -1,8 +1,6 @@
-"""Test helpers: run a function on N local gloo ranks, and inject faults into `ringtrain train`.
+"""Test helper: run a function on N local gloo ranks (as `torch.testing` is torch's).
 
     results = run_workers(fn, world_size=2, args=(x,), timeout_s=60)
-    RINGTRAIN_TEST_FAULT=kill:1:5 ringtrain train --nproc-per-node 2    # rank 1 dies after step 5
-    RINGTRAIN_TEST_FAULT=plan:/tmp/plan.json ringtrain train ...        # a chaos schedule (ringtrain/chaos.py)
 
 `fn(rank, world_size, *args)` must be a module-level function (the ranks import it). Ranks are
 forked from a forkserver that has imported torch (where the platform has one; spawned
@@ -16,9 +14,9 @@ and teardown in `finally`. Results come back per rank, in rank order. The first 
 raises stops the rest and its traceback is re-raised with its rank; a run that outlives
 `timeout_s` is killed and the unfinished ranks are named: no test can hang.
 
-`fault_hook` is the fault injection behind RINGTRAIN_TEST_FAULT; production code holds only
-the hook point (`ringtrain.cli.train.run_job` imports it when that variable is set). Tests:
-`.venv/bin/pytest -q tests/test_restart.py tests/test_store_keys.py`.
+Fault injection into `ringtrain train` is not here but in tests/support/faults.py, reached
+through the generic RINGTRAIN_STEP_HOOK (`ringtrain/cli/step_hook.py`). Tests:
+`.venv/bin/pytest -q tests/test_testing.py tests/test_store_keys.py`.
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import signal
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -127,7 +123,8 @@ def run_workers(
             try:
                 rank, status, payload = out.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                dead = [r for r, p in enumerate(procs)
+                        if r not in results and p.exitcode not in (None, 0)]
                 if dead:
                     # Died without reporting (signal, os._exit): give its queue a moment to drain.
                     try:
@@ -148,66 +145,3 @@ def run_workers(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-
-
-# ---- fault injection (RINGTRAIN_TEST_FAULT) --------------------------------------------------
-
-FAULT_ENV = "RINGTRAIN_TEST_FAULT"
-FAULT_ACTIONS = ("kill", "term", "term-launcher", "int", "raise")
-
-
-def fault_hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], None] | None:
-    """Wrap a trainer's `on_step` with the fault RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP asks for.
-
-    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
-    (SIGTERM itself), `int` (SIGINT itself, as Ctrl-C), `raise` (an exception out of the loop)
-    or `term-launcher` (SIGTERM its parent,
-    the launcher, and wait for the signal it forwards, so the job stops at that step). Only in
-    the first attempt of a job (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs through.
-    It prints the wall-clock time first, so a test can time the recovery. Returns `on_step`
-    itself when the variable is unset or names another rank.
-
-    Args:
-        on_step: the callback to keep calling first (a watchdog's `set_step`), or None.
-        rank: this process's rank.
-    """
-    spec = os.environ.get(FAULT_ENV)
-    if spec and spec.startswith("plan:"):  # a chaos schedule (benchmarks/chaos.py), every attempt
-        from ringtrain.chaos import plan_hook
-
-        return plan_hook(on_step, rank, spec[len("plan:"):])
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
-        return on_step
-    try:
-        action, fault_rank, fault_step = spec.split(":")
-        at_rank, at_step = int(fault_rank), int(fault_step)
-    except ValueError:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected ACTION:RANK:STEP, e.g. kill:1:5") from None
-    if action not in FAULT_ACTIONS:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: ACTION is one of {', '.join(FAULT_ACTIONS)}")
-    if at_rank != rank:
-        return on_step
-
-    def hook(step: int) -> None:
-        if on_step is not None:
-            on_step(step)
-        if step != at_step:
-            return
-        print(f"[rank {rank}] test fault: {action} after step {step} at unix time {time.time():.3f}",
-              file=sys.stderr, flush=True)
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "term":
-            os.kill(os.getpid(), signal.SIGTERM)
-        elif action == "int":
-            os.kill(os.getpid(), signal.SIGINT)
-        elif action == "raise":
-            raise RuntimeError(f"{FAULT_ENV}: an exception raised on rank {rank} after step {step}")
-        else:  # term-launcher
-            os.kill(os.getppid(), signal.SIGTERM)
-            # Wait (bounded) until the launcher has forwarded it here, so this is the stop step.
-            stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
-            deadline = time.monotonic() + 10
-            while getattr(stop, "received", 0) is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-    return hook

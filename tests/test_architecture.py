@@ -31,7 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"runtime", "staging", "torch_internals", "errors", "trace"},
     "ps": {"runtime", "staging", "errors", "ranges", "types", "trace", "collectives"},
     "localsgd": {"errors", "collectives"},
-    "zero": {"runtime", "staging", "torch_internals", "errors", "ranges", "ddp", "trace", "collectives"},
+    "zero": {"runtime", "staging", "torch_internals", "errors", "ranges", "ddp", "trace",
+             "collectives"},
     "launch": {"runtime", "torch_internals", "errors", "store_keys"},
     "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
                    "collectives"},
@@ -39,11 +40,10 @@ ALLOWED: dict[str, set[str]] = {
                    "zero", "trace", "collectives", "config"},
     "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace",
                  "replicas", "config"},
-    "testing": {"runtime", "launch", "chaos"},
-    "chaos": set(),  # test-only fault schedule (benchmarks/chaos.py), reached through testing
+    "testing": {"runtime", "launch"},  # run_workers; the tests' faults live in tests/support
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
-            "models", "testing", "trace", "config",
-            "zero"},  # `ringtrain sample`: a ZeRO snapshot's shards put together (reshard.consolidate)
+            "models", "trace", "config",
+            "zero"},  # `ringtrain sample`: a ZeRO snapshot's shards put together
     # the package's __init__: the public names, most loaded on first use (its _LAZY table)
     "ringtrain": {"runtime", "launch", "ddp", "data", "replicas", "training", "strategies", "zero"},
     "__main__": {"cli"},
@@ -160,3 +160,16 @@ def test_a_package_docstring_that_says_what_it_may_import_says_what_is_enforced(
     said = re.search(r"May import:(.*?)\.(?:\s|$)", ast.get_docstring(ast.parse(init.read_text())) or "", re.S)
     if said:  # "May import: torch, `ringtrain.runtime`, ... ." (torch and reasons not compared)
         assert _areas(said.group(1)) == ALLOWED[init.parent.name], init
+
+
+def test_no_fault_code_in_the_package():
+    # Fault injection is test code (tests/support/faults.py, chaos_plan.py), reached only through
+    # the generic RINGTRAIN_STEP_HOOK; nothing under ringtrain/ names it or imports it.
+    words = ("RINGTRAIN_TEST_FAULT", "fault_hook", "plan_hook", "chaos_plan", "ringtrain.chaos",
+             "support.faults")
+    found = [f"{path.relative_to(PACKAGE)}: {word}" for path in sorted(PACKAGE.rglob("*.py"))
+             for word in words if word in path.read_text()]
+    assert found == []
+    imported = {d for deps in graph().values() for d in deps}
+    assert not {m for m in imported if m.split(".")[-1] in ("chaos", "faults", "chaos_plan")}
+    assert not (PACKAGE / "chaos.py").exists()

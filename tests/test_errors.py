@@ -21,6 +21,7 @@ from contextlib import suppress
 
 import pytest
 import torch
+from support.faults import SUPPORT, fault_env
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ringtrain.cli.train import main
@@ -198,7 +199,9 @@ def test_a_snapshot_with_other_options_is_one_message_from_the_workers(tmp_path)
 # ---- Ctrl-C ----------------------------------------------------------------------------------
 
 def test_ctrl_c_in_one_process_saves_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("RINGTRAIN_TEST_FAULT", "int:0:2")  # SIGINT after step 2, as Ctrl-C does
+    for name, value in fault_env("int:0:2").items():  # SIGINT after step 2, as Ctrl-C does
+        monkeypatch.setenv(name, value)
+    monkeypatch.syspath_prepend(str(SUPPORT))  # this process runs the worker: it imports faults
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     run = tmp_path / "run"
     try:
@@ -243,7 +246,7 @@ def test_ctrl_c_stops_every_rank_at_one_snapshot(tmp_path):
                      r"command again to resume", out)
     assert stop and stop[1] == stop[2], out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
-    assert len(out.splitlines()) <= 7, out  # start lines (TensorBoard's included) and the stop, once
+    assert len(out.splitlines()) <= 7, out  # start lines (TensorBoard's too) and the stop, once
     snap = run / "snapshots" / f"snap-{int(stop[1]):08d}"
     manifest = json.loads((snap / "manifest.json").read_text())
     assert (snap / "COMMITTED").exists() and manifest["metadata"]["reason"] == "SIGINT"

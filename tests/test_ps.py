@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from support.faults import fault_env
 from torch import nn
 
 from ringtrain.ps.protocol import PSError, PSTopology
@@ -38,7 +39,8 @@ def _trains(s) -> bool:
 
 def tiny_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
+    return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(),
+                         nn.Linear(24, 3))
 
 
 def batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +231,8 @@ def _dead_worker(rank, world_size, mode, steps, die_at):
             except PSError as e:
                 error = str(e)
             s.close()
-            return {"end": time.monotonic(), "steps": done, "error": error, "dropped_at": dropped_at}
+            return {"end": time.monotonic(), "steps": done, "error": error,
+                    "dropped_at": dropped_at}
         try:
             s.close()
             error = None
@@ -319,7 +322,8 @@ def test_server_state_snapshot_and_restore(tmp_path):
 
 # -- errors that name the fix (no processes) -----------------------------------------------------
 def _runtime(world_size: int) -> Runtime:
-    return Runtime(0, world_size, 0, "gloo", torch.device("cpu"), None, None)  # type: ignore[arg-type]
+    return Runtime(0, world_size, 0, "gloo", torch.device("cpu"),
+                   None, None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("options, match", [
@@ -361,7 +365,8 @@ def _async_vs_ddp(rank, world_size, ddp_steps, eval_every):
         return GPT(config)
 
     def data(step: int, worker: int):
-        idx = torch.randint(len(train), (64,), generator=torch.Generator().manual_seed(step * 97 + worker))
+        idx = torch.randint(len(train), (64,),
+                            generator=torch.Generator().manual_seed(step * 97 + worker))
         return train.x[idx], train.y[idx]
 
     def accuracy(m: nn.Module) -> float:
@@ -373,9 +378,11 @@ def _async_vs_ddp(rank, world_size, ddp_steps, eval_every):
 
     ddp_accuracy = None
     if rank < workers:  # all-reduce data parallel: the reference
-        schedule = TrainerConfig(steps=ddp_steps, lr=3e-3).resolved()  # the task default: warmup, cosine
+        # the task default: warmup, cosine
+        schedule = TrainerConfig(steps=ddp_steps, lr=3e-3).resolved()
         m = model()
-        ddp, opt = DistributedDataParallel(m, process_group=worker_group), adamw(0.1)(m.parameters())
+        ddp = DistributedDataParallel(m, process_group=worker_group)
+        opt = adamw(0.1)(m.parameters())
         for step in range(ddp_steps):
             opt.zero_grad()
             x, y = data(step, rank)
@@ -459,7 +466,7 @@ def test_ringtrain_train_with_ssp_end_to_end(tmp_path):
 
 
 def _ringtrain_train(run_dir, mode: str, fault: str, steps: int):
-    """`ringtrain train --strategy ps` on 3 workers + 1 server, with RINGTRAIN_TEST_FAULT.
+    """`ringtrain train --strategy ps` on 3 workers + 1 server, with a test fault (`fault_env`).
 
     Returns (returncode, stderr lines as (unix time read, line), stdout, seconds it ran).
     """
@@ -468,7 +475,7 @@ def _ringtrain_train(run_dir, mode: str, fault: str, steps: int):
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                         "TORCHELASTIC_RUN_ID")}
-    env.update(RINGTRAIN_TEST_FAULT=fault, PYTHONUNBUFFERED="1")
+    env.update(fault_env(fault), PYTHONUNBUFFERED="1")
     start = time.time()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ringtrain", "train", "--strategy", "ps", "--servers", "1",
@@ -517,14 +524,16 @@ def test_ringtrain_train_async_goes_on_when_a_worker_is_killed(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["ps_workers_lost"] == 1
     assert summary["departed_ranks"] == [2]
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"]
+             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 41))  # every step trained and logged, by the survivors
     assert (run_dir / "report.png").exists()
     # One warning from the job (the rank that first saw the death) and one from the launcher.
     died = [(t, line) for t, line in lines if "worker rank 2 died" in line]
     assert len(died) == 1 and "training goes on with workers [0, 1]" in died[0][1], err
     assert sum("rank 2 (local_rank 2" in line and "SIGKILL" in line for _, line in lines) == 1, err
-    killed_at = next(float(line.rsplit(" ", 1)[1]) for _, line in lines if "test fault: kill" in line)
+    killed_at = next(float(line.rsplit(" ", 1)[1]) for _, line in lines
+                     if "test fault: kill" in line)
     print(f"kill -> warning {died[0][0] - killed_at:.2f} s, whole run {took:.1f} s")
     assert died[0][0] - killed_at < 10
     assert _left_behind(str(run_dir)) == []

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 from netns import unavailable
+from support.faults import fault_env
 
 REPO = Path(__file__).resolve().parent.parent
-_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
-                "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT", "GLOO_SOCKET_IFNAME")
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT",
+                "RINGTRAIN_STEP_HOOK", "GLOO_SOCKET_IFNAME")
 DILOCO = ["--nproc-per-node", "2", "--steps", "16", "--n-layer", "1", "--n-embd", "32",
           "--batch-size", "16", "--dropout", "0.1", "--eval-every", "8", "--log-every", "2",
           "--snapshot-every", "4", "--threads", "1", "--no-progress", "--strategy", "diloco",
@@ -33,7 +35,7 @@ def _env(fault: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["PYTHONUNBUFFERED"] = "1"
     if fault:
-        env["RINGTRAIN_TEST_FAULT"] = fault
+        env.update(fault_env(fault))
     return env
 
 
@@ -61,8 +63,8 @@ def test_slow_link_benchmark_reduced():
     if reason:
         pytest.skip(f"the slow-link benchmark needs network namespaces: {reason}")
     proc = subprocess.run([sys.executable, "benchmarks/slow_link.py", "--quick", "--steps", "30",
-                           "--ways", "ddp,diloco:10", "--no-reference", "--delay", ""], capture_output=True,
-                          text=True, timeout=660, cwd=REPO, env=_env())
+                           "--ways", "ddp,diloco:10", "--no-reference", "--delay", ""],
+                          capture_output=True, text=True, timeout=660, cwd=REPO, env=_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     ddp, diloco = out["results"]["slow/ddp"], out["results"]["slow/diloco:10"]

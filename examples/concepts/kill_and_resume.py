@@ -4,8 +4,9 @@
 
 Runs `ringtrain train --nproc-per-node 2 --steps 60 --snapshot-every 20` twice: once undisturbed,
 once with `--max-restarts 1` and RINGTRAIN_TEST_FAULT=kill:1:30, which makes rank 1 SIGKILL
-itself after step 30 (`ringtrain.testing.fault_hook`). The watchdog and the elastic launcher
-stop rank 0, start both workers again, and they resume from the newest committed snapshot
+itself after step 30 (the tests' fault hook, tests/support/faults.py, which `ringtrain train`
+runs after every step through RINGTRAIN_STEP_HOOK=faults:hook). The watchdog and the elastic
+launcher stop rank 0, start both workers again, and they resume from the newest committed snapshot
 (step 20: `ringtrain/checkpoint/`), with the sampler's position and every rank's RNG restored.
 Steps 21-30 are trained twice; the final weights' param_sha256 equals the undisturbed run's.
 """
@@ -20,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+SUPPORT = Path(__file__).resolve().parents[2] / "tests" / "support"  # faults.py
 ARGS = ["--nproc-per-node", "2", "--steps", "60", "--snapshot-every", "20", "--threads", "1",
         "--no-progress"]
 
@@ -37,8 +39,10 @@ def train(run_dir: Path, env: dict[str, str], *extra: str) -> tuple[dict, float]
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         clean, clean_s = train(Path(tmp) / "clean", {})
-        killed, killed_s = train(Path(tmp) / "killed", {"RINGTRAIN_TEST_FAULT": "kill:1:30"},
-                                 "--max-restarts", "1")
+        fault = {"RINGTRAIN_TEST_FAULT": "kill:1:30", "RINGTRAIN_STEP_HOOK": "faults:hook",
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(SUPPORT),
+                                                             os.environ.get("PYTHONPATH")]))}
+        killed, killed_s = train(Path(tmp) / "killed", fault, "--max-restarts", "1")
     for name, s, wall in (("undisturbed", clean, clean_s), ("rank 1 killed", killed, killed_s)):
         resumed = ", ".join(map(str, s["resumed_from_step"])) or "-"
         print(f"{name:<14} restarts {s['restarts']}  resumed from step {resumed:<3} {wall:5.1f} s"

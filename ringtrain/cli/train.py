@@ -16,8 +16,8 @@ rank 0 prints the progress bar and the summary. Each run writes `runs/<timestamp
 `--snapshot-every` steps and on SIGTERM. What is trained (the task's data and GPT) is
 `ringtrain.cli.job`; `--data DIR` takes a `ringtrain prepare` directory.
 
-    ringtrain train --run-dir runs/a --nproc-per-node 2 --max-restarts 3   # a dead worker: restart, resume
-    ringtrain train --run-dir runs/a --nproc-per-node 3                    # resume runs/a on 3 workers
+    ringtrain train --run-dir runs/a --nproc-per-node 2 --max-restarts 3  # restart and resume
+    ringtrain train --run-dir runs/a --nproc-per-node 3                   # resume on 3 workers
 
 A run directory with a committed snapshot is resumed by itself (`--no-resume` starts afresh).
 After SIGTERM, SIGUSR1 (Slurm's `--signal=USR1@90`) or Ctrl-C (SIGINT) every worker saves the
@@ -56,6 +56,7 @@ from ringtrain.checkpoint.run_dir import (
 )
 from ringtrain.cli.job import build_job, export_final
 from ringtrain.cli.options import TrainOptions
+from ringtrain.cli.step_hook import STEP_HOOK_ENV, load_step_hook
 from ringtrain.cli.train_args import (
     CONFIG_ENV,
     build_parser,
@@ -157,9 +158,11 @@ def run_job(opts: TrainOptions, started_at: float, mistake: ValueError | None = 
         try:
             if mistake is not None:
                 raise ConfigError(str(mistake))
+            step_hook = load_step_hook(os.environ.get(STEP_HOOK_ENV))  # before any work is done
             config = opts.trainer
             if config.dtype == "bf16" and not _bf16_supported(rt.device):
-                log.warning("warning: bf16 autocast is not supported on %s; training in fp32", rt.device)
+                log.warning("warning: bf16 autocast is not supported on %s; training in fp32",
+                            rt.device)
                 config.dtype = "fp32"
             if rt.world_size > 1:  # under an outside launcher only rank 0 named a run dir
                 holder = [run.run_dir]
@@ -184,8 +187,8 @@ def run_job(opts: TrainOptions, started_at: float, mistake: ValueError | None = 
                               snapshot_every=run.snapshot_every, keep=run.keep, resume=resume,
                               run_config=run_config(opts), trace_steps=run.trace_steps)
             n_params = sum(p.numel() for p in trainer.model.parameters())
-            log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, %d steps",
-                     opts.task, n_params / 1e6, run.strategy, rt.world_size,
+            log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, "
+                     "%d steps", opts.task, n_params / 1e6, run.strategy, rt.world_size,
                      config.batch_size * config.grad_accum * strategy.data_world_size, config.steps)
             with contextlib.ExitStack() as stack:
                 if rt.world_size > 1 and launch.watchdog_timeout:
@@ -199,10 +202,8 @@ def run_job(opts: TrainOptions, started_at: float, mistake: ValueError | None = 
                         interval_s=min(1.0, launch.watchdog_timeout / 3),
                         tolerate=tolerate, on_departed=_departed(strategy) if tolerate else None))
                     trainer.on_step = watchdog.set_step
-                if "RINGTRAIN_TEST_FAULT" in os.environ:  # tests' fault injection, ringtrain.testing
-                    from ringtrain.testing import fault_hook
-
-                    trainer.on_step = fault_hook(trainer.on_step, rt.rank)
+                if step_hook is not None:  # RINGTRAIN_STEP_HOOK: the user's, or the tests' faults
+                    trainer.on_step = step_hook(trainer.on_step, rt.rank)
                 try:
                     summary = trainer.fit()
                 except (ConfigError, KeyboardInterrupt) as e:
@@ -213,17 +214,20 @@ def run_job(opts: TrainOptions, started_at: float, mistake: ValueError | None = 
             if summary.get("disk_full") and summary.get("stopped_by"):  # every rank, same save
                 return _explain_once(summary["disk_full"], rt, DISK_FULL_EXIT_CODE)
             if summary.get("disk_full"):  # rank 0 alone, writing summary.json at the end
-                print(f"ringtrain train: error: {summary['disk_full']}", file=sys.stderr, flush=True)
+                print(f"ringtrain train: error: {summary['disk_full']}", file=sys.stderr,
+                      flush=True)
                 return DISK_FULL_EXIT_CODE
             if summary.get("stopped_by"):
                 if rt.rank == 0:
-                    print(f"stopped at step {summary['steps']} on {summary['stopped_by']}; snapshot "
-                          f"of step {summary['snapshot_step']} in {run.run_dir}/snapshots: run "
-                          "the same command again to resume", flush=True)
+                    print(f"stopped at step {summary['steps']} on {summary['stopped_by']}; "
+                          f"snapshot of step {summary['snapshot_step']} in "
+                          f"{run.run_dir}/snapshots: run the same command again to resume",
+                          flush=True)
                 if _in_launched_worker():
                     return STOPPED_EXIT_CODE
                 # Ctrl-C: the user stopped it (130); SIGTERM, SIGUSR1: a scheduler did, requeue.
-                return INTERRUPTED_EXIT_CODE if summary["stopped_by"] == "SIGINT" else REQUEUE_EXIT_CODE
+                return (INTERRUPTED_EXIT_CODE if summary["stopped_by"] == "SIGINT"
+                        else REQUEUE_EXIT_CODE)
             if rt.rank == 0:
                 export_final(trainer.model, job, run.run_dir)  # model.safetensors + its config
                 print(format_summary(summary), flush=True)
@@ -369,7 +373,8 @@ def _main(argv: list[str] | None) -> int:
         from ringtrain.launch.launcher import launch as launch_job
 
         os.environ["RINGTRAIN_STARTED_AT"] = str(started_at)  # wall_s includes the start-up
-        run_id = launch.rdzv_id or (os.path.basename(os.path.normpath(run.run_dir)) if multinode else None)
+        run_id = launch.rdzv_id or (os.path.basename(os.path.normpath(run.run_dir))
+                                    if multinode else None)
         try:  # --memory-limit: a memory cgroup per worker, OOM kills named (launch/cgroup.py)
             with worker_memory_limit(launch.memory_limit, launch.nproc_per_node) as limit:
                 os.environ[CONFIG_ENV] = write_options(opts)  # the workers' options
@@ -384,7 +389,8 @@ def _main(argv: list[str] | None) -> int:
                 finally:  # for the workers only: this process (a test's) may run another job
                     os.environ.pop(CONFIG_ENV, None)
         except CgroupUnavailable as e:
-            print(f"ringtrain train: error: --memory-limit {launch.memory_limit}: {e}", file=sys.stderr)
+            print(f"ringtrain train: error: --memory-limit {launch.memory_limit}: {e}",
+                  file=sys.stderr)
             return USAGE_EXIT_CODE
     return run_job(opts, started_at)
 

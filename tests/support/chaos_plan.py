@@ -1,10 +1,13 @@
 """Test-only: a seeded schedule of faults played inside `ringtrain train`'s workers.
 
-    RINGTRAIN_TEST_FAULT=plan:/tmp/chaos/plan.json ringtrain train --max-restarts 20 ...
+    RINGTRAIN_STEP_HOOK=faults:hook RINGTRAIN_TEST_FAULT=plan:/tmp/chaos/plan.json \
+        PYTHONPATH=tests/support ringtrain train --max-restarts 20 ...
 
 (`benchmarks/chaos.py` writes the plan and plays the faults that need the outside world.)
-`ringtrain.testing.fault_hook` hands a `plan:` spec to `plan_hook`; production code holds only
-that hook point. The plan is JSON: {"dir": DIR, "faults": [{"kind", "rank", "step", ...}]}.
+`faults.hook` (this folder) hands a `plan:` spec to `plan_hook`; ringtrain holds only the
+generic hook point (RINGTRAIN_STEP_HOOK, `ringtrain/cli/step_hook.py`). Not named chaos.py:
+`benchmarks/chaos.py`, run as a script, would import itself under that name.
+The plan is JSON: {"dir": DIR, "faults": [{"kind", "rank", "step", ...}]}.
 Faults fire in order, each once: fault i is armed once fault i-1 has fired (a marker file
 `DIR/fired-<i>.json`, taken with O_EXCL so two ranks or two attempts never both fire it).
 So each fault meets the job as the previous one left it: restarted, resumed, relaunched.
@@ -107,7 +110,8 @@ def _play(d: Path, i: int, fault: dict[str, Any], rank: int) -> None:
     elif kind == "stop":
         # A helper outside this process sends SIGCONT: a stopped process cannot.
         subprocess.Popen(["sh", "-c", f"sleep {float(fault['seconds'])}; kill -CONT {os.getpid()}"],
-                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         start_new_session=True, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "raise":
         raise InjectedFault(f"chaos: fault {i}, an exception raised on rank {rank} after step "
@@ -181,7 +185,8 @@ def make_plan(kinds: list[str], n: int, seed: int, every: int, world: int, stop_
             faults.append({"kind": kind, "rank": rank, "step": base + every})
         elif kind == "corrupt":  # right after the snapshot of `base`, then a kill meets it:
             faults.append({"kind": kind, "rank": 0, "step": base + 1})
-            then = corrupt_then if corrupt_then != "random" else rng.choice(["kill", "kill-in-save"])
+            then = (corrupt_then if corrupt_then != "random"
+                    else rng.choice(["kill", "kill-in-save"]))
             if then == "kill":  # a plain one, or one inside the next save (still the newest)
                 faults.append({"kind": "kill", "rank": rank, "step": base + 2, "after": "corrupt"})
             else:

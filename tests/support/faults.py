@@ -1,0 +1,95 @@
+"""Test-only fault injection into `ringtrain train`, through its RINGTRAIN_STEP_HOOK hook point.
+
+    RINGTRAIN_STEP_HOOK=faults:hook RINGTRAIN_TEST_FAULT=kill:1:5 PYTHONPATH=tests/support \
+        ringtrain train --nproc-per-node 2             # rank 1 dies after step 5
+    RINGTRAIN_TEST_FAULT=plan:/tmp/plan.json ...       # a chaos schedule (chaos_plan.py)
+
+`fault_env(spec)` gives those variables for a subprocess; tests and benchmarks/chaos.py start
+`ringtrain train` with it. This folder (tests/support) is on the workers' PYTHONPATH, not in the
+package: ringtrain itself holds only the generic hook point (`ringtrain/cli/step_hook.py`).
+Tests: `.venv/bin/pytest -q tests/test_testing.py tests/test_restart.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SUPPORT = Path(__file__).resolve().parent  # tests/support
+REPO = SUPPORT.parent.parent
+FAULT_ENV = "RINGTRAIN_TEST_FAULT"
+FAULT_ACTIONS = ("kill", "term", "term-launcher", "int", "raise")
+
+
+def fault_env(spec: str) -> dict[str, str]:
+    """The variables under which a `ringtrain train` subprocess plays the fault `spec`.
+
+    RINGTRAIN_TEST_FAULT=spec, RINGTRAIN_STEP_HOOK=faults:hook, and PYTHONPATH with this folder
+    and the repository first (then the caller's PYTHONPATH), so every worker imports this module.
+    """
+    path = [str(SUPPORT), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {FAULT_ENV: spec, "RINGTRAIN_STEP_HOOK": "faults:hook",
+            "PYTHONPATH": os.pathsep.join(path)}
+
+
+def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], None] | None:
+    """Wrap a trainer's `on_step` with the fault RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP asks for.
+
+    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
+    (SIGTERM itself), `int` (SIGINT itself, as Ctrl-C), `raise` (an exception out of the loop)
+    or `term-launcher` (SIGTERM its parent,
+    the launcher, and wait for the signal it forwards, so the job stops at that step). Only in
+    the first attempt of a job (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs through.
+    It prints the wall-clock time first, so a test can time the recovery. Returns `on_step`
+    itself when the variable is unset or names another rank. `plan:FILE` is a chaos schedule,
+    played in every attempt (`chaos_plan.plan_hook`).
+
+    Args:
+        on_step: the callback to keep calling first (a watchdog's `set_step`), or None.
+        rank: this process's rank.
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec.startswith("plan:"):  # a chaos schedule (benchmarks/chaos.py), every attempt
+        from chaos_plan import plan_hook
+
+        return plan_hook(on_step, rank, spec[len("plan:"):])
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return on_step
+    try:
+        action, fault_rank, fault_step = spec.split(":")
+        at_rank, at_step = int(fault_rank), int(fault_step)
+    except ValueError:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected ACTION:RANK:STEP, "
+                         "e.g. kill:1:5") from None
+    if action not in FAULT_ACTIONS:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: ACTION is one of {', '.join(FAULT_ACTIONS)}")
+    if at_rank != rank:
+        return on_step
+
+    def fault(step: int) -> None:
+        if on_step is not None:
+            on_step(step)
+        if step != at_step:
+            return
+        print(f"[rank {rank}] test fault: {action} after step {step} at unix time "
+              f"{time.time():.3f}", file=sys.stderr, flush=True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif action == "int":
+            os.kill(os.getpid(), signal.SIGINT)
+        elif action == "raise":
+            raise RuntimeError(f"{FAULT_ENV}: an exception raised on rank {rank} after step {step}")
+        else:  # term-launcher
+            os.kill(os.getppid(), signal.SIGTERM)
+            # Wait (bounded) until the launcher has forwarded it here, so this is the stop step.
+            stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+            deadline = time.monotonic() + 10
+            while getattr(stop, "received", 0) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+    return fault
