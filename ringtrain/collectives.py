@@ -105,13 +105,15 @@ class _Checker:
                 store.delete_key(f"{prefix}/{n - 2}/{me}")
             except Exception:  # noqa: BLE001 - a store without delete keeps its keys
                 pass
-        timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+        timeout = (float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)) if timeout_s is None
+                   else timeout_s)
         deadline, pause = time.monotonic() + timeout, 0.001
         pending = [r for r in ranks if r != me]
         while pending:
             pending = [r for r in pending if not store.check([f"{prefix}/{n}/{r}"])]
             if pending and time.monotonic() > deadline:
-                raise CollectiveMismatchError(self._missing(store, prefix, n, pending, me, fp, timeout))
+                raise CollectiveMismatchError(self._missing(store, prefix, n, pending, me, fp,
+                                                            timeout))
             if pending:
                 time.sleep(pause)
                 pause = min(0.02, pause * 2)

@@ -64,7 +64,8 @@ def parse_steps(text: str) -> StepRange:
         start, stop = int(a), int(b) if sep else int(a) + 1
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: use A:B, two step numbers (e.g. 10:13 traces steps 10, 11 and 12)") from None
+            f"{text!r}: use A:B, two step numbers "
+            "(e.g. 10:13 traces steps 10, 11 and 12)") from None
     if start < 1 or stop <= start:
         raise argparse.ArgumentTypeError(
             f"{text!r}: need 1 <= A < B (steps count from 1; 10:13 traces steps 10, 11 and 12)")
@@ -122,7 +123,8 @@ class Tracer:
             self.active = False
             self.add(f"step {n}", COMPUTE, start, now_ns(), {"step": n})
 
-    def span(self, name: str, lane: str = COMPUTE, **args: Any) -> contextlib.AbstractContextManager:
+    def span(self, name: str, lane: str = COMPUTE,
+             **args: Any) -> contextlib.AbstractContextManager:
         """`with tracer.span("forward"):` records the block while a traced step runs."""
         if not self.active:
             return _NULL
@@ -163,7 +165,8 @@ class Tracer:
         self.clock = {"offset_ns": self.offset_ns, "spread_ns": max(offsets) - min(offsets),
                       "rounds": rounds}
 
-    def finish(self, gather: Callable[[str], dict[int, str]], run_dir: str | None) -> dict[str, Any]:
+    def finish(self, gather: Callable[[str], dict[int, str]],
+               run_dir: str | None) -> dict[str, Any]:
         """Gather every rank's spans; rank 0 writes `run_dir/trace.json`. Collective; no-op when
         off. Returns {"trace": path} on the rank that wrote it, else {}."""
         if not self.enabled:
@@ -205,15 +208,18 @@ def _pack(spans: list[tuple[int, int]]) -> list[int]:
 def chrome_events(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Trace events for every rank's spans (`Tracer.finish`'s records), times aligned to rank 0's
     clock, in microseconds from the first span."""
-    aligned = [[(n, lane, s + r["offset_ns"], e + r["offset_ns"], a) for n, lane, s, e, a in r["spans"]]
+    aligned = [[(n, lane, s + r["offset_ns"], e + r["offset_ns"], a)
+                for n, lane, s, e, a in r["spans"]]
                for r in ranks]
     origin = min((s for spans in aligned for _, _, s, _, _ in spans), default=0)
     events: list[dict[str, Any]] = []
     for r, spans in zip(ranks, aligned, strict=True):
         pid = r["rank"]
         events += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}},
-                   {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}]
-        lanes = sorted({lane for _, lane, _, _, _ in spans}, key=lambda x: (x != COMPUTE, x != COMM, x))
+                   {"name": "process_sort_index", "ph": "M", "pid": pid,
+                    "args": {"sort_index": pid}}]
+        lanes = sorted({lane for _, lane, _, _, _ in spans},
+                       key=lambda x: (x != COMPUTE, x != COMM, x))
         tid = 0
         for lane in lanes:
             mine = [sp for sp in spans if sp[1] == lane]

@@ -55,7 +55,8 @@ def _read_json(path: Path, what: str) -> Any:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path.parent} has no {path.name} ({what}), so it is not the run "
-                          "directory of a `ringtrain train` run; pass the --run-dir of one") from None
+                          "directory of a `ringtrain train` run; pass the --run-dir "
+                          "of one") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: cannot read it ({e}); {what}") from None
 
@@ -86,7 +87,8 @@ def _resume_point(root: Path) -> tuple[int, int | None, str | None, bool | None,
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        snap = SnapshotManager(root, rank=0, world_size=1).latest()  # hashes every file, as a resume
+        # hashes every file, as a resume
+        snap = SnapshotManager(root, rank=0, world_size=1).latest()
     skipped = [str(w.message).removeprefix("skipping snapshot ") for w in caught]
     committed = sum(1 for p in root.glob("snap-*") if (p / "COMMITTED").exists())
     found = ((snap.step, str(snap.path), snap.metadata.get("replicated")) if snap is not None
@@ -151,7 +153,7 @@ def _explanation(f: RunFacts) -> Explanation:
     return WORDS[f.name](f) if f.cls and f.name in WORDS else generic(f)
 
 
-# ---- the sections ---------------------------------------------------------------------------------
+# ---- the sections -------------------------------------------------------------------------------
 
 
 def _data(run: RunFiles, f: RunFacts, reader: str) -> list[str]:
@@ -246,8 +248,10 @@ def explain(run: RunFiles) -> str:
     said = _explanation(f)
     acc = f", eval_accuracy {s['eval_accuracy']:.1%}" if s.get("eval_accuracy") is not None else ""
     state = (f"{s.get('steps')} steps, train_loss {s.get('train_loss') or float('nan'):.4g}{acc}, "
-             f"{plural(s.get('restarts', 0), 'restart')}, param_sha256 {str(s.get('param_sha256'))[:16]}..."
-             if run.summary else "did not finish (no summary.json): a crash, a stop, or still running")
+             f"{plural(s.get('restarts', 0), 'restart')}, "
+             f"param_sha256 {str(s.get('param_sha256'))[:16]}..."
+             if run.summary
+             else "did not finish (no summary.json): a crash, a stop, or still running")
     sections = [
         ("", [f"run {run.path}: --strategy {f.name} on {plural(f.world, 'rank')}, task "
               f"{run.config.get('task')}: {state}"]),
@@ -269,7 +273,8 @@ def explain(run: RunFiles) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`ringtrain explain RUN_DIR`: 0, or 2 and one line for a directory that is not a run's."""
     p = argparse.ArgumentParser(prog="ringtrain explain", description="Say what a `ringtrain "
-                                "train` run did: ranks' roles, data split, traffic, timing, resume.")
+                                "train` run did: ranks' roles, data split, traffic, timing, "
+                                "resume.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a `ringtrain train` run")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)

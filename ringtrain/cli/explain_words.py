@@ -205,7 +205,8 @@ def _local_sgd(f: RunFacts, meeting: str) -> Explanation:
 
 
 def localsgd(f: RunFacts) -> Explanation:
-    return _local_sgd(f, "their parameters are all-reduced (ring, fp32) and divided by N: the mean.")
+    return _local_sgd(f, "their parameters are all-reduced (ring, fp32) and divided by N: "
+                         "the mean.")
 
 
 def diloco(f: RunFacts) -> Explanation:
@@ -257,4 +258,5 @@ def zero(f: RunFacts) -> Explanation:
 
 # --strategy name -> its words; a strategy missing here gets `generic`.
 WORDS: dict[str, Callable[[RunFacts], Explanation]] = {
-    "ddp": ddp, "pipeline": pipeline, "ps": ps, "localsgd": localsgd, "diloco": diloco, "zero": zero}
+    "ddp": ddp, "pipeline": pipeline, "ps": ps, "localsgd": localsgd, "diloco": diloco,
+    "zero": zero}

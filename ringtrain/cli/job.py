@@ -54,7 +54,8 @@ def build_job(opts: TrainOptions) -> dict[str, Any]:
             data = load_tokens(text_dataset_dir(opts), d.block_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        train_set, eval_set, vocab, block = data.train_set, data.eval_set, data.vocab_size, d.block_size
+        train_set, eval_set, vocab, block = (data.train_set, data.eval_set, data.vocab_size,
+                                             d.block_size)
         metrics: dict[str, Any] = {}
         tokenizer = {"dir": os.path.abspath(data.path), "meta": data.meta}
 
@@ -64,7 +65,8 @@ def build_job(opts: TrainOptions) -> dict[str, Any]:
         from ringtrain.data.addition import AdditionDataset, exact_match, show_sums
 
         train_set, eval_set = AdditionDataset("train", d.digits), AdditionDataset("test", d.digits)
-        vocab, block, metrics = train_set.vocab_size, train_set.block_size, {"accuracy": exact_match}
+        vocab, block, metrics = (train_set.vocab_size, train_set.block_size,
+                                 {"accuracy": exact_match})
 
         def sample_fn(model):
             return show_sums(model, eval_set)

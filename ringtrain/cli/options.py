@@ -57,7 +57,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 class LaunchOptions:
     """How many processes, where, and how they are watched (`launcher`: the launcher's alone)."""
 
-    nproc_per_node: int = option(1, "worker processes on this machine", type=_positive, launcher=True)
+    nproc_per_node: int = option(1, "worker processes on this machine", type=_positive,
+                                 launcher=True)
     threads: int | None = option(None, "torch threads per worker (1 is faster for small models "
                                  "on a busy machine)", type=_positive, shown="cores / nproc")
     device: str = option("auto", "where tensors live: auto is CUDA where torch sees a GPU (one "
@@ -69,7 +70,8 @@ class LaunchOptions:
     max_restarts: int = option(0, "restart the workers up to this many times after a failure",
                                type=_non_negative, launcher=True)
     nnodes: str = option("1", "machines in the job: N, or MIN:MAX (elastic)", launcher=True)
-    node_rank: int = option(0, "this machine's index in [0, nnodes)", type=_non_negative, launcher=True)
+    node_rank: int = option(0, "this machine's index in [0, nnodes)", type=_non_negative,
+                            launcher=True)
     rdzv_endpoint: str | None = option(None, "node 0's address and a free port, the same on every "
                                        "node", metavar="HOST:PORT", launcher=True)
     rdzv_id: str | None = option(None, "a job id, the same on every node", shown="the run dir",
@@ -88,8 +90,9 @@ class LaunchOptions:
             raise ValueError(f"nnodes={self.nnodes}: give the number of machines (2) or a range "
                              "MIN:MAX for an elastic job (1:4)")
         if self.node_rank >= int(parts[-1]):
-            raise ValueError(f"node_rank={self.node_rank} is not below nnodes={self.nnodes}: number "
-                             f"the machines 0..{int(parts[-1]) - 1}, node 0 at rdzv_endpoint")
+            raise ValueError(f"node_rank={self.node_rank} is not below nnodes={self.nnodes}: "
+                             f"number the machines 0..{int(parts[-1]) - 1}, node 0 at "
+                             "rdzv_endpoint")
         host, _, port = (self.rdzv_endpoint or "").rpartition(":")
         if self.rdzv_endpoint and not (host and port.isdigit() and 0 < int(port) < 65536):
             raise ValueError(f"rdzv_endpoint={self.rdzv_endpoint}: give node 0's address and a "

@@ -85,7 +85,8 @@ def plan_rows(numel: int, world_size: int, root: int | None = None, block: int |
             ws = 4.0 * numel if one_unit else 4.0 * (root + 2 * block)
             kept = numel if one_unit else root  # the root stays gathered forward to backward
             comm = 3 * ring - (n - 1) / n * 4.0 * kept  # + the gather again before backward
-        rows.append({"strategy": f"zero --zero-stage {stage}", **b, "working_set": ws, "comm": comm})
+        rows.append({"strategy": f"zero --zero-stage {stage}", **b, "working_set": ws,
+                     "comm": comm})
     if stages is not None:
         heaviest = max(stages)
         rows.append({"strategy": f"pipeline --pp {n}", "params": 4.0 * heaviest,
@@ -146,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0) and USAGE_EXIT_CODE
     world = args.nproc_per_node * args.nnodes
     if world < 1 or args.tflops <= 0 or args.link_gbit <= 0 or args.batch_size < 1:
-        print(f"ringtrain plan: {args.nproc_per_node} x {args.nnodes} ranks, --tflops {args.tflops}, "
-              f"--link-gbit {args.link_gbit}, --batch-size {args.batch_size}: each must be positive")
+        print(f"ringtrain plan: {args.nproc_per_node} x {args.nnodes} ranks, "
+              f"--tflops {args.tflops}, --link-gbit {args.link_gbit}, "
+              f"--batch-size {args.batch_size}: each must be positive")
         return USAGE_EXIT_CODE
     if args.params is not None:
         numel, root, block, stages = args.params, None, None, None

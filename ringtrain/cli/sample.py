@@ -31,10 +31,12 @@ class SampleError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringtrain sample",
-                                description="Generate text with the model of a `ringtrain train` run.")
+                                description="Generate text with the model of a "
+                                            "`ringtrain train` run.")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
-    p.add_argument("--tokens", type=int, default=200, metavar="N", help="tokens to generate (default: 200)")
+    p.add_argument("--tokens", type=int, default=200, metavar="N",
+                   help="tokens to generate (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T",
                    help="below 1 sharper, above 1 more random, 0 greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=200, metavar="K",
@@ -49,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_config(run_dir: str) -> dict[str, Any]:
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
-        raise SampleError(f"{run_dir}: no config.json; give the directory of a `ringtrain train` run")
+        raise SampleError(f"{run_dir}: no config.json; give the directory of a "
+                          "`ringtrain train` run")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
@@ -77,7 +80,8 @@ def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any])
         except SnapshotError:
             continue
     if not committed:
-        what = "no committed snapshot" if step is not None else "no exported model and no committed snapshot"
+        what = ("no committed snapshot" if step is not None
+                else "no exported model and no committed snapshot")
         raise SampleError(f"{run_dir}: {what}; wait for the run to finish or to save one "
                           "(--snapshot-every)")
     step = max(committed) if step is None else step

@@ -126,7 +126,8 @@ def _check_names(values: Mapping[str, Any], where: str) -> None:
     known = {dest(f) for cls in every_option_class() for f in option_fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{where}: {', '.join(unknown)} {'is not an option' if len(unknown) == 1 else 'are not options'}"
+        raise ValueError(f"{where}: {', '.join(unknown)} "
+                         f"{'is not an option' if len(unknown) == 1 else 'are not options'}"
                          "; `ringtrain train --help` lists them (dashes as underscores)")
 
 
@@ -229,12 +230,14 @@ def command_line(given: Mapping[str, Any]) -> list[str]:
     for section, default in zip(opts.sections(), defaults, strict=True):
         for f in option_fields(section):
             value = getattr(section, f.name)
-            if value == getattr(default, f.name) and f.name not in kept[:3]:  # data, strategy, recipe
+            # kept[:3]: data, strategy, recipe
+            if value == getattr(default, f.name) and f.name not in kept[:3]:
                 continue
             if value is None:
                 continue
             if isinstance(value, bool):  # --compile, --no-progress, --bias / --no-bias
-                out.append(flag(f) if meta(f)["negatable"] is False or value else "--no-" + flag(f)[2:])
+                out.append(flag(f) if meta(f)["negatable"] is False or value
+                           else "--no-" + flag(f)[2:])
             else:
                 out += [flag(f), str(value)]
     return out

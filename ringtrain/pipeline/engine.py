@@ -126,7 +126,8 @@ class _Receives:
     def __init__(self, actions: Sequence[Action], post: Callable[[Action], p2p.PendingRecv]):
         self.post = post
         self.queues: dict[type, deque[Action]] = {
-            kind: deque(a for a in actions if isinstance(a, kind)) for kind in (RecvActivation, RecvGrad)
+            kind: deque(a for a in actions if isinstance(a, kind))
+            for kind in (RecvActivation, RecvGrad)
         }
         self.posted: dict[Action, p2p.PendingRecv] = {}
         for kind in self.queues:
@@ -169,9 +170,11 @@ class PipelineStage:
                  sync_next_backward: Callable[[], None] | None = None,
                  measure_memory: bool = False):
         if (no_sync is None) != (sync_next_backward is None):
-            raise ValueError("pass both no_sync and sync_next_backward (data parallelism) or neither")
+            raise ValueError("pass both no_sync and sync_next_backward (data parallelism) "
+                             "or neither")
         if len(pp_ranks) != pp:
-            raise ValueError(f"pp_ranks={list(pp_ranks)} must list one global rank per stage (pp={pp})")
+            raise ValueError(f"pp_ranks={list(pp_ranks)} must list one global rank per stage "
+                             f"(pp={pp})")
         self.module, self.pp_rank, self.pp = module, pp_rank, pp
         self.pp_ranks, self.pp_group = list(pp_ranks), pp_group
         self.loss_fn, self.schedule = loss_fn, schedule
@@ -213,7 +216,8 @@ class PipelineStage:
         devices = [self.device] if self.device.type != "cpu" else []
         try:
             self.module.eval()
-            with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            with torch.no_grad(), torch.random.fork_rng(devices=devices,
+                                                        device_type=self.device.type):
                 out = self.module(inp)
         finally:
             for m, training in modes:
@@ -258,9 +262,11 @@ class PipelineStage:
 
     def _post_recv(self, a: Action, bound: _Boundary) -> p2p.PendingRecv:
         if isinstance(a, RecvActivation):
-            return p2p.recv_activation(bound.in_shape, bound.in_dtype, self.device, self.prev_rank, self.pp_group)
+            return p2p.recv_activation(bound.in_shape, bound.in_dtype, self.device,
+                                       self.prev_rank, self.pp_group)
         assert bound.out_shape is not None and bound.out_dtype is not None
-        return p2p.recv_grad(bound.out_shape, bound.out_dtype, self.device, self.next_rank, self.pp_group)
+        return p2p.recv_grad(bound.out_shape, bound.out_dtype, self.device, self.next_rank,
+                             self.pp_group)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, microbatches: int) -> StepStats:
         """Forward and backward the batch `(x, y)` as `microbatches` micro-batches.
@@ -300,10 +306,12 @@ class PipelineStage:
                         out = loss / microbatches  # equal micro-batches: mean of means = mean
                 if meter:
                     meter.add(mb, out)
-                if not self.is_last and (out.shape, out.dtype) != (bound.out_shape, bound.out_dtype):
+                if not self.is_last and ((out.shape, out.dtype)
+                                         != (bound.out_shape, bound.out_dtype)):
                     raise RuntimeError(
                         f"stage {self.pp_rank}: micro-batch {mb}'s output is {tuple(out.shape)} "
-                        f"{out.dtype} but the dry run gave {tuple(bound.out_shape)} {bound.out_dtype}; "
+                        f"{out.dtype} but the dry run gave {tuple(bound.out_shape)} "
+                        f"{bound.out_dtype}; "
                         "a stage's output shape must depend only on its input's shape")
                 outputs[mb] = out
             elif isinstance(a, SendActivation):
@@ -344,12 +352,14 @@ class PipelineStage:
     # -- inference --------------------------------------------------------------------------
     @torch.no_grad()
     def forward_only(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Run `x` through the whole pipeline in one piece; the output on the last stage, else None."""
+        """Run `x` through the whole pipeline in one piece; the output on the last
+        stage, else None."""
         if self.is_first:
             inp = x
         else:
             shape, dtype = p2p.recv_meta(self.prev_rank, self.pp_group, self.device)
-            inp = p2p.recv_activation(shape, dtype, self.device, self.prev_rank, self.pp_group).wait()
+            inp = p2p.recv_activation(shape, dtype, self.device, self.prev_rank,
+                                      self.pp_group).wait()
         out = self.module(inp)
         if self.is_last:
             return out

@@ -31,15 +31,18 @@ _HEADER = 2 + _MAX_DIMS  # ndim, dtype index, shape padded with zeros
 def send_meta(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
     """Tell global rank `dst` the shape and dtype of the tensor that will follow."""
     if tensor.dim() > _MAX_DIMS:
-        raise ValueError(f"a stage output has {tensor.dim()} dims; at most {_MAX_DIMS} can cross a stage boundary")
+        raise ValueError(f"a stage output has {tensor.dim()} dims; at most {_MAX_DIMS} can "
+                         "cross a stage boundary")
     if tensor.dtype not in _DTYPES:
-        raise TypeError(f"a stage output has dtype {tensor.dtype}, which cannot cross a stage boundary; use one of {_DTYPES}")
+        raise TypeError(f"a stage output has dtype {tensor.dtype}, which cannot cross a stage "
+                        f"boundary; use one of {_DTYPES}")
     header = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
     header += [0] * (_HEADER - len(header))
     staging.send(torch.tensor(header, dtype=torch.int64, device=tensor.device), group, dst=dst)
 
 
-def recv_meta(src: int, group: dist.ProcessGroup, device: torch.device) -> tuple[torch.Size, torch.dtype]:
+def recv_meta(src: int, group: dist.ProcessGroup,
+              device: torch.device) -> tuple[torch.Size, torch.dtype]:
     """Receive the shape and dtype that global rank `src` announced with `send_meta`."""
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     staging.recv(header, group, src=src)

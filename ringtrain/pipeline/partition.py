@@ -25,7 +25,8 @@ from torch import nn
 def _layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     if isinstance(model, nn.Sequential):
         return list(model.named_children())
-    if isinstance(model, (list, tuple, nn.ModuleList)) and all(isinstance(m, nn.Module) for m in model):
+    if isinstance(model, (list, tuple, nn.ModuleList)) and all(isinstance(m, nn.Module)
+                                                               for m in model):
         return [(str(i), m) for i, m in enumerate(model)]
     raise TypeError(
         f"cannot split a {type(model).__name__} into pipeline stages: pass an nn.Sequential or a "
@@ -84,7 +85,8 @@ def check_sizes(sizes: Sequence[int], num_layers: int, pp: int) -> list[int]:
     """Validate an explicit split (layers per stage) and return it as a list."""
     sizes = [int(s) for s in sizes]
     if len(sizes) != pp:
-        raise ValueError(f"split={sizes} has {len(sizes)} entries but pp={pp}: give one layer count per stage")
+        raise ValueError(f"split={sizes} has {len(sizes)} entries but pp={pp}: give one layer "
+                         "count per stage")
     if any(s < 1 for s in sizes):
         raise ValueError(f"split={sizes}: every stage needs at least one layer")
     if sum(sizes) != num_layers:

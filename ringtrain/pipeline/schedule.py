@@ -118,7 +118,8 @@ def one_f_one_b(pp_rank: int, pp: int, microbatches: int) -> list[Action]:
     return actions
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {"gpipe": gpipe,
+                                                                  "1f1b": one_f_one_b}
 
 
 def build_schedule(name: str, pp: int, microbatches: int) -> Schedule:

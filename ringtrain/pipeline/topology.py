@@ -108,7 +108,8 @@ def create_process_groups(topology: Topology, rank: int | None = None) -> Proces
     if dist.get_world_size() != topology.world_size:
         raise ValueError(
             f"topology is for world_size={topology.world_size} but the process group has "
-            f"{dist.get_world_size()} ranks; build Topology(world_size={dist.get_world_size()}, ...)"
+            f"{dist.get_world_size()} ranks; build "
+            f"Topology(world_size={dist.get_world_size()}, ...)"
         )
     dp_rank, pp_rank = topology.coords(rank)
     pp_group = dp_group = None

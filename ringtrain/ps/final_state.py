@@ -1,8 +1,8 @@
 """The end of a parameter-server run: the servers' parameters, the same on every rank.
 
-    state, tallies = broadcast_final_state(module, plan, topology, rank, server, group)   # sync
+    state, tallies = broadcast_final_state(module, plan, topology, rank, server, group)  # sync
     state, tallies = gather_final_state(membership, module, plan, topology, rank, worker,
-                                        server, servers_group)                            # async/ssp
+                                        server, servers_group)                       # async/ssp
 
 Both return the full model state (served parameters, rank 0's buffers) and each server's
 figures (`ParameterServer.stats_tensor`, merged by `ringtrain.ps.stats.merge_stats`). Called by

@@ -182,7 +182,8 @@ class ParameterServer:
                     self._arrived[w] = header
                     my_round = self._round
                     self._complete_round()
-                    self._wait(lambda: self._round > my_round, f"the sync round of step {header.clock}")
+                    self._wait(lambda: self._round > my_round,
+                               f"the sync round of step {header.clock}")
                 else:
                     if header.grad_clip > 0:  # this push is an update of its own: its own norm
                         _clip(self._bufs[w], header.grad_clip, sq_norm)
@@ -287,9 +288,9 @@ class ParameterServer:
                     f"({reason}); sync mode needs every worker's gradient. Restart from the last "
                     "snapshot, or use --ps-mode async / ssp to train on without lost workers"))
                 return
-            message = (f"worker rank {w} died ({reason}) at step ~{self.clocks[w]}; parameter-server "
-                       f"{self.mode} training goes on with workers {sorted(self.live)} (dropped "
-                       f"by server rank {self.rank})")
+            message = (f"worker rank {w} died ({reason}) at step ~{self.clocks[w]}; "
+                       f"parameter-server {self.mode} training goes on with workers "
+                       f"{sorted(self.live)} (dropped by server rank {self.rank})")
             self._reporting += 1
         # Outside the lock: the callback may talk to the store (a round trip that a loaded
         # machine stretches); wait() holds until the warning is out, so no caller that saw
@@ -310,7 +311,8 @@ class ParameterServer:
     # -- state -------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         with self._cond:
-            return {"updates": self.version, "gradients": self.applied, "workers_lost": len(self.lost),
+            return {"updates": self.version, "gradients": self.applied,
+                    "workers_lost": len(self.lost),
                     **self.gap.summary("staleness"), **self.lag.summary("update_lag")}
 
     def stats_tensor(self) -> torch.Tensor:
@@ -324,7 +326,8 @@ class ParameterServer:
         with self._cond:
             return {"flat": self.flat.clone(), "optimizer": self.optimizer.state_dict(),
                     "version": self.version, "applied": self.applied, "clocks": dict(self.clocks),
-                    "pieces": [[p.name, p.row_start, p.row_end, list(p.shape)] for p in self.pieces]}
+                    "pieces": [[p.name, p.row_start, p.row_end, list(p.shape)]
+                               for p in self.pieces]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         mine = [[p.name, p.row_start, p.row_end, list(p.shape)] for p in self.pieces]

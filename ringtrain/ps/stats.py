@@ -1,6 +1,7 @@
 """Running max/mean of an observed quantity (staleness), cheap to merge across servers.
 
-    python -c "from ringtrain.ps.stats import Tally; t = Tally(); t.add(2); t.add(0); print(t.summary('staleness'))"
+    python -c "from ringtrain.ps.stats import Tally; t = Tally(); t.add(2); t.add(0); \
+print(t.summary('staleness'))"
 """
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ class PSWorker:
         with self._naming_lost_server():
             for s in self.server_ranks:
                 self._server = s
-                self._sends.append((s, send_push_norm(sq_norm, server=s, group=self.pair_groups[s])))
+                self._sends.append((s, send_push_norm(sq_norm, server=s,
+                                                      group=self.pair_groups[s])))
         return self._finish(self._pending, self._sends, self._t0, record=True)
 
     @contextmanager
@@ -226,7 +227,8 @@ class PSWorker:
         if record:
             self.gap.add(gap)
         if self.tracer.active:  # from the push header to the last parameters unpacked
-            self.tracer.add("push and pull", COMM, round(t0 * 1e9), time.perf_counter_ns(), {"gap": gap})
+            self.tracer.add("push and pull", COMM, round(t0 * 1e9), time.perf_counter_ns(),
+                            {"gap": gap})
         return PullResult(time.perf_counter() - t0, gap)
 
     def sync_point(self) -> None:

@@ -31,8 +31,8 @@ from ringtrain.types import LossFn, OptimizerFn
 if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
 
-__all__ = ["EvalShard", "LossFn", "OptimizerFn", "ShardPerRank", "StepResult", "Strategy", "StrategyConfig",
-           "eval_forward"]
+__all__ = ["EvalShard", "LossFn", "OptimizerFn", "ShardPerRank", "StepResult", "Strategy",
+           "StrategyConfig", "eval_forward"]
 
 
 @dataclass

@@ -140,8 +140,8 @@ class DDPStrategy(ShardPerRank, Strategy):
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
                    grad_clip: float | None) -> StepResult:
         if not micro_batches:
-            raise ValueError(f"rank {self.runtime.rank}: train_step got no micro-batches; every DDP "
-                             "rank must take part in every step")
+            raise ValueError(f"rank {self.runtime.rank}: train_step got no micro-batches; "
+                             "every DDP rank must take part in every step")
         start = time.perf_counter()
         lr_into(self.optimizer, lr)
         acc = accumulate(micro_batches, self.ddp, self.loss_fn, device=self.runtime.device,
@@ -151,7 +151,8 @@ class DDPStrategy(ShardPerRank, Strategy):
             comm_s = max(0.0, time.perf_counter() - self._last_grad_at)
         # Gradients are identical on every rank after the all-reduce, so is the clip factor.
         optimizer_step(self.optimizer, self.tracer, grad_clip=grad_clip,
-                       clip=lambda max_norm: torch.nn.utils.clip_grad_norm_(self._parameters(), max_norm))
+                       clip=lambda max_norm: torch.nn.utils.clip_grad_norm_(self._parameters(),
+                                                                            max_norm))
         elapsed = time.perf_counter() - start
         return StepResult(loss_sum=acc.loss_sum, count=acc.count, compute_s=elapsed - comm_s,
                           comm_s=comm_s)

@@ -67,8 +67,10 @@ class DiLoCoStrategy(LocalSGDStrategy):
         if not outer_lr > 0:
             raise ConfigError(f"--outer-lr {outer_lr}: it must be positive")
         if outer_compress not in CODECS:
-            raise ConfigError(f"--outer-compress {outer_compress!r}: choose one of {', '.join(CODECS)}")
-        self.outer_lr, self.outer_momentum, self.outer_compress = outer_lr, outer_momentum, outer_compress
+            raise ConfigError(f"--outer-compress {outer_compress!r}: choose one of "
+                              f"{', '.join(CODECS)}")
+        self.outer_lr, self.outer_momentum, self.outer_compress = (outer_lr, outer_momentum,
+                                                                   outer_compress)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
         super().setup(model, optimizer_fn, loss_fn)

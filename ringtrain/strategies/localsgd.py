@@ -113,7 +113,8 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
         acc = accumulate(micro_batches, self.module, self.loss_fn, device=self.runtime.device,
                          tracer=self.tracer)
         optimizer_step(self.optimizer, self.tracer, grad_clip=grad_clip,  # this worker's own norm
-                       clip=lambda max_norm: torch.nn.utils.clip_grad_norm_(self._params(), max_norm))
+                       clip=lambda max_norm: torch.nn.utils.clip_grad_norm_(self._params(),
+                                                                            max_norm))
         self.inner_steps += 1
         comm_s = 0.0
         if self.inner_steps % self.sync_every == 0:

@@ -1,10 +1,11 @@
 """`--strategy pipeline`: pipeline parallelism (GPipe or 1F1B), times data parallelism.
 
-    ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 [--schedule 1f1b|gpipe] [--microbatches 4]
+    ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 [--schedule 1f1b|gpipe] \
+[--microbatches 4]
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 4      # dp=2 x pp=2
 
-The world's ranks form `dp` pipelines of `pp` stages (`ringtrain.pipeline.topology`). Every rank gets
-the full, identically initialised model in `setup`, splits it the same way (the model's
+The world's ranks form `dp` pipelines of `pp` stages (`ringtrain.pipeline.topology`). Every rank
+gets the full, identically initialised model in `setup`, splits it the same way (the model's
 `to_sequential()`, or the model itself if it is an `nn.Sequential`) and keeps its own stage.
 Every stage of one pipeline reads the same batch (`data_rank` is the dp coordinate); the
 trainer's gradient-accumulation micro-batches are concatenated into one step batch, which the
@@ -53,9 +54,11 @@ def _trace_timeline(tracer: Tracer, stats: StepStats) -> None:
     for a, t0, t1 in stats.timeline:
         lane = COMPUTE if isinstance(a, (Forward, Backward)) else COMM
         words = re.sub(r"(?<!^)([A-Z])", r" \1", type(a).__name__).lower()  # "recv activation"
-        tracer.add(f"{words} {a.mb}", lane, round(t0 * 1e9), round(t1 * 1e9), {"micro_batch": a.mb})
+        tracer.add(f"{words} {a.mb}", lane, round(t0 * 1e9), round(t1 * 1e9),
+                   {"micro_batch": a.mb})
     if stats.timeline:
-        tracer.add("wait for sends", COMM, round(stats.timeline[-1][2] * 1e9), round(stats.end * 1e9))
+        tracer.add("wait for sends", COMM, round(stats.timeline[-1][2] * 1e9),
+                   round(stats.end * 1e9))
 
 
 def _as_sequential(model: nn.Module) -> nn.Module | list[nn.Module]:
@@ -71,7 +74,8 @@ class PipelineConfig(StrategyConfig):
 
     pp: int = option(2, "pipeline stages", type=int_at_least(1))
     schedule: str = option("1f1b", "pipeline schedule", choices=sorted(SCHEDULES))
-    microbatches: int | None = option(None, "pipeline micro-batches per batch", type=int_at_least(1),
+    microbatches: int | None = option(None, "pipeline micro-batches per batch",
+                                      type=int_at_least(1),
                                       shown="the most up to 4 x pp that divide the batch")
 
     def plan(self, world_size: int, step_batch: int) -> int:
@@ -112,7 +116,8 @@ class PipelineStrategy(Strategy):
     def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
                  microbatches: int | None = None, split: Sequence[int] | None = None):
         if schedule not in SCHEDULES:
-            raise ConfigError(f"--schedule {schedule!r} is not known; choose one of {sorted(SCHEDULES)}")
+            raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
+                              f"{sorted(SCHEDULES)}")
         if microbatches is not None and microbatches < pp:
             raise ConfigError(
                 f"--microbatches {microbatches} is fewer than --pp {pp} stages: some stages would "
@@ -145,7 +150,8 @@ class PipelineStrategy(Strategy):
 
         # Tied weights: one group per (tie, pipeline), created by every rank in the same order.
         self._ties: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
-        self._norm_counted_elsewhere: set[int] = set()  # tied copies whose norm another stage counts
+        # tied copies whose norm another stage counts
+        self._norm_counted_elsewhere: set[int] = set()
         local = dict(stage.named_parameters())
         for tie in tied_parameters(stages):
             for d in range(self.topology.dp):
@@ -162,14 +168,15 @@ class PipelineStrategy(Strategy):
 
             # No buffer broadcast: buffers start equal, and a broadcast per micro-batch
             # forward would add a collective to every schedule step.
-            self.ddp = DistributedDataParallel(stage, process_group=g.dp_group, broadcast_buffers=False,
-                                               tracer=self.tracer)
+            self.ddp = DistributedDataParallel(stage, process_group=g.dp_group,
+                                               broadcast_buffers=False, tracer=self.tracer)
         self.optimizer = optimizer_fn(stage.parameters())
         self.engine = PipelineStage(
             self.ddp or stage, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks, pp_group=g.pp_group,
             loss_fn=loss_fn, schedule=self.schedule,
             no_sync=self.ddp.no_sync if self.ddp is not None else None,
-            sync_next_backward=self.ddp.reducer.prepare_for_backward if self.ddp is not None else None,
+            sync_next_backward=(self.ddp.reducer.prepare_for_backward if self.ddp is not None
+                                else None),
         )
 
     def _map_names(self, model: nn.Module, stages: list[nn.Sequential]) -> None:
@@ -282,7 +289,8 @@ class PipelineStrategy(Strategy):
             raise ConfigError(
                 f"this pipeline state was saved with layout {saved} but this rank runs {now}: "
                 f"stages hold different layers, so it cannot be loaded here. Restart with "
-                f"--pp {saved and saved['pp']} and --nproc-per-node {saved and saved['world_size']}, "
+                f"--pp {saved and saved['pp']} and "
+                f"--nproc-per-node {saved and saved['world_size']}, "
                 "or resume from the full model state (model_state_dict)"
             )
         self.stage.load_state_dict(state["stage"])

@@ -204,8 +204,9 @@ class PSStrategy(Strategy):
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
         rank, topo = self.runtime.rank, self.topology
         self.loss_fn = loss_fn
-        self.shards = plan_shards([(n, p.shape) for n, p in model.named_parameters() if p.requires_grad],
-                                topo.servers, self.split_numel)
+        self.shards = plan_shards([(n, p.shape) for n, p in model.named_parameters()
+                                   if p.requires_grad],
+                                  topo.servers, self.split_numel)
         empty = [topo.server_ranks[i] for i, n in enumerate(self.shards.loads()) if n == 0]
         if empty:
             raise ConfigError(
@@ -323,7 +324,8 @@ class PSStrategy(Strategy):
                 f"the snapshot was saved with {saved['servers']} servers and {saved['workers']} "
                 f"workers, this job has {self.topology.servers} and {self.topology.workers}; "
                 "resume with the same --servers and --nproc-per-node")
-        collectives.barrier(group=self.groups.everyone)  # no push in flight: a server's threads idle
+        # no push in flight: a server's threads idle
+        collectives.barrier(group=self.groups.everyone)
         if self.server is not None:
             self.server.load_state_dict(state["server"])
         collectives.barrier(group=self.groups.everyone)  # every shard restored before anyone pulls

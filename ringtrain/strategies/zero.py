@@ -76,7 +76,8 @@ class ZeroStrategy(ShardPerRank, Strategy):
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
         self.model = ZeroDataParallel(model.to(self.runtime.device), optimizer_fn,
-                                      stage=self.zero_stage, process_group=self.runtime.process_group)
+                                      stage=self.zero_stage,
+                                      process_group=self.runtime.process_group)
         self.model.trace(self.tracer)
         self.optimizer = self.model.optimizer
         self.loss_fn = loss_fn
@@ -121,7 +122,8 @@ class ZeroStrategy(ShardPerRank, Strategy):
         resumes on M: each rank re-slices the flat units, `ringtrain.zero.reshard`)."""
         numels = [u.plan.numel for u in self._zero().units]
         # A rank holding only padding still reads one part (its optimizer's settings).
-        return reshard.sources(numels, saved_world_size, self.runtime.world_size, self.runtime.rank) or [0]
+        return reshard.sources(numels, saved_world_size, self.runtime.world_size,
+                               self.runtime.rank) or [0]
 
     def load_resharded_state_dict(self, parts: dict[int, dict[str, Any]]) -> None:
         self._zero().load_shard_state_dicts({r: p["zero"] for r, p in parts.items()})

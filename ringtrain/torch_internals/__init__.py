@@ -186,7 +186,8 @@ _BUFFERS = _feature(
 _preserve_version_counter = lookup("torch.autograd._unsafe_preserve_version_counter", _BUFFERS)
 
 
-def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> contextlib.AbstractContextManager:
+def preserve_version_counter(
+        tensors: tuple[torch.Tensor, ...]) -> contextlib.AbstractContextManager:
     """`with preserve_version_counter(tensors):` in-place writes inside leave their version
     counters as they were, so autograd does not take them for a user's in-place edit of a saved
     tensor (a no-op where this torch cannot)."""

@@ -73,7 +73,8 @@ class TrainerConfig:
                                  resume=MUST_MATCH)
     beta1: float = option(0.9, "AdamW's momentum; a strategy may change it (ps async: 0.5, "
                           "docs/ps.md)", type=non_negative_float)
-    beta2: float = option(0.95, "AdamW's second-moment decay", type=non_negative_float, per_task=True)
+    beta2: float = option(0.95, "AdamW's second-moment decay", type=non_negative_float,
+                          per_task=True)
     grad_clip: float | None = option(1.0, "max gradient norm, 0 disables", type=non_negative_float,
                                      resume=MUST_MATCH)
     seed: int = option(1337, "initialisation, data order, dropout", type=int, resume=MUST_MATCH)
@@ -122,11 +123,13 @@ class TrainerConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps}: it must be 0 or more")
         c = TrainerConfig(**asdict(self))
         c.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
-        c.warmup_steps = min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+        c.warmup_steps = (min(100, self.steps // 10) if self.warmup_steps is None
+                          else self.warmup_steps)
         c.log_every = max(1, self.steps // 100) if self.log_every is None else self.log_every
         c.eval_every = max(1, self.steps // 10) if self.eval_every is None else self.eval_every
         # Evaluation holds no activations for backward, so it can take larger batches.
-        c.eval_batch_size = max(self.batch_size, 256) if self.eval_batch_size is None else self.eval_batch_size
+        c.eval_batch_size = (max(self.batch_size, 256) if self.eval_batch_size is None
+                             else self.eval_batch_size)
         c.grad_clip = self.grad_clip or None
         return c
 

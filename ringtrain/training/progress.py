@@ -87,7 +87,8 @@ class Progress:
         if enabled and not self.plain:
             self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
                             dynamic_ncols=True, file=self.file, mininterval=0.5,
-                            bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| [{elapsed}<{remaining}{postfix}]")
+                            bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| "
+                                       "[{elapsed}<{remaining}{postfix}]")
         self._started = time.perf_counter()
         self._printed = -1  # the last step a plain line was printed for
 
@@ -178,7 +179,8 @@ class MetricsLog:
                     raise OSError(errno.EIO, f"write() returned {n}")
                 data = data[n:]
         except OSError as e:
-            with contextlib.suppress(OSError):  # no torn line: readers and the next try see whole lines
+            # no torn line: readers and the next try see whole lines
+            with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
             if self.error is None:
                 logging.getLogger(LOGGER_NAME).warning(
@@ -257,6 +259,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append("sample: " + str(summary["sample"]))
     lines.append(f"param_sha256: {summary.get('param_sha256')}")
     if summary.get("run_dir"):
-        lines.append(f"run directory: {summary['run_dir']} (config.json, metrics.jsonl, summary.json, "
-                     "report.png, model.safetensors)")
+        lines.append(f"run directory: {summary['run_dir']} (config.json, metrics.jsonl, "
+                     "summary.json, report.png, model.safetensors)")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """report.png: a run's curves on one page, drawn from its metrics.jsonl.
 
-    python -m ringtrain.training.report runs/<timestamp>        # (re)draw runs/<timestamp>/report.png
+    python -m ringtrain.training.report runs/<timestamp>  # (re)draw runs/<timestamp>/report.png
 
 Panels: train and eval loss; eval accuracy (or the learning rate when there is none);
 throughput in tokens/s across all ranks; step time split into compute and communication wait
@@ -51,10 +51,11 @@ def write_report(records: list[dict[str, Any]], path: str, title: str = "") -> N
         key = acc_keys[0]
         s, v = _series(records, key)
         ax_acc.plot(s, [100 * x for x in v], "o-", color="tab:green")
-        ax_acc.set(title=f"{key.replace('_', ' ')} (held out)", xlabel="step", ylabel="%", ylim=(0, 101))
+        ax_acc.set(title=f"{key.replace('_', ' ')} (held out)", xlabel="step", ylabel="%",
+                   ylim=(0, 101))
         if v:
-            ax_acc.annotate(f"{100 * v[-1]:.1f} %", (s[-1], 100 * v[-1]), textcoords="offset points",
-                            xytext=(-40, -15))
+            ax_acc.annotate(f"{100 * v[-1]:.1f} %", (s[-1], 100 * v[-1]),
+                            textcoords="offset points", xytext=(-40, -15))
     else:
         s, v = _series(records, "lr")
         ax_acc.plot(s, v, color="tab:purple")

@@ -136,7 +136,8 @@ class LoopState:
                 **({"samples": self.samples.state_dict()} if self.samples is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.train_time_s, self.tokens = state["step"], state["train_time_s"], state["tokens"]
+        self.step, self.train_time_s, self.tokens = (state["step"], state["train_time_s"],
+                                                     state["tokens"])
         if self.sampler and state.get("sampler"):
             self.sampler.load_state_dict(state["sampler"])  # re-split if num_replicas differs
         self.last = dict(state.get("last", {}))

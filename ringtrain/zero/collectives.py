@@ -108,7 +108,8 @@ class _Done:
         return None
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> RingWork | _Done:
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor,
+                   group: dist.ProcessGroup) -> RingWork | _Done:
     """Start summing `input` (N equal chunks) over `group`; rank r gets chunk r in `output`.
 
     Args:
@@ -129,16 +130,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proces
 
 
 def all_gather(flat: torch.Tensor, group: dist.ProcessGroup) -> RingWork | _Done:
-    """Start filling `flat` (N equal chunks, chunk r already this rank's) with every rank's chunk."""
+    """Start filling `flat` (N equal chunks, chunk r already this rank's) with every rank's
+    chunk."""
     n = group.size()
     _check(flat, n, "all_gather")
     checked.check("all_gather", [flat], group)
     return _Done() if n == 1 else _AllGather(flat, group)
 
 
-# ---- the naive references (what the rings must equal; readers start here) -----------------------
+# ---- the naive references (what the rings must equal; readers start here) ---------------------
 
-def reduce_scatter_naive(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+def reduce_scatter_naive(output: torch.Tensor, input: torch.Tensor,
+                         group: dist.ProcessGroup) -> None:
     """Sum the whole buffer on every rank, keep chunk r: twice the bytes of the ring."""
     n, r = group.size(), group.rank()
     shard = _check(input, n, "reduce_scatter_naive")

@@ -43,7 +43,8 @@ class ZeroOptimizer:
         groups = []
         for g in template.param_groups:
             opts = {k: v for k, v in g.items() if k != "params"}
-            groups.append({**opts, "params": [q for p in g["params"] for q in parts.get(id(p), [])]})
+            groups.append({**opts,
+                           "params": [q for p in g["params"] for q in parts.get(id(p), [])]})
         if not any(g["params"] for g in groups):  # a rank that owns nothing (a tiny model)
             groups[0]["params"] = [nn.Parameter(torch.empty(0))]
         # Every group carries all its options (torch fills them in from the defaults), so the

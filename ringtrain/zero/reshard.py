@@ -59,8 +59,8 @@ def check_parts(parts: Mapping[int, Mapping[str, Any]], names: Sequence[Sequence
         raise ValueError("no ZeRO parts to load")
     saved_ws = {int(p["world_size"]) for p in parts.values()}
     if len(saved_ws) != 1:
-        raise ValueError(f"ZeRO parts from different world sizes {sorted(saved_ws)}: one snapshot's "
-                         "parts only")
+        raise ValueError(f"ZeRO parts from different world sizes {sorted(saved_ws)}: one "
+                         "snapshot's parts only")
     for r, p in parts.items():
         if p.get("format") != FORMAT:
             raise ValueError(f"ZeRO part of rank {r} has format {p.get('format')!r}, this version "
@@ -83,7 +83,8 @@ def unit_state(parts: Mapping[int, Mapping[str, Any]], k: int, numel: int, lo: i
     params = assemble({r: p["shards"][k] for r, p in parts.items()}, saved, lo, hi, numel)
     # A rank that owned nothing of any parameter has no optimizer state: zeros, like padding.
     keys = sorted({key for p in parts.values() for key in p["moments"][k]})
-    moments = {key: assemble({r: p["moments"][k][key] for r, p in parts.items() if key in p["moments"][k]},
+    moments = {key: assemble({r: p["moments"][k][key] for r, p in parts.items()
+                              if key in p["moments"][k]},
                              saved, lo, hi, numel) for key in keys}
     return params, moments
 

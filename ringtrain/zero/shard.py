@@ -56,7 +56,8 @@ class UnitPlan:
         return parts
 
 
-def plan_units(units: Sequence[Sequence[tuple[str, tuple[int, ...]]]], world_size: int) -> list[UnitPlan]:
+def plan_units(units: Sequence[Sequence[tuple[str, tuple[int, ...]]]],
+               world_size: int) -> list[UnitPlan]:
     """Lay out each unit's parameters (name, shape) flat and cut it into `world_size` shards.
 
     Args:

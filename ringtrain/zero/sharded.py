@@ -227,9 +227,9 @@ class ZeroDataParallel(UnitHooks, nn.Module):
         """Inverse of `shard_state_dict` on the same number of ranks, on every rank."""
         if int(state["world_size"]) != self.world_size or int(state["rank"]) != self.rank:
             raise ValueError(f"this ZeRO part was saved by rank {state['rank']} of world_size="
-                             f"{state['world_size']}; this is rank {self.rank} of {self.world_size}: "
-                             "pass the parts of the saved ranks `reshard.sources` names to "
-                             "load_shard_state_dicts")
+                             f"{state['world_size']}; this is rank {self.rank} of "
+                             f"{self.world_size}: pass the parts of the saved ranks "
+                             "`reshard.sources` names to load_shard_state_dicts")
         self.load_shard_state_dicts({self.rank: state})
 
     def load_shard_state_dicts(self, parts: dict[int, dict[str, Any]]) -> None:

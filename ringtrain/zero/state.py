@@ -45,11 +45,12 @@ def shard_state(units: Sequence[FlatUnit], optimizer: ZeroOptimizer, *, stage: i
             "numels": [u.plan.numel for u in units], "names": unit_names(units),
             "shards": [u.shard.detach().clone() for u in units], "moments": moments,
             "scalars": scal,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in opt.param_groups]}
 
 
-def load_parts(units: Sequence[FlatUnit], optimizer: ZeroOptimizer, parts: Mapping[int, Mapping[str, Any]],
-               *, world_size: int, rank: int) -> None:
+def load_parts(units: Sequence[FlatUnit], optimizer: ZeroOptimizer,
+               parts: Mapping[int, Mapping[str, Any]], *, world_size: int, rank: int) -> None:
     """Fill this rank's shards and optimizer state from `parts` (saved rank -> `shard_state`),
     saved by any number of ranks; the caller frees gathered units first and spreads after."""
     saved_ws = check_parts(parts, unit_names(units))
@@ -61,8 +62,9 @@ def load_parts(units: Sequence[FlatUnit], optimizer: ZeroOptimizer, parts: Mappi
     saved_groups = next(iter(parts.values()))["param_groups"]
     opt = optimizer.optimizer
     if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"the ZeRO parts have {len(saved_groups)} optimizer parameter groups, this "
-                         f"optimizer {len(opt.param_groups)}: build it with the same optimizer_fn")
+        raise ValueError(f"the ZeRO parts have {len(saved_groups)} optimizer parameter groups, "
+                         f"this optimizer {len(opt.param_groups)}: build it with the same "
+                         "optimizer_fn")
     flat_moments = []
     with torch.no_grad():
         for k, u in enumerate(units):
@@ -75,7 +77,8 @@ def load_parts(units: Sequence[FlatUnit], optimizer: ZeroOptimizer, parts: Mappi
     for part, k, start, n in optimizer.locations:
         if not flat_moments[k]:
             continue  # saved before the optimizer's first step: no state yet
-        st: dict[str, Any] = {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in scal.items()}
+        st: dict[str, Any] = {key: v.clone() if isinstance(v, torch.Tensor) else v
+                              for key, v in scal.items()}
         for key, flat in flat_moments[k].items():
             st[key] = flat[start:start + n].to(part.device).view(part.shape).clone()
         opt.state[part] = st

@@ -53,9 +53,10 @@ class FlatUnit:
         with torch.no_grad():
             for p, slot in zip(self.params, plan.slots, strict=True):
                 if p.dtype != p0.dtype or p.device != p0.device:
-                    raise TypeError(f"parameter {slot.name!r} is {p.dtype} on {p.device}, others in "
-                                    f"its unit are {p0.dtype} on {p0.device}: a unit is one flat "
-                                    "tensor; cast the model to one dtype first (model.float())")
+                    raise TypeError(f"parameter {slot.name!r} is {p.dtype} on {p.device}, "
+                                    f"others in its unit are {p0.dtype} on {p0.device}: a unit "
+                                    "is one flat tensor; cast the model to one dtype first "
+                                    "(model.float())")
                 self.full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
                 p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.nbytes = plan.padded * self.full.element_size()
@@ -186,5 +187,6 @@ class FlatUnit:
             params += self.shard.untyped_storage().nbytes()
         grads = sum(p.grad.untyped_storage().nbytes() for p in self.params
                     if p.grad is not None and self.grad_full is None)
-        grads += (self.grad_full if self.grad_full is not None else self.shard_grad).untyped_storage().nbytes()
+        grads += (self.grad_full if self.grad_full is not None
+                  else self.shard_grad).untyped_storage().nbytes()
         return {"params": params, "grads": grads}
