@@ -3,7 +3,12 @@
 Read in this order:
 - `config.py`: `TrainerConfig`, the LR schedule, the default optimizer, seeds and hashes.
 - `state.py`: `LoopState`, the loop's own state (step, metrics window, tokens, sampler cursor).
-- `trainer.py`: `Trainer.fit()`: the steps, metrics, snapshots, the summary.
+- `trainer.py`: `Trainer.fit()`: the step loop; it calls the three modules below at its edges.
+- `record.py`: a logged step's record: the window's and eval sums reduced in one call, the
+  NaN check, the metrics line.
+- `snapshots.py`: when the loop saves (none once a rank has left) and how it stops on a signal
+  (`STOP_SIGNALS`, the save and the line that end a stopped run).
+- `summary.py`: the end of the run: the replicas' digests compared, summary.json, report.png.
 - `batches.py`: `MicroBatches`, a data rank's training batches (sampler order, pinned on CUDA).
 - `evaluate.py`: evaluation on the exact eval shard the strategy names.
 - `progress.py`: the progress bar, rank-prefixed logging, metrics.jsonl and summary.json.

@@ -26,16 +26,18 @@ The loop knows nothing about the model or how it is distributed: it hands micro-
 The step counter (with the sampler's state and the metrics window) is the loop's state:
 `LoopState` (`ringtrain.training.state`). With `run_dir` and `snapshot_every`,
 `ringtrain.checkpoint.resume.Checkpointer` saves it with the model, optimizer and RNG states
-every N steps and on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C), and `fit` resumes from the run directory's
-newest committed snapshot by itself (`resume=False` starts afresh).
+every N steps and on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C), and `fit` resumes from the run
+directory's newest committed snapshot by itself (`resume=False` starts afresh).
+
+This file is the step loop; what it calls at the edges lives beside it: a logged step's
+reduced record (`record.py`), when to save and how to stop on a signal (`snapshots.py`), and
+the end of the run (`summary.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import signal
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -46,30 +48,28 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ringtrain.checkpoint.resume import Checkpointer, StopSignal
-from ringtrain.checkpoint.run_dir import DiskFullError, is_no_space, no_space_message
+from ringtrain.checkpoint.resume import Checkpointer
+from ringtrain.checkpoint.run_dir import DiskFullError
+from ringtrain.checkpoint.stop import StopSignal
 from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
-from ringtrain.replicas import divergence
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy
 from ringtrain.trace import Tracer
 from ringtrain.training.batches import MicroBatches
 from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
-from ringtrain.training.evaluate import EvalSums, eval_sums
-from ringtrain.training.progress import MetricsLog, Progress, write_json
+from ringtrain.training.evaluate import eval_sums
+from ringtrain.training.progress import MetricsLog, Progress
+from ringtrain.training.record import eval_text, log_step
+from ringtrain.training.snapshots import STOP_SIGNALS, LoopSnapshots
 from ringtrain.training.state import LoopState, WindowSums
+from ringtrain.training.summary import agreed_sha256, eager_copy, run_summary, write_run_files
 from ringtrain.training.tensorboard import TensorBoardLog
 from ringtrain.types import LossFn, MetricFn, OptimizerFn
 
 __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
 
 log = logging.getLogger("ringtrain")
-
-# Caught while snapshots are on: every rank saves the same step, then `fit` returns early.
-# SIGINT too: Ctrl-C reaches every process of the job (the terminal signals the whole group);
-# SIGUSR1: Slurm's warning before the time limit (`sbatch --signal=USR1@90`).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Trainer:
@@ -127,7 +127,8 @@ class Trainer:
         self.model = model_fn()
         self.tracer = Tracer(runtime.rank, trace_steps)  # off (records nothing) without steps
         strategy.trace(self.tracer)  # before setup, which hands it to the engines
-        strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay, betas=(c.beta1, c.beta2)), loss_fn)
+        strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay, betas=(c.beta1, c.beta2)),
+                       loss_fn)
         self._model_fn = model_fn
         if c.compile:
             # From outside the model, after setup: a copy the strategy made in setup (local
@@ -138,7 +139,6 @@ class Trainer:
         self.data_rank, self.data_world_size = strategy.data_rank, strategy.data_world_size
         self.agreement = strategy.agreement(runtime, name)  # sums, votes, digests across ranks
         self.tracer.align_clocks(self.agreement.gather)  # each rank's offset to rank 0's clock
-        self._snapshots_off = False
         self.train_sampler: DistributedSampler | None = None
         if self.data_rank is not None:
             self.train_sampler = DistributedSampler(
@@ -146,8 +146,8 @@ class Trainer:
                 seed=c.seed)
             if len(self.train_sampler) < c.batch_size:
                 raise ValueError(
-                    f"the training set has {len(train_set)} samples, {len(self.train_sampler)} per "
-                    f"data rank over {self.data_world_size} ranks: fewer than one batch of "
+                    f"the training set has {len(train_set)} samples, {len(self.train_sampler)} "
+                    f"per data rank over {self.data_world_size} ranks: fewer than one batch of "
                     f"--batch-size {c.batch_size}; lower --batch-size or use more data")
         # Step, metrics window (per rank, saved so logged losses continue exactly), totals and
         # the sampler's cursor: what a snapshot holds of the loop.
@@ -161,11 +161,14 @@ class Trainer:
         self.metrics = MetricsLog(None)
         self.resume = resume
         self.checkpointer: Checkpointer | None = None
+        self.snapshots: LoopSnapshots | None = None
         if run_dir is not None:
             self.checkpointer = Checkpointer(
                 self.state, strategy, runtime, self.agreement, self.config, self.data_world_size,
                 os.path.join(run_dir, "snapshots"), every=snapshot_every, keep=keep,
                 timeout_s=snapshot_timeout_s, run_config=run_config, name=name)
+            self.snapshots = LoopSnapshots(self.checkpointer, self.agreement, self.state,
+                                           rank=runtime.rank)
 
     @property
     def step(self) -> int:
@@ -181,38 +184,19 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def _log(self, step: int, lr: float, evaluated: bool) -> dict[str, Any]:
         """Reduce the window's sums (and eval sums) once; rank 0 writes the metrics line."""
-        mine, window_s, window_steps = self.state.take_window()  # first: it waits for the steps
-        ev = eval_sums(self.strategy, self.eval_set, self.loss_fn, self.eval_metrics,
-                       self.config.eval_batch_size, self._autocast) if evaluated else None
-        # One reduction for both: the names' fixed order makes them one flat list.
-        r = self.agreement.sum(mine.flat() + (ev.flat() if ev else []))
-        w = WindowSums.of(r[:len(mine.flat())])
-        self.state.tokens += w.tokens
-        steps = w.worker_steps  # the times are averaged over the steps of ranks that read data
-        rec: dict[str, Any] = {
-            "step": step, "loss": w.loss_sum / w.count if w.count else float("nan"), "lr": lr,
-            "time_s": time.time() - self._started,  # since the run began (time to a loss)
-            "tokens_per_s": w.tokens / window_s if window_s > 0 else 0.0,
-            "step_s": window_s / window_steps,
-            "compute_s": w.compute_s / steps if steps else 0.0,
-            "comm_s": w.comm_s / steps if steps else 0.0,
-        }
-        if ev is not None:
-            rec.update(EvalSums.of(r[len(mine.flat()):], list(self.eval_metrics)).means())
-        if not math.isfinite(rec["loss"]) and w.count:
-            raise FloatingPointError(
-                f"the training loss became {rec['loss']} at step {step} (lr {lr:.3g}); lower --lr, "
-                "set --grad-clip, or use --dtype fp32")
-        self.metrics.write(rec)
-        self.state.last.update(rec)
-        return rec
+        evaluate = (lambda: eval_sums(self.strategy, self.eval_set, self.loss_fn,
+                                      self.eval_metrics, self.config.eval_batch_size,
+                                      self._autocast)) if evaluated else None
+        return log_step(self.state, self.agreement, self.metrics, step, lr,
+                        started=self._started, evaluate=evaluate,
+                        eval_names=list(self.eval_metrics))
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, and write the run directory; returns the summary (on every rank).
 
         Resumes first from the newest committed snapshot under `run_dir` (unless `resume` is
-        False). After SIGTERM, SIGUSR1 or SIGINT it saves a snapshot and returns early, with `stopped_by`
-        set to the signal's name.
+        False). After SIGTERM, SIGUSR1 or SIGINT it saves a snapshot and returns early, with
+        `stopped_by` set to the signal's name.
         When a snapshot finds the disk full it returns early on every rank too, with
         `disk_full` holding the message (see `ringtrain.checkpoint.run_dir`).
         """
@@ -226,7 +210,8 @@ class Trainer:
             if self.batches is not None:  # the sampler's cursor moved: a new iterator
                 self.batches.restart(self.config.batch_size)
         c = self.config
-        progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0, initial=self.step,
+        progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0,
+                            initial=self.step,
                             log_every=c.log_every)  # not a terminal: a plain line per log_every
         if self.run_dir and self.runtime.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
@@ -251,9 +236,10 @@ class Trainer:
                     "disk_full": disk_full}
         return self._finish(started)
 
-    def _loop(self, progress: Progress, stop: StopSignal | None = None, resumed: bool = False) -> str | None:
+    def _loop(self, progress: Progress, stop: StopSignal | None = None,
+              resumed: bool = False) -> str | None:
         """The steps; returns the signal it stopped early on ("SIGTERM", "SIGINT"), else None."""
-        c, s, cp = self.config, self.strategy, self.checkpointer
+        c, s, cp, snaps = self.config, self.strategy, self.checkpointer, self.snapshots
         while self.step < c.steps:
             lr = lr_at(self.step, c)
             micro = [self.batches.next() for _ in range(c.grad_accum)] if self.batches else []
@@ -263,8 +249,9 @@ class Trainer:
             tokens_per_sample = micro[0][0][0].numel() if micro else 0
             reads_data = 1.0 if self.data_rank is not None else 0.0  # whose times are averaged
             self.state.add(WindowSums(loss_sum=res.loss_sum, count=res.count,
-                                      tokens=res.count * tokens_per_sample, compute_s=res.compute_s,
-                                      comm_s=res.comm_s, worker_steps=reads_data),
+                                      tokens=res.count * tokens_per_sample,
+                                      compute_s=res.compute_s, comm_s=res.comm_s,
+                                      worker_steps=reads_data),
                            time.perf_counter() - t0)
             self.state.step += 1
             if self.state.samples is not None:
@@ -286,90 +273,31 @@ class Trainer:
                 shown = {n: last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in last}
                 progress.set_metrics(rec["loss"], rec["tokens_per_s"], **shown)
                 # Only reduced values (bit-identical on every rank) decide; timings are local.
-                agreed = {k: v for k, v in rec.items() if k in ("step", "loss", "lr") or k.startswith("eval_")}
+                agreed = {k: v for k, v in rec.items()
+                          if k in ("step", "loss", "lr") or k.startswith("eval_")}
                 if evaluated and self.stop_when is not None and self.stop_when(agreed):
-                    log.info("stopping early at step %d: %s", self.step, self._eval_text(rec))
+                    log.info("stopping early at step %d: %s", self.step, eval_text(rec))
                     break
                 if evaluated:
-                    log.info("step %d: %s", self.step, self._eval_text(rec))
+                    log.info("step %d: %s", self.step, eval_text(rec))
             if cp is not None and cp.due(self.step):
-                self._save(self.step)
+                assert snaps is not None
+                snaps.save(self.step)
             # Every step, every rank: did any rank get a stop signal? (An agreement whose ranks
             # drift apart answers at metric steps only, which every rank shares.)
             if stop is not None and self.agreement.vote(stop.received is not None,
                                                         at_shared_step=logged):
-                assert cp is not None  # this rank or another got a stop signal
-                # A rank stopped by a peer's vote does not learn which signal: SIGTERM is the
-                # one schedulers send, and Ctrl-C reaches every rank itself.
-                name = signal.Signals(stop.received).name if stop.received else "SIGTERM"
-                if cp.saved_step != self.step:
-                    self._save(self.step, reason=name)
-                if self.runtime.rank == 0:  # every rank stops at this step: one line says it
-                    log.warning("warning: stopping at step %d on %s; the snapshot of step %s "
-                                "resumes the run (run the same command again)", self.step, name,
-                                cp.saved_step)
-                return name
+                assert snaps is not None  # this rank or another got a stop signal
+                return snaps.stop(self.step, stop)
         return None
-
-    def _save(self, step: int, reason: str = "periodic") -> None:
-        """`Checkpointer.save`, unless a rank has left the job: its part would be missing."""
-        assert self.checkpointer is not None
-        if not self._snapshots_off:
-            # One agreement decides it, so every rank skips (or saves) the same step.
-            gone = self.agreement.absent_ranks()
-            if gone:
-                self._snapshots_off = True
-                if self.runtime.rank == 0:
-                    log.warning("warning: no more snapshots from step %d: ranks %s left the job "
-                                "and a snapshot needs every rank's part; training goes on",
-                                step, gone)
-        if self._snapshots_off:
-            return
-        if self.state.samples is not None:  # every rank's steps since the last snapshot, merged
-            self.state.samples.sync(self.agreement.gather)
-        self.checkpointer.save(step, reason=reason)
-
-    def _eager(self, model: nn.Module, state: dict[str, Any]) -> nn.Module:
-        """`model`, or under `compile` an uncompiled copy holding `state`: generating grows the
-        input one token at a time, and each new length would cost a compile."""
-        if not self.config.compile:
-            return model
-        eager = self._model_fn()
-        eager.load_state_dict(state)
-        return eager.to(next(model.parameters()).device).eval()
-
-    @staticmethod
-    def _eval_text(rec: dict[str, Any]) -> str:
-        return ", ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("eval_"))
 
     def _finish(self, started: float) -> dict[str, Any]:
         """Final state: hash checked across ranks, summary and report on rank 0."""
-        rt, s, st = self.runtime, self.strategy, self.state
+        rt, s = self.runtime, self.strategy
         state = s.model_state_dict()
-        sha = param_sha256(state)
-        if rt.world_size > 1:
-            digests = self.agreement.gather(sha)  # the ranks still in the job
-            if len(set(digests.values())) > 1:  # known on every rank: all take part
-                where = divergence(state, self.agreement.gather)
-                shas = ", ".join(f"rank {r} {d[:12]}" for r, d in digests.items())
-                if rt.rank == 0:
-                    log.warning("warning: param_sha256 differs across ranks, the replicas "
-                                "diverged: %s; %s", shas, where)
-        summary: dict[str, Any] = {
-            "steps": self.step, "world_size": rt.world_size, "strategy": s.name,
-            "train_loss": st.last.get("loss"), "eval_loss": st.last.get("eval_loss"),
-        }
-        summary.update({f"eval_{n}": st.last.get(f"eval_{n}") for n in self.eval_metrics})
-        summary.update({
-            "tokens_per_s": st.tokens / st.train_time_s if st.train_time_s else 0.0,
-            "wall_s": time.time() - started,
-            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            "resumed_from_step": [r["step"] for r in st.resumes], "resumes": st.resumes,
-            "param_sha256": sha,
-            "compute_s_per_step": st.last.get("compute_s"), "comm_s_per_step": st.last.get("comm_s"),
-            "seed": self.config.seed, "dtype": self.config.dtype,
-            "global_batch_size": self.config.batch_size * self.config.grad_accum * self.data_world_size,
-        })
+        sha = agreed_sha256(state, rt, self.agreement)
+        summary = run_summary(self.state, s, rt, self.config, self.data_world_size,
+                              list(self.eval_metrics), steps=self.step, started=started, sha=sha)
         if self.checkpointer is not None:
             summary.update(self.checkpointer.summary())
         summary.update(s.stats())  # the strategy's own figures (a parameter server's staleness)
@@ -378,21 +306,14 @@ class Trainer:
             if self.sample_fn is not None:
                 self.model.load_state_dict(state)
                 self.model.eval()
-                summary["sample"] = self.sample_fn(self._eager(self.model, state))
+                summary["sample"] = self.sample_fn(eager_copy(
+                    self.model, state, compiled=self.config.compile, model_fn=self._model_fn))
             if self.run_dir:
                 summary["run_dir"] = self.run_dir
-                try:
-                    write_json(os.path.join(self.run_dir, "summary.json"), summary)
-                    from ringtrain.training.report import (
-                        write_report,  # matplotlib: rank 0 only, at the end
-                    )
-
-                    write_report(self.metrics.records, os.path.join(self.run_dir, "report.png"),
-                                 title=f"{s.name}, world_size {rt.world_size}")
-                except OSError as e:  # a full disk: said in one message (`disk_full`), not raised
-                    if not is_no_space(e):
-                        raise
-                    summary["disk_full"] = no_space_message(
-                        self.run_dir, "summary.json and report.png",
-                        self.checkpointer.saved_step if self.checkpointer else None)
+                disk_full = write_run_files(
+                    self.run_dir, summary, self.metrics.records,
+                    title=f"{s.name}, world_size {rt.world_size}",
+                    saved_step=self.checkpointer.saved_step if self.checkpointer else None)
+                if disk_full is not None:
+                    summary["disk_full"] = disk_full
         return summary
