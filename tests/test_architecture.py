@@ -105,7 +105,9 @@ def _calls_and_probes(path):
     return probes, branches
 
 
-@pytest.mark.parametrize("name", ["training/trainer.py", "cli/train.py", "cli/train_args.py"])
+@pytest.mark.parametrize("name", ["training/trainer.py", "training/record.py",
+                                  "training/snapshots.py", "training/summary.py", "cli/train.py",
+                                  "cli/train_args.py"])
 def test_the_loop_and_the_command_ask_the_strategy_and_never_probe_it(name):
     probes, branches = _calls_and_probes(PACKAGE / name)
     assert [ast.unparse(p) for p in probes] == []

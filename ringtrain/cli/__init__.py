@@ -2,7 +2,8 @@
 `ringtrain prepare` / `ringtrain sample` (text -> tokens, a run's model -> text),
 `ringtrain explain RUN_DIR` (what a run did) and `ringtrain plan ...` (memory per rank).
 
-This `__init__` dispatches; `train.py` runs the `ringtrain train` job, `options.py` defines its
+This `__init__` dispatches; `train.py` runs the `ringtrain train` job (`step_hook.py`: a
+function of the user's after every step, RINGTRAIN_STEP_HOOK), `options.py` defines its
 options (one dataclass field each; the strategies' own come from their `Config`s) and
 `train_args.py` makes the command line from them and checks it; `explain.py` reads a run
 directory (`explain_words.py`: what it says of each strategy); `plan.py` predicts memory per
