@@ -229,8 +229,13 @@ def _finite(value: Any) -> Any:
 
 
 def write_json(path: str, obj: dict[str, Any]) -> None:
-    """Write `obj` as indented JSON, atomically (temp file, then rename; no temp file left)."""
-    tmp = f"{path}.tmp"
+    """Write `obj` as indented JSON, atomically (temp file, then rename; no temp file left).
+
+    The temp file is this process's own: the launchers of a job's nodes may write the same
+    RUN_DIR/config.json at once (a shared run directory), and one's rename must not take the
+    other's temp file away from under it.
+    """
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({k: _finite(v) for k, v in obj.items()}, f, indent=2)
