@@ -18,6 +18,7 @@ trains, with the losses of DDP without a limit. With 2 workers ZeRO-3's rank 0 i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -44,6 +45,7 @@ BIG = ((["--n-layer", "8", "--n-embd", "768", "--steps", "5", "--eval-every", "5
 CPU_BUILD_IMPORT_MIB = 147
 
 
+@functools.cache  # one interpreter start (~3 s) for the whole file, not one per limit
 def _import_mib() -> int:
     code = ("import torch, ringtrain.cli.train, ringtrain.training.trainer\n"
             "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('RssAnon')][0])")
