@@ -21,7 +21,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .expected import EXPECTED_FAILURES
+from .expected import EXPECTED_FAILURES, NOT_RUN
 from .names import ddp_test_names
 from .runner import Verdict, run_tests
 
@@ -53,7 +53,7 @@ def categorize(verdicts: list[Verdict]) -> dict[str, list[str]]:
     return out
 
 
-def counts(verdicts: list[Verdict], retarget: bool) -> dict:
+def counts(verdicts: list[Verdict], retarget: bool, not_run: list[str] = ()) -> dict:
     import torch
 
     cats = categorize(verdicts)
@@ -65,7 +65,7 @@ def counts(verdicts: list[Verdict], retarget: bool) -> dict:
             "pass_ringtrain": len(cats["pass_both"]),
             "pass_ringtrain_total": by["ringtrain", "pass"],
             "skip_torch": by["torch", "skip"],
-            "categories": cats}
+            "categories": cats, "not_run": list(not_run)}
 
 
 def table(verdicts: list[Verdict]) -> list[str]:
@@ -81,16 +81,21 @@ def table(verdicts: list[Verdict]) -> list[str]:
     return lines
 
 
-def report(verdicts: list[Verdict], retarget: bool) -> list[str]:
+def report(verdicts: list[Verdict], retarget: bool, not_run: dict[str, str] | None = None
+           ) -> list[str]:
     lines = table(verdicts)
+    not_run = not_run or {}
     if {v.ddp for v in verdicts} >= {"torch", "ringtrain"}:
-        c = counts(verdicts, retarget)
+        c = counts(verdicts, retarget, list(not_run))
         lines.append("")
         for cat, names in c["categories"].items():
             lines.append(f"{cat} ({len(names)}): {CATEGORIES[cat]}")
             lines += [f"  {n}" + (f": {EXPECTED_FAILURES[n]}" if n in EXPECTED_FAILURES
                                   and cat == "ringtrain_fails_documented" else "")
                       for n in names]
+        if not_run:
+            lines.append(f"not_run ({len(not_run)}): left out (--include-slow runs them)")
+            lines += [f"  {n}: {why}" for n, why in not_run.items()]
         lines.append(json.dumps(c))
     else:
         lines.append(json.dumps({"run": len(verdicts), **Counter(v.verdict for v in verdicts)}))
@@ -100,7 +105,9 @@ def report(verdicts: list[Verdict], retarget: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("names", nargs="*", help="test names (default with --all: every DDP test)")
-    p.add_argument("--all", action="store_true", help="every DDP test of distributed_test.py")
+    p.add_argument("--all", action="store_true", help="every DDP test of distributed_test.py "
+                   "but those of expected.NOT_RUN (too slow here)")
+    p.add_argument("--include-slow", action="store_true", help="--all runs NOT_RUN's too")
     p.add_argument("--list", action="store_true", help="print the DDP tests' names and exit")
     p.add_argument("--ddp", default="torch,ringtrain", help="torch, ringtrain, or both")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds per test and class")
@@ -110,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, help="also write the output to this file")
     p.add_argument("--log", type=Path, help="the ranks' logs (stderr) go here")
     args = p.parse_args(argv)
-    names = list(ddp_test_names()) if args.all else args.names
+    names = args.names
+    if args.all:
+        names = [n for n in ddp_test_names() if args.include_slow or n not in NOT_RUN]
     if args.list:
         print("\n".join(ddp_test_names()))
         return 0
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = run_tests(names, tuple(args.ddp.split(",")), timeout_s=args.timeout,
                          spawned=args.spawned, retarget=retarget, log=args.log,
                          on_verdict=progress)
-    out = report(verdicts, retarget)
+    left_out = {} if args.include_slow or not args.all else NOT_RUN
+    out = report(verdicts, retarget, left_out)
     print("\n".join(out))
     if args.results:
         header = [f"# torch's DDP tests with ringtrain's DDP: `python -m tests.support."
