@@ -13,7 +13,9 @@ counts only where torch's own DDP passes under the same patches. Two stages:
   device index r, and `DistributedDataParallel` is the chosen class, minus `device_ids` and
   `output_device` (torch's DDP refuses them for a CPU module), under every name a test reaches
   it by: `torch.nn.parallel.DistributedDataParallel` and the test module's own global (bound by
-  `from torch.nn.parallel import DistributedDataParallel`).
+  `from torch.nn.parallel import DistributedDataParallel`); `torch.nn.DistributedDataParallel`
+  too where a torch has it (2.13 does not). `torch.nn.parallel.distributed`'s own name stays:
+  torch's class refers to itself through it.
 
 RINGTRAIN_TORCH_SUITE_RETARGET=0 runs the tests as shipped: no skip or device patch, only the
 class swap (the GPU tests then skip on a CPU machine). The runner keeps CUDA hidden
@@ -123,7 +125,7 @@ def _ddp_class(ddp: str) -> type:
 
 
 # Module-level, named per class: torch.save / copy.deepcopy of a wrapped model find the class by
-# its qualified name. Filled by install(); one entry per DDP choice.
+# its qualified name. install() fills the one of its rank's DDP choice.
 TorchDDPOnCPU: type | None = None
 RingtrainDDPOnCPU: type | None = None
 
@@ -133,7 +135,6 @@ def install(ddp: str, world_size: int) -> type:
     suite = sys.modules[SUITE_MODULE]
     cls = _ddp_class(ddp)
     if retargeting():
-        global TorchDDPOnCPU, RingtrainDDPOnCPU
         cls = _retargeted(cls)
         name = "TorchDDPOnCPU" if ddp == "torch" else "RingtrainDDPOnCPU"
         cls.__name__, cls.__qualname__, cls.__module__ = name, name, __name__
@@ -146,5 +147,7 @@ def install(ddp: str, world_size: int) -> type:
         suite.init_multigpu_helper = lambda world_size, backend: {r: [r] for r in range(world_size)}
         CudaToCpu().__enter__()  # for the rest of this rank's life: it runs one test
     torch.nn.parallel.DistributedDataParallel = cls
+    if hasattr(torch.nn, "DistributedDataParallel"):  # torch 2.13 has none; a later one may
+        torch.nn.DistributedDataParallel = cls
     suite.DistributedDataParallel = cls
     return cls
