@@ -31,6 +31,7 @@ from ringtrain.ddp.buckets import (
     SOLO_BYTES_CPU,
     GradBucket,
 )
+from ringtrain.ddp.framework_members import DDPFrameworkMembers
 from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
 from ringtrain.ddp.reducer import Reducer
 from ringtrain.ddp.unused_params import UnusedParametersError
@@ -148,7 +149,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, DDPFrameworkMembers):
     """Data parallelism: one replica per rank, gradients averaged across ranks during backward.
 
     Args:
@@ -224,6 +225,9 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.require_backward_grad_sync = True  # cleared by no_sync()
+        # torch's: whether the last forward prepared a synced backward (frameworks read and set
+        # it: Lightning's manual optimization, accelerate's trigger_sync_in_backward).
+        self.require_forward_param_sync = True
         register_exit_grace()  # gloo's threads must not abort this process's exit (runtime.py)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -302,6 +306,8 @@ class DistributedDataParallel(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():  # as torch: once, before the forward's activations exist
+            self.reducer._rebuild_buckets()
         # Before every forward, as torch documents it (torch itself skips the forwards that
         # follow a no_sync or no_grad forward; syncing them too keeps BatchNorm statistics equal
         # on all ranks through gradient accumulation, for one small broadcast per micro-step).
@@ -312,7 +318,10 @@ class DistributedDataParallel(nn.Module):
         output = self.module(*inputs, **kwargs)
         # As in torch, the forward decides whether the backward of its graph syncs.
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
             self.reducer.prepare_for_backward()
+        else:
+            self.require_forward_param_sync = False
         return output
 
     def _sync_buffers(self) -> None:

@@ -35,6 +35,7 @@ from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collect
 from ringtrain.ddp import buckets
 from ringtrain.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets
 from ringtrain.ddp.finalize import Finalize
+from ringtrain.ddp.framework_members import ReducerFrameworkMembers
 from ringtrain.ddp.unused_params import StatusBuffer, fill_status
 from ringtrain.torch_internals import (
     backward_tls_free,
@@ -59,7 +60,7 @@ def _finalize(reducer_ref: weakref.ref) -> None:
             reducer._finalize()
 
 
-class Reducer(Finalize):
+class Reducer(Finalize, ReducerFrameworkMembers):
     """Averages the gradients of `params` over `process_group` during backward.
 
     Args:
@@ -106,6 +107,7 @@ class Reducer(Finalize):
         # synced backward actually produced the gradients (rank 0's, so all ranks agree).
         self._observed: list[int] | None = []
         self._next_order: list[int] | None = None
+        self._init_framework_members()  # what frameworks call on torch's reducer
 
         self._ready = bytearray(len(self.params))  # staged this round
         self._unused: list[int] = []  # staged without a gradient this round
@@ -216,8 +218,15 @@ class Reducer(Finalize):
 
     # ---- control ---------------------------------------------------------------------------
 
-    def prepare_for_backward(self) -> None:
-        """Called by a forward whose backward must be synced."""
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | torch.Tensor = ()) -> None:
+        """Called by a forward whose backward must be synced (and by frameworks, outside one).
+
+        Args:
+            outputs: torch's signature: the forward's outputs, from which torch's reducer finds
+                unused parameters by walking the graph. Ignored here: this reducer finds them
+                when backward ends (the parameters whose hook never fired). Lightning's manual
+                optimization passes the loss, accelerate's trigger_sync_in_backward `[]`.
+        """
         self._retired = []  # long done on gloo's side: released here, with the GIL
         if self._deferred:
             raise RuntimeError("a deferred backward's gradients were never sent: call "
@@ -232,9 +241,8 @@ class Reducer(Finalize):
             )
         if self._queued:  # a previous backward failed before its end callback ran
             self._reset()
-        if self._next_order is not None:
-            order, self._next_order = self._next_order, None
-            self._rebuild(order)
+        self._rebuild_buckets()  # once, after the first synced backward
+        self._count_round()  # framework_members.py: _get_ddp_logging_data's figures
         self.expect_sync = True
 
     def remove_hooks(self) -> None:
