@@ -119,12 +119,20 @@ def _accelerate_trigger(rank, world_size):
     return out
 
 
-def _logging_data(rank, world_size, find_unused, changing):
+def _logging_data(rank, world_size, case):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    find_unused, changing = case.startswith("find_unused"), case.endswith("changing_graph")
     out = {}
     for impl, cls in IMPLS.items():
         ddp = cls(_Heads(), find_unused_parameters=find_unused)
+        steps = 3
+        if case == "comm_hook_sample_rate":
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            ddp._set_ddp_runtime_logging_sample_rate(4)
+            steps = 14  # sampled last at 12 rounds done: 1..10, then every 4th
         before = ddp._get_ddp_logging_data()
-        for step in range(3):
+        for step in range(steps):
             x, y = _batch(rank, step)
             F.mse_loss(ddp(x, use_b=not (changing and step == 1)), y).backward()
         with torch.no_grad():
@@ -155,14 +163,13 @@ SAME = ["backend_name", "module_name", "device_ids", "dtypes", "bucket_sizes", "
         "bucket_cap_bytes", "find_unused_parameters", "gradient_as_bucket_view",
         "is_multi_device_module", "has_sync_bn", "num_parameter_tensors",
         "total_parameter_size_bytes", "iteration", "unused_parameter_size",
-        "can_set_static_graph"]
+        "can_set_static_graph", "comm_hook"]
 
 
-@pytest.mark.parametrize("find_unused,changing", [(False, False), (True, False), (True, True)],
-                         ids=["default", "find_unused", "find_unused_changing_graph"])
-def test_get_ddp_logging_data_matches_torch(find_unused, changing):
-    for rank, result in enumerate(run_workers(_logging_data, 2, args=(find_unused, changing),
-                                              timeout_s=120)):
+@pytest.mark.parametrize("case", ["default", "find_unused", "find_unused_changing_graph",
+                                  "comm_hook_sample_rate"])
+def test_get_ddp_logging_data_matches_torch(case):
+    for rank, result in enumerate(run_workers(_logging_data, 2, args=(case,), timeout_s=120)):
         mine, torchs = result["ringtrain"], result["torch"]
         for when in ("before", "after"):
             assert {k: mine[when].get(k) for k in SAME} == {k: torchs[when].get(k) for k in SAME}
@@ -170,6 +177,8 @@ def test_get_ddp_logging_data_matches_torch(find_unused, changing):
         after = mine["after"]
         assert (after["rank"], after["world_size"], after["module_name"]) == (rank, 2, "_Heads")
         # Lightning's teardown: the key only appears, as 0, once the graph changed.
-        assert after.get("can_set_static_graph") == (0 if changing else None)
-        if not find_unused:  # torch rebuilds buckets only without find_unused_parameters
+        assert after.get("can_set_static_graph") == (0 if case.endswith("changing_graph") else None)
+        if case == "comm_hook_sample_rate":
+            assert (after["comm_hook"], after["iteration"]) == ("allreduce_hook", 12)
+        if not case.startswith("find_unused"):  # torch rebuilds only without find_unused
             assert after["has_rebuilt_buckets"] == torchs["after"]["has_rebuilt_buckets"] == 1

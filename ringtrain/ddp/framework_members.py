@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 # torch's sampling of runtime statistics (reducer.cpp, should_collect_runtime_stats): the first
-# 10 iterations, then every 100th; the logging data shows the last sample.
+# 10 iterations, then every 100th (`_set_ddp_runtime_logging_sample_rate`); the logging data
+# shows the last sample.
 _SAMPLED_FIRST, _SAMPLE_RATE = 10, 100
 
 # The names torch's logger gives dtypes (c10's scalar type names).
@@ -66,15 +67,17 @@ class ReducerFrameworkMembers:
         # What torch's logger sampled last: at the start of a round, the rounds done so far and
         # the previous round's figures (0: nothing sampled yet).
         self.sampled = {"iteration": 0, "has_rebuilt_buckets": 0, "unused_parameter_size": 0}
+        self.sample_rate = _SAMPLE_RATE
 
     def _count_round(self) -> None:
         """A synced round begins (prepare_for_backward): sample as torch's logger does.
 
         torch samples at the start of a synced forward, before counting it, when the rounds done
-        so far are 1 to 10 or a multiple of 100 (reducer.cpp: should_collect_runtime_stats).
+        so far are 1 to 10 or a multiple of the sample rate, 100 by default (reducer.cpp:
+        should_collect_runtime_stats).
         """
         done = self.num_iterations
-        if done > 0 and (done <= _SAMPLED_FIRST or done % _SAMPLE_RATE == 0):
+        if done > 0 and (done <= _SAMPLED_FIRST or done % self.sample_rate == 0):
             self.sampled = {"iteration": done, "has_rebuilt_buckets": int(self.has_rebuilt_buckets),
                             "unused_parameter_size": self.last_unused_bytes}
         self.num_iterations += 1
@@ -162,6 +165,9 @@ class DDPFrameworkMembers:
                          ("gloo_socket_ifname", "GLOO_SOCKET_IFNAME"),
                          ("gloo_device_transport", "GLOO_DEVICE_TRANSPORT")):
             strs[key] = os.environ.get(var, "N/A")
+        if reducer.comm_hook is not None:  # torch: the hook's __qualname__, once registered
+            hook = reducer.comm_hook
+            strs["comm_hook"] = getattr(hook, "__qualname__", None) or type(hook).__qualname__
         output_device = self.output_device
         ints = {
             "world_size": self.process_group.size(),
@@ -189,3 +195,10 @@ class DDPFrameworkMembers:
             ints["can_set_static_graph"] = 0
         return {**strs, **ints}
 
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Sample `_get_ddp_logging_data()`'s runtime figures every `sample_rate` iterations
+        after the first 10 (torch's default: 100)."""
+        if sample_rate < 1:
+            raise ValueError(f"sample_rate={sample_rate}: DDP runtime logging sample rate should "
+                             "be equal or greater than 1")
+        self.reducer.sample_rate = sample_rate
