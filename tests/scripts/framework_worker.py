@@ -227,10 +227,12 @@ def accelerate_run(record: Callable[[str, dict], None], root: Path, tag: str) ->
     accelerator.backward(loss_a)
     with accelerator.trigger_sync_in_backward(model):
         accelerator.backward(loss_b)
-    accelerator.gradient_state._set_sync_gradients(True)  # step now, outside accumulate()
+    assert accelerator.sync_gradients  # as the last accumulate() step left it: step() steps
     optimizer.step()
     optimizer.zero_grad()
-    record("trigger_sync_in_backward", state(module))
+    stepped = state(module)
+    assert any(not torch.equal(stepped[k], again[k]) for k in again), "the step did nothing"
+    record("trigger_sync_in_backward", stepped)
     return wrapper_name(model)
 
 
