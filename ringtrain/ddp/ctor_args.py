@@ -81,7 +81,8 @@ def buffer_sync_flags(broadcast_buffers: bool | None,
                 "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
                 "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
                 "syncs buffers at init. If you rely on buffers NOT being synced at init (e.g. "
-                "rank-local buffers), keep using `broadcast_buffers=False`.",
+                "rank-local buffers), keep using `broadcast_buffers=False` until "
+                "`init_sync_buffers` is available.",
                 FutureWarning, stacklevel=3)
     if forward_sync_buffers is not None:
         return bool(forward_sync_buffers), True
