@@ -34,6 +34,7 @@ from ringtrain.ddp.buckets import (
 )
 from ringtrain.ddp.delayed import DelayedAllReduce, delayed_names
 from ringtrain.ddp.init_sync import (
+    BROADCAST_BUCKET_BYTES,
     ReplicaMismatchError,
     broadcast_coalesced,
     verify_same_parameters,
@@ -191,6 +192,7 @@ class DistributedDataParallel(nn.Module):
                                                                       output_device)
         self.device = next(iter(devices))
 
+        self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES  # torch's attribute, same value
         if self._delayed_names and self.process_group.size() > 1:  # as torch: init_sync or not
             with torch.no_grad():
                 broadcast_coalesced([p.detach() for p in self._delayed_params()], 0,
@@ -202,14 +204,14 @@ class DistributedDataParallel(nn.Module):
             if init_sync_buffers:
                 tensors += ignored.synced_buffers(module, self.parameters_to_ignore)
             with torch.no_grad():
-                broadcast_coalesced(tensors, 0, self.process_group)
+                broadcast_coalesced(tensors, 0, self.process_group, self.broadcast_bucket_size)
 
         self.bucket_bytes_cap, self.bucket_bytes_cap_list = ctor_args.bucket_caps(
             bucket_cap_mb, bucket_cap_mb_list)
         self.mixed_precision = mixed_precision
         if mixed_precision is not None:
             mixed_precision_module.check_config(mixed_precision)
-            mixed_precision_module.cast_buffers(module, mixed_precision, self.parameters_to_ignore)
+            mixed_precision_module.setup(module, mixed_precision, self.parameters_to_ignore)
         self._build(comm_lanes_for(self.process_group, comm_lanes), tracer)
 
     def _delayed_params(self) -> list[nn.Parameter]:
@@ -342,9 +344,9 @@ class DistributedDataParallel(nn.Module):
         check_hook(hook)
         if self.reducer.comm_hook is not None:
             raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once: "
-                f"a comm hook ({getattr(self.reducer.comm_hook, '__name__', '?')}) is already "
-                "registered; register_comm_hook can only be called once, as in torch"
+                "register_comm_hook or register_builtin_comm_hook can only be called once "
+                f"(as in torch): a comm hook ({getattr(self.reducer.comm_hook, '__name__', '?')})"
+                " is already registered (mixed_precision= registers mixed_precision_hook)"
             )
         if self.reducer._queued:
             raise RuntimeError("register_comm_hook was called during backward; "

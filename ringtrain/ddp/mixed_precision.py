@@ -50,8 +50,14 @@ def reduce_dtype(config: Any) -> torch.dtype | None:
     return config.reduce_dtype if config.reduce_dtype is not None else config.param_dtype
 
 
-def cast_buffers(module: nn.Module, config: Any, ignored: set[str]) -> None:
-    """Move the floating-point buffers to `buffer_dtype` for good (as torch, at construction)."""
+def setup(module: nn.Module, config: Any, ignored: set[str]) -> None:
+    """At construction: move the floating-point buffers to `buffer_dtype` for good, and tag
+    the parameters as torch does (`_fp_param`: the full-precision data; `_mp_param`: an empty
+    tensor of the compute dtype, where torch keeps one whose storage it frees between steps)."""
+    for name, p in module.named_parameters():
+        if name not in ignored and p.is_floating_point():
+            p._fp_param = p.data
+            p._mp_param = torch.empty(0, dtype=config.param_dtype or p.dtype, device=p.device)
     if config.buffer_dtype is None:
         return
     for name, buffer in module.named_buffers():

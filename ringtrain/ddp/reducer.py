@@ -127,6 +127,7 @@ class Reducer(Finalize):
         self._defer = False  # the next synced backward stages only; flush() sends (see defer())
         self._deferred = False  # a deferred backward ended: its buckets wait for flush()
         self.staging_s = 0.0  # time the last deferred backward spent in this reducer's hooks
+        self.num_buckets_reduced = 0  # in the last synced backward (torch's logging counter)
         me = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i))
@@ -213,6 +214,7 @@ class Reducer(Finalize):
     def _launch(self, bucket: Bucket) -> None:
         if self.skip_all_reduce_unused_params and set(bucket.members) <= set(self._unused):
             return  # nothing used here, on any rank (torch's flag promises it): nothing to send
+        self.num_buckets_reduced += 1
         if self.comm_hook is None:
             if self.world_size > 1:
                 sent = bucket.buffer
@@ -235,6 +237,7 @@ class Reducer(Finalize):
     def prepare_for_backward(self) -> None:
         """Called by a forward whose backward must be synced."""
         self._retired = []  # long done on gloo's side: released here, with the GIL
+        self.num_buckets_reduced = 0
         if self._deferred:
             raise RuntimeError("a deferred backward's gradients were never sent: call "
                                "reducer.flush() after it, before the next forward")
