@@ -202,10 +202,10 @@ class PipelineStrategy(Strategy):
         if self.topology.dp > 1:
             from ringtrain.ddp.distributed import DistributedDataParallel
 
-            # No buffer broadcast: buffers start equal, and a broadcast per micro-batch
-            # forward would add a collective to every schedule step.
+            # No buffer broadcast in forward: buffers start equal (construction syncs them),
+            # and a broadcast per micro-batch forward would add a collective to every step.
             self.ddp = DistributedDataParallel(stage, process_group=g.dp_group,
-                                               broadcast_buffers=False, tracer=self.tracer)
+                                               forward_sync_buffers=False, tracer=self.tracer)
         self.optimizer = optimizer_fn(stage.parameters())
         self.engine = PipelineStage(
             self.ddp or stage, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks, pp_group=g.pp_group,
