@@ -30,7 +30,8 @@ def _constants(tree: ast.AST) -> list[ast.Constant]:
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     defining = {id(k.value) for n in calls if getattr(n.func, "id", "") == "option"
                 for k in n.keywords if k.arg == "flag"}
-    defining |= {id(a) for n in calls if getattr(n.func, "attr", "") == "add_argument" for a in n.args}
+    defining |= {id(a) for n in calls if getattr(n.func, "attr", "") == "add_argument"
+                 for a in n.args}
     return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
             and id(n) not in defining]
 
