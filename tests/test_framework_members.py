@@ -127,6 +127,8 @@ def _logging_data(rank, world_size, case):
     for impl, cls in IMPLS.items():
         ddp = cls(_Heads(), find_unused_parameters=find_unused)
         steps = 3
+        if case == "builtin_comm_hook":
+            ddp._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.FP16_COMPRESS)
         if case == "comm_hook_sample_rate":
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
             ddp._set_ddp_runtime_logging_sample_rate(4)
@@ -137,7 +139,39 @@ def _logging_data(rank, world_size, case):
             F.mse_loss(ddp(x, use_b=not (changing and step == 1)), y).backward()
         with torch.no_grad():
             ddp(x)  # not counted: no synced backward follows
-        out[impl] = {"before": before, "after": ddp._get_ddp_logging_data()}
+        out[impl] = {"before": before, "after": ddp._get_ddp_logging_data(),
+                     "grads": _grads(ddp.module)}
+    return out
+
+
+def _remove_hooks(rank, world_size):
+    """torch's test_ddp_remove_autograd_hooks: a backward fails after some gradient hooks ran;
+    the wrapper's hooks are removed and a new wrapper trains the same module."""
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("simulated failure in backward")
+
+    out = {}
+    for impl, cls in IMPLS.items():
+        model = _Heads()
+        first = cls(model)
+        x, y = _batch(rank, 0)
+        try:
+            F.mse_loss(first(Fails.apply(x.requires_grad_())), y).backward()
+            raise AssertionError("the backward did not fail")
+        except RuntimeError as e:
+            assert "simulated failure" in str(e), e
+        first._remove_autograd_hooks()
+        model.zero_grad()
+        second = cls(model)
+        F.mse_loss(second(x.detach()), y).backward()
+        out[impl] = _grads(model)
     return out
 
 
@@ -163,11 +197,11 @@ SAME = ["backend_name", "module_name", "device_ids", "dtypes", "bucket_sizes", "
         "bucket_cap_bytes", "find_unused_parameters", "gradient_as_bucket_view",
         "is_multi_device_module", "has_sync_bn", "num_parameter_tensors",
         "total_parameter_size_bytes", "iteration", "unused_parameter_size",
-        "can_set_static_graph", "comm_hook"]
+        "can_set_static_graph", "comm_hook", "num_buckets_reduced"]
 
 
 @pytest.mark.parametrize("case", ["default", "find_unused", "find_unused_changing_graph",
-                                  "comm_hook_sample_rate"])
+                                  "comm_hook_sample_rate", "builtin_comm_hook"])
 def test_get_ddp_logging_data_matches_torch(case):
     for rank, result in enumerate(run_workers(_logging_data, 2, args=(case,), timeout_s=120)):
         mine, torchs = result["ringtrain"], result["torch"]
@@ -180,5 +214,15 @@ def test_get_ddp_logging_data_matches_torch(case):
         assert after.get("can_set_static_graph") == (0 if case.endswith("changing_graph") else None)
         if case == "comm_hook_sample_rate":
             assert (after["comm_hook"], after["iteration"]) == ("allreduce_hook", 12)
+        if case == "builtin_comm_hook":  # fp16 in transit, torch's C++ hook and its Python twin
+            assert after["comm_hook"] == "BuiltinCommHookType.FP16_COMPRESS"
+            got, want = result["ringtrain"]["grads"], result["torch"]["grads"]
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
         if not case.startswith("find_unused"):  # torch rebuilds only without find_unused
             assert after["has_rebuilt_buckets"] == torchs["after"]["has_rebuilt_buckets"] == 1
+
+
+def test_remove_autograd_hooks_lets_a_new_wrapper_train_the_module():
+    for result in run_workers(_remove_hooks, 2, timeout_s=120):
+        assert all(torch.equal(g, w) for g, w in zip(result["ringtrain"], result["torch"],
+                                                     strict=True))

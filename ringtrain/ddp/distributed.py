@@ -33,13 +33,13 @@ from ringtrain.ddp.buckets import (
     check_hook,
 )
 from ringtrain.ddp.delayed import DelayedAllReduce, delayed_names
+from ringtrain.ddp.framework_members import DDPFrameworkMembers
 from ringtrain.ddp.init_sync import (
     BROADCAST_BUCKET_BYTES,
     ReplicaMismatchError,
     broadcast_coalesced,
     verify_same_parameters,
 )
-from ringtrain.ddp.framework_members import DDPFrameworkMembers
 from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
 from ringtrain.ddp.lanes import existing_lanes
 from ringtrain.ddp.reducer import Reducer

@@ -16,6 +16,9 @@ by running them (`tests/test_frameworks.py`):
     ddp.reducer._delay_all_reduce()         Lightning manual optimization with static_graph=True,
                                             after the first backward
 
+and what torch's own tests call besides, where cheap: `_set_ddp_runtime_logging_sample_rate`,
+`_register_builtin_comm_hook`, `_remove_autograd_hooks`.
+
 Both also use the public surface: `module`, `no_sync()`, `register_comm_hook`,
 `require_backward_grad_sync`, `find_unused_parameters`, `static_graph`.
 `require_forward_param_sync` is a plain attribute (`distributed.py`); `prepare_for_backward`
@@ -57,6 +60,8 @@ class ReducerFrameworkMembers:
     _queued: bool
     _deferred: bool
     _rebuild: Callable[[list[int]], None]
+    num_buckets_reduced: int  # in this round so far (reset when a round begins)
+    comm_hook: Callable | None
 
     def _init_framework_members(self) -> None:
         self.num_iterations = 0  # synced rounds begun (prepare_for_backward calls)
@@ -66,8 +71,11 @@ class ReducerFrameworkMembers:
         self.last_unused_bytes = 0  # of the last finished round
         # What torch's logger sampled last: at the start of a round, the rounds done so far and
         # the previous round's figures (0: nothing sampled yet).
-        self.sampled = {"iteration": 0, "has_rebuilt_buckets": 0, "unused_parameter_size": 0}
+        self.sampled = {"iteration": 0, "has_rebuilt_buckets": 0, "unused_parameter_size": 0,
+                        "num_buckets_reduced": 0}
         self.sample_rate = _SAMPLE_RATE
+        self.last_buckets_reduced = 0  # by the last finished round
+        self.comm_hook_name: str | None = None  # a built-in hook's, as torch logs it
 
     def _count_round(self) -> None:
         """A synced round begins (prepare_for_backward): sample as torch's logger does.
@@ -79,7 +87,8 @@ class ReducerFrameworkMembers:
         done = self.num_iterations
         if done > 0 and (done <= _SAMPLED_FIRST or done % self.sample_rate == 0):
             self.sampled = {"iteration": done, "has_rebuilt_buckets": int(self.has_rebuilt_buckets),
-                            "unused_parameter_size": self.last_unused_bytes}
+                            "unused_parameter_size": self.last_unused_bytes,
+                            "num_buckets_reduced": self.last_buckets_reduced}
         self.num_iterations += 1
 
     def _rebuild_buckets(self) -> bool:
@@ -113,6 +122,7 @@ class ReducerFrameworkMembers:
         if self._last_unused is not None and unused != self._last_unused:
             self.graph_static = False
         self._last_unused = list(unused)
+        self.last_buckets_reduced = self.num_buckets_reduced
         params = self.params
         self.last_unused_bytes = sum(params[i].numel() * params[i].element_size()
                                      for i in unused)
@@ -121,7 +131,8 @@ class ReducerFrameworkMembers:
 class DDPFrameworkMembers:
     """`ddp._get_ddp_logging_data()` (a base class of `DistributedDataParallel`)."""
 
-    # Set by DistributedDataParallel.__init__.
+    # Set by DistributedDataParallel.__init__ (and its method register_comm_hook).
+    register_comm_hook: Callable[[object, Callable], None]
     module: nn.Module
     process_group: dist.ProcessGroup
     reducer: Any
@@ -167,7 +178,8 @@ class DDPFrameworkMembers:
             strs[key] = os.environ.get(var, "N/A")
         if reducer.comm_hook is not None:  # torch: the hook's __qualname__, once registered
             hook = reducer.comm_hook
-            strs["comm_hook"] = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+            strs["comm_hook"] = reducer.comm_hook_name or getattr(
+                hook, "__qualname__", type(hook).__qualname__)
         output_device = self.output_device
         ints = {
             "world_size": self.process_group.size(),
@@ -202,3 +214,24 @@ class DDPFrameworkMembers:
             raise ValueError(f"sample_rate={sample_rate}: DDP runtime logging sample rate should "
                              "be equal or greater than 1")
         self.reducer.sample_rate = sample_rate
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """torch's C++ hooks, ALLREDUCE and FP16_COMPRESS, as the Python hooks of the same name
+        in torch's `DDPCommHookType` (the same arithmetic: divide by the group size,
+        all-reduce; fp16 in transit for FP16_COMPRESS)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import (
+            DDPCommHookType,
+            register_ddp_comm_hook,
+        )
+
+        name = getattr(comm_hook_type, "name", None)
+        if name not in ("ALLREDUCE", "FP16_COMPRESS"):
+            raise ValueError(f"comm_hook_type={comm_hook_type!r}: the built-in hooks are "
+                             "ALLREDUCE and FP16_COMPRESS (torch.distributed.BuiltinCommHookType)")
+        register_ddp_comm_hook(DDPCommHookType[name], self, state=self.process_group)
+        self.reducer.comm_hook_name = str(comm_hook_type)
+
+    def _remove_autograd_hooks(self) -> None:
+        """Remove the gradient hooks this wrapper put on the module's parameters (torch's: so a
+        new DDP can wrap the same module after a backward of this one failed)."""
+        self.reducer.remove_hooks()
