@@ -5,8 +5,9 @@
 No framework needed: each test replays, in plain torch, the exact calls a framework makes
 (quoted from lightning 2.6 and accelerate 1.15 next to each), on 2 gloo ranks on the CPU, once
 with torch's `DistributedDataParallel` and once with ringtrain's, and compares gradients and
-flags. tests/test_frameworks.py runs the frameworks themselves (an optional extra).
-ringtrain/ddp/framework_members.py lists the members.
+flags. Also the members torch's own tests call (`_get_ddp_logging_data`'s keys, the sample
+rate, built-in comm hooks, `_remove_autograd_hooks`). tests/test_frameworks.py runs the
+frameworks themselves (an optional extra). ringtrain/ddp/framework_members.py lists the members.
 """
 
 from __future__ import annotations
