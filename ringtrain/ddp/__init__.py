@@ -3,7 +3,12 @@
 Read in this order:
 - `naive.py`: the reference. After backward, one all-reduce per parameter; 55 lines.
 - `distributed.py`: `DistributedDataParallel`, the drop-in for torch's (same arguments,
-  `no_sync`, comm hooks, unused parameters); it hands every gradient to the reducer.
+  `no_sync`, comm hooks, unused parameters, pickling); it hands every gradient to the reducer.
+- `ctor_args.py`: each constructor argument of torch's (2.11 to 2.15) checked and given its
+  meaning, or refused by name; `init_sync.py`: the check and broadcast at construction;
+  `ignored.py`: parameters and buffers kept out of DDP (torch's
+  `_set_params_and_buffers_to_ignore_for_model`); `mixed_precision.py` and `delayed.py`: the
+  `mixed_precision=` and `delay_all_reduce_named_params=` arguments.
 - `reducer.py`: the bucketed all-reduce, launched from autograd hooks while backward still runs.
 - `finalize.py`: how a round ends (the reducer's base class): the end-of-backward callback waits
   for every bucket, agrees on unused parameters, writes the averages back; `sync_gradients`,
@@ -12,6 +17,8 @@ Read in this order:
 - `lanes.py`: extra gloo groups over the same ranks, so buckets travel side by side.
 - `comm_hooks.py`: replacements for a bucket's all-reduce (fp16/bf16 compression, ring all-reduce).
 - `unused_params.py`: what a synced backward reports about parameters that got no gradient.
+- `framework_members.py`: the private members of torch's DDP and reducer that Lightning and
+  accelerate call (`_get_ddp_logging_data`, `reducer._rebuild_buckets`, ...), as mixins.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.ranges`, `ringtrain.staging`, `ringtrain.trace`, `ringtrain.collectives`. Never the

@@ -58,6 +58,7 @@ class Finalize:
     _defer: bool
     _deferred: bool
     staging_s: float
+    _note_round: Callable[[list[int]], None]
 
     # ---- when backward ends ----------------------------------------------------------------
 
@@ -81,6 +82,7 @@ class Finalize:
             with torch.no_grad(), self.tracer.span("finish gradient sync"):
                 self._stage_rest()
                 self._complete()
+            self._note_round(self._unused)  # framework_members.py: can_set_static_graph
         finally:
             self._reset()
 

@@ -35,6 +35,7 @@ from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collect
 from ringtrain.ddp import buckets
 from ringtrain.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets
 from ringtrain.ddp.finalize import Finalize
+from ringtrain.ddp.framework_members import ReducerFrameworkMembers
 from ringtrain.ddp.unused_params import StatusBuffer, fill_status
 from ringtrain.torch_internals import (
     backward_tls_free,
@@ -59,7 +60,7 @@ def _finalize(reducer_ref: weakref.ref) -> None:
             reducer._finalize()
 
 
-class Reducer(Finalize):
+class Reducer(Finalize, ReducerFrameworkMembers):
     """Averages the gradients of `params` over `process_group` during backward.
 
     Args:
@@ -67,10 +68,14 @@ class Reducer(Finalize):
         names: their qualified names, for error messages.
         process_group: the group to average over.
         bucket_cap_bytes / first_bucket_bytes / solo_bytes: the bucket plan (see `assign_buckets`).
-        find_unused_parameters: parameters without a gradient count as zero instead of raising.
+        find_unused_parameters: parameters without a gradient count as zero instead of raising
+            (and a hook that fires while `.grad` is None counts as no gradient, as in torch).
         gradient_as_bucket_view: leave `.grad` as a view into the bucket instead of copying back.
         lanes: groups over the same ranks as `process_group` (itself first); bucket i is
             all-reduced on lane i % len(lanes), so buckets travel concurrently (`lanes.py`).
+        bucket_caps: per-bucket caps in bytes (torch's bucket_cap_mb_list), or None.
+        skip_all_reduce_unused_params: a bucket whose parameters all got no gradient on this
+            rank is not all-reduced (torch's flag: every rank must have the same unused ones).
         tracer: records each bucket's communication and the end-of-backward wait
             (`ringtrain.trace`; default: nothing).
     """
@@ -88,6 +93,8 @@ class Reducer(Finalize):
         gradient_as_bucket_view: bool,
         lanes: Sequence[dist.ProcessGroup] | None = None,
         tracer: Tracer = NO_TRACE,
+        bucket_caps: Sequence[int] | None = None,
+        skip_all_reduce_unused_params: bool = False,
     ):
         self.params, self.names, self.tracer = list(params), list(names), tracer
         self.process_group = process_group
@@ -95,17 +102,20 @@ class Reducer(Finalize):
         self.lanes = list(lanes) if lanes else [process_group]
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.comm_hook: Callable[[Any, GradBucket], torch.futures.Future] | None = None
         self.comm_hook_state: Any = None
         self.expect_sync = False  # set by a forward that wants this backward synced
 
         self._plan_args = dict(bucket_cap_bytes=bucket_cap_bytes,
-                               first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes)
+                               first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes,
+                               bucket_caps=bucket_caps)
         self._build(order=None)
         # Like torch's reducer, the buckets are rebuilt once, from the order in which the first
         # synced backward actually produced the gradients (rank 0's, so all ranks agree).
         self._observed: list[int] | None = []
         self._next_order: list[int] | None = None
+        self._init_framework_members()  # what frameworks call on torch's reducer
 
         self._ready = bytearray(len(self.params))  # staged this round
         self._unused: list[int] = []  # staged without a gradient this round
@@ -119,6 +129,7 @@ class Reducer(Finalize):
         self._defer = False  # the next synced backward stages only; flush() sends (see defer())
         self._deferred = False  # a deferred backward ended: its buckets wait for flush()
         self.staging_s = 0.0  # time the last deferred backward spent in this reducer's hooks
+        self.num_buckets_reduced = 0  # in the last synced backward (torch's logging counter)
         me = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i))
@@ -171,6 +182,12 @@ class Reducer(Finalize):
             )
         if self._observed is not None:
             self._observed.append(i)
+        if self.params[i].grad is None and self.find_unused_parameters:
+            # The hook fired with no gradient (the output that led here got an undefined one):
+            # as in torch, not a use, so a parameter no rank used keeps .grad None.
+            self._unused.append(i)  # before staging: the last bucket's launch reads it
+            self._mark_ready(i, None, used=False)
+            return
         if self._defer:
             t0 = time.perf_counter()
             self._mark_ready(i, self.params[i].grad, used=True, hot=True)
@@ -197,6 +214,9 @@ class Reducer(Finalize):
         return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self.world_size
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.skip_all_reduce_unused_params and set(bucket.members) <= set(self._unused):
+            return  # nothing used here, on any rank (torch's flag promises it): nothing to send
+        self.num_buckets_reduced += 1
         if self.comm_hook is None:
             if self.world_size > 1:
                 sent = bucket.buffer
@@ -216,9 +236,17 @@ class Reducer(Finalize):
 
     # ---- control ---------------------------------------------------------------------------
 
-    def prepare_for_backward(self) -> None:
-        """Called by a forward whose backward must be synced."""
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | torch.Tensor = ()) -> None:
+        """Called by a forward whose backward must be synced (and by frameworks, outside one).
+
+        Args:
+            outputs: torch's signature: the forward's outputs, from which torch's reducer finds
+                unused parameters by walking the graph. Ignored here: this reducer finds them
+                when backward ends (the parameters whose hook never fired). Lightning's manual
+                optimization passes the loss, accelerate's trigger_sync_in_backward `[]`.
+        """
         self._retired = []  # long done on gloo's side: released here, with the GIL
+        self.num_buckets_reduced = 0
         if self._deferred:
             raise RuntimeError("a deferred backward's gradients were never sent: call "
                                "reducer.flush() after it, before the next forward")
@@ -232,9 +260,8 @@ class Reducer(Finalize):
             )
         if self._queued:  # a previous backward failed before its end callback ran
             self._reset()
-        if self._next_order is not None:
-            order, self._next_order = self._next_order, None
-            self._rebuild(order)
+        self._rebuild_buckets()  # once, after the first synced backward
+        self._count_round()  # framework_members.py: _get_ddp_logging_data's figures
         self.expect_sync = True
 
     def remove_hooks(self) -> None:

@@ -9,9 +9,9 @@ A strategy is one module in `ringtrain/strategies/` holding one `Strategy` subcl
 `name` and a `Config` (a `StrategyConfig` dataclass): the command line (`ringtrain train
 --strategy NAME`) finds it there; the config holds its own flags (one field each), `plan` (its
 checks before any worker starts), `tolerated_ranks` (which ranks the launcher may lose),
-`trainer_defaults`, and the figures `ringtrain explain` needs of it (e.g.
-`LocalSGDConfig.meeting_bytes`; the words are the command's). `Strategy` itself is only what a
-rank does at run time. See docs/architecture.md.
+`trainer_defaults`, and `figures` (what a rank holds and sends, in numbers: `figures.py`; the
+words of `ringtrain explain` are the command's). `Strategy` itself is only what a rank does at
+run time. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ import torch
 from torch import nn
 
 from ringtrain.agreement.base import Agreement, CollectiveAgreement
+from ringtrain.config import check_values
 from ringtrain.trace import NO_TRACE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
 if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
+    from ringtrain.strategies.figures import Figures, Workload
 
 __all__ = ["EvalShard", "LossFn", "OptimizerFn", "ShardPerRank", "StepResult", "Strategy",
            "StrategyConfig", "eval_forward"]
@@ -68,6 +70,11 @@ class StrategyConfig:
     option the user did not set keeps them. Subclass it next to the strategy, as `Config`.
     """
 
+    def __post_init__(self) -> None:
+        # Values from Python, a recipe or config.json get the command line's checks (a field's
+        # type and choices), so `ZeroConfig(zero_stage=4)` fails here, naming the field.
+        check_values(self)
+
     def kwargs(self) -> dict[str, Any]:
         """The strategy constructor's keywords."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -84,6 +91,12 @@ class StrategyConfig:
     def trainer_defaults(self) -> dict[str, Any]:
         """TrainerConfig defaults this strategy changes (e.g. AdamW's beta1), by field name."""
         return {}
+
+    def figures(self, workload: Workload) -> Figures | None:
+        """What a rank holds and sends under these options (`ringtrain.strategies.figures`),
+        for `ringtrain explain`; None (the default): not estimated. Raises ConfigError where
+        `plan` does."""
+        return None
 
 
 class Strategy(ABC):
