@@ -25,7 +25,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     "test_ddp_build_debug_param_to_name_mapping_requires_grad":
         "`_build_params_for_reducer` / `_build_debug_param_to_name_mapping`: steps of torch's "
         "reducer construction",
-    "test_ddp_comm_hook_logging": _LOGGING.format(fields="`comm_hook`"),
     "test_ddp_logging_data_cpu": _LOGGING.format(
         fields="`_set_ddp_runtime_logging_sample_rate`, bucket and timing statistics"),
     "test_different_graph_across_ranks": _LOGGING.format(fields="`has_rebuilt_buckets`"),
@@ -33,8 +32,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     "test_ddp_control_flow_different_across_ranks": _REDUCER.format(
         member="_get_local_used_map()"),
     "test_detect_ddp_is_actually_static": _REDUCER.format(member="_ddp_graph_static()"),
-    "test_ddp_remove_autograd_hooks":
-        "`_remove_autograd_hooks()`: torch's private teardown of its reducer's hooks",
     "test_ddp_sink_noclone":
         "`_set_ddp_sink_clone(False)`: a switch inside torch's `_DDPSink` autograd function",
     "test_static_graph_api_cpu":
