@@ -1,7 +1,7 @@
 """torch's own DDP tests against ringtrain's DistributedDataParallel (issue 25).
 
     .venv/bin/pytest -q tests/test_torch_ddp_suite.py                    # as in make test
-    RINGTRAIN_FULL=1 .venv/bin/pytest -q tests/test_torch_ddp_suite.py -m slow   # all: ~10 min
+    RINGTRAIN_FULL=1 .venv/bin/pytest -q tests/test_torch_ddp_suite.py -m slow   # all: 2-7 min
 
 The DDP tests of the installed torch's distributed_test.py run on CPU and gloo (world size 2)
 through tests/support/torch_ddp_suite (the retargeting, the runner). In `make test`: a

@@ -5,7 +5,7 @@ size 2, a file:// init per test, torch's barrier, its return-code verdicts), wit
 chosen per subclass and the ranks started one of two ways:
 
 - spawned (`TorchDDPSpawned`, `RingtrainDDPSpawned`): torch's own `_spawn_processes`, a fresh
-  interpreter per rank per test that imports torch and this suite again (~4 s each here);
+  interpreter per rank per test that imports torch and this suite again (~10 s a test here);
 - forked from a forkserver that has imported all of it once (`TorchDDP`, `RingtrainDDP`, the
   default): each rank is still a fresh process per test, so no state is shared between tests,
   but it starts in ~0.1 s. The only difference a rank can see is its environment: a forked rank
