@@ -43,6 +43,7 @@ from ringtrain.ddp.init_sync import (
 from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
 from ringtrain.ddp.lanes import existing_lanes
 from ringtrain.ddp.reducer import Reducer
+from ringtrain.ddp.torch_members import DDPTorchMembers
 from ringtrain.ddp.unused_params import UnusedParametersError
 from ringtrain.runtime import register_exit_grace
 from ringtrain.torch_internals import preserve_version_counter
@@ -64,7 +65,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DistributedDataParallel(nn.Module, DDPFrameworkMembers):
+class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
     """Data parallelism: one replica per rank, gradients averaged across ranks during backward.
 
     Args:
@@ -235,6 +236,7 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers):
             gradient_as_bucket_view=self.gradient_as_bucket_view, lanes=lanes, tracer=tracer,
             bucket_caps=self.bucket_bytes_cap_list or None,
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
+            rebuild_buckets=self.static_graph or not self.find_unused_parameters,
         )
         self._comm_lane_count = len(lanes)
         self._delayed = None
@@ -282,14 +284,14 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():  # as torch: once, before the forward's activations exist
             self.reducer._rebuild_buckets()
-        # Before every forward, as torch documents it (torch itself skips the forwards that
-        # follow a no_sync or no_grad forward; syncing them too keeps BatchNorm statistics equal
-        # on all ranks through gradient accumulation, for one small broadcast per micro-step).
-        if self.broadcast_buffers and self.process_group.size() > 1:
+        # Before the module runs, unless a buffer hook asks for after (torch_members.py).
+        if self._check_sync_bufs_pre_fwd():
             self._sync_buffers()
         if self.device_ids:
             inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
         output = self._run_module(inputs, kwargs)
+        if self._check_sync_bufs_post_fwd():
+            self._sync_buffers()
         # As in torch, the forward decides whether the backward of its graph syncs.
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
@@ -297,6 +299,13 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers):
         else:
             self.require_forward_param_sync = False
         return output
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether this forward syncs the buffers: before every forward, as torch documents it
+        (torch itself skips the forwards that follow a no_sync or no_grad forward; syncing them
+        too keeps BatchNorm statistics equal on all ranks through gradient accumulation, for one
+        small broadcast per micro-step)."""
+        return self.forward_sync_buffers and self.process_group.size() > 1
 
     def _sync_buffers(self) -> None:
         # Re-read: a module may have reassigned one.
@@ -306,7 +315,10 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers):
         # The broadcast writes in place into buffers a pending backward may have saved; keep
         # their version counters so autograd does not mistake it for a user's in-place edit.
         with torch.no_grad(), preserve_version_counter(tuple(buffers)):
-            broadcast_coalesced(buffers, 0, self.process_group)
+            if self.buffer_hook is not None:  # _register_buffer_comm_hook: the hook syncs them
+                self._run_buffer_hook()
+            else:
+                broadcast_coalesced(buffers, 0, self.process_group)
 
     def _run_module(self, inputs: tuple, kwargs: dict) -> Any:
         if self.mixed_precision is None:

@@ -59,6 +59,8 @@ class Finalize:
     _deferred: bool
     staging_s: float
     _note_round: Callable[[list[int]], None]
+    _note_local_use: Callable[[torch.Tensor], None]
+    _wait_post_backward_futures: Callable[[], None]
 
     # ---- when backward ends ----------------------------------------------------------------
 
@@ -82,6 +84,7 @@ class Finalize:
             with torch.no_grad(), self.tracer.span("finish gradient sync"):
                 self._stage_rest()
                 self._complete()
+                self._wait_post_backward_futures()  # torch_members.py: a buffer hook's
             self._note_round(self._unused)  # framework_members.py: can_set_static_graph
         finally:
             self._reset()
@@ -133,6 +136,7 @@ class Finalize:
                 mask, mask_work = self._status.launch(self._unused, self.rank, self.process_group)
             mask_work.wait()
             status = mask
+        self._note_local_use(status)  # torch_members.py: _get_local_used_map
         buckets.write_back(self.buckets, self.params, check_unused(
             status, self.rank, self.names, unused, raise_error=not self.find_unused_parameters),
             as_view=self.gradient_as_bucket_view)
