@@ -1,9 +1,10 @@
 """`ringtrain.DistributedDataParallel`: torch's DDP, written in Python you can read.
 
 Drop-in for `torch.nn.parallel.DistributedDataParallel`: same constructor arguments and
-defaults, `.module`, `no_sync()`, `register_comm_hook(state, hook)` and a `state_dict()` with
-the `module.` prefix. Replicas start identical (checked, then broadcast from rank 0), buffers
-follow rank 0 before each forward, and gradients are averaged in buckets during backward
+defaults, `.module`, `no_sync()`, `join()` for uneven inputs (`join.py`),
+`register_comm_hook(state, hook)` and a `state_dict()` with the `module.` prefix. Replicas start
+identical (checked, then broadcast from rank 0), buffers follow rank 0 before each forward that
+follows a synced one, and gradients are averaged in buckets during backward
 (`ringtrain/ddp/reducer.py`). `ringtrain/ddp/naive.py` is the one-all-reduce-per-parameter version
 of the same idea.
 
@@ -25,28 +26,26 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
+from ringtrain.ddp.broadcast import broadcast_coalesced
 from ringtrain.ddp.buckets import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_BYTES,
     SOLO_BYTES_CPU,
     GradBucket,
 )
+from ringtrain.ddp.join import JoinableDDP
 from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
 from ringtrain.ddp.reducer import Reducer
+from ringtrain.ddp.static_graph import StaticGraphCheck
 from ringtrain.ddp.unused_params import UnusedParametersError
 from ringtrain.runtime import register_exit_grace
 from ringtrain.torch_internals import (
-    flatten_dense_tensors,
     preserve_version_counter,
-    unflatten_dense_tensors,
 )
 from ringtrain.trace import NO_TRACE, Tracer
 
 __all__ = ["DistributedDataParallel", "GradBucket", "UnusedParametersError", "broadcast_coalesced",
            "verify_same_parameters"]
-
-_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
-
 
 class ReplicaMismatchError(ValueError):
     """Ranks wrapped models whose parameters differ in name, shape or dtype."""
@@ -100,42 +99,6 @@ def verify_same_parameters(module: nn.Module, process_group: dist.ProcessGroup) 
     )
 
 
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
-                        process_group: dist.ProcessGroup,
-                        bucket_bytes: int = _BROADCAST_BUCKET_BYTES) -> None:
-    """Overwrite `tensors` on every rank with rank `src`'s values, a few large broadcasts.
-
-    Tensors are grouped by (dtype, device) and flattened into chunks of about `bucket_bytes`,
-    so a model with hundreds of small buffers costs a handful of collectives, not hundreds.
-    `src` is a rank within `process_group`.
-    """
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    src_global = (dist.get_global_rank(process_group, src) if process_group != dist.group.WORLD
-                  else src)
-    is_src = process_group.rank() == src
-    for chunk in _chunks(groups, bucket_bytes):
-        flat = flatten_dense_tensors([t.detach() for t in chunk])
-        collectives.broadcast(flat, src_global, group=process_group)
-        if not is_src:
-            for t, synced in zip(chunk, unflatten_dense_tensors(flat, chunk), strict=True):
-                t.detach().copy_(synced)
-
-
-def _chunks(groups: dict, bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
-    for tensors in groups.values():
-        chunk, size = [], 0
-        for t in tensors:
-            chunk.append(t)
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                yield chunk
-                chunk, size = [], 0
-        if chunk:
-            yield chunk
-
-
 def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
@@ -148,7 +111,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, JoinableDDP):
     """Data parallelism: one replica per rank, gradients averaged across ranks during backward.
 
     Args:
@@ -161,7 +124,8 @@ class DistributedDataParallel(nn.Module):
         dim: accepted for torch compatibility (it only mattered for torch's removed
             multi-device-per-process mode).
         broadcast_buffers: copy rank 0's buffers (BatchNorm statistics) to every rank at
-            construction and before each forward. None (torch's current default) means True.
+            construction and before each forward that follows a synced one (a forward with
+            grad enabled, outside `no_sync`), as torch does. None (torch's default) means True.
         init_sync: at construction, verify parameters across ranks and broadcast rank 0's
             parameters and buffers. If False, replicas must already be identical.
         process_group: the group to average over; default: the world group.
@@ -174,7 +138,9 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: `.grad` of bucketed parameters become views into the bucket
             buffers, saving the copy back and the memory of a second gradient copy.
         static_graph: the set of used parameters does not change between steps; unused
-            parameters are then handled as with find_unused_parameters=True.
+            parameters are then handled as with find_unused_parameters=True, and a synced
+            backward that uses other parameters than the first raises `StaticGraphError`
+            (a RuntimeError, with torch's message) on every rank (`static_graph.py`).
         comm_lanes: (ringtrain only) how many groups over the same ranks carry the buckets
             side by side; default 3 on a gloo world group, else 1 (see `ringtrain/ddp/lanes.py`).
             Buckets a comm hook handles use the hook's own group.
@@ -186,8 +152,7 @@ class DistributedDataParallel(nn.Module):
         graph: run that forward inside `no_sync()` to skip the sync.
 
     .. note::
-        Where it differs from torch's, on purpose: buffers are synced before *every* forward
-        (torch skips those after a no_sync/no_grad forward); a parameter without a gradient is
+        Where it differs from torch's, on purpose: a parameter without a gradient is
         reported in the backward that missed it, on every rank (torch reports it in the next
         iteration); a parameter accumulated only in a `no_sync` micro-step counts as used; on
         CPU, gradients of 1 MiB or more are reduced in place in `.grad` instead of being copied
@@ -216,6 +181,7 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"DistributedDataParallel got {module!r} ({type(module).__name__}), "
                             "not a torch.nn.Module: pass the model itself")
         super().__init__()
+        JoinableDDP.__init__(self)  # torch's Joinable: its join config, off outside a Join
         self.module = module
         self.process_group = _default_group(process_group)
         self.dim = dim
@@ -224,6 +190,7 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.require_backward_grad_sync = True  # cleared by no_sync()
+        self.require_forward_param_sync = True  # set by each forward: was it a synced one?
         register_exit_grace()  # gloo's threads must not abort this process's exit (runtime.py)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -266,6 +233,8 @@ class DistributedDataParallel(nn.Module):
             gradient_as_bucket_view=gradient_as_bucket_view,
             lanes=comm_lanes_for(self.process_group, comm_lanes), tracer=tracer,
         )
+        if static_graph:
+            self.reducer.static_graph = StaticGraphCheck(self.reducer.names, self.reducer.rank)
 
     @staticmethod
     def _check_devices(devices: set[torch.device], device_ids, output_device):
@@ -302,27 +271,36 @@ class DistributedDataParallel(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        # Before every forward, as torch documents it (torch itself skips the forwards that
-        # follow a no_sync or no_grad forward; syncing them too keeps BatchNorm statistics equal
-        # on all ranks through gradient accumulation, for one small broadcast per micro-step).
-        if self.broadcast_buffers and self.process_group.size() > 1:
-            self._sync_buffers()
+        # As in torch, the forward decides whether the backward of its graph syncs.
+        syncs = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._join_notify(syncs)  # under a Join context only (join.py), as the next two
+        if self.will_sync_module_buffers():
+            self._sync_buffers(self._buffer_source())
+        self._join_announce(syncs)
         if self.device_ids:
             inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
         output = self.module(*inputs, **kwargs)
-        # As in torch, the forward decides whether the backward of its graph syncs.
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+        self.require_forward_param_sync = syncs
+        if syncs:
             self.reducer.prepare_for_backward()
         return output
 
-    def _sync_buffers(self) -> None:
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers: only after a synced forward, as in
+        torch (`require_forward_param_sync`), so a rank that evaluates alone under no_grad
+        issues no collective the others would have to match."""
+        return (self.require_forward_param_sync and self.broadcast_buffers
+                and self.process_group.size() > 1
+                and next(iter(self.module.buffers()), None) is not None)
+
+    def _sync_buffers(self, src: int = 0) -> None:
         buffers = list(self.module.buffers())  # re-read: a module may have reassigned one
         if not buffers:
             return
         # The broadcast writes in place into buffers a pending backward may have saved; keep
         # their version counters so autograd does not mistake it for a user's in-place edit.
         with torch.no_grad(), preserve_version_counter(tuple(buffers)):
-            broadcast_coalesced(buffers, 0, self.process_group)
+            broadcast_coalesced(buffers, src, self.process_group)
 
     # ---- the torch DDP surface -------------------------------------------------------------
 

@@ -33,8 +33,16 @@ from torch import nn
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp import buckets
-from ringtrain.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets
+from ringtrain.ddp.buckets import (
+    Bucket,
+    GradBucket,
+    assign_buckets,
+    build_buckets,
+    status_carrier_last,
+)
 from ringtrain.ddp.finalize import Finalize
+from ringtrain.ddp.static_graph import StaticGraphCheck
+from ringtrain.ddp.uneven import UnevenInputs
 from ringtrain.ddp.unused_params import StatusBuffer, fill_status
 from ringtrain.torch_internals import (
     backward_tls_free,
@@ -59,7 +67,7 @@ def _finalize(reducer_ref: weakref.ref) -> None:
             reducer._finalize()
 
 
-class Reducer(Finalize):
+class Reducer(Finalize, UnevenInputs):
     """Averages the gradients of `params` over `process_group` during backward.
 
     Args:
@@ -98,6 +106,7 @@ class Reducer(Finalize):
         self.comm_hook: Callable[[Any, GradBucket], torch.futures.Future] | None = None
         self.comm_hook_state: Any = None
         self.expect_sync = False  # set by a forward that wants this backward synced
+        self.static_graph: StaticGraphCheck | None = None  # set by DDP(static_graph=True)
 
         self._plan_args = dict(bucket_cap_bytes=bucket_cap_bytes,
                                first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes)
@@ -109,6 +118,7 @@ class Reducer(Finalize):
 
         self._ready = bytearray(len(self.params))  # staged this round
         self._unused: list[int] = []  # staged without a gradient this round
+        self._last_unused: list[int] | None = None  # those of the last round (None: no round)
         # The unused-parameter status, when no bucket carries it.
         self._status = StatusBuffer(len(self.params), self.world_size, self.buckets[0].flat.device)
         self._retired: list = []  # the last round's works, see _reset
@@ -130,12 +140,16 @@ class Reducer(Finalize):
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
         plan = assign_buckets(sizes, keys, order=order, **self._plan_args)
+        plan, carried = status_carrier_last(plan, sizes, [p.dtype for p in self.params],
+                                            world_size=self.world_size,
+                                            solo_bytes=self._plan_args["solo_bytes"])
         if order is not None and plan == [b.members for b in self.buckets]:
             return
         # Status slots: per parameter "got no gradient here", then per rank "had such params".
         self.buckets = build_buckets(
             self.params, plan,
-            status_slots=len(self.params) + self.world_size if self.world_size > 1 else 0)
+            status_slots=len(self.params) + self.world_size
+            if self.world_size > 1 and carried else 0)
 
         self._bucket_of = [0] * len(self.params)
         self._slot_of = [0] * len(self.params)
@@ -194,7 +208,8 @@ class Reducer(Finalize):
         # The default path averages: coalesced gradients are scaled as they are copied into the
         # bucket (one pass, as torch does), in-place ones after the sum. A comm hook owns the
         # averaging (torch's hooks divide by the group size themselves).
-        return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self.world_size
+        # Under Join(divide_by_initial_world_size=False), over the ranks still training.
+        return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self._divisor()
 
     def _launch(self, bucket: Bucket) -> None:
         if self.comm_hook is None:
@@ -235,6 +250,8 @@ class Reducer(Finalize):
         if self._next_order is not None:
             order, self._next_order = self._next_order, None
             self._rebuild(order)
+        if self.static_graph is not None:
+            self.static_graph.before_round()  # raises once after a changed graph, as torch
         self.expect_sync = True
 
     def remove_hooks(self) -> None:
