@@ -48,7 +48,8 @@ def _saved_bytes(model: GPT, x: torch.Tensor) -> int:
     kept = []
     hooks = []
     if model.config.activation_checkpointing:  # what each checkpoint keeps: its block's input
-        hooks = [b.register_forward_pre_hook(lambda _m, args: kept.append(args[0])) for b in model.blocks]
+        hooks = [b.register_forward_pre_hook(lambda _m, args: kept.append(args[0]))
+                 for b in model.blocks]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x)
     for h in hooks:
@@ -64,7 +65,8 @@ def _run(cfg: dict, checkpointing: bool, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["block"], n_layer=cfg["layers"],
-                          n_head=cfg["heads"], n_embd=cfg["embd"], activation_checkpointing=checkpointing))
+                          n_head=cfg["heads"], n_embd=cfg["embd"],
+                          activation_checkpointing=checkpointing))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["block"]), generator=g)
@@ -90,7 +92,9 @@ def _run(cfg: dict, checkpointing: bool, out: mp.Queue) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--embd", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
@@ -102,7 +106,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.layers, args.embd, args.batch, args.block = 4, 128, 8, 128
-    cfg = {k: getattr(args, k) for k in ("layers", "embd", "heads", "block", "vocab", "batch", "steps")}
+    cfg = {k: getattr(args, k)
+           for k in ("layers", "embd", "heads", "block", "vocab", "batch", "steps")}
     ctx = mp.get_context("spawn")
     result: dict = {"config": cfg}
     for name, ac in (("plain", False), ("checkpointing", True)):

@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     wall = time.time() - t0
     # Each round's step time is the mean over ranks (barriers make them nearly equal).
     med = {name: statistics.median(statistics.mean(rk["times"][name][r] for rk in per_rank)
-                                   for r in range(args.rounds)) for name in ("ringtrain", "torch", "naive")}
+                                   for r in range(args.rounds))
+           for name in ("ringtrain", "torch", "naive")}
     reps = {key: [max(rk[key][i] for rk in per_rank) for i in range(args.sync_reps)]
             for key in ("raw", "ours", "staging", "cold")}
     raw_reps, ours_reps = reps["raw"], reps["ours"]
@@ -149,10 +150,15 @@ def main(argv: list[str] | None = None) -> dict:
     cold = statistics.median(reps["cold"])
     # Paired figures: each round (repetition) compares runs made back to back, so a burst of
     # load from other processes shifts both sides; their median is the steadier estimate.
-    per_round = {name: [statistics.mean(rk["times"][name][r] for rk in per_rank) for r in range(args.rounds)]
+    per_round = {name: [statistics.mean(rk["times"][name][r] for rk in per_rank)
+                        for r in range(args.rounds)]
                  for name in ("ringtrain", "torch")}
-    ratio_paired = statistics.median(a / b for a, b in zip(per_round["ringtrain"], per_round["torch"], strict=True))
-    efficiency_paired = statistics.median(a / b for a, b in zip(raw_reps, reps["cold"], strict=True))
+    ratio_paired = statistics.median(
+        a / b for a, b in zip(per_round["ringtrain"], per_round["torch"], strict=True)
+    )
+    efficiency_paired = statistics.median(
+        a / b for a, b in zip(raw_reps, reps["cold"], strict=True)
+    )
     result = {
         "ringtrain_ms": round(med["ringtrain"], 2),
         "torch_ms": round(med["torch"], 2),
@@ -181,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(f"{'':<12}{'step ms (median)':>18}{'vs torch':>10}{'CPU ms/step':>13}")
     for name in ("ringtrain", "torch", "naive"):
-        print(f"{name:<12}{med[name]:>18.2f}{med[name] / med['torch']:>10.3f}{result[name + '_cpu_ms']:>13.1f}")
+        print(f"{name:<12}{med[name]:>18.2f}{med[name] / med['torch']:>10.3f}"
+              f"{result[name + '_cpu_ms']:>13.1f}")
     print(f"paired (median over rounds of the per-round ratio): ratio {ratio_paired:.3f}, "
           f"sync efficiency {efficiency_paired:.3f}")
     print(f"sync path: raw all_reduce of {result['grad_mb']} MiB {raw:.2f} ms, ringtrain sync "

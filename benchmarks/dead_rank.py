@@ -1,6 +1,6 @@
 """How long the surviving ranks take to exit after one rank dies, on one host and across two.
 
-    .venv/bin/python benchmarks/dead_rank.py                       # ~10 min; needs root for two hosts
+    .venv/bin/python benchmarks/dead_rank.py   # ~10 min; needs root for two hosts
     .venv/bin/python benchmarks/dead_rank.py --repeats 1 --timeouts 5 --places two-hosts
 
 Each run starts 2 ranks with `ringtrain run` running this file's worker: an all-reduce (or, with
@@ -74,7 +74,8 @@ def worker(how: str, where: str, ready_file: str, watchdog_timeout_s: float, vic
     torch.set_num_threads(1)
     rt = init_distributed("gloo")
     t = watchdog_timeout_s
-    with Watchdog(name="train", timeout_s=t, interval_s=min(1.0, t / 3)) as watchdog:  # as `ringtrain train`
+    # The same watchdog as `ringtrain train`.
+    with Watchdog(name="train", timeout_s=t, interval_s=min(1.0, t / 3)) as watchdog:
         dist.all_reduce(torch.ones(1))  # everyone is up before anyone fails
         a = torch.randn(64, 64)
         for step in range(10**9):
@@ -106,7 +107,8 @@ def _wait_file(path: Path, procs: list[subprocess.Popen], limit_s: float) -> boo
     return True
 
 
-def run_once(place: str, how: str, where: str, victim: int, timeout_s: float, limit_s: float) -> dict:
+def run_once(place: str, how: str, where: str, victim: int, timeout_s: float,
+             limit_s: float) -> dict:
     """One failure; returns {"s": seconds until the survivors' launcher exited or None, ...}."""
     from netns import two_hosts  # tests/netns.py
 
@@ -116,16 +118,18 @@ def run_once(place: str, how: str, where: str, victim: int, timeout_s: float, li
                        str(timeout_s), str(victim)]
         hosts_cm = two_hosts() if place == "two hosts" else nullcontext()
         with hosts_cm as hosts:
-            logs = [open(Path(tmp, f"out{i}"), "w+") for i in range(2)]  # noqa: SIM115 - closed below
+            logs = [open(Path(tmp, f"out{i}"), "w+")  # noqa: SIM115 - closed below
+                    for i in range(2)]
             if hosts is None:
                 procs = [subprocess.Popen([*RUN, "--nproc-per-node", "2", *worker_args], cwd=REPO,
                                           env=ENV, stdout=logs[0], stderr=subprocess.STDOUT,
                                           start_new_session=True)]
             else:
-                procs = [h.popen([*RUN, "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "1",
-                                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].addr}:29400",
-                                  *worker_args], env=ENV, cwd=REPO, stdout=logs[i],
-                                 stderr=subprocess.STDOUT) for i, h in enumerate(hosts)]
+                procs = [h.popen([*RUN, "--nnodes", "2", "--node-rank", str(i),
+                                  "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                  "--rdzv-endpoint", f"{hosts[0].addr}:29400", *worker_args],
+                                 env=ENV, cwd=REPO, stdout=logs[i], stderr=subprocess.STDOUT)
+                         for i, h in enumerate(hosts)]
             try:
                 if not _wait_file(ready, procs, 120):
                     return {"s": None, "code": None, "named": False, "error": "no start"}
@@ -161,7 +165,8 @@ def run_once(place: str, how: str, where: str, victim: int, timeout_s: float, li
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--timeouts", default="30,5", help="--watchdog-timeout values (30 is the default)")
+    p.add_argument("--timeouts", default="30,5",
+                   help="--watchdog-timeout values (30 is the default)")
     p.add_argument("--places", default="one-host,two-hosts")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # HOW WHERE READY TIMEOUT VICTIM
     args = p.parse_args()
@@ -195,13 +200,15 @@ def main() -> None:
                 row = {"place": place, "failure": label, "watchdog_timeout_s": timeout_s,
                        "median_s": statistics.median(times) if done else None,
                        "min_s": min(times, default=None), "max_s": max(times, default=None),
-                       "runs": len(runs), "exited": len(times), "named": sum(r["named"] for r in runs),
+                       "runs": len(runs), "exited": len(times),
+                       "named": sum(r["named"] for r in runs),
                        "exit_codes": sorted({r["code"] for r in runs if r["code"] is not None})}
                 results.append(row)
                 median = f"{row['median_s']:.2f}" if done else f">{timeout_s + 30:g}"
                 print(f"{place:10s} {label:30s} {timeout_s:7g} {median:>8s} "
                       f"{row['min_s'] or float('nan'):6.2f} {row['max_s'] or float('nan'):6.2f} "
-                      f"{row['named']:>2d}/{len(runs):<2d}  {runs[-1].get('report', runs[-1].get('error', ''))}",
+                      f"{row['named']:>2d}/{len(runs):<2d}  "
+                      f"{runs[-1].get('report', runs[-1].get('error', ''))}",
                       flush=True)
     print(json.dumps({"benchmark": "dead_rank", "repeats": args.repeats,
                       "load_1min_end": round(os.getloadavg()[0], 2), "results": results}))

@@ -202,7 +202,8 @@ def _bench(rank: int, world_size: int, cfg: dict) -> dict:
                          for a, b in zip(after[way], after["single"], strict=True))
                 for way in ("dp", "ddp")}
         same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-                   for way in ("dp", "ddp") for a, b in zip(after[way], after["single"], strict=True))
+                   for way in ("dp", "ddp")
+                   for a, b in zip(after[way], after["single"], strict=True))
         for _ in range(cfg["warmup"]):
             for way, step in steps.items():
                 if way == "ddp" or rank == 0:
@@ -228,7 +229,8 @@ def _bench(rank: int, world_size: int, cfg: dict) -> dict:
 def _summarise(name: str, r0: dict, r1: dict, steps: int) -> dict:
     wall = {way: [w for w, _ in r0["times"][way]] for way in ("single", "dp")}
     # DDP's step is the slower rank's.
-    wall["ddp"] = [max(a[0], b[0]) for a, b in zip(r0["times"]["ddp"], r1["times"]["ddp"], strict=True)]
+    wall["ddp"] = [max(a[0], b[0])
+                   for a, b in zip(r0["times"]["ddp"], r1["times"]["ddp"], strict=True)]
     med = {way: statistics.median(t) * 1e3 for way, t in wall.items()}
     # Paired: each round's ratio compares runs made back to back, so a burst of load from other
     # processes shifts both sides; the median of those is the steadier figure.
@@ -251,13 +253,16 @@ def _summarise(name: str, r0: dict, r1: dict, steps: int) -> dict:
         "ddp_ms": round(med["ddp"], 3),
         "dp_vs_single": round(med["dp"] / med["single"], 3),
         "ddp_vs_single": round(med["ddp"] / med["single"], 3),
-        "dp_vs_single_paired": round(paired["dp"], 3), "ddp_vs_single_paired": round(paired["ddp"], 3),
+        "dp_vs_single_paired": round(paired["dp"], 3),
+        "ddp_vs_single_paired": round(paired["ddp"], 3),
         "dp_replicate_ms": ms["replicate_s"], "dp_reduce_ms": ms["reduce_s"],
         "dp_thread_wait_share": round(statistics.median(wait), 3),
         "single_thread_wait_share": round(alone, 3),
         # Per step, summed over the replica threads of both phases (forward, backward).
         "dp_thread_cpu_ms": ms["thread_cpu_s"], "dp_thread_wall_ms": ms["thread_wall_s"],
-        "ddp_replicate_once_ms": round(max(r0["replicate_once_s"], r1["replicate_once_s"]) * 1e3, 3),
+        "ddp_replicate_once_ms": round(
+            max(r0["replicate_once_s"], r1["replicate_once_s"]) * 1e3, 3
+        ),
         "max_abs_diff": {way: r0["diff"][way] for way in ("dp", "ddp")},
         "same_params": bool(r0["same"]),
     }
@@ -286,13 +291,16 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     per_rank = run_workers(_bench, REPLICAS, args=(cfg,), timeout_s=1800, threads=1)
     wall = time.time() - t0
-    results = [_summarise(name, per_rank[0][name], per_rank[1][name], args.steps) for name in models]
-    print(f"dp is {DP_IMPL}; {REPLICAS} replicas; medians over {args.rounds} rounds of {args.steps} steps")
-    print(f"{'model':<6}{'params':>10}{'single ms':>11}{'dp ms':>9}{'ddp ms':>9}{'dp replicate':>14}"
-          f"{'threads wait: dp':>18}{'alone':>7}{'same params':>13}")
+    results = [_summarise(name, per_rank[0][name], per_rank[1][name], args.steps)
+               for name in models]
+    print(f"dp is {DP_IMPL}; {REPLICAS} replicas; "
+          f"medians over {args.rounds} rounds of {args.steps} steps")
+    print(f"{'model':<6}{'params':>10}{'single ms':>11}{'dp ms':>9}{'ddp ms':>9}"
+          f"{'dp replicate':>14}{'threads wait: dp':>18}{'alone':>7}{'same params':>13}")
     for r in results:
         print(f"{r['model']:<6}{r['params']:>10,}{r['single_ms']:>11.2f}{r['dp_ms']:>9.2f}"
-              f"{r['ddp_ms']:>9.2f}{r['dp_replicate_ms']:>11.2f} ms{r['dp_thread_wait_share']:>17.0%}"
+              f"{r['ddp_ms']:>9.2f}{r['dp_replicate_ms']:>11.2f} ms"
+              f"{r['dp_thread_wait_share']:>17.0%}"
               f"{r['single_thread_wait_share']:>7.0%}{str(r['same_params']):>13}")
     result = {"results": results, "rounds": args.rounds, "steps": args.steps,
               "loadavg_before": [round(v, 2) for v in load_before],

@@ -51,7 +51,8 @@ SHAPES = {  # per device type: the model and a batch that keeps the device busy
     "cuda": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "batch_size": 8},
     "cpu": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12},
 }
-OPTIM = {"lr": 6e-4, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, "seed": 1337}
+OPTIM = {"lr": 6e-4, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0,
+         "seed": 1337}
 
 
 def sync(device: torch.device) -> None:
@@ -97,7 +98,8 @@ class PlainLoop:
         self.device, self.config, self.loss_fn = device, config, loss_fn
         torch.manual_seed(config.seed)
         self.model = GPT(model_config(data, shape)).to(device)
-        self.optimizer = adamw(config.weight_decay, (config.beta1, config.beta2))(self.model.parameters())
+        make_optimizer = adamw(config.weight_decay, (config.beta1, config.beta2))
+        self.optimizer = make_optimizer(self.model.parameters())
         self.forward = torch.compile(self.model) if compiled else self.model
         self.train = np.memmap(data / "train.bin", dtype=read_meta(str(data))["dtype"], mode="r")
         self.T, self.B = shape["block_size"], shape["batch_size"]
@@ -107,7 +109,8 @@ class PlainLoop:
     def get_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         ix = torch.randint(len(self.train) - self.T, (self.B,))
         x = torch.stack([torch.from_numpy(self.train[i:i + self.T].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(self.train[i + 1:i + 1 + self.T].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(self.train[i + 1:i + 1 + self.T].astype(np.int64))
+                         for i in ix])
         if self.device.type == "cuda":
             return (x.pin_memory().to(self.device, non_blocking=True),
                     y.pin_memory().to(self.device, non_blocking=True))
@@ -147,8 +150,9 @@ def model_config(data: Path, shape: dict):
     from ringtrain.data.tokens import read_meta
     from ringtrain.models import GPTConfig
 
-    return GPTConfig(vocab_size=int(read_meta(str(data))["vocab_size"]), block_size=shape["block_size"],
-                     n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"])
+    return GPTConfig(vocab_size=int(read_meta(str(data))["vocab_size"]),
+                     block_size=shape["block_size"], n_layer=shape["n_layer"],
+                     n_head=shape["n_head"], n_embd=shape["n_embd"])
 
 
 def order(rounds: int) -> list[str]:
@@ -168,12 +172,14 @@ def paired_run(data: Path, shape: dict, args, runtime, compiled: bool) -> dict:
     config = TrainerConfig(
         steps=n * seq.count("T"), batch_size=shape["batch_size"], lr=OPTIM["lr"],
         weight_decay=OPTIM["weight_decay"], beta1=OPTIM["beta1"], beta2=OPTIM["beta2"],
-        grad_clip=OPTIM["grad_clip"], seed=OPTIM["seed"], dtype="bf16" if device.type == "cuda" else "fp32",
+        grad_clip=OPTIM["grad_clip"], seed=OPTIM["seed"],
+        dtype="bf16" if device.type == "cuda" else "fp32",
         log_every=args.log_every, progress=False, compile=compiled).resolved()
     plain = PlainLoop(data, shape, config, device, compiled)
     tokens = load_tokens(str(data), shape["block_size"])
-    trainer = Trainer(make_strategy("ddp", runtime=runtime), runtime, lambda: GPT(model_config(data, shape)),
-                      tokens.train_set, None, loss_fn, config)
+    trainer = Trainer(make_strategy("ddp", runtime=runtime), runtime,
+                      lambda: GPT(model_config(data, shape)), tokens.train_set, None, loss_fn,
+                      config)
     times: dict[str, list[float]] = {"T": [], "P": []}
     queue = list(seq[1:])  # the trainer's first round starts with fit()
     mark = [0.0]
@@ -198,8 +204,10 @@ def paired_run(data: Path, shape: dict, args, runtime, compiled: bool) -> dict:
     trainer.strategy.close()
     t_ms = [1e3 * s / n for s in times["T"][1:]]  # the first round of each: warm-up
     p_ms = [1e3 * s / n for s in times["P"][1:]]
-    out = {"compile": compiled, "trainer_ms": statistics.median(t_ms), "plain_ms": statistics.median(p_ms),
-           "trainer_ms_rounds": [round(x, 3) for x in t_ms], "plain_ms_rounds": [round(x, 3) for x in p_ms],
+    out = {"compile": compiled,
+           "trainer_ms": statistics.median(t_ms), "plain_ms": statistics.median(p_ms),
+           "trainer_ms_rounds": [round(x, 3) for x in t_ms],
+           "plain_ms_rounds": [round(x, 3) for x in p_ms],
            "warmup_ms": {"trainer": 1e3 * times["T"][0] / n, "plain": 1e3 * times["P"][0] / n}}
     out["ratio"] = out["trainer_ms"] / out["plain_ms"]
     out["ratio_paired"] = statistics.median(t / p for t, p in zip(t_ms, p_ms, strict=True))
@@ -214,7 +222,8 @@ def show(r: dict) -> None:
     what = "torch.compile" if r["compile"] else "eager"
     mfu_text = (f", MFU trainer {100 * r['mfu_trainer']:.1f} % / plain {100 * r['mfu_plain']:.1f} %"
                 if r["mfu_trainer"] is not None else "")
-    print(f"{what:14s} trainer {r['trainer_ms']:8.2f} ms/step   plain {r['plain_ms']:8.2f} ms/step   "
+    print(f"{what:14s} trainer {r['trainer_ms']:8.2f} ms/step   "
+          f"plain {r['plain_ms']:8.2f} ms/step   "
           f"ratio {r['ratio']:.3f} (paired {r['ratio_paired']:.3f}){mfu_text}")
     print(f"{'':14s} rounds trainer {r['trainer_ms_rounds']}")
     print(f"{'':14s} rounds plain   {r['plain_ms_rounds']}")
@@ -233,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "Shakespeare config; 1 syncs every step as nanoGPT's default)")
     for key in SHAPES["cpu"]:
         p.add_argument("--" + key.replace("_", "-"), type=int,
-                       help=f"default: {SHAPES['cuda'][key]} on CUDA, {SHAPES['cpu'][key]} on the CPU")
+                       help=f"default: {SHAPES['cuda'][key]} on CUDA, "
+                       f"{SHAPES['cpu'][key]} on the CPU")
     p.add_argument("--threads", type=int, help="torch threads on the CPU (default: 1)")
     p.add_argument("--peak-flops", type=float, default=989e12,
                    help="the device's peak for MFU (default: 989e12, H100/H200 dense bf16)")
@@ -242,11 +252,14 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--steps {args.steps} is not a multiple of --log-every {args.log_every}: every "
                 "round must hold the same number of metrics lines")
     before = os.getloadavg()
-    runtime = init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    runtime = init_distributed(
+        rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
     device = runtime.device
     if device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
-    shape = {k: getattr(args, k) or v for k, v in SHAPES["cuda" if device.type == "cuda" else "cpu"].items()}
+    defaults = SHAPES["cuda" if device.type == "cuda" else "cpu"]
+    shape = {k: getattr(args, k) or v for k, v in defaults.items()}
     skipped = compile_works() if args.compile else None
     results = []
     try:
@@ -269,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
            "dtype": "bf16" if device.type == "cuda" else "fp32",
            "threads": torch.get_num_threads() if device.type == "cpu" else None,
            **{k: eager[k] for k in ("ratio", "ratio_paired", "trainer_ms", "plain_ms",
-                                     "mfu_trainer", "mfu_plain", "trainer_ms_rounds", "plain_ms_rounds")},
+                                     "mfu_trainer", "mfu_plain", "trainer_ms_rounds",
+                                     "plain_ms_rounds")},
            "compile": bool(comp), "compiled": comp, "compile_skipped": skipped,
            "peak_flops": args.peak_flops if device.type == "cuda" else None,
            "loadavg_before": before, "loadavg_after": os.getloadavg()}

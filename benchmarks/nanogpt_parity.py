@@ -1,8 +1,9 @@
 """nanoGPT's CPU recipe on tiny Shakespeare: ringtrain (1 and 2 processes) against a plain loop.
 
-    .venv/bin/python benchmarks/nanogpt_parity.py                 # full: 4 runs of 2,000 steps (~10 min on 2 quiet cores)
-    .venv/bin/python benchmarks/nanogpt_parity.py --steps 200     # reduced (~1-2 min)
-    .venv/bin/python benchmarks/nanogpt_parity.py --seeds 1-8     # the loss over seeds (~20 min)
+    .venv/bin/python benchmarks/nanogpt_parity.py              # full: 4 runs of 2,000 steps
+                                                               # (~10 min on 2 quiet cores)
+    .venv/bin/python benchmarks/nanogpt_parity.py --steps 200  # reduced (~1-2 min)
+    .venv/bin/python benchmarks/nanogpt_parity.py --seeds 1-8  # the loss over seeds (~20 min)
 
 The recipe is nanoGPT's README command for a CPU (config/train_shakespeare_char.py with its
 overrides): `--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64
@@ -30,7 +31,8 @@ evaluation for its runs, the same windows for the plain loop. ms/step is wall ti
 training step between the first and the last logged step (data, forward, backward, step and
 logging included; the one evaluation at the end is not), for the plain loop the same span.
 `ms_plain` is the faster of its two runs in this run (`plain_ms_runs`), so `ratio_1p` =
-ms_1p / ms_plain (goal <= 1.0) errs against ringtrain. The 2-process loss curve is printed next to the 1-process one.
+ms_1p / ms_plain (goal <= 1.0) errs against ringtrain. The 2-process loss curve is printed next
+to the 1-process one.
 
 `--seeds A-B` (or a list, `1,5,9`) asks the other question: a loss goal set from one seed of
 nanoGPT's is a draw from a distribution, so for each seed the plain loop (nanoGPT's batch draws)
@@ -79,18 +81,22 @@ def prepared(work: Path) -> Path:
 def train_args(data: Path, steps: int, log_every: int, threads: int,
                seed: int = RECIPE["seed"]) -> list[str]:
     r = RECIPE
-    return ["--data", str(data), "--block-size", str(r["block_size"]), "--n-layer", str(r["n_layer"]),
-            "--n-head", str(r["n_head"]), "--n-embd", str(r["n_embd"]), "--dropout", "0",
-            "--lr", str(r["lr"]), "--min-lr", str(r["min_lr"]), "--warmup-steps", str(r["warmup_steps"]),
+    return ["--data", str(data), "--block-size", str(r["block_size"]),
+            "--n-layer", str(r["n_layer"]), "--n-head", str(r["n_head"]),
+            "--n-embd", str(r["n_embd"]), "--dropout", "0",
+            "--lr", str(r["lr"]), "--min-lr", str(r["min_lr"]),
+            "--warmup-steps", str(r["warmup_steps"]),
             "--beta2", str(r["beta2"]), "--no-bias", "--tie-embeddings", "--steps", str(steps),
             "--eval-every", str(steps), "--log-every", str(log_every), "--snapshot-every", "0",
-            "--threads", str(threads), "--no-progress", "--sample-length", "100", "--seed", str(seed)]
+            "--threads", str(threads), "--no-progress", "--sample-length", "100",
+            "--seed", str(seed)]
 
 
 def run_ringtrain(data: Path, run_dir: Path, steps: int, log_every: int, threads: int,
                   nproc: int, seed: int = RECIPE["seed"]) -> dict:
     batch = RECIPE["batch_size"] // nproc
-    cmd = [sys.executable, "-m", "ringtrain", "train", *train_args(data, steps, log_every, threads, seed),
+    cmd = [sys.executable, "-m", "ringtrain", "train",
+           *train_args(data, steps, log_every, threads, seed),
            "--batch-size", str(batch), "--nproc-per-node", str(nproc), "--run-dir", str(run_dir)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
@@ -116,9 +122,9 @@ def run_plain(data: Path, steps: int, log_every: int, threads: int,
     torch.set_num_threads(threads)
     r = RECIPE
     tokens = load_tokens(str(data), r["block_size"])
-    config = GPTConfig(vocab_size=tokens.vocab_size, block_size=r["block_size"], n_layer=r["n_layer"],
-                       n_head=r["n_head"], n_embd=r["n_embd"], dropout=0.0, bias=r["bias"],
-                       tie_embeddings=r["tie_embeddings"])
+    config = GPTConfig(vocab_size=tokens.vocab_size, block_size=r["block_size"],
+                       n_layer=r["n_layer"], n_head=r["n_head"], n_embd=r["n_embd"], dropout=0.0,
+                       bias=r["bias"], tie_embeddings=r["tie_embeddings"])
     torch.manual_seed(seed)
     model = GPT(config)
     opt = adamw(r["weight_decay"], betas=(r["beta1"], r["beta2"]))(model.parameters())
@@ -189,7 +195,9 @@ def seed_study(data: Path, work: Path, seeds: list[int], steps: int, log_every: 
     plain, ours = [], []
     with ThreadPoolExecutor(1) as pool:
         for seed in seeds:
-            job = pool.submit(run_ringtrain, data, work / f"s{seed}", steps, log_every, threads, 1, seed)
+            job = pool.submit(
+                run_ringtrain, data, work / f"s{seed}", steps, log_every, threads, 1, seed
+            )
             plain.append(run_plain(data, steps, log_every, threads, seed)["val_loss"])
             ours.append(job.result()["val_loss"])
             print(f"seed {seed}: plain {plain[-1]:.4f}  ringtrain 1p {ours[-1]:.4f}", flush=True)
@@ -197,7 +205,8 @@ def seed_study(data: Path, work: Path, seeds: list[int], steps: int, log_every: 
     sd = {k: statistics.stdev(v) for k, v in (("plain", plain), ("1p", ours))}
     se = math.sqrt((sd["plain"] ** 2 + sd["1p"] ** 2) / len(seeds))
     return {"seeds": seeds, "val_loss_plain": plain, "val_loss_1p": ours,
-            "mean_plain": mean_plain, "mean_1p": mean_1p, "sd_plain": sd["plain"], "sd_1p": sd["1p"],
+            "mean_plain": mean_plain, "mean_1p": mean_1p,
+            "sd_plain": sd["plain"], "sd_1p": sd["1p"],
             "welch_t": (mean_1p - mean_plain) / se if se else 0.0,
             "at_or_below_goal_plain": sum(v <= goal for v in plain),
             "at_or_below_goal_1p": sum(v <= goal for v in ours)}
@@ -205,7 +214,8 @@ def seed_study(data: Path, work: Path, seeds: list[int], steps: int, log_every: 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=2000, help="training steps (default: 2000, the recipe)")
+    p.add_argument("--steps", type=int, default=2000,
+                   help="training steps (default: 2000, the recipe)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default: 1)")
     p.add_argument("--log-every", type=int, help="steps between loss lines (default: steps / 20)")
     p.add_argument("--skip-2p", action="store_true", help="no 2-process run")
@@ -256,7 +266,8 @@ def main() -> None:
     result = {"steps": args.steps, "threads": args.threads, "text": "tinyshakespeare",
               "eval_windows": plain["eval_windows"],
               "val_loss_1p": one["val_loss"], "val_loss_2p": two["val_loss"] if two else None,
-              "val_loss_plain": plain["val_loss"], "ms_1p": one["ms"], "plain_ms_runs": plain_ms_runs,
+              "val_loss_plain": plain["val_loss"], "ms_1p": one["ms"],
+              "plain_ms_runs": plain_ms_runs,
               "ms_2p": two["ms"] if two else None, "ms_plain": plain["ms"],
               "ratio_1p": one["ms"] / plain["ms"], "wall_s_1p": one["wall_s"],
               "wall_s_2p": two["wall_s"] if two else None, "wall_s_plain": plain["wall_s"],

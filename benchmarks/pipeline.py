@@ -76,7 +76,9 @@ def _model(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*mods)
 
 
-def _bubble(engine: PipelineStage, x: torch.Tensor, y: torch.Tensor, m: int, group) -> tuple[float, float]:
+def _bubble(
+    engine: PipelineStage, x: torch.Tensor, y: torch.Tensor, m: int, group
+) -> tuple[float, float]:
     """One step: (1 - compute time of all stages / (stages x the step's wall time), wall time)."""
     engine.module.zero_grad(set_to_none=True)
     dist.barrier(group=group)
@@ -97,7 +99,9 @@ def _clean_median(samples: list[tuple[float, float]]) -> tuple[float, int]:
     return statistics.median(clean), len(clean)
 
 
-def _peak_bytes(engine: PipelineStage, x: torch.Tensor, y: torch.Tensor, m: int, group) -> list[int]:
+def _peak_bytes(
+    engine: PipelineStage, x: torch.Tensor, y: torch.Tensor, m: int, group
+) -> list[int]:
     """Peak activation bytes per stage, in a step of its own (the hooks cost a little time)."""
     engine.measure_memory = True
     engine.module.zero_grad(set_to_none=True)
@@ -119,7 +123,8 @@ def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         y = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
         for name in ("gpipe", "1f1b"):
             engine = PipelineStage(stage, pp_rank=g.pp_rank, pp=PP, pp_ranks=g.pp_ranks,
-                                   pp_group=g.pp_group, loss_fn=nn.functional.mse_loss, schedule=name)
+                                   pp_group=g.pp_group, loss_fn=nn.functional.mse_loss,
+                                   schedule=name)
             runs[(name, m)] = (engine, x, y)
     bubbles: dict[tuple, list[tuple[float, float]]] = {key: [] for key in runs}
     # Round-robin over every setting, step by step, so that a burst of load from other
@@ -179,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     # Each launch is a fresh pair of processes: on a shared VM one launch's two ranks can run a
     # few % apart in speed for its whole life (an unequal pipeline), so take the median of several.
-    launches = [run_workers(_worker, PP, args=(cfg,), timeout_s=900)[0] for _ in range(args.launches)]
+    launches = [run_workers(_worker, PP, args=(cfg,), timeout_s=900)[0]
+                for _ in range(args.launches)]
     rows = _combine(launches)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"pp={PP}, {args.layers} x Linear({args.width}) + ReLU, {args.mb_size} samples per "
@@ -195,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['step_ms']:>8.0f} {per_stage:>32}")
     print("bubble: median over launches of each launch's median over its undisturbed steps (wall "
           "time within 10% of its fastest); ratio: bubble / theory")
-    within = all(abs(r["bubble"] / r["bubble_theory"] - 1) <= 0.10 for r in rows if r["microbatches"] >= 4)
+    within = all(abs(r["bubble"] / r["bubble_theory"] - 1) <= 0.10
+                 for r in rows if r["microbatches"] >= 4)
     peak = {r["schedule"]: r["peak_activation_bytes"] for r in rows if r["microbatches"] == 8}
     print(f"M >= 4 within 10% of theory: {'yes' if within else 'NO'}; at M = 8 1F1B holds "
           f"{peak['1f1b'] / 2**20:.1f} MiB vs GPipe {peak['gpipe'] / 2**20:.1f} MiB")

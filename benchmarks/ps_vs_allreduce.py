@@ -123,7 +123,8 @@ def run(mode: str, delay_s: float, args: argparse.Namespace) -> dict:
             "worker_steps": [r["steps"] for r in out[:WORKERS]], "delay_ms": delay_s * 1e3,
             "step_ms": [round(r["step_s"] * 1e3, 2) for r in out[:WORKERS]],
             "last_accuracy": out[0]["accuracy"],
-            "staleness_max": server.get("staleness_max"), "staleness_mean": server.get("staleness_mean")}
+            "staleness_max": server.get("staleness_max"),
+            "staleness_mean": server.get("staleness_mean")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             reached = [r["steps_to_target"] for r in runs if r["steps_to_target"] is not None]
             row["steps_to_target"] = statistics.median(reached) if reached else None
             # What a user waits for: the target's samples at this mode's rate.
-            row["time_to_target_s"] = (row["steps_to_target"] * WORKERS * BATCH / row["samples_per_s"]
-                                       if reached else None)
+            row["time_to_target_s"] = (
+                row["steps_to_target"] * WORKERS * BATCH / row["samples_per_s"]
+                if reached else None)
             rows.append(row)
             ttt = row["time_to_target_s"]
             print(f"{mode:>14} slow={str(slow):5} {row['samples_per_s']:8.0f} samples/s  "

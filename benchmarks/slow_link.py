@@ -72,7 +72,8 @@ def run_way(way: str, hosts, data: Path, out: Path, common: list[str], timeout_s
     procs, rid, port = [], uuid.uuid4().hex[:8], 29500 + os.getpid() % 1000
     # Each host's workers pick their own interface: an inherited GLOO_SOCKET_IFNAME (lo) would
     # keep gloo off the link between the hosts.
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"} | {"PYTHONUNBUFFERED": "1"}
+    env = ({k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+           | {"PYTHONUNBUFFERED": "1"})
     for node, h in enumerate(hosts):
         cmd = [sys.executable, "-m", "ringtrain", "train", "--data", str(data), "--nnodes", "2",
                "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-id", rid,
@@ -108,11 +109,13 @@ def time_to(evals: list, target: float) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rate", default="50mbit", help="each host's send rate (tc tbf/netem); none: no limit")
+    p.add_argument("--rate", default="50mbit",
+                   help="each host's send rate (tc tbf/netem); none: no limit")
     p.add_argument("--delay", default="20ms", help="one-way delay, where netem exists")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--ways", default="ddp,powersgd:4,localsgd:50,diloco:10,diloco:50")
-    p.add_argument("--target", type=float, help="validation loss to time (default: DDP's final x 1.03)")
+    p.add_argument("--target", type=float,
+                   help="validation loss to time (default: DDP's final x 1.03)")
     p.add_argument("--no-reference", action="store_true", help="skip the unconstrained runs")
     p.add_argument("--extra", default="", help="more `ringtrain train` options for every way")
     p.add_argument("--quick", action="store_true", help="tiny model and steps (the test's run)")
@@ -168,14 +171,16 @@ def main(argv: list[str] | None = None) -> int:
             "loss_vs_ddp": round(r["final_eval_loss"] / base["final_eval_loss"] - 1, 4),
         }
     print(f"\ntarget validation loss {target:.4f} (DDP's final x 1.03)")
-    print(f"{'link/way':22s} {'MB/host':>9s} {'x fewer':>8s} {'wall s':>7s} {'to target':>9s} {'loss':>7s}")
+    print(f"{'link/way':22s} {'MB/host':>9s} {'x fewer':>8s} {'wall s':>7s} "
+          f"{'to target':>9s} {'loss':>7s}")
     for key, t in table.items():
         tt = "-" if t["time_to_target_s"] is None else f"{t['time_to_target_s']:.1f}"
         print(f"{key:22s} {t['bytes_per_host'] / 1e6:9.2f} {t['bytes_vs_ddp']:8.1f} "
               f"{t['wall_s']:7.1f} {tt:>9s} {t['final_eval_loss']:7.4f}")
     print(json.dumps({"rate": args.rate, "delay": delay,
                       "delay_by": None if not delay else ("relay" if no_delay else "netem"),
-                      "steps": args.steps, "quick": args.quick, "target_eval_loss": round(target, 4),
+                      "steps": args.steps, "quick": args.quick,
+                      "target_eval_loss": round(target, 4),
                       "results": table, "loadavg_before": [round(x, 2) for x in load_before],
                       "loadavg_after": [round(x, 2) for x in os.getloadavg()]}))
     return 0

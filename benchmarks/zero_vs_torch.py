@@ -79,7 +79,9 @@ def _make(variant: str, model: nn.Module):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
         net = TorchDDP(model)
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4
+        )
         return net, opt.step, opt.zero_grad, lambda: {
             "param": _nbytes(model.parameters()),
             "grad": _nbytes(p.grad for p in model.parameters() if p.grad is not None),
@@ -104,9 +106,11 @@ def _step(net, step, zero_grad, x, y) -> None:
 def _alone(rank: int, world_size: int, variant: str, cfg: dict) -> dict:
     """One variant in a fresh pair of processes: its counted bytes and its peak RSS."""
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(cfg["batch"], cfg["dim"], generator=g), torch.randn(cfg["batch"], cfg["dim"], generator=g)
+    x = torch.randn(cfg["batch"], cfg["dim"], generator=g)
+    y = torch.randn(cfg["batch"], cfg["dim"], generator=g)
     try:
-        net, step, zero_grad, counted = _make(variant, residual_mlp(cfg["blocks"], cfg["dim"], cfg["hidden"]))
+        model = residual_mlp(cfg["blocks"], cfg["dim"], cfg["hidden"])
+        net, step, zero_grad, counted = _make(variant, model)
         for _ in range(2):
             nn.functional.mse_loss(net(x), y).backward()
             step()
@@ -121,7 +125,8 @@ def _alone(rank: int, world_size: int, variant: str, cfg: dict) -> dict:
 def _paired(rank: int, world_size: int, variants: list[str], cfg: dict) -> dict:
     """Every variant built in the same pair of processes, timed in rotating order per round."""
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(cfg["batch"], cfg["dim"], generator=g), torch.randn(cfg["batch"], cfg["dim"], generator=g)
+    x = torch.randn(cfg["batch"], cfg["dim"], generator=g)
+    y = torch.randn(cfg["batch"], cfg["dim"], generator=g)
     built, errors = {}, {}
     for v in variants:
         try:
@@ -152,12 +157,15 @@ def _parse_size(text: str) -> dict:
 def _one_model(args: argparse.Namespace, size: dict, variants: list[str]) -> dict:
     """Every variant on one model: alone (bytes, peak RSS), then paired (step times)."""
     cfg = {**size, **{k: getattr(args, k) for k in ("batch", "steps", "warmup", "rounds")}}
-    cfg["params"] = sum(p.numel() for p in residual_mlp(size["blocks"], size["dim"], size["hidden"]).parameters())
+    cfg["params"] = sum(
+        p.numel() for p in residual_mlp(size["blocks"], size["dim"], size["hidden"]).parameters()
+    )
     label = f"{size['blocks']}x{size['dim']}x{size['hidden']}"
     result: dict = {"config": cfg}
     for v in variants:
         out = run_workers(_alone, 2, args=(v, cfg), timeout_s=600)
-        result[v] = {k: (max(o[k] for o in out) if k == "peak_rss_mb" else out[0][k]) for k in out[0]}
+        result[v] = {k: (max(o[k] for o in out) if k == "peak_rss_mb" else out[0][k])
+                     for k in out[0]}
         print(f"{label} {v} alone: {result[v]}", flush=True)
     paired = run_workers(_paired, 2, args=(variants, cfg), timeout_s=1800)[0]
     for v, ts in paired["times"].items():
@@ -168,16 +176,20 @@ def _one_model(args: argparse.Namespace, size: dict, variants: list[str]) -> dic
     for v, ts in paired["times"].items():
         if ddp and v != "ddp":
             # The median of per-round ratios: steadier than a ratio of medians on a busy host.
-            result[f"{v}_over_ddp"] = round(statistics.median(t / d for t, d in zip(ts, ddp, strict=True)), 3)
+            result[f"{v}_over_ddp"] = round(
+                statistics.median(t / d for t, d in zip(ts, ddp, strict=True)), 3
+            )
         print(f"{label} {v}: step {result[v]['step_ms']} ms", flush=True)
     return result
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", default="8x512x2048,16x768x3072",
-                    help="models as BLOCKSxDIMxHIDDEN, comma-separated (default: the 16.8M model of "
-                         "ddp_vs_torch.py and a 75.6M one)")
+                    help="models as BLOCKSxDIMxHIDDEN, comma-separated "
+                         "(default: the 16.8M model of ddp_vs_torch.py and a 75.6M one)")
     ap.add_argument("--batch", type=int, default=32, help="samples per rank")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=3, help="steps per timed run")

@@ -46,10 +46,13 @@ def train(steps: int = 30, batch_size: int = 8, seed: int = 0, out: str | None =
     rt = ringtrain.init_distributed()
     torch.set_num_threads(1)  # a few ranks share a small machine's cores
     torch.manual_seed(seed)  # the same initial weights on every rank (DDP checks, then copies)
-    model = ringtrain.DistributedDataParallel(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)))
+    model = ringtrain.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = make_data(seed=seed)
-    sampler = ringtrain.DistributedSampler(data, seed=seed)  # this rank's shard, a new shuffle per epoch
+    # This rank's shard, a new shuffle per epoch.
+    sampler = ringtrain.DistributedSampler(data, seed=seed)
     step = 0
     while step < steps:
         for x, y in DataLoader(data, batch_size=batch_size, sampler=sampler):
@@ -62,7 +65,8 @@ def train(steps: int = 30, batch_size: int = 8, seed: int = 0, out: str | None =
                 break
     digest = param_sha256(model.module.state_dict())
     if rt.rank == 0:
-        print(f"param_sha256 {digest} (world_size {rt.world_size}, loss {loss.item():.4f})", flush=True)
+        print(f"param_sha256 {digest} (world_size {rt.world_size}, loss {loss.item():.4f})",
+              flush=True)
         if out:
             with open(out, "w") as f:
                 json.dump({"param_sha256": digest, "world_size": rt.world_size}, f)

@@ -1,4 +1,4 @@
-"""Ray Train runs examples/ddp_train.py's `train` unchanged, on 2 CPU workers of a local Ray cluster.
+"""Ray Train runs examples/ddp_train.py's `train` unchanged on 2 CPU workers of a local Ray cluster.
 
     pip install 'ringtrain[ray]'
     python examples/ray_train.py                        # a local Ray cluster, 2 workers, CPU

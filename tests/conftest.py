@@ -47,7 +47,8 @@ def _device(request, monkeypatch):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+              "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(v, raising=False)
     logger = logging.getLogger("ringtrain")
     saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())
@@ -75,7 +76,8 @@ FAST_SKIP = "starts processes (fast tier)"
 
 def pytest_addoption(parser):
     parser.addoption("--fast", action="store_true",
-                     help="the fast tier (make test-fast): a test that starts a process is skipped there")
+                     help="the fast tier (make test-fast): "
+                          "a test that starts a process is skipped there")
 
 
 class _NoProcesses:

@@ -86,8 +86,9 @@ def can_delay() -> str | None:
     name = f"rtnetem{os.getpid()}"
     try:
         _ip("netns", "add", name)
-        out = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root",
-                              "netem", "delay", "1ms"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["ip", "netns", "exec", name,
+                              "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                             capture_output=True, text=True, timeout=10)
         return None if out.returncode == 0 else f"tc netem: {out.stderr.strip()} (no sch_netem)"
     finally:
         _ip("netns", "del", name, check=False)

@@ -59,7 +59,8 @@ def _every_strategy(rank, world_size, cases):
         for ac in (False, True):
             torch.manual_seed(0)
             s = make_strategy(name, runtime=rt, **options)
-            s.setup(GPT(dataclasses.replace(MODEL, activation_checkpointing=ac)), adamw(0.1), loss_fn)
+            model = GPT(dataclasses.replace(MODEL, activation_checkpointing=ac))
+            s.setup(model, adamw(0.1), loss_fn)
             for step in range(2):
                 micro = []
                 if s.data_rank is not None:

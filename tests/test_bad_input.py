@@ -48,7 +48,8 @@ def _children() -> list[int]:
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch, tmp_path):
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+              "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("RINGTRAIN_STARTED_AT", str(time.time()))
     monkeypatch.chdir(tmp_path)
@@ -73,13 +74,19 @@ def _one_error(capsys, prog: str) -> str:
     return lines[0]
 
 
-# ---- ringtrain train: options and --data ----------------------------------------------------------
+def _argv_id(x):
+    # The test id is the command line; pytest numbers the regexes.
+    return " ".join(x) if isinstance(x, list) else None
+
+
+# ---- ringtrain train: options and --data --------------------------------------------------------
 
 def _files(tmp: Path) -> dict[str, str]:
     (tmp / "empty.txt").write_text("")
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 8)
     (tmp / "a_dir").mkdir()
-    return {"EMPTY": str(tmp / "empty.txt"), "BINARY": str(tmp / "binary.txt"), "DIR": str(tmp / "a_dir")}
+    return {"EMPTY": str(tmp / "empty.txt"), "BINARY": str(tmp / "binary.txt"),
+            "DIR": str(tmp / "a_dir")}
 
 
 TRAIN_CASES = [  # argv, the value named, the fix offered (regexes)
@@ -93,16 +100,20 @@ TRAIN_CASES = [  # argv, the value named, the fix offered (regexes)
     (["--nnodes", "2", "--rdzv-endpoint", "nocolon", "--run-dir", "r"], r"--rdzv-endpoint nocolon",
      r"HOST:PORT, e\.g\. 10\.0\.0\.1:29400"),
     (["--digits", "9"], r"--digits 9", r"supports 1\.\.3"),
-    (["--data", "EMPTY"], r"--data \S*empty\.txt: 0 characters", r"use a longer text or a smaller --block-size"),
+    (["--data", "EMPTY"], r"--data \S*empty\.txt: 0 characters",
+     r"use a longer text or a smaller --block-size"),
     (["--data", "BINARY"], r"--data \S*binary\.txt: not UTF-8", r"convert it to UTF-8"),
     (["--data", "DIR"], r"--data \S*a_dir: a directory without meta\.json", r"ringtrain prepare"),
     (["--data", "/no/such.txt"], r"--data /no/such\.txt: no such file", r"give the path"),
-    (["--run-dir", "/proc/ringtrain-x"], r"--run-dir /proc/ringtrain-x", r"choose a directory you can write"),
+    (["--run-dir", "/proc/ringtrain-x"], r"--run-dir /proc/ringtrain-x",
+     r"choose a directory you can write"),
 ]
 
 
-@pytest.mark.parametrize("argv, value, fix", TRAIN_CASES, ids=lambda x: " ".join(x) if isinstance(x, list) else None)
-def test_ringtrain_train_names_the_value_and_the_fix(argv, value, fix, capsys, monkeypatch, tmp_path):
+@pytest.mark.parametrize("argv, value, fix", TRAIN_CASES, ids=_argv_id)
+def test_ringtrain_train_names_the_value_and_the_fix(
+    argv, value, fix, capsys, monkeypatch, tmp_path
+):
     _no_launch(monkeypatch)
     files = _files(tmp_path)
     argv = [files.get(a, a) for a in argv]
@@ -119,7 +130,8 @@ def test_a_warmup_longer_than_the_run_is_a_warning(capsys, monkeypatch):
     monkeypatch.setattr("ringtrain.cli.train.run_job", lambda *a, **k: launched.append(1) or 0)
     assert train_main([*TINY, "--steps", "10", "--warmup-steps", "50", "--run-dir", "r"]) == 0
     err = capsys.readouterr().err
-    assert launched and "--warmup-steps 50 is more than --steps 10" in err and "lower --warmup-steps" in err
+    assert launched
+    assert "--warmup-steps 50 is more than --steps 10" in err and "lower --warmup-steps" in err
 
 
 # ---- ringtrain run ------------------------------------------------------------------------------
@@ -128,14 +140,15 @@ RUN_CASES = [
     (["--nproc-per-node", "0", "SCRIPT"], r"--nproc-per-node 0: start at least one worker"),
     (["--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "127.0.0.1:29400", "SCRIPT"],
      r"--node-rank 5 is not below --nnodes 2: number the nodes 0\.\.1"),
-    (["--nnodes", "2", "--rdzv-endpoint", "nocolon", "SCRIPT"], r"--rdzv-endpoint nocolon: .*HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "nocolon", "SCRIPT"],
+     r"--rdzv-endpoint nocolon: .*HOST:PORT"),
     (["--watchdog-timeout", "-1", "SCRIPT"], r"--watchdog-timeout -1: it must be >= 0"),
     (["DIR"], r"training script '\S*' not found .*pass a path to a \.py file"),
     (["-m", "no_such_module_rt"], r"module 'no_such_module_rt' not found .*PYTHONPATH"),
 ]
 
 
-@pytest.mark.parametrize("argv, message", RUN_CASES, ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+@pytest.mark.parametrize("argv, message", RUN_CASES, ids=_argv_id)
 def test_ringtrain_run_names_the_value_and_the_fix(argv, message, capsys, tmp_path):
     (tmp_path / "s.py").write_text("print('ran')\n")
     argv = [{"SCRIPT": str(tmp_path / "s.py"), "DIR": str(tmp_path)}.get(a, a) for a in argv]
@@ -212,7 +225,7 @@ def test_a_bad_snapshot_is_named_and_no_good_one_is_lost(saved, tmp_path, capsys
         assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == [resumed]
 
 
-# ---- the library's constructors -------------------------------------------------------------------
+# ---- the library's constructors -----------------------------------------------------------------
 
 @pytest.fixture()
 def one_process():
@@ -238,7 +251,9 @@ def _sampler(*args, **kw):
 def _sampler_load(state):
     from ringtrain.data.sampler import DistributedSampler
 
-    return lambda: DistributedSampler(list(range(10)), num_replicas=1, rank=0).load_state_dict(state)
+    return lambda: DistributedSampler(
+        list(range(10)), num_replicas=1, rank=0
+    ).load_state_dict(state)
 
 
 def _zero(*args, **kw):
@@ -266,8 +281,10 @@ def _config(**kw):
 CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
     ("ddp bucket_cap_mb", _ddp(module=nn.Linear(2, 2), bucket_cap_mb=-1), ValueError,
      r"bucket_cap_mb=-1: it must be positive \(default 25\)"),
-    ("ddp comm_lanes", _ddp(module=nn.Linear(2, 2), comm_lanes=0), ValueError, r"comm_lanes=0: .* >= 1"),
-    ("ddp no parameters", _ddp(module=nn.ReLU()), ValueError, r"ReLU has none\); use the module as is"),
+    ("ddp comm_lanes", _ddp(module=nn.Linear(2, 2), comm_lanes=0), ValueError,
+     r"comm_lanes=0: .* >= 1"),
+    ("ddp no parameters", _ddp(module=nn.ReLU()), ValueError,
+     r"ReLU has none\); use the module as is"),
     ("ddp device_ids on cpu", _ddp(module=nn.Linear(2, 2), device_ids=[3]), ValueError,
      r"device_ids=\[3\] .* pass device_ids=None"),
     ("sampler rank", _sampler(list(range(10)), num_replicas=2, rank=5), ValueError,
@@ -276,15 +293,20 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
      r"num_replicas=0: it must be at least 1"),
     ("sampler no len", _sampler(iter(range(3)), num_replicas=1, rank=0), TypeError,
      r"needs a dataset with __len__ .*got range_iterator; wrap an iterable in a list"),
-    ("sampler exact+drop_last", _sampler(list(range(3)), num_replicas=1, rank=0, exact=True,
-                                         drop_last=True), ValueError, r"contradict.*pass one of them"),
+    ("sampler exact+drop_last",
+     _sampler(list(range(3)), num_replicas=1, rank=0, exact=True, drop_last=True), ValueError,
+     r"contradict.*pass one of them"),
     ("sampler state", _sampler_load({"x": 1}), ValueError,
-     r"not a DistributedSampler state: keys .*'dataset_len'.* pass what sampler\.state_dict\(\) returned"),
-    ("zero stage", _zero(nn.Linear(2, 2), _sgd, stage=4), ValueError, r"stage=4: .*use 1 .*, 2 .* or 3"),
-    ("snapshots keep", _snapshots(rank=0, world_size=1, keep=0), ValueError, r"keep=0: keep at least 1"),
+     r"not a DistributedSampler state: keys .*'dataset_len'.*"
+     r" pass what sampler\.state_dict\(\) returned"),
+    ("zero stage", _zero(nn.Linear(2, 2), _sgd, stage=4), ValueError,
+     r"stage=4: .*use 1 .*, 2 .* or 3"),
+    ("snapshots keep", _snapshots(rank=0, world_size=1, keep=0), ValueError,
+     r"keep=0: keep at least 1"),
     ("snapshots rank", _snapshots(rank=3, world_size=2), ValueError, r"Invalid rank 3"),
     ("trainer steps", _config(steps=0), ValueError, r"steps=0: it must be a positive integer"),
-    ("trainer min_lr", _config(lr=0.1, min_lr=0.5), ValueError, r"min_lr=0\.5 is above the peak lr"),
+    ("trainer min_lr", _config(lr=0.1, min_lr=0.5), ValueError,
+     r"min_lr=0\.5 is above the peak lr"),
     ("ddp not a module", _ddp(module="model"), TypeError, r"'model'.*nn\.Module"),
     ("zero not a module", _zero("model", _sgd), TypeError, r"'model'.*nn\.Module"),
     ("zero optimizer_fn None", _zero(nn.Linear(2, 2), None), TypeError, r"optimizer_fn"),

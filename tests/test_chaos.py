@@ -68,7 +68,7 @@ def test_history_checker_accepts_the_epoch_orders_and_names_each_fault():
     assert log.step_sets() == _history(_good()).step_sets()
 
 
-# ---- exactly once across a stop, a crash and a world-size change -----------------------------------
+# ---- exactly once across a stop, a crash and a world-size change ---------------------------------
 
 def _trainer(runtime, run_dir, fault=None, record=True):
     cfg = TrainerConfig(steps=STEPS, batch_size=6, lr=3e-3, seed=0, progress=False, log_every=EVERY,
@@ -98,7 +98,8 @@ def _raise_at(step):
 
 def _committed(run_dir: Path) -> SampleLog:
     newest = sorted(p.parent for p in (run_dir / "snapshots").glob("snap-*/COMMITTED"))[-1]
-    return SampleLog.from_state(torch.load(newest / "shared.pt", weights_only=True)["trainer"]["samples"])
+    shared = torch.load(newest / "shared.pt", weights_only=True)
+    return SampleLog.from_state(shared["trainer"]["samples"])
 
 
 def _two_ranks(rank, world_size, root):
@@ -124,14 +125,16 @@ def test_history_is_exactly_once_across_restarts_and_a_world_size_change(tmp_pat
     assert summary["resumed_from_step"] == [4, 6]
     history, reference = _committed(run), _committed(tmp_path / "reference")
     report = check_history(history, dataset_len=N, seed=0, global_batch=GLOBAL_BATCH, steps=STEPS)
-    assert report["errors"] == [] and (report["samples"], report["epochs"]) == (STEPS * GLOBAL_BATCH, 3)
+    assert report["errors"] == []
+    assert (report["samples"], report["epochs"]) == (STEPS * GLOBAL_BATCH, 3)
     assert history.step_sets() == reference.step_sets()  # the same samples, step for step
 
 
 def test_record_samples_is_refused_on_a_snapshot_without_history(tmp_path, single_process):
     with pytest.raises(RuntimeError, match="crash after step 4"):
         _trainer(single_process, tmp_path, fault=_raise_at(4), record=False).fit()
-    with pytest.raises(ConfigError, match="snapshot of step 3 holds no sample history.*--no-resume"):
+    with pytest.raises(ConfigError,
+                       match="snapshot of step 3 holds no sample history.*--no-resume"):
         _trainer(single_process, tmp_path).fit()
 
 
@@ -142,7 +145,8 @@ def test_chaos_reduced_ends_with_the_fault_free_weights_and_every_sample_once(tm
     (the uncommitted one and the corrupt one) and goes back to the one before."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--faults", "1",
-         "--kinds", "corrupt", "--corrupt-then", "kill-in-save", "--seed", "0", "--out", str(tmp_path),
+         "--kinds", "corrupt", "--corrupt-then", "kill-in-save", "--seed", "0",
+         "--out", str(tmp_path),
          "--model", "--n-layer 1 --n-head 2 --n-embd 16", "--timeout", "240"],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -152,7 +156,8 @@ def test_chaos_reduced_ends_with_the_fault_free_weights_and_every_sample_once(tm
     assert out["by_kind"] == {"corrupt": {"planned": 1, "injected": 1},
                               "kill-in-save": {"planned": 1, "injected": 1}}
     assert out["steps_recomputed"] == 10  # steps 6..15: back to the snapshot before the corrupt one
-    assert out["param_sha256_equal"] and out["samples"]["skipped"] == out["samples"]["repeated"] == 0
+    assert out["param_sha256_equal"]
+    assert out["samples"]["skipped"] == out["samples"]["repeated"] == 0
     assert "corrupted snap-" in " ".join(out["notes"])
 
 

@@ -42,8 +42,9 @@ def _state(seed: int = 0):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**seed)
     sampler = DistributedSampler(range(100), num_replicas=1, rank=0)
     next(iter(sampler))
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "lr_schedule": schedule.state_dict(),
-            "scaler": scaler.state_dict(), "sampler": sampler.state_dict(), "step": seed}
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "lr_schedule": schedule.state_dict(), "scaler": scaler.state_dict(),
+            "sampler": sampler.state_dict(), "step": seed}
 
 
 def _equal(a, b) -> bool:
@@ -94,7 +95,9 @@ def test_uncommitted_and_partial_snapshots_are_ignored(tmp_path):
     # ...and one that crashed while writing, in its temp directory.
     partial = tmp_path / ".tmp-snap-00000030-deadbeef"
     partial.mkdir()
-    (partial / "shared.pt").write_bytes((tmp_path / "snap-00000010" / "shared.pt").read_bytes()[:100])
+    (partial / "shared.pt").write_bytes(
+        (tmp_path / "snap-00000010" / "shared.pt").read_bytes()[:100]
+    )
     with pytest.warns(UserWarning, match="snap-00000020: .*no COMMITTED marker"):
         snap = mgr.latest()
     assert snap.step == 10 and [s.step for s in mgr.snapshots()] == [10]
@@ -134,7 +137,8 @@ def test_flipped_byte_is_detected_and_previous_used(tmp_path, victim):
     _save(mgr, 2)
     newest = mgr.latest()
     _flip_byte(newest.path / victim, at=-5 if victim == "COMMITTED" else None)  # in its digest
-    with pytest.warns(UserWarning, match=f"snap-00000002.*{victim if victim != 'COMMITTED' else ''}"):
+    named = victim if victim != "COMMITTED" else ""
+    with pytest.warns(UserWarning, match=f"snap-00000002.*{named}"):
         snap = mgr.latest()
     assert snap.step == 1
     if victim.endswith(".pt"):
@@ -142,7 +146,8 @@ def test_flipped_byte_is_detected_and_previous_used(tmp_path, victim):
             mgr.load(newest)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # without verify, only the manifest's own digest is checked
-        assert mgr.latest(verify=False).step == (1 if victim in ("manifest.json", "COMMITTED") else 2)
+        expected = 1 if victim in ("manifest.json", "COMMITTED") else 2
+        assert mgr.latest(verify=False).step == expected
 
 
 def test_keep_last_k_and_same_step_replaced(tmp_path):
@@ -164,7 +169,8 @@ def test_bad_arguments_fail_before_writing(tmp_path):
     assert mgr.latest() is None and not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="keep=0"):
         SnapshotManager(tmp_path, rank=0, world_size=1, keep=0)
-    with pytest.raises(ValueError, match=r"Invalid rank 2, rank should be in the interval \[0, 1\]"):
+    with pytest.raises(ValueError,
+                       match=r"Invalid rank 2, rank should be in the interval \[0, 1\]"):
         SnapshotManager(tmp_path, rank=2, world_size=2)
 
 
@@ -255,7 +261,8 @@ def _collective_saves(rank, world_size, root, timeout_s):
         dist.barrier()
         t = time.monotonic()
         try:
-            mgr.save(step, shared=states[step], per_rank={"rank": rank, "x": bad if rank == 1 else 0})
+            mgr.save(step, shared=states[step],
+                     per_rank={"rank": rank, "x": bad if rank == 1 else 0})
             outcomes[step] = ("committed", time.monotonic() - t)
         except SnapshotError as e:
             outcomes[step] = (str(e), time.monotonic() - t)

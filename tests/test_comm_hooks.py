@@ -137,9 +137,14 @@ def _train_with_hooks(rank, world_size, names):
         "bf16": (None, bf16_compress_hook),
         "torch_allreduce": (None, default_hooks.allreduce_hook),
         "torch_fp16": (None, default_hooks.fp16_compress_hook),
-        "torch_fp16_wrapper": (None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)),
-        "torch_powersgd": (powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                                       start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook),
+        "torch_fp16_wrapper": (
+            None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)
+        ),
+        "torch_powersgd": (
+            powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                        start_powerSGD_iter=2),
+            powerSGD_hook.powerSGD_hook,
+        ),
     }
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
@@ -150,7 +155,9 @@ def _train_with_hooks(rank, world_size, names):
         # callbacks, which races the next bucket's launch on gloo (torch's DDP hangs the same
         # way), so it gets a model that fits one bucket.
         model = _model(hidden=64 if name == "torch_powersgd" else 512)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=None if name == "torch_powersgd" else 0.004)
+        ddp = DistributedDataParallel(
+            model, bucket_cap_mb=None if name == "torch_powersgd" else 0.004
+        )
         if hook is not None:
             ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -166,7 +173,8 @@ def _train_with_hooks(rank, world_size, names):
 
 def _scenarios(world_size: int) -> dict:
     hooks = [None, "ring"] if world_size == 3 else [
-        None, "ring", "fp16", "bf16", "torch_allreduce", "torch_fp16", "torch_fp16_wrapper", "torch_powersgd"]
+        None, "ring", "fp16", "bf16", "torch_allreduce", "torch_fp16", "torch_fp16_wrapper",
+        "torch_powersgd"]
     return {"vs_all_reduce": (_hooks_vs_all_reduce, ()), "train": (_train_with_hooks, (hooks,))}
 
 
@@ -204,7 +212,8 @@ def sessions():
 
 
 # fp16 keeps ~3 significant digits, bf16 ~2; inputs are O(1) and averaged over <= 3 ranks.
-TOLERANCE = {"ring_thread_returned_early": 0, "ring_thread_late": 1e-6, "ring_all_reduce_sum": 1e-5, "allreduce_hook": 1e-6, "ring_inline": 1e-6, "ring_thread": 1e-6,
+TOLERANCE = {"ring_thread_returned_early": 0, "ring_thread_late": 1e-6, "ring_all_reduce_sum": 1e-5,
+             "allreduce_hook": 1e-6, "ring_inline": 1e-6, "ring_thread": 1e-6,
              "fp16": 2e-3, "bf16": 2e-2, "subgroup": 1e-6}
 
 
@@ -212,7 +221,9 @@ TOLERANCE = {"ring_thread_returned_early": 0, "ring_thread_late": 1e-6, "ring_al
 def test_hooks_and_ring_match_backend_all_reduce(sessions, world_size):
     for rank, out in enumerate(sessions(world_size, "vs_all_reduce")):
         for name, errors in out.items():
-            assert max(errors) <= TOLERANCE[name], f"rank {rank} {name}: errors per size {SIZES}: {errors}"
+            assert max(errors) <= TOLERANCE[name], (
+                f"rank {rank} {name}: errors per size {SIZES}: {errors}"
+            )
         # Compression must actually compress: fp16 is not bit-exact on random data.
         assert max(out["fp16"]) > 0 and max(out["bf16"]) > max(out["fp16"])
 
@@ -229,5 +240,8 @@ def test_training_with_hooks_matches_no_hook(sessions, world_size):
             for k, (p, q) in enumerate(zip(params, results[0][name], strict=True)):
                 assert torch.equal(p, q), f"{name}: replica {rank} differs from rank 0 at param {k}"
             if name in tol:
-                diff = max((p - q).abs().max().item() for p, q in zip(params, out[None], strict=True))
-                assert diff <= tol[name], f"rank {rank} {name}: max |param - no-hook param| = {diff:.2e}"
+                diff = max((p - q).abs().max().item()
+                           for p, q in zip(params, out[None], strict=True))
+                assert diff <= tol[name], (
+                    f"rank {rank} {name}: max |param - no-hook param| = {diff:.2e}"
+                )

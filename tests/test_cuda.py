@@ -158,7 +158,8 @@ def _summary(run_dir) -> dict:
     (["--strategy", "pipeline", "--pp", "2"], 1)], ids=["ddp", "zero3", "pipeline"])
 def test_ringtrain_train_two_ranks_on_one_gpu_equal_one_process(tmp_path, strategy, data_ranks):
     """The same global batch on one process and on two ranks sharing the GPU over gloo."""
-    one = _train([*TINY, "--batch-size", str(16 * data_ranks), "--device", "cuda", "--run-dir", str(tmp_path / "one")], tmp_path)
+    one = _train([*TINY, "--batch-size", str(16 * data_ranks), "--device", "cuda",
+                  "--run-dir", str(tmp_path / "one")], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     two = _train([*TINY, *strategy, "--nproc-per-node", "2", "--backend", "gloo", "--device",
                   "cuda", "--run-dir", str(tmp_path / "two")], tmp_path)

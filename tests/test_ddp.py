@@ -30,7 +30,9 @@ B = 4  # samples per rank
 def _mlp(seed: int = 0) -> nn.Module:
     # The 512x512 weight is exactly 1 MiB: a solo bucket reduced in place; the rest is coalesced.
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 3))
+    return nn.Sequential(
+        nn.Linear(6, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 3)
+    )
 
 
 def _data(n: int, seed: int = 123) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +53,9 @@ def _pg1() -> dist.ProcessGroup:
 def _assert_close(a: list[torch.Tensor], b: list[torch.Tensor], what: str, rtol=1e-5, atol=1e-6):
     assert len(a) == len(b), what
     for k, (x, y) in enumerate(zip(a, b, strict=True)):
-        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} #{k}: {m}")
+        torch.testing.assert_close(
+            x, y, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} #{k}: {m}"
+        )
 
 
 # ---- pure: bucket plan and GradBucket ------------------------------------------------------
@@ -66,7 +70,9 @@ def test_bucket_plan_reverse_order_small_first_bucket_and_cap():
 def test_bucket_plan_solo_tensors_and_kinds_never_mix():
     sizes = [100, 5000, 100, 100, 5000]
     keys = ["f32", "f32", "f16", "f32", "f32"]
-    plan = assign_buckets(sizes, keys, bucket_cap_bytes=10_000, first_bucket_bytes=10_000, solo_bytes=4000)
+    plan = assign_buckets(
+        sizes, keys, bucket_cap_bytes=10_000, first_bucket_bytes=10_000, solo_bytes=4000
+    )
     assert [4] in plan and [1] in plan
     assert [2] in plan and [3, 0] in plan  # the f16 tensor is alone in its kind
     assert plan.index([4]) < plan.index([1])  # ordered by when the last member is produced
@@ -112,8 +118,9 @@ def test_torch_surface_one_rank():
 
     ours = inspect.signature(DistributedDataParallel.__init__).parameters
     theirs = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
-    for name in ("module", "device_ids", "output_device", "dim", "broadcast_buffers", "process_group",
-                 "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view", "static_graph"):
+    for name in ("module", "device_ids", "output_device", "dim", "broadcast_buffers",
+                 "process_group", "bucket_cap_mb", "find_unused_parameters",
+                 "gradient_as_bucket_view", "static_graph"):
         mine, torchs = ours[name].default, theirs[name].default
         if name == "broadcast_buffers":  # torch >= 2.13 says None, 2.11 True: both mean True
             mine, torchs = (True if v is None else v for v in (mine, torchs))
@@ -135,9 +142,13 @@ def test_torch_surface_one_rank():
         ddp = DistributedDataParallel(model, process_group=_pg1(), gradient_as_bucket_view=as_view)
         nn.functional.mse_loss(ddp(x), y).backward()
         flat = next(b.flat for b in ddp.reducer.buckets if len(b.members) > 1)
-        inside = [flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.nbytes for p in model.parameters()]
-        assert inside == [as_view, as_view, False, as_view, as_view, as_view]  # #2 is the solo 1 MiB weight
-        _assert_close([p.grad for p in model.parameters()], grads, f"as_view={as_view}", rtol=0, atol=0)
+        inside = [flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.nbytes
+                  for p in model.parameters()]
+        # #2 is the solo 1 MiB weight
+        assert inside == [as_view, as_view, False, as_view, as_view, as_view]
+        _assert_close(
+            [p.grad for p in model.parameters()], grads, f"as_view={as_view}", rtol=0, atol=0
+        )
     with pytest.raises(RuntimeError, match="only be called once"):
         ddp.register_comm_hook(None, lambda s, b: None)
         ddp.register_comm_hook(None, lambda s, b: None)
@@ -169,7 +180,9 @@ def _train_equivalence(rank, world_size, bucket_cap_mb):
             "ours": lambda m: DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb),
             "ours_view": lambda m: DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb,
                                                            gradient_as_bucket_view=True),
-            "torch": lambda m: torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb),
+            "torch": lambda m: torch.nn.parallel.DistributedDataParallel(
+                m, bucket_cap_mb=bucket_cap_mb
+            ),
             "naive": NaiveDistributedDataParallel,
             "single": None,  # one process on the concatenated batch
         }
@@ -202,11 +215,13 @@ def test_matches_single_process_and_torch_ddp(sessions, world_size):
         for opt_name in _optimizers():
             ref = out[f"{opt_name}/single"]
             for name in ("ours", "ours_view", "torch", "naive"):
-                _assert_close(out[f"{opt_name}/{name}"], ref, f"rank {rank} {opt_name} {name} vs 1 process",
-                              **tol[opt_name])
-            _assert_close(out[f"{opt_name}/ours"], out[f"{opt_name}/torch"], f"rank {rank} {opt_name} vs torch",
-                          **tol[opt_name])
-        _assert_close(out["sgd/ours"], results[0]["sgd/ours"], f"rank {rank} replica", rtol=0, atol=0)
+                _assert_close(out[f"{opt_name}/{name}"], ref,
+                              f"rank {rank} {opt_name} {name} vs 1 process", **tol[opt_name])
+            _assert_close(out[f"{opt_name}/ours"], out[f"{opt_name}/torch"],
+                          f"rank {rank} {opt_name} vs torch", **tol[opt_name])
+        _assert_close(
+            out["sgd/ours"], results[0]["sgd/ours"], f"rank {rank} replica", rtol=0, atol=0
+        )
 
 
 class _TwoHeads(nn.Module):
@@ -227,7 +242,8 @@ class _TwoHeads(nn.Module):
 def _no_sync(rank, world_size):
     # Two micro-batches per rank: the first (no_sync) uses head_a, the second (synced) head_b.
     x_all, y_all = _data(2 * world_size * B)
-    mine = [(x_all[(2 * rank + k) * B:(2 * rank + k + 1) * B], y_all[(2 * rank + k) * B:(2 * rank + k + 1) * B])
+    mine = [(x_all[(2 * rank + k) * B:(2 * rank + k + 1) * B],
+             y_all[(2 * rank + k) * B:(2 * rank + k + 1) * B])
             for k in range(2)]
     ddp = DistributedDataParallel(_TwoHeads())
     with ddp.no_sync():
@@ -257,8 +273,8 @@ def test_no_sync_accumulates_locally_then_equals_unsplit_batch(sessions):
         assert [n for n, g in zip(names, out["local"], strict=True) if g is None] == [
             "head_b.weight", "head_b.bias"]  # head_b untouched under no_sync
         local = [g for g in out["local"] if g is not None]
-        _assert_close(local, [g for g in out["solo"] if g is not None], f"rank {rank} no_sync is local",
-                      rtol=0, atol=0)
+        _assert_close(local, [g for g in out["solo"] if g is not None],
+                      f"rank {rank} no_sync is local", rtol=0, atol=0)
 
 
 class _Branchy(nn.Module):
@@ -285,7 +301,9 @@ class _Branchy(nn.Module):
 _UNUSED_VARIANTS = {"tail": (False, False), "mask": (True, False), "hook": (False, True)}
 
 
-def _wrap(model, find_unused: bool, hook: bool, cls=DistributedDataParallel, static_graph: bool = False):
+def _wrap(
+    model, find_unused: bool, hook: bool, cls=DistributedDataParallel, static_graph: bool = False
+):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     if static_graph:  # torch: the set of unused parameters is fixed; no need to say find_unused
@@ -331,10 +349,13 @@ def test_unused_parameters_raise_on_every_rank_with_names_and_fix(sessions):
         assert len(e0) == len(e1) == 2, (variant, e0, e1)
         assert e0[0].startswith("rank 0: 2 parameter(s) got no gradient in this backward: "
                                 "['extra.weight', 'extra.bias']"), (variant, e0[0])
-        assert e1[0].startswith("rank 1: ranks [0] had parameters that got no gradient"), (variant, e1[0])
+        assert e1[0].startswith(
+            "rank 1: ranks [0] had parameters that got no gradient"
+        ), (variant, e1[0])
         assert "'extra.weight'" in e1[0]
         for e in (e0[1], e1[1]):
-            assert "['never.weight', 'never.bias']" in e and "extra" not in e.split(".")[0], (variant, e)
+            assert "['never.weight', 'never.bias']" in e, (variant, e)
+            assert "extra" not in e.split(".")[0], (variant, e)
         assert all("find_unused_parameters=True" in e for e in e0 + e1)
         torch.testing.assert_close(g0[variant], g1[variant], rtol=0, atol=0)
 
@@ -343,7 +364,10 @@ def _unused_handled(rank, world_size):
     x, y = _data(B, seed=rank)
     out = {}
     for variant, (big_first, hook) in {**_UNUSED_VARIANTS, "static_graph": (False, False)}.items():
-        for name, cls in (("ours", DistributedDataParallel), ("torch", torch.nn.parallel.DistributedDataParallel)):
+        for name, cls in (
+            ("ours", DistributedDataParallel),
+            ("torch", torch.nn.parallel.DistributedDataParallel),
+        ):
             model = _Branchy(big_first)
             ddp = _wrap(model, True, hook, cls, static_graph=variant == "static_graph")
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -365,14 +389,19 @@ def test_unused_parameters_handled_like_torch_when_asked(sessions):
             _assert_close(out[f"{v}/ours"], out[f"{v}/torch"], f"rank {rank} {v} params")
             for step in range(3):
                 ours, theirs = out[f"{v}/ours/grads{step}"], out[f"{v}/torch/grads{step}"]
-                assert [g is None for g in ours] == [g is None for g in theirs]  # `never` keeps None
-                _assert_close([g for g in ours if g is not None], [g for g in theirs if g is not None],
+                # `never` keeps None
+                assert [g is None for g in ours] == [g is None for g in theirs]
+                _assert_close([g for g in ours if g is not None],
+                              [g for g in theirs if g is not None],
                               f"rank {rank} {v} step {step} grads")
 
 
 def _batchnorm(rank, world_size, broadcast_buffers):
     out = {}
-    for name, cls in (("ours", DistributedDataParallel), ("torch", torch.nn.parallel.DistributedDataParallel)):
+    for name, cls in (
+        ("ours", DistributedDataParallel),
+        ("torch", torch.nn.parallel.DistributedDataParallel),
+    ):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
         ddp = cls(model, broadcast_buffers=broadcast_buffers)
@@ -390,7 +419,9 @@ def _batchnorm(rank, world_size, broadcast_buffers):
         # not the one after the no_grad forward above, nor those after no_sync forwards.
         model.train()
         snapshots = []
-        model.register_forward_pre_hook(lambda m, a, s=snapshots: s.append([b.clone() for b in m.buffers()]))
+        model.register_forward_pre_hook(
+            lambda m, a, s=snapshots: s.append([b.clone() for b in m.buffers()])
+        )
         with ddp.no_sync():
             for k in range(2):
                 ddp(_data(B, seed=100 + 10 * k + rank)[0]).sum().backward()
@@ -422,7 +453,8 @@ def _mismatch(rank, world_size):
     variants = {
         "shape": nn.Linear(4, 6 if rank == 0 else 5),
         "dtype": nn.Linear(4, 4).to(torch.float64 if rank == 1 else torch.float32),
-        "name": nn.Sequential(nn.Linear(4, 4)) if rank == 0 else nn.Sequential(nn.Identity(), nn.Linear(4, 4)),
+        "name": (nn.Sequential(nn.Linear(4, 4)) if rank == 0
+                 else nn.Sequential(nn.Identity(), nn.Linear(4, 4))),
     }
     messages = {}
     for what, module in variants.items():
@@ -435,7 +467,8 @@ def _mismatch(rank, world_size):
 
 def test_replica_mismatch_names_parameter_and_ranks(sessions):
     for m in sessions(2, "mismatch"):
-        assert "'weight' shape=[6, 4]" in m["shape"] and "ranks [1] have 'weight' shape=[5, 4]" in m["shape"]
+        assert "'weight' shape=[6, 4]" in m["shape"]
+        assert "ranks [1] have 'weight' shape=[5, 4]" in m["shape"]
         assert "dtype=float64" in m["dtype"] and "ranks [0]" in m["dtype"]
         assert "'0.weight'" in m["name"] and "'1.weight'" in m["name"]
 
@@ -553,7 +586,8 @@ def _rebuild(rank, world_size):
     ddp = DistributedDataParallel(_Reversed(events))
 
     def spy(state, bucket):
-        events.append(f"launch {[n for n, p in ddp.module.named_parameters() if p is bucket.parameters()[0]][0]}")
+        first = bucket.parameters()[0]
+        events.append(f"launch {[n for n, p in ddp.module.named_parameters() if p is first][0]}")
         return allreduce_hook(state, bucket)
 
     ddp.register_comm_hook(None, spy)
@@ -597,7 +631,9 @@ class _Checkpointed(nn.Module):
         if self.mode.startswith("all_checkpointed"):
             return checkpoint(lambda t: self.last(self.first(t)), x, use_reentrant=True)
         h = self.first(x)
-        return checkpoint(self.last, h, use_reentrant=True) if self.mode == "checkpointed" else self.last(h)
+        if self.mode == "checkpointed":
+            return checkpoint(self.last, h, use_reentrant=True)
+        return self.last(h)
 
 
 def _reentrant(rank, world_size):
@@ -609,7 +645,9 @@ def _reentrant(rank, world_size):
         model = _Checkpointed(mode)
         # The last one: once the nested backward ends, `unused` is still pending and no later
         # gradient marks the end of the outer backward; the next forward says so.
-        ddp = DistributedDataParallel(model, find_unused_parameters=mode == "all_checkpointed_unused")
+        ddp = DistributedDataParallel(
+            model, find_unused_parameters=mode == "all_checkpointed_unused"
+        )
         try:
             for _ in range(2):
                 nn.functional.mse_loss(ddp(x.clone().requires_grad_()), y).backward()
@@ -622,8 +660,10 @@ def _reentrant(rank, world_size):
 def test_reentrant_checkpoint_is_synced_or_refused(sessions):
     for rank, out in enumerate(sessions(2, "reentrant")):
         _assert_close(out["checkpointed"], out["plain"], f"rank {rank} reentrant checkpoint grads")
-        _assert_close(out["all_checkpointed"], out["plain"], f"rank {rank} all under a reentrant checkpoint")
-        assert "use_reentrant=False" in out["all_checkpointed_unused"], out["all_checkpointed_unused"]
+        _assert_close(out["all_checkpointed"], out["plain"],
+                      f"rank {rank} all under a reentrant checkpoint")
+        unused = out["all_checkpointed_unused"]
+        assert "use_reentrant=False" in unused, unused
 
 
 def _sync_outside_backward(rank, world_size):
@@ -694,9 +734,12 @@ def _lanes(rank, world_size):
     except ValueError as e:
         errors.append(str(e))
     return {"grads": grads, "one": lanes[1] == [dist.group.WORLD],
-            "three_distinct": len({id(g) for g in lanes[3]}) == 3 and lanes[3][0] == dist.group.WORLD,
+            "three_distinct": (len({id(g) for g in lanes[3]}) == 3
+                               and lanes[3][0] == dist.group.WORLD),
             "shared": [id(g) for g in again] == [id(g) for g in lanes[3]],
-            "subgroup_default": len(DistributedDataParallel(_mlp(), process_group=sub).reducer.lanes),
+            "subgroup_default": len(
+                DistributedDataParallel(_mlp(), process_group=sub).reducer.lanes
+            ),
             "buckets": len(ddp.reducer.buckets), "errors": errors}
 
 
@@ -706,7 +749,8 @@ def test_comm_lanes_give_the_same_gradients(sessions):
         _assert_close(out["grads"][3], out["grads"][1], f"rank {rank} 3 lanes vs 1", rtol=0, atol=0)
         assert out["one"] and out["three_distinct"] and out["shared"], out
         assert out["subgroup_default"] == 1
-        assert "comm_lanes=0: the number of communication lanes must be an integer >= 1" in out["errors"][0]
+        assert ("comm_lanes=0: the number of communication lanes must be an integer >= 1"
+                in out["errors"][0])
         assert "comm_lanes=2.5" in out["errors"][1]
         assert "comm_lanes=2 needs the world group" in out["errors"][2], out["errors"]
 
@@ -755,7 +799,8 @@ def sessions():
     started: dict[tuple[int, str], list | Exception] = {}
 
     def results(world_size: int, name: str) -> list:
-        key = next(k for k, scenarios in _GROUPS.items() if k[0] == world_size and name in scenarios)
+        key = next(k for k, scenarios in _GROUPS.items()
+                   if k[0] == world_size and name in scenarios)
         if key not in started:
             try:
                 started[key] = run_workers(_session, world_size, args=(key[1],), timeout_s=120)

@@ -23,6 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.distributed.algorithms.join import Join
 
 from ringtrain.data.sampler import DistributedSampler
+from ringtrain.ddp.ctor_args import DDPArgumentError
 from ringtrain.ddp.distributed import DistributedDataParallel
 from ringtrain.testing import run_workers
 
@@ -97,7 +98,8 @@ def _sampler(rank, world_size, cls):
     # rank 1 gets 3. Two epochs, each under its own join(); buffers synced from the highest rank
     # still training; a small bucket cap for several buckets.
     g = torch.Generator().manual_seed(7)
-    data = torch.utils.data.TensorDataset(torch.randn(13, 6, generator=g), torch.randn(13, 3, generator=g))
+    x, y = torch.randn(13, 6, generator=g), torch.randn(13, 3, generator=g)
+    data = torch.utils.data.TensorDataset(x, y)
     sampler = DistributedSampler(data, exact=True, seed=3)
     loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
     torch.manual_seed(0)
@@ -137,7 +139,8 @@ def _many_buckets(rank, world_size, cls):
     # broadcast), then 2 steps against rank 1's 5; a 1 MiB weight (a solo bucket, reduced in
     # place) among small ones; no_sync every third step.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 3))
+    model = nn.Sequential(nn.Linear(6, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                          nn.Linear(512, 3))
     net = cls(model, bucket_cap_mb=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     grads = []
@@ -246,8 +249,26 @@ SCENARIOS = {
 }
 
 
-def _session(rank, world_size):
+def _refused(rank, world_size):
+    # Arguments whose collectives a joined rank cannot know: refused when the Join is built, on
+    # every rank, before any collective (torch's DDP shadows neither and hangs).
     out = {}
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    for arg, value in (("skip_all_reduce_unused_params", True),
+                       ("delay_all_reduce_named_params", [("0.weight", model[0].weight)])):
+        extra = {"param_to_hook_all_reduce": model[1].weight} if arg.startswith("delay") else {}
+        net = DistributedDataParallel(model, **{arg: value}, **extra)
+        try:
+            with net.join():
+                pass
+            out[arg] = None
+        except DDPArgumentError as e:
+            out[arg] = str(e)
+    return out
+
+
+def _session(rank, world_size):
+    out = {"refused": _refused(rank, world_size)}
     for name, fn in SCENARIOS.items():
         for which, cls in CLASSES.items():
             try:
@@ -263,6 +284,8 @@ def results():
     per_rank = run_workers(_session, 2, timeout_s=180)
 
     def get(name: str) -> list[dict]:
+        if name == "refused":
+            return [out[name] for out in per_rank]
         values = []
         for rank, out in enumerate(per_rank):
             for which in CLASSES:
@@ -338,7 +361,8 @@ def test_throw_on_early_termination(results):
         _same(out["ours"], out["torch"], f"rank {rank} vs torch")
     assert r1["ours"]["done"] == r0["ours"]["done"] == 3
     assert r1["ours"]["error"] == "Rank 1 exhausted all inputs."
-    assert r0["ours"]["error"] == "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+    assert r0["ours"]["error"] == ("Detected at least one rank that exhausted inputs. "
+                                   "Throwing across all ranks.")
     _same(r0["ours"]["state"], r1["ours"]["state"], "model across ranks")
 
 
@@ -350,3 +374,11 @@ def test_exception_propagates_and_join_disabled(results):
         assert out["ours"]["enabled"] is False
         assert out["ours"]["grads"] == [0.5] * 3  # inputs 0 and 1: averaged over 2 ranks
     _same(r0["ours"]["state"], r1["ours"]["state"], "model across ranks after Join([ddp])")
+
+
+def test_join_refuses_arguments_a_joined_rank_cannot_shadow(results):
+    for out in results("refused"):
+        assert out["skip_all_reduce_unused_params"] is not None
+        assert "which buckets the training ranks skip" in out["skip_all_reduce_unused_params"]
+        delayed = out["delay_all_reduce_named_params"]
+        assert delayed is not None and "where in backward the delayed all-reduce goes" in delayed

@@ -87,7 +87,8 @@ def test_one_all_reduce_per_iteration_for_one_bucket_as_torch(profiled):
 
 def test_one_all_reduce_per_bucket_with_a_solo_bucket(profiled):
     for out in profiled:
-        assert out["mlp", "ours"] == (12, True), out["mlp", "ours"]  # 2 buckets, no status of its own
+        # 2 buckets, no status of its own
+        assert out["mlp", "ours"] == (12, True), out["mlp", "ours"]
 
 
 def test_unused_parameter_search_is_recorded_as_in_torch(profiled):
@@ -113,7 +114,8 @@ def test_status_carrier_is_moved_last_only_when_cheap():
     assert status_carrier_last([[3, 2], [0]], [500, 8, 8, 8], f32, world_size=2,
                                solo_bytes=100) == ([[0], [3, 2]], True)
     # A one-member bucket below solo_bytes carries it (it is then copied, not reduced in place).
-    assert status_carrier_last([[0]], [400], f32[:1], world_size=2, solo_bytes=1 << 20) == ([[0]], True)
+    assert status_carrier_last([[0]], [400], f32[:1], world_size=2,
+                               solo_bytes=1 << 20) == ([[0]], True)
     # Too large to delay, or no dtype that sums the world size exactly: a separate all-reduce.
     assert status_carrier_last([[3, 2], [0]], [500, 8, 8, 8], f32, world_size=2, solo_bytes=100,
                                max_delay_bytes=10) == ([[3, 2], [0]], False)

@@ -87,10 +87,14 @@ def test_matching_calls_run_as_usual(results):
 
 
 @pytest.mark.parametrize("case, first, second", [
-    ("shape", r"rank 0 calls all_reduce\(\(4,\) float32\)", r"rank 1 calls all_reduce\(\(5,\) float32\)"),
-    ("op", r"rank 0 calls all_reduce\(\(2,\) float32\) reduce_op=", r"rank 1 calls broadcast\(\(2,\) float32\) src=0"),
-    ("dtype", r"rank 0 calls all_reduce\(\(2,\) float32\)", r"rank 1 calls all_reduce\(\(2,\) int64\)"),
-    ("agreement", r"rank 0 calls all_reduce\(\(2,\) float64\)", r"rank 1 calls all_reduce\(\(3,\) float64\)"),
+    ("shape", r"rank 0 calls all_reduce\(\(4,\) float32\)",
+     r"rank 1 calls all_reduce\(\(5,\) float32\)"),
+    ("op", r"rank 0 calls all_reduce\(\(2,\) float32\) reduce_op=",
+     r"rank 1 calls broadcast\(\(2,\) float32\) src=0"),
+    ("dtype", r"rank 0 calls all_reduce\(\(2,\) float32\)",
+     r"rank 1 calls all_reduce\(\(2,\) int64\)"),
+    ("agreement", r"rank 0 calls all_reduce\(\(2,\) float64\)",
+     r"rank 1 calls all_reduce\(\(3,\) float64\)"),
 ])
 def test_a_mismatch_raises_on_every_rank_naming_both_calls(results, case, first, second):
     for r in results:
@@ -106,7 +110,8 @@ def test_a_mismatch_raises_on_every_rank_naming_both_calls(results, case, first,
 def test_a_rank_that_skips_a_call_is_named_with_its_last_call(results):
     msg = results[0]["skip"]
     assert msg is not None, results
-    assert "rank 0 calls all_reduce((2,) float32)" in msg and "rank 1 did not reach it within 2 s" in msg
+    assert "rank 0 calls all_reduce((2,) float32)" in msg
+    assert "rank 1 did not reach it within 2 s" in msg
     assert "rank 1's last collective was #1: barrier()" in msg
     assert results[1]["skip"] is None  # the rank that skipped is not waiting anywhere
 

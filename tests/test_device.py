@@ -44,7 +44,8 @@ def test_the_cpu_asked_for_never_asks_for_gpus():
 def test_an_argument_wins_over_the_environment_which_wins_over_auto():
     env = {DEVICE_ENV: "cpu", "RINGTRAIN_BACKEND": "gloo"}
     assert choose(None, None, env=env, gpus=_gpus(1)) == Placement("gloo", torch.device("cpu"))
-    assert choose(None, "cuda", env=env, gpus=_gpus(1)) == Placement("gloo", torch.device("cuda", 0))
+    assert (choose(None, "cuda", env=env, gpus=_gpus(1))
+            == Placement("gloo", torch.device("cuda", 0)))
 
 
 def test_more_nccl_processes_than_gpus_is_one_clear_error():
@@ -87,7 +88,9 @@ def test_ringtrain_train_refuses_two_nccl_ranks_on_one_gpu_before_any_worker_sta
     assert "--nproc-per-node 1" in err and "--backend gloo --device cuda" in err
 
 
-def test_ringtrain_train_with_the_cpu_asked_for_starts_on_a_gpu_box(monkeypatch, clean_env, tmp_path):
+def test_ringtrain_train_with_the_cpu_asked_for_starts_on_a_gpu_box(
+    monkeypatch, clean_env, tmp_path
+):
     """--device cpu on a box that has GPUs: gloo, CPU tensors, no GPU count needed."""
     from ringtrain.cli.train import main
 

@@ -99,7 +99,8 @@ def _snapshots(run_dir: Path) -> list[str]:
 @pytest.fixture()
 def not_launched(monkeypatch):
     """`main()` in this process as a user's shell would run it: not a launched worker."""
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+              "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(v, raising=False)
 
 
@@ -108,7 +109,8 @@ def test_unusable_run_dir_is_one_line_and_exit_2(tmp_path, capsys, not_launched,
     (tmp_path / "afile").write_text("not a directory")
     run_dir, expected = {
         "file": (tmp_path / "afile", "it is a file, not a directory"),
-        "under_file": (tmp_path / "afile" / "sub", f"{tmp_path / 'afile'} is a file, not a directory"),
+        "under_file": (tmp_path / "afile" / "sub",
+                       f"{tmp_path / 'afile'} is a file, not a directory"),
         "proc": (Path("/proc/forbidden"), "cannot create it in /proc"),
     }[where]
     assert main([*RUN, "--run-dir", str(run_dir)]) == 2
@@ -122,8 +124,9 @@ def test_read_only_run_dir_is_one_line_and_exit_2(tmpfs, capsys, not_launched):
     run_dir = tmpfs("1m", read_only=True)
     assert main([*RUN, "--run-dir", str(run_dir)]) == 2
     err = capsys.readouterr().err
-    assert err == (f"ringtrain train: error: --run-dir {run_dir}: cannot write in it (Read-only file "
-                   "system); choose a directory you can write to, e.g. --run-dir runs/mine\n")
+    assert err == (f"ringtrain train: error: --run-dir {run_dir}: cannot write in it "
+                   "(Read-only file system); choose a directory you can write to, "
+                   "e.g. --run-dir runs/mine\n")
 
 
 def test_full_run_dir_is_refused_naming_the_free_space(tmpfs, capsys, not_launched):
@@ -132,7 +135,8 @@ def test_full_run_dir_is_refused_naming_the_free_space(tmpfs, capsys, not_launch
     assert main([*RUN, "--run-dir", str(disk / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ringtrain train: error: no space left on device for --run-dir "
-                          f"{disk / 'run'} (0.0 MB free of 1.0 MB; a run needs at least 1.0 MB)"), err
+                          f"{disk / 'run'} (0.0 MB free of 1.0 MB; "
+                          "a run needs at least 1.0 MB)"), err
     assert len(err.splitlines()) == 1
 
 
@@ -256,10 +260,12 @@ def _mixed_failures(rank, world_size, root):
     manager.save(1, shared={"x": 1}, per_rank={"rank": rank})
     kinds = []
     # (rank 0's error, rank 1's error): a full disk on either rank stops both; EIO alone does not.
-    for step, codes in ((2, (None, errno.ENOSPC)), (3, (errno.EIO, errno.ENOSPC)), (4, (None, errno.EIO))):
+    for step, codes in ((2, (None, errno.ENOSPC)), (3, (errno.EIO, errno.ENOSPC)),
+                        (4, (None, errno.EIO))):
         bad = codes[rank]
         try:
-            manager.save(step, shared={"x": 1}, per_rank={"x": _FailsWhilePickled(bad) if bad else 0})
+            manager.save(step, shared={"x": 1},
+                         per_rank={"x": _FailsWhilePickled(bad) if bad else 0})
             kinds.append("committed")
         except SnapshotNoSpaceError:
             kinds.append("no space")
@@ -292,7 +298,8 @@ def test_full_disk_at_the_end_is_a_message_not_a_traceback(tmpfs, monkeypatch):
     rt = init_distributed()
     try:
         model = GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=2, n_embd=16)
-        cfg = TrainerConfig(steps=6, batch_size=8, seed=0, progress=False, log_every=1, eval_every=6)
+        cfg = TrainerConfig(steps=6, batch_size=8, seed=0, progress=False, log_every=1,
+                            eval_every=6)
         trainer = Trainer(make_strategy("ddp", runtime=rt), rt, lambda: GPT(model),
                           AdditionDataset("train", 1), Subset(AdditionDataset("test", 1), range(5)),
                           loss_fn, cfg, run_dir=str(disk / "run"), snapshot_every=0)

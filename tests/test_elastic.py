@@ -113,7 +113,8 @@ def _check_rest_of_epoch(per_rank_seen: list[list[int]], per_rank_step: int):
     for step in range(STOP, STEPS):
         got = sorted(i for seen in per_rank_seen
                      for i in seen[(step - STOP) * per_rank_step:(step - STOP + 1) * per_rank_step])
-        assert got == sorted(order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]), f"step {step + 1}"
+        expected = sorted(order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
+        assert got == expected, f"step {step + 1}"
     everything = sorted(i for seen in per_rank_seen for i in seen)
     assert everything == sorted(order[STOP * GLOBAL_BATCH:]), "not every remaining sample once"
 
@@ -144,8 +145,10 @@ def test_two_ranks_to_one(stopped, single_process, caplog):
     assert (trainer.config.batch_size, trainer.config.grad_accum) == (6, 2)  # kept the batch size
     _check_rest_of_epoch([trainer.train_set.seen], per_rank_step=12)
     _close_to_reference(summary, outs[0][0])
-    assert "keeping the global batch of 12 on 1 data ranks: batch_size 6 x grad_accum 2" in caplog.text
-    assert "written by world_size=2, this run has world_size=1" in caplog.text  # fresh RNG, said once
+    assert ("keeping the global batch of 12 on 1 data ranks: batch_size 6 x grad_accum 2"
+            in caplog.text)
+    # A fresh RNG, said once.
+    assert "written by world_size=2, this run has world_size=1" in caplog.text
     assert caplog.text.count("seeded afresh") == 1
 
 
@@ -156,10 +159,13 @@ def test_pipeline_resumes_exactly_on_the_same_topology(stopped):
         assert resumed["param_sha256"] == pipeline_ref and resumed["resumed_from_step"] == [STOP]
 
 
-def test_state_that_cannot_be_resharded_fails_at_load_naming_both_world_sizes(stopped, single_process):
+def test_state_that_cannot_be_resharded_fails_at_load_naming_both_world_sizes(
+    stopped, single_process
+):
     root, _ = stopped
     trainer = make_trainer(single_process, root / "pipeline", strategy="pipeline", pp=1)
-    with pytest.raises(SnapshotError, match=r"world_size=2 .*this run has world_size=1.*cannot be resharded"):
+    with pytest.raises(SnapshotError,
+                       match=r"world_size=2 .*this run has world_size=1.*cannot be resharded"):
         trainer.fit()
 
 
@@ -175,7 +181,8 @@ def test_state_that_cannot_be_resharded_fails_at_load_naming_both_world_sizes(st
 ])
 def test_elastic_batch_keeps_the_global_batch(global_batch, world_size, batch_size, expected):
     if expected is None:
-        with pytest.raises(ValueError, match=r"global batch of 30 .*on 2 data ranks\) on 4 data ranks.*e\.g\. 1, 2, 3, 5"):
+        with pytest.raises(ValueError, match=r"global batch of 30 .*on 2 data ranks\) "
+                                             r"on 4 data ranks.*e\.g\. 1, 2, 3, 5"):
             elastic_batch(global_batch, world_size, batch_size, saved_data_world_size=2)
         return
     b, a = elastic_batch(global_batch, world_size, batch_size, saved_data_world_size=2)
@@ -186,4 +193,5 @@ def test_config_differences_name_each_option():
     saved = {"lr": 0.003, "n_layer": 2, "data": None}
     assert config_differences(saved, {"lr": 0.003, "n_layer": 2, "data": None}) == []
     diffs = config_differences(saved, {"lr": 0.001, "n_layer": 2, "data": None, "seed": 1})
-    assert diffs == ["--lr 0.003 in the snapshot, 0.001 now", "--seed (unset) in the snapshot, 1 now"]
+    assert diffs == ["--lr 0.003 in the snapshot, 0.001 now",
+                     "--seed (unset) in the snapshot, 1 now"]

@@ -1,4 +1,5 @@
-"""Which launcher started a process, from its environment alone (`ringtrain.launch.environments`)."""
+"""Which launcher started a process, from its environment alone
+(`ringtrain.launch.environments`)."""
 
 import logging
 
@@ -34,20 +35,23 @@ def test_nothing_set_is_one_process():
     assert detect({"PATH": "/bin", "SLURM_JOB_ID": "5"}) == SINGLE  # an salloc shell: no task
 
 
-@pytest.mark.parametrize("extra,name", [({}, "torchrun"), ({"RINGTRAIN_LAUNCHER_PID": "12"}, "ringtrain run"),
+@pytest.mark.parametrize("extra,name", [({}, "torchrun"),
+                                        ({"RINGTRAIN_LAUNCHER_PID": "12"}, "ringtrain run"),
                                         ({"TORCHX_RANK0_HOST": "localhost"}, "torchx")])
 def test_torchrun_family(extra, name):
     assert detect({**TORCHRUN, **extra}) == Environment(name, 3, 4, 1, "10.0.0.1", 29500)
 
 
 def test_torchrun_wins_over_the_slurm_task_that_started_it():
-    # `srun --ntasks-per-node=1 ringtrain run ...`: SLURM_PROCID is the launcher's, not the worker's.
+    # `srun --ntasks-per-node=1 ringtrain run ...`: SLURM_PROCID is the launcher's, not the
+    # worker's.
     assert detect({**SLURM, **TORCHRUN}).name == "torchrun"
 
 
 def test_torchrun_missing_variables_listed_together():
     env = {k: v for k, v in TORCHRUN.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    with pytest.raises(DistributedInitError, match=r"under torchrun: MASTER_ADDR, MASTER_PORT not set"):
+    with pytest.raises(DistributedInitError,
+                       match=r"under torchrun: MASTER_ADDR, MASTER_PORT not set"):
         detect(env)
 
 
@@ -63,7 +67,8 @@ def test_by_hand_missing_variables_and_the_command_that_sets_them():
     ({"RANK": "2", "WORLD_SIZE": "2"}, r"Invalid rank 2, .*\[0, 1\]"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "world_size=0"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is outside 1..65535"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"},
+     r"MASTER_PORT=70000 is outside 1..65535"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not a port"),
 ])
 def test_by_hand_bad_values(env, match):
@@ -104,7 +109,8 @@ def test_slurm_batch_script_itself_is_refused():
 @pytest.mark.parametrize("env,match", [
     ({"SLURM_NTASKS": None}, "SLURM_NTASKS not set.*srun"),
     ({"SLURM_PROCID": "5"}, r"Invalid rank 5.*\(slurm\)"),
-    ({"SLURM_JOB_NODELIST": "node[01-"}, "SLURM_JOB_NODELIST: node list 'node\\[01-'.*never closed"),
+    ({"SLURM_JOB_NODELIST": "node[01-"},
+     "SLURM_JOB_NODELIST: node list 'node\\[01-'.*never closed"),
     ({"SLURM_JOB_NODELIST": None}, "no node list.*MASTER_ADDR"),
     ({"SLURM_JOB_ID": None}, "no MASTER_PORT and no SLURM_JOB_ID"),
 ])
@@ -118,7 +124,9 @@ def test_contradicting_launchers_are_named_together():
     with pytest.raises(DistributedInitError, match=r"RANK=0 WORLD_SIZE=2 disagree with slurm's "
                        r"SLURM_PROCID=1 SLURM_NTASKS=2: unset RANK and WORLD_SIZE"):
         detect({**SLURM, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
-    agreeing = detect({**SLURM, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
+    agreeing = detect(
+        {**SLURM, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}
+    )
     assert (agreeing.rank, agreeing.world_size) == (1, 2)
 
 
@@ -172,8 +180,8 @@ def test_existing_group_names_ray():
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
-              "ACCELERATE_TORCH_DEVICE"):
+    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+              "TORCHELASTIC_RUN_ID", "ACCELERATE_TORCH_DEVICE"):
         monkeypatch.delenv(v, raising=False)
     yield monkeypatch
     destroy_distributed()

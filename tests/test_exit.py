@@ -45,7 +45,9 @@ def cpu_burners(n: int = 2) -> Iterator[None]:
             p.wait()
 
 
-def _run_all(commands: list[list[str]], timeout_s: float, parallel: int = 2) -> list[tuple[int, str]]:
+def _run_all(
+    commands: list[list[str]], timeout_s: float, parallel: int = 2
+) -> list[tuple[int, str]]:
     """Run the commands, `parallel` at a time; (exit code, output) of each, in order."""
     results: list[tuple[int, str] | None] = [None] * len(commands)
     pending = list(enumerate(commands))
@@ -73,7 +75,8 @@ def _run_all(commands: list[list[str]], timeout_s: float, parallel: int = 2) -> 
 def test_every_exit_path_of_a_user_script_is_clean_under_load():
     runs = 25 if FULL else 1  # 4 launches under 2 burners; before the fix 1 in 3 aborted
     paths = ["torch_destroy", "rt_destroy", "none", "raise"]
-    commands = [[*TORCHRUN, str(SCRIPTS / "exit_paths.py"), path] for path in paths for _ in range(runs)]
+    commands = [[*TORCHRUN, str(SCRIPTS / "exit_paths.py"), path]
+                for path in paths for _ in range(runs)]
     with cpu_burners():
         results = _run_all(commands, timeout_s=120)
     bad = []
@@ -90,9 +93,10 @@ def test_ringtrain_train_exits_cleanly_under_load(tmp_path):
     text = tmp_path / "input.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     runs = 10 if FULL else 1
-    commands = [[sys.executable, "-m", "ringtrain", "train", "--data", str(text), "--nproc-per-node",
-                 "2", "--steps", "30", "--eval-every", "15", "--block-size", "32", "--n-layer", "1",
-                 "--run-dir", str(tmp_path / f"run{i}")] for i in range(runs)]
+    commands = [[sys.executable, "-m", "ringtrain", "train", "--data", str(text),
+                 "--nproc-per-node", "2", "--steps", "30", "--eval-every", "15",
+                 "--block-size", "32", "--n-layer", "1", "--run-dir", str(tmp_path / f"run{i}")]
+                for i in range(runs)]
     with cpu_burners():
         results = _run_all(commands, timeout_s=180, parallel=1)
     for i, (code, out) in enumerate(results):
@@ -104,7 +108,8 @@ def test_ringtrain_train_exits_cleanly_under_load(tmp_path):
 def test_a_hung_rank_is_named_with_its_stack_within_the_watchdog_bound():
     started = time.monotonic()
     [(code, out)] = _run_all([[sys.executable, "-m", "ringtrain", "run", "--nproc-per-node", "2",
-                               "--watchdog-timeout", "3", str(SCRIPTS / "hang_before_allreduce.py")]],
+                               "--watchdog-timeout", "3",
+                               str(SCRIPTS / "hang_before_allreduce.py")]],
                              timeout_s=150)
     took = time.monotonic() - started
     assert code == 1, out

@@ -1,11 +1,15 @@
 """`ringtrain explain RUN_DIR`: on a real 2-rank run, on hand-made run files, and on bad dirs.
 
     .venv/bin/pytest -q tests/test_explain.py
+
+The figures (bytes held and sent, the pipeline's bubble, the parameter server's staleness) are
+checked as numbers, each against its formula computed here; the text is only checked to carry
+them, formatted (`nbytes`), and to take the right branch. CPU only (the real run uses gloo).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import shutil
 import subprocess
@@ -13,27 +17,35 @@ import sys
 
 import pytest
 
-from ringtrain.cli.explain import RunFiles, explain, load_run, main
+from ringtrain.cli.explain import RunFiles, data_split, explain, load_run, main, run_facts
+from ringtrain.cli.explain_words import WORDS, nbytes
 from ringtrain.data.addition import train_size
 from ringtrain.models import GPT, GPTConfig
+from ringtrain.strategies import registered
+from ringtrain.strategies.figures import Workload
 
 TINY = ["--steps", "20", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16",
         "--eval-every", "10", "--no-progress", "--snapshot-every", "10"]
 MODEL = {"vocab_size": 10, "block_size": 6, "n_layer": 1, "n_head": 4, "n_embd": 32,
          "dropout": 0.0, "tie_embeddings": False, "bias": True}
+SAMPLES = train_size(2)  # the addition task's training sums at 2 digits (9,500)
 
 
 def _params(model: dict) -> int:
     return sum(p.numel() for p in GPT(GPTConfig(**model)).parameters())
 
 
+P = _params(MODEL)  # the hand-made runs' model
+FP32 = 4 * P  # its parameters (or gradients) in fp32, bytes
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """One tiny `ringtrain train` on 2 processes, with snapshots at steps 10 and 20."""
+    """One tiny `ringtrain train` on 2 processes (CPU, gloo), with snapshots at steps 10, 20."""
     tmp = tmp_path_factory.mktemp("explain")
     proc = subprocess.run(
-        [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", *TINY,
-         "--run-dir", str(tmp / "run")],
+        [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", "--device", "cpu",
+         *TINY, "--run-dir", str(tmp / "run")],
         capture_output=True, text=True, timeout=120, cwd=tmp)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return tmp / "run"
@@ -44,20 +56,32 @@ def test_explains_a_two_rank_ddp_run(run_dir):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())  # the text is wrapped: compare it unwrapped
-    config = json.loads((run_dir / "config.json").read_text())
-    summary = json.loads((run_dir / "summary.json").read_text())
-    params = _params(config["model"])
-    assert "--strategy ddp on 2 ranks" in text
-    assert f"2 ranks, each a full replica of the GPT ({params:,} parameters each)" in text
-    n = train_size(2)
-    assert f"{n:,} training samples" in text and f"2 data ranks (every rank) x {n // 2:,}" in text
-    assert "no padding" in text
+    run = load_run(run_dir)
+    facts, summary = run_facts(run), run.summary
+    params = _params(run.config["model"])
+    assert (facts.name, facts.world, facts.params) == ("ddp", 2, params)
+    split = data_split(run, facts)
+    assert (split.samples, split.data_ranks, split.per_rank, split.padding) == (
+        SAMPLES, 2, SAMPLES // 2, 0)
     # Ring all-reduce on 2 ranks: each sends 2(N-1)/N = 1 x the fp32 gradient buffer.
-    assert f"fp32: {params * 4:,} bytes" in text and f"= {params * 4:,} bytes per step" in text
+    fig = facts.figures
+    assert fig.wire == "fp32" and fig.buffer_bytes == params * 4
+    assert fig.sent_bytes == pytest.approx(params * 4)
+    assert fig.held_bytes == 16 * params  # fp32 parameters, gradients, AdamW's two moments
+    assert (run.resume_step, run.resume_path) == (20, f"{run_dir}/snapshots/snap-00000020")
+    assert run.resume_replicated is True  # a DDP snapshot holds the whole state
+    # The text carries the figures.
+    assert "--strategy ddp on 2 ranks" in text and f"({params:,} parameters each)" in text
+    assert f"{SAMPLES:,} training samples" in text
+    assert f"2 data ranks (every rank) x {SAMPLES // 2:,} samples" in text
+    assert "no padding" in text
+    assert f"fp32: {nbytes(fig.buffer_bytes)}" in text
+    assert f"= {nbytes(fig.sent_bytes)} per step" in text
+    assert f"{nbytes(fig.held_bytes)} (fp32 AdamW" in text
     assert f"compute {summary['compute_s_per_step'] * 1e3:.2f} ms" in text
     assert f"communication {summary['comm_s_per_step'] * 1e3:.2f} ms" in text
     assert f"{run_dir}/snapshots/snap-00000020: step 20 of 20" in text
-    assert "on any number of ranks" in text  # a DDP snapshot holds the whole state
+    assert "on any number of ranks" in text  # the replicated branch
     assert f"--run-dir {run_dir} " in text  # the resume command names this directory
 
 
@@ -68,17 +92,21 @@ def test_a_corrupt_newest_snapshot_is_skipped(run_dir, tmp_path, capsys):
     data = bytearray(shared.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shared.write_bytes(bytes(data))
+    run = load_run(copy)
+    assert (run.resume_step, run.snapshots) == (10, 2)
+    assert len(run.skipped) == 1 and "snap-00000020/shared.pt: sha256" in run.skipped[0]
     assert main([str(copy)]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "skipped:" in text and "snap-00000020/shared.pt: sha256" in text
+    assert " ".join(f"skipped: {run.skipped[0]}".split()) in text  # why, as load_run found it
     assert f"{copy}/snapshots/snap-00000010: step 10 of 20" in text
 
 
-def _run(world: int, strategy: str = "ddp", summary: dict | None = None, **args) -> RunFiles:
+def _run(world: int, strategy: str = "ddp", summary: dict | None = None, grad_accum: int = 1,
+         **args) -> RunFiles:
     config = {"task": "addition", "world_size": world, "model": MODEL,
               "args": {"strategy": strategy, "digits": 2, "snapshot_every": 100, **args},
-              "trainer": {"steps": 50, "batch_size": 16, "grad_accum": 1}}
-    return RunFiles("runs/x", config, summary, train_samples=train_size(2), eval_samples=500)
+              "trainer": {"steps": 50, "batch_size": 16, "grad_accum": grad_accum}}
+    return RunFiles("runs/x", config, summary, train_samples=SAMPLES, eval_samples=500)
 
 
 def _text(run: RunFiles) -> str:
@@ -86,83 +114,209 @@ def _text(run: RunFiles) -> str:
 
 
 def test_ddp_on_three_ranks_pads_and_moves_four_thirds_of_the_gradients():
-    text = _text(_run(3))
-    params = _params(MODEL)
-    assert "3 data ranks (every rank) x 3,167 samples" in text  # ceil(9,500 / 3)
-    assert "padded with 1 sample repeated" in text  # 3 x 3,167 = 9,501
-    assert f"2(N-1)/N = 1.33 x the buffer (N = 3) = {4 / 3 * params * 4:,.0f} bytes" in text
+    run = _run(3)
+    facts = run_facts(run)
+    split = data_split(run, facts)
+    assert split.per_rank == math.ceil(SAMPLES / 3) == 3_167
+    assert split.padding == 3 * 3_167 - SAMPLES == 1
+    assert split.global_batch == 16 * 3 and split.steps == 50
+    assert split.steps_per_epoch == 3_167 // 16 and split.epochs == pytest.approx(50 / 197)
+    fig = facts.figures
+    assert fig.ring_share == pytest.approx(2 * (3 - 1) / 3)
+    assert fig.sent_bytes == pytest.approx(4 / 3 * FP32)
+    text = _text(run)
+    assert f"3 data ranks (every rank) x {split.per_rank:,} samples" in text
+    assert f"padded with {split.padding} sample repeated" in text
+    assert f"2(N-1)/N = {fig.ring_share:.3g} x the buffer (N = 3) = {nbytes(fig.sent_bytes)}" \
+        in text
+    assert run.summary is None and run.resume_step is None
     assert "did not finish (no summary.json)" in text
     assert "the run ended before step 100" in text and "start from step 0" in text
 
 
+def test_one_ddp_rank_sends_nothing():
+    fig = run_facts(_run(1)).figures
+    assert fig.sent_bytes == 0 and fig.held_bytes == 16 * P and fig.data_ranks == 1
+    assert "nothing: one rank has no one to send to" in _text(_run(1))
+
+
 def test_compressed_gradients_send_fewer_bytes():
-    params = _params(MODEL)
-    assert f"in bf16: {params * 2:,} bytes" in _text(_run(2, grad_compress="bf16"))
+    fig = run_facts(_run(2, grad_compress="bf16")).figures
+    assert (fig.wire, fig.buffer_bytes) == ("bf16", 2 * P)
+    assert fig.sent_bytes == pytest.approx(2 * P)  # 2(N-1)/N = 1 at N = 2
+    assert f"in bf16: {nbytes(2 * P)}" in _text(_run(2, grad_compress="bf16"))
     summary = {"steps": 50, "train_loss": 1.0, "powersgd_bytes_sent": 50 * 1000}
-    text = _text(_run(2, summary=summary, grad_compress="powersgd:2"))
+    run = _run(2, summary=summary, grad_compress="powersgd:2")
+    fig = run_facts(run).figures
+    # PowerSGD's factors depend on the matrices' shapes: counted in the run, not estimated.
+    assert fig.wire == "powersgd" and fig.buffer_bytes is None and fig.sent_bytes is None
+    assert fig.dense_sent_bytes == pytest.approx(FP32)
+    text = _text(run)
     assert "PowerSGD (--grad-compress powersgd:2)" in text and "1,000 bytes sent per rank" in text
-    assert f"{params * 4 / 1000:.1f} x fewer" in text
+    assert f"{FP32 / 1000:.1f} x fewer" in text
 
 
-def test_pipeline_roles_are_stages_times_replicas():
-    text = _text(_run(4, "pipeline", pp=2))
+def test_pipeline_roles_bubble_and_activations():
+    run = _run(4, "pipeline", pp=2)
+    facts = run_facts(run)
+    fig = facts.figures
+    assert (fig.pp, fig.dp, fig.data_ranks) == (2, 2, 2)
+    assert fig.pipelines == ((0, 1), (2, 3))  # rank = dp_rank x pp + pp_rank
+    assert (fig.microbatches, fig.microbatch_size) == (8, 2)  # the most up to 4 x pp dividing 16
+    assert fig.bubble == pytest.approx((2 - 1) / (8 + 2 - 1))  # (p-1)/(m+p-1)
+    # 16 samples x 6 tokens x 32 channels x 4 bytes cross each stage boundary, each way.
+    assert fig.boundary_bytes == 16 * 6 * 32 * 4
+    assert fig.stage_params == P / 2 and fig.held_bytes == pytest.approx(16 * P / 2)
+    assert fig.dp_sent_bytes == pytest.approx(2 * (2 - 1) / 2 * FP32 / 2)  # ring among 2
+    assert fig.sent_bytes == pytest.approx(fig.boundary_bytes + fig.dp_sent_bytes)
+    assert data_split(run, facts).data_ranks == 2
+    text = _text(run)
     assert "4 ranks = 2 pipelines x 2 stages" in text
     assert "pipeline 1: stage 0 on rank 2, stage 1 on rank 3" in text
     assert "2 data ranks (the stages of a pipeline read the same shard)" in text
-    assert "as 8 micro-batches of 2 (--schedule 1f1b)" in text  # the most up to 4 x pp dividing 16
-    # 16 samples x 6 tokens x 32 channels x 4 bytes cross each stage boundary, each way.
-    assert "estimate:" in text and f"= {16 * 6 * 32 * 4:,} bytes forward" in text
+    assert "as 8 micro-batches of 2 (--schedule 1f1b)" in text
+    assert f"= {fig.bubble:.1%} of it" in text and f"{1 / 9:.1%}" == "11.1%"
+    assert "estimate:" in text and f"= {nbytes(fig.boundary_bytes)} forward" in text
+    assert f"about {nbytes(fig.dp_sent_bytes)} sent per rank" in text
+    assert f"in all: {nbytes(fig.sent_bytes)} sent per step" in text
+
+
+@pytest.mark.parametrize("world,pp,options,m", [
+    (4, 4, {}, 16),  # 4 x pp = 16 divides the 16 samples
+    (2, 2, {"microbatches": 4, "schedule": "gpipe"}, 4),
+    (3, 3, {}, 8),  # 12 does not divide 16: the most below it that does
+])
+def test_pipeline_bubble_follows_the_micro_batches(world, pp, options, m):
+    fig = run_facts(_run(world, "pipeline", pp=pp, **options)).figures
+    assert fig.microbatches == m and fig.bubble == pytest.approx((pp - 1) / (m + pp - 1))
+    # A middle stage sends activations forward and gradients backward; dp = 1: no all-reduce.
+    assert fig.dp_sent_bytes == 0
+    assert fig.sent_bytes == pytest.approx(min(2, pp - 1) * 16 * 6 * 32 * 4)
+
+
+def test_pipeline_options_that_do_not_fit_get_the_generic_words():
+    run = _run(3, "pipeline", pp=2)  # 2 stages do not divide 3 ranks
+    facts = run_facts(run)
+    assert facts.figures is None and facts.data_ranks == 3
+    assert "world_size=3 is not divisible by pp=2" in facts.refused
+    assert f"not estimated for --strategy pipeline ({facts.refused})" in _text(run)
 
 
 def test_parameter_server_roles_traffic_and_staleness():
     summary = {"steps": 50, "train_loss": 1.5, "restarts": 0, "param_sha256": "ab" * 32,
-               "staleness_max": 1, "staleness_mean": 0.25, "update_lag_max": 2, "update_lag_mean": 1.0}
-    text = _text(_run(3, "ps", summary, servers=1, ps_mode="async"))
+               "staleness_max": 1, "staleness_mean": 0.25, "update_lag_max": 2,
+               "update_lag_mean": 1.0}
+    run = _run(3, "ps", summary, servers=1, ps_mode="async")
+    fig = run_facts(run).figures
+    assert (fig.workers, fig.servers, fig.data_ranks) == (2, 1, 2)
+    assert (fig.worker_ranks, fig.server_ranks) == ((0, 1), (2,))  # the servers come last
+    assert fig.staleness_bound is None  # async: nothing bounds it
+    assert fig.update_lag == 2 - 1  # with equal speeds, the other W-1 workers push once each
+    assert fig.sent_bytes == FP32 and fig.pull_bytes == FP32  # push gradients, pull parameters
+    assert fig.server_received_bytes == 2 * FP32  # every worker's push, one server
+    assert fig.held_bytes == 2 * FP32 and fig.server_held_bytes == 16 * P
+    text = _text(run)
     assert "2 workers (ranks 0..1) compute gradients" in text
     assert "1 parameter server (rank 2) holds the parameters" in text and "Mode async" in text
     assert "2 data ranks (the workers; servers read none)" in text
-    grad = _params(MODEL) * 4
-    assert f"each server receives {2 * grad:,} bytes per step" in text
-    assert "staleness" in text and "max 1, mean 0.25" in text
+    assert f"each server receives {nbytes(fig.server_received_bytes)} per step" in text
+    assert f"update lag about {fig.update_lag:g}" in text
+    assert "staleness" in text and "max 1, mean 0.25" in text  # observed, from summary.json
+
+
+@pytest.mark.parametrize("mode,bound,lag", [("sync", 0, 0), ("ssp", 3, None)])
+def test_parameter_server_staleness_bound_by_mode(mode, bound, lag):
+    fig = run_facts(_run(5, "ps", servers=2, ps_mode=mode, staleness=3)).figures
+    assert (fig.staleness_bound, fig.update_lag) == (bound, lag)
+    assert (fig.worker_ranks, fig.server_ranks) == ((0, 1, 2), (3, 4))
+    assert fig.workers == 3 and fig.server_received_bytes == pytest.approx(3 * FP32 / 2)
+    assert fig.server_held_bytes == pytest.approx(16 * P / 2)
+
+
+@pytest.mark.parametrize("world,stage", [(2, 3), (4, 3), (2, 2), (3, 1)])
+def test_zero_holds_one_nth_of_what_it_shards(world, stage):
+    fig = run_facts(_run(world, "zero", zero_stage=str(stage))).figures
+    assert fig.params_bytes == pytest.approx(FP32 / world if stage == 3 else FP32)
+    assert fig.grads_bytes == pytest.approx(FP32 / world if stage >= 2 else FP32)
+    assert fig.optimizer_bytes == pytest.approx(8 * P / world)  # AdamW's moments, always sharded
+    assert fig.replica_bytes == 16 * P
 
 
 def test_zero_says_what_each_rank_holds_and_sends():
-    params = _params(MODEL)
-    text = _text(_run(2, "zero", zero_stage="3"))
+    run = _run(2, "zero", zero_stage="3")
+    fig = run_facts(run).figures
+    assert fig.collectives == 3  # all-gather for forward, for backward; one reduce-scatter
+    assert fig.sent_bytes == pytest.approx(3 * (2 - 1) / 2 * FP32)  # 3 x (N-1)/N of the model
+    text = _text(run)
     assert "holding 1/2 of the AdamW moments, the gradients and the parameters (stage 3)" in text
-    assert f"{params * 2:,} bytes of parameters" in text  # 4 bytes / 2 ranks
-    assert f"{3 * 0.5 * params * 4:,.0f} bytes sent per rank per step" in text  # 3 x (N-1)/N
-    text = _text(_run(2, "zero", zero_stage="1"))
+    assert f"{nbytes(FP32 / 2)} of parameters" in text  # 4 bytes / 2 ranks
+    assert f"{nbytes(fig.held_bytes)}, against {nbytes(16 * P)} for a DDP replica" in text
+    assert f"{nbytes(fig.sent_bytes)} sent per rank per step" in text
+    # Stage 3 gathers the parameters again for every accumulated micro-batch.
+    assert run_facts(_run(2, "zero", grad_accum=2, zero_stage="3")).figures.collectives == 5
+    # Stages 1, 2: a reduce-scatter and an all-gather send what DDP's all-reduce sends.
+    run = _run(3, "zero", zero_stage="1")
+    fig, ddp = run_facts(run).figures, run_facts(_run(3)).figures
+    assert fig.collectives == 2 and fig.sent_bytes == pytest.approx(ddp.sent_bytes)
+    text = _text(run)
     assert "as many bytes as DDP's one all-reduce" in text and "0 / 0" not in text
 
 
 def test_local_sgd_and_diloco_meet_every_h_steps():
-    params = _params(MODEL)
     summary = {"steps": 50, "train_loss": 1.0, "meetings": 5, "meeting_bytes_sent": 12345}
-    text = _text(_run(2, "localsgd", summary, sync_every=10))
+    run = _run(2, "localsgd", summary, sync_every=10)
+    fig = run_facts(run).figures
+    assert fig.sync_every == 10
+    assert fig.meeting_bytes == pytest.approx(FP32)  # a ring of the fp32 weights: 2(N-1)/N = 1
+    assert fig.sent_bytes == pytest.approx(FP32 / 10) and fig.ddp_sent_bytes == FP32
+    assert fig.params_bytes == 2 * FP32  # the replica and the weights of the last meeting
+    text = _text(run)
     assert "training alone on its own shard for 10 steps (--sync-every 10)" in text
-    assert f"at each meeting {params * 4:,} bytes sent per rank" in text  # 2(N-1)/N = 1 at N = 2
-    assert "12,345 bytes sent by rank 0 over 5 meetings" in text
-    text = _text(_run(3, "diloco", sync_every=50, outer_compress="int8"))
+    assert f"at each meeting {nbytes(fig.meeting_bytes)} sent per rank" in text
+    assert f"{nbytes(fig.sent_bytes)} per step on average" in text
+    assert "12,345 bytes sent by rank 0 over 5 meetings" in text  # counted, from summary.json
+    run = _run(3, "diloco", sync_every=50, outer_compress="int8")
+    fig = run_facts(run).figures
+    assert fig.meeting_bytes == P * 1 * (3 - 1)  # all-gather: 1 byte a parameter to N-1 ranks
+    assert fig.optimizer_bytes == 8 * P + 2 * FP32  # AdamW + the outer anchor and momentum
+    text = _text(run)
     assert "pseudo-gradient" in text and "all-gathered in int8 with one fp32 scale" in text
-    assert f"at each meeting {params * 2:,} bytes sent per rank" in text  # 1 byte x (N-1)
+    assert f"at each meeting {nbytes(fig.meeting_bytes)} sent per rank" in text
     assert "--outer-lr 0.7, --outer-momentum 0.9" in text
 
 
-def test_every_registered_strategy_explains_itself_in_its_own_words():
-    from ringtrain.cli.explain_words import WORDS
-    from ringtrain.strategies import registered
+@pytest.mark.parametrize("codec,meeting", [
+    ("fp32", 2 * (3 - 1) / 3 * FP32), ("bf16", 2 * P * (3 - 1)), ("int8", P * (3 - 1))])
+def test_diloco_meeting_bytes_by_codec(codec, meeting):
+    fig = run_facts(_run(3, "diloco", sync_every=5, outer_compress=codec,
+                         outer_momentum=0.0)).figures
+    assert fig.meeting_bytes == pytest.approx(meeting)
+    assert fig.sent_bytes == pytest.approx(meeting / 5)
+    assert fig.optimizer_bytes == 8 * P + FP32  # no momentum: the anchor only
 
-    for name in registered():
-        assert name in WORDS, name
-        text = _text(_run(2, name))
-        assert "not estimated" not in text and "as the strategy plans" not in text, (name, text)
+
+@pytest.mark.parametrize("name", sorted(registered()))
+def test_every_registered_strategy_gives_figures_and_words(name):
+    cls = registered()[name]
+    work = Workload(world_size=2, params=P, step_batch=16, sample_numel=6 * 32)
+    fig = cls.Config().figures(work)
+    assert fig is not None and fig.data_ranks >= 1 and fig.held_bytes > 0, name
+    assert fig == run_facts(_run(2, name)).figures  # explain asks the strategy, nothing else
+    assert name in WORDS, name
+    text = _text(_run(2, name))
+    assert "not estimated" not in text and "as the strategy plans" not in text, (name, text)
+    assert nbytes(fig.held_bytes) in text, (name, text)
+    if fig.sent_bytes is not None:
+        assert nbytes(fig.sent_bytes) in text, (name, text)
 
 
 def test_an_unknown_strategy_is_still_explained():
-    text = _text(_run(2, "someday"))
+    run = _run(2, "someday")
+    facts = run_facts(run)
+    assert facts.cls is None and facts.figures is None and facts.data_ranks == 2
+    text = _text(run)
     assert "--strategy someday: not known to this ringtrain" in text
-    assert "not estimated for --strategy someday" in text
+    assert f"not estimated for --strategy someday; the model has {P:,} parameters" in text
 
 
 @pytest.mark.parametrize("make,message", [

@@ -66,7 +66,8 @@ def test_config_errors_say_the_fix():
 def test_loss_ignores_minus_one_targets():
     logits = torch.randn(2, 4, 5)
     targets = torch.tensor([[-1, -1, 2, 3], [-1, -1, 0, 1]])
-    expected = torch.nn.functional.cross_entropy(logits[:, 2:].reshape(-1, 5), targets[:, 2:].reshape(-1))
+    expected = torch.nn.functional.cross_entropy(logits[:, 2:].reshape(-1, 5),
+                                                 targets[:, 2:].reshape(-1))
     torch.testing.assert_close(loss_fn(logits, targets), expected)
 
 

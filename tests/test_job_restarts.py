@@ -1,5 +1,5 @@
-"""Restarts counted for the job, not per node: `ringtrain run --nnodes 2 --max-restarts N` across two
-hosts (network namespaces joined by a veth pair, tests/netns.py).
+"""Restarts counted for the job, not per node: `ringtrain run --nnodes 2 --max-restarts N` across
+two hosts (network namespaces joined by a veth pair, tests/netns.py).
 
     .venv/bin/pytest -q tests/test_job_restarts.py     # root and iproute2; skips otherwise
 
@@ -39,17 +39,21 @@ def hosts():
         yield pair
 
 
-def _run_job(hosts: tuple[Host, Host], out: Path, max_restarts: int, plan: list[str]) -> tuple[list, str]:
+def _run_job(
+    hosts: tuple[Host, Host], out: Path, max_restarts: int, plan: list[str]
+) -> tuple[list, str]:
     """`ringtrain run` of the script on both hosts (one worker each); exit codes and output."""
     run_id, port = uuid.uuid4().hex[:8], free_port()
     procs = []
     for node_rank, host in enumerate(hosts):
-        cmd = [sys.executable, "-m", "ringtrain", "run", "--nnodes", "2", "--node-rank", str(node_rank),
+        cmd = [sys.executable, "-m", "ringtrain", "run",
+               "--nnodes", "2", "--node-rank", str(node_rank),
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", run_id,
                "--rdzv-endpoint", f"{hosts[0].addr}:{port}", "--max-restarts", str(max_restarts),
                "--watchdog-timeout", "0", str(SCRIPT), str(out), *plan]
         log = open(out / f"node{node_rank}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append((host.popen(cmd, env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log))
+        proc = host.popen(cmd, env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        procs.append((proc, log))
     deadline = time.monotonic() + RUN_S
     try:
         for p, _ in procs:
@@ -66,7 +70,8 @@ def _run_job(hosts: tuple[Host, Host], out: Path, max_restarts: int, plan: list[
                 p.kill()
             p.wait(timeout=10)
             log.close()
-    return codes, "\n".join(f"--- node{i} ---\n{(out / f'node{i}.log').read_text()}" for i in range(2))
+    return codes, "\n".join(f"--- node{i} ---\n{(out / f'node{i}.log').read_text()}"
+                            for i in range(2))
 
 
 def _attempts(out: Path) -> list[str]:

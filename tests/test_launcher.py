@@ -192,7 +192,8 @@ def test_help_reads_ringtrain_run():
     (["--no-such-flag", "3", SCRIPT], "unrecognized arguments: --no-such-flag"),
     (["--nnodes", "x", SCRIPT], "--nnodes 'x': expected N or MIN:MAX"),
     (["--nproc-per-node", "two", SCRIPT], "Unsupported nproc_per_node value: two"),
-    (["--nproc-per-node", "2", "no_such_script.py"], "training script 'no_such_script.py' not found"),
+    (["--nproc-per-node", "2", "no_such_script.py"],
+     "training script 'no_such_script.py' not found"),
 ])
 def test_bad_flags_give_a_clear_error_and_exit_2(capsys, argv, error):
     assert main(argv) == 2  # parsing is all in-process; nothing is launched
@@ -223,13 +224,15 @@ def test_root_cause_skips_symptoms_and_the_agents_own_sigterm(tmp_path):
     assert root_cause(failures) == 1
     report = format_failure(ChildFailedError("train.py", failures))
     head, *rest = report.splitlines()
-    assert head.startswith("ringtrain run: rank 1 failed (local_rank 1") and "ValueError: boom" in head
+    assert head.startswith("ringtrain run: rank 1 failed (local_rank 1")
+    assert "ValueError: boom" in head
     assert "  Traceback (most recent call last):" in rest
     assert "  rank 3: stopped by the launcher" in rest
 
 
 def test_report_for_a_signal_without_error_file(tmp_path):
-    failures = {1: _failure(tmp_path, 1, -signal.SIGKILL), 0: _failure(tmp_path, 0, -signal.SIGTERM)}
+    failures = {1: _failure(tmp_path, 1, -signal.SIGKILL),
+                0: _failure(tmp_path, 0, -signal.SIGTERM)}
     assert root_cause(failures) == 1
     report = format_failure(ChildFailedError("x.py", failures))
     assert report.splitlines()[0].endswith("killed by SIGKILL")
@@ -299,7 +302,9 @@ def test_a_module_entrypoint_is_found_as_python_m_would_without_importing_it(tmp
     for name in ("rtpkg.nope", "plain.x", "nope_rt", "bad-name", "sys.x"):
         assert not module_found(name), name
     assert missing_entrypoint("rtpkg.sub.train", module=True, no_python=False) is None
-    assert "module 'nope_rt' not found" in missing_entrypoint("nope_rt", module=True, no_python=False)
+    assert "module 'nope_rt' not found" in missing_entrypoint(
+        "nope_rt", module=True, no_python=False
+    )
     assert missing_entrypoint("anything", module=False, no_python=True) is None
 
 

@@ -41,7 +41,8 @@ def _batches(rank, world_size, steps):
     data = AdditionDataset("train", 1)
     out = []
     for step in range(steps):
-        idx = [(step * BATCH * world_size + rank + world_size * i) % len(data) for i in range(BATCH)]
+        idx = [(step * BATCH * world_size + rank + world_size * i) % len(data)
+               for i in range(BATCH)]
         x, y = zip(*(data[i] for i in idx), strict=True)
         out.append([(torch.stack(x), torch.stack(y))])
     return out
@@ -112,7 +113,8 @@ def test_compressed_averages_are_close_and_identical_on_every_rank():
             for t, ref in zip(r[codec][0], exact, strict=True):
                 assert (t - ref).abs().max() <= tol * ref.abs().max()
         for r in results[1:]:  # every rank adds the same numbers in the same order
-            assert all(torch.equal(a, b) for a, b in zip(r[codec][0], results[0][codec][0], strict=True))
+            assert all(torch.equal(a, b)
+                       for a, b in zip(r[codec][0], results[0][codec][0], strict=True))
     numel = 300 + 140
     assert results[0]["fp32"][1] == numel * 4 * 2 * 2 // 3
     assert results[0]["int8"][1] == (numel + 2 * 4) * 2 < results[0]["bf16"][1] == numel * 2 * 2
@@ -144,7 +146,8 @@ def test_powersgd_of_full_rank_is_the_average_and_low_rank_sends_less():
     low = run_workers(_powersgd, 2, args=(1, 3), timeout_s=60)
     for (g0, _), (g1, _) in zip(low[0][0], low[1][0], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
-    plain_bytes = sum(p.numel() for p in nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).parameters()) * 4
+    plain = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    plain_bytes = sum(p.numel() for p in plain.parameters()) * 4
     assert 0 < low[0][1] / 3 < plain_bytes / 2  # per step, well under a plain all-reduce
 
 

@@ -13,7 +13,8 @@ sample, on top of its 16/N, against DDP's 16 on every rank while it trains. A 39
 (reduced; docs/zero.md runs 57M) puts DDP at ~880 MiB per worker and ZeRO-3's rank 0 at ~740
 MiB with 4 workers (torch itself ~270 MiB of each), so DDP is killed under 800 MiB and ZeRO-3
 trains, with the losses of DDP without a limit. With 2 workers ZeRO-3's rank 0 is killed too
-(tried in session 6, after the export stopped copying the model). Skipped, saying why, where no memory cgroup can be made.
+(tried in session 6, after the export stopped copying the model). Skipped, saying why, where no
+memory cgroup can be made.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ CPU_BUILD_IMPORT_MIB = 147
 @functools.cache  # one interpreter start (~3 s) for the whole file, not one per limit
 def _import_mib() -> int:
     code = ("import torch, ringtrain.cli.train, ringtrain.training.trainer\n"
-            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('RssAnon')][0])")
+            "print([l.split()[1] for l in open('/proc/self/status') "
+            "if l.startswith('RssAnon')][0])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1]) // 1024
 
@@ -76,7 +78,8 @@ def _train(run_dir: Path, nproc: int, *extra: str) -> subprocess.CompletedProces
 
 
 def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
 
 
 def _ours() -> set[Path]:

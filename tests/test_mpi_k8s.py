@@ -26,7 +26,8 @@ def test_open_mpi_variables(request, tmp_path):
              "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
              "MASTER_PORT": port} for r in range(2)]  # as `mpirun -n 2 -x MASTER_PORT=...`
     digest, outputs = run_with_envs(envs, tmp_path)
-    assert f"ringtrain: mpi: rank 0 of world_size 2 (local_rank 0), master 127.0.0.1:{port}" in outputs[0]
+    assert (f"ringtrain: mpi: rank 0 of world_size 2 (local_rank 0), master 127.0.0.1:{port}"
+            in outputs[0])
     assert digest == reference_digest(request.config, tmp_path)
 
 

@@ -1,6 +1,7 @@
-"""`ringtrain train --nnodes 2` (through `ringtrain run`) across two hosts: network namespaces joined by a veth pair.
+"""`ringtrain train --nnodes 2` (through `ringtrain run`) across two hosts: network namespaces
+joined by a veth pair.
 
-    .venv/bin/pytest -q tests/test_multinode.py       # root and iproute2; skips with the reason otherwise
+    .venv/bin/pytest -q tests/test_multinode.py  # root and iproute2; else skips with the reason
 
 Host a (198.18.0.1) runs `ringtrain train --nnodes 2 --node-rank 0 --rdzv-endpoint
 198.18.0.1:PORT ...`, host b (198.18.0.2) the same with `--node-rank 1`: each relaunches itself
@@ -108,7 +109,8 @@ def test_agent_queries_to_a_vanished_rendezvous_host_are_bounded():
         started = time.monotonic()
         # While the query hangs the agent gets the last answer and keeps watching its workers...
         assert handler.num_nodes_waiting() == 2
-        with pytest.raises(RendezvousConnectionError, match=r"10\.0\.0\.1:29400 did not answer for 1\.5 s"):
+        with pytest.raises(RendezvousConnectionError,
+                           match=r"10\.0\.0\.1:29400 did not answer for 1\.5 s"):
             while time.monotonic() - started < 10:
                 handler.num_nodes_waiting()  # ...until it has hung for silent_s
         assert time.monotonic() - started < 5
@@ -140,7 +142,8 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def one_host_sha(tmp_path_factory) -> str:
-    """param_sha256 of the same run on one host with 2 processes (`ringtrain train --nproc-per-node 2`)."""
+    """param_sha256 of the same run on one host with 2 processes
+    (`ringtrain train --nproc-per-node 2`)."""
     run_dir = tmp_path_factory.mktemp("one_host") / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", *TINY,
@@ -154,20 +157,26 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _launch(hosts: tuple[Host, Host], run_dir: Path, port: int, log_dir: Path) -> list[subprocess.Popen]:
-    """`ringtrain run` on both hosts, node a at the rendezvous endpoint; output in log_dir/node{i}.log."""
+def _launch(
+    hosts: tuple[Host, Host], run_dir: Path, port: int, log_dir: Path
+) -> list[subprocess.Popen]:
+    """`ringtrain run` on both hosts, node a at the rendezvous endpoint; output in
+    log_dir/node{i}.log."""
     run_id = uuid.uuid4().hex[:8]
     procs = []
     for node_rank, host in enumerate(hosts):
-        cmd = [sys.executable, "-m", "ringtrain", "train", "--nnodes", "2", "--node-rank", str(node_rank),
-               "--nproc-per-node", "1", "--rdzv-id", run_id, "--rdzv-endpoint", f"{hosts[0].addr}:{port}",
+        cmd = [sys.executable, "-m", "ringtrain", "train",
+               "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
+               "--rdzv-id", run_id, "--rdzv-endpoint", f"{hosts[0].addr}:{port}",
                *TINY, "--run-dir", str(run_dir)]
         with open(log_dir / f"node{node_rank}.log", "w") as out:
             procs.append(host.popen(cmd, env=ENV, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
     return procs
 
 
-def _finish(procs: list[subprocess.Popen], hosts: tuple[Host, Host], timeout_s: float) -> list[int | None]:
+def _finish(
+    procs: list[subprocess.Popen], hosts: tuple[Host, Host], timeout_s: float
+) -> list[int | None]:
     """Wait (bounded) for the launchers; kill whatever is left so the next test starts clean."""
     deadline = time.monotonic() + timeout_s
     try:
@@ -221,7 +230,9 @@ def host_b_lost(hosts, tmp_path_factory) -> dict:
         deadline = time.monotonic() + START_S
         while not marker.exists() and time.monotonic() < deadline and procs[0].poll() is None:
             time.sleep(0.01)
-        assert marker.exists(), f"no snapshot of step {SNAPSHOT_EVERY} within {START_S:g} s\n{_logs(log_dir)}"
+        assert marker.exists(), (
+            f"no snapshot of step {SNAPSHOT_EVERY} within {START_S:g} s\n{_logs(log_dir)}"
+        )
         assert procs[0].poll() is None, f"host a exited before host b was killed\n{_logs(log_dir)}"
         b.kill_all()
         killed_at = time.monotonic()
@@ -244,7 +255,9 @@ def host_b_lost(hosts, tmp_path_factory) -> dict:
 @pytest.mark.multinode
 def test_losing_host_b_stops_host_a_within_the_bound(host_b_lost):
     logs = host_b_lost["logs"]
-    assert host_b_lost["exit_s"] is not None, f"host a still running after {WATCHDOG_S + EXIT_SLACK_S:g} s\n{logs}"
+    assert host_b_lost["exit_s"] is not None, (
+        f"host a still running after {WATCHDOG_S + EXIT_SLACK_S:g} s\n{logs}"
+    )
     assert host_b_lost["exit_s"] < WATCHDOG_S + EXIT_SLACK_S
     assert host_b_lost["code"] not in (0, None), logs
     assert host_b_lost["left"] == [], logs
@@ -263,7 +276,8 @@ def test_relaunch_resumes_from_the_last_snapshot(hosts, host_b_lost, one_host_sh
     logs = _logs(tmp_path)
     assert codes == [0, 0], logs
     step = committed[-1]
-    assert f"snap-{step:08d}: step {step} of {STEPS}" in logs, logs  # "resumed from ...: step S of N"
+    # "resumed from ...: step S of N"
+    assert f"snap-{step:08d}: step {step} of {STEPS}" in logs, logs
     summary = _summary(run_dir)
     assert summary["resumed_from_step"] == [step] and summary["steps"] == STEPS
     assert summary["param_sha256"] == one_host_sha, logs

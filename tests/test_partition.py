@@ -54,7 +54,8 @@ def test_partition_keeps_layer_objects_and_names():
     model = _stack()
     stages = partition(model, 2)
     assert len(stages) == 2
-    assert [n for s in stages for n, _ in s.named_children()] == [n for n, _ in model.named_children()]
+    assert ([n for s in stages for n, _ in s.named_children()]
+            == [n for n, _ in model.named_children()])
     assert all(a is b for a, b in zip([m for s in stages for m in s], model, strict=True))
     keys = [k for s in stages for k in s.state_dict()]
     assert keys == list(model.state_dict())
@@ -63,7 +64,8 @@ def test_partition_keeps_layer_objects_and_names():
 
 
 def test_partition_by_parameter_count_and_explicit_split():
-    model = nn.Sequential(nn.Linear(10, 100), nn.Linear(100, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    model = nn.Sequential(nn.Linear(10, 100), nn.Linear(100, 10), nn.Linear(10, 10),
+                          nn.Linear(10, 10))
     assert parameter_counts(model) == [1100, 1010, 110, 110]
     assert [len(s) for s in partition(model, 2)] == [1, 3]
     assert [len(s) for s in partition(model, 2, split=[3, 1])] == [3, 1]
@@ -94,11 +96,13 @@ def test_tied_parameters_found_across_stages():
 
 def test_split_batch_errors_name_the_choices():
     assert [t.shape[0] for t in split_batch(torch.zeros(8, 3), 4)] == [2, 2, 2, 2]
-    with pytest.raises(ValueError, match=r"batch of 10 samples cannot be split into microbatches=4.*\[1, 2, 5, 10\]"):
+    with pytest.raises(ValueError, match=r"batch of 10 samples cannot be split into "
+                                         r"microbatches=4.*\[1, 2, 5, 10\]"):
         split_batch(torch.zeros(10), 4)
     with pytest.raises(ValueError, match=r"use --microbatches in \[5, 10\]"):
         split_batch(torch.zeros(10), 4, at_least=3)  # only choices >= pp are suggested
-    with pytest.raises(ValueError, match="microbatches=8 equal micro-batches; use a batch size that is a multiple of 8"):
+    with pytest.raises(ValueError, match="microbatches=8 equal micro-batches; "
+                                         "use a batch size that is a multiple of 8"):
         split_batch(torch.zeros(2), 8, at_least=4)
 
 
@@ -115,7 +119,8 @@ def test_topology_coords_and_groups():
 
 
 def test_topology_rejects_world_size_not_divisible_by_pp():
-    with pytest.raises(ValueError, match=r"world_size=3 is not divisible by pp=2.*--nproc-per-node 2 or 4.*--pp in \[1, 3\]"):
+    with pytest.raises(ValueError, match=r"world_size=3 is not divisible by pp=2"
+                                         r".*--nproc-per-node 2 or 4.*--pp in \[1, 3\]"):
         Topology(3, pp=2)
     with pytest.raises(ValueError, match="world_size=2 is not divisible by pp=4"):
         Topology(2, pp=4)

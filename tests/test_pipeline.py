@@ -79,7 +79,8 @@ def _check_gpt_engine(rank: int, world_size: int) -> dict:
             _grads_match(model, stage, ref, f"{schedule} M={m}")
             if engine.is_last:
                 assert stats.count == 12
-                torch.testing.assert_close(torch.tensor(stats.loss_sum / stats.count), ref_loss.detach(), **TOL)
+                torch.testing.assert_close(torch.tensor(stats.loss_sum / stats.count),
+                                           ref_loss.detach(), **TOL)
                 losses[(schedule, m)] = stats.loss_sum / stats.count
     logits = engine.forward_only(x)
     if engine.is_last:
@@ -123,7 +124,8 @@ def test_single_stage_equals_model_and_batchnorm_warns():
     engine = PipelineStage(partition(model, 1)[0], pp_rank=0, pp=1, pp_ranks=[0], pp_group=None,
                            loss_fn=nn.functional.mse_loss)
     x, y = torch.randn(8, 4), torch.randn(8, 2)
-    with pytest.warns(UserWarning, match=r"BatchNorm layers \['1'\] normalise over micro-batches of 4 samples, not the batch of 8"):
+    with pytest.warns(UserWarning, match=r"BatchNorm layers \['1'\] normalise over micro-batches "
+                                         r"of 4 samples, not the batch of 8"):
         engine.train_step(x, y, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per stage, not every step
@@ -269,12 +271,14 @@ def test_ringtrain_train_pipeline_end_to_end_equals_one_process(tmp_path, monkey
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {"config.json", "metrics.jsonl", "report.png", "summary.json"} <= set(os.listdir(tmp_path / "pp"))
+    assert ({"config.json", "metrics.jsonl", "report.png", "summary.json"}
+            <= set(os.listdir(tmp_path / "pp")))
     pp = json.loads((tmp_path / "pp" / "summary.json").read_text())
     assert (pp["strategy"], pp["world_size"], pp["steps"]) == ("pipeline", 2, 6)
     assert "param_sha256 differs" not in proc.stderr
 
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+              "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(v, raising=False)
     logger = logging.getLogger("ringtrain")
     saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())

@@ -51,7 +51,8 @@ def test_folder_files_sorted_joined_by_a_newline(tmp_path):
     (src / "a.txt").write_text("aaa\n")
     (src / "sub" / "c.txt").write_text("ccc\n")
     (src / ".hidden").write_text("never")
-    assert [os.path.relpath(f, src) for f in source_files(str(src))] == ["a.txt", "b.txt", "sub/c.txt"]
+    assert ([os.path.relpath(f, src) for f in source_files(str(src))]
+            == ["a.txt", "b.txt", "sub/c.txt"])
     assert "".join(read_chunks(source_files(str(src)), 2)) == "aaa\nbbb\nccc\n"
 
 
@@ -131,12 +132,14 @@ def test_streaming_fits_a_memory_limit_smaller_than_the_corpus(tmp_path):
             f.write(block)
             n += len(block.encode())
     chars = len(block) * (n // len(block.encode()))
-    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1",
+           "OPENBLAS_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", _LIMITED, str(src), str(tmp_path / "d"),
                            str(32 << 20), prepare_module.__file__],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) == chars
-    assert re.search(r"^encode: [\d,]+ chars in [\d.]+ s$", proc.stderr, re.M)  # not a terminal: one line
+    # Not a terminal: one line.
+    assert re.search(r"^encode: [\d,]+ chars in [\d.]+ s$", proc.stderr, re.M)
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert os.path.getsize(tmp_path / "d" / "train.bin") == 2 * meta["train_tokens"]

@@ -25,7 +25,8 @@ def test_not_a_terminal_prints_a_line_per_log_every_and_the_last_once():
     logged = set(range(10, 101, 10)) | {25, 100}  # an evaluation at 25 prints nothing extra
     _run(Progress(100, log_every=20, file=out), 100, logged)
     lines = out.getvalue().splitlines()
-    assert [int(re.match(r"train (\d+)/100 ", line).group(1)) for line in lines] == [20, 40, 60, 80, 100]
+    assert ([int(re.match(r"train (\d+)/100 ", line).group(1)) for line in lines]
+            == [20, 40, 60, 80, 100])
     assert "\r" not in out.getvalue()
     assert re.fullmatch(r"train 100/100 \(100%\) loss 2\.5000 tok/s 1,234 accuracy 0\.5 "
                         r"elapsed \d+:\d\d:\d\d eta \d+:\d\d:\d\d", lines[-1]), lines[-1]

@@ -39,7 +39,9 @@ def test_every_element_is_held_exactly_once(servers, split_numel):
     assert sum(plan.loads()) == sum(math.prod(s) for _, s in SHAPES)
     for s in range(servers):  # each server's flat buffer is packed without holes
         pieces = plan.for_server(s)
-        assert [p.offset for p in pieces] == list(itertools.accumulate([0] + [p.numel for p in pieces[:-1]]))
+        assert [p.offset for p in pieces] == list(
+            itertools.accumulate([0] + [p.numel for p in pieces[:-1]])
+        )
 
 
 def test_greedy_largest_first_balances_whole_tensors():

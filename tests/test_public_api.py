@@ -35,13 +35,16 @@ def test_each_lazy_name_comes_from_the_module_the_table_names():
 def test_the_type_checking_imports_match_the_lazy_table():
     # Type checkers read the imports under TYPE_CHECKING; the interpreter reads _LAZY.
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
-    imported = {a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    block = next(n for n in tree.body
+                 if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    imported = {a.name: n.module
+                for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
     assert imported == ringtrain._LAZY
 
 
 def test_import_ringtrain_loads_no_trainer_strategy_or_engine():
-    code = "import sys, ringtrain; print(' '.join(m for m in sys.modules if m.startswith('ringtrain')))"
+    code = ("import sys, ringtrain; "
+            "print(' '.join(m for m in sys.modules if m.startswith('ringtrain')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, check=True).stdout.split()
     assert "ringtrain" in loaded

@@ -48,7 +48,8 @@ def test_ray_train_runs_the_script_to_the_same_weights(request, tmp_path):
     temp = tempfile.mkdtemp(prefix="rt-ray-")  # short: Ray's socket paths must fit 107 bytes
     out = tmp_path / "ray.json"
     try:
-        proc = subprocess.run([sys.executable, str(REPO / "examples" / "ray_train.py"), "--out", str(out)],
+        proc = subprocess.run([sys.executable, str(REPO / "examples" / "ray_train.py"),
+                               "--out", str(out)],
                               env=ENV | {"RAY_TMPDIR": temp, "RAY_USAGE_STATS_ENABLED": "0"},
                               capture_output=True, text=True, timeout=RAY_S, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]

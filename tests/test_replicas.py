@@ -46,7 +46,9 @@ def _check(rank, world_size, nudge):
     import ringtrain
 
     torch.manual_seed(0)
-    model = ringtrain.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    model = ringtrain.DistributedDataParallel(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    )
     before = ringtrain.check_replicas(model)  # the wrapper: its module is compared
     if nudge and rank == 1:
         with torch.no_grad():

@@ -37,7 +37,8 @@ def single_process(monkeypatch):
 def test_a_one_process_run_reports_zero_communication(name, options):
     rt = init_distributed()
     assert rt.world_size == 1
-    cfg = TrainerConfig(steps=4, batch_size=8, lr=3e-3, progress=False, log_every=1, eval_batch_size=4)
+    cfg = TrainerConfig(steps=4, batch_size=8, lr=3e-3, progress=False, log_every=1,
+                        eval_batch_size=4)
     trainer = Trainer(make_strategy(name, runtime=rt, **options), rt, lambda: GPT(MODEL),
                       AdditionDataset("train", 1), Subset(AdditionDataset("test", 1), range(4)),
                       loss_fn, cfg)

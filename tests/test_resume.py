@@ -1,4 +1,5 @@
-"""Snapshots of the training loop and exact resume (`ringtrain.checkpoint.resume` through `Trainer`).
+"""Snapshots of the training loop and exact resume (`ringtrain.checkpoint.resume` through
+`Trainer`).
 
     .venv/bin/pytest -q tests/test_resume.py
 
@@ -48,8 +49,8 @@ def make_trainer(runtime, run_dir, *, lr=3e-3, fault=None, name="trainer"):
                         eval_every=6, eval_batch_size=4)
     trainer = Trainer(make_strategy("ddp", runtime=runtime), runtime, lambda: GPT(MODEL), train,
                       Subset(test, range(5)), loss_fn, cfg, eval_metrics={"accuracy": exact_match},
-                      run_dir=str(run_dir), snapshot_every=EVERY, run_config={"n_embd": MODEL.n_embd},
-                      snapshot_timeout_s=10.0, name=name)
+                      run_dir=str(run_dir), snapshot_every=EVERY,
+                      run_config={"n_embd": MODEL.n_embd}, snapshot_timeout_s=10.0, name=name)
     if fault is not None:
         action, at_step = fault
 
@@ -81,14 +82,16 @@ def _scenarios(rank, world_size, root, crash_step):
     """Every two-rank scenario, one after another in this process group; returns the summaries."""
     import ringtrain.training.report
 
-    ringtrain.training.report.write_report = lambda *args, **kwargs: None  # matplotlib: not tested here
+    # matplotlib: not tested here
+    ringtrain.training.report.write_report = lambda *args, **kwargs: None
     rt, root, out = get_runtime(), Path(root), {}
     out["reference"] = make_trainer(rt, root / "reference").fit()
     # SIGTERM to rank 1 alone after step 7: both ranks save step 7 and stop; then resume.
     out["term"] = make_trainer(rt, root / "term", fault=("term", 7) if rank == 1 else None).fit()
     snap = root / "term" / "snapshots" / "snap-00000007"
     out["term_manifest"] = json.loads((snap / "manifest.json").read_text())
-    out["term_rank_steps"] = [torch.load(snap / f"rank{r}.pt", weights_only=True)["step"] for r in range(2)]
+    out["term_rank_steps"] = [torch.load(snap / f"rank{r}.pt", weights_only=True)["step"]
+                              for r in range(2)]
     out["term_resumed"] = make_trainer(rt, root / "term", name="resumed").fit()
     # Rank 1's part of snapshot 6 is torn; the save fails on both ranks; the job dies at step 7.
     write = checkpoint.write_durably
@@ -168,12 +171,14 @@ def test_the_snapshot_holds_every_rank_state(two_ranks):
     assert model and not any(k.startswith("module.") for k in model)
     assert shared["strategy"]["optimizer"]["state"]  # AdamW's exp_avg, exp_avg_sq, step
     sampler = shared["trainer"]["sampler"]  # epochs end at steps 5 and 10: 2 steps into epoch 2
-    assert shared["trainer"]["step"] == STEPS and (sampler["epoch"], sampler["samples_consumed"]) == (2, 32)
+    assert shared["trainer"]["step"] == STEPS
+    assert (sampler["epoch"], sampler["samples_consumed"]) == (2, 32)
     rng = [torch.load(snap / f"rank{r}.pt", weights_only=True)["rng"] for r in range(2)]
     assert set(rng[0]) >= {"python", "numpy", "torch"}
     assert not torch.equal(rng[0]["torch"], rng[1]["torch"])  # per rank: dropout differs
     meta = json.loads((snap / "manifest.json").read_text())["metadata"]
-    assert (meta["world_size"], meta["global_batch"], meta["topology"]["data_world_size"]) == (2, 16, 2)
+    assert (meta["world_size"], meta["global_batch"],
+            meta["topology"]["data_world_size"]) == (2, 16, 2)
 
 
 # ---- one process, in this process ---------------------------------------------------------

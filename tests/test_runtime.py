@@ -46,7 +46,8 @@ def test_missing_variables_listed_together(monkeypatch):
     assert "ringtrain run --nproc-per-node" in msg
 
 
-@pytest.mark.parametrize("rank,world,match", [(2, 2, r"Invalid rank 2.*\[0, 1\]"), (-1, 2, "Invalid rank -1"),
+@pytest.mark.parametrize("rank,world,match", [(2, 2, r"Invalid rank 2.*\[0, 1\]"),
+                                              (-1, 2, "Invalid rank -1"),
                                               (0, 0, "world_size=0")])
 def test_bad_rank_or_world(rank, world, match):
     with pytest.raises(DistributedInitError, match=match):
@@ -55,7 +56,8 @@ def test_bad_rank_or_world(rank, world, match):
 
 def test_missing_rank_fails_within_bound_naming_arrivals():
     t0 = time.monotonic()
-    with pytest.raises(DistributedInitError, match=r"only 1 ranks joined.*\[0\] arrived, \[1\] missing"):
+    with pytest.raises(DistributedInitError,
+                       match=r"only 1 ranks joined.*\[0\] arrived, \[1\] missing"):
         init_distributed("gloo", rank=0, world_size=2, master_addr="127.0.0.1",
                          master_port=free_port(), rendezvous_timeout_s=2)
     assert time.monotonic() - t0 < 10
@@ -107,4 +109,5 @@ def test_env_variables_are_read(monkeypatch):
 def test_bad_gloo_interface_lists_real_ones(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
     with pytest.raises(DistributedInitError, match=r"nosuch0.*interfaces: .*lo \(127.0.0.1\)"):
-        init_distributed("gloo", rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port())
+        init_distributed("gloo", rank=0, world_size=2, master_addr="127.0.0.1",
+                         master_port=free_port())

@@ -19,7 +19,8 @@ from ringtrain.models.export import load_model
 
 pytest.importorskip("tokenizers", reason="the run here is BPE: pip install -e '.[dev]'")
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "train.md"
-TEXT = "".join(f"the king {i % 5} shall speak of love and war, my lord {i % 11}.\n" for i in range(200))
+TEXT = "".join(f"the king {i % 5} shall speak of love and war, my lord {i % 11}.\n"
+               for i in range(200))
 
 
 @contextlib.contextmanager
@@ -28,7 +29,8 @@ def _in_process():
     logger = logging.getLogger("ringtrain")
     saved = (list(logger.handlers), logger.level, logger.propagate, torch.get_num_threads())
     with pytest.MonkeyPatch.context() as mp:
-        for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                  "TORCHELASTIC_RUN_ID"):
             mp.delenv(v, raising=False)
         try:
             yield
@@ -43,7 +45,8 @@ def run(tmp_path_factory):
     """A finished 6-step run in <tmp>/runs/shakespeare, with snapshots of steps 3 and 6."""
     root = tmp_path_factory.mktemp("sample")
     (root / "t.txt").write_text(TEXT)
-    prepare(str(root / "t.txt"), str(root / "data"), tokenizer="bpe", vocab_size=280, progress=False)
+    prepare(str(root / "t.txt"), str(root / "data"), tokenizer="bpe", vocab_size=280,
+            progress=False)
     run_dir = root / "runs" / "shakespeare"
     with _in_process():
         assert ringtrain_main([
@@ -56,7 +59,8 @@ def run(tmp_path_factory):
 
 def test_config_json_records_the_recipe_flags(run):
     config = json.loads((run / "config.json").read_text())
-    assert (config["args"]["beta2"], config["args"]["bias"], config["args"]["tie_embeddings"]) == (0.99, False, True)
+    args = config["args"]
+    assert (args["beta2"], args["bias"], args["tie_embeddings"]) == (0.99, False, True)
     assert (config["model"]["bias"], config["model"]["tie_embeddings"]) == (False, True)
     assert config["trainer"]["beta2"] == 0.99
 
@@ -75,7 +79,8 @@ def test_sample_the_final_model_and_a_snapshot(run, capsys):
     tok = Tokenizer.from_file(str(run / config["tokenizer"]["file"]))
     out = model.generate(torch.tensor([tok.encode("the king").ids]), 12, temperature=0)
     assert capsys.readouterr().out == tok.decode(out[0].tolist()) + "\n"
-    assert ringtrain_main([*argv, "--snapshot", "3"]) == 0 and capsys.readouterr().out.startswith("the king")
+    assert ringtrain_main([*argv, "--snapshot", "3"]) == 0
+    assert capsys.readouterr().out.startswith("the king")
     assert ringtrain_main([*argv, "--snapshot", "4"]) == 2
     assert "no committed snapshot of step 4; committed: [3, 6]" in capsys.readouterr().err
 
@@ -111,8 +116,9 @@ def test_a_zero_snapshot_is_put_together_and_the_addition_task_samples_digits(tm
     """zero-3 on 1 rank, tied embeddings: the snapshot of the last step equals the export."""
     run_dir = str(tmp_path / "zero")
     assert ringtrain_main(["train", "--strategy", "zero", "--zero-stage", "3", "--tie-embeddings",
-                           "--steps", "2", "--snapshot-every", "2", "--n-layer", "1", "--n-embd", "16",
-                           "--threads", "1", "--no-progress", "--run-dir", run_dir]) == 0
+                           "--steps", "2", "--snapshot-every", "2", "--n-layer", "1",
+                           "--n-embd", "16", "--threads", "1", "--no-progress",
+                           "--run-dir", run_dir]) == 0
     capsys.readouterr()
     greedy = ["sample", run_dir, "--prompt", "1234", "--tokens", "3", "--temperature", "0"]
     assert ringtrain_main([*greedy, "--snapshot", "2"]) == 0
@@ -121,11 +127,13 @@ def test_a_zero_snapshot_is_put_together_and_the_addition_task_samples_digits(tm
     assert ringtrain_main(greedy) == 0 and capsys.readouterr().out == from_snapshot
     from ringtrain.cli.sample import snapshot_model
 
-    manifest = json.loads((tmp_path / "zero" / "snapshots" / "snap-00000002" / "manifest.json").read_text())
+    snap_dir = tmp_path / "zero" / "snapshots" / "snap-00000002"
+    manifest = json.loads((snap_dir / "manifest.json").read_text())
     assert manifest["metadata"]["replicated"] is False  # per-rank shards, put together here
     config = json.loads((tmp_path / "zero" / "config.json").read_text())
     snap, (final, _) = snapshot_model(run_dir, 2, config["model"]), load_model(run_dir)
-    for (name, a), (_, b) in zip(snap.state_dict().items(), final.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(snap.state_dict().items(), final.state_dict().items(),
+                                 strict=True):
         assert torch.equal(a, b), name
     assert ringtrain_main(["sample", run_dir, "--prompt", "12+34"]) == 2
     assert "the addition task's tokens are the digits" in capsys.readouterr().err

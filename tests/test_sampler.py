@@ -30,10 +30,12 @@ def _take(sampler, k):
 
 @pytest.mark.parametrize("n", [0, 1, 3, 10, 17, 64, 101])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
-@pytest.mark.parametrize("shuffle,drop_last", [(True, False), (True, True), (False, False), (False, True)])
+@pytest.mark.parametrize("shuffle,drop_last",
+                         [(True, False), (True, True), (False, False), (False, True)])
 def test_same_indices_and_length_as_torch(n, world, shuffle, drop_last):
     for rank in range(world):
-        ours = DistributedSampler(range(n), world, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
+        ours = DistributedSampler(range(n), world, rank, shuffle=shuffle, seed=5,
+                                  drop_last=drop_last)
         theirs = TorchSampler(range(n), world, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
         for epoch in (0, 3):
             ours.set_epoch(epoch)
@@ -50,7 +52,8 @@ def test_shards_disjoint_and_cover_when_divisible_or_exact(n, world):
     assert sorted(flat) == list(range(n))  # disjoint and covering
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
     if n % world == 0:  # nothing to pad or drop: every mode gives the same disjoint cover
-        for kw, exact_kw in (({}, {}), ({"drop_last": True}, {}), ({"shuffle": False}, {"shuffle": False})):
+        for kw, exact_kw in (({}, {}), ({"drop_last": True}, {}),
+                             ({"shuffle": False}, {"shuffle": False})):
             assert [list(s) for s in _ranks(n, world, **kw)] == [
                 list(s) for s in _ranks(n, world, exact=True, **exact_kw)]
 
@@ -169,7 +172,8 @@ def test_resplit_with_padding_or_drop_last_keeps_ranks_equal(old_world, new_worl
     unseen = set(range(n)) - set(seen_old)
     assert all(rest[i] == 1 for i in unseen)
     repeats = [i for i in rest if i not in unseen]  # padding: from the start of the epoch
-    assert set(repeats) <= set(seen_old) and sum(rest[i] for i in repeats) == -len(unseen) % new_world
+    assert set(repeats) <= set(seen_old)
+    assert sum(rest[i] for i in repeats) == -len(unseen) % new_world
     # drop_last: every sample at most once, fewer than new_world skipped.
     seen_old, seen_new = _resplit(n, old_world, new_world, per_rank, {}, {"drop_last": True})
     assert len({len(s) for s in seen_new}) == 1
@@ -206,7 +210,8 @@ def test_exact_mode_metrics_equal_single_process():
 
 
 def test_errors_carry_the_values():
-    with pytest.raises(ValueError, match=r"Invalid rank 5, rank should be in the interval \[0, 3\]"):
+    with pytest.raises(ValueError,
+                       match=r"Invalid rank 5, rank should be in the interval \[0, 3\]"):
         DistributedSampler(range(8), num_replicas=4, rank=5)
     with pytest.raises(ValueError, match="Invalid rank -1"):
         DistributedSampler(range(8), num_replicas=4, rank=-1)

@@ -49,7 +49,8 @@ ENDLESS = ["--steps", "100000", "--n-layer", "1", "--n-embd", "32", "--batch-siz
 def _unavailable() -> str | None:
     missing = [b for b in DAEMONS + CLIENTS if shutil.which(b) is None]
     if missing:
-        return f"Slurm is not installed ({', '.join(missing)} missing): apt-get install -y slurm-wlm munge"
+        return (f"Slurm is not installed ({', '.join(missing)} missing): "
+                "apt-get install -y slurm-wlm munge")
     if os.geteuid() != 0:
         return "slurmd must run as root to start tasks"
     try:  # srun's tasks take the master from the node list: the node's name must resolve
@@ -101,7 +102,8 @@ class Cluster:
         key = root / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
-        # FirstJobId varies the MASTER_PORT srun's tasks derive from the job id (20000 + id % 10000).
+        # FirstJobId varies the MASTER_PORT srun's tasks derive from the job id
+        # (20000 + id % 10000).
         (root / "slurm.conf").write_text(SLURM_CONF.format(
             tag=os.getpid(), host=self.host, ctld_port=free_port(), slurmd_port=free_port(),
             dir=root, first_job=random.randrange(1000, 9000)))
@@ -109,7 +111,8 @@ class Cluster:
         self.env["SLURM_CONF"] = str(root / "slurm.conf")
 
     def _start(self, *cmd: str) -> None:
-        log = open(self.root / f"{Path(cmd[0]).name}.out", "w")  # noqa: SIM115 (closed with the dir)
+        # Closed with the directory.
+        log = open(self.root / f"{Path(cmd[0]).name}.out", "w")  # noqa: SIM115
         self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                            start_new_session=True))
 
@@ -181,7 +184,8 @@ def test_srun_runs_a_script_to_the_same_weights(slurm, request, tmp_path):
                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The master came from SLURM_JOB_NODELIST, the port from SLURM_JOB_ID.
-    assert f"ringtrain: slurm: rank 0 of world_size 2 (local_rank 0), master {slurm.host}:2" in proc.stderr
+    assert (f"ringtrain: slurm: rank 0 of world_size 2 (local_rank 0), master {slurm.host}:2"
+            in proc.stderr)
     assert read_digest(out) == reference_digest(request.config, tmp_path)
 
 
@@ -191,8 +195,8 @@ def _summary(run_dir: Path) -> dict:
 
 def test_srun_runs_ringtrain_train_to_the_same_weights(slurm, tmp_path):
     # The reference runs meanwhile: most of either run is four processes importing torch.
-    ref = subprocess.Popen([sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", *TINY,
-                            "--run-dir", str(tmp_path / "run")], stdout=subprocess.PIPE,
+    ref = subprocess.Popen([sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2",
+                            *TINY, "--run-dir", str(tmp_path / "run")], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=ENV, cwd=tmp_path)
     try:
         proc = slurm.run(_srun(2, sys.executable, "-m", "ringtrain", "train", *TINY, "--run-dir",
@@ -205,7 +209,8 @@ def test_srun_runs_ringtrain_train_to_the_same_weights(slurm, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ref.returncode == 0, ref_out
     assert _summary(tmp_path / "slurm")["world_size"] == 2
-    assert _summary(tmp_path / "slurm")["param_sha256"] == _summary(tmp_path / "run")["param_sha256"]
+    assert (_summary(tmp_path / "slurm")["param_sha256"]
+            == _summary(tmp_path / "run")["param_sha256"])
 
 
 def _lines(path: Path) -> int:
@@ -223,7 +228,8 @@ def _wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout_s: float = RUN
 
 
 def _stop_with(cluster: Cluster, run_dir: Path, how: list[str], log: Path) -> tuple[int, str]:
-    """Start an endless 2-task `ringtrain train`, send a signal through Slurm, return (rc, output)."""
+    """Start an endless 2-task `ringtrain train`, send a signal through Slurm, return
+    (rc, output)."""
     with open(log, "w") as f:
         proc = subprocess.Popen(_srun(2, sys.executable, "-m", "ringtrain", "train", *ENDLESS,
                                       "--run-dir", str(run_dir)), env=cluster.env, stdout=f,
@@ -279,7 +285,8 @@ def test_shutdown_timeout_is_the_grace_before_sigkill(tmp_path, grace_s, saved):
     script, ready, done = tmp_path / "w.py", tmp_path / "ready", tmp_path / "done"
     script.write_text(GRACE_WORKER)
     proc = subprocess.Popen([sys.executable, "-m", "ringtrain", "run", "--nproc-per-node", "1",
-                             "--shutdown-timeout", str(grace_s), str(script), str(ready), str(done)],
+                             "--shutdown-timeout", str(grace_s),
+                             str(script), str(ready), str(done)],
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + RUN_S

@@ -70,7 +70,8 @@ def test_accumulate_runs_all_but_the_last_micro_batch_under_no_sync():
 
     calls = []
     accumulate(_micro_batches([2, 2, 2]), model, loss_fn, device=torch.device("cpu"),
-               tracer=NO_TRACE, no_sync=NoSync, before_last_backward=lambda: calls.append(len(seen)))
+               tracer=NO_TRACE, no_sync=NoSync,
+               before_last_backward=lambda: calls.append(len(seen)))
     assert seen == ["no_sync", "no_sync"] and calls == [2]
 
 
@@ -175,7 +176,8 @@ def test_metric_sums_go_flat_in_the_order_of_their_names_and_come_back():
     assert w.flat()[:2] == [1.5, 4]  # loss_sum, count: the fields' order
     ev = EvalSums(2.0, 4, {"accuracy": [3.0, 4.0], "other": [1.0, 2.0]})
     again = EvalSums.of(ev.flat(), ["accuracy", "other"])
-    assert again == ev and again.means() == {"eval_loss": 0.5, "eval_accuracy": 0.75, "eval_other": 0.5}
+    assert again == ev
+    assert again.means() == {"eval_loss": 0.5, "eval_accuracy": 0.75, "eval_other": 0.5}
     state = LoopState()  # a snapshot's window by name, or a list from an older snapshot
     state.load_window_state({"window": w.flat(), "window_s": 1.0, "window_steps": 2})
     assert state.window == w and state.window_state()["window"]["tokens"] == 12

@@ -31,7 +31,8 @@ def test_a_membership_name_is_taken_once_per_store_and_rank():
     Membership.of(runtime, "a")
     Membership.of(runtime, "b")  # another name: fine
     Membership(store, 1, 2, scope="a")  # another rank (a test playing both): fine
-    Membership.of(SimpleNamespace(store=dist.HashStore(), rank=0, world_size=2), "a")  # another store
+    # Another store: fine.
+    Membership.of(SimpleNamespace(store=dist.HashStore(), rank=0, world_size=2), "a")
     with pytest.raises(ValueError, match=r"a Membership named 'a' .* already exists for rank 0 in "
                                          r"this process.*pass a distinct name="):
         Membership.of(runtime, "a")
@@ -53,7 +54,8 @@ def test_a_snapshot_manager_name_is_taken_once_per_directory_store_and_rank(tmp_
     SnapshotManager(tmp_path / "x", rank=0, world_size=2, store=store, name="trainer")
     SnapshotManager(tmp_path / "y", rank=0, world_size=2, store=store, name="trainer")  # other dir
     SnapshotManager(tmp_path / "x", rank=0, world_size=2, store=store, name="resumed")
-    with pytest.raises(ValueError, match="a SnapshotManager named 'trainer' .* pass a distinct name="):
+    with pytest.raises(ValueError,
+                       match="a SnapshotManager named 'trainer' .* pass a distinct name="):
         SnapshotManager(tmp_path / "x", rank=0, world_size=2, store=store, name="trainer")
     for _ in range(2):  # one rank alone uses no store keys: nothing to collide
         SnapshotManager(tmp_path / "x", rank=0, world_size=1, name="trainer")
@@ -73,7 +75,8 @@ def _opposite_orders(rank, world_size, root):
                              on_dead=lambda failure: None).start() for n in names}
     try:
         sums = [views["a"].reduce("x", [1.0 + rank]), views["b"].reduce("x", [10.0 * (rank + 1)])]
-        steps = [managers["a"].save(1, shared={"n": "a"}).step, managers["b"].save(2, shared={"n": "b"}).step]
+        steps = [managers["a"].save(1, shared={"n": "a"}).step,
+                 managers["b"].save(2, shared={"n": "b"}).step]
         # Each watchdog's peer beats under the key its own name gives: the names alone agree.
         run = f"ringtrain/watchdog/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/0"
         peer = 1 - rank

@@ -76,7 +76,8 @@ def test_two_processes_write_one_event_file_with_the_metrics(tmp_path):
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    for key, name in [("loss", "loss/train"), ("lr", "lr"), ("tokens_per_s", "throughput/tokens_per_s"),
+    for key, name in [("loss", "loss/train"), ("lr", "lr"),
+                      ("tokens_per_s", "throughput/tokens_per_s"),
                       ("compute_s", "time/compute_s"), ("comm_s", "time/comm_s"),
                       ("eval_loss", "loss/eval"), ("eval_accuracy", "eval/accuracy")]:
         want = [(r["step"], r[key]) for r in records if r.get(key) is not None]

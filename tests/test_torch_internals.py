@@ -127,7 +127,8 @@ def test_a_missing_name_turns_off_only_its_feature_with_at_most_one_warning(what
     assert any(m.startswith(path) for m in feature.missing)
     # One warning, now, naming this torch and what is lost; none where a public equivalent
     # stands in, and none yet for the TLS guard (said when there is something to lift).
-    said = [str(w.message) for w in caught if feature.when_off and feature.when_off in str(w.message)]
+    said = [str(w.message) for w in caught
+            if feature.when_off and feature.when_off in str(w.message)]
     announced_at_import = feature.when_off is not None and "backward_tls_free" not in what
     assert len(said) == int(announced_at_import), said
     if said:
@@ -208,7 +209,8 @@ def test_import_ringtrain_succeeds_without_names_and_says_so_once():
     # The whole package, in a fresh interpreter, on a torch stripped of two names.
     code = ("import torch, warnings; warnings.simplefilter('always'); "
             "del torch._C._current_autograd_node; del torch._utils._flatten_dense_tensors; "
-            "import ringtrain, ringtrain.ddp, ringtrain.launch.launcher, ringtrain.torch_internals as ti; "
+            "import ringtrain, ringtrain.ddp, ringtrain.launch.launcher, "
+            "ringtrain.torch_internals as ti; "
             "print(sorted(f.what.split(' (')[0] for f in ti.FEATURES if not f.on))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
@@ -227,7 +229,8 @@ def test_set_by_init_sees_a_renamed_instance_attribute():
     set_by_init(Context, "renamed", feature)
     assert feature.on
     set_by_init(Context, "_running_local_ranks", feature)
-    assert not feature.on and feature.missing[0].endswith("Context()._running_local_ranks (set by its constructor)")
+    assert not feature.on
+    assert feature.missing[0].endswith("Context()._running_local_ranks (set by its constructor)")
 
 
 def test_a_patch_point_restores_torchs_attribute_even_on_error():
@@ -293,7 +296,9 @@ def test_group_timeout_is_none_where_the_backend_does_not_say():
             return backend
         return types.SimpleNamespace(_get_backend=get)
 
-    with_options = types.SimpleNamespace(options=types.SimpleNamespace(_timeout=timedelta(seconds=7)))
+    with_options = types.SimpleNamespace(
+        options=types.SimpleNamespace(_timeout=timedelta(seconds=7))
+    )
     assert ti.group_timeout(group(with_options)) == timedelta(seconds=7)
     assert ti.group_timeout(group(types.SimpleNamespace())) is None
     assert ti.group_timeout(group(None)) is None
@@ -302,7 +307,8 @@ def test_group_timeout_is_none_where_the_backend_does_not_say():
 def test_running_workers_and_mark_finished():
     ctx = types.SimpleNamespace(
         _running_local_ranks={1, 0}, envs={0: {"RANK": "4"}, 1: {}},
-        subprocess_handlers={0: types.SimpleNamespace(proc="p0"), 1: types.SimpleNamespace(proc="p1")})
+        subprocess_handlers={0: types.SimpleNamespace(proc="p0"),
+                             1: types.SimpleNamespace(proc="p1")})
     assert ti.running_workers(ctx) == [(0, 4, "p0"), (1, -1, "p1")]
     ti.mark_finished(ctx, 0)
     assert ti.running_workers(ctx) == [(1, -1, "p1")]

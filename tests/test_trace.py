@@ -43,7 +43,8 @@ def test_tracks_hold_spans_that_nest_or_follow_and_partial_overlaps_get_their_ow
 
 
 def test_events_are_aligned_to_rank_0s_clock_with_a_track_per_lane():
-    ranks = [{"rank": 0, "offset_ns": 0, "clock": {}, "spans": [["step 1", "compute", 1000, 5000, None]]},
+    ranks = [{"rank": 0, "offset_ns": 0, "clock": {},
+              "spans": [["step 1", "compute", 1000, 5000, None]]},
              {"rank": 1, "offset_ns": -500, "clock": {},  # rank 1's clock runs 500 ns ahead
               "spans": [["step 1", "compute", 1500, 5500, None],
                         ["bucket 0", "comm", 2000, 4000, {"bytes": 8}],
@@ -98,7 +99,8 @@ def test_ddp_trace_nests_and_bucket_communication_overlaps_backward(tmp_path):
     assert {e["pid"] for e in x} == {0, 1}
     assert set(doc["otherData"]["clock"]) == {"0", "1"} and doc["otherData"]["steps"] == "2:4"
     for track in {(e["pid"], e["tid"]) for e in x}:  # the format's rule: nest or follow
-        assert _nest_or_follow([(e["ts"], e["ts"] + e["dur"]) for e in x if (e["pid"], e["tid"]) == track])
+        assert _nest_or_follow([(e["ts"], e["ts"] + e["dur"])
+                                for e in x if (e["pid"], e["tid"]) == track])
     for rank in (0, 1):
         mine = [e for e in x if e["pid"] == rank]
         steps = [e for e in mine if e["name"].startswith("step ")]
@@ -116,15 +118,17 @@ def test_ddp_trace_nests_and_bucket_communication_overlaps_backward(tmp_path):
         buckets = [e for e in mine if e["cat"] == "comm"]
         assert len(buckets) >= 4 and all(e["name"].startswith("bucket ") for e in buckets)
         # Overlap: a bucket launched during backward, before its end-of-backward sync began.
-        early = [e for e in buckets for b, f in zip(sorted(backward, key=lambda e: e["ts"]),
-                                                    sorted(finish, key=lambda e: e["ts"]), strict=True)
+        early = [e for e in buckets
+                 for b, f in zip(sorted(backward, key=lambda e: e["ts"]),
+                                 sorted(finish, key=lambda e: e["ts"]), strict=True)
                  if b["ts"] < e["ts"] < f["ts"]]
         assert early, buckets
 
 
 def test_zero_3_trace_shows_each_units_gathers_and_reduces_inside_the_step(tmp_path):
     run_workers(_traced_ddp_worker, 2, (str(tmp_path), 3), timeout_s=120)
-    x = [e for e in json.loads(open(tmp_path / "trace.json").read())["traceEvents"] if e["ph"] == "X"]
+    events = json.loads(open(tmp_path / "trace.json").read())["traceEvents"]
+    x = [e for e in events if e["ph"] == "X"]
     for rank in (0, 1):
         mine = [e for e in x if e["pid"] == rank]
         steps = [e for e in mine if e["name"].startswith("step ")]
@@ -134,10 +138,12 @@ def test_zero_3_trace_shows_each_units_gathers_and_reduces_inside_the_step(tmp_p
         units = {e["args"]["unit"] for e in comm}
         assert units == {"0", "1", "2"}, units
         assert {e["name"] for e in comm} == {"all-gather", "reduce-scatter"}
-        assert all(any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] for s in steps)
+        assert all(any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"]
+                       for s in steps)
                    for e in mine if e["name"] in ("forward", "backward", "optimizer step", *units))
         for track in {e["tid"] for e in mine}:
-            assert _nest_or_follow([(e["ts"], e["ts"] + e["dur"]) for e in mine if e["tid"] == track])
+            assert _nest_or_follow([(e["ts"], e["ts"] + e["dur"])
+                                    for e in mine if e["tid"] == track])
 
 
 def test_no_trace_costs_nothing_measurable_in_a_hook():

@@ -19,7 +19,8 @@ TINY = ["--steps", "20", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16
         "--eval-every", "10", "--no-progress"]
 
 
-pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py: in-process runs leave no trace
+# tests/conftest.py: in-process runs leave no trace
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def test_two_processes_end_to_end(tmp_path):
@@ -31,8 +32,8 @@ def test_two_processes_end_to_end(tmp_path):
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = set(os.listdir(run_dir)) - {"tensorboard"}  # there when the package is installed
-    assert sorted(files) == ["config.json", "metrics.jsonl", "model.safetensors", "model_config.json",
-                             "report.png", "summary.json"]
+    assert sorted(files) == ["config.json", "metrics.jsonl", "model.safetensors",
+                             "model_config.json", "report.png", "summary.json"]
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in SUMMARY_KEYS:
         assert key in summary, key
@@ -53,8 +54,8 @@ def test_text_data_single_process(tmp_path, capsys):
     data.write_text("the quick brown fox jumps over the lazy dog. " * 30)
     run_dir = tmp_path / "run"
     rc = main(["--data", str(data), "--block-size", "16", "--steps", "6", "--n-layer", "1",
-               "--n-embd", "32", "--batch-size", "8", "--sample-length", "40", "--no-progress", "--threads", "1",
-               "--run-dir", str(run_dir)])
+               "--n-embd", "32", "--batch-size", "8", "--sample-length", "40", "--no-progress",
+               "--threads", "1", "--run-dir", str(run_dir)])
     assert rc == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval_loss"] > 0 and "eval_accuracy" not in summary
@@ -66,7 +67,8 @@ def test_text_data_single_process(tmp_path, capsys):
     (["--strategy", "nope"], "--strategy: invalid choice: 'nope'"),
     (["--data", "/nonexistent/input.txt"], "--data /nonexistent/input.txt: no such file"),
     (["--pp", "2"], "--pp applies to --strategy pipeline, not ddp"),
-    (["--servers", "1", "--strategy", "pipeline"], "--servers applies to --strategy ps, not pipeline"),
+    (["--servers", "1", "--strategy", "pipeline"],
+     "--servers applies to --strategy ps, not pipeline"),
     (["--n-embd", "30", "--n-head", "4"], "--n-embd 30 is not divisible by --n-head 4"),
     (["--digits", "5"], "supports 1..3"),
     (["--beta1", "1"], r"--beta1 1.0: Adam's momentum must be in \[0, 1\)"),
@@ -83,8 +85,8 @@ def test_help_and_defaults():
     assert main(["--help"]) == 0
     opts = parse_options([])
     check_args(opts)
-    assert (opts.run.strategy, opts.launch.nproc_per_node, opts.data.digits, opts.trainer.dtype) == \
-        ("ddp", 1, 2, "fp32")
+    assert (opts.run.strategy, opts.launch.nproc_per_node, opts.data.digits,
+            opts.trainer.dtype) == ("ddp", 1, 2, "fp32")
 
 
 def test_async_parameter_server_lowers_adam_momentum_unless_told():
@@ -100,7 +102,8 @@ def test_strategy_options_only_for_the_chosen_strategy():
     opts = parse_options(["--strategy", "pipeline", "--pp", "2", "--schedule", "gpipe"])
     assert opts.strategy.kwargs() == {"pp": 2, "schedule": "gpipe", "microbatches": None}
     opts = parse_options(["--strategy", "ps", "--ps-mode", "ssp", "--staleness", "0"])
-    assert opts.strategy.kwargs() == {"servers": 1, "mode": "ssp", "staleness": 0}  # servers: its default
+    # servers: its default
+    assert opts.strategy.kwargs() == {"servers": 1, "mode": "ssp", "staleness": 0}
 
 
 def test_the_workers_options_round_trip_through_config_json():
@@ -111,8 +114,8 @@ def test_the_workers_options_round_trip_through_config_json():
     assert "nproc_per_node" not in flat and "max_restarts" not in flat  # the launcher's own
     again = options_from(flat, parse_text=True)
     assert again.flat() == opts.flat() and again.trainer == opts.trainer
-    assert (again.model.bias, again.run.trace_steps, again.strategy) == (False, opts.run.trace_steps,
-                                                                         opts.strategy)
+    assert ((again.model.bias, again.run.trace_steps, again.strategy)
+            == (False, opts.run.trace_steps, opts.strategy))
 
 
 def test_task_defaults_and_recipes_in_order(tmp_path):

@@ -1,4 +1,5 @@
-"""The training loop (`ringtrain.training.trainer`) with the DDP strategy: single process and 2 ranks."""
+"""The training loop (`ringtrain.training.trainer`) with the DDP strategy: single process and
+2 ranks."""
 
 import json
 import math
@@ -114,7 +115,8 @@ def test_early_stop_and_resume_state():
 
 def test_nan_loss_stops_on_the_reduced_value():
     rt = init_distributed()
-    trainer = make_trainer(rt, steps=4, log_every=2, eval_every=4, loss=lambda lo, y: loss_fn(lo, y) * float("nan"))
+    trainer = make_trainer(rt, steps=4, log_every=2, eval_every=4,
+                           loss=lambda lo, y: loss_fn(lo, y) * float("nan"))
     with pytest.raises(FloatingPointError, match="became nan at step 2"):
         trainer.fit()
 
@@ -181,11 +183,12 @@ def test_param_sha256_and_rank_seed():
     assert os.environ.get("RANK") is None
 
 
-# -- sums through the store that leave out a departed rank (ringtrain.agreement.membership) --------------
+# -- sums through the store that leave out a departed rank (ringtrain.agreement.membership) --------
 def _views(store, world_size=3, **kw):
     from ringtrain.agreement.membership import Membership
 
-    return [Membership(store, r, world_size, scope="t", timeout_s=5, **kw) for r in range(world_size)]
+    return [Membership(store, r, world_size, scope="t", timeout_s=5, **kw)
+            for r in range(world_size)]
 
 
 def _in_threads(calls):
@@ -213,7 +216,8 @@ def test_store_reduce_sums_every_rank_bit_identically():
 
     views = _views(dist.HashStore())
     values = [[0.1, 1.0], [0.2, 2.0], [0.3, 4.0]]
-    out = _in_threads([lambda v=v, x=x: v.reduce("s", x) for v, x in zip(views, values, strict=True)])
+    out = _in_threads([lambda v=v, x=x: v.reduce("s", x)
+                       for v, x in zip(views, values, strict=True)])
     assert out[0] == out[1] == out[2] == [0.1 + 0.2 + 0.3, 7.0]  # rank order, on every rank
 
 

@@ -48,9 +48,11 @@ def _wait(found: list, timeout_s: float) -> float:
 
 
 def test_arguments_are_checked():
-    with pytest.raises(ValueError, match=r"interval_s=2, timeout_s=1: need 0 < interval_s < timeout_s"):
+    with pytest.raises(ValueError,
+                       match=r"interval_s=2, timeout_s=1: need 0 < interval_s < timeout_s"):
         Watchdog(dist.HashStore(), 0, 2, interval_s=2, timeout_s=1)
-    with pytest.raises(ValueError, match=r"Invalid rank 2, rank should be in the interval \[0, 1\]"):
+    with pytest.raises(ValueError,
+                       match=r"Invalid rank 2, rank should be in the interval \[0, 1\]"):
         Watchdog(dist.HashStore(), 2, 2)
     Watchdog(dist.HashStore(), 0, 1).start().stop()  # one process: nothing to watch
 
@@ -135,7 +137,9 @@ def test_an_untolerated_peer_still_stops_a_tolerant_watch():
 
 def test_connection_lost_classifier():
     assert is_connection_lost(RuntimeError(GLOO_RESET))
-    assert is_connection_lost("RuntimeError: [gloo/transport/tcp] Connection closed by peer [::1]:5")
+    assert is_connection_lost(
+        "RuntimeError: [gloo/transport/tcp] Connection closed by peer [::1]:5"
+    )
     assert not is_connection_lost(ValueError("Connection reset by peer"))  # user code, not comms
     assert not is_connection_lost(RuntimeError("CUDA out of memory"))
 
@@ -219,7 +223,8 @@ def test_frozen_rank_named_by_ranks_blocked_in_allreduce_and_computing(tmp_path)
         assert 2.0 <= age < 4.5, found
         # The step as last published; a rank may quote the verdict rank 0 shared.
         assert re.search(r"; last step [0-3](; seen by rank 0)?\)$", found[rank]["text"]), found
-        assert 2.5 <= found[rank]["after_s"] < 10.0, found  # silence counts from the last change seen
+        # Silence counts from the last change seen.
+        assert 2.5 <= found[rank]["after_s"] < 10.0, found
 
 
 def test_raising_rank_named_by_rank_blocked_in_allreduce(tmp_path):

@@ -306,10 +306,12 @@ def test_plan_predicts_the_counted_bytes_within_10_percent(world_size):
 
     numel, root, block = gpt_units(MEM_MODEL)
     rows = {r["strategy"]: r for r in plan_rows(numel, world_size, root, block)}
-    names = {"ddp": "ddp", 1: "zero --zero-stage 1", 2: "zero --zero-stage 2", 3: "zero --zero-stage 3"}
+    names = {"ddp": "ddp", 1: "zero --zero-stage 1", 2: "zero --zero-stage 2",
+             3: "zero --zero-stage 3"}
     for r in _one_run(world_size):
         for key, m in r["memory"].items():
-            counted = m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"] + m["peak_gathered_bytes"]
+            counted = (m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]
+                       + m["peak_gathered_bytes"])
             predicted = rows[names[key]]["total"]
             assert abs(predicted - counted) <= 0.10 * counted, (key, predicted, counted)
 
@@ -325,7 +327,8 @@ def test_misuse_raises_on_every_rank_naming_the_fix(world_size):
 def test_plan_command_prints_a_row_per_strategy(capsys):
     from ringtrain.cli.plan import main
 
-    assert main(["--nproc-per-node", "4", "--n-layer", "2", "--n-embd", "32", "--memory-gb", "1"]) == 0
+    assert main(["--nproc-per-node", "4", "--n-layer", "2", "--n-embd", "32",
+                 "--memory-gb", "1"]) == 0
     out = capsys.readouterr().out
     assert "4 ranks" in out and out.count(" yes") == 5  # ddp, zero 1-3, pipeline --pp 4
     assert "pipeline --pp 4" in out and "fastest that fits by this model:" in out
@@ -338,16 +341,19 @@ def test_plan_command_prints_a_row_per_strategy(capsys):
 def test_plan_rows_comm_and_pipeline():
     from ringtrain.cli.plan import plan_rows, step_seconds
 
-    rows = {r["strategy"]: r for r in plan_rows(1000, 4, root=100, block=200, stages=[100, 300, 300, 300],
-                                                boundary_bytes=64.0)}
+    rows = {r["strategy"]: r
+            for r in plan_rows(1000, 4, root=100, block=200, stages=[100, 300, 300, 300],
+                               boundary_bytes=64.0)}
     ring = 3 / 4 * 4000
     assert rows["ddp"]["comm"] == rows["zero --zero-stage 2"]["comm"] == 2 * ring
     assert rows["zero --zero-stage 3"]["comm"] == 3 * ring - 3 / 4 * 400  # the root gathered once
     pipe = rows["pipeline --pp 4"]
-    assert pipe["stages"] == [100, 300, 300, 300] and pipe["total"] == 16 * 300 and pipe["comm"] == 128
+    assert pipe["stages"] == [100, 300, 300, 300]
+    assert pipe["total"] == 16 * 300 and pipe["comm"] == 128
     one_unit = {r["strategy"]: r for r in plan_rows(1000, 4)}["zero --zero-stage 3"]
     assert one_unit["working_set"] == 4000 and one_unit["comm"] == 2 * ring
-    assert step_seconds(rows["ddp"], 1000, 10, 4, 1.0, 1.0) == 6 * 10 * 1000 / 4 / 1e12 + 2 * ring * 8 / 1e9
+    assert (step_seconds(rows["ddp"], 1000, 10, 4, 1.0, 1.0)
+            == 6 * 10 * 1000 / 4 / 1e12 + 2 * ring * 8 / 1e9)
 
 
 # ---- resharding: a state saved by N ranks loaded on M (pure, then 2 -> 3 -> 2 on gloo) ----------
@@ -375,7 +381,8 @@ def _equal_full(a, b):
     return (all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
             and all(m.keys() == n.keys() and all(torch.equal(m[k], n[k]) for k in m)
                     for m, n in zip(a["moments"], b["moments"], strict=True))
-            and {k: float(v) for k, v in a["scalars"].items()} == {k: float(v) for k, v in b["scalars"].items()})
+            and ({k: float(v) for k, v in a["scalars"].items()}
+                 == {k: float(v) for k, v in b["scalars"].items()}))
 
 
 def _gather_parts(state, world_size):
@@ -402,7 +409,8 @@ def _reshard(rank, world_size):
     numels = [u.plan.numel for u in z3.units]
     z3.load_shard_state_dicts({r: parts2[r] for r in reshard.sources(numels, 2, 3, rank)})
     parts3 = _gather_parts(z3.shard_state_dict(), world_size)
-    out = {"2to3": _equal_full(reshard.consolidate(parts2.values()), reshard.consolidate(parts3.values()))}
+    out = {"2to3": _equal_full(reshard.consolidate(parts2.values()),
+                               reshard.consolidate(parts3.values()))}
     back = None
     if rank < 2:
         torch.manual_seed(2)
@@ -410,7 +418,8 @@ def _reshard(rank, world_size):
         z2.load_shard_state_dicts({r: parts3[r] for r in reshard.sources(numels, 3, 2, rank)})
         back = z2.shard_state_dict()
     parts2b = _gather_parts(back, world_size)
-    out["3to2"] = _equal_full(reshard.consolidate(parts2.values()), reshard.consolidate(parts2b.values()))
+    out["3to2"] = _equal_full(reshard.consolidate(parts2.values()),
+                              reshard.consolidate(parts2b.values()))
     out["moments"] = sorted(reshard.consolidate(parts3.values())["moments"][0])
     try:
         z3.load_shard_state_dicts({0: parts2[0]})  # rank 1 and 2 need saved rank 1 too

@@ -34,7 +34,9 @@ FLAGS = ["--digits", "1", "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "
          "--eval-batch-size", "16", "--threads", "1", "--no-progress", "--seed", "0"]
 
 
-def _train(run_dir: Path, nproc: int, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+def _train(
+    run_dir: Path, nproc: int, *extra: str, check: bool = True
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(v, None)
@@ -90,7 +92,8 @@ def test_two_ranks_to_three_and_back_go_on_with_the_same_state(runs):
     assert _full_state(runs / "to3", 3)["world_size"] == 3
     _close(to3, reference)
     _close(back2, reference)
-    summaries = {n: json.loads((runs / n / "summary.json").read_text()) for n in ("two", "to3", "back2")}
+    summaries = {n: json.loads((runs / n / "summary.json").read_text())
+                 for n in ("two", "to3", "back2")}
     assert summaries["to3"]["resumed_from_step"] == [2]
     assert summaries["back2"]["resumed_from_step"] == [2, 3]  # the run's resumes, in order
     for n in ("to3", "back2"):

@@ -57,7 +57,8 @@ def _worker(rank: int, world_size: int) -> dict:
         grads[name] = [p.grad.clone() for p in model.parameters()]
         out[name] = {"all_reduce_calls": calls[0], "ms": statistics.median(times) * 1e3,
                      "tensors": len(grads[name])}
-    out["max_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(*grads.values(), strict=True))
+    out["max_grad_diff"] = max(float((a - b).abs().max())
+                               for a, b in zip(*grads.values(), strict=True))
     return out
 
 

@@ -34,7 +34,8 @@ def main() -> None:
             # Sequential keys: 0 the embedding, 1..n_layer the blocks, then the head.
             names = ", ".join(f"block {int(k) - 1}" if type(m).__name__ == "Block"
                               else type(m).__name__.lower() for k, m in stage.named_children())
-            print(f"  stage {s}: {n:>7,} parameters ({n / total:4.0%}), {n * 16 / 1e6:4.1f} MB  [{names}]")
+            print(f"  stage {s}: {n:>7,} parameters ({n / total:4.0%}), "
+                  f"{n * 16 / 1e6:4.1f} MB  [{names}]")
     boundary = config.block_size * config.n_embd * 4
     print(f"between stages, per sample: {config.block_size} x {config.n_embd} fp32 = {boundary:,} "
           "bytes forward (activation) and as many backward (its gradient)")

@@ -61,7 +61,9 @@ def _worker(rank: int, world_size: int) -> dict:
             fn(buf)
         finally:
             dist.isend = original
-        assert torch.allclose(buf, expected, atol=1e-5), f"{name} all-reduce is wrong on rank {rank}"
+        assert torch.allclose(buf, expected, atol=1e-5), (
+            f"{name} all-reduce is wrong on rank {rank}"
+        )
         out[name] = sent[0]
     return out
 

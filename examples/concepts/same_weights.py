@@ -40,7 +40,8 @@ def train(run_dir: Path, nproc: int, batch: int) -> tuple[dict, dict[int, dict[s
                     str(EVERY), "--keep", str(STEPS // EVERY), "--threads", "1", "--no-progress",
                     "--run-dir", str(run_dir)], check=True, capture_output=True, timeout=300)
     manager = SnapshotManager(run_dir / "snapshots", rank=0, world_size=1)
-    weights = {snap.step: manager.load(snap)[0]["strategy"]["model"] for snap in manager.snapshots()}
+    weights = {snap.step: manager.load(snap)[0]["strategy"]["model"]
+               for snap in manager.snapshots()}
     return json.loads((run_dir / "summary.json").read_text()), weights
 
 

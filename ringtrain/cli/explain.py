@@ -5,9 +5,11 @@
 
 From the files `ringtrain train` wrote (config.json, summary.json, metrics.jsonl, snapshots/):
 each rank's role, the data split, what travelled between ranks each step and by which algorithm,
-communication against compute, and the snapshot a resume would use. `load_run` reads the files,
-`explain` makes the text from them alone (tests call it without processes); docs/concepts.md
-explains each word. Not a run directory: one line, exit code 2.
+communication against compute, and the snapshot a resume would use. `load_run` reads the files;
+`run_facts` asks the run's strategy for its figures (`Config.figures`: bytes held and sent, in
+numbers) and `data_split` computes the sampler's split; `explain` only words them (tests call
+each without processes). docs/concepts.md explains each word. Not a run directory: one line,
+exit code 2.
 """
 
 from __future__ import annotations
@@ -118,14 +120,17 @@ def load_run(path: str | Path) -> RunFiles:
                     *_dataset_sizes(config))
 
 
-# ---- the facts the sections share ----------------------------------------------------------------
+# ---- the numbers the sections word ---------------------------------------------------------------
 
 
-def _facts(config: dict[str, Any], summary: dict[str, Any] | None) -> RunFacts:
+def run_facts(run: RunFiles) -> RunFacts:
+    """The run's strategy, its options and its figures (`Config.figures`), the model's size."""
     from ringtrain.models import GPT, GPTConfig
     from ringtrain.strategies import registered
+    from ringtrain.strategies.figures import Workload
 
-    args, trainer, world = config["args"], config.get("trainer", {}), config["world_size"]
+    config, trainer = run.config, run.config.get("trainer", {})
+    args, world = config["args"], config["world_size"]
     name = args.get("strategy", "ddp")
     cls = registered().get(name)
     strategy = None
@@ -139,18 +144,49 @@ def _facts(config: dict[str, Any], summary: dict[str, Any] | None) -> RunFacts:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.json's model section {config['model']} does not build a GPT "
                           f"({e}); was it written by another version of ringtrain?") from None
-    step_batch = trainer.get("batch_size", 1) * trainer.get("grad_accum", 1)
-    try:  # the strategy says how many ranks read data (pipeline: dp; ps: the workers)
-        data_ranks = strategy.plan(world, step_batch) if strategy else world
-    except ValueError:
-        data_ranks = world
-    return RunFacts(name, cls, strategy, world, params, step_batch, data_ranks,
-                    model=config["model"], summary=summary or {})
+    accum = trainer.get("grad_accum", 1)
+    step_batch = trainer.get("batch_size", 1) * accum
+    sample = config["model"].get("block_size", 0) * config["model"].get("n_embd", 0)
+    figures, refused = None, ""
+    try:  # options the strategy refuses for this world size: no figures, the generic words
+        if strategy:
+            figures = strategy.figures(Workload(world, params, step_batch, accum, sample))
+    except ValueError as e:
+        refused = str(e)
+    return RunFacts(name, cls, strategy, world, params, step_batch, figures,
+                    model=config["model"], summary=run.summary or {}, refused=refused)
+
+
+@dataclass(frozen=True)
+class DataSplit:
+    """How the DistributedSampler split the training set (`samples` None: the file is gone)."""
+
+    samples: int | None
+    data_ranks: int
+    per_rank: int  # samples per data rank per epoch: ceil(samples / data_ranks)
+    padding: int  # samples repeated so that every rank gets as many
+    global_batch: int  # --batch-size x --grad-accum x data ranks
+    steps: int  # the run's optimizer steps (summary.json's, else the configured number)
+    steps_per_epoch: float  # optimizer steps
+    epochs: float  # the run's steps, in epochs (0: an epoch is shorter than one step)
+
+
+def data_split(run: RunFiles, f: RunFacts) -> DataSplit:
+    """The sampler's split of the run's training set among the strategy's data ranks."""
+    trainer = run.config.get("trainer", {})
+    batch, accum = trainer.get("batch_size", 1), trainer.get("grad_accum", 1)
+    steps = (run.summary or {}).get("steps") or trainer.get("steps", 0)
+    samples, ranks = run.train_samples, f.data_ranks
+    per_rank = math.ceil(samples / ranks) if samples is not None else 0
+    padding = per_rank * ranks - samples if samples is not None else 0
+    steps_per_epoch = per_rank // batch / accum
+    return DataSplit(samples, ranks, per_rank, padding, batch * accum * ranks, steps,
+                     steps_per_epoch, steps / steps_per_epoch if steps_per_epoch else 0.0)
 
 
 def _explanation(f: RunFacts) -> Explanation:
     """The strategy's words (`explain_words.WORDS`); the generic ones for any other."""
-    return WORDS[f.name](f) if f.cls and f.name in WORDS else generic(f)
+    return WORDS[f.name](f) if f.figures and f.name in WORDS else generic(f)
 
 
 # ---- the sections -------------------------------------------------------------------------------
@@ -158,27 +194,26 @@ def _explanation(f: RunFacts) -> Explanation:
 
 def _data(run: RunFiles, f: RunFacts, reader: str) -> list[str]:
     args, trainer = run.config["args"], run.config.get("trainer", {})
-    batch, accum = trainer.get("batch_size", 1), trainer.get("grad_accum", 1)
     what = (f"addition, {args.get('digits')} digits" if run.config.get("task") == "addition"
             else f"text {args.get('data')}, block size {args.get('block_size')}")
-    if (samples := run.train_samples) is None:
+    split = data_split(run, f)
+    if (samples := split.samples) is None:
         return [f"task: {what}: the file is not readable from here, so its size is unknown."]
-    per_rank = math.ceil(samples / f.data_ranks)
-    pad = per_rank * f.data_ranks - samples
     lines = [f"task: {what}: {n(samples)} training samples, {n(run.eval_samples or 0)} held out."]
-    padding = (f"padded with {plural(pad, 'sample')} repeated from the start of the epoch so every "
-               "rank gets as many" if pad else f"no padding: {n(samples)} divides evenly")
+    padding = (f"padded with {plural(split.padding, 'sample')} repeated from the start of the "
+               "epoch so every rank gets as many" if split.padding else
+               f"no padding: {n(samples)} divides evenly")
     lines.append(f"DistributedSampler: 1 data rank ({reader}) takes all {n(samples)} samples, "
-                 "reshuffled every epoch." if f.data_ranks == 1 else
-                 f"DistributedSampler: {f.data_ranks} data ranks ({reader}) x {n(per_rank)} "
-                 f"samples per epoch ({padding}); the shards are disjoint, cut from one shuffle "
-                 "that every rank draws from the same seed, anew every epoch.")
-    steps_per_epoch = per_rank // batch / accum
-    steps = (run.summary or {}).get("steps") or trainer.get("steps", 0)
-    epochs = (f"; an epoch is {steps_per_epoch:g} steps, so {steps} steps are "
-              f"{steps / steps_per_epoch:.2f} epochs" if steps_per_epoch else "")
-    lines.append(f"global batch {batch * accum * f.data_ranks} = --batch-size {batch} x "
-                 f"--grad-accum {accum} x {plural(f.data_ranks, 'data rank')}{epochs}.")
+                 "reshuffled every epoch." if split.data_ranks == 1 else
+                 f"DistributedSampler: {split.data_ranks} data ranks ({reader}) x "
+                 f"{n(split.per_rank)} samples per epoch ({padding}); the shards are disjoint, "
+                 "cut from one shuffle that every rank draws from the same seed, anew every "
+                 "epoch.")
+    epochs = (f"; an epoch is {split.steps_per_epoch:g} steps, so {split.steps} steps are "
+              f"{split.epochs:.2f} epochs" if split.steps_per_epoch else "")
+    lines.append(f"global batch {split.global_batch} = --batch-size "
+                 f"{trainer.get('batch_size', 1)} x --grad-accum {trainer.get('grad_accum', 1)} "
+                 f"x {plural(split.data_ranks, 'data rank')}{epochs}.")
     lines.append("evaluation splits the held-out set exactly (no padding): its figures are "
                  "those a single process would measure.")
     return lines
@@ -244,7 +279,7 @@ def _command_line(run: RunFiles) -> list[str]:
 
 def explain(run: RunFiles) -> str:
     """The text `ringtrain explain` prints for `run`."""
-    f, s = _facts(run.config, run.summary), run.summary or {}
+    f, s = run_facts(run), run.summary or {}
     said = _explanation(f)
     acc = f", eval_accuracy {s['eval_accuracy']:.1%}" if s.get("eval_accuracy") is not None else ""
     state = (f"{s.get('steps')} steps, train_loss {s.get('train_loss') or float('nan'):.4g}{acc}, "

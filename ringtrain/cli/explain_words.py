@@ -1,12 +1,14 @@
-"""The words of `ringtrain explain`, strategy by strategy, around the figures they take from
-the run (config.json, summary.json) and from the strategy's config.
+"""The words of `ringtrain explain`, strategy by strategy, around the numbers the strategy gives.
 
     ringtrain explain runs/a      # cli/explain.py picks WORDS[strategy], else `generic`
 
 Each function gets the `RunFacts` of a run and returns an `Explanation`: who did what, who read
 the data, what travelled between ranks per step, and what its "communication" time is made of.
-A strategy without words here is explained from its docstring's first line (`generic`); the
-numbers a strategy alone knows are methods of its config (`LocalSGDConfig.meeting_bytes`).
+Every number comes from the strategy's `Config.figures` (`ringtrain.strategies.figures`: bytes
+held and sent, a pipeline's bubble, a parameter server's staleness bound) or from the run's
+files; these functions only format them, so tests check the figures and, here, that the text
+carries them. A strategy without words here is explained from its docstring's first line and
+its figures (`generic`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringtrain.strategies import StrategyConfig
-from ringtrain.zero.shard import expected_bytes
-
-FP32_BYTES = 4  # gradients, parameters and activations travel in fp32 (under bf16 autocast too)
+from ringtrain.strategies.ddp import DDPFigures
+from ringtrain.strategies.figures import FP32_BYTES, Figures
+from ringtrain.strategies.localsgd import LocalSGDFigures
+from ringtrain.strategies.pipeline import PipelineFigures
+from ringtrain.strategies.ps import PSFigures
+from ringtrain.strategies.zero import ZeroFigures
 
 
 @dataclass(frozen=True)
@@ -32,23 +37,19 @@ class RunFacts:
     world: int
     params: int
     step_batch: int  # samples per data rank per step: --batch-size x --grad-accum
-    data_ranks: int
+    figures: Figures | None  # the strategy's numbers; None: not estimated (see `refused`)
     model: dict[str, Any] = field(default_factory=dict)  # config.json's model section
     summary: dict[str, Any] = field(default_factory=dict)  # summary.json ({}: did not finish)
+    refused: str = ""  # why the strategy gave no figures: its options do not fit this run
 
     def option(self, name: str) -> Any:
         """One of the strategy's options (as given, else its default)."""
         return getattr(self.config, name)
 
     @property
-    def grad_bytes(self) -> int:
-        """The model's gradients (or parameters) in fp32."""
-        return self.params * FP32_BYTES
-
-    def ring_share(self, ranks: int | None = None) -> float:
-        """Bytes a rank sends in a ring all-reduce, per byte of the buffer: 2(N-1)/N."""
-        n = self.world if ranks is None else ranks
-        return 2 * (n - 1) / n
+    def data_ranks(self) -> int:
+        """Ranks that read data, as the strategy plans them; every rank when it cannot say."""
+        return self.figures.data_ranks if self.figures else self.world
 
 
 @dataclass(frozen=True)
@@ -73,86 +74,101 @@ def plural(count: int, word: str) -> str:  # '1 rank', '2 ranks'
     return f"{count} {word}{'' if count == 1 else 's'}"
 
 
-def ranks(first: int, last: int) -> str:  # 'rank 2', 'ranks 0..1'
-    return f"rank {first}" if first == last else f"ranks {first}..{last}"
+def ranks(which: tuple[int, ...]) -> str:  # 'rank 2', 'ranks 0..1' (consecutive ranks)
+    return f"rank {which[0]}" if len(which) == 1 else f"ranks {which[0]}..{which[-1]}"
+
+
+def held(fig: Figures, who: str = "a rank") -> str:
+    """What `who` holds between steps, by kind and in all."""
+    return (f"between steps {who} holds {nbytes(fig.params_bytes)} of parameters, "
+            f"{nbytes(fig.grads_bytes)} of gradients and {nbytes(fig.optimizer_bytes)} of "
+            f"optimizer state: {nbytes(fig.held_bytes)}")
 
 
 def generic(facts: RunFacts) -> Explanation:
-    """What can be said of any strategy: its docstring's first line, the model's size."""
+    """What can be said of any strategy: its docstring's first line, its figures if it has
+    them, else the model's size."""
     what = (inspect.getdoc(facts.cls) or "").splitlines()[0] if facts.cls else \
         "not known to this ringtrain"
-    return Explanation(
-        roles=[f"{facts.world} ranks, --strategy {facts.name}: {what}"],
-        traffic=[f"not estimated for --strategy {facts.name}; the model has {n(facts.params)} "
-                 f"parameters ({nbytes(facts.grad_bytes)} in fp32)."])
+    roles = [f"{facts.world} ranks, --strategy {facts.name}: {what}"]
+    fig = facts.figures
+    if fig is None or fig.sent_bytes is None:
+        why = f" ({facts.refused})" if facts.refused else ""
+        return Explanation(roles, [f"not estimated for --strategy {facts.name}{why}; the model "
+                                   f"has {n(facts.params)} parameters "
+                                   f"({nbytes(facts.params * FP32_BYTES)} in fp32)."])
+    return Explanation(roles + [held(fig) + "."],
+                       [f"estimate: {nbytes(fig.sent_bytes)} sent per rank per step."])
 
 
 # ---- the strategies ------------------------------------------------------------------------------
 
 
 def ddp(f: RunFacts) -> Explanation:
+    fig: DDPFigures = f.figures
     waiting = ("the wait after the last local gradient; the buckets all-reduced before it "
                "overlapped the rest of backward")
+    memory = held(fig, "each rank") + " (fp32 AdamW, 16 bytes per parameter)."
     if f.world == 1:
         return Explanation(
             roles=[f"1 rank holds the whole GPT ({n(f.params)} parameters): single-device "
                    "training: no one to average with, so the plain module runs unwrapped (a "
-                   "--grad-compress hook keeps the DistributedDataParallel wrapper)."],
+                   "--grad-compress hook keeps the DistributedDataParallel wrapper).", memory],
             traffic=["nothing: one rank has no one to send to."], reader="every rank",
             waiting=waiting)
     roles = [f"{f.world} ranks, each a full replica of the GPT ({n(f.params)} parameters "
              "each): every rank runs forward and backward on its own shard of each batch, "
              "then the ranks average their gradients (DistributedDataParallel), so every "
-             "replica takes the same optimizer step and the weights stay identical."]
-    share, compress, s = f.ring_share(), f.option("grad_compress"), f.summary
-    if compress.startswith("powersgd"):  # what it sent is counted, not estimated
+             "replica takes the same optimizer step and the weights stay identical.", memory]
+    compress, s = f.option("grad_compress"), f.summary
+    if fig.buffer_bytes is None:  # PowerSGD: what it sent is counted, not estimated
         sent = s.get("powersgd_bytes_sent") and s["powersgd_bytes_sent"] / (s.get("steps") or 1)
         traffic = [f"PowerSGD (--grad-compress {compress}): low-rank factors of each gradient "
-                   f"matrix, all-reduced by ring, instead of {nbytes(f.grad_bytes)} of fp32 "
+                   f"matrix, all-reduced by ring, instead of {nbytes(fig.params_bytes)} of fp32 "
                    "gradients" + (f": {nbytes(sent)} sent per rank per step (summary.json), "
-                                  f"{share * f.grad_bytes / sent:.1f} x fewer than a ring of "
+                                  f"{fig.dense_sent_bytes / sent:.1f} x fewer than a ring of "
                                   "the full gradients." if sent else ".")]
         return Explanation(roles, traffic, "every rank", waiting)
-    kind, size = (compress, f.grad_bytes // 2) if compress in ("fp16", "bf16") else \
-        ("fp32", f.grad_bytes)
-    traffic = [f"the gradients of {n(f.params)} parameters in {kind}: {nbytes(size)}, once "
-               "per optimizer step (the --grad-accum micro-batches before the last run under "
-               "no_sync), in buckets launched while backward still runs.",
+    traffic = [f"the gradients of {n(f.params)} parameters in {fig.wire}: "
+               f"{nbytes(fig.buffer_bytes)}, once per optimizer step (the --grad-accum "
+               "micro-batches before the last run under no_sync), in buckets launched while "
+               "backward still runs.",
                f"algorithm: ring all-reduce (gloo's default): a reduce-scatter then an "
                f"all-gather, each N-1 steps around the ring, so each rank sends 2(N-1)/N = "
-               f"{share:.3g} x the buffer (N = {f.world}) = {nbytes(share * size)} per step, "
-               "and receives as much."]
+               f"{fig.ring_share:.3g} x the buffer (N = {f.world}) = {nbytes(fig.sent_bytes)} "
+               "per step, and receives as much."]
     return Explanation(roles, traffic, "every rank", waiting)
 
 
 def pipeline(f: RunFacts) -> Explanation:
-    pp = f.option("pp")
-    dp, m = f.world // pp, f.config.microbatches_for(f.step_batch)
+    fig: PipelineFigures = f.figures
+    pp, dp, m = fig.pp, fig.dp, fig.microbatches
     roles = [f"{f.world} ranks = {plural(dp, 'pipeline')} x {pp} stages (model parallelism, "
              f"--pp {pp}): each stage holds a contiguous run of the GPT's layers (embedding, "
-             f"blocks, head) balanced by parameter count, about {n(f.params / pp)} of the "
+             f"blocks, head) balanced by parameter count, about {n(fig.stage_params)} of the "
              f"{n(f.params)} parameters; rank = dp_rank x {pp} + pp_rank."]
-    roles += [f"pipeline {d}: " + ", ".join(f"stage {s} on rank {d * pp + s}" for s in range(pp))
-              for d in range(dp)]
+    roles += [f"pipeline {d}: " + ", ".join(f"stage {s} on rank {r}" for s, r in enumerate(line))
+              for d, line in enumerate(fig.pipelines)]
     roles.append(f"each step's {f.step_batch} samples flow through the stages as {m} "
-                 f"micro-batches of {f.step_batch // m} (--schedule {f.option('schedule')}): "
-                 "the stages work at once on different micro-batches, except in the bubble "
-                 "at the start and the end of the step.")
+                 f"micro-batches of {fig.microbatch_size} (--schedule {f.option('schedule')}): "
+                 "the stages work at once on different micro-batches, except in the bubble at "
+                 f"the start and the end of the step, (pp-1)/(M+pp-1) = {fig.bubble:.1%} of it.")
     if dp > 1:
         roles.append(f"each stage's {dp} replicas average their gradients "
                      "(DistributedDataParallel on the stage's data-parallel group).")
+    roles.append(held(fig, "a stage") + ", on average.")
     block, width = f.model.get("block_size", 0), f.model.get("n_embd", 0)
-    act = f.step_batch * block * width * FP32_BYTES
     traffic = [f"estimate: between consecutive stages, the activations of a step's "
                f"{f.step_batch} samples ({block} tokens x {width} channels each, fp32) = "
-               f"{nbytes(act)} forward, one micro-batch at a time, and as many bytes of their "
-               "gradients backward; plus one number per stage (the gradient norm, for "
-               "clipping)."]
+               f"{nbytes(fig.boundary_bytes)} forward, one micro-batch at a time, and as many "
+               "bytes of their gradients backward; plus one number per stage (the gradient "
+               "norm, for clipping)."]
     if dp > 1:
         traffic.append(f"estimate: each stage also all-reduces the gradients of its "
-                       f"~{n(f.params / pp)} parameters among its {dp} replicas: about "
-                       f"{nbytes(f.ring_share(dp) * f.grad_bytes / pp)} sent per rank per "
-                       "step (ring).")
+                       f"~{n(fig.stage_params)} parameters among its {dp} replicas: about "
+                       f"{nbytes(fig.dp_sent_bytes)} sent per rank per step (ring).")
+    traffic.append(f"estimate, in all: {nbytes(fig.sent_bytes)} sent per step by the busiest "
+                   "stage" + (" (a middle one: it sends both ways)." if fig.pp > 2 else "."))
     return Explanation(roles, traffic, reader="the stages of a pipeline read the same shard",
                        waiting="waiting for the neighbouring stages, the pipeline bubble included")
 
@@ -165,41 +181,53 @@ PS_RULES = {"sync": "the servers wait for every worker's gradient each step: dat
 
 
 def ps(f: RunFacts) -> Explanation:
-    servers, mode = f.option("servers"), f.option("mode")
-    workers = f.world - servers
-    bound = f" (--staleness {f.option('staleness')})" if mode == "ssp" else ""
-    held = "hold the parameters (split between them) and run" if servers > 1 else \
+    fig: PSFigures = f.figures
+    servers, workers, mode = fig.servers, fig.workers, f.option("mode")
+    flag = f" (--staleness {fig.staleness_bound})" if mode == "ssp" else ""
+    holds = "hold the parameters (split between them) and run" if servers > 1 else \
         "holds the parameters and runs"
-    roles = [f"{f.world} ranks: {plural(workers, 'worker')} ({ranks(0, workers - 1)}) "
+    roles = [f"{f.world} ranks: {plural(workers, 'worker')} ({ranks(fig.worker_ranks)}) "
              f"compute{'s' if workers == 1 else ''} gradients on the data; "
-             f"{plural(servers, 'parameter server')} ({ranks(workers, f.world - 1)}) {held} "
-             f"the optimizer. Mode {mode}{bound}: {PS_RULES.get(mode, '')}"]
-    g = nbytes(f.grad_bytes)
-    traffic = [f"estimate: each worker pushes its gradients ({g}) to the servers and pulls the "
-               f"new parameters ({g}) back, every step, point to point (no all-reduce); each "
-               f"server receives {nbytes(workers * f.grad_bytes / servers)} per step (its "
-               "share of every worker's push) and sends as much back."]
+             f"{plural(servers, 'parameter server')} ({ranks(fig.server_ranks)}) {holds} "
+             f"the optimizer. Mode {mode}{flag}: {PS_RULES.get(mode, '')}",
+             held(fig, "a worker") + f"; a server {nbytes(fig.server_held_bytes)} (its share "
+             "of parameters, gradients and AdamW state)."]
+    bound = fig.staleness_bound
+    staleness = ("staleness: no bound" if bound is None else "staleness: none (every worker "
+                 "waits for the others)" if mode == "sync" else
+                 f"staleness: at most {plural(bound, 'step')} ahead of the slowest worker")
+    lag = ("" if not fig.update_lag else f"; update lag about {fig.update_lag:g} (the other "
+           "updates applied between a gradient's read of the parameters and its write, with "
+           "workers at equal speed)")
+    roles.append(f"{staleness}{lag}.")
+    traffic = [f"estimate: each worker pushes its gradients ({nbytes(fig.sent_bytes)}) to the "
+               f"servers and pulls the new parameters ({nbytes(fig.pull_bytes)}) back, every "
+               f"step, point to point (no all-reduce); each server receives "
+               f"{nbytes(fig.server_received_bytes)} per step (its share of every worker's "
+               "push) and sends as much back."]
     return Explanation(roles, traffic, reader="the workers; servers read none",
                        waiting="the wait for the servers' answer (the new parameters)")
 
 
 def _local_sgd(f: RunFacts, meeting: str) -> Explanation:
-    h = f.option("sync_every")
+    fig: LocalSGDFigures = f.figures
+    h = fig.sync_every
     roles = [f"{f.world} ranks, each a full replica of the GPT ({n(f.params)} parameters) "
              f"with its own optimizer, training alone on its own shard for {h} steps "
              f"(--sync-every {h}); then the replicas meet: {meeting} Evaluation and the final "
-             "model use the weights of the last meeting, the same on every rank."]
+             "model use the weights of the last meeting, the same on every rank.",
+             held(fig, "each rank") + " (the parameters twice: the replica and the weights "
+             "of the last meeting)."]
     if f.world == 1:
         return Explanation(roles, ["nothing: one rank has no one to meet."], "every rank",
                            "nothing: one rank")
     s = f.summary
     counted = (f" Counted (summary.json): {nbytes(s['meeting_bytes_sent'])} sent by rank 0 "
                f"over {plural(s['meetings'], 'meeting')}." if s.get("meetings") else "")
-    per_meeting = f.config.meeting_bytes(f.params, f.world)
     traffic = [f"nothing in {h - 1} steps out of {h}; at each meeting "
-               f"{nbytes(per_meeting)} sent per rank, {nbytes(per_meeting / h)} per step on "
-               f"average, against {nbytes(f.ring_share() * f.grad_bytes)} every step for "
-               f"DDP's gradients.{counted}"]
+               f"{nbytes(fig.meeting_bytes)} sent per rank, {nbytes(fig.sent_bytes)} per step "
+               f"on average, against {nbytes(fig.ddp_sent_bytes)} every step for DDP's "
+               f"gradients.{counted}"]
     return Explanation(roles, traffic, "every rank",
                        "the meetings only (steps between them wait on no one)")
 
@@ -230,27 +258,23 @@ ZERO_HELD = {1: "the AdamW moments (stage 1); every rank keeps the full paramete
 
 
 def zero(f: RunFacts) -> Explanation:
-    stage = int(f.option("zero_stage"))
-    b = expected_bytes(f.params, f.world, stage)
+    fig: ZeroFigures = f.figures
     roles = [f"{f.world} ranks, each reading its own shard of every batch as in ddp, each "
-             f"holding 1/{f.world} of {ZERO_HELD[stage]}.",
-             f"between steps a rank holds {nbytes(b['params'])} of parameters, "
-             f"{nbytes(b['grads'])} of gradients and {nbytes(b['optimizer'])} of optimizer "
-             f"state: {nbytes(sum(b.values()))}, against {nbytes(4 * f.grad_bytes)} for a "
-             "DDP replica (fp32 AdamW, 16 bytes per parameter)."]
+             f"holding 1/{f.world} of {ZERO_HELD[fig.stage]}.",
+             held(fig) + f", against {nbytes(fig.replica_bytes)} for a DDP replica (fp32 "
+             "AdamW, 16 bytes per parameter)."]
     if f.world == 1:
         return Explanation(roles, ["nothing: one rank has no one to send to."], "every rank",
                            "nothing: one rank")
-    share = (f.world - 1) / f.world
-    moves = ("an all-gather of the parameters for forward and another for backward, and a "
-             "reduce-scatter of the gradients" if stage == 3 else "a reduce-scatter of the "
-             "gradients (each rank gets the sum of its own 1/N) and, after the step, an "
-             "all-gather of the updated parameters: together as many bytes as DDP's one "
-             "all-reduce")
-    times = 3 if stage == 3 else 2
-    traffic = [f"{moves}; each sends (N-1)/N = {share:.3g} x the {nbytes(f.grad_bytes)} of "
-               f"fp32 model per collective (N = {f.world}): {times} x = "
-               f"{nbytes(times * share * f.grad_bytes)} sent per rank per step, and received."]
+    moves = ("an all-gather of the parameters before each micro-batch's forward and another "
+             "before its backward, and a reduce-scatter of the gradients" if fig.stage == 3
+             else "a reduce-scatter of the gradients (each rank gets the sum of its own 1/N) "
+             "and, after the step, an all-gather of the updated parameters: together as many "
+             "bytes as DDP's one all-reduce")
+    traffic = [f"{moves}; each sends (N-1)/N = {fig.gather_share:.3g} x the "
+               f"{nbytes(fig.model_bytes)} of fp32 model per collective (N = {f.world}): "
+               f"{fig.collectives} x = {nbytes(fig.sent_bytes)} sent per rank per step, and "
+               "received."]
     return Explanation(roles, traffic, "every rank",
                        "not reported apart: ZeRO's collectives run inside forward, backward "
                        "and the step, so their time is counted as compute")

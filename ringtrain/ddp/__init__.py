@@ -3,14 +3,18 @@
 Read in this order:
 - `naive.py`: the reference. After backward, one all-reduce per parameter; 55 lines.
 - `distributed.py`: `DistributedDataParallel`, the drop-in for torch's (same arguments,
-  `no_sync`, comm hooks, unused parameters); it hands every gradient to the reducer.
+  `no_sync`, comm hooks, unused parameters, pickling); it hands every gradient to the reducer.
+- `ctor_args.py`: each constructor argument of torch's (2.11 to 2.15) checked and given its
+  meaning, or refused by name; `init_sync.py`: the check and broadcast at construction;
+  `ignored.py`: parameters and buffers kept out of DDP (torch's
+  `_set_params_and_buffers_to_ignore_for_model`); `mixed_precision.py` and `delayed.py`: the
+  `mixed_precision=` and `delay_all_reduce_named_params=` arguments.
 - `reducer.py`: the bucketed all-reduce, launched from autograd hooks while backward still runs.
 - `finalize.py`: how a round ends (the reducer's base class): the end-of-backward callback waits
   for every bucket, agrees on unused parameters, writes the averages back; `sync_gradients`,
   `defer`/`flush` outside backward.
 - `buckets.py`: which gradients travel together (pure planning, unit-tested without processes),
   and which bucket carries the unused-parameter status.
-- `broadcast.py`: rank `src`'s parameters or buffers to every rank, in a few flat broadcasts.
 - `join.py`: uneven inputs, `join()` with torch's `Join`: what a rank that ran out of batches
   issues to match the others; `uneven.py`: the reducer's part (a shadow backward, the divisor).
 - `static_graph.py`: static_graph=True refuses a graph that changed after the first backward.

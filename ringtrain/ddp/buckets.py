@@ -7,11 +7,13 @@ Planning is pure (sizes in, index lists out) so it is unit-tested without proces
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # torch's reducer makes the first bucket small (dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB) so the
 # first all-reduce starts early in backward instead of waiting for 25 MiB of gradients.
@@ -35,6 +37,7 @@ def assign_buckets(
     first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
     solo_bytes: int | None = None,
     order: Sequence[int] | None = None,
+    bucket_caps: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Group parameter indices into buckets, in the order their gradients should be reduced.
 
@@ -48,6 +51,8 @@ def assign_buckets(
         order: the order in which gradients are produced, when it is known (observed in a
             backward). Default: reverse registration order, the last layer's gradients first,
             which is right for most models.
+        bucket_caps: per-bucket caps instead of the two above (torch's bucket_cap_mb_list):
+            the k-th bucket of a kind closes at bucket_caps[k], the last entry repeating.
 
     Buckets are filled walking the parameters in that order and sorted by the position of their
     last member: the order in which they become ready. Within a bucket, members keep the
@@ -74,7 +79,11 @@ def assign_buckets(
         bucket = open_buckets.setdefault(key, [])
         bucket.append(i)
         open_bytes[key] = open_bytes.get(key, 0) + sizes[i]
-        cap = first_bucket_bytes if closed_count.get(key, 0) == 0 else bucket_cap_bytes
+        closed = closed_count.get(key, 0)
+        if bucket_caps:
+            cap = bucket_caps[min(closed, len(bucket_caps) - 1)]
+        else:
+            cap = first_bucket_bytes if closed == 0 else bucket_cap_bytes
         if open_bytes[key] >= cap:
             buckets.append(bucket)
             closed_count[key] = closed_count.get(key, 0) + 1
@@ -240,6 +249,39 @@ def write_back(buckets: Sequence[Bucket], params: Sequence[torch.Tensor], global
                 p.grad.copy_(view)
 
 
+class CommHookError(TypeError, RuntimeError):
+    """A comm hook returned something else than a Future of the averaged bucket (a RuntimeError
+    too: torch raises one for the same mistake)."""
+
+
+def check_hook(hook: Any) -> None:
+    """What torch's DDP checks when a comm hook is registered (same types, same messages)."""
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable. Got hook={hook!r}: pass a "
+                        "function hook(state, bucket) -> torch.futures.Future[torch.Tensor]")
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: nothing to check
+    bucket = sig.parameters.get("bucket")
+    # String annotations (`from __future__ import annotations`) are read by name.
+    if bucket is not None and not _is_annotation(bucket.annotation, GradBucket, "GradBucket"):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    if not _is_annotation(sig.return_annotation, torch.futures.Future[torch.Tensor], "Future"):
+        raise ValueError("Communication hook: return annotation should be "
+                         "torch.futures.Future[torch.Tensor].")
+
+
+def _is_annotation(annotation: Any, expected: Any, name: str) -> bool:
+    if annotation is inspect.Parameter.empty or annotation is Any or annotation == expected:
+        return True
+    if isinstance(annotation, str):
+        return name in annotation or annotation in ("Any", "typing.Any")
+    if name == "GradBucket":
+        return annotation in (dist.GradBucket, GradBucket)
+    return False
+
+
 def call_hook(hook: Any, state: Any, bucket: Bucket, params: list[torch.nn.Parameter], *,
               is_last: bool) -> torch.futures.Future:
     """Run comm hook `hook(state, GradBucket)` on `bucket`'s staged gradients; its future,
@@ -247,7 +289,7 @@ def call_hook(hook: Any, state: Any, bucket: Bucket, params: list[torch.nn.Param
     grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.gradients, params, is_last=is_last)
     fut = hook(state, grad_bucket)
     if not callable(getattr(fut, "wait", None)):  # Future.then() gives a torch._C.Future
-        raise TypeError(
+        raise CommHookError(
             f"comm hook {getattr(hook, '__name__', hook)!r} returned "
             f"{type(fut).__name__}; a comm hook must return a torch.futures.Future whose value "
             f"is the averaged bucket tensor ({bucket.buffer.numel()} elements)"
@@ -262,7 +304,7 @@ def hook_result(value: Any, buffer: torch.Tensor, hook: Any, index: int) -> torc
     if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel():
         got = (f"a tensor of {value.numel()} elements" if isinstance(value, torch.Tensor)
                else type(value).__name__)
-        raise TypeError(
+        raise CommHookError(
             f"comm hook {getattr(hook, '__name__', hook)!r}: its Future gave {got} for bucket "
             f"{index}; it must give one tensor of the bucket's {buffer.numel()} elements (the "
             "averaged `bucket.buffer()`)"

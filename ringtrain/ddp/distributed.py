@@ -25,78 +25,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
-from ringtrain.ddp.broadcast import broadcast_coalesced
+from ringtrain.ddp import ctor_args, ignored
+from ringtrain.ddp import mixed_precision as mixed_precision_module
 from ringtrain.ddp.buckets import (
-    DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_BYTES,
     SOLO_BYTES_CPU,
     GradBucket,
+    check_hook,
+)
+from ringtrain.ddp.delayed import DelayedAllReduce, delayed_names
+from ringtrain.ddp.init_sync import (
+    BROADCAST_BUCKET_BYTES,
+    ReplicaMismatchError,
+    broadcast_coalesced,
+    verify_same_parameters,
 )
 from ringtrain.ddp.join import JoinableDDP
 from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
+from ringtrain.ddp.lanes import existing_lanes
 from ringtrain.ddp.reducer import Reducer
 from ringtrain.ddp.static_graph import StaticGraphCheck
 from ringtrain.ddp.unused_params import UnusedParametersError
 from ringtrain.runtime import register_exit_grace
-from ringtrain.torch_internals import (
-    preserve_version_counter,
-)
+from ringtrain.torch_internals import preserve_version_counter
 from ringtrain.trace import NO_TRACE, Tracer
 
-__all__ = ["DistributedDataParallel", "GradBucket", "UnusedParametersError", "broadcast_coalesced",
-           "verify_same_parameters"]
-
-class ReplicaMismatchError(ValueError):
-    """Ranks wrapped models whose parameters differ in name, shape or dtype."""
-
-
-def _default_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if process_group is not None:
-        return process_group
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "DistributedDataParallel needs an initialised process group: call "
-            "ringtrain.init_distributed() (or torch.distributed.init_process_group) first, "
-            "or pass process_group="
-        )
-    return dist.group.WORLD
-
-
-def verify_same_parameters(module: nn.Module, process_group: dist.ProcessGroup) -> None:
-    """Raise `ReplicaMismatchError` on every rank unless all ranks hold the same parameters.
-
-    Compares names, shapes and dtypes in registration order; the error names the first
-    mismatching parameter and what each rank has there.
-    """
-    mine = [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
-            for name, p in module.named_parameters()]
-    world_size = process_group.size()
-    everyone: list[Any] = [None] * world_size
-    collectives.all_gather_object(everyone, mine, group=process_group)
-    if all(sig == everyone[0] for sig in everyone):
-        return
-    longest = max(len(sig) for sig in everyone)
-    for k in range(longest):
-        at_k = [sig[k] if k < len(sig) else None for sig in everyone]
-        if any(entry != at_k[0] for entry in at_k):
-            break
-    groups: dict[Any, list[int]] = {}
-    for rank, entry in enumerate(at_k):
-        groups.setdefault(entry, []).append(rank)
-    described = "; ".join(
-        f"ranks {ranks} have " + ("no parameter there" if entry is None else
-                                  f"{entry[0]!r} shape={list(entry[1])} dtype={entry[2]}")
-        for entry, ranks in groups.items()
-    )
-    counts = {len(sig) for sig in everyone}
-    sizes = "" if len(counts) == 1 else (
-        " Parameter counts per rank: " + str([len(sig) for sig in everyone]) + ".")
-    raise ReplicaMismatchError(
-        f"DistributedDataParallel needs the same parameters on every rank, but parameter #{k} "
-        f"differs: {described}.{sizes} Build the same model (same config, same registration "
-        "order) on every rank before wrapping it."
-    )
+__all__ = ["DistributedDataParallel", "GradBucket", "ReplicaMismatchError", "UnusedParametersError",
+           "broadcast_coalesced", "verify_same_parameters"]
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -123,9 +78,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             where the module puts them. CPU modules: must be None.
         dim: accepted for torch compatibility (it only mattered for torch's removed
             multi-device-per-process mode).
-        broadcast_buffers: copy rank 0's buffers (BatchNorm statistics) to every rank at
-            construction and before each forward that follows a synced one (a forward with
-            grad enabled, outside `no_sync`), as torch does. None (torch's default) means True.
+        broadcast_buffers: deprecated in torch 2.13 for `forward_sync_buffers` (a FutureWarning,
+            as torch's): the same, except that False also skips the construction sync.
         init_sync: at construction, verify parameters across ranks and broadcast rank 0's
             parameters and buffers. If False, replicas must already be identical.
         process_group: the group to average over; default: the world group.
@@ -134,18 +88,36 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             treated as zero gradients (same on every rank); parameters no rank used keep their
             `.grad`. When False, such parameters raise `UnusedParametersError` in that backward,
             on every rank, naming them.
-        check_reduction: deprecated in torch; ignored.
+        check_reduction: deprecated in torch; no effect (a FutureWarning when True, as torch).
         gradient_as_bucket_view: `.grad` of bucketed parameters become views into the bucket
             buffers, saving the copy back and the memory of a second gradient copy.
         static_graph: the set of used parameters does not change between steps; unused
             parameters are then handled as with find_unused_parameters=True, and a synced
             backward that uses other parameters than the first raises `StaticGraphError`
             (a RuntimeError, with torch's message) on every rank (`static_graph.py`).
+        delay_all_reduce_named_params / param_to_hook_all_reduce: (name, parameter) pairs
+            averaged in one all-reduce when the second's gradient is computed (`delayed.py`).
+        mixed_precision: torch's `_MixedPrecision` (param_dtype, reduce_dtype, buffer_dtype):
+            compute in param_dtype, sum gradients in reduce_dtype (`mixed_precision.py`).
+        device_mesh: a 1-D `DeviceMesh` whose group to average over (not with process_group).
+        skip_all_reduce_unused_params: a bucket whose parameters all got no gradient is not
+            all-reduced; every rank must leave the same parameters unused, in every step.
+        bucket_cap_mb_list: per-bucket sizes in MiB, in reduction order, the last repeating.
+        batched_grad_copy / lazy_bucket_allocation: torch's speed and memory options; no
+            effect on results here (a warning says so when True).
+        forward_sync_buffers: copy rank 0's buffers (BatchNorm statistics) to every rank before
+            each forward that follows a synced one (grad enabled, outside `no_sync`), as torch
+            does (construction always does). None means True.
         comm_lanes: (ringtrain only) how many groups over the same ranks carry the buckets
             side by side; default 3 on a gloo world group, else 1 (see `ringtrain/ddp/lanes.py`).
             Buckets a comm hook handles use the hook's own group.
         tracer: (ringtrain only) a `ringtrain.trace.Tracer` that records each bucket's
             communication during traced steps; default: none.
+
+    Parameters and buffers named by `_set_params_and_buffers_to_ignore_for_model` are left
+    alone (`ignored.py`). Pickling and `copy.deepcopy` work as torch's: the group and the
+    reducer are dropped and rebuilt on the default group (one comm lane unless this process
+    has the lanes already).
 
     .. warning::
         Like torch's DDP, whether a backward is synced is decided by the forward that built its
@@ -173,6 +145,15 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        lazy_bucket_allocation: bool = False,
         *,
         comm_lanes: int | None = None,
         tracer: Tracer = NO_TRACE,
@@ -183,90 +164,123 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         super().__init__()
         JoinableDDP.__init__(self)  # torch's Joinable: its join config, off outside a Join
         self.module = module
-        self.process_group = _default_group(process_group)
+        self.process_group = ctor_args.process_group_from(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
         self.dim = dim
-        self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+        self.forward_sync_buffers, init_sync_buffers = ctor_args.buffer_sync_flags(
+            broadcast_buffers, forward_sync_buffers)
+        ctor_args.warn_no_effect(check_reduction, batched_grad_copy, lazy_bucket_allocation)
+        ctor_args.check_delay_args(delay_all_reduce_named_params, param_to_hook_all_reduce)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.require_backward_grad_sync = True  # cleared by no_sync()
         self.require_forward_param_sync = True  # set by each forward: was it a synced one?
         register_exit_grace()  # gloo's threads must not abort this process's exit (runtime.py)
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(
-                f"DistributedDataParallel is not needed when a module has no parameter that "
-                f"requires a gradient ({type(module).__name__} has none); use the module as is"
-            )
-        for name, sub in module.named_modules():
-            if getattr(sub, "sparse", False) is True:
-                raise ValueError(
-                    f"{name or type(module).__name__} ({type(sub).__name__}) has sparse=True; "
-                    "ringtrain's DistributedDataParallel reduces dense gradients only: build it "
-                    "with sparse=False"
-                )
+        self.parameters_to_ignore = ignored.ignored_names(module)
+        self._delayed_names: list[str] = []
+        self._delay_hook_name: str | None = None
+        if delay_all_reduce_named_params is not None:
+            self._delayed_names, self._delay_hook_name = delayed_names(
+                module, list(delay_all_reduce_named_params), param_to_hook_all_reduce)
+            self.parameters_to_ignore |= set(self._delayed_names)
+        named = ignored.managed_parameters(module, self.parameters_to_ignore)
+        if not named and self._delayed_names:
+            raise ctor_args.DDPArgumentError(
+                "delay_all_reduce_named_params names every parameter that requires a gradient; "
+                "ringtrain's DistributedDataParallel needs at least one it reduces in buckets: "
+                "leave one out of the list (torch then skips its reducer)")
+        ctor_args.check_params(named, module)
         devices = {p.device for _, p in named}
-        self.device_ids, self.output_device = self._check_devices(devices, device_ids,
-                                                                  output_device)
+        self.device_ids, self.output_device = ctor_args.check_devices(devices, device_ids,
+                                                                      output_device)
         self.device = next(iter(devices))
 
-        if init_sync and self.process_group.size() > 1:
-            verify_same_parameters(module, self.process_group)
-            synced = [p.data for p in module.parameters()]
-            if self.broadcast_buffers:
-                synced += [b for b in module.buffers()]
+        self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES  # torch's attribute, same value
+        if self._delayed_names and self.process_group.size() > 1:  # as torch: init_sync or not
             with torch.no_grad():
-                broadcast_coalesced(synced, 0, self.process_group)
+                broadcast_coalesced([p.detach() for p in self._delayed_params()], 0,
+                                    self.process_group)
+        if init_sync and self.process_group.size() > 1:
+            synced = ignored.synced_parameters(module, self.parameters_to_ignore)
+            verify_same_parameters(synced, self.process_group)
+            tensors = [p.detach() for _, p in synced]
+            if init_sync_buffers:
+                tensors += ignored.synced_buffers(module, self.parameters_to_ignore)
+            with torch.no_grad():
+                broadcast_coalesced(tensors, 0, self.process_group, self.broadcast_bucket_size)
 
-        cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-        if cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: it must be positive (default 25)")
-        self.bucket_bytes_cap = int(cap_mb * 1024 * 1024)
-        on_cpu = all(d.type == "cpu" for d in devices)
+        self.bucket_bytes_cap, self.bucket_bytes_cap_list = ctor_args.bucket_caps(
+            bucket_cap_mb, bucket_cap_mb_list)
+        self.mixed_precision = mixed_precision
+        if mixed_precision is not None:
+            mixed_precision_module.check_config(mixed_precision)
+            mixed_precision_module.setup(module, mixed_precision, self.parameters_to_ignore)
+        self._build(comm_lanes_for(self.process_group, comm_lanes), tracer)
+
+    def _delayed_params(self) -> list[nn.Parameter]:
+        by_name = dict(self.module.named_parameters())
+        return [by_name[n] for n in self._delayed_names]
+
+    def _build(self, lanes: list[dist.ProcessGroup], tracer: Tracer) -> None:
+        """The reducer and the hooks: everything pickling drops and unpickling rebuilds."""
+        named = ignored.managed_parameters(self.module, self.parameters_to_ignore)
+        on_cpu = all(p.device.type == "cpu" for _, p in named)
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], self.process_group,
             bucket_cap_bytes=self.bucket_bytes_cap,
             first_bucket_bytes=min(DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes_cap),
             solo_bytes=SOLO_BYTES_CPU if on_cpu else self.bucket_bytes_cap,
-            find_unused_parameters=find_unused_parameters or static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            lanes=comm_lanes_for(self.process_group, comm_lanes), tracer=tracer,
+            find_unused_parameters=self.find_unused_parameters or self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view, lanes=lanes, tracer=tracer,
+            bucket_caps=self.bucket_bytes_cap_list or None,
+            skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
         )
-        if static_graph:
+        if self.static_graph:
             self.reducer.static_graph = StaticGraphCheck(self.reducer.names, self.reducer.rank)
+        self._comm_lane_count = len(lanes)
+        self._delayed = None
+        if self._delayed_names:
+            hook_param = dict(self.module.named_parameters())[self._delay_hook_name]
+            self._delayed = DelayedAllReduce(self._delayed_params(), hook_param,
+                                             self.process_group)
+        dtype = None if self.mixed_precision is None else mixed_precision_module.reduce_dtype(
+            self.mixed_precision)
+        if dtype is not None:
+            self.register_comm_hook(mixed_precision_module.HookState(self.process_group, dtype),
+                                    mixed_precision_module.mixed_precision_hook)
 
-    @staticmethod
-    def _check_devices(devices: set[torch.device], device_ids, output_device):
-        if device_ids is None or len(device_ids) == 0:
-            if output_device is not None and (len(devices) > 1
-                                              or next(iter(devices)).type == "cpu"):
-                raise ValueError(
-                    f"output_device={output_device!r} only works with single-device CUDA modules; "
-                    f"this module's parameters are on {sorted(map(str, devices))}: pass "
-                    "output_device=None"
-                )
-            return None, output_device
-        if len(devices) > 1 or next(iter(devices)).type == "cpu":
-            raise ValueError(
-                f"device_ids={list(device_ids)} only works with a module on one CUDA device; this "
-                f"module's parameters are on {sorted(map(str, devices))}: pass device_ids=None"
-            )
-        if len(device_ids) != 1:
-            raise ValueError(
-                f"device_ids={list(device_ids)}: one process drives one device, so device_ids can "
-                "only be None or contain a single element"
-            )
-        index = (torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int)
-                 else torch.device(device_ids[0]))
-        device = next(iter(devices))
-        if index != device:
-            raise ValueError(
-                f"device_ids={list(device_ids)} but the module's parameters are on {device}; "
-                f"move the module there first (module.to({str(index)!r})) or pass "
-                f"device_ids=[{device.index}]"
-            )
-        return [device.index], device.index if output_device is None else output_device
+    # torch's way to keep parameters and buffers out of DDP (static, as in torch).
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(
+        ignored.set_params_and_buffers_to_ignore_for_model)
+    _get_data_parallel_params = staticmethod(ignored.get_data_parallel_params)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch 2.13's deprecated name for `forward_sync_buffers`."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        # As torch: the group cannot be pickled; unpickling takes the default group, so only a
+        # DDP on the default group can be pickled. The reducer and hooks are rebuilt.
+        ctor_args.check_default_group(self.process_group)
+        state = dict(self.__dict__)
+        for name in ("process_group", "reducer", "_delayed", "_join_kept"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.process_group = ctor_args.process_group_from(None, None)
+        # No collective here (a copy may be made on one rank): the lanes this process has.
+        self._build(existing_lanes(self.process_group, self._comm_lane_count), NO_TRACE)
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -279,7 +293,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self._join_announce(syncs)
         if self.device_ids:
             inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
-        output = self.module(*inputs, **kwargs)
+        output = self._run_module(inputs, kwargs)
         self.require_forward_param_sync = syncs
         if syncs:
             self.reducer.prepare_for_backward()
@@ -289,18 +303,29 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         """Whether the next forward broadcasts the buffers: only after a synced forward, as in
         torch (`require_forward_param_sync`), so a rank that evaluates alone under no_grad
         issues no collective the others would have to match."""
-        return (self.require_forward_param_sync and self.broadcast_buffers
+        return (self.require_forward_param_sync and self.forward_sync_buffers
                 and self.process_group.size() > 1
-                and next(iter(self.module.buffers()), None) is not None)
+                and bool(ignored.synced_buffers(self.module, self.parameters_to_ignore)))
 
     def _sync_buffers(self, src: int = 0) -> None:
-        buffers = list(self.module.buffers())  # re-read: a module may have reassigned one
+        # Re-read: a module may have reassigned one.
+        buffers = ignored.synced_buffers(self.module, self.parameters_to_ignore)
         if not buffers:
             return
         # The broadcast writes in place into buffers a pending backward may have saved; keep
         # their version counters so autograd does not mistake it for a user's in-place edit.
         with torch.no_grad(), preserve_version_counter(tuple(buffers)):
             broadcast_coalesced(buffers, src, self.process_group)
+
+    def _run_module(self, inputs: tuple, kwargs: dict) -> Any:
+        if self.mixed_precision is None:
+            output = self.module(*inputs, **kwargs)
+        else:
+            output = mixed_precision_module.forward(self.module, self.mixed_precision,
+                                                    self.parameters_to_ignore, inputs, kwargs)
+        if self._delayed is not None:
+            self._delayed.after_forward()
+        return output
 
     # ---- the torch DDP surface -------------------------------------------------------------
 
@@ -334,12 +359,12 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                 hooks (`torch.distributed.algorithms.ddp_comm_hooks`) and
                 `ringtrain.ddp.comm_hooks` both work.
         """
-        if not callable(hook):
-            raise TypeError(f"hook={hook!r} is not callable; pass a function hook(state, bucket)")
+        check_hook(hook)
         if self.reducer.comm_hook is not None:
             raise RuntimeError(
-                f"a comm hook ({getattr(self.reducer.comm_hook, '__name__', '?')}) is already "
-                "registered; register_comm_hook can only be called once, as in torch"
+                "register_comm_hook or register_builtin_comm_hook can only be called once "
+                f"(as in torch): a comm hook ({getattr(self.reducer.comm_hook, '__name__', '?')})"
+                " is already registered (mixed_precision= registers mixed_precision_hook)"
             )
         if self.reducer._queued:
             raise RuntimeError("register_comm_hook was called during backward; "

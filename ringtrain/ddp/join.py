@@ -25,7 +25,11 @@ among the last to join, so every rank ends with the same model.
 
 `throw_on_early_termination=True` (Join's own all-reduces) makes every rank raise as soon as one
 runs out, for training loops with collectives of their own that a joined rank cannot shadow
-(SyncBatchNorm, a metric's all-reduce). Tests: `.venv/bin/pytest -q tests/test_ddp_join.py`.
+(SyncBatchNorm, a metric's all-reduce). Not with `delay_all_reduce_named_params` or
+`skip_all_reduce_unused_params`: where in backward the delayed all-reduce goes, and which
+buckets are skipped, depend on the training ranks' data, which a joined rank does not see (torch
+shadows neither and hangs); `join()` refuses them.
+Tests: `.venv/bin/pytest -q tests/test_ddp_join.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
-from ringtrain.ddp.broadcast import broadcast_coalesced
+from ringtrain.ddp import ignored
+from ringtrain.ddp.ctor_args import DDPArgumentError
+from ringtrain.ddp.init_sync import broadcast_coalesced
 
 
 class DDPJoinHook(JoinHook):
@@ -64,11 +70,14 @@ class DDPJoinHook(JoinHook):
         """Every rank takes the model of the highest-numbered rank among the last to join."""
         ddp = self.ddp
         ddp._authoritative_rank = common_rank(ddp, candidate=is_last_joiner)
-        states = [p.detach() for p in ddp.module.parameters()]
-        if ddp.broadcast_buffers:
-            states += [b.detach() for b in ddp.module.buffers()]
+        # What construction syncs (ignored parameters and buffers stay as they are), as torch.
+        states = [p.detach() for _, p in
+                  ignored.synced_parameters(ddp.module, ddp.parameters_to_ignore)]
+        if ddp.forward_sync_buffers:
+            states += ignored.synced_buffers(ddp.module, ddp.parameters_to_ignore)
         with torch.no_grad():
-            broadcast_coalesced(states, ddp._authoritative_rank, ddp.process_group)
+            broadcast_coalesced(states, ddp._authoritative_rank, ddp.process_group,
+                                ddp.broadcast_bucket_size)
 
 
 def common_rank(ddp: JoinableDDP, candidate: bool) -> int:
@@ -107,7 +116,11 @@ class JoinableDDP(Joinable):
     process_group: dist.ProcessGroup
     device: torch.device
     reducer: Any
-    broadcast_buffers: bool
+    forward_sync_buffers: bool
+    parameters_to_ignore: set[str]
+    broadcast_bucket_size: int
+    skip_all_reduce_unused_params: bool
+    _delayed_names: list[str]
     require_forward_param_sync: bool
     _sync_buffers: Any
     will_sync_module_buffers: Any
@@ -133,6 +146,17 @@ class JoinableDDP(Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook a `Join` context runs on a joined rank; kwargs: divide_by_initial_world_size."""
+        refused = [name for name, on in (
+            ("delay_all_reduce_named_params", bool(self._delayed_names)),
+            ("skip_all_reduce_unused_params", self.skip_all_reduce_unused_params)) if on]
+        if refused:  # here, on every rank before any collective (Join calls it when built)
+            raise DDPArgumentError(
+                f"join() / Join cannot shadow a DistributedDataParallel built with {refused[0]}: "
+                "a rank that ran out of inputs cannot know "
+                + ("where in backward the delayed all-reduce goes" if refused[0].startswith("delay")
+                   else "which buckets the training ranks skip")
+                + " (torch's DDP shadows neither and hangs); build it without that argument, or "
+                "give every rank the same number of batches")
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

@@ -69,6 +69,13 @@ def comm_lanes(process_group: dist.ProcessGroup,
     return [process_group, *extra[:count - 1]]
 
 
+def existing_lanes(process_group: dist.ProcessGroup, count: int) -> list[dist.ProcessGroup]:
+    """Up to `count` lanes of `process_group` that this process has already made; never
+    collective (for a DDP rebuilt on one rank, by unpickling or copy.deepcopy)."""
+    made = _cache.get(process_group, []) if process_group.size() > 1 else []
+    return [process_group, *made[:max(count - 1, 0)]]
+
+
 def _lane_failure(e: RuntimeError) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

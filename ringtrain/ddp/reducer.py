@@ -75,10 +75,14 @@ class Reducer(Finalize, UnevenInputs):
         names: their qualified names, for error messages.
         process_group: the group to average over.
         bucket_cap_bytes / first_bucket_bytes / solo_bytes: the bucket plan (see `assign_buckets`).
-        find_unused_parameters: parameters without a gradient count as zero instead of raising.
+        find_unused_parameters: parameters without a gradient count as zero instead of raising
+            (and a hook that fires while `.grad` is None counts as no gradient, as in torch).
         gradient_as_bucket_view: leave `.grad` as a view into the bucket instead of copying back.
         lanes: groups over the same ranks as `process_group` (itself first); bucket i is
             all-reduced on lane i % len(lanes), so buckets travel concurrently (`lanes.py`).
+        bucket_caps: per-bucket caps in bytes (torch's bucket_cap_mb_list), or None.
+        skip_all_reduce_unused_params: a bucket whose parameters all got no gradient on this
+            rank is not all-reduced (torch's flag: every rank must have the same unused ones).
         tracer: records each bucket's communication and the end-of-backward wait
             (`ringtrain.trace`; default: nothing).
     """
@@ -96,6 +100,8 @@ class Reducer(Finalize, UnevenInputs):
         gradient_as_bucket_view: bool,
         lanes: Sequence[dist.ProcessGroup] | None = None,
         tracer: Tracer = NO_TRACE,
+        bucket_caps: Sequence[int] | None = None,
+        skip_all_reduce_unused_params: bool = False,
     ):
         self.params, self.names, self.tracer = list(params), list(names), tracer
         self.process_group = process_group
@@ -103,13 +109,15 @@ class Reducer(Finalize, UnevenInputs):
         self.lanes = list(lanes) if lanes else [process_group]
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.comm_hook: Callable[[Any, GradBucket], torch.futures.Future] | None = None
         self.comm_hook_state: Any = None
         self.expect_sync = False  # set by a forward that wants this backward synced
         self.static_graph: StaticGraphCheck | None = None  # set by DDP(static_graph=True)
 
         self._plan_args = dict(bucket_cap_bytes=bucket_cap_bytes,
-                               first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes)
+                               first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes,
+                               bucket_caps=bucket_caps)
         self._build(order=None)
         # Like torch's reducer, the buckets are rebuilt once, from the order in which the first
         # synced backward actually produced the gradients (rank 0's, so all ranks agree).
@@ -129,6 +137,7 @@ class Reducer(Finalize, UnevenInputs):
         self._defer = False  # the next synced backward stages only; flush() sends (see defer())
         self._deferred = False  # a deferred backward ended: its buckets wait for flush()
         self.staging_s = 0.0  # time the last deferred backward spent in this reducer's hooks
+        self.num_buckets_reduced = 0  # in the last synced backward (torch's logging counter)
         me = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i))
@@ -185,6 +194,12 @@ class Reducer(Finalize, UnevenInputs):
             )
         if self._observed is not None:
             self._observed.append(i)
+        if self.params[i].grad is None and self.find_unused_parameters:
+            # The hook fired with no gradient (the output that led here got an undefined one):
+            # as in torch, not a use, so a parameter no rank used keeps .grad None.
+            self._unused.append(i)  # before staging: the last bucket's launch reads it
+            self._mark_ready(i, None, used=False)
+            return
         if self._defer:
             t0 = time.perf_counter()
             self._mark_ready(i, self.params[i].grad, used=True, hot=True)
@@ -212,6 +227,9 @@ class Reducer(Finalize, UnevenInputs):
         return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self._divisor()
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.skip_all_reduce_unused_params and set(bucket.members) <= set(self._unused):
+            return  # nothing used here, on any rank (torch's flag promises it): nothing to send
+        self.num_buckets_reduced += 1
         if self.comm_hook is None:
             if self.world_size > 1:
                 sent = bucket.buffer
@@ -234,6 +252,7 @@ class Reducer(Finalize, UnevenInputs):
     def prepare_for_backward(self) -> None:
         """Called by a forward whose backward must be synced."""
         self._retired = []  # long done on gloo's side: released here, with the GIL
+        self.num_buckets_reduced = 0
         if self._deferred:
             raise RuntimeError("a deferred backward's gradients were never sent: call "
                                "reducer.flush() after it, before the next forward")

@@ -4,7 +4,8 @@ Read `base.py` first (the seam the trainer talks to), then `ddp.py` (the simples
 `pipeline.py` and `ps.py`. Each module here holds one `Strategy` subclass with a `name`; it is
 found by that name (`--strategy NAME`, `make_strategy(NAME, ...)`) without a list to edit.
 Each strategy's options are its `Config` dataclass (`base.StrategyConfig`), declared in its
-module. May import: `ringtrain.config`, `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`,
+module, with what it costs in numbers (`figures.py`, for `ringtrain explain`).
+May import: `ringtrain.config`, `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`,
 `ringtrain.localsgd`, `ringtrain.zero` (the engines), `ringtrain.agreement`, `ringtrain.runtime`,
 `ringtrain.errors`, `ringtrain.types`, `ringtrain.trace`, `ringtrain.collectives`. Never the
 trainer or the command line.

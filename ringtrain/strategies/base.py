@@ -9,9 +9,9 @@ A strategy is one module in `ringtrain/strategies/` holding one `Strategy` subcl
 `name` and a `Config` (a `StrategyConfig` dataclass): the command line (`ringtrain train
 --strategy NAME`) finds it there; the config holds its own flags (one field each), `plan` (its
 checks before any worker starts), `tolerated_ranks` (which ranks the launcher may lose),
-`trainer_defaults`, and the figures `ringtrain explain` needs of it (e.g.
-`LocalSGDConfig.meeting_bytes`; the words are the command's). `Strategy` itself is only what a
-rank does at run time. See docs/architecture.md.
+`trainer_defaults`, and `figures` (what a rank holds and sends, in numbers: `figures.py`; the
+words of `ringtrain explain` are the command's). `Strategy` itself is only what a rank does at
+run time. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ringtrain.types import LossFn, OptimizerFn
 
 if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
+    from ringtrain.strategies.figures import Figures, Workload
 
 __all__ = ["EvalShard", "LossFn", "OptimizerFn", "ShardPerRank", "StepResult", "Strategy",
            "StrategyConfig", "eval_forward"]
@@ -84,6 +85,12 @@ class StrategyConfig:
     def trainer_defaults(self) -> dict[str, Any]:
         """TrainerConfig defaults this strategy changes (e.g. AdamW's beta1), by field name."""
         return {}
+
+    def figures(self, workload: Workload) -> Figures | None:
+        """What a rank holds and sends under these options (`ringtrain.strategies.figures`),
+        for `ringtrain explain`; None (the default): not estimated. Raises ConfigError where
+        `plan` does."""
+        return None
 
 
 class Strategy(ABC):

@@ -32,6 +32,7 @@ from ringtrain.strategies.base import (
     StrategyConfig,
     eval_forward,
 )
+from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -55,11 +56,35 @@ def _strip_module_prefix(state: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DDPFigures(Figures):
+    """`--strategy ddp`'s figures: what its all-reduce carries."""
+
+    wire: str  # the gradients' dtype on the wire (fp32, fp16, bf16) or "powersgd"
+    buffer_bytes: int | None  # the gradients all-reduced per step; None: PowerSGD's factors
+    ring_share: float  # 2(N-1)/N: bytes a rank sends per byte of the buffer
+    dense_sent_bytes: float  # what the fp32 gradients would cost: for comparison
+
+
+@dataclass(frozen=True, kw_only=True)
 class DDPConfig(StrategyConfig):
     """`--strategy ddp`'s options."""
 
     grad_compress: str = option("none", "gradient compression: none, fp16, bf16 or powersgd:R",
                                 type=parse_grad_compress)
+
+    def figures(self, workload: Workload) -> DDPFigures:
+        """A replica per rank; one ring all-reduce of the gradients per optimizer step (the
+        micro-batches before the last run under no_sync), at 2 bytes a gradient under fp16 or
+        bf16. PowerSGD's factors depend on the matrices' shapes: counted during the run."""
+        n, model = workload.world_size, workload.model_bytes
+        kind = self.grad_compress.partition(":")[0]
+        wire = "fp32" if kind == "none" else kind
+        buffer = {"fp32": model, "fp16": model // 2, "bf16": model // 2}.get(wire)
+        share = all_reduce_share(n)
+        sent = 0.0 if n == 1 else None if buffer is None else share * buffer
+        return DDPFigures(data_ranks=n, **workload.replica(), sent_bytes=sent, wire=wire,
+                          buffer_bytes=buffer, ring_share=share,
+                          dense_sent_bytes=share * model)
 
 
 class DDPStrategy(ShardPerRank, Strategy):

@@ -14,7 +14,7 @@ local SGD. Everything else (data, evaluation, snapshots, stop votes) is local SG
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -24,7 +24,8 @@ from ringtrain.errors import ConfigError
 from ringtrain.localsgd.compress import CODECS
 from ringtrain.localsgd.outer import OuterStep
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.localsgd import LocalSGDConfig, LocalSGDStrategy
+from ringtrain.strategies.figures import FP32_BYTES, Workload
+from ringtrain.strategies.localsgd import LocalSGDConfig, LocalSGDFigures, LocalSGDStrategy
 from ringtrain.types import LossFn, OptimizerFn
 
 
@@ -43,6 +44,13 @@ class DiLoCoConfig(LocalSGDConfig):
         if self.outer_compress == "fp32":
             return super().meeting_bytes(params, world_size)
         return params * (2 if self.outer_compress == "bf16" else 1) * (world_size - 1)
+
+    def figures(self, workload: Workload) -> LocalSGDFigures:
+        """Local SGD's, plus the outer optimizer's state: the anchor (the weights of the last
+        outer step) and, with momentum, its buffer, fp32 each."""
+        outer = workload.params * FP32_BYTES * (2 if self.outer_momentum else 1)
+        local = super().figures(workload)
+        return replace(local, optimizer_bytes=local.optimizer_bytes + outer)
 
 
 class DiLoCoStrategy(LocalSGDStrategy):

@@ -37,10 +37,18 @@ from ringtrain.strategies.base import (
     StrategyConfig,
     eval_forward,
 )
+from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 
-FP32_BYTES = 4  # the parameters travel in fp32
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSGDFigures(Figures):
+    """`--strategy localsgd`'s (and diloco's) figures: one meeting per `sync_every` steps."""
+
+    sync_every: int
+    meeting_bytes: float  # a rank sends per meeting; `sent_bytes` is it over sync_every
+    ddp_sent_bytes: float  # what DDP's all-reduce of the fp32 gradients sends every step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +60,18 @@ class LocalSGDConfig(StrategyConfig):
 
     def meeting_bytes(self, params: int, world_size: int) -> float:
         """Bytes a rank sends per meeting: a ring all-reduce of the fp32 parameters, 2(N-1)/N."""
-        return 2 * (world_size - 1) / world_size * params * FP32_BYTES
+        return all_reduce_share(world_size) * params * FP32_BYTES
+
+    def figures(self, workload: Workload) -> LocalSGDFigures:
+        """A replica, its optimizer and the weights of the last meeting (a second copy of the
+        parameters, for evaluation) per rank; nothing sent between meetings."""
+        n, replica = workload.world_size, workload.replica()
+        meeting = self.meeting_bytes(workload.params, n)
+        return LocalSGDFigures(
+            data_ranks=n, params_bytes=2 * replica["params_bytes"],
+            grads_bytes=replica["grads_bytes"], optimizer_bytes=replica["optimizer_bytes"],
+            sent_bytes=meeting / self.sync_every, sync_every=self.sync_every,
+            meeting_bytes=meeting, ddp_sent_bytes=all_reduce_share(n) * workload.model_bytes)
 
 
 class LocalSGDStrategy(ShardPerRank, Strategy):

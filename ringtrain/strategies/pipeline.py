@@ -36,6 +36,7 @@ from ringtrain.pipeline.schedule import SCHEDULES, Backward, Forward
 from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy, StrategyConfig
+from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
 from ringtrain.trace import COMM, COMPUTE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -69,6 +70,22 @@ def _as_sequential(model: nn.Module) -> nn.Module | list[nn.Module]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineFigures(Figures):
+    """`--strategy pipeline`'s figures; the common ones are a stage's (its layers' share of the
+    parameters: on average 1/pp; `partition` balances them by parameter count)."""
+
+    pp: int
+    dp: int  # pipelines (replicas of each stage)
+    pipelines: tuple[tuple[int, ...], ...]  # each pipeline's ranks, in stage order
+    microbatches: int
+    microbatch_size: int  # samples
+    stage_params: float  # parameters per stage, on average
+    bubble: float  # (pp-1)/(M+pp-1): the fraction of a step each stage idles (GPipe and 1F1B)
+    boundary_bytes: float  # activations across one stage boundary per step (gradients: as many)
+    dp_sent_bytes: float  # a rank's share of the ring all-reduce among its stage's replicas
+
+
+@dataclass(frozen=True, kw_only=True)
 class PipelineConfig(StrategyConfig):
     """`--strategy pipeline`'s options, checked against the world size before launch."""
 
@@ -96,6 +113,25 @@ class PipelineConfig(StrategyConfig):
     def microbatches_for(self, step_batch: int) -> int:
         """Micro-batches of a step of `step_batch` samples: as set, else the default."""
         return self.microbatches or _default_microbatches(step_batch, self.pp)
+
+    def figures(self, workload: Workload) -> PipelineFigures:
+        """Per stage and step: the activations of the step's samples forward across each
+        boundary and their gradients backward (fp32), and the ring all-reduce of the stage's
+        gradients among its dp replicas. `sent_bytes` is the busiest stage's: a middle one sends
+        both ways, an end stage one way.
+        The bubble is GPipe's, which 1F1B keeps (Narayanan et al. 2021)."""
+        pp, dp = self.pp, self.plan(workload.world_size, workload.step_batch)
+        topology = Topology(workload.world_size, pp)
+        m = self.microbatches_for(workload.step_batch)
+        stage = workload.params / pp
+        boundary = float(workload.step_batch * workload.sample_numel * FP32_BYTES)
+        dp_sent = all_reduce_share(dp) * stage * FP32_BYTES
+        return PipelineFigures(
+            data_ranks=dp, **{k: v / pp for k, v in workload.replica().items()},
+            sent_bytes=min(2, pp - 1) * boundary + dp_sent, pp=pp, dp=dp,
+            pipelines=tuple(tuple(topology.pp_group_ranks(d)) for d in range(dp)), microbatches=m,
+            microbatch_size=workload.step_batch // m, stage_params=stage,
+            bubble=(pp - 1) / (m + pp - 1), boundary_bytes=boundary, dp_sent_bytes=dp_sent)
 
 
 class PipelineStrategy(Strategy):
@@ -166,10 +202,10 @@ class PipelineStrategy(Strategy):
         if self.topology.dp > 1:
             from ringtrain.ddp.distributed import DistributedDataParallel
 
-            # No buffer broadcast: buffers start equal, and a broadcast per micro-batch
-            # forward would add a collective to every schedule step.
+            # No buffer broadcast in forward: buffers start equal (construction syncs them),
+            # and a broadcast per micro-batch forward would add a collective to every step.
             self.ddp = DistributedDataParallel(stage, process_group=g.dp_group,
-                                               broadcast_buffers=False, tracer=self.tracer)
+                                               forward_sync_buffers=False, tracer=self.tracer)
         self.optimizer = optimizer_fn(stage.parameters())
         self.engine = PipelineStage(
             self.ddp or stage, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks, pp_group=g.pp_group,

@@ -29,6 +29,7 @@ from ringtrain.strategies.base import (
     StrategyConfig,
     eval_forward,
 )
+from ringtrain.strategies.figures import Figures, Workload, gather_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import reshard
@@ -37,11 +38,39 @@ from ringtrain.zero.sharded import ZeroDataParallel
 
 
 @dataclass(frozen=True, kw_only=True)
+class ZeroFigures(Figures):
+    """`--strategy zero`'s figures: its collectives, and a DDP replica's bytes to compare."""
+
+    stage: int
+    collectives: int  # reduce-scatters and all-gathers of the whole model per optimizer step
+    gather_share: float  # (N-1)/N: bytes a rank sends per byte of the model, per collective
+    model_bytes: float  # the whole model in fp32: what each collective carries
+    replica_bytes: float  # what a DDP rank holds (fp32 AdamW, 16 bytes per parameter)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ZeroConfig(StrategyConfig):
     """`--strategy zero`'s options."""
 
     zero_stage: int = option(2, "what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters",
                              type=int, choices=STAGES)
+
+    def figures(self, workload: Workload) -> ZeroFigures:
+        """1/N of what is sharded (`expected_bytes`, the paper's count). Per step, stages 1 and
+        2: a reduce-scatter of the gradients and an all-gather of the updated parameters (as
+        many bytes as DDP's all-reduce); stage 3: the parameters are all-gathered before each
+        micro-batch's forward and again before its backward, and the gradients reduce-scattered
+        once (the micro-batches before the last accumulate under no_sync)."""
+        n, stage = workload.world_size, int(self.zero_stage)
+        held = expected_bytes(workload.params, n, stage)
+        collectives = 2 * workload.grad_accum + 1 if stage == 3 else 2
+        share = gather_share(n)
+        return ZeroFigures(data_ranks=n, params_bytes=held["params"], grads_bytes=held["grads"],
+                           optimizer_bytes=held["optimizer"],
+                           sent_bytes=collectives * share * workload.model_bytes, stage=stage,
+                           collectives=collectives, gather_share=share,
+                           model_bytes=workload.model_bytes,
+                           replica_bytes=sum(workload.replica().values()))
 
 
 class ZeroStrategy(ShardPerRank, Strategy):

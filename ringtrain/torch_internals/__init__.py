@@ -155,10 +155,10 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     _engine.queue_callback(callback)
 
 
-# ---- broadcasting tensors in a few flat chunks (ringtrain.ddp.broadcast) ------------------------
+# ---- broadcasting tensors in a few flat chunks (ringtrain.ddp.init_sync) ------------------------
 
 _COALESCED = _feature("broadcasting parameters and buffers in a few flat chunks "
-                      "(ringtrain.ddp.broadcast.broadcast_coalesced)", None)
+                      "(ringtrain.ddp.init_sync.broadcast_coalesced)", None)
 _flatten = lookup("torch._utils._flatten_dense_tensors", _COALESCED)
 _unflatten = lookup("torch._utils._unflatten_dense_tensors", _COALESCED)
 

@@ -23,7 +23,9 @@ rt = ringtrain.init_distributed()
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.unused = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4), torch.nn.Linear(4, 4)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 4)
+        self.unused = torch.nn.Linear(4, 4)
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))

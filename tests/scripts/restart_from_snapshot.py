@@ -1,7 +1,8 @@
-"""The DDP tutorial's fault-tolerance pattern on ringtrain: snapshot each epoch, rank 1 dies in
+r"""The DDP tutorial's fault-tolerance pattern on ringtrain: snapshot each epoch, rank 1 dies in
 the first attempt, the launcher restarts the group, the script reloads its snapshot.
 
-    torchrun --standalone --nproc-per-node 2 --max-restarts 1 tests/scripts/restart_from_snapshot.py SNAP
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 \
+        tests/scripts/restart_from_snapshot.py SNAP
 """
 
 import os

@@ -61,7 +61,8 @@ def reference_digest(config, tmp_path: Path) -> str:
 
 
 def run_with_envs(envs: list[dict[str, str]], tmp_path: Path) -> tuple[str, list[str]]:
-    """Start one process of the script per environment (as a launcher would); their digest and output.
+    """Start one process of the script per environment (as a launcher would); their digest and
+    output.
 
     Variables that would tell another launcher's story (torchrun's, Slurm's) are removed first.
     """
