@@ -95,17 +95,17 @@ def test_help_still_lists_every_option(capsys):
 
 
 def test_the_layout_is_checked_where_the_world_size_is_known(monkeypatch):
-    from ringtrain.cli.train import _known_world_size
+    from ringtrain.cli.relaunch import known_world_size
     from ringtrain.cli.train_args import check_args
 
     args = parse_options(["--strategy", "pipeline", "--pp", "3", "--nnodes", "1:2"])
-    assert _known_world_size(args) is None  # elastic: the workers check, once they know
+    assert known_world_size(args) is None  # elastic: the workers check, once they know
     check_args(parse_options(["--strategy", "pipeline", "--pp", "3"]))
     with pytest.raises(ValueError, match="world_size=4 is not divisible by pp=3"):
         check_args(parse_options(["--strategy", "pipeline", "--pp", "3"]), world_size=4)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "6")
-    assert _known_world_size(parse_options(["--nproc-per-node", "2"])) == 6
+    assert known_world_size(parse_options(["--nproc-per-node", "2"])) == 6
 
 
 def test_training_set_sizes_are_counted_without_building_it(tmp_path):

@@ -7,16 +7,20 @@ spells its flag or lists field names, the parser and config.json come from the f
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from ringtrain.cli.options import every_option_class
+from ringtrain.cli.options import SECTIONS, TASK_DEFAULTS, ModelOptions, every_option_class
 from ringtrain.cli.train_args import build_parser, options_from, parse_options
-from ringtrain.config.fields import dest, flag, option_fields
+from ringtrain.config.fields import dest, flag, meta, option_fields
+from ringtrain.models import GPTConfig
 from ringtrain.strategies import registered
+from ringtrain.training.config import TrainerConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ringtrain"
 FIELDS = [f for cls in every_option_class() for f in option_fields(cls)]
@@ -30,7 +34,8 @@ def _constants(tree: ast.AST) -> list[ast.Constant]:
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     defining = {id(k.value) for n in calls if getattr(n.func, "id", "") == "option"
                 for k in n.keywords if k.arg == "flag"}
-    defining |= {id(a) for n in calls if getattr(n.func, "attr", "") == "add_argument" for a in n.args}
+    defining |= {id(a) for n in calls if getattr(n.func, "attr", "") == "add_argument"
+                 for a in n.args}
     return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
             and id(n) not in defining]
 
@@ -52,6 +57,15 @@ def test_no_flag_is_spelled_and_no_field_names_are_listed_outside_their_field(pa
             names = [e.value for e in node.elts if isinstance(e, ast.Constant)]
             listed = len(names) == len(node.elts) and all(n in NAMES for n in names)
             assert not listed, f"{path}:{node.lineno}: {names}: mark the fields instead"
+    # A second table of defaults ({"steps": 1000, "lr": 3e-3, ...}) outside TASK_DEFAULTS, the
+    # one table of what a task changes: the fields' defaults (or that table) say it already.
+    tasks = {id(d) for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)
+             and getattr(n.target, "id", "") == "TASK_DEFAULTS" for d in ast.walk(n.value)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict) and len(node.keys) >= 3 and id(node) not in tasks:
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+            table = len(keys) == len(node.keys) and all(k in NAMES for k in keys)
+            assert not table, f"{path}:{node.lineno}: {keys}: a default belongs to its field"
 
 
 def test_every_flag_is_unique_and_in_the_help(capsys):
@@ -83,3 +97,84 @@ def test_the_docs_table_is_the_generated_one():
 
     doc = (PACKAGE.parent / "docs" / "train.md").read_text()
     assert options_table() in doc, "regenerate docs/train.md's table (the command is above it)"
+
+
+def test_a_task_changes_only_what_differs_from_the_fields():
+    """A task's default equal to its field's is one default written twice; the two drift."""
+    by_name = {f.name: f for cls in SECTIONS.values() for f in option_fields(cls)}
+    for task, values in TASK_DEFAULTS.items():
+        for name, value in values.items():
+            assert name in by_name, f"TASK_DEFAULTS[{task!r}]: {name} is no option"
+            assert value != by_name[name].default, \
+                f"TASK_DEFAULTS[{task!r}][{name!r}] = {value!r} is the field's default: drop it"
+    assert "per_task" not in meta(by_name["steps"])  # which fields a task changes: the table
+
+
+def test_the_text_task_is_nanogpts_cpu_recipe(tmp_path):
+    """Its values come from the fields' defaults and TASK_DEFAULTS["text"] together: a field's
+    default that changes changes the preset, and this says so. nanoGPT's README: block 64,
+    batch 12, 4 layers x 4 heads x 128, 2000 iterations, dropout 0; its config file: lr 1e-3,
+    beta2 0.99."""
+    text = tmp_path / "t.txt"
+    text.write_text("abcdefghij" * 400)
+    o = parse_options(["--data", str(text)])
+    assert (o.data.block_size, o.trainer.batch_size, o.model.n_layer, o.model.n_head,
+            o.model.n_embd, o.trainer.steps, o.model.dropout, o.trainer.lr, o.trainer.beta2) == \
+        (64, 12, 4, 4, 128, 2000, 0.0, 1e-3, 0.99)
+
+
+def test_the_models_defaults_are_the_models():
+    """ModelOptions reads GPTConfig's defaults: `ringtrain train`'s GPT is the library's."""
+    gpt = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    assert {f.name: f.default for f in option_fields(ModelOptions)} == \
+        {name: gpt[name] for name in (f.name for f in option_fields(ModelOptions))}
+
+
+def _bad_value(f):
+    """A value the field's own rule refuses, or None where it has none (free text)."""
+    m = meta(f)
+    if isinstance(f.default, bool):
+        return "yes"
+    if m["choices"]:
+        return "nope"
+    if getattr(m["type"], "rule", None) == "a positive integer":
+        return 0
+    if m["type"] is not None:
+        return -1 if "int" in str(f.type) else "-1:x"
+    return None
+
+
+CHECKED = [(cls, f) for cls in SECTIONS.values() for f in option_fields(cls)
+           if _bad_value(f) is not None]
+
+
+@pytest.mark.parametrize("cls, f", CHECKED, ids=[f"{c.__name__}.{f.name}" for c, f in CHECKED])
+def test_a_config_built_in_python_is_checked_when_built(cls, f):
+    """torchtitan's way: `TrainerConfig(steps=0)` fails where it is built, naming the field and
+    the value, with the rule the command line's parser applies to the typed flag."""
+    bad = _bad_value(f)
+    with pytest.raises(ValueError, match=rf"^{f.name}={re.escape(repr(bad))}: "):
+        cls(**{f.name: bad})
+
+
+def test_trainer_config_errors_name_the_field_the_value_and_the_rule():
+    cases = {"steps=0: it must be a positive integer$": {"steps": 0},
+             r"steps=2\.5: it must be a positive integer$": {"steps": 2.5},
+             r"warmup_steps=-1: it must be an integer, 0 or more \(or None\)$":
+                 {"warmup_steps": -1},
+             r"lr=nan: it must be a finite number, 0 or more$": {"lr": float("nan")},
+             r"lr=0\.0: it must be positive$": {"lr": 0.0},
+             r"beta2=1\.0: .* must be in \[0, 1\)$": {"beta2": 1.0},
+             r"min_lr=0\.5 is above the peak lr \(0\.1\).*lower min_lr": {"lr": 0.1, "min_lr": 0.5},
+             r"seed=-1: it must be an integer, 0 or more$": {"seed": -1},
+             r"dtype='fp16': use 'fp32' or 'bf16'$": {"dtype": "fp16"},
+             r"compile=1: it must be True or False$": {"compile": 1},
+             r"steps=None: give a value \(default: 2000\)$": {"steps": None}}
+    for message, kwargs in cases.items():
+        with pytest.raises(ValueError, match=f"^{message}"):
+            TrainerConfig(**kwargs)
+    assert TrainerConfig(grad_clip=None, min_lr=None).resolved().min_lr == 1e-4  # None: derived
+    config = TrainerConfig()
+    config.lr = 0.0  # set after it was built: resolved() builds its copy, which checks
+    with pytest.raises(ValueError, match=r"^lr=0\.0: it must be positive"):
+        config.resolved()

@@ -112,8 +112,8 @@ def test_the_same_command_resumes_and_a_kill_9_restarts_every_worker(faulty, ref
 def test_no_resume_starts_afresh_except_in_a_restarted_worker(tmp_path, monkeypatch):
     import logging
 
-    from ringtrain.cli.train import _resume_or_clear
     from ringtrain.cli.train_args import parse_options
+    from ringtrain.cli.worker import _resume_or_clear
 
     args = parse_options(["--run-dir", str(tmp_path), "--no-resume"])
     (tmp_path / "snapshots" / "snap-00000004").mkdir(parents=True)

@@ -2,14 +2,17 @@
 `ringtrain prepare` / `ringtrain sample` (text -> tokens, a run's model -> text),
 `ringtrain explain RUN_DIR` (what a run did) and `ringtrain plan ...` (memory per rank).
 
-This `__init__` dispatches; `train.py` runs the `ringtrain train` job (`step_hook.py`: a
-function of the user's after every step, RINGTRAIN_STEP_HOOK), `options.py` defines its
-options (one dataclass field each; the strategies' own come from their `Config`s) and
-`train_args.py` makes the command line from them and checks it; `explain.py` reads a run
-directory (`explain_words.py`: what it says of each strategy); `plan.py` predicts memory per
-rank. `ringtrain run` is `ringtrain.launch.launcher`. The CLI is the top: it
-may import most packages (docs/architecture.md's table says which); only `python -m ringtrain`
-imports it.
+This `__init__` dispatches. `ringtrain train`, in reading order: `train.py` (parse, check,
+the run directory), `options.py` (every option, one dataclass field each; the strategies' own
+come from their `Config`s), `train_args.py` (the command line made from them, and the checks
+across sections), `relaunch.py` (the typed command or a launched worker; starting the workers
+through the launcher), `worker.py` (`run_job`: one worker's part of the job), `job.py` (what
+is trained), `exits.py` (exit codes, a mistake said once), `step_hook.py` (a function of the
+user's after every step, RINGTRAIN_STEP_HOOK). `explain.py` reads a run directory
+(`explain_words.py`: what it says of each strategy); `prepare.py` and `sample.py` turn text
+into tokens and a run's model into text; `plan.py` predicts memory per rank. `ringtrain run`
+is `ringtrain.launch.launcher`. The CLI is the top: it may import most packages
+(docs/architecture.md's table says which); only `python -m ringtrain` imports it.
 
     ringtrain run --nproc-per-node 2 my_script.py --my-arg 1
     ringtrain train --nproc-per-node 2

@@ -166,10 +166,6 @@ def check_args(opts: TrainOptions, world_size: int | None = None) -> list[str]:
         from ringtrain.data.addition import train_size
 
         train_samples = train_size(opts.data.digits)
-    try:
-        t.resolved()
-    except ValueError as e:
-        raise ValueError(to_flags(str(e), every_option_class())) from None
     if t.warmup_steps is not None and t.warmup_steps > t.steps:
         warnings.append(f"--warmup-steps {t.warmup_steps} is more than --steps {t.steps}: "
                         f"the learning rate never reaches --lr {t.lr}; lower --warmup-steps")

@@ -16,6 +16,7 @@ Imports nothing of ringtrain's: every layer may declare options.
 from ringtrain.config.fields import (
     MUST_MATCH,
     add_section,
+    check_values,
     dest,
     flag,
     int_at_least,
@@ -27,6 +28,7 @@ from ringtrain.config.fields import (
     to_flags,
 )
 
-__all__ = ["MUST_MATCH", "add_section", "dest", "flag", "int_at_least", "non_negative_float",
-           "option", "option_fields", "resume_fields", "set_values", "to_flags"]
+__all__ = ["MUST_MATCH", "add_section", "check_values", "dest", "flag", "int_at_least",
+           "non_negative_float", "option", "option_fields", "resume_fields", "set_values",
+           "to_flags"]
 

@@ -9,8 +9,11 @@
 
 The flag is `--` + the field's name with dashes unless the field names another (a strategy's
 `mode` is `--ps-mode`). Every generated argument defaults to None, so "not given" is visible and
-the defaults apply in one place, in order: the field's default, the task's (`per_task`), the
-recipe's, then the command line. Errors raised by the option classes name fields
+the defaults apply in one place, in order: the field's default, the task's (the command line's
+`TASK_DEFAULTS`: only what differs from the field's), the recipe's, then the command line. An
+option class checks itself on construction (`check_values`: the field's own type and choices,
+the same rules the command line's parser applies to typed text), so a config built in a script,
+a recipe or config.json meets them too. Errors raised by the option classes name fields
 (`lr=0.0: ...`); `to_flags` says them with flags (`--lr 0.0: ...`) for the command line.
 """
 
@@ -28,25 +31,26 @@ MUST_MATCH = "must_match"  # `resume=`: a snapshot resumes only with the same va
 def option(default: Any, help: str, *, flag: str | None = None,
            type: Callable[[str], Any] | None = None, choices: Iterable[Any] | None = None,
            metavar: str | None = None, shown: str | None = None, resume: str | None = None,
-           per_task: bool = False, launcher: bool = False, negatable: bool = False) -> Any:
+           launcher: bool = False, negatable: bool = False) -> Any:
 
     """A dataclass field that is also a command-line option.
 
     Args:
-        default: the library's default (the command line's too, unless `per_task`).
+        default: the library's default (the command line's too, unless a task changes it:
+            `cli.options.TASK_DEFAULTS`).
         help: what it does, without the default (generated from `default` or `shown`).
         flag: the flag when it is not `--` + the name with dashes.
-        type: parses the text (an argparse type); default: the default's type.
+        type: parses the text (an argparse type); default: the default's type. `check_values`
+            applies it to a value given in Python too.
         shown: the default as --help says it when it is derived ("lr / 10").
         resume: MUST_MATCH when a snapshot may only be resumed with the same value.
-        per_task: the command line's default depends on the task (`cli.options.TASK_DEFAULTS`).
         launcher: read by the launcher only; not in config.json's options, not for the workers.
         negatable: a `--x/--no-x` pair (a bool that defaults to True).
     """
     meta = {"help": help, "flag": flag, "type": type,
             "choices": tuple(choices) if choices else None,
-            "metavar": metavar, "shown": shown, "resume": resume, "per_task": per_task,
-            "launcher": launcher, "negatable": negatable}
+            "metavar": metavar, "shown": shown, "resume": resume, "launcher": launcher,
+            "negatable": negatable}
     return field(default=default, metadata={"option": meta})
 
 
@@ -118,6 +122,40 @@ def set_values(cls: Any, given: dict[str, Any]) -> dict[str, Any]:
     return {f.name: given[dest(f)] for f in option_fields(cls) if given.get(dest(f)) is not None}
 
 
+def check_values(obj: Any) -> None:
+    """Check a dataclass's option values as the command line's parser checks typed text: the
+    field's `type` (`int_at_least(1)`: a positive integer), its `choices`, a bool for a flag.
+    Call it first in `__post_init__`. Raises ValueError naming the field, the value and the
+    rule (`steps=0: it must be a positive integer`).
+
+    None is allowed where the field's default or annotation allows it ("derived", "off").
+    """
+    for f in option_fields(obj):
+        value, m = getattr(obj, f.name), meta(f)
+        if value is None:
+            if f.default is None or "None" in str(f.type):
+                continue
+            raise ValueError(f"{f.name}=None: give a value (default: {default_text(f)})")
+        if isinstance(f.default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"{f.name}={value!r}: it must be True or False")
+            continue
+        if m["choices"] and value not in m["choices"]:
+            raise ValueError(f"{f.name}={value!r}: use {' or '.join(map(repr, m['choices']))}")
+        parse = m["type"]
+        if parse is None:
+            continue
+        # The parser reads text: a value's text is what a flag would have typed (True is no
+        # integer, 2.0 no step count).
+        try:
+            parse(str(value))
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            unset = " (or None)" if f.default is None else ""
+            rule = getattr(parse, "rule", None)
+            raise ValueError(f"{f.name}={value!r}: " + (f"it must be {rule}{unset}" if rule
+                                                          else str(e))) from None
+
+
 def to_flags(message: str, classes: Iterable[Any]) -> str:
     """A library message in the command line's words: `lr=0.0` -> `--lr 0.0`, and a field name
     with an underscore (`min_lr`) -> its flag. The one place that maps fields to flags."""
@@ -142,6 +180,8 @@ def int_at_least(low: int) -> Callable[[str], int]:
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be {low} or more")
         return value
+    # The rule in words, for `check_values`: a value given in Python was never typed text.
+    parse.rule = "a positive integer" if low == 1 else f"an integer, {low} or more"
     return parse
 
 
@@ -154,5 +194,7 @@ def non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):  # nan and inf too: "nan >= 0" is False
         raise argparse.ArgumentTypeError(f"{text} is not allowed: it must be a finite number, "
                                          "0 or more")
-
     return value
+
+
+non_negative_float.rule = "a finite number, 0 or more"

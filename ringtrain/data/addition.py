@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+DEFAULT_DIGITS = 2  # `make demo`'s task (`ringtrain train` reads it from here)
 MAX_DIGITS = 3  # 10**(2n) pairs are materialised; n=3 is already a million
 SPLIT_SEED = 1337  # fixed: the held-out set must not move when --seed changes
 
@@ -49,7 +50,7 @@ class AdditionDataset(Dataset):
         digits: operand length n, 1..3.
     """
 
-    def __init__(self, split: str, digits: int = 2):
+    def __init__(self, split: str, digits: int = DEFAULT_DIGITS):
         if split not in ("train", "test"):
             raise ValueError(f"split={split!r}: use 'train' or 'test'")
         if not isinstance(digits, int) or not 1 <= digits <= MAX_DIGITS:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.ddp.buckets import DEFAULT_BUCKET_CAP_MB
+from ringtrain.ddp.ignored import IGNORE_ATTR
 
 _MB = 1024 * 1024
 
@@ -139,9 +140,11 @@ def check_delay_args(delay_all_reduce_named_params: Any, param_to_hook_all_reduc
 def check_params(named: Sequence[tuple[str, torch.Tensor]], module: torch.nn.Module) -> None:
     """The parameters DDP reduces: some exist, none uninitialised, none with a sparse gradient."""
     if not named:
+        ignored = getattr(module, IGNORE_ATTR, ())
+        outside = " outside the ignored ones" if ignored else ""
         raise DDPArgumentError(
             f"DistributedDataParallel is not needed when a module has no parameter that "
-            f"requires a gradient ({type(module).__name__} has none outside the ignored ones); "
+            f"requires a gradient ({type(module).__name__} has none{outside}); "
             "use the module as is")
     lazy = [n for n, p in named if isinstance(p, torch.nn.parameter.UninitializedParameter)]
     if lazy:

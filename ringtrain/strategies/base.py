@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ringtrain.agreement.base import Agreement, CollectiveAgreement
+from ringtrain.config import check_values
 from ringtrain.trace import NO_TRACE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -68,6 +69,11 @@ class StrategyConfig:
     command line asks of them before any worker starts. Its defaults are the strategy's: an
     option the user did not set keeps them. Subclass it next to the strategy, as `Config`.
     """
+
+    def __post_init__(self) -> None:
+        # Values from Python, a recipe or config.json get the command line's checks (a field's
+        # type and choices), so `ZeroConfig(zero_stage=4)` fails here, naming the field.
+        check_values(self)
 
     def kwargs(self) -> dict[str, Any]:
         """The strategy constructor's keywords."""

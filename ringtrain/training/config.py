@@ -4,6 +4,9 @@
     config = TrainerConfig(steps=1000, lr=3e-3).resolved()
     lrs = [lr_at(step, config) for step in range(config.steps)]
 
+A TrainerConfig checks itself when it is built (`TrainerConfig(steps=0)` raises, naming the
+field, the value and the rule); `resolved()` fills in what is derived from the others.
+
 No processes, no state: `.venv/bin/pytest -q tests/test_trainer.py -k "schedule or config"`.
 """
 
@@ -19,10 +22,10 @@ import torch
 
 from ringtrain.config import (
     MUST_MATCH,
+    check_values,
     int_at_least,
     non_negative_float,
     option,
-    option_fields,
     resume_fields,
 )
 from ringtrain.types import OptimizerFn
@@ -32,7 +35,7 @@ _positive, _non_negative = int_at_least(1), int_at_least(0)
 
 @dataclass
 class TrainerConfig:
-    """Loop settings. `None` means "derive from the others" (see `resolved()`).
+    """Loop settings, checked when built. `None` means "derive from the others" (`resolved()`).
 
     Args:
         steps: optimizer steps.
@@ -44,7 +47,7 @@ class TrainerConfig:
         beta1: AdamW's first-moment decay (momentum).
         beta2: AdamW's second-moment decay (0.95; nanoGPT's small-batch recipes use 0.99).
         grad_clip: max global gradient norm; None or 0 disables.
-        seed: shared initialisation, data order and (with the rank) dropout.
+        seed: shared initialisation, data order and (with the rank) dropout; 0 or more.
         dtype: 'fp32' or 'bf16' (autocast where the device supports it).
         log_every, eval_every: steps between metric lines and evaluations (the last step does both).
         eval_batch_size: samples per evaluation batch per rank.
@@ -56,13 +59,12 @@ class TrainerConfig:
             of run sample runs on an uncompiled copy (`--compile`).
     """
 
-    # The command line's flags are these fields (`ringtrain.config.option`); `per_task`
-    # defaults are the CLI's per task (cli/options.py TASK_DEFAULTS), these are the library's.
-    steps: int = option(2000, "optimizer steps", type=_positive, per_task=True, resume=MUST_MATCH)
-    batch_size: int = option(64, "samples per micro-batch per rank", type=_positive, per_task=True)
+    # The command line's flags are these fields (`ringtrain.config.option`), these defaults
+    # its defaults too; a task of `ringtrain train` changes some (cli/options.py TASK_DEFAULTS).
+    steps: int = option(2000, "optimizer steps", type=_positive, resume=MUST_MATCH)
+    batch_size: int = option(64, "samples per micro-batch per rank", type=_positive)
     grad_accum: int = option(1, "micro-batches per optimizer step", type=_positive)
-    lr: float = option(1e-3, "peak learning rate", type=non_negative_float, per_task=True,
-                       resume=MUST_MATCH)
+    lr: float = option(1e-3, "peak learning rate", type=non_negative_float, resume=MUST_MATCH)
     min_lr: float | None = option(None, "final learning rate", type=non_negative_float,
                                   shown="lr / 10", resume=MUST_MATCH)
     warmup_steps: int | None = option(None, "linear warmup steps", type=_non_negative,
@@ -73,11 +75,12 @@ class TrainerConfig:
                                  resume=MUST_MATCH)
     beta1: float = option(0.9, "AdamW's momentum; a strategy may change it (ps async: 0.5, "
                           "docs/ps.md)", type=non_negative_float)
-    beta2: float = option(0.95, "AdamW's second-moment decay", type=non_negative_float,
-                          per_task=True)
+    beta2: float = option(0.95, "AdamW's second-moment decay", type=non_negative_float)
     grad_clip: float | None = option(1.0, "max gradient norm, 0 disables", type=non_negative_float,
                                      resume=MUST_MATCH)
-    seed: int = option(1337, "initialisation, data order, dropout", type=int, resume=MUST_MATCH)
+    # 0 or more: numpy's SeedSequence, which mixes it with the rank, refuses a negative seed.
+    seed: int = option(1337, "initialisation, data order, dropout", type=_non_negative,
+                       resume=MUST_MATCH)
     dtype: str = option("fp32", "bf16 autocast where the device supports it",
                         choices=("fp32", "bf16"), resume=MUST_MATCH)
     log_every: int | None = option(None, "steps between metric lines", type=_positive,
@@ -92,23 +95,11 @@ class TrainerConfig:
     compile: bool = option(False, "torch.compile the model once the strategy holds it: faster "
                            "steps after tens of seconds of compiling; needs a C++ compiler on CPU")
 
-    def must_match(self) -> dict[str, Any]:
-        """{field: value} of the fields a resume must match (`resume=MUST_MATCH`): they change
-        the trained weights. batch_size and grad_accum may change with the world size (the
-        global batch is kept instead)."""
-        return {name: getattr(self, name) for name in resume_fields(self)}
-
-    def resolved(self) -> TrainerConfig:
-        """A copy with every `None` derived, after checking each value (errors say the fix)."""
-        # What the command line's parsers check, checked here for a config built in a script.
-        for f in option_fields(self):
-            value, m = getattr(self, f.name), f.metadata["option"]
-            if m["type"] is _positive and not (value is None and f.default is None) and \
-                    (not isinstance(value, int) or value < 1):
-                unset = " (or unset)" if f.default is None else ""
-                raise ValueError(f"{f.name}={value!r}: it must be a positive integer{unset}")
-            if m["choices"] and value not in m["choices"]:
-                raise ValueError(f"{f.name}={value!r}: use {' or '.join(map(repr, m['choices']))}")
+    def __post_init__(self) -> None:
+        """Check every value (torchtitan's way: a bad config fails where it is built)."""
+        # What the command line's parsers check (the fields' types and choices), and then what
+        # one field's type cannot say.
+        check_values(self)
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}: it must be positive")
         if not 0.0 <= self.beta1 < 1.0:
@@ -119,8 +110,16 @@ class TrainerConfig:
             raise ValueError(f"min_lr={self.min_lr} is above the peak lr ({self.lr}): the "
                              "schedule decays from the peak down to min_lr; lower min_lr "
                              "(default: lr / 10)")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps}: it must be 0 or more")
+
+    def must_match(self) -> dict[str, Any]:
+        """{field: value} of the fields a resume must match (`resume=MUST_MATCH`): they change
+        the trained weights. batch_size and grad_accum may change with the world size (the
+        global batch is kept instead)."""
+        return {name: getattr(self, name) for name in resume_fields(self)}
+
+    def resolved(self) -> TrainerConfig:
+        """A copy with every `None` derived from the others. The copy is built, so checked: a
+        field set after construction (`config.lr = 0`) is caught here."""
         c = TrainerConfig(**asdict(self))
         c.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
         c.warmup_steps = (min(100, self.steps // 10) if self.warmup_steps is None

@@ -1,0 +1,180 @@
+"""One worker of a `ringtrain train` job: start the process group, train, report, exit.
+
+    run_job(opts, started_at)   # -> exit code (ringtrain.cli.exits)
+
+Every process of the job runs it: the one typed command of a one-process run, each worker the
+launcher started, each task under `srun -n N`. It builds what is trained (`cli/job.py`) and the
+strategy, hands both to the `Trainer`, sets the watchdog and the user's step hook around it,
+and turns how the run ended (finished, stopped on a signal, a mistake, a full disk) into one
+message and an exit code. Rank 0 writes RUN_DIR/config.json with what only the job knows (world
+size, model, resolved trainer), exports the final model and prints the summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import asdict
+
+from ringtrain.checkpoint.run_dir import unless_full
+from ringtrain.cli.exits import explain_once, interrupted, stopped
+from ringtrain.cli.job import build_job, export_final
+from ringtrain.cli.options import TrainOptions
+from ringtrain.cli.relaunch import job_rank, under_agent
+from ringtrain.cli.step_hook import STEP_HOOK_ENV, load_step_hook
+from ringtrain.cli.train_args import run_config
+from ringtrain.errors import DISK_FULL_EXIT_CODE, ConfigError
+
+
+def run_job(opts: TrainOptions, started_at: float, mistake: ValueError | None = None) -> int:
+    """One worker: start the process group, train, print the summary on rank 0.
+
+    `mistake`: what `check_args` found wrong in this worker only (where the launcher could not
+    know the number of ranks); it is reported like a `ConfigError`, once the ranks have met.
+    """
+    from ringtrain.launch.launcher import record
+
+    def job() -> int:
+        if under_agent():
+            from ringtrain.launch.parent import die_with_parent
+
+            die_with_parent()  # a SIGKILLed launcher must not leave this worker running
+        return _train(opts, started_at, mistake)
+
+    if under_agent():
+        job = record(job)  # the launcher's failure report then shows this worker's traceback
+    try:
+        return job()
+    except KeyboardInterrupt:  # Ctrl-C while the process group was starting
+        return interrupted()
+
+
+def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) -> int:
+    import torch
+
+    from ringtrain.launch.process_group import destroy_distributed, init_distributed
+    from ringtrain.strategies import make_strategy
+    from ringtrain.training.progress import format_summary, setup_logging, write_json
+    from ringtrain.training.trainer import Trainer
+
+    setup_logging(job_rank())  # before init: rank 0 says which launcher it found
+    launch, run = opts.launch, opts.run
+    rt = init_distributed(launch.backend, device=launch.device)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+    # Workers of one machine share its cores: more threads than cores makes every op wait.
+    torch.set_num_threads(launch.threads or max(1, (os.cpu_count() or 1) // local_world))
+    log = setup_logging(rt.rank)
+    try:
+        if mistake is not None:
+            raise ConfigError(str(mistake))
+        step_hook = load_step_hook(os.environ.get(STEP_HOOK_ENV))  # before any work is done
+        config = opts.trainer
+        if config.dtype == "bf16" and not _bf16_supported(rt.device):
+            log.warning("warning: bf16 autocast is not supported on %s; training in fp32",
+                        rt.device)
+            config.dtype = "fp32"
+        if rt.world_size > 1:  # under an outside launcher only rank 0 named a run dir
+            holder = [run.run_dir]
+            torch.distributed.broadcast_object_list(holder, src=0, group=rt.process_group)
+            run.run_dir = holder[0]
+        job = build_job(opts)  # --data FILE.txt: prepared into the run directory
+        if rt.rank == 0:
+            os.makedirs(run.run_dir, exist_ok=True)
+            unless_full(write_json, os.path.join(run.run_dir, "config.json"), {
+                "task": opts.task, "world_size": rt.world_size, "args": opts.flat(),
+                "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
+        resume = _resume_or_clear(opts, rt.rank, log)
+        strategy = make_strategy(run.strategy, runtime=rt, **opts.strategy.kwargs())
+        stop_when = None
+        if run.stop_at_accuracy is not None:
+            def stop_when(rec):
+                return rec.get("eval_accuracy", 0.0) >= run.stop_at_accuracy
+        trainer = Trainer(strategy, rt, job["model_fn"], job["train_set"], job["eval_set"],
+                          job["loss_fn"], config, eval_metrics=job["eval_metrics"],
+                          run_dir=run.run_dir, sample_fn=job["sample_fn"],
+                          stop_when=stop_when, started_at=started_at,
+                          snapshot_every=run.snapshot_every, keep=run.keep, resume=resume,
+                          run_config=run_config(opts), trace_steps=run.trace_steps)
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, "
+                 "%d steps", opts.task, n_params / 1e6, run.strategy, rt.world_size,
+                 config.batch_size * config.grad_accum * strategy.data_world_size, config.steps)
+        with contextlib.ExitStack() as stack:
+            if rt.world_size > 1 and launch.watchdog_timeout:
+                from ringtrain.launch.watchdog import Watchdog
+
+                # A rank that dies or hangs stops the others within the timeout, naming it;
+                # one the strategy can lose (an async parameter-server worker) is dropped.
+                tolerate = strategy.tolerated_ranks
+                watchdog = stack.enter_context(Watchdog(
+                    name="train", timeout_s=launch.watchdog_timeout,
+                    interval_s=min(1.0, launch.watchdog_timeout / 3),
+                    tolerate=tolerate, on_departed=_departed(strategy) if tolerate else None))
+                trainer.on_step = watchdog.set_step
+            if step_hook is not None:  # RINGTRAIN_STEP_HOOK: the user's, or the tests' faults
+                trainer.on_step = step_hook(trainer.on_step, rt.rank)
+            try:
+                summary = trainer.fit()
+            except (ConfigError, KeyboardInterrupt) as e:
+                # Handled here, not by the watchdog (which would stop every peer with a
+                # line of its own): every rank meets the same mistake, or the same Ctrl-C.
+                return explain_once(e, rt) if isinstance(e, ConfigError) else interrupted()
+        strategy.close()
+        if summary.get("disk_full") and summary.get("stopped_by"):  # every rank, same save
+            return explain_once(summary["disk_full"], rt, DISK_FULL_EXIT_CODE)
+        if summary.get("disk_full"):  # rank 0 alone, writing summary.json at the end
+            print(f"ringtrain train: error: {summary['disk_full']}", file=sys.stderr,
+                  flush=True)
+            return DISK_FULL_EXIT_CODE
+        if summary.get("stopped_by"):
+            if rt.rank == 0:
+                print(f"stopped at step {summary['steps']} on {summary['stopped_by']}; "
+                      f"snapshot of step {summary['snapshot_step']} in "
+                      f"{run.run_dir}/snapshots: run the same command again to resume",
+                      flush=True)
+            return stopped(summary["stopped_by"])
+        if rt.rank == 0:
+            export_final(trainer.model, job, run.run_dir)  # model.safetensors + its config
+            print(format_summary(summary), flush=True)
+        return 0
+    except ConfigError as e:
+        return explain_once(e, rt)
+    except KeyboardInterrupt:
+        return interrupted()
+    finally:
+        destroy_distributed()
+
+
+def _bf16_supported(device) -> bool:
+    import torch
+
+    if not torch.amp.autocast_mode.is_autocast_available(device.type):
+        return False
+    if device.type == "cuda":  # only asked on a CUDA device: never a torch.cuda call on CPU
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
+def _departed(strategy):
+    """The watchdog's `on_departed`: tell the strategy a tolerated rank died."""
+    def departed(failure) -> None:
+        why = failure.reason if failure.kind == "died" else f"raised {failure.reason}"
+        strategy.rank_departed(failure.rank, why)
+    return departed
+
+
+def _resume_or_clear(opts: TrainOptions, rank: int, log) -> bool:
+    """Whether to resume; with --no-resume (first attempt only) rank 0 deletes old snapshots.
+
+    A restarted worker resumes even under --no-resume: it must continue the run it belongs to.
+    """
+    if opts.run.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return True
+    old = os.path.join(opts.run.run_dir, "snapshots")
+    if rank == 0 and os.path.isdir(old):
+        import shutil
+
+        log.info("--no-resume: deleting the snapshots in %s", old)
+        shutil.rmtree(old)
+    return False
