@@ -92,8 +92,37 @@ def _ours_only(rank, world_size):
     return out
 
 
+def _late(rank, world_size, cls):
+    # torch's private _set_static_graph(): the same as static_graph=True right after wrapping;
+    # after a synced forward, refused (torch's test_static_graph_api_cpu).
+    out = {}
+    torch.manual_seed(0)
+    model = cls(_ControlFlow())
+    model._set_static_graph()
+    try:
+        for x in (torch.randn(20, 10), torch.ones(20, 10)):
+            model(x).sum().backward()
+        out["changed"] = None
+    except RuntimeError as e:
+        out["changed"] = str(e)
+    model = cls(_ControlFlow())
+    model(torch.ones(20, 10)).sum().backward()  # both layers used
+    try:
+        model._set_static_graph()
+        out["late"] = None
+    except RuntimeError as e:
+        out["late"] = str(e)
+    return out
+
+
 def _session(rank, world_size):
     out = {}
+    for which, cls in CLASSES.items():
+        try:
+            out["late", which] = ("ok", _late(rank, world_size, cls))
+        except Exception:  # noqa: BLE001 - reported by the test
+            out["late", which] = ("error", traceback.format_exc())
+        dist.barrier()
     for name, fn in (("invalid", _invalid), ("valid", _valid)):
         for which, cls in CLASSES.items():
             try:
@@ -162,3 +191,12 @@ def test_check_without_processes():
     check.check(torch.tensor([0.0, 2.0, 1.0, 1.0, 0.0]), mine=[1])  # same counts: fine
     with pytest.raises(StaticGraphError, match="grad for rank 0: 0\nrank 0: on rank 0, \\['a'\\]"):
         check.check(torch.tensor([1.0, 2.0, 1.0, 1.0, 0.0]), mine=[0, 1])
+
+
+def test_set_static_graph_before_training_as_torch(results):
+    for out in results:
+        for which in CLASSES:
+            late = out["late", which][1]
+            assert late["changed"] is not None and NEWLY_USED in late["changed"], (which, late)
+            assert late["late"] is not None, which
+            assert "should be called before training loop starts" in late["late"], (which, late)

@@ -44,7 +44,7 @@ from ringtrain.ddp.join import JoinableDDP
 from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
 from ringtrain.ddp.lanes import existing_lanes
 from ringtrain.ddp.reducer import Reducer
-from ringtrain.ddp.static_graph import StaticGraphCheck
+from ringtrain.ddp.static_graph import StaticGraphCheck, set_static_graph
 from ringtrain.ddp.unused_params import UnusedParametersError
 from ringtrain.runtime import register_exit_grace
 from ringtrain.torch_internals import preserve_version_counter
@@ -121,7 +121,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 
     .. warning::
         Like torch's DDP, whether a backward is synced is decided by the forward that built its
-        graph: run that forward inside `no_sync()` to skip the sync.
+        graph: run that forward inside `no_sync()` to skip the sync. It starts no watchdog in a
+        script that made the group itself: see docs/fault_tolerance.md for why and how.
 
     .. note::
         Where it differs from torch's, on purpose: a parameter without a gradient is
@@ -375,3 +376,5 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
     def train(self, mode: bool = True) -> DistributedDataParallel:
         super().train(mode)
         return self
+
+    _set_static_graph = set_static_graph  # torch's private method (frameworks call it)

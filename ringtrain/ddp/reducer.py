@@ -138,6 +138,7 @@ class Reducer(Finalize, UnevenInputs):
         self._deferred = False  # a deferred backward ended: its buckets wait for flush()
         self.staging_s = 0.0  # time the last deferred backward spent in this reducer's hooks
         self.num_buckets_reduced = 0  # in the last synced backward (torch's logging counter)
+        self.num_iterations = 0  # synced forwards so far (torch's reducer counts them too)
         me = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i))
@@ -253,6 +254,7 @@ class Reducer(Finalize, UnevenInputs):
         """Called by a forward whose backward must be synced."""
         self._retired = []  # long done on gloo's side: released here, with the GIL
         self.num_buckets_reduced = 0
+        self.num_iterations += 1
         if self._deferred:
             raise RuntimeError("a deferred backward's gradients were never sent: call "
                                "reducer.flush() after it, before the next forward")

@@ -22,7 +22,9 @@ Tests: `.venv/bin/pytest -q tests/test_ddp_static_graph.py`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -43,6 +45,27 @@ _FIX = ("static_graph=True needs every rank to use the same parameters in every 
 
 class StaticGraphError(RuntimeError):
     """A synced backward under static_graph=True used other parameters than the first one."""
+
+
+def set_static_graph(ddp: Any) -> None:
+    """torch's private `DistributedDataParallel._set_static_graph()`: static_graph=True, late.
+
+    Frameworks call it (Lightning's `static_graph` option, torch's own tests); as in torch it
+    must come before the first synced forward, and is a warning when the graph is static already.
+    """
+    if ddp.static_graph:
+        warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=3)
+        return
+    reducer = ddp.reducer
+    if reducer.num_iterations:
+        raise StaticGraphError(
+            "set_static_graph() should be called before training loop starts and after "
+            f"DistributedDataParallel is constructed; {reducer.num_iterations} synced forward(s) "
+            "ran already: call _set_static_graph() right after wrapping, or pass "
+            "static_graph=True to the constructor")
+    ddp.static_graph = True
+    reducer.find_unused_parameters = True  # static_graph implies it (see the constructor)
+    reducer.static_graph = StaticGraphCheck(reducer.names, reducer.rank)
 
 
 class StaticGraphCheck:
