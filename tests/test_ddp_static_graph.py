@@ -59,6 +59,8 @@ def _invalid(rank, world_size, cls):
             out[case] = None
         except RuntimeError as e:
             out[case] = (type(e).__mro__, str(e))
+        if cls is DistributedDataParallel:  # what torch's DDP logging reports as its error
+            out[case, "logged"] = model.reducer.last_error
     return out
 
 
@@ -154,6 +156,8 @@ def test_graph_changes_raise_torchs_errors_on_every_rank(results):
             mro, message = ours[case]
             assert RuntimeError in mro and StaticGraphError in mro
             assert re.search(re.escape(pattern), message), message
+        assert ours["newly_used", "logged"] == ours["newly_used"][1]
+        assert ours["newly_unused", "logged"] == ours["newly_unused"][1]
         newly_used = ours["newly_used"][1]
         assert f"rank {rank}: on rank {rank}, ['lin2.weight'] now got a gradient" in newly_used
         assert f"grad for rank {rank}: 1\n" in ours["newly_unused"][1]

@@ -69,6 +69,7 @@ class Finalize:
     _defer: bool
     _deferred: bool
     staging_s: float
+    last_error: str | None
 
     # ---- when backward ends ----------------------------------------------------------------
 
@@ -92,6 +93,9 @@ class Finalize:
             with torch.no_grad(), self.tracer.span("finish gradient sync"):
                 self._stage_rest()
                 self._complete()
+        except Exception as e:
+            self.last_error = str(e)  # what torch's DDP logging reports as "error"
+            raise
         finally:
             self._reset()
 

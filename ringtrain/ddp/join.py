@@ -53,6 +53,7 @@ class DDPJoinHook(JoinHook):
     def __init__(self, ddp: JoinableDDP, divide_by_initial_world_size: bool):
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        ddp._uneven_input_join = True  # torch's logging reports it ("join_uneven_inputs")
 
     def main_hook(self) -> None:
         """Match one iteration of the ranks still training (steps 2-4 of the module docstring)."""
@@ -126,6 +127,7 @@ class JoinableDDP(Joinable):
     will_sync_module_buffers: Any
 
     _divide_by_initial_world_size = True
+    _uneven_input_join = False  # a Join was built with this DDP (torch logs it)
     _authoritative_rank: int | None = None  # set when a Join ends (torch's attribute)
     _join_kept: tuple = ()  # this forward's async join works and tensors (see _announce)
 

@@ -139,6 +139,7 @@ class Reducer(Finalize, UnevenInputs):
         self.staging_s = 0.0  # time the last deferred backward spent in this reducer's hooks
         self.num_buckets_reduced = 0  # in the last synced backward (torch's logging counter)
         self.num_iterations = 0  # synced forwards so far (torch's reducer counts them too)
+        self.last_error: str | None = None  # the last error a synced round raised
         me = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i))
@@ -272,7 +273,11 @@ class Reducer(Finalize, UnevenInputs):
             order, self._next_order = self._next_order, None
             self._rebuild(order)
         if self.static_graph is not None:
-            self.static_graph.before_round()  # raises once after a changed graph, as torch
+            try:
+                self.static_graph.before_round()  # raises once after a changed graph, as torch
+            except RuntimeError as e:
+                self.last_error = str(e)
+                raise
         self.expect_sync = True
 
     def remove_hooks(self) -> None:

@@ -58,11 +58,12 @@ def set_static_graph(ddp: Any) -> None:
         return
     reducer = ddp.reducer
     if reducer.num_iterations:
-        raise StaticGraphError(
+        reducer.last_error = (  # torch's words; torch's DDP logging reports it
             "set_static_graph() should be called before training loop starts and after "
             f"DistributedDataParallel is constructed; {reducer.num_iterations} synced forward(s) "
             "ran already: call _set_static_graph() right after wrapping, or pass "
             "static_graph=True to the constructor")
+        raise StaticGraphError(reducer.last_error)
     ddp.static_graph = True
     reducer.find_unused_parameters = True  # static_graph implies it (see the constructor)
     reducer.static_graph = StaticGraphCheck(reducer.names, reducer.rank)
