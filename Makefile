@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch 2.13.0; any other spec pulls several GB of CUDA packages.
 TORCH := torch==2.13.0
 
-.PHONY: install demo test test-torch lint bench clean clusters slurm ray torchx
+.PHONY: install demo test test-torch lint bench clean clusters slurm ray torchx frameworks
 
 $(BIN)/ringtrain: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -67,6 +67,11 @@ ray: install
 
 torchx: install
 	$(BIN)/pip install -q -e '.[dev,torchx]'
+
+# Optional: Lightning and accelerate for tests/test_frameworks.py (they skip, saying so, without
+# them); about 40 MB installed. $(TORCH) keeps pip from replacing the CPU build of torch.
+frameworks: install
+	$(BIN)/pip install -q $(TORCH) -e '.[dev,frameworks]'
 
 bench: install
 	$(BIN)/python benchmarks/ddp_vs_torch.py

@@ -267,8 +267,26 @@ def _refused(rank, world_size):
     return out
 
 
+def _eval_inside(rank, world_size):
+    # A no_grad forward through the wrapper after each step, inside the Join: the joined rank
+    # learns that no backward follows (torch's would shadow one and hang), and buffers (synced
+    # only after a synced forward) match; the first steps also cross the bucket rebuild.
+    torch.manual_seed(0)
+    model = _Normed()
+    net = DistributedDataParallel(model, bucket_cap_mb=0.0002)
+    evals = []
+    with net.join():
+        for i in range(1 + 3 * rank):
+            x = torch.randn(2, 6, generator=torch.Generator().manual_seed(i))
+            net(x).sum().backward()
+            with torch.no_grad():
+                evals.append(net(x).sum().item())
+            model.zero_grad()
+    return {"evals": evals, "state": _state(model)}
+
+
 def _session(rank, world_size):
-    out = {"refused": _refused(rank, world_size)}
+    out = {"refused": _refused(rank, world_size), "eval_inside": _eval_inside(rank, world_size)}
     for name, fn in SCENARIOS.items():
         for which, cls in CLASSES.items():
             try:
@@ -284,7 +302,7 @@ def results():
     per_rank = run_workers(_session, 2, timeout_s=180)
 
     def get(name: str) -> list[dict]:
-        if name == "refused":
+        if name in ("refused", "eval_inside"):
             return [out[name] for out in per_rank]
         values = []
         for rank, out in enumerate(per_rank):
@@ -382,3 +400,9 @@ def test_join_refuses_arguments_a_joined_rank_cannot_shadow(results):
         assert "which buckets the training ranks skip" in out["skip_all_reduce_unused_params"]
         delayed = out["delay_all_reduce_named_params"]
         assert delayed is not None and "where in backward the delayed all-reduce goes" in delayed
+
+
+def test_evaluation_forwards_inside_join(results):
+    r0, r1 = results("eval_inside")
+    assert len(r0["evals"]) == 1 and len(r1["evals"]) == 4
+    _same(r0["state"], r1["state"], "final model across ranks")

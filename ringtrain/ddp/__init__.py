@@ -21,6 +21,8 @@ Read in this order:
 - `lanes.py`: extra gloo groups over the same ranks, so buckets travel side by side.
 - `comm_hooks.py`: replacements for a bucket's all-reduce (fp16/bf16 compression, ring all-reduce).
 - `unused_params.py`: what a synced backward reports about parameters that got no gradient.
+- `framework_members.py`: the private members of torch's DDP and reducer that Lightning and
+  accelerate call (`_get_ddp_logging_data`, `reducer._rebuild_buckets`, ...), as mixins.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.ranges`, `ringtrain.staging`, `ringtrain.trace`, `ringtrain.collectives`. Never the

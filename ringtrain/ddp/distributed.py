@@ -34,6 +34,7 @@ from ringtrain.ddp.buckets import (
     check_hook,
 )
 from ringtrain.ddp.delayed import DelayedAllReduce, delayed_names
+from ringtrain.ddp.framework_members import DDPFrameworkMembers
 from ringtrain.ddp.init_sync import (
     BROADCAST_BUCKET_BYTES,
     ReplicaMismatchError,
@@ -66,7 +67,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DistributedDataParallel(nn.Module, JoinableDDP):
+class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers):
     """Data parallelism: one replica per rank, gradients averaged across ranks during backward.
 
     Args:
@@ -178,7 +179,9 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self.static_graph = static_graph
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.require_backward_grad_sync = True  # cleared by no_sync()
-        self.require_forward_param_sync = True  # set by each forward: was it a synced one?
+        # torch's: whether the last forward prepared a synced backward (frameworks read and set
+        # it: Lightning's manual optimization, accelerate's trigger_sync_in_backward).
+        self.require_forward_param_sync = True
         register_exit_grace()  # gloo's threads must not abort this process's exit (runtime.py)
 
         self.parameters_to_ignore = ignored.ignored_names(module)
@@ -287,11 +290,14 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # As in torch, the forward decides whether the backward of its graph syncs.
-        syncs = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self._join_notify(syncs)  # under a Join context only (join.py), as the next two
+        grad = torch.is_grad_enabled()
+        syncs = grad and self.require_backward_grad_sync
+        self._join_notify(syncs)  # under a Join context only (join.py), as _join_announce
         if self.will_sync_module_buffers():
             self._sync_buffers(self._buffer_source())
-        self._join_announce(syncs)
+        self._join_announce(grad, syncs)
+        if grad:  # as torch: once, before the forward's activations exist
+            self.reducer._rebuild_buckets()
         if self.device_ids:
             inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
         output = self._run_module(inputs, kwargs)

@@ -59,7 +59,6 @@ class Finalize:
     _next_order: list[int] | None
     _ready: bytearray
     _unused: list[int]
-    _last_unused: list[int] | None
     _status: StatusBuffer
     _retired: list
     _accumulated: bytearray
@@ -70,6 +69,7 @@ class Finalize:
     _deferred: bool
     staging_s: float
     last_error: str | None
+    _note_round: Callable[[list[int]], None]
 
     # ---- when backward ends ----------------------------------------------------------------
 
@@ -93,6 +93,7 @@ class Finalize:
             with torch.no_grad(), self.tracer.span("finish gradient sync"):
                 self._stage_rest()
                 self._complete()
+            self._note_round(self._unused)  # framework_members.py: can_set_static_graph
         except Exception as e:
             self.last_error = str(e)  # what torch's DDP logging reports as "error"
             raise
@@ -169,7 +170,7 @@ class Finalize:
             bucket.scale_after, bucket.tail_sent = None, False
             bucket.gradients = []
         self._ready = bytearray(len(self.params))
-        self._last_unused, self._unused = self._unused, []  # the former for a joined rank
+        self._unused = []
         self._accumulated = bytearray(len(self.params))
         self._next = 0
         self._queued = False

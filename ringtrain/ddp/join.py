@@ -5,8 +5,9 @@ dataset split by hand), the rank that runs out first would leave the others wait
 next gradient all-reduce. Under `torch.distributed.algorithms.Join` (or `ddp.join()`, which
 makes one) a rank that ran out "joins": until every rank has, it keeps issuing the collectives
 of a training iteration with nothing to contribute, and at the end the last rank to join
-broadcasts its model. This is the design of torch's `_DDPJoinHook`, matched collective for
-collective, so one rank may even run torch's DDP and another ringtrain's.
+broadcasts its model. This is the design of torch's `_DDPJoinHook`; step 3 carries one more
+flag than torch's, so that a forward without grad (an evaluation inside the Join) or a no_sync
+one is shadowed exactly (torch's joined rank rebuilds and shadows a backward regardless).
 
     with ddp.join():                       # or: with Join([ddp, zero_optimizer]):
         for x, y in loader:                # ranks may have different numbers of batches
@@ -18,8 +19,11 @@ it, in order on the DDP's process group:
   1. Join's "not joined yet" all-reduce of ones  <->  Join's count of those ranks (torch's code)
   2. buffers, if synced before this forward: all-reduce MAX of the ranks that may be the source
      (the training ones), then a broadcast from it  <->  the same, as no candidate
-  3. "does this backward sync?" all-reduce  <->  the same with 0; the sum tells the joined rank
-  4. the backward's buckets and status  <->  zeros (`Reducer.shadow_backward`, `uneven.py`)
+  3. "grad enabled? does this backward sync?" all-reduce  <->  the same with zeros; the sums
+     tell the joined rank whether steps 4 and 5 come
+  4. if grad is enabled, the one-time bucket rebuild (a broadcast, once the first synced backward
+     gave the order)  <->  the same, when due (the joined rank counts its shadow rounds as rounds)
+  5. the backward's buckets and status  <->  zeros (`Reducer.shadow_backward`, `uneven.py`)
 After all ranks joined, `post_hook` broadcasts the parameters (and buffers) of the highest rank
 among the last to join, so every rank ends with the same model.
 
@@ -56,11 +60,13 @@ class DDPJoinHook(JoinHook):
         ddp._uneven_input_join = True  # torch's logging reports it ("join_uneven_inputs")
 
     def main_hook(self) -> None:
-        """Match one iteration of the ranks still training (steps 2-4 of the module docstring)."""
+        """Match one iteration of the ranks still training (steps 2-5 of the module docstring)."""
         ddp = self.ddp
         if ddp.will_sync_module_buffers():
             ddp._sync_buffers(common_rank(ddp, candidate=False))
-        should_sync = _announce(ddp, syncs=False, joined=True)
+        grad, should_sync = _announce(ddp, grad=False, syncs=False, joined=True)
+        if grad:  # the training ranks' one-time bucket rebuild (a broadcast), if it is due
+            ddp.reducer._rebuild_buckets()
         # As on the training ranks, whose forward sets it: the buffers of the next iteration
         # are synced only after a synced one.
         ddp.require_forward_param_sync = should_sync
@@ -92,17 +98,18 @@ def common_rank(ddp: JoinableDDP, candidate: bool) -> int:
     return found
 
 
-def _announce(ddp: JoinableDDP, syncs: bool, joined: bool) -> bool:
-    """Step 3: tell the joined ranks whether this iteration's backward is synced."""
-    flag = torch.ones(1, device=ddp.device) if syncs else torch.zeros(1, device=ddp.device)
-    work = collectives.all_reduce(flag, group=ddp.process_group, async_op=True)
+def _announce(ddp: JoinableDDP, grad: bool, syncs: bool, joined: bool) -> tuple[bool, bool]:
+    """Step 3: tell the joined ranks whether this forward has grad enabled (the bucket rebuild
+    may follow) and whether its backward is synced; (grad, syncs) of any training rank."""
+    flags = torch.tensor([float(grad), float(syncs)], device=ddp.device)
+    work = collectives.all_reduce(flags, group=ddp.process_group, async_op=True)
     if not joined:
         # A training rank does not wait (the result is for the joined ones); the work and its
         # tensor stay referenced until the next forward, never released by gloo's thread alone.
-        ddp._join_kept = (*ddp._join_kept[:1], work, flag)
-        return syncs
+        ddp._join_kept = (*ddp._join_kept[:1], work, flags)
+        return grad, syncs
     work.wait()
-    return bool(flag.item() != 0)
+    return bool(flags[0].item() != 0), bool(flags[1].item() != 0)
 
 
 class JoinableDDP(Joinable):
@@ -185,7 +192,7 @@ class JoinableDDP(Joinable):
         """Step 2's source: rank 0, or under a Join the highest rank still training."""
         return common_rank(self, candidate=True) if self._join_config.enable else 0
 
-    def _join_announce(self, syncs: bool) -> None:
+    def _join_announce(self, grad: bool, syncs: bool) -> None:
         """Step 3, on a rank that still trains."""
         if self._join_config.enable:
-            _announce(self, syncs, joined=False)
+            _announce(self, grad, syncs, joined=False)

@@ -41,6 +41,7 @@ from ringtrain.ddp.buckets import (
     status_carrier_last,
 )
 from ringtrain.ddp.finalize import Finalize
+from ringtrain.ddp.framework_members import ReducerFrameworkMembers
 from ringtrain.ddp.static_graph import StaticGraphCheck
 from ringtrain.ddp.uneven import UnevenInputs
 from ringtrain.ddp.unused_params import StatusBuffer, fill_status
@@ -67,7 +68,7 @@ def _finalize(reducer_ref: weakref.ref) -> None:
             reducer._finalize()
 
 
-class Reducer(Finalize, UnevenInputs):
+class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers):
     """Averages the gradients of `params` over `process_group` during backward.
 
     Args:
@@ -123,10 +124,10 @@ class Reducer(Finalize, UnevenInputs):
         # synced backward actually produced the gradients (rank 0's, so all ranks agree).
         self._observed: list[int] | None = []
         self._next_order: list[int] | None = None
+        self._init_framework_members()  # what frameworks call on torch's reducer
 
         self._ready = bytearray(len(self.params))  # staged this round
         self._unused: list[int] = []  # staged without a gradient this round
-        self._last_unused: list[int] | None = None  # those of the last round (None: no round)
         # The unused-parameter status, when no bucket carries it.
         self._status = StatusBuffer(len(self.params), self.world_size, self.buckets[0].flat.device)
         self._retired: list = []  # the last round's works, see _reset
@@ -138,7 +139,6 @@ class Reducer(Finalize, UnevenInputs):
         self._deferred = False  # a deferred backward ended: its buckets wait for flush()
         self.staging_s = 0.0  # time the last deferred backward spent in this reducer's hooks
         self.num_buckets_reduced = 0  # in the last synced backward (torch's logging counter)
-        self.num_iterations = 0  # synced forwards so far (torch's reducer counts them too)
         self.last_error: str | None = None  # the last error a synced round raised
         me = weakref.ref(self)
         self._handles = [
@@ -251,11 +251,17 @@ class Reducer(Finalize, UnevenInputs):
 
     # ---- control ---------------------------------------------------------------------------
 
-    def prepare_for_backward(self) -> None:
-        """Called by a forward whose backward must be synced."""
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] | torch.Tensor = ()) -> None:
+        """Called by a forward whose backward must be synced (and by frameworks, outside one).
+
+        Args:
+            outputs: torch's signature: the forward's outputs, from which torch's reducer finds
+                unused parameters by walking the graph. Ignored here: this reducer finds them
+                when backward ends (the parameters whose hook never fired). Lightning's manual
+                optimization passes the loss, accelerate's trigger_sync_in_backward `[]`.
+        """
         self._retired = []  # long done on gloo's side: released here, with the GIL
         self.num_buckets_reduced = 0
-        self.num_iterations += 1
         if self._deferred:
             raise RuntimeError("a deferred backward's gradients were never sent: call "
                                "reducer.flush() after it, before the next forward")
@@ -269,9 +275,8 @@ class Reducer(Finalize, UnevenInputs):
             )
         if self._queued:  # a previous backward failed before its end callback ran
             self._reset()
-        if self._next_order is not None:
-            order, self._next_order = self._next_order, None
-            self._rebuild(order)
+        self._rebuild_buckets()  # once, after the first synced backward
+        self._count_round()  # framework_members.py: _get_ddp_logging_data's figures
         if self.static_graph is not None:
             try:
                 self.static_graph.before_round()  # raises once after a changed graph, as torch

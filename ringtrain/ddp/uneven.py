@@ -6,9 +6,9 @@ all-reduce. For each synced backward of theirs it runs `shadow_backward()`: ever
 all-reduce (or comm hook) with zeros, on the same lane and in the same order as `Reducer._launch`
 issues them, and the unused-parameter status where `Finalize._complete` sends it (riding in the
 last bucket, or alone after the buckets). It also follows the same bucket rebuild: a joined rank
-counts its shadow backwards as synced rounds, so the one-time rebuild broadcast (`Reducer._rebuild`)
-happens in the same round on every rank, even on a rank that never trained (torch shadows that
-broadcast too).
+counts its shadow backwards as synced rounds, so the one-time rebuild broadcast
+(`_rebuild_buckets`) is due in the same round on every rank, even on a rank that never trained
+(torch shadows that broadcast too).
 
 A joined rank contributes zero gradients. With `Join(divide_by_initial_world_size=True)` (the
 default) the ranks still training divide by the world size all the same, so every sample weighs
@@ -49,7 +49,7 @@ class UnevenInputs:
     _observed: list[int] | None
     _last_unused: list[int] | None
     _next_order: list[int] | None
-    _rebuild: Callable[[list[int]], None]
+    _rebuild_buckets: Callable[[], bool]
 
     _count_work: Any = None  # Join's "not joined yet" all-reduce of this round's forward
     _count: int | None = None  # ranks still training this round; None: the world size
@@ -86,9 +86,7 @@ class UnevenInputs:
         also says this rank is not at fault, so find_unused_parameters=False raises only for
         the training ranks' parameters.
         """
-        if self._next_order is not None:  # the rebuild the training ranks do in this round
-            order, self._next_order = self._next_order, None
-            self._rebuild(order)
+        self._rebuild_buckets()  # as the training ranks' prepare_for_backward (a no-op if done)
         n, hook = len(self.params), self.comm_hook
         kept: list = []
         pending = []  # works (default) or futures (comm hook), in launch order

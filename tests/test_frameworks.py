@@ -1,0 +1,109 @@
+"""Lightning and accelerate with ringtrain's DDP swapped in end with torch's DDP's weights.
+
+    pip install -e '.[frameworks]'                  # or `make frameworks`
+    .venv/bin/pytest -q tests/test_frameworks.py    # skips with the reason when they are absent
+
+Each test starts two ranks of tests/scripts/framework_worker.py (gloo, CPU, torchrun's
+variables), which train one scenario twice in the same processes on the same seed and data:
+with torch's `DistributedDataParallel`, then with ringtrain's put in torch.nn.parallel's name and
+the framework's own, as a user would. Both runs must exit 0 (Lightning's teardown calls
+`_get_ddp_logging_data()`; its manual optimization and accelerate's trigger_sync_in_backward
+call the reducer's `_rebuild_buckets()` / `prepare_for_backward(outputs)`: see
+ringtrain/ddp/framework_members.py) and give bit-identical parameters and buffers on both ranks
+at every checkpoint the scenario records. torch's own DDP is deterministic here: two ranks'
+averages are one addition and a halving.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ringtrain.launch.network import free_port
+
+WORKER = Path(__file__).parent / "scripts" / "framework_worker.py"
+# Lightning's import (~5 s on a busy 2-core machine), two trainings and teardown, per rank.
+RUN_S = 300.0
+LIGHTNING = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None,
+    reason="lightning is not installed: pip install -e '.[frameworks]' (or `make frameworks`)")
+ACCELERATE = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None,
+    reason="accelerate is not installed: pip install -e '.[frameworks]' (or `make frameworks`)")
+# What another launcher (or the test's own environment) would tell the frameworks otherwise.
+DROPPED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+           "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "RINGTRAIN_LAUNCHER_PID")
+
+
+def run_pair(scenario: str, out: Path) -> list[dict]:
+    """Both ranks of the worker on `scenario`; their reports, after both exited 0."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in DROPPED and not k.startswith(("SLURM_", "OMPI_", "PMI_", "ACCELERATE_"))}
+    base |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    logs = [out / f"rank{r}.log" for r in range(2)]
+    procs = []
+    for r in range(2):
+        with logs[r].open("w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, "--out", str(out)],
+                env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=out, stdout=log,
+                stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + RUN_S
+    try:
+        # A rank that failed leaves the other blocked in a collective: stop at the first failure.
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+    output = "\n".join(f"---- rank {r} (exit {p.returncode}) ----\n{logs[r].read_text()[-6000:]}"
+                       for r, p in enumerate(procs))
+    assert all(p.returncode == 0 for p in procs), output
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def check_equal_weights(reports: list[dict], checkpoints: list[str]) -> None:
+    for report in reports:
+        assert report["wrappers"] == {
+            "torch": "torch.nn.parallel.distributed.DistributedDataParallel",
+            "ringtrain": "ringtrain.ddp.distributed.DistributedDataParallel",
+        }, report  # the swap reached the framework
+        assert list(report["max_abs_diff"]) == checkpoints, report
+        assert report["max_abs_diff"] == dict.fromkeys(checkpoints, 0.0), report
+        assert all(report["bitwise"].values()), report
+        print(f"rank {report['rank']}: import {report['import_s']} s, "
+              f"runs {report['run_s']} s")
+
+
+@LIGHTNING
+def test_lightning_fabric_automatic_loop_with_no_backward_sync(tmp_path):
+    check_equal_weights(run_pair("fabric", tmp_path), ["epoch 0", "epoch 1"])
+
+
+@LIGHTNING
+def test_lightning_trainer_fit_checkpoint_and_resume(tmp_path):
+    check_equal_weights(run_pair("trainer", tmp_path), ["fit 1 epoch", "resumed to epoch 2"])
+
+
+@LIGHTNING
+def test_lightning_trainer_manual_optimization(tmp_path):
+    check_equal_weights(run_pair("manual", tmp_path), [
+        "manual", "manual, find_unused_parameters", "manual, static_graph"])
+
+
+@ACCELERATE
+def test_accelerate_prepare_accumulate_state_and_trigger_sync(tmp_path):
+    check_equal_weights(run_pair("accelerate", tmp_path), [
+        "accumulate, epoch 1", "accumulate, epoch 2", "load_state", "trigger_sync_in_backward"])
