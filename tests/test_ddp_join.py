@@ -62,7 +62,9 @@ def _equivalence(rank, world_size, cls):
             opt.zero_grad()
             net(inp).sum().backward()
             opt.step()
-    return {"ddp": _state(model), "local": _state(local), "source": net._authoritative_rank}
+    logged = net._get_ddp_logging_data().get("join_uneven_inputs")
+    return {"ddp": _state(model), "local": _state(local), "source": net._authoritative_rank,
+            "logged": bool(logged)}
 
 
 def _grad_div(rank, world_size, cls):
@@ -337,6 +339,7 @@ def test_join_model_equivalence_with_one_process(results):
         _same(out["ours"], out["torch"], f"rank {rank} vs torch")
         _same(out["ours"]["ddp"], out["ours"]["local"], f"rank {rank} vs one process")
         assert out["ours"]["source"] == 1  # the last rank to join is the source of the model
+        assert out["ours"]["logged"]  # torch's logging data says a Join was used
 
 
 def test_grad_division_by_initial_or_remaining_world_size(results):
