@@ -55,6 +55,17 @@ def _profiled(rank, world_size):
             net(torch.rand(3, 10)).sum().backward()
         out["search", which] = sum(e.name.endswith("::search_unused_parameters")
                                    for e in prof.function_events)
+    # A one-member bucket that carries the status is copied into its flat buffer: gradients
+    # that require grad (backward(create_graph=True), torch's test_ddp_create_graph) too.
+    for which, cls in CLASSES.items():
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.tensor(1.0 + rank))
+        net = cls(_Scalar(p))
+        grads = []
+        for _ in range(3):
+            net().backward(create_graph=True)
+            grads.append((p.grad.detach().clone(), p.grad.requires_grad))
+        out["create_graph", which] = grads
     # The check the status serves still raises on every rank, naming the parameter.
     net = DistributedDataParallel(_Skips())
     try:
@@ -63,6 +74,15 @@ def _profiled(rank, world_size):
     except UnusedParametersError as e:
         out["unused_error"] = str(e)
     return out
+
+
+class _Scalar(nn.Module):
+    def __init__(self, p: nn.Parameter):
+        super().__init__()
+        self.p = p
+
+    def forward(self):
+        return self.p.pow(2)
 
 
 class _Skips(nn.Module):
@@ -94,6 +114,14 @@ def test_one_all_reduce_per_bucket_with_a_solo_bucket(profiled):
 def test_unused_parameter_search_is_recorded_as_in_torch(profiled):
     for out in profiled:
         assert out["search", "ours"] == out["search", "torch"] == 1
+
+
+def test_carrier_stages_gradients_that_require_grad(profiled):
+    for out in profiled:
+        ours, theirs = out["create_graph", "ours"], out["create_graph", "torch"]
+        for (a, a_rg), (b, b_rg) in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b)
+            assert a_rg == b_rg
 
 
 def test_unused_parameters_still_raise_on_every_rank(profiled):

@@ -223,9 +223,11 @@ def stage(bucket: Bucket, slot: int, p: torch.Tensor, grad: torch.Tensor | None,
         if scale is not None:
             view.mul_(scale)
     elif scale is not None:
-        torch.mul(grad, scale, out=view)
+        # Detached: under backward(create_graph=True) the gradient requires grad, and an out=
+        # op refuses it; the collective is not differentiated anyway (torch copies too).
+        torch.mul(grad.detach(), scale, out=view)
     else:
-        view.copy_(grad)
+        view.copy_(grad.detach())
     if as_view and used and grad is not None:
         p.grad = view
     bucket.buffer, bucket.in_place, bucket.gradients = bucket.payload, False, bucket.views
