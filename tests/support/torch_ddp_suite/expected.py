@@ -34,9 +34,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     "test_detect_ddp_is_actually_static": _REDUCER.format(member="_ddp_graph_static()"),
     "test_ddp_sink_noclone":
         "`_set_ddp_sink_clone(False)`: a switch inside torch's `_DDPSink` autograd function",
-    "test_static_graph_api_cpu":
-        "`_set_static_graph()`: torch's private pre-1.11 switch; `static_graph=True` is the "
-        "public one",
 }
 
 NOT_RUN: dict[str, str] = {
