@@ -40,9 +40,10 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"  # a sharded save_pretrained: name -> shard file
 MARK = "ringtrain"  # ringtrain's own entry in config.json (transformers keeps unknown keys)
 EPS = 1e-5  # nn.LayerNorm's default: the eps of every LayerNorm of ringtrain's GPT
-# ringtrain's name in a block -> (GPT-2's name, a Conv1D: its weight is the Linear's transposed)
-_BLOCK = {"ln_1": ("ln_1", False), "ln_2": ("ln_2", False),
-          "attn.c_attn": ("attn.c_attn", True), "attn.c_proj": ("attn.c_proj", True),
+# ringtrain's name in a block -> (GPT-2's name, a Conv1D: its weight is the Linear's transposed),
+# in the block's state_dict order (param_sha256 hashes in key order)
+_BLOCK = {"ln_1": ("ln_1", False), "attn.c_attn": ("attn.c_attn", True),
+          "attn.c_proj": ("attn.c_proj", True), "ln_2": ("ln_2", False),
           "mlp.0": ("mlp.c_fc", True), "mlp.2": ("mlp.c_proj", True)}
 # GPT2Config's defaults, for a config.json that leaves a key out (transformers does the same)
 _DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
@@ -177,30 +178,37 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """ringtrain's state dict from GPT-2's (`to_hf_state` backwards); a FormatError names the
-    missing and unexpected tensors."""
+    """ringtrain's state dict from GPT-2's (`to_hf_state` backwards), in `GPT.state_dict()`'s
+    order; a FormatError names the missing and unexpected tensors."""
     hf = dict(hf)
-    out = {"embed.wte.weight": hf.pop("transformer.wte.weight", None),
-           "embed.wpe.weight": hf.pop("transformer.wpe.weight", None),
-           "head.ln_f.weight": hf.pop("transformer.ln_f.weight", None)}
-    biases = [("head.ln_f.bias", hf.pop("transformer.ln_f.bias", None))]
+    out: dict[str, torch.Tensor | None] = {}
+
+    def take(ours: str, theirs: str, conv1d: bool = False) -> None:
+        weight = hf.pop(f"{theirs}.weight", None)
+        out[f"{ours}.weight"] = weight.t() if conv1d and weight is not None else weight
+        bias = hf.pop(f"{theirs}.bias", None)  # GPT-2 always has one; bias=False: all zero
+        if config.bias:
+            out[f"{ours}.bias"] = bias
+
+    out["embed.wte.weight"] = hf.pop("transformer.wte.weight", None)
+    out["embed.wpe.weight"] = hf.pop("transformer.wpe.weight", None)
     for i in range(config.n_layer):
         for ours, (theirs, conv1d) in _BLOCK.items():
-            weight = hf.pop(f"transformer.h.{i}.{theirs}.weight", None)
-            out[f"blocks.{i}.{ours}.weight"] = weight.t() if conv1d and weight is not None \
-                else weight
-            biases.append((f"blocks.{i}.{ours}.bias", hf.pop(f"transformer.h.{i}.{theirs}.bias",
-                                                             None)))
-    if config.bias:
-        out.update(biases)
+            take(f"blocks.{i}.{ours}", f"transformer.h.{i}.{theirs}", conv1d)
+    take("head.ln_f", "transformer.ln_f")
     lm_head = hf.pop("lm_head.weight", None)
-    out["head.lm_head.weight"] = out["embed.wte.weight"] if config.tie_embeddings else lm_head
+    wte = out["embed.wte.weight"]
+    if config.tie_embeddings and lm_head is not None and wte is not None \
+            and not torch.equal(lm_head, wte):
+        raise FormatError("config.json says tie_word_embeddings=true but lm_head.weight differs "
+                          "from transformer.wte.weight; set tie_word_embeddings to false")
+    out["head.lm_head.weight"] = wte if config.tie_embeddings else lm_head
     missing = sorted(k for k, v in out.items() if v is None)
     if missing or hf:
         raise FormatError(f"the GPT-2 weights do not match its config.json (n_layer="
                           f"{config.n_layer}, tie_word_embeddings={config.tie_embeddings}): "
                           f"missing {missing}, unexpected {sorted(hf)}")
-    return {k: v.contiguous() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in out.items() if v is not None}
 
 
 def read_hf(path: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
