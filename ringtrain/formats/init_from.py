@@ -83,9 +83,9 @@ def check_shape(source: GPTConfig | None, target: dict[str, Any], path: str) -> 
     if differ:
         theirs = ", ".join(f"{f}={getattr(source, f)}" for f in differ)
         ours = ", ".join(f"{f}={target[f]}" for f in differ)
-        raise FormatError(f"init_from={path} holds a GPT with {theirs} (block_size at most "
-                          f"{source.block_size}), but this run builds {ours}; give the run "
-                          "the model's shape, or drop init_from")
+        raise FormatError(f"init_from={path} holds a GPT with {theirs} ({source.block_size} "
+                          f"positions), but this run builds {ours}; give the run the model's "
+                          "shape, or drop init_from")
 
 
 def load_into(model: GPT, path: str) -> GPT:
