@@ -27,11 +27,12 @@ test: install
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # The tiers: `make test` is all of it; `make test-fast` runs the tests that start no process
-# (~860 of them, ~26 s of CPU, so about 30 s on an idle machine), for the edit-test loop. A
+# (~1010 of them, ~20 s of CPU, 28 s wall measured), for the edit-test loop. A
 # test is in the fast tier by what it does, not by a label: under --fast (tests/conftest.py)
 # a test that starts a process (subprocess, multiprocessing, run_workers' forkserver) is
-# skipped where it starts it, and the last line counts both; a test over 2 s is named. One pytest process: two xdist workers cost more to
-# start than they save (117 s against 54 s wall on a loaded machine). `slow` stays out.
+# skipped where it starts it, and the last line counts both; a test over 2 s is named (mark it
+# `slow`, which stays out). One pytest process: two xdist workers saved 11 s idle but cost more
+# on a busy machine (117 s against 54 s wall) and reorder tests across processes.
 # Markers pick among the rest: `pytest -m "not slow"`, `-m multinode` (root), `-m cuda` (a GPU).
 .PHONY: test-fast
 test-fast: install

@@ -415,18 +415,19 @@ def _batchnorm(rank, world_size, broadcast_buffers):
         with torch.no_grad():
             ddp(torch.zeros(1, 6))  # buffers follow rank 0 before this forward (eval: no update)
         out[name] = [b.clone() for b in model.buffers()]
-        if name == "ours":
-            # Every forward starts from rank 0's buffers, gradient-accumulation ones included.
-            model.train()
-            snapshots = []
-            model.register_forward_pre_hook(
-                lambda m, a, s=snapshots: s.append([b.clone() for b in m.buffers()])
-            )
-            with ddp.no_sync():
-                for k in range(2):
-                    ddp(_data(B, seed=100 + 10 * k + rank)[0]).sum().backward()
-            ddp(_data(B, seed=200 + rank)[0]).sum().backward()
-            out["snapshots"] = snapshots
+        # As in torch, only a forward that follows a synced one starts from rank 0's buffers:
+        # not the one after the no_grad forward above, nor those after no_sync forwards.
+        model.train()
+        snapshots = []
+        model.register_forward_pre_hook(
+            lambda m, a, s=snapshots: s.append([b.clone() for b in m.buffers()])
+        )
+        with ddp.no_sync():
+            for k in range(2):
+                ddp(_data(B, seed=100 + 10 * k + rank)[0]).sum().backward()
+        ddp(_data(B, seed=200 + rank)[0]).sum().backward()
+        ddp(_data(B, seed=300 + rank)[0]).sum().backward()
+        out[f"snapshots/{name}"] = snapshots
     return out
 
 
@@ -437,10 +438,15 @@ def test_batchnorm_buffers_follow_rank0(sessions, broadcast_buffers):
         _assert_close(out["ours"], out["torch"], "buffers vs torch")
     same = all(torch.equal(a, b) for a, b in zip(r0["ours"], r1["ours"], strict=True))
     assert same == broadcast_buffers
-    assert len(r0["snapshots"]) == 3
-    for k, (s0, s1) in enumerate(zip(r0["snapshots"], r1["snapshots"], strict=True)):
+    for out in (r0, r1):
+        for k, (a, b) in enumerate(zip(out["snapshots/ours"], out["snapshots/torch"], strict=True)):
+            _assert_close(a, b, f"buffers at the start of forward {k} vs torch")
+    assert len(r0["snapshots/ours"]) == 4
+    for k, (s0, s1) in enumerate(zip(r0["snapshots/ours"], r1["snapshots/ours"], strict=True)):
         same = all(torch.equal(a, b) for a, b in zip(s0, s1, strict=True))
-        assert same == broadcast_buffers, f"buffers at the start of forward {k}"
+        # Forward 0 follows a no_grad forward that synced (its buffers unchanged since), 1 and 2
+        # follow no_sync forwards; 3 follows a synced one.
+        assert same == (broadcast_buffers and k in (0, 3)), f"buffers at the start of forward {k}"
 
 
 def _mismatch(rank, world_size):

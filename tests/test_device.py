@@ -88,6 +88,7 @@ def test_ringtrain_train_refuses_two_nccl_ranks_on_one_gpu_before_any_worker_sta
     assert "--nproc-per-node 1" in err and "--backend gloo --device cuda" in err
 
 
+@pytest.mark.slow  # over the fast tier's 2 s (a bound it waits out, or a real run)
 def test_ringtrain_train_with_the_cpu_asked_for_starts_on_a_gpu_box(
     monkeypatch, clean_env, tmp_path
 ):

@@ -146,6 +146,7 @@ def test_a_one_character_text_warns_once(monkeypatch, capsys, tmp_path):
     assert err.count("the text has a vocabulary of one character ('a')") == 1, err
 
 
+@pytest.mark.slow  # over the fast tier's 2 s (a bound it waits out, or a real run)
 def test_when_every_snapshot_is_corrupt_training_starts_afresh(tmp_path, capsys):
     run = tmp_path / "run"
     argv = [*TINY, "--steps", "2", "--snapshot-every", "1", "--run-dir", str(run)]

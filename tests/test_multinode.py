@@ -99,6 +99,7 @@ class _StuckStore:
         return "job"
 
 
+@pytest.mark.slow  # over the fast tier's 2 s (a bound it waits out, or a real run)
 def test_agent_queries_to_a_vanished_rendezvous_host_are_bounded():
     inner = _StuckStore()
     handler = _BoundedRendezvous(inner, "10.0.0.1:29400", silent_s=1.5, close_s=0.2)

@@ -4,6 +4,8 @@ line per --log-every steps (and the last step once) anywhere else."""
 import io
 import re
 
+import pytest
+
 from ringtrain.training.progress import Progress
 
 
@@ -47,6 +49,7 @@ def test_a_terminal_gets_the_redrawn_bar_and_rank_1_nothing():
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.slow  # over the fast tier's 2 s (a bound it waits out, or a real run)
 def test_a_log_file_of_a_real_run(tmp_path, capsys, clean_env):
     """`ringtrain train` with stderr captured (not a terminal): 4 lines for 20 steps / 5."""
     from ringtrain.cli.train import main

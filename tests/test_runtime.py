@@ -54,6 +54,7 @@ def test_bad_rank_or_world(rank, world, match):
         init_distributed(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=29500)
 
 
+@pytest.mark.slow  # over the fast tier's 2 s (a bound it waits out, or a real run)
 def test_missing_rank_fails_within_bound_naming_arrivals():
     t0 = time.monotonic()
     with pytest.raises(DistributedInitError,
@@ -63,6 +64,7 @@ def test_missing_rank_fails_within_bound_naming_arrivals():
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.slow  # over the fast tier's 2 s (a bound it waits out, or a real run)
 def test_unreachable_master_fails_within_bound():
     t0 = time.monotonic()
     with pytest.raises(DistributedInitError, match="could not reach the master at 127.0.0.1"):

@@ -139,6 +139,7 @@ def test_adamw_is_fused_on_cuda_only():
     assert not adamw(0.1)(params).defaults.get("fused")
 
 
+@pytest.mark.slow  # over the fast tier's 2 s (a bound it waits out, or a real run)
 def test_compile_trains_the_model_in_place(single_process):
     try:
         torch.compile(lambda t: t + 1)(torch.ones(2))

@@ -45,7 +45,10 @@ def test_without_tensorboard_it_says_so_once_and_keeps_metrics_jsonl(tmp_path, m
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append
     logger = logging.getLogger("ringtrain")
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    # setLevel, not a patched `level`: setLevel clears the loggers' isEnabledFor cache, which
+    # an earlier test in this process (a rank-1 setup_logging at WARNING) may have filled.
+    level = logger.level
+    logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
         log = TensorBoardLog(MetricsLog(str(tmp_path / "metrics.jsonl")), str(tmp_path))
@@ -53,6 +56,7 @@ def test_without_tensorboard_it_says_so_once_and_keeps_metrics_jsonl(tmp_path, m
         log.close()
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     assert [r.getMessage().split(" (")[0] for r in records] == ["TensorBoard: off"]
     assert log.records == [{"step": 1, "loss": 2.0}] and not (tmp_path / "tensorboard").exists()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.0}

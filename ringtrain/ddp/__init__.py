@@ -13,7 +13,11 @@ Read in this order:
 - `finalize.py`: how a round ends (the reducer's base class): the end-of-backward callback waits
   for every bucket, agrees on unused parameters, writes the averages back; `sync_gradients`,
   `defer`/`flush` outside backward.
-- `buckets.py`: which gradients travel together (pure planning, unit-tested without processes).
+- `buckets.py`: which gradients travel together (pure planning, unit-tested without processes),
+  and which bucket carries the unused-parameter status.
+- `join.py`: uneven inputs, `join()` with torch's `Join`: what a rank that ran out of batches
+  issues to match the others; `uneven.py`: the reducer's part (a shadow backward, the divisor).
+- `static_graph.py`: static_graph=True refuses a graph that changed after the first backward.
 - `lanes.py`: extra gloo groups over the same ranks, so buckets travel side by side.
 - `comm_hooks.py`: replacements for a bucket's all-reduce (fp16/bf16 compression, ring all-reduce).
 - `unused_params.py`: what a synced backward reports about parameters that got no gradient.

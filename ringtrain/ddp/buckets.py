@@ -95,6 +95,44 @@ def assign_buckets(
     return buckets
 
 
+# Small integer counts (how many ranks missed a parameter) stay exact in a float sum up to the
+# largest integer the format holds exactly: the unused-parameter status may ride in such a bucket.
+_EXACT_COUNTS = {torch.float32: 2**24, torch.float64: 2**53, torch.float16: 2048,
+                 torch.bfloat16: 256}
+
+
+def status_carrier_last(plan: list[list[int]], sizes: Sequence[int], dtypes: Sequence[torch.dtype],
+                        *, world_size: int, solo_bytes: int | None,
+                        max_delay_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+                        ) -> tuple[list[list[int]], bool]:
+    """Pick the bucket whose all-reduce also carries the unused-parameter status, and put it last.
+
+    The status (which parameters got no gradient on which rank) is final only once every
+    gradient is staged, so it can only travel with the last bucket launched. torch sends its
+    `local_used_map` in an all-reduce of its own, and only with find_unused_parameters=True;
+    riding along with a bucket costs nothing, so ringtrain checks every synced backward for the
+    same number of collectives as torch's DDP without the check (one per bucket). The carrier is
+    a bucket whose dtype sums `world_size` exactly and that is copied into a flat buffer anyway
+    (not a solo gradient reduced in place in `.grad`): the last such bucket of the plan if it is
+    last already, or if it is small (at most `max_delay_bytes`), so that launching it after the
+    others delays little. Returns (plan, True) with the carrier last, or (plan, False) when no
+    bucket qualifies: the status then goes in a small all-reduce of its own.
+    """
+    def can_carry(members: list[int]) -> bool:
+        exact = _EXACT_COUNTS.get(dtypes[members[0]], 0) >= world_size
+        solo = len(members) == 1 and solo_bytes is not None and sizes[members[0]] >= solo_bytes
+        return exact and not solo
+
+    for k in reversed(range(len(plan))):
+        if can_carry(plan[k]):
+            if k == len(plan) - 1:
+                return plan, True
+            if sum(sizes[i] for i in plan[k]) <= max_delay_bytes:
+                return plan[:k] + plan[k + 1:] + [plan[k]], True
+            break
+    return plan, False
+
+
 @dataclass(eq=False)
 class Bucket:
     """One bucket's layout and this round's state (owned by the `Reducer`)."""
@@ -114,27 +152,32 @@ class Bucket:
     fut: torch.futures.Future | None = None  # a comm hook's result
     gradients: list[torch.Tensor] = field(default_factory=list)
 
+    @property
+    def solo(self) -> bool:
+        """One gradient reduced in place in its `.grad` (no copy), not through `flat`."""
+        return len(self.members) == 1 and self.tail is None
+
 
 def build_buckets(params: Sequence[torch.Tensor], plan: list[list[int]],
                   status_slots: int = 0) -> list[Bucket]:
     """Allocate the flat buffer of each bucket of `plan` and the per-parameter views into it.
 
-    The last bucket gets `status_slots` extra elements when it is coalesced and fp32/fp64 (small
-    integer counts stay exact in its sum): the reducer sends per-parameter "got no gradient"
-    flags in them, saving a collective at the end of every backward.
+    With `status_slots`, the last bucket gets that many extra elements (the plan's status
+    carrier, see `status_carrier_last`), and is coalesced even with one member: the reducer
+    sends per-parameter "got no gradient" flags in them, saving a collective per backward.
     """
     buckets = []
     for index, members in enumerate(plan):
         first = params[members[0]]
+        extra = status_slots if index == len(plan) - 1 else 0
+        coalesced = len(members) > 1 or extra > 0
         # Solo buckets reduce .grad in place; their flat buffer is only a fallback (for a
         # non-contiguous or stale gradient), allocated when first needed.
-        numel = sum(params[i].numel() for i in members) if len(members) > 1 else 0
-        extra = status_slots if (index == len(plan) - 1 and numel and status_slots
-                                 and first.dtype in (torch.float32, torch.float64)) else 0
+        numel = sum(params[i].numel() for i in members) if coalesced else 0
         flat = torch.empty(numel + extra, dtype=first.dtype, device=first.device)
         payload = flat[:numel]
         views, offset = [], 0
-        if len(members) > 1:
+        if coalesced:
             for i in members:
                 views.append(payload[offset:offset + params[i].numel()].view(params[i].shape))
                 offset += params[i].numel()
@@ -154,7 +197,7 @@ def stage(bucket: Bucket, slot: int, p: torch.Tensor, grad: torch.Tensor | None,
     `scale`: 1 / world_size when averaging here (None: a comm hook averages); `hot`: called
     from backward, the gradient still in cache; `as_view`: gradient_as_bucket_view.
     """
-    if len(bucket.members) == 1:
+    if bucket.solo:
         if (used and grad is not None and grad.layout == torch.strided
                 and grad.dtype == p.dtype and grad.is_contiguous()):
             buffer = grad.view(-1)  # reduce .grad itself: no copy in, no copy out
@@ -180,9 +223,11 @@ def stage(bucket: Bucket, slot: int, p: torch.Tensor, grad: torch.Tensor | None,
         if scale is not None:
             view.mul_(scale)
     elif scale is not None:
-        torch.mul(grad, scale, out=view)
+        # Detached: under backward(create_graph=True) the gradient requires grad, and an out=
+        # op refuses it; the collective is not differentiated anyway (torch copies too).
+        torch.mul(grad.detach(), scale, out=view)
     else:
-        view.copy_(grad)
+        view.copy_(grad.detach())
     if as_view and used and grad is not None:
         p.grad = view
     bucket.buffer, bucket.in_place, bucket.gradients = bucket.payload, False, bucket.views

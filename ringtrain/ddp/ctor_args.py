@@ -6,7 +6,8 @@ refused with an error that names it and says why. Nothing is silently ignored:
 
 - `process_group` / `device_mesh`: the group to average over (`process_group_from`).
 - `broadcast_buffers` (deprecated in torch 2.13) / `forward_sync_buffers`: whether buffers follow
-  rank 0 before each forward and at construction, with torch's FutureWarnings
+  rank 0 before each forward that follows a synced one and at construction, with torch's
+  FutureWarnings
   (`buffer_sync_flags`).
 - `bucket_cap_mb` / `bucket_cap_mb_list`: the bucket sizes (`bucket_caps`).
 - `check_reduction`, `batched_grad_copy`, `lazy_bucket_allocation`: no effect on the results;

@@ -1,9 +1,10 @@
 """`ringtrain.DistributedDataParallel`: torch's DDP, written in Python you can read.
 
 Drop-in for `torch.nn.parallel.DistributedDataParallel`: same constructor arguments and
-defaults, `.module`, `no_sync()`, `register_comm_hook(state, hook)` and a `state_dict()` with
-the `module.` prefix. Replicas start identical (checked, then broadcast from rank 0), buffers
-follow rank 0 before each forward, and gradients are averaged in buckets during backward
+defaults, `.module`, `no_sync()`, `join()` for uneven inputs (`join.py`),
+`register_comm_hook(state, hook)` and a `state_dict()` with the `module.` prefix. Replicas start
+identical (checked, then broadcast from rank 0), buffers follow rank 0 before each forward that
+follows a synced one, and gradients are averaged in buckets during backward
 (`ringtrain/ddp/reducer.py`). `ringtrain/ddp/naive.py` is the one-all-reduce-per-parameter version
 of the same idea.
 
@@ -40,9 +41,11 @@ from ringtrain.ddp.init_sync import (
     broadcast_coalesced,
     verify_same_parameters,
 )
+from ringtrain.ddp.join import JoinableDDP
 from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
 from ringtrain.ddp.lanes import existing_lanes
 from ringtrain.ddp.reducer import Reducer
+from ringtrain.ddp.static_graph import StaticGraphCheck, set_static_graph
 from ringtrain.ddp.torch_members import DDPTorchMembers
 from ringtrain.ddp.unused_params import UnusedParametersError
 from ringtrain.runtime import register_exit_grace
@@ -65,7 +68,8 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
+class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
+                              DDPTorchMembers):
     """Data parallelism: one replica per rank, gradients averaged across ranks during backward.
 
     Args:
@@ -91,7 +95,9 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
         gradient_as_bucket_view: `.grad` of bucketed parameters become views into the bucket
             buffers, saving the copy back and the memory of a second gradient copy.
         static_graph: the set of used parameters does not change between steps; unused
-            parameters are then handled as with find_unused_parameters=True.
+            parameters are then handled as with find_unused_parameters=True, and a synced
+            backward that uses other parameters than the first raises `StaticGraphError`
+            (a RuntimeError, with torch's message) on every rank (`static_graph.py`).
         delay_all_reduce_named_params / param_to_hook_all_reduce: (name, parameter) pairs
             averaged in one all-reduce when the second's gradient is computed (`delayed.py`).
         mixed_precision: torch's `_MixedPrecision` (param_dtype, reduce_dtype, buffer_dtype):
@@ -103,7 +109,8 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
         batched_grad_copy / lazy_bucket_allocation: torch's speed and memory options; no
             effect on results here (a warning says so when True).
         forward_sync_buffers: copy rank 0's buffers (BatchNorm statistics) to every rank before
-            each forward (construction always does). None means True.
+            each forward that follows a synced one (grad enabled, outside `no_sync`), as torch
+            does (construction always does). None means True.
         comm_lanes: (ringtrain only) how many groups over the same ranks carry the buckets
             side by side; default 3 on a gloo world group, else 1 (see `ringtrain/ddp/lanes.py`).
             Buckets a comm hook handles use the hook's own group.
@@ -117,11 +124,11 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
 
     .. warning::
         Like torch's DDP, whether a backward is synced is decided by the forward that built its
-        graph: run that forward inside `no_sync()` to skip the sync.
+        graph: run that forward inside `no_sync()` to skip the sync. It starts no watchdog in a
+        script that made the group itself: see docs/fault_tolerance.md for why and how.
 
     .. note::
-        Where it differs from torch's, on purpose: buffers are synced before *every* forward
-        (torch skips those after a no_sync/no_grad forward); a parameter without a gradient is
+        Where it differs from torch's, on purpose: a parameter without a gradient is
         reported in the backward that missed it, on every rank (torch reports it in the next
         iteration); a parameter accumulated only in a `no_sync` micro-step counts as used; on
         CPU, gradients of 1 MiB or more are reduced in place in `.grad` instead of being copied
@@ -159,6 +166,7 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
             raise TypeError(f"DistributedDataParallel got {module!r} ({type(module).__name__}), "
                             "not a torch.nn.Module: pass the model itself")
         super().__init__()
+        JoinableDDP.__init__(self)  # torch's Joinable: its join config, off outside a Join
         self.module = module
         self.process_group = ctor_args.process_group_from(process_group, device_mesh)
         if device_mesh is not None:
@@ -238,6 +246,8 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
             rebuild_buckets=self.static_graph or not self.find_unused_parameters,
         )
+        if self.static_graph:
+            self.reducer.static_graph = StaticGraphCheck(self.reducer.names, self.reducer.rank)
         self._comm_lane_count = len(lanes)
         self._delayed = None
         if self._delayed_names:
@@ -269,7 +279,7 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
         # DDP on the default group can be pickled. The reducer and hooks are rebuilt.
         ctor_args.check_default_group(self.process_group)
         state = dict(self.__dict__)
-        for name in ("process_group", "reducer", "_delayed"):
+        for name in ("process_group", "reducer", "_delayed", "_join_kept"):
             state.pop(name, None)
         return state
 
@@ -282,32 +292,34 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():  # as torch: once, before the forward's activations exist
+        # As in torch, the forward decides whether the backward of its graph syncs.
+        grad = torch.is_grad_enabled()
+        syncs = grad and self.require_backward_grad_sync
+        self._join_notify(syncs)  # under a Join context only (join.py), as _join_announce
+        if self._check_sync_bufs_pre_fwd():  # unless a buffer hook runs after (torch_members.py)
+            self._sync_buffers(self._buffer_source())
+        self._join_announce(grad, syncs)
+        if grad:  # as torch: once, before the forward's activations exist
             self.reducer._rebuild_buckets()
-        # Before the module runs, unless a buffer hook asks for after (torch_members.py).
-        if self._check_sync_bufs_pre_fwd():
-            self._sync_buffers()
         if self.device_ids:
             inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
         output = self._run_module(inputs, kwargs)
-        if self._check_sync_bufs_post_fwd():
-            self._sync_buffers()
-        # As in torch, the forward decides whether the backward of its graph syncs.
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.require_forward_param_sync = True
+        if self._check_sync_bufs_post_fwd():  # a POST_FORWARD buffer hook (torch_members.py)
+            self._sync_buffers(self._buffer_source())
+        self.require_forward_param_sync = syncs
+        if syncs:
             self.reducer.prepare_for_backward()
-        else:
-            self.require_forward_param_sync = False
         return output
 
     def will_sync_module_buffers(self) -> bool:
-        """Whether this forward syncs the buffers: before every forward, as torch documents it
-        (torch itself skips the forwards that follow a no_sync or no_grad forward; syncing them
-        too keeps BatchNorm statistics equal on all ranks through gradient accumulation, for one
-        small broadcast per micro-step)."""
-        return self.forward_sync_buffers and self.process_group.size() > 1
+        """Whether the next forward broadcasts the buffers: only after a synced forward, as in
+        torch (`require_forward_param_sync`), so a rank that evaluates alone under no_grad
+        issues no collective the others would have to match."""
+        return (self.require_forward_param_sync and self.forward_sync_buffers
+                and self.process_group.size() > 1
+                and bool(ignored.synced_buffers(self.module, self.parameters_to_ignore)))
 
-    def _sync_buffers(self) -> None:
+    def _sync_buffers(self, src: int = 0) -> None:
         # Re-read: a module may have reassigned one.
         buffers = ignored.synced_buffers(self.module, self.parameters_to_ignore)
         if not buffers:
@@ -318,7 +330,7 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
             if self.buffer_hook is not None:  # _register_buffer_comm_hook: the hook syncs them
                 self._run_buffer_hook()
             else:
-                broadcast_coalesced(buffers, 0, self.process_group)
+                broadcast_coalesced(buffers, src, self.process_group)
 
     def _run_module(self, inputs: tuple, kwargs: dict) -> Any:
         if self.mixed_precision is None:
@@ -378,3 +390,5 @@ class DistributedDataParallel(nn.Module, DDPFrameworkMembers, DDPTorchMembers):
     def train(self, mode: bool = True) -> DistributedDataParallel:
         super().train(mode)
         return self
+
+    _set_static_graph = set_static_graph  # torch's private method (frameworks call it)

@@ -16,6 +16,7 @@ reducer's `_mark_ready` and `_launch`. Tests: `.venv/bin/pytest -q tests/test_dd
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +26,17 @@ from torch import nn
 
 from ringtrain.ddp import buckets
 from ringtrain.ddp.buckets import Bucket, GradBucket, hook_result
+from ringtrain.ddp.static_graph import StaticGraphCheck
 from ringtrain.ddp.unused_params import StatusBuffer, check_unused, fill_status
 from ringtrain.torch_internals import current_autograd_node
 from ringtrain.trace import Tracer
+
+
+def _profiled(name: str, when: bool):
+    # torch's DDP records its unused-parameter search as "torch.distributed.ddp.reducer::
+    # search_unused_parameters"; profiler users (and torch's own tests) match the suffix. A few
+    # microseconds per backward, so only where torch has it (find_unused_parameters=True).
+    return torch.autograd.profiler.record_function(name) if when else contextlib.nullcontext()
 
 
 class Finalize:
@@ -41,6 +50,7 @@ class Finalize:
     rank: int
     world_size: int
     find_unused_parameters: bool
+    static_graph: StaticGraphCheck | None
     gradient_as_bucket_view: bool
     comm_hook: Callable[[Any, GradBucket], torch.futures.Future] | None
     expect_sync: bool
@@ -58,6 +68,7 @@ class Finalize:
     _defer: bool
     _deferred: bool
     staging_s: float
+    last_error: str | None
     _note_round: Callable[[list[int]], None]
     _note_local_use: Callable[[torch.Tensor], None]
     _wait_post_backward_futures: Callable[[], None]
@@ -86,6 +97,9 @@ class Finalize:
                 self._complete()
                 self._wait_post_backward_futures()  # torch_members.py: a buffer hook's
             self._note_round(self._unused)  # framework_members.py: can_set_static_graph
+        except Exception as e:
+            self.last_error = str(e)  # what torch's DDP logging reports as "error"
+            raise
         finally:
             self._reset()
 
@@ -137,9 +151,14 @@ class Finalize:
             mask_work.wait()
             status = mask
         self._note_local_use(status)  # torch_members.py: _get_local_used_map
-        buckets.write_back(self.buckets, self.params, check_unused(
-            status, self.rank, self.names, unused, raise_error=not self.find_unused_parameters),
-            as_view=self.gradient_as_bucket_view)
+        if self.static_graph is not None:  # raises on every rank alike (static_graph.py)
+            self.static_graph.check(status, unused)
+        with _profiled("ringtrain.ddp.reducer::search_unused_parameters",
+                       self.find_unused_parameters):
+            globally_unused = check_unused(status, self.rank, self.names, unused,
+                                           raise_error=not self.find_unused_parameters)
+        buckets.write_back(self.buckets, self.params, globally_unused,
+                           as_view=self.gradient_as_bucket_view)
 
     def _reset(self) -> None:
         # Keep this round's works (and so the tensors they hold) until the next synced forward:

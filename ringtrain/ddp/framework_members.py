@@ -62,6 +62,7 @@ class ReducerFrameworkMembers:
     _rebuild: Callable[[list[int]], None]
     num_buckets_reduced: int  # in this round so far (reset when a round begins)
     comm_hook: Callable | None
+    last_error: str | None  # the last error a synced round raised (finalize.py)
 
     def _init_framework_members(self) -> None:
         self.num_iterations = 0  # synced rounds begun (prepare_for_backward calls)
@@ -143,6 +144,7 @@ class DDPFrameworkMembers:
     find_unused_parameters: bool
     gradient_as_bucket_view: bool
     static_graph: bool
+    _uneven_input_join: bool
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's dictionary of DDP's configuration and state, for debugging and frameworks.
@@ -205,6 +207,10 @@ class DDPFrameworkMembers:
             ints["iteration"] = 0
         if self.find_unused_parameters and not self.static_graph and not reducer.graph_static:
             ints["can_set_static_graph"] = 0
+        if self._uneven_input_join:  # a Join was built with this DDP (join.py)
+            ints["join_uneven_inputs"] = 1
+        if reducer.last_error is not None:  # as torch's logger, once DDP raised
+            strs["error"], ints["has_error"] = reducer.last_error, 1
         return {**strs, **ints}
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:

@@ -2,8 +2,9 @@
 
 `verify_same_parameters` compares the parameters every rank wrapped (names, shapes, dtypes) and
 says where they differ; `broadcast_coalesced` then copies rank 0's values to every rank in a few
-large broadcasts (it also carries the buffers before each forward). Parameters and buffers the
-module asks DDP to ignore (`ignored.py`) take part in neither: they may differ between ranks.
+large broadcasts (it also carries the buffers before a forward, and the model when a `Join`
+ends). Parameters and buffers the module asks DDP to ignore (`ignored.py`) take part in neither:
+they may differ between ranks.
 
 Tests: `.venv/bin/pytest -q tests/test_ddp.py -k mismatch`.
 """

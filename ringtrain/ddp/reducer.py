@@ -33,10 +33,18 @@ from torch import nn
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp import buckets
-from ringtrain.ddp.buckets import Bucket, GradBucket, assign_buckets, build_buckets
+from ringtrain.ddp.buckets import (
+    Bucket,
+    GradBucket,
+    assign_buckets,
+    build_buckets,
+    status_carrier_last,
+)
 from ringtrain.ddp.finalize import Finalize
 from ringtrain.ddp.framework_members import ReducerFrameworkMembers
+from ringtrain.ddp.static_graph import StaticGraphCheck
 from ringtrain.ddp.torch_members import ReducerTorchMembers
+from ringtrain.ddp.uneven import UnevenInputs
 from ringtrain.ddp.unused_params import StatusBuffer, fill_status
 from ringtrain.torch_internals import (
     backward_tls_free,
@@ -61,7 +69,7 @@ def _finalize(reducer_ref: weakref.ref) -> None:
             reducer._finalize()
 
 
-class Reducer(Finalize, ReducerFrameworkMembers, ReducerTorchMembers):
+class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers, ReducerTorchMembers):
     """Averages the gradients of `params` over `process_group` during backward.
 
     Args:
@@ -111,6 +119,7 @@ class Reducer(Finalize, ReducerFrameworkMembers, ReducerTorchMembers):
         self.comm_hook: Callable[[Any, GradBucket], torch.futures.Future] | None = None
         self.comm_hook_state: Any = None
         self.expect_sync = False  # set by a forward that wants this backward synced
+        self.static_graph: StaticGraphCheck | None = None  # set by DDP(static_graph=True)
 
         self._plan_args = dict(bucket_cap_bytes=bucket_cap_bytes,
                                first_bucket_bytes=first_bucket_bytes, solo_bytes=solo_bytes,
@@ -135,6 +144,7 @@ class Reducer(Finalize, ReducerFrameworkMembers, ReducerTorchMembers):
         self._deferred = False  # a deferred backward ended: its buckets wait for flush()
         self.staging_s = 0.0  # time the last deferred backward spent in this reducer's hooks
         self.num_buckets_reduced = 0  # in the last synced backward (torch's logging counter)
+        self.last_error: str | None = None  # the last error a synced round raised
         me = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i))
@@ -146,12 +156,16 @@ class Reducer(Finalize, ReducerFrameworkMembers, ReducerTorchMembers):
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
         plan = assign_buckets(sizes, keys, order=order, **self._plan_args)
+        plan, carried = status_carrier_last(plan, sizes, [p.dtype for p in self.params],
+                                            world_size=self.world_size,
+                                            solo_bytes=self._plan_args["solo_bytes"])
         if order is not None and plan == [b.members for b in self.buckets]:
             return
         # Status slots: per parameter "got no gradient here", then per rank "had such params".
         self.buckets = build_buckets(
             self.params, plan,
-            status_slots=len(self.params) + self.world_size if self.world_size > 1 else 0)
+            status_slots=len(self.params) + self.world_size
+            if self.world_size > 1 and carried else 0)
 
         self._bucket_of = [0] * len(self.params)
         self._slot_of = [0] * len(self.params)
@@ -216,7 +230,8 @@ class Reducer(Finalize, ReducerFrameworkMembers, ReducerTorchMembers):
         # The default path averages: coalesced gradients are scaled as they are copied into the
         # bucket (one pass, as torch does), in-place ones after the sum. A comm hook owns the
         # averaging (torch's hooks divide by the group size themselves).
-        return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self.world_size
+        # Under Join(divide_by_initial_world_size=False), over the ranks still training.
+        return None if self.comm_hook is not None or self.world_size == 1 else 1.0 / self._divisor()
 
     def _launch(self, bucket: Bucket) -> None:
         if self.skip_all_reduce_unused_params and set(bucket.members) <= set(self._unused):
@@ -267,6 +282,12 @@ class Reducer(Finalize, ReducerFrameworkMembers, ReducerTorchMembers):
             self._reset()
         self._rebuild_buckets()  # once, after the first synced backward
         self._count_round()  # framework_members.py: _get_ddp_logging_data's figures
+        if self.static_graph is not None:
+            try:
+                self.static_graph.before_round()  # raises once after a changed graph, as torch
+            except RuntimeError as e:
+                self.last_error = str(e)
+                raise
         self.expect_sync = True
 
     def remove_hooks(self) -> None:

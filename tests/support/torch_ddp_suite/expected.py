@@ -16,9 +16,6 @@ EXPECTED_FAILURES: dict[str, str] = {
         fields="timing statistics, which need timestamps at the start of forward, at the first "
         "bucket's launch, at the last gradient and at the end of backward; the rebuilt buckets' "
         "details; `gloo_num_threads`"),
-    "test_static_graph_api_cpu":
-        "`_set_static_graph()`: torch's private pre-1.11 switch; `static_graph=True` is the "
-        "public one",
 }
 
 NOT_RUN: dict[str, str] = {
