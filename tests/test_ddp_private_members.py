@@ -177,7 +177,25 @@ def _param_mapping(rank, cls):
             out[case] = "accepted"
         except ValueError as e:
             out[case] = str(e).split(":")[0].split(".")[0]
+        logged = ddp._get_ddp_logging_data()  # torch logs the error it raised (_log_and_throw)
+        out[f"{case} logged"] = (logged.get("has_error"), logged.get("error", ""))
     return out
+
+
+# --- errors raised after construction, in _get_ddp_logging_data() ----------------------------
+
+def _errors_logged(rank, cls):
+    ddp = cls(nn.Linear(4, 4))
+    before = ddp._get_ddp_logging_data()
+    try:
+        ddp.register_comm_hook({}, {})  # torch's test_ddp_python_error_logged
+        raised = None
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        raised = type(e).__name__
+    after = ddp._get_ddp_logging_data()
+    return {"before": (before.get("has_error"), before.get("error")), "raised": raised,
+            "after": (after.get("has_error"), after.get("error", "")),
+            "iteration": after.get("iteration")}
 
 
 # --- _set_ddp_sink_clone ----------------------------------------------------------------------
@@ -225,7 +243,7 @@ def _rebuilt(rank, cls):
 
 
 CASES = {"used_maps": _used_maps, "buffer_hooks": _buffer_hooks, "param_mapping": _param_mapping,
-         "sink_clone": _sink_clone, "rebuilt": _rebuilt}
+         "sink_clone": _sink_clone, "rebuilt": _rebuilt, "errors_logged": _errors_logged}
 
 
 def _every_case(rank, world_size):
@@ -251,7 +269,7 @@ def _both(ranks, case):
         mine, torchs = result[case, "ringtrain"], result[case, "torch"]
         assert not isinstance(torchs, str), torchs
         assert not isinstance(mine, str), mine
-        yield rank, mine, torchs
+        yield rank, dict(mine), dict(torchs)  # copies: a test may take keys out
 
 
 def _equal(a, b) -> bool:
@@ -304,12 +322,27 @@ def test_a_non_callable_buffer_hook_raises_torchs_assertion_error_and_a_type_err
 
 def test_param_to_name_mapping_and_its_errors_as_torch(ranks):
     for _, mine, torchs in _both(ranks, "param_mapping"):
+        said = "<class 'ValueError'>: Param with name frozen.weight found in module parameters"
+        for result in (mine, torchs):
+            assert result.pop("extra logged")[0] == 1
+            has_error, error = result.pop("missing logged")
+            assert has_error == 1 and error.startswith(said), error
         assert mine == torchs
         assert mine["mapping"] == {0: ".scale", 1: "lin.weight", 2: "lin.bias",
                                    3: "frozen.weight"}
         assert (mine["extra"], mine["missing"]) == ("Expected param to name mapping to cover all "
                                                     "parameters, but got conflicting lengths",
                                                     "Param with name frozen")
+
+
+def test_an_error_raised_after_construction_is_in_the_logging_data_as_torchs(ranks):
+    for _, mine, torchs in _both(ranks, "errors_logged"):
+        # torch's message ends there; ringtrain's goes on with the fix.
+        said = "<class 'TypeError'>: Communication hook must be callable."
+        assert (mine["after"][0], torchs["after"][0]) == (1, 1)
+        assert mine["after"][1].startswith(said) and torchs["after"][1].startswith(said)
+        del mine["after"], torchs["after"]
+        assert mine == torchs  # no error before, TypeError raised, iteration 0
 
 
 def test_outputs_are_never_cloned_and_can_be_edited_in_place(ranks):

@@ -374,16 +374,17 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
                 hooks (`torch.distributed.algorithms.ddp_comm_hooks`) and
                 `ringtrain.ddp.comm_hooks` both work.
         """
-        check_hook(hook)
-        if self.reducer.comm_hook is not None:
-            raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once "
-                f"(as in torch): a comm hook ({getattr(self.reducer.comm_hook, '__name__', '?')})"
-                " is already registered (mixed_precision= registers mixed_precision_hook)"
-            )
-        if self.reducer._queued:
-            raise RuntimeError("register_comm_hook was called during backward; "
-                               "call it before training")
+        with self._errors_logged():  # as torch, _get_ddp_logging_data() reports them
+            check_hook(hook)
+            if self.reducer.comm_hook is not None:
+                raise RuntimeError(
+                    "register_comm_hook or register_builtin_comm_hook can only be called once (as "
+                    f"in torch): a comm hook ({getattr(self.reducer.comm_hook, '__name__', '?')})"
+                    " is already registered (mixed_precision= registers mixed_precision_hook)"
+                )
+            if self.reducer._queued:
+                raise RuntimeError("register_comm_hook was called during backward; "
+                                   "call it before training")
 
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
 

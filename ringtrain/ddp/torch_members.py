@@ -15,6 +15,10 @@ is here, with torch's meaning (torch/nn/parallel/distributed.py, reducer.cpp), a
                                                     reducer's order; whether each gets sparse
                                                     gradients: never, ringtrain refuses them)
     ddp._build_debug_param_to_name_mapping(params)  {index in that list: qualified name}
+    ddp._errors_logged()                            torch's `_log_and_throw`: an error DDP raises
+                                                    after construction (a bad comm hook, ...) is
+                                                    what `_get_ddp_logging_data()` reports as
+                                                    `error`, with `has_error`
     ddp._set_ddp_sink_clone(False)                  torch's `_DDPSink` clones the outputs of a
                                                     find_unused_parameters forward so that an
                                                     in-place edit of the loss works; ringtrain
@@ -35,8 +39,9 @@ Tests: `.venv/bin/pytest -q tests/test_ddp_private_members.py` (each against tor
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +156,16 @@ class DDPTorchMembers:
     buffer_hook: BufferCommHook | None = None
     _ddp_sink_clone = True  # torch's default; ringtrain never clones either way
 
+    @contextlib.contextmanager
+    def _errors_logged(self) -> Iterator[None]:
+        """An error raised inside becomes `_get_ddp_logging_data()`'s `error` (and `has_error`),
+        written as torch's `_log_and_throw` writes it: "<class 'TypeError'>: message"."""
+        try:
+            yield
+        except Exception as e:
+            self.reducer.last_error = f"{type(e)}: {e}"
+            raise
+
     # ---- buffers -----------------------------------------------------------------------------
 
     def _register_buffer_comm_hook(
@@ -225,6 +240,10 @@ class DDPTorchMembers:
         gives. Names as torch writes them: `{module_name}.{param_name}` (so `.weight` for a
         parameter of the root module itself). A ValueError, as torch's, if the list and the
         module's trained parameters differ."""
+        with self._errors_logged():
+            return self._param_names(parameters)
+
+    def _param_names(self, parameters: Sequence[nn.Parameter]) -> dict[int, str]:
         index = {p: i for i, p in enumerate(parameters)}
         names: dict[int, str] = {}
         for module_name, module in self.module.named_modules():
