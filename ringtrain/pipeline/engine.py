@@ -1,16 +1,16 @@
-"""Run a pipeline schedule on one stage: micro-batches, dry run, forward/backward, p2p.
+"""Run a pipeline schedule on one rank: micro-batches, dry run, forward/backward, p2p.
 
 `PipelineStage` holds one rank's stage (or its `v` chunks, for interleaved schedules) and its
-neighbours' global ranks. `train_step(x, y,
-microbatches)` splits the batch, learns the boundary shapes by a dry run the first time it sees
-an input shape, validates the schedule (a deadlock is an error before anything is sent), then
-walks this stage's actions. A split backward (zero-bubble schedules) computes the input
-gradient first with `torch.autograd.grad(..., retain_graph=True)` and the weight gradients at
+neighbours' global ranks. `train_step(x, y, microbatches)` splits the batch, learns the
+boundary shapes by a dry run the first time it sees an input shape, validates the schedule (a
+deadlock is an error before anything is sent), then walks this rank's actions (`step.py` says
+what each one does). A split backward (zero-bubble schedules) computes the input gradient
+first with `torch.autograd.grad(..., retain_graph=True)` and the weight gradients at
 `BackwardWeight` with `torch.autograd.backward(..., inputs=params)`, as torch's pipelining
 `stage_backward_input` / `stage_backward_weight` do (ours re-walks the graph from the output
 in the weight pass instead of keeping the intermediate gradients: simpler, and more compute
-on deep stages). The loss (last stage) is scaled by 1/M, so the accumulated
-gradients equal those of the full batch's mean loss.
+on deep stages). The loss (last stage) is scaled by 1/M, so the accumulated gradients equal
+those of the full batch's mean loss.
 
     .venv/bin/pytest -q tests/test_pipeline.py
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,22 +28,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.pipeline import p2p
-from ringtrain.pipeline.memory import ActivationMeter
 from ringtrain.pipeline.schedule import (
     COMPUTE,
     Action,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
     RecvActivation,
-    RecvGrad,
     Schedule,
-    SendActivation,
-    SendGrad,
     build_schedule,
     validate,
 )
+from ringtrain.pipeline.step import Boundary, StepRun
 from ringtrain.torch_internals import BatchNorm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -79,45 +71,6 @@ def split_batch(t: torch.Tensor, microbatches: int, at_least: int = 1) -> list[t
             f"micro-batches; {choices}a batch size that is a multiple of {microbatches}"
         )
     return list(t.chunk(microbatches))
-
-
-@dataclass(frozen=True)
-class _Boundary:
-    """Shape and dtype of one micro-batch's input and output of this stage (from the dry run;
-    no output on the last stage)."""
-
-    in_shape: torch.Size
-    in_dtype: torch.dtype
-    out_shape: torch.Size | None
-    out_dtype: torch.dtype | None
-
-
-class _Receives:
-    """This stage's receives, each posted one turn ahead on its channel (activations from the
-    previous stage, gradients from the next), so that the transfer runs while this rank
-    computes. Waiting to post until the data is needed costs a scheduler round trip of gloo's
-    I/O threads each time, a few ms on a busy CPU. Posting in action-list order keeps the
-    channel's message order, which the validator checked."""
-
-    def __init__(self, actions: Sequence[Action], post: Callable[[Action], p2p.PendingRecv]):
-        self.post = post
-        self.queues: dict[type, deque[Action]] = {
-            kind: deque(a for a in actions if isinstance(a, kind))
-            for kind in (RecvActivation, RecvGrad)
-        }
-        self.posted: dict[Action, p2p.PendingRecv] = {}
-        for kind in self.queues:
-            self._post_next(kind)
-
-    def _post_next(self, kind: type) -> None:
-        if self.queues[kind]:
-            a = self.queues[kind].popleft()
-            self.posted[a] = self.post(a)
-
-    def take(self, a: Action) -> torch.Tensor:
-        tensor = self.posted.pop(a).wait()
-        self._post_next(type(a))
-        return tensor
 
 
 Hook = Callable[[], contextlib.AbstractContextManager]  # a DDP wrapper's no_sync
@@ -171,7 +124,7 @@ class PipelineStage:
             raise ValueError("the last stage needs loss_fn(output, target) -> mean loss")
         first_param = next(self.module.parameters(), None)
         self.device = first_param.device if first_param is not None else torch.device("cpu")
-        self._shapes: dict[tuple, list[_Boundary]] = {}  # batch shape/dtype -> per chunk
+        self._shapes: dict[tuple, list[Boundary]] = {}  # batch shape/dtype -> per chunk
         self._validated: set[tuple] = set()
         self._batchnorm = [n for n, m in self.module.named_modules()
                            if isinstance(m, BatchNorm)]
@@ -186,26 +139,26 @@ class PipelineStage:
     def next_rank(self) -> int:
         return self.pp_ranks[(self.pp_rank + 1) % self.pp]
 
-    def _virtual(self, chunk: int) -> tuple[bool, bool]:
+    def chunk_ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether `chunk` of this rank is the pipeline's first / last virtual stage."""
         k = chunk * self.pp + self.pp_rank
         return k == 0, k == self.pp * self.v - 1
 
     # -- dry run ----------------------------------------------------------------------------
-    def _dry_run(self, first_input: torch.Tensor) -> list[_Boundary]:
+    def _dry_run(self, first_input: torch.Tensor) -> list[Boundary]:
         """Learn each chunk's input shape/dtype and pass its output's on: one forward of one
         micro-batch per chunk in eval mode, without grad, with the RNG state restored, so the
         real step is unaffected (no dropout draws, no BatchNorm statistics). Chunks go in
         order, which is the pipeline's virtual-stage order on every rank: no cycle."""
         bounds = []
         for c, chunk in enumerate(self.chunks):
-            first, last = self._virtual(c)
+            first, last = self.chunk_ends(c)
             if first:
                 shape, dtype = first_input.shape, first_input.dtype
             else:
                 shape, dtype = p2p.recv_meta(self.prev_rank, self.pp_group, self.device)
             if last:
-                bounds.append(_Boundary(shape, dtype, None, None))
+                bounds.append(Boundary(shape, dtype, None, None))
                 continue
             inp = first_input if first else torch.zeros(shape, dtype=dtype, device=self.device)
             modes = [(m, m.training) for m in chunk.modules()]
@@ -230,7 +183,7 @@ class PipelineStage:
                     "activations that need gradients, so it must be floating point. Put the "
                     "layer that turns integer inputs into floats (the embedding) in the same stage")
             p2p.send_meta(out, self.next_rank, self.pp_group)
-            bounds.append(_Boundary(shape, dtype, out.shape, out.dtype))
+            bounds.append(Boundary(shape, dtype, out.shape, out.dtype))
         return bounds
 
     # -- one training step ------------------------------------------------------------------
@@ -256,7 +209,7 @@ class PipelineStage:
                 "their statistics differ from the unsplit model. Use LayerNorm/GroupNorm, or "
                 "fewer, larger micro-batches", stacklevel=3)
 
-    def _post_recv(self, a: Action, bounds: list[_Boundary]) -> p2p.PendingRecv:
+    def post_recv(self, a: Action, bounds: list[Boundary]) -> p2p.PendingRecv:
         bound = bounds[a.chunk]
         if isinstance(a, RecvActivation):
             return p2p.recv_activation(bound.in_shape, bound.in_dtype, self.device,
@@ -278,7 +231,7 @@ class PipelineStage:
         key = (tuple(x.shape), x.dtype)
         if key not in self._shapes:
             self._shapes[key] = self._dry_run(xs[0])
-        run = _Step(self, actions, xs, ys, self._shapes[key], microbatches)
+        run = StepRun(self, actions, xs, ys, self._shapes[key], microbatches)
         for a in actions:
             t0 = time.perf_counter()
             run.do(a)
@@ -307,7 +260,7 @@ class PipelineStage:
         stage, else None."""
         out = None
         for c, chunk in enumerate(self.chunks):
-            first, last = self._virtual(c)
+            first, last = self.chunk_ends(c)
             if first:
                 inp = x
             else:
@@ -331,90 +284,3 @@ def _per_chunk(hooks, v: int, name: str) -> list | None:
     if len(hooks) != v:
         raise ValueError(f"{name}: {len(hooks)} hooks for {v} chunks; pass one per chunk")
     return hooks
-
-
-class _Step:
-    """The state of one `train_step` on one rank: what each action reads and leaves behind,
-    keyed by (micro-batch, chunk)."""
-
-    def __init__(self, stage: PipelineStage, actions: list[Action], xs: list[torch.Tensor],
-                 ys: list[torch.Tensor], bounds: list[_Boundary], microbatches: int):
-        self.stage, self.xs, self.ys, self.bounds = stage, xs, ys, bounds
-        self.microbatches = microbatches
-        self.receives = _Receives(actions, lambda a: stage._post_recv(a, bounds))
-        self.meter = ActivationMeter(stage.module) if stage.measure_memory else None
-        # Each chunk's last weight-gradient pass: where data parallelism is armed.
-        self.arm: set[int] = set()
-        for c in range(stage.v):
-            weights = [i for i, a in enumerate(actions)
-                       if a.chunk == c and isinstance(a, (Backward, BackwardWeight))]
-            self.arm.add(weights[-1])
-        self.index = 0
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.grads: dict[tuple[int, int], torch.Tensor | None] = {}
-        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self.sends: list[p2p.PendingSend] = []
-        self.losses: list[torch.Tensor] = []
-
-    def do(self, a: Action) -> None:
-        st, key, c = self.stage, (a.mb, a.chunk), a.chunk
-        first, last = st._virtual(c)
-        if isinstance(a, (RecvActivation, RecvGrad)):
-            store = self.inputs if isinstance(a, RecvActivation) else self.grads
-            store[key] = self.receives.take(a)
-        elif isinstance(a, Forward):
-            self._forward(a, first, last)
-        elif isinstance(a, SendActivation):
-            self.sends.append(p2p.send_activation(self.outputs[key], st.next_rank, st.pp_group))
-        elif isinstance(a, (Backward, BackwardWeight)):
-            if self.index in self.arm and st.sync_next_backward:
-                st.sync_next_backward[c]()
-            out, grad = self.outputs.pop(key), self.grads.pop(key, None)
-            if isinstance(a, Backward):
-                torch.autograd.backward(out, grad)
-            else:
-                params = [p for p in st.chunks[c].parameters() if p.requires_grad]
-                torch.autograd.backward(out, grad, inputs=params)
-            if self.meter:
-                self.meter.release(key)
-        elif isinstance(a, BackwardInput):
-            # d loss / d input now (the previous stage waits on it); keep the graph for the
-            # weights. The first virtual stage's input needs no gradient: nothing to do.
-            if not first:
-                (self.input_grads[key],) = torch.autograd.grad(
-                    self.outputs[key], self.inputs[key], self.grads.get(key), retain_graph=True)
-        elif isinstance(a, SendGrad):
-            self._send_grad(a)
-        self.index += 1
-
-    def _forward(self, a: Forward, first: bool, last: bool) -> None:
-        st, key = self.stage, (a.mb, a.chunk)
-        inp = self.xs[a.mb] if first else self.inputs[key]
-        with (self.meter.saving(key) if self.meter else contextlib.nullcontext(),
-              st.no_sync[a.chunk]() if st.no_sync else contextlib.nullcontext()):
-            out = st.chunks[a.chunk](inp)
-            if last:
-                loss = st.loss_fn(out, self.ys[a.mb])
-                self.losses.append(loss.detach())
-                out = loss / self.microbatches  # equal micro-batches: mean of means = mean
-        if self.meter:
-            self.meter.add(key, out)
-        bound = self.bounds[a.chunk]
-        if not last and (out.shape, out.dtype) != (bound.out_shape, bound.out_dtype):
-            raise RuntimeError(
-                f"stage {st.pp_rank}: micro-batch {a.mb}'s output is {tuple(out.shape)} "
-                f"{out.dtype} but the dry run gave {tuple(bound.out_shape)} {bound.out_dtype}; "
-                "a stage's output shape must depend only on its input's shape")
-        self.outputs[key] = out
-
-    def _send_grad(self, a: SendGrad) -> None:
-        st, key = self.stage, (a.mb, a.chunk)
-        inp = self.inputs.pop(key)
-        grad = self.input_grads.pop(key, None)
-        grad = inp.grad if grad is None else grad
-        if grad is None:
-            raise RuntimeError(
-                f"stage {st.pp_rank} got no gradient for its input of micro-batch {a.mb}: "
-                "its output does not depend on its input differentiably (detach()?)")
-        self.sends.append(p2p.send_grad(grad, st.prev_rank, st.pp_group))

@@ -64,31 +64,30 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
-def _local_error(rank: int, step: int, a: Action, done: set[Action], first: bool,
+# What each action needs done earlier on its own rank, for the same micro-batch and chunk.
+_NEEDS: dict[type, tuple[type, ...]] = {
+    Forward: (RecvActivation,), SendActivation: (Forward,), RecvGrad: (SendActivation,),
+    Backward: (Forward, RecvGrad), BackwardInput: (Forward, RecvGrad),
+    BackwardWeight: (BackwardInput,), SendGrad: (Backward,), RecvActivation: ()}
+
+
+def _local_error(rank: int, step: int, a: Action, done: set[tuple[type, int, int]], first: bool,
                  last: bool) -> str | None:
     """Why rank `rank` may not run `a` given what it already did, if it may not. `first`/`last`:
-    `a`'s chunk is the first/last virtual stage of the pipeline."""
-    if a in done:
+    `a`'s chunk is the first/last virtual stage of the pipeline. `done` holds (type, mb, chunk)
+    (tuples hash in C; this runs for every action of every schedule the sweep test checks)."""
+    kind, mb, c = type(a), a.mb, a.chunk
+    if (kind, mb, c) in done:
         return f"stage {rank} runs {a} twice (step {step})"
-    if isinstance(a, (RecvActivation, SendGrad)) and first:
+    if (kind is RecvActivation or kind is SendGrad) and first:
         return f"stage {rank} has no previous stage for {a} (step {step})"
-    if isinstance(a, (SendActivation, RecvGrad)) and last:
+    if (kind is SendActivation or kind is RecvGrad) and last:
         return f"stage {rank} is the last stage and has no next stage for {a} (step {step})"
-    mb, c = a.mb, a.chunk
-    need: list[Action] = []
-    if isinstance(a, Forward) and not first:
-        need = [RecvActivation(mb, c)]
-    elif isinstance(a, SendActivation):
-        need = [Forward(mb, c)]
-    elif isinstance(a, RecvGrad):
-        need = [SendActivation(mb, c)]
-    elif isinstance(a, (Backward, BackwardInput)):
-        need = [Forward(mb, c)] + ([] if last else [RecvGrad(mb, c)])
-    elif isinstance(a, BackwardWeight):
-        need = [BackwardInput(mb, c)]
-    elif isinstance(a, SendGrad) and Backward(mb, c) not in done:
-        need = [BackwardInput(mb, c)]
-    missing = [n for n in need if n not in done]
+    need = _NEEDS[kind]
+    if kind is SendGrad and (Backward, mb, c) not in done:
+        need = (BackwardInput,)  # a split backward's first half sends the input gradient
+    missing = [n(mb, c) for n in need if (n, mb, c) not in done
+               and not (first and n is RecvActivation) and not (last and n is RecvGrad)]
     if missing:
         return f"stage {rank} runs {a} (step {step}) before {', '.join(map(str, missing))}"
     return None
@@ -119,64 +118,81 @@ def _check_counts(schedule: Sequence[Sequence[Action]], microbatches: int, v: in
                                     "other")
 
 
+def _compile(rank: int, actions: Sequence[Action], pp: int, v: int,
+             cost: Mapping[type, float]) -> list[tuple]:
+    """Check one rank's own order (what depends only on its list), then reduce each action to
+    what the cross-rank walk needs: ("c", seconds) | ("s", channel, message) | ("r", channel,
+    message). A channel is (kind, src rank, dst rank); a message (mb, chunk at the receiver)."""
+    last_virtual = pp * v - 1
+    done: set[tuple[type, int, int]] = set()
+    ops: list[tuple] = []
+    for step, a in enumerate(actions):
+        k = a.chunk * pp + rank  # virtual stage
+        error = _local_error(rank, step, a, done, k == 0, k == last_virtual)
+        if error:
+            raise ScheduleError(error)
+        done.add((type(a), a.mb, a.chunk))
+        if isinstance(a, COMPUTE):
+            ops.append(("c", cost[type(a)]))
+        elif isinstance(a, (SendActivation, SendGrad)):
+            act = isinstance(a, SendActivation)
+            dst = k + 1 if act else k - 1
+            ops.append(("s", ("act" if act else "grad", rank, dst % pp), (a.mb, dst // pp)))
+        else:
+            act = isinstance(a, RecvActivation)
+            src = (k - 1 if act else k + 1) % pp
+            ops.append(("r", ("act" if act else "grad", src, rank), (a.mb, a.chunk)))
+    return ops
+
+
 def _run(schedule: Sequence[Sequence[Action]], microbatches: int, v: int,
          cost: Mapping[type, float]) -> Timing:
     pp = len(schedule)
     if pp < 1:
         raise ScheduleError("the schedule has no stages")
     _check_counts(schedule, microbatches, v)
-    last_virtual = pp * v - 1
-    # (kind, src rank, dst rank) -> (mb, dst chunk, time posted) not yet received, in order
-    posted: dict[tuple[str, int, int], deque[tuple[int, int, float]]] = {}
+    ops = [_compile(s, actions, pp, v, cost) for s, actions in enumerate(schedule)]
+    # channel -> (message, time posted) not yet received, in posting order
+    posted: dict[tuple[str, int, int], deque[tuple[tuple[int, int], float]]] = {}
     pc, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
-    done: list[set[Action]] = [set() for _ in range(pp)]
-    while any(pc[s] < len(schedule[s]) for s in range(pp)):
+    while any(pc[s] < len(ops[s]) for s in range(pp)):
         progressed = False
         for s in range(pp):
-            actions = schedule[s]
-            while pc[s] < len(actions):
-                a = actions[pc[s]]
-                k = a.chunk * pp + s  # virtual stage
-                error = _local_error(s, pc[s], a, done[s], k == 0, k == last_virtual)
-                if error:
-                    raise ScheduleError(error)
-                if isinstance(a, (RecvActivation, RecvGrad)):
-                    act = isinstance(a, RecvActivation)
-                    peer = (k - 1) % pp if act else (k + 1) % pp
-                    queue = posted.get(("act" if act else "grad", peer, s))
+            mine, i, t = ops[s], pc[s], clock[s]
+            while i < len(mine):
+                op = mine[i]
+                if op[0] == "c":
+                    t += op[1]
+                    busy[s] += op[1]
+                elif op[0] == "s":
+                    posted.setdefault(op[1], deque()).append((op[2], t))
+                else:
+                    queue = posted.get(op[1])
                     if not queue:
                         break  # blocked: the sender has not posted it yet
-                    mb, chunk, t = queue[0]
-                    if (mb, chunk) != (a.mb, a.chunk):
-                        kind = "SendActivation" if act else "SendGrad"
+                    message, sent = queue[0]
+                    if message != op[2]:
+                        kind = "SendActivation" if op[1][0] == "act" else "SendGrad"
                         raise ScheduleError(
-                            f"message order mismatch: stage {s} expects {a} (step {pc[s]}) but "
-                            f"the next message from stage {peer} is {kind} for mb={mb}, chunk "
-                            f"{chunk}; sends and receives between two stages must list "
-                            "micro-batches in the same order")
+                            f"message order mismatch: stage {s} expects {schedule[s][i]} (step "
+                            f"{i}) but the next message from stage {op[1][1]} is {kind} for "
+                            f"mb={message[0]}, chunk {message[1]}; sends and receives between "
+                            "two stages must list micro-batches in the same order")
                     queue.popleft()
-                    clock[s] = max(clock[s], t)
-                elif isinstance(a, (SendActivation, SendGrad)):
-                    dst = k + 1 if isinstance(a, SendActivation) else k - 1
-                    kind = "act" if isinstance(a, SendActivation) else "grad"
-                    posted.setdefault((kind, s, dst % pp), deque()).append(
-                        (a.mb, dst // pp, clock[s]))
-                elif isinstance(a, COMPUTE):
-                    t = cost[type(a)]
-                    clock[s] += t
-                    busy[s] += t
-                done[s].add(a)
-                pc[s] += 1
+                    t = max(t, sent)
+                i += 1
+            if i != pc[s]:
                 progressed = True
+            pc[s], clock[s] = i, t
         if not progressed:
             stuck = [f"stage {s} waits at step {pc[s]} on {schedule[s][pc[s]]}"
-                     for s in range(pp) if pc[s] < len(schedule[s])]
+                     for s in range(pp) if pc[s] < len(ops[s])]
             raise ScheduleError("the schedule deadlocks: " + "; ".join(stuck))
     unreceived = {ch: q for ch, q in posted.items() if q}
     if unreceived:
         (kind, s, peer), q = next(iter(unreceived.items()))
         name = "SendActivation" if kind == "act" else "SendGrad"
-        raise ScheduleError(f"stage {s} sends {name}(mb={q[0][0]}) that stage {peer} never "
+        raise ScheduleError(f"stage {s} sends {name}(mb={q[0][0][0]}) that stage {peer} never "
                             "receives")
     return Timing(busy, clock)
 
