@@ -34,10 +34,10 @@ from ringtrain.pipeline.actions import (
 from ringtrain.pipeline.validate import Timing, peak_in_flight, simulate, validate
 
 __all__ = [
-    "COMPUTE", "SCHEDULES", "Action", "Backward", "BackwardInput", "BackwardWeight", "Forward",
-    "RecvActivation", "RecvGrad", "Schedule", "ScheduleError", "SendActivation", "SendGrad",
-    "Timing", "bubble_formula", "build_schedule", "gpipe", "interleaved", "one_f_one_b",
-    "peak_in_flight", "simulate", "validate", "zb_h1",
+    "BUBBLE_FORMULA_TEXT", "COMPUTE", "SCHEDULES", "Action", "Backward", "BackwardInput",
+    "BackwardWeight", "Forward", "RecvActivation", "RecvGrad", "Schedule", "ScheduleError",
+    "SendActivation", "SendGrad", "Timing", "bubble_formula", "build_schedule", "gpipe",
+    "interleaved", "one_f_one_b", "peak_in_flight", "simulate", "validate", "zb_h1",
 ]
 
 
@@ -204,3 +204,8 @@ def bubble_formula(name: str, pp: int, microbatches: int, virtual_stages: int = 
     p, m, v = pp, microbatches, virtual_stages
     scale = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb-h1": 3 * m}[name]
     return (p - 1) / (scale + p - 1)
+
+
+# `bubble_formula` in words, for explanations ("... = 5.9% of the step").
+BUBBLE_FORMULA_TEXT = {"gpipe": "(pp-1)/(M+pp-1)", "1f1b": "(pp-1)/(M+pp-1)",
+                       "interleaved": "(pp-1)/(v*M+pp-1)", "zb-h1": "(pp-1)/(3M+pp-1)"}
