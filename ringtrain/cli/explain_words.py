@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringtrain.pipeline.schedule import BUBBLE_FORMULA_TEXT
 from ringtrain.strategies import StrategyConfig
 from ringtrain.strategies.ddp import DDPFigures
 from ringtrain.strategies.figures import FP32_BYTES, Figures
@@ -154,7 +153,7 @@ def pipeline(f: RunFacts) -> Explanation:
                  f"micro-batches of {fig.microbatch_size} (--schedule {f.option('schedule')}): "
                  "the stages work at once on different micro-batches, except in the bubble at "
                  f"the start and the end of the step, "
-                 f"{BUBBLE_FORMULA_TEXT[f.option('schedule')]} = {fig.bubble:.1%} of it.")
+                 f"{fig.bubble_formula} = {fig.bubble:.1%} of it.")
     if dp > 1:
         roles.append(f"each stage's {dp} replicas average their gradients "
                      "(DistributedDataParallel on the stage's data-parallel group).")

@@ -11,9 +11,11 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from ringtrain.pipeline import p2p
 from ringtrain.pipeline.memory import ActivationMeter
@@ -29,8 +31,30 @@ from ringtrain.pipeline.schedule import (
     SendGrad,
 )
 
-if TYPE_CHECKING:
-    from ringtrain.pipeline.engine import PipelineStage
+
+class Stage(Protocol):
+    """What a step reads of its `engine.PipelineStage` (named here, not imported: the engine
+    imports this module)."""
+
+    pp_rank: int
+    v: int
+    chunks: list[nn.Module]
+    module: nn.Module
+    pp_group: dist.ProcessGroup | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    no_sync: list[Callable[[], contextlib.AbstractContextManager]] | None
+    sync_next_backward: list[Callable[[], None]] | None
+    measure_memory: bool
+
+    @property
+    def prev_rank(self) -> int: ...
+
+    @property
+    def next_rank(self) -> int: ...
+
+    def chunk_ends(self, chunk: int) -> tuple[bool, bool]: ...
+
+    def post_recv(self, a: Action, bounds: list[Boundary]) -> p2p.PendingRecv: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +100,7 @@ class StepRun:
     """The state of one `train_step` on one rank: what each action reads and leaves behind,
     keyed by (micro-batch, chunk)."""
 
-    def __init__(self, stage: PipelineStage, actions: list[Action], xs: list[torch.Tensor],
+    def __init__(self, stage: Stage, actions: list[Action], xs: list[torch.Tensor],
                  ys: list[torch.Tensor], bounds: list[Boundary], microbatches: int):
         self.stage, self.xs, self.ys, self.bounds = stage, xs, ys, bounds
         self.microbatches = microbatches

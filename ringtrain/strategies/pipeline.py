@@ -35,7 +35,7 @@ from ringtrain.config import MUST_MATCH, int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.pipeline.engine import PipelineStage, StepStats
 from ringtrain.pipeline.partition import partition, tied_parameters
-from ringtrain.pipeline.schedule import COMPUTE, SCHEDULES, bubble_formula
+from ringtrain.pipeline.schedule import BUBBLE_FORMULA_TEXT, COMPUTE, SCHEDULES, bubble_formula
 from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy, StrategyConfig
@@ -100,6 +100,7 @@ class PipelineFigures(Figures):
     microbatch_size: int  # samples
     stage_params: float  # parameters per stage, on average
     bubble: float  # the fraction of a step each stage idles, by the schedule's formula
+    bubble_formula: str  # that formula in words, e.g. "(pp-1)/(M+pp-1)"
     boundary_bytes: float  # activations across one stage boundary per step (gradients: as many)
     dp_sent_bytes: float  # a rank's share of the ring all-reduce among its stage's replicas
 
@@ -157,6 +158,7 @@ class PipelineConfig(StrategyConfig):
             pipelines=tuple(tuple(topology.pp_group_ranks(d)) for d in range(dp)), microbatches=m,
             microbatch_size=workload.step_batch // m, stage_params=stage,
             bubble=bubble_formula(self.schedule, pp, m, self.virtual_stages),
+            bubble_formula=BUBBLE_FORMULA_TEXT[self.schedule],
             boundary_bytes=boundary, dp_sent_bytes=dp_sent)
 
 
