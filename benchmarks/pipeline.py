@@ -1,13 +1,18 @@
-"""Pipeline bubble and activation memory: GPipe vs 1F1B, pp=2, M in {2, 4, 8}.
+"""Pipeline bubble and activation memory of each schedule on real compute, M in {2, 4, 8}.
 
-    .venv/bin/python benchmarks/pipeline.py            # ~3.5 min on 2 idle cores
+    .venv/bin/python benchmarks/pipeline.py            # GPipe vs 1F1B, pp=2: ~3.5 min
     .venv/bin/python benchmarks/pipeline.py --quick    # one launch, ~1 min
+    .venv/bin/python benchmarks/pipeline.py --schedules gpipe,1f1b,zb-h1,interleaved:2 \
+        --microbatches 4,8 --model gpt                  # every schedule on the GPT
+(`benchmarks/pipeline_sleep.py` measures the same with sleep-model stages, on a busy machine.)
 
-Two gloo ranks (one thread each) run a stack of wide Linear-ReLU layers split into 2 equal
-stages (wide and deep per stage, so that compute dwarfs the activation transfers: under 1F1B
-with 2 stages each transfer is on the critical path). Every micro-batch has the
-same size, so the work per step grows with M and GPipe's analysis applies:
-bubble = (p-1)/(M+p-1).
+Two gloo ranks (one thread each; `--pp` more) run a stack of wide Linear-ReLU layers (or, with
+`--model gpt`, our GPT) split into equal stages, pp x v of them for `interleaved:v` (wide and
+deep per stage, so that compute dwarfs the activation transfers: under 1F1B with 2 stages each
+transfer is on the critical path). Every micro-batch has the same size, so the work per step
+grows with M and GPipe's analysis applies: bubble = (p-1)/(M+p-1) for GPipe and 1F1B
+(`ringtrain.pipeline.schedule.bubble_formula` for the others; it assumes F = B = W, and a
+Linear's backward is two matmuls to its forward's one, so real stages come close).
 
 - Measured bubble: 1 - (sum over stages of forward+backward compute time) / (stages x wall
   time of the step), the step's wall time running from the first stage's start to the last
@@ -45,11 +50,13 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ringtrain.models import GPT, GPTConfig  # noqa: E402
+from ringtrain.models import loss_fn as gpt_loss  # noqa: E402
 from ringtrain.pipeline import PipelineStage, partition  # noqa: E402
+from ringtrain.pipeline.schedule import bubble_formula  # noqa: E402
 from ringtrain.pipeline.topology import Topology, create_process_groups  # noqa: E402
 from ringtrain.testing import run_workers  # noqa: E402
 
-PP = 2
 _MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20),
                "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}  # 32 MiB: glibc's largest on 64-bit
 
@@ -76,6 +83,11 @@ def _model(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*mods)
 
 
+def _gpt(width: int, layers: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=8, n_embd=width))
+
+
 def _bubble(
     engine: PipelineStage, x: torch.Tensor, y: torch.Tensor, m: int, group
 ) -> tuple[float, float]:
@@ -84,10 +96,10 @@ def _bubble(
     dist.barrier(group=group)
     stats = engine.train_step(x, y, m)
     mine = torch.tensor([stats.start, stats.end, stats.busy_s], dtype=torch.float64)
-    every = [torch.zeros_like(mine) for _ in range(PP)]
+    every = [torch.zeros_like(mine) for _ in range(engine.pp)]
     dist.all_gather(every, mine, group=group)
     wall = max(float(t[1]) for t in every) - min(float(t[0]) for t in every)
-    return 1.0 - sum(float(t[2]) for t in every) / (PP * wall), wall
+    return 1.0 - sum(float(t[2]) for t in every) / (engine.pp * wall), wall
 
 
 def _clean_median(samples: list[tuple[float, float]]) -> tuple[float, int]:
@@ -107,47 +119,63 @@ def _peak_bytes(
     engine.module.zero_grad(set_to_none=True)
     peak = engine.train_step(x, y, m).peak_activation_bytes
     engine.measure_memory = False
-    peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(PP)]
+    peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(engine.pp)]
     dist.all_gather(peaks, torch.tensor([peak]), group=group)
     return [int(p) for p in peaks]
 
 
+def _settings(text: str) -> list[tuple[str, int]]:
+    """'gpipe,interleaved:2' -> [('gpipe', 1), ('interleaved', 2)]."""
+    return [(part.split(":")[0], int(part.split(":")[1]) if ":" in part else 1)
+            for part in text.split(",")]
+
+
 def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
-    g = create_process_groups(Topology(world_size, pp=PP))
-    model = _model(cfg["width"], cfg["layers"])
-    stage = partition(model, PP)[g.pp_rank]  # equal stages: the Linears have the same size
-    runs = {}  # (schedule, M) -> (engine, x, y)
-    for m in cfg["microbatches"]:
-        gen = torch.Generator().manual_seed(m)
-        x = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
-        y = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
-        for name in ("gpipe", "1f1b"):
-            engine = PipelineStage(stage, pp_rank=g.pp_rank, pp=PP, pp_ranks=g.pp_ranks,
-                                   pp_group=g.pp_group, loss_fn=nn.functional.mse_loss,
+    pp = world_size
+    g = create_process_groups(Topology(world_size, pp=pp))
+    gpt = cfg["model"] == "gpt"
+    runs = {}  # (schedule, v, M) -> (engine, x, y)
+    for name, v in _settings(cfg["schedules"]):
+        model = _gpt(cfg["width"], cfg["layers"]) if gpt else _model(cfg["width"], cfg["layers"])
+        # equal stages: the Linears (the blocks) have the same size
+        stages = partition(model.to_sequential() if gpt else model, pp * v)
+        chunks = [stages[c * pp + g.pp_rank] for c in range(v)]
+        for m in cfg["microbatches"]:
+            gen = torch.Generator().manual_seed(m)
+            if gpt:
+                x = torch.randint(0, 256, (m * cfg["mb_size"], 64), generator=gen)
+                y = torch.randint(0, 256, (m * cfg["mb_size"], 64), generator=gen)
+            else:
+                x = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
+                y = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
+            engine = PipelineStage(chunks if v > 1 else chunks[0], pp_rank=g.pp_rank, pp=pp,
+                                   pp_ranks=g.pp_ranks, pp_group=g.pp_group,
+                                   loss_fn=gpt_loss if gpt else nn.functional.mse_loss,
                                    schedule=name)
-            runs[(name, m)] = (engine, x, y)
+            runs[(name, v, m)] = (engine, x, y)
     bubbles: dict[tuple, list[tuple[float, float]]] = {key: [] for key in runs}
     # Round-robin over every setting, step by step, so that a burst of load from other
     # processes hits all settings alike instead of skewing one.
     for rep in range(cfg["warmup"] + cfg["repeats"]):
         for key, (engine, x, y) in runs.items():
-            sample = _bubble(engine, x, y, key[1], g.pp_group)
+            sample = _bubble(engine, x, y, key[2], g.pp_group)
             if rep >= cfg["warmup"]:
                 bubbles[key].append(sample)
     rows = []
-    for (name, m), (engine, x, y) in runs.items():
+    for (name, v, m), (engine, x, y) in runs.items():
         peaks = _peak_bytes(engine, x, y, m, g.pp_group)
-        samples = bubbles[(name, m)]
+        samples = bubbles[(name, v, m)]
         bubble, clean = _clean_median(samples)
         rows.append({
-            "schedule": name, "microbatches": m, "bubble": bubble, "clean_steps": clean,
+            "schedule": name, "virtual_stages": v, "microbatches": m, "bubble": bubble,
+            "clean_steps": clean,
             "bubble_all_median": statistics.median(b for b, _ in samples),
             "step_ms": 1e3 * min(wall for _, wall in samples),
-            "bubble_theory": (PP - 1) / (m + PP - 1),
+            "bubble_theory": bubble_formula(name, pp, m, v),
             "peak_activation_bytes_per_stage": peaks,
             "peak_activation_bytes": max(peaks),
         })
-    return sorted(rows, key=lambda r: (r["schedule"] != "gpipe", r["microbatches"]))
+    return rows
 
 
 def _combine(launches: list[list[dict]]) -> list[dict]:
@@ -163,7 +191,12 @@ def _combine(launches: list[list[dict]]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=2048, help="Linear width")
+    parser.add_argument("--pp", type=int, default=2, help="ranks (processes), one stage each")
+    parser.add_argument("--schedules", default="gpipe,1f1b",
+                        help="comma-separated; interleaved:v for v chunks per rank")
+    parser.add_argument("--microbatches", default="2,4,8", help="comma-separated M values")
+    parser.add_argument("--model", choices=["linear", "gpt"], default="linear")
+    parser.add_argument("--width", type=int, default=2048, help="Linear width (GPT: n_embd)")
     parser.add_argument("--layers", type=int, default=8, help="Linear layers in all (split in 2)")
     parser.add_argument("--mb-size", type=int, default=256, help="samples per micro-batch")
     parser.add_argument("--launches", type=int, default=3,
@@ -175,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.launches, args.repeats = 1, 3
     cfg = {"width": args.width, "layers": args.layers, "mb_size": args.mb_size,
-           "repeats": args.repeats, "warmup": args.warmup, "microbatches": [2, 4, 8]}
+           "repeats": args.repeats, "warmup": args.warmup, "model": args.model,
+           "schedules": args.schedules,
+           "microbatches": [int(m) for m in args.microbatches.split(",")]}
     # glibc's malloc returns large freed blocks to the OS and maps them again on the next
     # allocation, with fresh page faults: milliseconds of jitter per step that change from step
     # to step and would show up as bubble. Keep freed memory instead; the workers inherit this
@@ -184,29 +219,31 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     # Each launch is a fresh pair of processes: on a shared VM one launch's two ranks can run a
     # few % apart in speed for its whole life (an unequal pipeline), so take the median of several.
-    launches = [run_workers(_worker, PP, args=(cfg,), timeout_s=900)[0]
+    launches = [run_workers(_worker, args.pp, args=(cfg,), timeout_s=900)[0]
                 for _ in range(args.launches)]
     rows = _combine(launches)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"pp={PP}, {args.layers} x Linear({args.width}) + ReLU, {args.mb_size} samples per "
+    model = (f"GPT n_layer={args.layers} n_embd={args.width}" if args.model == "gpt"
+             else f"{args.layers} x Linear({args.width}) + ReLU")
+    print(f"pp={args.pp}, {model}, {args.mb_size} samples per "
           f"micro-batch, 1 thread per rank; {args.launches} launches x {args.repeats} steps per "
           f"setting; load average {load:.2f} on {os.cpu_count()} cores")
-    print(f"{'schedule':>8} {'M':>3} {'bubble':>7} {'theory':>7} {'ratio':>6} {'per launch':>22} "
-          f"{'step ms':>8} {'peak activation bytes per stage':>32}")
+    print(f"{'schedule':>13} {'M':>3} {'bubble':>7} {'theory':>7} {'ratio':>6} "
+          f"{'per launch':>22} {'step ms':>8} {'peak activation bytes per stage':>32}")
     for r in rows:
         per_stage = " / ".join(f"{b / 2**20:.1f} MiB" for b in r["peak_activation_bytes_per_stage"])
         each = " ".join(f"{b:.3f}" for b in r["launch_bubbles"])
-        print(f"{r['schedule']:>8} {r['microbatches']:>3} {r['bubble']:>7.3f} "
+        label = r["schedule"] + (f":{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+        print(f"{label:>13} {r['microbatches']:>3} {r['bubble']:>7.3f} "
               f"{r['bubble_theory']:>7.3f} {r['bubble'] / r['bubble_theory']:>6.2f} {each:>22} "
               f"{r['step_ms']:>8.0f} {per_stage:>32}")
     print("bubble: median over launches of each launch's median over its undisturbed steps (wall "
           "time within 10% of its fastest); ratio: bubble / theory")
-    within = all(abs(r["bubble"] / r["bubble_theory"] - 1) <= 0.10
-                 for r in rows if r["microbatches"] >= 4)
-    peak = {r["schedule"]: r["peak_activation_bytes"] for r in rows if r["microbatches"] == 8}
-    print(f"M >= 4 within 10% of theory: {'yes' if within else 'NO'}; at M = 8 1F1B holds "
-          f"{peak['1f1b'] / 2**20:.1f} MiB vs GPipe {peak['gpipe'] / 2**20:.1f} MiB")
-    keys = ("schedule", "microbatches", "bubble", "bubble_theory", "peak_activation_bytes")
+    ratios = [r["bubble"] / r["bubble_theory"] for r in rows if r["microbatches"] >= 4]
+    within = "n/a" if not ratios else "yes" if all(abs(q - 1) <= 0.10 for q in ratios) else "NO"
+    print(f"M >= 4 within 10% of theory: {within}")
+    keys = ("schedule", "virtual_stages", "microbatches", "bubble", "bubble_theory", "step_ms",
+            "peak_activation_bytes")
     print(json.dumps({"results": [{k: r[k] for k in keys} for r in rows]}))
     return 0
 

@@ -59,34 +59,39 @@ def _grads_match(model: nn.Module, stage: nn.Module, ref: nn.Module, what: str) 
 
 
 def _check_gpt_engine(rank: int, world_size: int) -> dict:
-    """A GPT split over `world_size` stages: both schedules, M = pp and M = 4, equal to the
+    """A GPT split over `world_size` ranks: every schedule (interleaved with 2 chunks per rank),
+    M = pp and M = 4 (2 x pp for interleaved, which needs a multiple of pp), equal to the
     unsplit model's loss and gradients; forward_only equals its logits."""
     pp = world_size
     g = create_process_groups(Topology(world_size, pp=pp))
-    model = _gpt(n_layer=pp)
     x, y = _batch(12)
-    ref = copy.deepcopy(model)
-    ref_loss = loss_fn(ref(x), y)
-    ref_loss.backward()
-    stage = partition(model.to_sequential(), pp)[g.pp_rank]
     losses = {}
-    for schedule in ("gpipe", "1f1b"):
-        for m in (pp, 4):
-            stage.zero_grad(set_to_none=True)
-            engine = PipelineStage(stage, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks,
-                                   pp_group=g.pp_group, loss_fn=loss_fn, schedule=schedule)
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
+        model = _gpt(n_layer=pp * v)
+        ref = copy.deepcopy(model)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        stages = partition(model.to_sequential(), pp * v)
+        chunks = [stages[c * pp + g.pp_rank] for c in range(v)]
+        for m in ((pp, 2 * pp) if schedule == "interleaved" else (pp, 4)):
+            for chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
+            engine = PipelineStage(chunks if v > 1 else chunks[0], pp_rank=g.pp_rank, pp=pp,
+                                   pp_ranks=g.pp_ranks, pp_group=g.pp_group, loss_fn=loss_fn,
+                                   schedule=schedule)
             stats = engine.train_step(x, y, m)
-            _grads_match(model, stage, ref, f"{schedule} M={m}")
+            for c, chunk in enumerate(chunks):
+                _grads_match(model, chunk, ref, f"{schedule} M={m} chunk {c}")
             if engine.is_last:
                 assert stats.count == 12
                 torch.testing.assert_close(torch.tensor(stats.loss_sum / stats.count),
                                            ref_loss.detach(), **TOL)
                 losses[(schedule, m)] = stats.loss_sum / stats.count
-    logits = engine.forward_only(x)
-    if engine.is_last:
-        torch.testing.assert_close(logits, ref(x).detach(), **TOL)
-    else:
-        assert logits is None
+        logits = engine.forward_only(x)
+        if engine.is_last:
+            torch.testing.assert_close(logits, ref(x).detach(), **TOL, msg=schedule)
+        else:
+            assert logits is None
     return {"pp_rank": g.pp_rank, "losses": losses}
 
 
@@ -155,10 +160,12 @@ def _train_reference(model: nn.Module, batches, steps: int, lr: float, clip: flo
     return ref
 
 
-def _check_strategy(rank: int, world_size: int, pp: int, schedule: str, tie: bool) -> dict:
+def _check_strategy(rank: int, world_size: int, pp: int, schedule: str, tie: bool,
+                    virtual_stages: int = 1) -> dict:
     from ringtrain.strategies.pipeline import PipelineStrategy
 
-    strategy = PipelineStrategy(get_runtime(), pp=pp, schedule=schedule, microbatches=2)
+    strategy = PipelineStrategy(get_runtime(), pp=pp, schedule=schedule, microbatches=2,
+                                virtual_stages=virtual_stages)
     dp = world_size // pp
     assert strategy.data_world_size == dp and strategy.data_rank == rank // pp
     model = _gpt(n_layer=2, tie=tie)
@@ -191,9 +198,13 @@ def _check_strategy(rank: int, world_size: int, pp: int, schedule: str, tie: boo
 # -- one spawn per world size; each check's outcome per rank ----------------------------------
 CHECKS = {
     2: {"gpt_engine": (_check_gpt_engine, ()), "two_linear": (_check_two_linear, ()),
-        "strategy_tied": (_check_strategy, (2, "gpipe", True))},
+        "strategy_tied": (_check_strategy, (2, "gpipe", True)),
+        "strategy_tied_interleaved": (_check_strategy, (2, "interleaved", True, 2)),
+        "strategy_tied_zb": (_check_strategy, (2, "zb-h1", True))},
     3: {"gpt_engine": (_check_gpt_engine, ())},
-    4: {"strategy_dp2_pp2": (_check_strategy, (2, "1f1b", False))},
+    4: {"strategy_dp2_pp2": (_check_strategy, (2, "1f1b", False)),
+        "strategy_dp2_pp2_interleaved": (_check_strategy, (2, "interleaved", False, 2)),
+        "strategy_dp2_pp2_zb": (_check_strategy, (2, "zb-h1", False))},
 }
 
 
@@ -227,7 +238,9 @@ def _outcome(world_size: int, name: str) -> list:
 def test_gpt_pipeline_equals_unsplit_model_both_schedules(pp):
     results = _outcome(pp, "gpt_engine")
     assert [r["pp_rank"] for r in results] == list(range(pp))
-    assert set(results[-1]["losses"]) == {("gpipe", pp), ("gpipe", 4), ("1f1b", pp), ("1f1b", 4)}
+    assert set(results[-1]["losses"]) == {
+        ("gpipe", pp), ("gpipe", 4), ("1f1b", pp), ("1f1b", 4), ("zb-h1", pp), ("zb-h1", 4),
+        ("interleaved", pp), ("interleaved", 2 * pp)}
 
 
 def test_two_linear_split_over_two_ranks_and_deadlock_rejected():
@@ -239,8 +252,16 @@ def test_strategy_tied_embeddings_two_stages_equals_single_process():
     assert layouts[1] == {"world_size": 2, "pp": 2, "dp": 1, "pp_rank": 1}
 
 
-def test_strategy_dp2_x_pp2_equals_single_process():
-    layouts = _outcome(4, "strategy_dp2_pp2")
+def test_strategy_tied_embeddings_interleaved_and_zb_h1_equal_single_process():
+    layouts = _outcome(2, "strategy_tied_interleaved")
+    assert layouts[0] == {"world_size": 2, "pp": 2, "dp": 1, "pp_rank": 0, "virtual_stages": 2}
+    _outcome(2, "strategy_tied_zb")
+
+
+@pytest.mark.parametrize("name", ["strategy_dp2_pp2", "strategy_dp2_pp2_interleaved",
+                                  "strategy_dp2_pp2_zb"])
+def test_strategy_dp2_x_pp2_equals_single_process(name):
+    layouts = _outcome(4, name)
     assert [(lay["dp"], lay["pp_rank"]) for lay in layouts] == [(2, 0), (2, 1), (2, 0), (2, 1)]
 
 
@@ -254,8 +275,13 @@ def test_strategy_rejects_bad_options_before_any_collective():
         PipelineStrategy(rt, pp=2)
     with pytest.raises(ValueError, match="--microbatches 1 is fewer than --pp 2"):
         PipelineStrategy(rt, pp=2, microbatches=1)
-    with pytest.raises(ValueError, match="--schedule 'interleaved' is not known"):
-        PipelineStrategy(rt, pp=2, schedule="interleaved")
+    with pytest.raises(ValueError, match="--schedule 'zigzag' is not known"):
+        PipelineStrategy(rt, pp=2, schedule="zigzag")
+    with pytest.raises(ValueError, match="--virtual-stages 2 needs --schedule interleaved"):
+        PipelineStrategy(rt, pp=2, schedule="1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match=r"--microbatches 3 is not a multiple of --pp 2.*"
+                                         r"--microbatches in \[2, 4\]"):
+        PipelineStrategy(rt, pp=2, schedule="interleaved", microbatches=3, virtual_stages=2)
 
 
 # -- the main job ------------------------------------------------------------------------------

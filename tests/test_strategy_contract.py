@@ -41,7 +41,9 @@ MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=2, n_head=2, n_embd=16)  
 STEPS, EVERY, BATCH = 6, 2, 4
 # Variants beyond each strategy's defaults: (strategy, options, deterministic).
 VARIANTS = [("ps", {"mode": "async"}, False), ("ddp", {"grad_compress": "powersgd:2"}, True),
-            ("diloco", {"sync_every": 2, "outer_compress": "int8"}, True)]
+            ("diloco", {"sync_every": 2, "outer_compress": "int8"}, True),
+            ("pipeline", {"schedule": "interleaved", "virtual_stages": 2}, True),
+            ("pipeline", {"schedule": "zb-h1"}, True)]
 CASES = [(name, {}, True) for name in registered()] + VARIANTS
 # Through Trainer: every strategy, and the variants whose state differs (not int8's codec).
 TRAINER_CASES = [c for c in CASES if c[1].get("outer_compress") is None]

@@ -152,7 +152,8 @@ def pipeline(f: RunFacts) -> Explanation:
     roles.append(f"each step's {f.step_batch} samples flow through the stages as {m} "
                  f"micro-batches of {fig.microbatch_size} (--schedule {f.option('schedule')}): "
                  "the stages work at once on different micro-batches, except in the bubble at "
-                 f"the start and the end of the step, (pp-1)/(M+pp-1) = {fig.bubble:.1%} of it.")
+                 f"the start and the end of the step, "
+                 f"{fig.bubble_formula} = {fig.bubble:.1%} of it.")
     if dp > 1:
         roles.append(f"each stage's {dp} replicas average their gradients "
                      "(DistributedDataParallel on the stage's data-parallel group).")

@@ -1,9 +1,13 @@
 """Pipeline parallelism: split a model into stages, schedule micro-batches, run them over p2p.
 
     partition.py  which layers go to which stage (pure)
-    schedule.py   GPipe and 1F1B as lists of actions per stage, and their validator (pure)
+    actions.py    what a schedule is made of: Forward, Backward (or its two halves), send/recv
+    schedule.py   GPipe, 1F1B, interleaved 1F1B and ZB-H1 as lists of actions per rank (pure)
+    validate.py   runs a schedule on paper: deadlock, message order, timing (pure)
     p2p.py        send/recv of activations, gradients and shapes (torch.distributed)
-    engine.py     one stage running its actions
+    memory.py     activation bytes held per micro-batch (measurement)
+    step.py       what each action does in one training step (state keyed by micro-batch, chunk)
+    engine.py     one rank running its actions
 
 The trainer-facing strategy is `ringtrain.strategies.pipeline.PipelineStrategy`;
 `ringtrain.pipeline.topology` lays out dp x pp ranks and their process groups.
@@ -14,6 +18,8 @@ from ringtrain.pipeline.partition import TiedParameter, balanced_sizes, partitio
 from ringtrain.pipeline.schedule import (
     Action,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     RecvActivation,
     RecvGrad,
@@ -21,16 +27,21 @@ from ringtrain.pipeline.schedule import (
     ScheduleError,
     SendActivation,
     SendGrad,
+    Timing,
     build_schedule,
     gpipe,
+    interleaved,
     one_f_one_b,
     peak_in_flight,
+    simulate,
     validate,
+    zb_h1,
 )
 
 __all__ = [
-    "Action", "Backward", "Forward", "PipelineStage", "RecvActivation", "RecvGrad", "Schedule",
-    "ScheduleError", "SendActivation", "SendGrad", "StepStats", "TiedParameter", "balanced_sizes",
-    "build_schedule", "gpipe", "one_f_one_b", "partition", "peak_in_flight", "split_batch",
-    "tied_parameters", "validate",
+    "Action", "Backward", "BackwardInput", "BackwardWeight", "Forward", "PipelineStage",
+    "RecvActivation", "RecvGrad", "Schedule", "ScheduleError", "SendActivation", "SendGrad",
+    "StepStats", "TiedParameter", "Timing", "balanced_sizes", "build_schedule", "gpipe",
+    "interleaved", "one_f_one_b", "partition", "peak_in_flight", "simulate", "split_batch",
+    "tied_parameters", "validate", "zb_h1",
 ]

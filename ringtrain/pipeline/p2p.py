@@ -61,9 +61,15 @@ class PendingSend:
         self.work.wait()
 
 
-def _isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
+# Activations and gradients travel under different tags: between two ranks of an interleaved
+# pipeline both kinds flow the same way (pp=2: rank 0 sends chunk 0's activations and chunk 1's
+# gradients to rank 1), and each kind's order is fixed by a different phase of the schedule.
+ACTIVATION_TAG, GRAD_TAG = 0, 1
+
+
+def _isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, tag: int) -> PendingSend:
     buffer = tensor.detach().contiguous()
-    work = staging.isend(buffer, group, dst=dst)
+    work = staging.isend(buffer, group, dst=dst, tag=tag)
     return PendingSend(work, buffer)
 
 
@@ -82,29 +88,29 @@ class PendingRecv:
 
 
 def _irecv(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
-           group: dist.ProcessGroup, needs_grad: bool) -> PendingRecv:
+           group: dist.ProcessGroup, needs_grad: bool, tag: int) -> PendingRecv:
     buffer = torch.empty(shape, dtype=dtype, device=device)
-    work = staging.irecv(buffer, group, src=src)
+    work = staging.irecv(buffer, group, src=src, tag=tag)
     return PendingRecv(work, buffer, needs_grad)
 
 
 def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
     """Post a stage's output to the next stage (global rank `dst`); wait on the work later."""
-    return _isend(tensor, dst, group)
+    return _isend(tensor, dst, group, ACTIVATION_TAG)
 
 
 def recv_activation(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
                     group: dist.ProcessGroup) -> PendingRecv:
     """Post a receive for the previous stage's output; `wait()` gives a leaf that needs grad."""
-    return _irecv(shape, dtype, device, src, group, needs_grad=True)
+    return _irecv(shape, dtype, device, src, group, needs_grad=True, tag=ACTIVATION_TAG)
 
 
 def send_grad(grad: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
     """Post d(loss)/d(input) back to the previous stage (global rank `dst`)."""
-    return _isend(grad, dst, group)
+    return _isend(grad, dst, group, GRAD_TAG)
 
 
 def recv_grad(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
               group: dist.ProcessGroup) -> PendingRecv:
     """Post a receive for the next stage's d(loss)/d(our output); `wait()` gives it."""
-    return _irecv(shape, dtype, device, src, group, needs_grad=False)
+    return _irecv(shape, dtype, device, src, group, needs_grad=False, tag=GRAD_TAG)

@@ -1,12 +1,15 @@
-"""`--strategy pipeline`: pipeline parallelism (GPipe or 1F1B), times data parallelism.
+"""`--strategy pipeline`: pipeline parallelism (GPipe, 1F1B, interleaved, ZB-H1) x data parallelism.
 
-    ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 [--schedule 1f1b|gpipe] \
+    ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 [--schedule 1f1b|gpipe|zb-h1] \
 [--microbatches 4]
+    ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 --schedule interleaved \
+--virtual-stages 2  # each rank holds 2 non-adjacent chunks
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 4      # dp=2 x pp=2
 
 The world's ranks form `dp` pipelines of `pp` stages (`ringtrain.pipeline.topology`). Every rank
 gets the full, identically initialised model in `setup`, splits it the same way (the model's
-`to_sequential()`, or the model itself if it is an `nn.Sequential`) and keeps its own stage.
+`to_sequential()`, or the model itself if it is an `nn.Sequential`) into pp x v stages and keeps
+its own: stage pp_rank, or for an interleaved schedule the chunks pp_rank, pp_rank + pp, ...
 Every stage of one pipeline reads the same batch (`data_rank` is the dp coordinate); the
 trainer's gradient-accumulation micro-batches are concatenated into one step batch, which the
 pipeline cuts into `microbatches` equal micro-batches of its own. Each stage's gradients are
@@ -28,35 +31,51 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
-from ringtrain.config import int_at_least, option
+from ringtrain.config import MUST_MATCH, int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.pipeline.engine import PipelineStage, StepStats
 from ringtrain.pipeline.partition import partition, tied_parameters
-from ringtrain.pipeline.schedule import SCHEDULES, Backward, Forward
+from ringtrain.pipeline.schedule import BUBBLE_FORMULA_TEXT, COMPUTE, SCHEDULES, bubble_formula
 from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy, StrategyConfig
 from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
-from ringtrain.trace import COMM, COMPUTE, Tracer
+from ringtrain.trace import COMM, Tracer
+from ringtrain.trace import COMPUTE as COMPUTE_LANE
 from ringtrain.types import LossFn, OptimizerFn
 
 
-def _default_microbatches(batch: int, pp: int) -> int:
-    """The most micro-batches up to 4 x pp that divide `batch` evenly (at least pp)."""
+def _default_microbatches(batch: int, pp: int, schedule: str = "1f1b") -> int:
+    """The most micro-batches up to 4 x pp that divide `batch` evenly (at least pp); for an
+    interleaved schedule, a multiple of pp (it runs micro-batches in rounds of pp)."""
+    step = pp if schedule == "interleaved" else 1
     for m in range(4 * pp, pp - 1, -1):
-        if batch % m == 0:
+        if batch % m == 0 and m % step == 0:
             return m
     return 4 * pp  # nothing divides: let split_batch raise with the choices
+
+
+def _check_schedule(schedule: str, pp: int, virtual_stages: int, microbatches: int | None) -> None:
+    """The schedule's own checks (its builder's), as a ConfigError before any rank starts."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
+                          f"{sorted(SCHEDULES)}")
+    try:
+        SCHEDULES[schedule](0, pp, microbatches or 4 * pp, virtual_stages)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("microbatches=", "--microbatches ")
+                          .replace("virtual_stages=", "--virtual-stages ")
+                          .replace("pp=", "--pp ")) from None
 
 
 def _trace_timeline(tracer: Tracer, stats: StepStats) -> None:
     """The engine's timeline of this step as spans: forward and backward on the compute lane,
     each send (its posting) and receive (its wait) on the comm lane, then the wait for the sends."""
     for a, t0, t1 in stats.timeline:
-        lane = COMPUTE if isinstance(a, (Forward, Backward)) else COMM
+        lane = COMPUTE_LANE if isinstance(a, COMPUTE) else COMM
         words = re.sub(r"(?<!^)([A-Z])", r" \1", type(a).__name__).lower()  # "recv activation"
-        tracer.add(f"{words} {a.mb}", lane, round(t0 * 1e9), round(t1 * 1e9),
-                   {"micro_batch": a.mb})
+        tracer.add(f"{words} {a.mb}" + (f" chunk {a.chunk}" if a.chunk else ""), lane,
+                   round(t0 * 1e9), round(t1 * 1e9), {"micro_batch": a.mb, "chunk": a.chunk})
     if stats.timeline:
         tracer.add("wait for sends", COMM, round(stats.timeline[-1][2] * 1e9),
                    round(stats.end * 1e9))
@@ -80,7 +99,8 @@ class PipelineFigures(Figures):
     microbatches: int
     microbatch_size: int  # samples
     stage_params: float  # parameters per stage, on average
-    bubble: float  # (pp-1)/(M+pp-1): the fraction of a step each stage idles (GPipe and 1F1B)
+    bubble: float  # the fraction of a step each stage idles, by the schedule's formula
+    bubble_formula: str  # that formula in words, e.g. "(pp-1)/(M+pp-1)"
     boundary_bytes: float  # activations across one stage boundary per step (gradients: as many)
     dp_sent_bytes: float  # a rank's share of the ring all-reduce among its stage's replicas
 
@@ -94,6 +114,9 @@ class PipelineConfig(StrategyConfig):
     microbatches: int | None = option(None, "pipeline micro-batches per batch",
                                       type=int_at_least(1),
                                       shown="the most up to 4 x pp that divide the batch")
+    virtual_stages: int = option(1, "model chunks per rank (--schedule interleaved): the model "
+                                 "is split into pp x v stages, rank r holds r, r+pp, ...",
+                                 type=int_at_least(1), resume=MUST_MATCH)
 
     def plan(self, world_size: int, step_batch: int) -> int:
         pp = self.pp
@@ -108,18 +131,21 @@ class PipelineConfig(StrategyConfig):
             raise ConfigError(f"--microbatches {m} must be at least --pp {pp} and divide the "
                               f"{step_batch} samples of a step (--batch-size x --grad-accum); "
                               f"use {fix}")
+        _check_schedule(self.schedule, pp, self.virtual_stages,
+                        self.microbatches_for(step_batch))
         return dp
 
     def microbatches_for(self, step_batch: int) -> int:
         """Micro-batches of a step of `step_batch` samples: as set, else the default."""
-        return self.microbatches or _default_microbatches(step_batch, self.pp)
+        return self.microbatches or _default_microbatches(step_batch, self.pp, self.schedule)
 
     def figures(self, workload: Workload) -> PipelineFigures:
         """Per stage and step: the activations of the step's samples forward across each
         boundary and their gradients backward (fp32), and the ring all-reduce of the stage's
         gradients among its dp replicas. `sent_bytes` is the busiest stage's: a middle one sends
         both ways, an end stage one way.
-        The bubble is GPipe's, which 1F1B keeps (Narayanan et al. 2021)."""
+        The bubble is the schedule's formula (`bubble_formula`: GPipe's for 1F1B, Narayanan et
+        al. 2021; smaller for interleaved and ZB-H1)."""
         pp, dp = self.pp, self.plan(workload.world_size, workload.step_batch)
         topology = Topology(workload.world_size, pp)
         m = self.microbatches_for(workload.step_batch)
@@ -131,7 +157,9 @@ class PipelineConfig(StrategyConfig):
             sent_bytes=min(2, pp - 1) * boundary + dp_sent, pp=pp, dp=dp,
             pipelines=tuple(tuple(topology.pp_group_ranks(d)) for d in range(dp)), microbatches=m,
             microbatch_size=workload.step_batch // m, stage_params=stage,
-            bubble=(pp - 1) / (m + pp - 1), boundary_bytes=boundary, dp_sent_bytes=dp_sent)
+            bubble=bubble_formula(self.schedule, pp, m, self.virtual_stages),
+            bubble_formula=BUBBLE_FORMULA_TEXT[self.schedule],
+            boundary_bytes=boundary, dp_sent_bytes=dp_sent)
 
 
 class PipelineStrategy(Strategy):
@@ -140,17 +168,22 @@ class PipelineStrategy(Strategy):
     Args:
         runtime: the started process group (`ringtrain.init_distributed()`).
         pp: stages per pipeline; must divide the world size.
-        schedule: '1f1b' (default; at most pp micro-batches in flight) or 'gpipe'.
+        schedule: '1f1b' (default; at most pp micro-batches in flight), 'gpipe', 'zb-h1'
+            (1F1B's memory, a third of its bubble) or 'interleaved' (with virtual_stages).
         microbatches: micro-batches per step (>= pp, dividing the step batch); default: the
             most up to 4 x pp that divide the batch.
-        split: layers per stage (e.g. [3, 2]); default: balanced by parameter count.
+        split: layers per stage (e.g. [3, 2]; pp x virtual_stages of them); default: balanced
+            by parameter count.
+        virtual_stages: model chunks per rank, for `schedule='interleaved'`: the bubble shrinks
+            to (pp-1)/(v*m) of the compute, for more p2p messages and warm-up activations.
     """
 
     name = "pipeline"
     Config = PipelineConfig
 
     def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
-                 microbatches: int | None = None, split: Sequence[int] | None = None):
+                 microbatches: int | None = None, split: Sequence[int] | None = None,
+                 virtual_stages: int = 1):
         if schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
                               f"{sorted(SCHEDULES)}")
@@ -159,7 +192,8 @@ class PipelineStrategy(Strategy):
                 f"--microbatches {microbatches} is fewer than --pp {pp} stages: some stages would "
                 f"never overlap. Use --microbatches {pp} or more (e.g. {4 * pp})"
             )
-        self.runtime = runtime
+        _check_schedule(schedule, pp, virtual_stages, microbatches)
+        self.runtime, self.virtual_stages = runtime, virtual_stages
         try:
             self.topology = Topology(runtime.world_size, pp)
         except ValueError as e:  # pp does not divide the world: the same on every rank
@@ -178,40 +212,49 @@ class PipelineStrategy(Strategy):
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
-        g, pp = self.groups, self.topology.pp
-        stages = partition(_as_sequential(model), pp, self.split)
-        self._map_names(model, stages)
-        stage = stages[g.pp_rank].to(self.runtime.device)
+        g, pp, v = self.groups, self.topology.pp, self.virtual_stages
+        stages = partition(_as_sequential(model), pp * v, self.split)
+        # Virtual stage k lives on rank k % pp as its chunk k // pp.
+        chunks = [stages[c * pp + g.pp_rank].to(self.runtime.device) for c in range(v)]
+        stage = chunks[0] if v == 1 else nn.ModuleList(chunks)
         self.stage = stage
+        self._map_names(model, stages)
 
         # Tied weights: one group per (tie, pipeline), created by every rank in the same order.
         self._ties: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
         # tied copies whose norm another stage counts
         self._norm_counted_elsewhere: set[int] = set()
-        local = dict(stage.named_parameters())
+        # A tie between two chunks of one rank is one parameter object there: autograd sums it.
+        local = {id(p): p for p in stage.parameters()}
         for tie in tied_parameters(stages):
+            ranks = sorted({k % pp for k in tie.stages})
+            if len(ranks) < 2:
+                continue
             for d in range(self.topology.dp):
-                group = dist.new_group([self.topology.rank_of(d, s) for s in tie.stages])
-                if d == g.dp_rank and g.pp_rank in tie.stages:
-                    name = dict(tie.holders)[g.pp_rank]
-                    self._ties.append((local[name], group))
-                    if g.pp_rank != tie.stages[0]:
-                        self._norm_counted_elsewhere.add(id(local[name]))
+                group = dist.new_group([self.topology.rank_of(d, r) for r in ranks])
+                if d == g.dp_rank and g.pp_rank in ranks:
+                    k = next(k for k in tie.stages if k % pp == g.pp_rank)
+                    param = dict(stages[k].named_parameters())[dict(tie.holders)[k]]
+                    self._ties.append((local[id(param)], group))
+                    if g.pp_rank != ranks[0]:
+                        self._norm_counted_elsewhere.add(id(param))
 
-        self.ddp = None
+        self.ddp: list[nn.Module] | None = None
         if self.topology.dp > 1:
             from ringtrain.ddp.distributed import DistributedDataParallel
 
-            # No buffer broadcast in forward: buffers start equal (construction syncs them),
-            # and a broadcast per micro-batch forward would add a collective to every step.
-            self.ddp = DistributedDataParallel(stage, process_group=g.dp_group,
-                                               forward_sync_buffers=False, tracer=self.tracer)
+            # One DDP per chunk, each armed before its chunk's last backward (the engine's
+            # job). No buffer broadcast in forward: buffers start equal (construction syncs
+            # them), and a broadcast per micro-batch forward would add a collective to every step.
+            self.ddp = [DistributedDataParallel(chunk, process_group=g.dp_group,
+                                                forward_sync_buffers=False, tracer=self.tracer)
+                        for chunk in chunks]
         self.optimizer = optimizer_fn(stage.parameters())
         self.engine = PipelineStage(
-            self.ddp or stage, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks, pp_group=g.pp_group,
-            loss_fn=loss_fn, schedule=self.schedule,
-            no_sync=self.ddp.no_sync if self.ddp is not None else None,
-            sync_next_backward=(self.ddp.reducer.prepare_for_backward if self.ddp is not None
+            self.ddp or chunks, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks,
+            pp_group=g.pp_group, loss_fn=loss_fn, schedule=self.schedule,
+            no_sync=[d.no_sync for d in self.ddp] if self.ddp else None,
+            sync_next_backward=([d.reducer.prepare_for_backward for d in self.ddp] if self.ddp
                                 else None),
         )
 
@@ -223,14 +266,12 @@ class PipelineStrategy(Strategy):
         for name, t in full.items():
             names.setdefault(id(t), []).append(name)
         self._key_order = list(full)
-        covered: set[str] = set()
-        self._local_names: dict[str, str] = {}  # model name -> this stage's state_dict key
-        for s, stage in enumerate(stages):
-            for key, t in stage.state_dict(keep_vars=True).items():
-                for name in names.get(id(t), []):
-                    covered.add(name)
-                    if s == self.groups.pp_rank:
-                        self._local_names[name] = key
+        covered = {name for stage in stages for t in stage.state_dict(keep_vars=True).values()
+                   for name in names.get(id(t), [])}
+        self._local_names: dict[str, str] = {}  # model name -> this rank's state_dict key
+        for key, t in self.stage.state_dict(keep_vars=True).items():
+            for name in names.get(id(t), []):
+                self._local_names.setdefault(name, key)
         missing = [n for n in self._key_order if n not in covered]
         if missing:
             raise ValueError(
@@ -245,7 +286,8 @@ class PipelineStrategy(Strategy):
         device = self.runtime.device
         x = torch.cat([mb[0] for mb in micro_batches]).to(device)
         y = torch.cat([mb[1] for mb in micro_batches]).to(device)
-        m = self.microbatches or _default_microbatches(x.shape[0], self.topology.pp)
+        m = self.microbatches or _default_microbatches(x.shape[0], self.topology.pp,
+                                                         self.schedule)
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.engine.train_step(x, y, m)
         if self.tracer.active:
@@ -313,7 +355,8 @@ class PipelineStrategy(Strategy):
 
     def _layout(self) -> dict[str, int]:
         return {"world_size": self.topology.world_size, "pp": self.topology.pp,
-                "dp": self.topology.dp, "pp_rank": self.groups.pp_rank}
+                "dp": self.topology.dp, "pp_rank": self.groups.pp_rank,
+                **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {})}
 
     def state_dict(self) -> dict[str, Any]:
         return {"layout": self._layout(), "stage": self.stage.state_dict(),
