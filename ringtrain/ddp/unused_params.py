@@ -7,7 +7,8 @@ backward still returns and the error is raised at the start of the next forward 
 enabled ("Expected to have finished reduction in the prior iteration ..."), on every rank, before
 any collective of that forward, so no rank is left waiting. It stays raised until the wrapper is
 replaced, as torch's does. The message carries torch's phrases and ringtrain's own: the names and
-indices of the parameters, the ranks that had them, and the fix.
+indices of the parameters, the ranks that had them, and the fix. That backward's gradients are
+averaged all the same (a missing one as zero, `Finalize._complete`), so the replicas stay equal.
 
 ringtrain's one addition (`StepGuard`): `optimizer.step()` on the parameters of a wrapper with
 such an error pending raises it too, before any parameter changes; torch's DDP lets that step
