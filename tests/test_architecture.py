@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "collectives": {"runtime"},  # RINGTRAIN_DEBUG=collectives: calls checked across ranks
     "replicas": {"collectives"},  # check_replicas: names the first tensor that differs
     "models": set(),
+    "formats": {"models"},  # transformers GPT-2 and torch DCP <-> the GPT's weights
     "data": {"runtime"},
     "agreement": {"runtime", "store_keys", "collectives"},
     "ddp": {"runtime", "staging", "torch_internals", "errors", "ranges", "trace", "collectives"},
@@ -42,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
                  "replicas", "config"},
     "testing": {"runtime", "launch"},  # run_workers; the tests' faults live in tests/support
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
-            "models", "trace", "config",
+            "models", "trace", "config", "formats",
             "zero"},  # `ringtrain sample`: a ZeRO snapshot's shards put together
     # the package's __init__: the public names, most loaded on first use (its _LAZY table)
     "ringtrain": {"runtime", "launch", "ddp", "data", "replicas", "training", "strategies", "zero"},

@@ -1,5 +1,6 @@
 """The `ringtrain` command: `ringtrain run ...` (launcher), `ringtrain train ...` (main job),
 `ringtrain prepare` / `ringtrain sample` (text -> tokens, a run's model -> text),
+`ringtrain export` (a run's model as a transformers GPT-2 or a torch distributed checkpoint),
 `ringtrain explain RUN_DIR` (what a run did) and `ringtrain plan ...` (memory per rank).
 
 This `__init__` dispatches. `ringtrain train`, in reading order: `train.py` (parse, check,
@@ -10,7 +11,8 @@ through the launcher), `worker.py` (`run_job`: one worker's part of the job), `j
 is trained), `exits.py` (exit codes, a mistake said once), `step_hook.py` (a function of the
 user's after every step, RINGTRAIN_STEP_HOOK). `explain.py` reads a run directory
 (`explain_words.py`: what it says of each strategy); `prepare.py` and `sample.py` turn text
-into tokens and a run's model into text; `plan.py` predicts memory per rank. `ringtrain run`
+into tokens and a run's model into text; `export.py` writes a run's model in the ecosystem's
+formats (`ringtrain.formats`); `plan.py` predicts memory per rank. `ringtrain run`
 is `ringtrain.launch.launcher`. The CLI is the top: it may import most packages
 (docs/architecture.md's table says which); only `python -m ringtrain` imports it.
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: ringtrain {run,train,prepare,sample,explain,plan} ...
+_USAGE = """usage: ringtrain {run,train,prepare,sample,export,explain,plan} ...
 
   run     launch a script on N processes (torchrun's flags), e.g.
           ringtrain run --nproc-per-node 2 train.py
@@ -34,6 +36,8 @@ _USAGE = """usage: ringtrain {run,train,prepare,sample,explain,plan} ...
           ringtrain prepare input.txt data/shakespeare
   sample  generate text with a trained run's model, e.g.
           ringtrain sample runs/20261121-220741 --prompt "ROMEO:" --tokens 200
+  export  write a run's model as a transformers GPT-2 directory or a torch distributed
+          checkpoint, e.g. ringtrain export runs/20261121-220741 gpt2_dir --format hf
   explain say what a `ringtrain train` run did: ranks' roles, data split, bytes sent, timing,
           the snapshot a resume would use, e.g. ringtrain explain runs/20261121-220741
   plan    predict the bytes per rank of ddp and zero-1/2/3 for a GPT and a memory budget, e.g.
@@ -72,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         from ringtrain.cli.sample import main as sample_main
 
         return sample_main(rest)
+    if command == "export":
+        from ringtrain.cli.export import main as export_main
+
+        return export_main(rest)
     print(f"ringtrain: unknown command {command!r}; expected 'run', 'train', 'prepare', "
-          f"'sample', 'explain' or 'plan'\n\n{_USAGE}", file=sys.stderr)
+          f"'sample', 'export', 'explain' or 'plan'\n\n{_USAGE}", file=sys.stderr)
     return 2
 
 

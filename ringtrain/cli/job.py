@@ -42,7 +42,7 @@ def check_text_data(path: str, block_size: int, warnings: list[str]) -> int:
 
 def build_job(opts: TrainOptions) -> dict[str, Any]:
     """Datasets, model factory, loss, eval metrics and sample function for the chosen task."""
-    from ringtrain.models import GPT, GPTConfig, loss_fn
+    from ringtrain.models import GPTConfig, loss_fn
 
     tokenizer: dict[str, Any] | None = None
     d, m = opts.data, opts.model
@@ -76,7 +76,29 @@ def build_job(opts: TrainOptions) -> dict[str, Any]:
                              activation_checkpointing=m.activation_checkpointing)
     return {"train_set": train_set, "eval_set": eval_set, "loss_fn": loss_fn,
             "eval_metrics": metrics, "sample_fn": sample_fn, "model_config": model_config,
-            "model_fn": lambda: GPT(model_config), "tokenizer": tokenizer}
+            "model_fn": _model_fn(model_config, opts.run.init_from), "tokenizer": tokenizer}
+
+
+def _model_fn(model_config, init_from: str | None):
+    """GPT(model_config), holding the weights of `init_from` where given (each call reads
+    them: every rank builds its own model). The shape is checked here, once, before any rank
+    builds one: the data fixes vocab_size and block_size, which the launcher did not know."""
+    from ringtrain.models import GPT
+
+    if init_from is None:
+        return lambda: GPT(model_config)
+    from dataclasses import asdict
+
+    from ringtrain.cli.options import every_option_class
+    from ringtrain.config import to_flags
+    from ringtrain.errors import ConfigError
+    from ringtrain.formats.init_from import check_shape, load_into, source_config
+
+    try:
+        check_shape(source_config(init_from), asdict(model_config), init_from)
+    except ValueError as e:  # "n_layer=12" -> "--n-layer 12"
+        raise ConfigError(to_flags(str(e), every_option_class())) from None
+    return lambda: load_into(GPT(model_config), init_from)
 
 
 def export_final(model, job: dict[str, Any], run_dir: str) -> None:

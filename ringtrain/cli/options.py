@@ -189,6 +189,11 @@ class RunOptions:
                                  "SIGTERM), 0: none", type=_non_negative)
     keep: int = option(2, "committed snapshots kept (2: a corrupt newest one falls back)",
                        type=_positive)
+    # Not resume=MUST_MATCH: a resume takes its snapshot's weights, whatever started the run.
+    init_from: str | None = option(None, "start from the weights in DIR: a transformers GPT-2 "
+                                   "directory, a torch distributed checkpoint (.metadata) or an "
+                                   "exported ringtrain run; the model options give its shape",
+                                   metavar="DIR", shown="random (GPT-2's init)")
     resume: bool = option(True, "start afresh in --run-dir, deleting its snapshots (a restarted "
                           "worker always resumes)", flag="--no-resume")
 

@@ -166,6 +166,15 @@ def check_args(opts: TrainOptions, world_size: int | None = None) -> list[str]:
         from ringtrain.data.addition import train_size
 
         train_samples = train_size(opts.data.digits)
+    if run.init_from:  # the shape options against the directory's, before launch
+        from ringtrain.formats.init_from import SHAPE, check_shape, source_config
+
+        m = opts.model
+        try:  # the data's vocab_size and block_size are checked by the workers (cli/job.py)
+            check_shape(source_config(run.init_from), {f.name: getattr(m, f.name)
+                        for f in option_fields(m) if f.name in SHAPE}, run.init_from)
+        except ValueError as e:  # "n_layer=12" -> "--n-layer 12"
+            raise ValueError(to_flags(str(e), every_option_class())) from None
     if t.warmup_steps is not None and t.warmup_steps > t.steps:
         warnings.append(f"--warmup-steps {t.warmup_steps} is more than --steps {t.steps}: "
                         f"the learning rate never reaches --lr {t.lr}; lower --warmup-steps")

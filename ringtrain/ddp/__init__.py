@@ -23,7 +23,9 @@ Read in this order:
 - `unused_params.py`: what a synced backward reports about parameters that got no gradient,
   and when: at the next forward, as torch's DDP, and in an optimizer step before it.
 - `framework_members.py`: the private members of torch's DDP and reducer that Lightning and
-  accelerate call (`_get_ddp_logging_data`, `reducer._rebuild_buckets`, ...), as mixins.
+  accelerate call (`_get_ddp_logging_data`, `reducer._rebuild_buckets`, ...), as mixins;
+  `torch_members.py`: those only torch's own tests call (`_register_buffer_comm_hook`,
+  `reducer._get_local_used_map`, ...).
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.ranges`, `ringtrain.staging`, `ringtrain.trace`, `ringtrain.collectives`. Never the

@@ -46,6 +46,7 @@ from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
 from ringtrain.ddp.lanes import existing_lanes
 from ringtrain.ddp.reducer import Reducer
 from ringtrain.ddp.static_graph import StaticGraphCheck, set_static_graph
+from ringtrain.ddp.torch_members import DDPTorchMembers
 from ringtrain.ddp.unused_params import UnusedParametersError
 from ringtrain.runtime import register_exit_grace
 from ringtrain.torch_internals import preserve_version_counter
@@ -67,7 +68,8 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers):
+class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
+                              DDPTorchMembers):
     """Data parallelism: one replica per rank, gradients averaged across ranks during backward.
 
     Args:
@@ -87,10 +89,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers):
         bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB.
         find_unused_parameters: parameters that got no gradient in a synced backward are
             treated as zero gradients (same on every rank); parameters no rank used keep their
-            `.grad`. When False, such parameters are an `UnusedParametersError` (a RuntimeError
-            with torch's message, naming them and the ranks): as in torch, that backward
-            returns and the next forward with grad enabled raises it, on every rank, and
-            every one after it (the wrapper is then unusable, as torch's).
+            `.grad`. When False, such parameters raise `UnusedParametersError` as torch does:
+            at the next forward with grad enabled, on every rank, naming them and the ranks.
         check_reduction: deprecated in torch; no effect (a FutureWarning when True, as torch).
         gradient_as_bucket_view: `.grad` of bucketed parameters become views into the bucket
             buffers, saving the copy back and the memory of a second gradient copy.
@@ -128,15 +128,11 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers):
         script that made the group itself: see docs/fault_tolerance.md for why and how.
 
     .. note::
-        Where it differs from torch's, on purpose: with find_unused_parameters=False, a
-        parameter without a gradient also makes `optimizer.step()` raise (any
-        `torch.optim.Optimizer` holding this wrapper's parameters, until the next forward
-        raises), so no replica steps on that backward's gradients, which torch's DDP allows;
-        that backward's gradients are averaged all the same (missing ones as zeros), so the
-        replicas stay equal; a rank that used all its parameters names the ranks that did not
-        (torch's would wait for them); a parameter accumulated only in a `no_sync` micro-step
-        counts as used; on CPU, gradients of 1 MiB or more are reduced in place in `.grad`
-        instead of being copied into a bucket and back.
+        Where it differs from torch's, on purpose: `optimizer.step()` raises a pending
+        `UnusedParametersError` too, before the next forward (docs/ddp_compat.md); a parameter
+        accumulated only in a `no_sync` micro-step counts as used; on CPU, gradients of 1 MiB
+        or more are reduced in place in `.grad` instead of being copied into a bucket and
+        back.
     """
 
     def __init__(
@@ -248,6 +244,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers):
             gradient_as_bucket_view=self.gradient_as_bucket_view, lanes=lanes, tracer=tracer,
             bucket_caps=self.bucket_bytes_cap_list or None,
             skip_all_reduce_unused_params=self.skip_all_reduce_unused_params,
+            rebuild_buckets=self.static_graph or not self.find_unused_parameters,
         )
         if self.static_graph:
             self.reducer.static_graph = StaticGraphCheck(self.reducer.names, self.reducer.rank)
@@ -301,7 +298,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers):
             self.reducer.raise_unfinished()
         syncs = grad and self.require_backward_grad_sync
         self._join_notify(syncs)  # under a Join context only (join.py), as _join_announce
-        if self.will_sync_module_buffers():
+        if self._check_sync_bufs_pre_fwd():  # unless a buffer hook runs after (torch_members.py)
             self._sync_buffers(self._buffer_source())
         self._join_announce(grad, syncs)
         if grad:  # as torch: once, before the forward's activations exist
@@ -309,6 +306,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers):
         if self.device_ids:
             inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
         output = self._run_module(inputs, kwargs)
+        if self._check_sync_bufs_post_fwd():  # a POST_FORWARD buffer hook (torch_members.py)
+            self._sync_buffers(self._buffer_source())
         self.require_forward_param_sync = syncs
         if syncs:
             self.reducer.prepare_for_backward()
@@ -330,7 +329,10 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers):
         # The broadcast writes in place into buffers a pending backward may have saved; keep
         # their version counters so autograd does not mistake it for a user's in-place edit.
         with torch.no_grad(), preserve_version_counter(tuple(buffers)):
-            broadcast_coalesced(buffers, src, self.process_group)
+            if self.buffer_hook is not None:  # _register_buffer_comm_hook: the hook syncs them
+                self._run_buffer_hook()
+            else:
+                broadcast_coalesced(buffers, src, self.process_group)
 
     def _run_module(self, inputs: tuple, kwargs: dict) -> Any:
         if self.mixed_precision is None:
@@ -374,16 +376,17 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers):
                 hooks (`torch.distributed.algorithms.ddp_comm_hooks`) and
                 `ringtrain.ddp.comm_hooks` both work.
         """
-        check_hook(hook)
-        if self.reducer.comm_hook is not None:
-            raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once "
-                f"(as in torch): a comm hook ({getattr(self.reducer.comm_hook, '__name__', '?')})"
-                " is already registered (mixed_precision= registers mixed_precision_hook)"
-            )
-        if self.reducer._queued:
-            raise RuntimeError("register_comm_hook was called during backward; "
-                               "call it before training")
+        with self._errors_logged():  # as torch, _get_ddp_logging_data() reports them
+            check_hook(hook)
+            if self.reducer.comm_hook is not None:
+                raise RuntimeError(
+                    "register_comm_hook or register_builtin_comm_hook can only be called once (as "
+                    f"in torch): a comm hook ({getattr(self.reducer.comm_hook, '__name__', '?')})"
+                    " is already registered (mixed_precision= registers mixed_precision_hook)"
+                )
+            if self.reducer._queued:
+                raise RuntimeError("register_comm_hook was called during backward; "
+                                   "call it before training")
 
         self.reducer.comm_hook, self.reducer.comm_hook_state = hook, state
 

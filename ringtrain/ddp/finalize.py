@@ -77,6 +77,8 @@ class Finalize:
     last_error: str | None
     unfinished_error: str | None
     _note_round: Callable[[list[int]], None]
+    _note_local_use: Callable[[torch.Tensor], None]
+    _wait_post_backward_futures: Callable[[], None]
 
     # ---- when backward ends ----------------------------------------------------------------
 
@@ -100,6 +102,7 @@ class Finalize:
             with torch.no_grad(), self.tracer.span("finish gradient sync"):
                 self._stage_rest()
                 self._complete()
+                self._wait_post_backward_futures()  # torch_members.py: a buffer hook's
             self._note_round(self._unused)  # framework_members.py: can_set_static_graph
         except Exception as e:
             self.last_error = str(e)  # what torch's DDP logging reports as "error"
@@ -175,6 +178,7 @@ class Finalize:
                 mask, mask_work = self._status.launch(self._unused, self.rank, self.process_group)
             mask_work.wait()
             status = mask
+        self._note_local_use(status)  # torch_members.py: _get_local_used_map
         if self.static_graph is not None:  # raises on every rank alike (static_graph.py)
             self.static_graph.check(status, unused)
         with _profiled("ringtrain.ddp.reducer::search_unused_parameters",

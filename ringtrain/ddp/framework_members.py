@@ -17,7 +17,7 @@ by running them (`tests/test_frameworks.py`):
                                             after the first backward
 
 and what torch's own tests call besides, where cheap: `_set_ddp_runtime_logging_sample_rate`,
-`_register_builtin_comm_hook`, `_remove_autograd_hooks`.
+`_register_builtin_comm_hook`, `_remove_autograd_hooks` (the rest of those: `torch_members.py`).
 
 Both also use the public surface: `module`, `no_sync()`, `register_comm_hook`,
 `require_backward_grad_sync`, `find_unused_parameters`, `static_graph`.
@@ -157,8 +157,8 @@ class DDPFrameworkMembers:
         (Lightning's teardown reads it). Absent: torch's timing keys (`avg_forward_compute_time`,
         ...; ringtrain times steps with `ringtrain.trace`, not in the wrapper), its rebuild
         details (`rebuilt_bucket_sizes`, `prev_iteration_grad_ready_order_indices`, ...) and
-        `gloo_num_threads`. Unlike torch, ringtrain also rebuilds its buckets with
-        find_unused_parameters=True, and says so in `has_rebuilt_buckets`.
+        `gloo_num_threads`. As torch, ringtrain rebuilds its buckets (`has_rebuilt_buckets`)
+        only without find_unused_parameters, or with static_graph.
         """
         reducer = self.reducer
         params = reducer.params

@@ -62,7 +62,7 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Match one iteration of the ranks still training (steps 2-5 of the module docstring)."""
         ddp = self.ddp
-        if ddp.will_sync_module_buffers():
+        if ddp._check_sync_bufs_pre_fwd():  # torch's _check_and_sync_module_buffers
             ddp._sync_buffers(common_rank(ddp, candidate=False))
         grad, should_sync = _announce(ddp, grad=False, syncs=False, joined=True)
         if grad:  # the training ranks' one-time bucket rebuild (a broadcast), if it is due
@@ -132,6 +132,7 @@ class JoinableDDP(Joinable):
     require_forward_param_sync: bool
     _sync_buffers: Any
     will_sync_module_buffers: Any
+    _check_sync_bufs_pre_fwd: Any
 
     _divide_by_initial_world_size = True
     _uneven_input_join = False  # a Join was built with this DDP (torch logs it)

@@ -43,6 +43,7 @@ from ringtrain.ddp.buckets import (
 from ringtrain.ddp.finalize import Finalize
 from ringtrain.ddp.framework_members import ReducerFrameworkMembers
 from ringtrain.ddp.static_graph import StaticGraphCheck
+from ringtrain.ddp.torch_members import ReducerTorchMembers
 from ringtrain.ddp.uneven import UnevenInputs
 from ringtrain.ddp.unused_params import STEP_GUARD, StatusBuffer, fill_status
 from ringtrain.torch_internals import (
@@ -68,7 +69,7 @@ def _finalize(reducer_ref: weakref.ref) -> None:
             reducer._finalize()
 
 
-class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers):
+class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers, ReducerTorchMembers):
     """Averages the gradients of `params` over `process_group` during backward.
 
     Args:
@@ -84,6 +85,9 @@ class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers):
         bucket_caps: per-bucket caps in bytes (torch's bucket_cap_mb_list), or None.
         skip_all_reduce_unused_params: a bucket whose parameters all got no gradient on this
             rank is not all-reduced (torch's flag: every rank must have the same unused ones).
+        rebuild_buckets: rebuild the buckets once, in the order the first synced backward
+            produced the gradients. torch's DDP does not with find_unused_parameters=True (but
+            does with static_graph=True); DistributedDataParallel follows it.
         tracer: records each bucket's communication and the end-of-backward wait
             (`ringtrain.trace`; default: nothing).
     """
@@ -103,6 +107,7 @@ class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers):
         tracer: Tracer = NO_TRACE,
         bucket_caps: Sequence[int] | None = None,
         skip_all_reduce_unused_params: bool = False,
+        rebuild_buckets: bool = True,
     ):
         self.params, self.names, self.tracer = list(params), list(names), tracer
         self.process_group = process_group
@@ -122,7 +127,7 @@ class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers):
         self._build(order=None)
         # Like torch's reducer, the buckets are rebuilt once, from the order in which the first
         # synced backward actually produced the gradients (rank 0's, so all ranks agree).
-        self._observed: list[int] | None = []
+        self._observed: list[int] | None = [] if rebuild_buckets else None
         self._next_order: list[int] | None = None
         self._init_framework_members()  # what frameworks call on torch's reducer
 
