@@ -314,50 +314,72 @@ def _wrap(
     return ddp
 
 
+def _raised(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except UnusedParametersError as e:
+        return str(e)
+    return None
+
+
 def _unused_raise(rank, world_size):
     t0 = time.monotonic()
     x, y = _data(B, seed=rank)
-    errors, healthy = {}, {}
+    out = {}
     for variant, (big_first, hook) in _UNUSED_VARIANTS.items():
         model = _Branchy(big_first)
         model.never.requires_grad_(False)
         ddp = _wrap(model, False, hook)
-        errors[variant] = []
-        # Step 1: only rank 0 skips `extra` (rank 1 is fine, yet must not hang); step 2: all used.
-        for use_extra in (rank == 1, True):
-            model.zero_grad()
-            try:
-                nn.functional.mse_loss(ddp(x, use_extra), y).backward()
-            except UnusedParametersError as e:
-                errors[variant].append(str(e))
-        healthy[variant] = model.body.weight.grad.clone()  # the group survived: step 2 synced
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        # Only rank 0 skips `extra` (rank 1 is fine, yet must not hang). As in torch, that
+        # backward returns; the optimizer step (ringtrain's addition) and the next forward
+        # raise, and keep raising; a forward without grad (evaluation) does not, as in torch.
+        nn.functional.mse_loss(ddp(x, rank == 1), y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        errors = [_raised(opt.step), _raised(ddp, x, True), _raised(opt.step)]
+        with torch.no_grad():
+            ddp(x, True)
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters(),
+                                                          strict=True))
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        ddp._remove_autograd_hooks()  # torch's way to wrap the same module again
         del ddp
         model.never.requires_grad_(True)
         ddp = _wrap(model, False, hook)  # now `never` is unused on every rank
-        try:
-            nn.functional.mse_loss(ddp(x, True), y).backward()
-        except UnusedParametersError as e:
-            errors[variant].append(str(e))
-    return errors, healthy, time.monotonic() - t0
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        nn.functional.mse_loss(ddp(x, True), y).backward()
+        errors.append(_raised(ddp, x, True))
+        out[variant] = {"errors": errors, "unchanged": unchanged, "grads": grads,
+                        "params": [p.detach().clone() for p in model.parameters()]}
+    return out, time.monotonic() - t0
 
 
 def test_unused_parameters_raise_on_every_rank_with_names_and_fix(sessions):
-    (errs0, g0, s0), (errs1, g1, s1) = sessions(2, "unused_raise")
+    (out0, s0), (out1, s1) = sessions(2, "unused_raise")
     assert max(s0, s1) < 20  # no rank waited for a collective that never came
-    for variant in _UNUSED_VARIANTS:
-        e0, e1 = errs0[variant], errs1[variant]
-        assert len(e0) == len(e1) == 2, (variant, e0, e1)
-        assert e0[0].startswith("rank 0: 2 parameter(s) got no gradient in this backward: "
-                                "['extra.weight', 'extra.bias']"), (variant, e0[0])
-        assert e1[0].startswith(
-            "rank 1: ranks [0] had parameters that got no gradient"
-        ), (variant, e1[0])
-        assert "'extra.weight'" in e1[0]
-        for e in (e0[1], e1[1]):
-            assert "['never.weight', 'never.bias']" in e, (variant, e)
-            assert "extra" not in e.split(".")[0], (variant, e)
-        assert all("find_unused_parameters=True" in e for e in e0 + e1)
-        torch.testing.assert_close(g0[variant], g1[variant], rtol=0, atol=0)
+    for variant, (big_first, _) in _UNUSED_VARIANTS.items():
+        (*e0, never0), (*e1, never1) = out0[variant]["errors"], out1[variant]["errors"]
+        # The step, the next forward and the step after it raise the same error, on every rank.
+        assert e0[0] is not None and e0 == [e0[0]] * 3, (variant, e0)
+        assert e1[0] is not None and e1 == [e1[0]] * 3, (variant, e1)
+        extra = "2 3" if not big_first else "3 4"  # `gain` first, then body, extra
+        assert e0[0].startswith("rank 0: 2 parameter(s) got no gradient in the previous synced "
+                                "backward. Expected to have finished reduction in the prior "
+                                "iteration"), (variant, e0[0])
+        assert ("\nParameters which did not receive grad for rank 0: extra.weight, extra.bias"
+                f"\nParameter indices which did not receive grad for rank 0: {extra}\n"
+                in e0[0]), (variant, e0[0])
+        assert e1[0].startswith("rank 1: ranks [0] had parameters that got no gradient"), e1[0]
+        assert "did not receive grad on ranks [0]: extra.weight, extra.bias" in e1[0], e1[0]
+        for e in (never0, never1):  # `never` on every rank: each names its own
+            assert "did not receive grad for rank" in e and "never.weight, never.bias" in e, e
+            assert "(ranks [" in e and "extra" not in e, (variant, e)
+        for e in e0 + e1 + [never0, never1]:
+            assert "find_unused_parameters=True" in e and "requires_grad=False" in e, e
+        # No step moved a parameter; the backward's averages were still written (equal ranks).
+        assert out0[variant]["unchanged"] and out1[variant]["unchanged"]
+        _assert_close(out0[variant]["grads"], out1[variant]["grads"], variant, rtol=0, atol=0)
+        _assert_close(out0[variant]["params"], out1[variant]["params"], variant, rtol=0, atol=0)
 
 
 def _unused_handled(rank, world_size):

@@ -20,7 +20,8 @@ Read in this order:
 - `static_graph.py`: static_graph=True refuses a graph that changed after the first backward.
 - `lanes.py`: extra gloo groups over the same ranks, so buckets travel side by side.
 - `comm_hooks.py`: replacements for a bucket's all-reduce (fp16/bf16 compression, ring all-reduce).
-- `unused_params.py`: what a synced backward reports about parameters that got no gradient.
+- `unused_params.py`: what a synced backward reports about parameters that got no gradient,
+  and when: at the next forward, as torch's DDP, and in an optimizer step before it.
 - `framework_members.py`: the private members of torch's DDP and reducer that Lightning and
   accelerate call (`_get_ddp_logging_data`, `reducer._rebuild_buckets`, ...), as mixins;
   `torch_members.py`: those only torch's own tests call (`_register_buffer_comm_hook`,

@@ -89,8 +89,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
         bucket_cap_mb: bucket size in MiB (default 25); the first bucket is 1 MiB.
         find_unused_parameters: parameters that got no gradient in a synced backward are
             treated as zero gradients (same on every rank); parameters no rank used keep their
-            `.grad`. When False, such parameters raise `UnusedParametersError` in that backward,
-            on every rank, naming them.
+            `.grad`. When False, such parameters raise `UnusedParametersError` as torch does:
+            at the next forward with grad enabled, on every rank, naming them and the ranks.
         check_reduction: deprecated in torch; no effect (a FutureWarning when True, as torch).
         gradient_as_bucket_view: `.grad` of bucketed parameters become views into the bucket
             buffers, saving the copy back and the memory of a second gradient copy.
@@ -128,11 +128,11 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
         script that made the group itself: see docs/fault_tolerance.md for why and how.
 
     .. note::
-        Where it differs from torch's, on purpose: a parameter without a gradient is
-        reported in the backward that missed it, on every rank (torch reports it in the next
-        iteration); a parameter accumulated only in a `no_sync` micro-step counts as used; on
-        CPU, gradients of 1 MiB or more are reduced in place in `.grad` instead of being copied
-        into a bucket and back.
+        Where it differs from torch's, on purpose: `optimizer.step()` raises a pending
+        `UnusedParametersError` too, before the next forward (docs/ddp_compat.md); a parameter
+        accumulated only in a `no_sync` micro-step counts as used; on CPU, gradients of 1 MiB
+        or more are reduced in place in `.grad` instead of being copied into a bucket and
+        back.
     """
 
     def __init__(
@@ -294,6 +294,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # As in torch, the forward decides whether the backward of its graph syncs.
         grad = torch.is_grad_enabled()
+        if grad:  # as torch: before any collective of this forward, on every rank alike
+            self.reducer.raise_unfinished()
         syncs = grad and self.require_backward_grad_sync
         self._join_notify(syncs)  # under a Join context only (join.py), as _join_announce
         if self._check_sync_bufs_pre_fwd():  # unless a buffer hook runs after (torch_members.py)

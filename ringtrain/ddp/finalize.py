@@ -27,7 +27,13 @@ from torch import nn
 from ringtrain.ddp import buckets
 from ringtrain.ddp.buckets import Bucket, GradBucket, hook_result
 from ringtrain.ddp.static_graph import StaticGraphCheck
-from ringtrain.ddp.unused_params import StatusBuffer, check_unused, fill_status
+from ringtrain.ddp.unused_params import (
+    STEP_GUARD,
+    StatusBuffer,
+    UnusedParametersError,
+    check_unused,
+    fill_status,
+)
 from ringtrain.torch_internals import current_autograd_node
 from ringtrain.trace import Tracer
 
@@ -69,6 +75,7 @@ class Finalize:
     _deferred: bool
     staging_s: float
     last_error: str | None
+    unfinished_error: str | None
     _note_round: Callable[[list[int]], None]
     _note_local_use: Callable[[torch.Tensor], None]
     _wait_post_backward_futures: Callable[[], None]
@@ -103,6 +110,23 @@ class Finalize:
         finally:
             self._reset()
 
+    # ---- an unused parameter with find_unused_parameters=False -------------------------------
+
+    def _hold_error(self, message: str) -> None:
+        # Not raised here but at the next forward (torch's point, see unused_params.py) and
+        # at an optimizer step before it (ringtrain's addition, StepGuard): every rank holds
+        # the same message's verdict, so every rank raises at the same point.
+        self.unfinished_error = message
+        STEP_GUARD.hold(self)
+
+    def raise_unfinished(self) -> None:
+        """Raise the unused-parameter error a synced round left pending, if any (torch's
+        `ensure_prior_reduction_finished`: a synced forward, `prepare_for_backward` and, in
+        ringtrain, `optimizer.step()` call it). It stays pending, as in torch."""
+        if self.unfinished_error is not None:
+            self.last_error = self.unfinished_error  # what torch's DDP logging reports
+            raise UnusedParametersError(self.unfinished_error)
+
     def _stage_rest(self) -> None:
         """Stage what never got a hook call this round: no_sync gradients and unused ones."""
         unused = self._unused
@@ -118,7 +142,11 @@ class Finalize:
                 self._mark_ready(i, p.grad, used=False)
 
     def _complete(self) -> None:
-        """Wait for every bucket, agree on unused parameters, write the averages back."""
+        """Wait for every bucket, agree on unused parameters, write the averages back.
+
+        An unused parameter with find_unused_parameters=False is not raised here: the error is
+        held for the next forward (`raise_unfinished`).
+        """
         unused = self._unused
         n = len(self.params)
         status_bucket = next((b for b in self.buckets if b.tail_sent), None)
@@ -155,10 +183,16 @@ class Finalize:
             self.static_graph.check(status, unused)
         with _profiled("ringtrain.ddp.reducer::search_unused_parameters",
                        self.find_unused_parameters):
-            globally_unused = check_unused(status, self.rank, self.names, unused,
-                                           raise_error=not self.find_unused_parameters)
+            globally_unused, error = check_unused(status, self.rank, self.names, unused,
+                                                  self.find_unused_parameters)
+        # Written back even when the round has an error to report: every bucket did complete,
+        # and the averages (a missing gradient counted as zero, as with find_unused_parameters=
+        # True) keep the replicas equal even if something updates them outside torch.optim
+        # (torch leaves .grad partly reduced here, different on each rank).
         buckets.write_back(self.buckets, self.params, globally_unused,
                            as_view=self.gradient_as_bucket_view)
+        if error is not None:
+            self._hold_error(error)
 
     def _reset(self) -> None:
         # Keep this round's works (and so the tensors they hold) until the next synced forward:

@@ -45,7 +45,7 @@ from ringtrain.ddp.framework_members import ReducerFrameworkMembers
 from ringtrain.ddp.static_graph import StaticGraphCheck
 from ringtrain.ddp.torch_members import ReducerTorchMembers
 from ringtrain.ddp.uneven import UnevenInputs
-from ringtrain.ddp.unused_params import StatusBuffer, fill_status
+from ringtrain.ddp.unused_params import STEP_GUARD, StatusBuffer, fill_status
 from ringtrain.torch_internals import (
     backward_tls_free,
     queue_backward_callback,
@@ -145,6 +145,8 @@ class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers, ReducerTorchMembe
         self.staging_s = 0.0  # time the last deferred backward spent in this reducer's hooks
         self.num_buckets_reduced = 0  # in the last synced backward (torch's logging counter)
         self.last_error: str | None = None  # the last error a synced round raised
+        # An unused parameter's error, raised at the next synced forward (finalize.py).
+        self.unfinished_error: str | None = None
         me = weakref.ref(self)
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, me, i))
@@ -265,6 +267,7 @@ class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers, ReducerTorchMembe
                 when backward ends (the parameters whose hook never fired). Lightning's manual
                 optimization passes the loss, accelerate's trigger_sync_in_backward `[]`.
         """
+        self.raise_unfinished()  # as torch's: the previous round left unused parameters
         self._retired = []  # long done on gloo's side: released here, with the GIL
         self.num_buckets_reduced = 0
         if self._deferred:
@@ -292,6 +295,7 @@ class Reducer(Finalize, UnevenInputs, ReducerFrameworkMembers, ReducerTorchMembe
 
     def remove_hooks(self) -> None:
         _remove_all(self._handles)
+        STEP_GUARD.release(self)  # done with: a new wrapper of the same parameters may step
 
 
 def _remove_all(handles: list) -> None:
