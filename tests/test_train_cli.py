@@ -100,7 +100,8 @@ def test_async_parameter_server_lowers_adam_momentum_unless_told():
 
 def test_strategy_options_only_for_the_chosen_strategy():
     opts = parse_options(["--strategy", "pipeline", "--pp", "2", "--schedule", "gpipe"])
-    assert opts.strategy.kwargs() == {"pp": 2, "schedule": "gpipe", "microbatches": None}
+    assert opts.strategy.kwargs() == {"pp": 2, "schedule": "gpipe", "microbatches": None,
+                                      "virtual_stages": 1}
     opts = parse_options(["--strategy", "ps", "--ps-mode", "ssp", "--staleness", "0"])
     # servers: its default
     assert opts.strategy.kwargs() == {"servers": 1, "mode": "ssp", "staleness": 0}
