@@ -70,22 +70,6 @@ def single_process(monkeypatch):
     destroy_distributed()
 
 
-# --- the order of files under pytest-xdist --------------------------------------------------
-# `make test` hands out whole files (--dist loadfile) in collection order. Alphabetical order
-# left the longest files (zero_resume, torch_ddp_suite, ...) to the end, where one worker ran
-# them while the other sat idle for minutes. Longest first (minutes each, measured with
-# --durations in a fresh clone), the rest as before: the shortest files fill the tail.
-LONGEST_FIRST = ("test_memory_limit", "test_chaos", "test_restart", "test_slow_link",
-                 "test_zero_resume", "test_exit", "test_localsgd", "test_multinode",
-                 "test_strategy_contract", "test_torch_ddp_suite", "test_disk", "test_job_restarts",
-                 "test_ps", "test_trace", "test_zero", "test_pipeline", "test_errors")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: order within
-
-
 # --- the fast tier -------------------------------------------------------------------------
 FAST_SKIP = "starts processes (fast tier)"
 
