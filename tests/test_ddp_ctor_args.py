@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import copy
 import inspect
-import traceback
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+from support.scenarios import scenario_session
 from torch import nn
 
 from ringtrain.ddp.distributed import DistributedDataParallel as Ours
 from ringtrain.ddp.mixed_precision import MixedPrecision, mixed_precision_hook
-from ringtrain.testing import run_workers
 
 TorchDDP = torch.nn.parallel.DistributedDataParallel
 _TORCH_ARGS = list(inspect.signature(TorchDDP.__init__).parameters)
@@ -347,34 +346,6 @@ _GROUPS = {"forward_sync_buffers": _forward_sync_buffers, "device_mesh": _device
            "delayed": _delayed}
 
 
-def _session(rank, world_size):
-    out = {}
-    for name, fn in _GROUPS.items():
-        try:
-            out[name] = ("ok", fn(rank, world_size))
-        except Exception:  # noqa: BLE001 - reported by the test of this scenario
-            out[name] = ("error", traceback.format_exc())
-    return out
-
-
 @pytest.fixture(scope="module")
 def sessions():
-    started: list = []
-
-    def results(name: str) -> list:
-        if not started:
-            try:
-                started.append(run_workers(_session, 2, timeout_s=150))
-            except Exception as e:  # noqa: BLE001 - report once per test, do not restart
-                started.append(e)
-        if isinstance(started[0], Exception):
-            pytest.fail(f"the 2-rank session failed: {started[0]}")
-        values = []
-        for rank, out in enumerate(started[0]):
-            status, value = out[name]
-            if status == "error":
-                pytest.fail(f"rank {rank}, scenario {name!r}:\n{value}")
-            values.append(value)
-        return values
-
-    return results
+    return scenario_session(_GROUPS)
