@@ -197,9 +197,10 @@ class DDPTorchMembers:
 
     def _check_sync_bufs_post_fwd(self) -> bool:
         """Whether buffers sync after this forward's module ran: a POST_FORWARD buffer hook."""
-        return (self.will_sync_module_buffers() and self.buffer_hook is not None
+        # The hook first: without one (the usual case) no walk over the module's buffers.
+        return (self.buffer_hook is not None
                 and self.buffer_hook.buffer_comm_hook_location
-                is BufferCommHookLocation.POST_FORWARD)
+                is BufferCommHookLocation.POST_FORWARD and self.will_sync_module_buffers())
 
     def _run_buffer_hook(self) -> None:
         """Call the buffer hook on the buffers DDP syncs (re-read: a module may reassign one)."""
