@@ -48,10 +48,11 @@ def _batch(seed: int = 1):
     return idx, targets
 
 
-def _models(sp: bool, config: GPTConfig = CFG):
+def _models(sp: bool, config: GPTConfig = CFG, rg: bool = False):
     torch.manual_seed(0)
     full = GPT(config)
-    return full, parallelize(copy.deepcopy(full), gpt_plan(sequence_parallel=sp),
+    return full, parallelize(copy.deepcopy(full), gpt_plan(sequence_parallel=sp,
+                                                           recompute_gather=rg),
                              dist.group.WORLD)
 
 
@@ -82,8 +83,8 @@ def _errors(full: nn.Module, tp: nn.Module, rank: int, world_size: int, grads: b
     return out
 
 
-def _forward_backward(rank: int, world_size: int, sp: bool) -> dict:
-    full, tp = _models(sp)
+def _forward_backward(rank: int, world_size: int, sp: bool, rg: bool = False) -> dict:
+    full, tp = _models(sp, rg=rg)
     idx, targets = _batch()
     logits = full(idx)
     loss = loss_fn(logits, targets)
@@ -96,12 +97,12 @@ def _forward_backward(rank: int, world_size: int, sp: bool) -> dict:
             "grads": _errors(full, tp, rank, world_size, grads=True)}
 
 
-def _adamw(rank: int, world_size: int, sp: bool) -> dict:
+def _adamw(rank: int, world_size: int, sp: bool, rg: bool = False) -> dict:
     # Without biases: the key projection's bias has a gradient of exactly 0 in exact arithmetic
     # (softmax is shift-invariant along a row), ~1e-11 of rounding noise in practice, which
     # Adam's normalisation turns into steps of random sign that differ between any two
     # summation orders. The gradient test above covers the biases.
-    full, tp = _models(sp, dataclasses.replace(CFG, bias=False))
+    full, tp = _models(sp, dataclasses.replace(CFG, bias=False), rg=rg)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (full, tp)]
     losses = []
     for step in range(20):
@@ -116,9 +117,9 @@ def _adamw(rank: int, world_size: int, sp: bool) -> dict:
     return {"losses": losses, "params": _errors(full, tp, rank, world_size, grads=False)}
 
 
-def _counted_bytes(rank: int, world_size: int, sp: bool) -> dict:
+def _counted_bytes(rank: int, world_size: int, sp: bool, rg: bool = False) -> dict:
     """One step's bytes by collective, counted by wrapping torch.distributed's functions."""
-    _, tp = _models(sp)
+    _, tp = _models(sp, rg=rg)
     idx, targets = _batch()
     counted = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     kinds = {"all_reduce": ("all_reduce", 0),  # (what it counts, which argument: the whole)
@@ -165,6 +166,7 @@ def _versus_dtensor(rank: int, world_size: int) -> dict:
             "grad": (ours[0].weight.grad - local).abs().max().item()}
 
 
+MODES = ["tp", "sp", "sp_rg"]  # sp_rg: sequence parallel, the input gathered again in backward
 SCENARIOS = {
     "tp": partial(_forward_backward, sp=False),
     "sp": partial(_forward_backward, sp=True),
@@ -172,6 +174,8 @@ SCENARIOS = {
     "adamw_sp": partial(_adamw, sp=True),
     "bytes_tp": partial(_counted_bytes, sp=False),
     "bytes_sp": partial(_counted_bytes, sp=True),
+    "sp_rg": partial(_forward_backward, sp=True, rg=True),
+    "bytes_sp_rg": partial(_counted_bytes, sp=True, rg=True),
     "dtensor": _versus_dtensor,
 }
 
@@ -181,7 +185,7 @@ def sessions():
     return scenario_session(SCENARIOS, world_size=2)
 
 
-@pytest.mark.parametrize("mode", ["tp", "sp"])
+@pytest.mark.parametrize("mode", MODES)
 def test_forward_and_every_gradient_equal_one_process(sessions, mode):
     """gloo, CPU, 2 ranks: logits (this rank's vocab slice), loss, and each parameter's gradient
     (this rank's slice) equal the single-process GPT's on the same batch."""
@@ -193,7 +197,7 @@ def test_forward_and_every_gradient_equal_one_process(sessions, mode):
     assert len(res["grads"]) == len(list(GPT(CFG).parameters()))
 
 
-@pytest.mark.parametrize("mode", ["tp", "sp"])
+@pytest.mark.parametrize("mode", ["tp", "sp"])  # sp_rg: its gradients are equal (above)
 def test_twenty_adamw_steps_match_one_process(sessions, mode):
     """gloo, CPU, 2 ranks: after 20 AdamW steps every parameter slice equals one process's."""
     for rank, res in enumerate(sessions(f"adamw_{mode}")):
@@ -204,12 +208,13 @@ def test_twenty_adamw_steps_match_one_process(sessions, mode):
         assert all(abs(a - b) < TOL for a, b in res["losses"]), res["losses"]
 
 
-@pytest.mark.parametrize("mode", ["tp", "sp"])
+@pytest.mark.parametrize("mode", MODES)
 def test_counted_bytes_equal_the_textbook_formula(sessions, mode):
     """gloo, CPU, 2 ranks: per layer 2 + 2 all-reduces of b*s*h (tp), or as many all-gathers and
-    reduce-scatters (sp); counted on torch.distributed's calls."""
+    reduce-scatters (sp; sp_rg: 2 more all-gathers in backward); counted on torch.distributed's
+    calls."""
     want = expected_bytes(n_layer=CFG.n_layer, n_embd=CFG.n_embd, batch=B, seq=T,
-                          sequence_parallel=mode == "sp")
+                          sequence_parallel=mode != "tp", recompute_gather=mode == "sp_rg")
     for counted in sessions(f"bytes_{mode}"):
         assert counted == want
 

@@ -38,15 +38,16 @@ class HeadParallelAttention(nn.Module):
         self.n_local_heads, self.dropout = n_local_heads, dropout
 
     @classmethod
-    def from_attention(cls, attn: nn.Module, group, *,
-                       sequence_parallel: bool = False) -> HeadParallelAttention:
+    def from_attention(cls, attn: nn.Module, group, *, sequence_parallel: bool = False,
+                       recompute_gather: bool = False) -> HeadParallelAttention:
         """This rank's heads of `attn` (a `CausalSelfAttention`)."""
         t = comm.group_size(group)
         if attn.n_head % t:
             raise ValueError(f"HeadParallelAttention: n_head={attn.n_head} is not divisible by "
                              f"tp={t}; use a tp degree that divides the number of heads")
         c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group, chunks=3,
-                                                  sequence_parallel=sequence_parallel)
+                                                  sequence_parallel=sequence_parallel,
+                                                  recompute_gather=recompute_gather)
         c_proj = RowParallelLinear.from_linear(attn.c_proj, group,
                                                sequence_parallel=sequence_parallel)
         return cls(c_attn, c_proj, attn.n_head // t, attn.dropout, attn.resid_drop)

@@ -44,6 +44,27 @@ def shard_rows(weight: torch.Tensor, rank: int, world_size: int, chunks: int = 1
     return blocks[:, rank * n:(rank + 1) * n].reshape(-1, *weight.shape[1:]).clone()
 
 
+class _LinearOfGathered(torch.autograd.Function):
+    """F.linear(all_gather(x along the sequence), weight, bias) that keeps only x's shard for
+    backward and all-gathers it again there (Megatron-LM's sequence-parallel column layer): the
+    saved input is 1/t of the gathered one, for one more all-gather of it per backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(comm.all_gather(x, comm.SEQ_DIM, group), weight, bias)  # (B, T, out/t)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        full = comm.all_gather(x, comm.SEQ_DIM, ctx.group)  # (B, T, in): the recomputed gather
+        grad_weight = g.reshape(-1, g.size(-1)).t() @ full.reshape(-1, full.size(-1))
+        grad_bias = g.reshape(-1, g.size(-1)).sum(0) if ctx.has_bias else None
+        grad_x = comm.reduce_scatter(g @ weight, comm.SEQ_DIM, ctx.group)  # (B, T/t, in)
+        return grad_x, grad_weight, grad_bias, None
+
+
 def _sharded(t: torch.Tensor, dim: int) -> nn.Parameter:
     p = nn.Parameter(t.detach().clone())
     p.tp_shard_dim = dim
@@ -60,19 +81,27 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather y so every rank holds it whole (not needed before a
             row-parallel layer or the vocab-parallel loss).
         sequence_parallel: the input is sharded along the sequence; all-gather it first.
+        recompute_gather: under sequence parallelism, save only this rank's shard of the input
+            for backward and all-gather it again there (Megatron's choice): the saved input
+            shrinks t-fold, each backward moves one more all-gather of b*s*h.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, *,
-                 gather_output: bool = False, sequence_parallel: bool = False):
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 recompute_gather: bool = False):
         super().__init__()
+        if recompute_gather and not sequence_parallel:
+            raise ValueError("ColumnParallelLinear: recompute_gather=True needs "
+                             "sequence_parallel=True (there is no gather to recompute)")
         self.weight = _sharded(weight, 0)
         self.bias = None if bias is None else _sharded(bias, 0)
         self.group, self.gather_output = group, gather_output
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.recompute_gather = sequence_parallel, recompute_gather
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, *, chunks: int = 1, gather_output: bool = False,
-                    sequence_parallel: bool = False) -> ColumnParallelLinear:
+                    sequence_parallel: bool = False,
+                    recompute_gather: bool = False) -> ColumnParallelLinear:
         """This rank's slice of `linear` (`chunks`: fused blocks split one by one, see
         `shard_rows`)."""
         if gather_output and chunks > 1:
@@ -81,9 +110,13 @@ class ColumnParallelLinear(nn.Module):
         r, t = comm.group_rank(group), comm.group_size(group)
         bias = None if linear.bias is None else shard_rows(linear.bias, r, t, chunks)
         return cls(shard_rows(linear.weight, r, t, chunks), bias, group,
-                   gather_output=gather_output, sequence_parallel=sequence_parallel)
+                   gather_output=gather_output, sequence_parallel=sequence_parallel,
+                   recompute_gather=recompute_gather)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute_gather:
+            y = _LinearOfGathered.apply(x, self.weight, self.bias, self.group)
+            return comm.gather_from_region(y, self.group) if self.gather_output else y
         if self.sequence_parallel:
             x = comm.gather_from_sequence(x, self.group)  # (B, T/t, C) -> (B, T, C)
         else:

@@ -55,17 +55,20 @@ class ParallelStyle:
 
 @dataclass(frozen=True)
 class ColwiseParallel(ParallelStyle):
-    """Split a Linear's output features. `chunks`: fused blocks split one by one."""
+    """Split a Linear's output features. `chunks`: fused blocks split one by one;
+    `recompute_gather`: see `ColumnParallelLinear`."""
 
     sequence_parallel: bool = False
     gather_output: bool = False
     chunks: int = 1
+    recompute_gather: bool = False
     takes = nn.Linear
 
     def apply(self, module, group):
         return ColumnParallelLinear.from_linear(module, group, chunks=self.chunks,
                                                 gather_output=self.gather_output,
-                                                sequence_parallel=self.sequence_parallel)
+                                                sequence_parallel=self.sequence_parallel,
+                                                recompute_gather=self.recompute_gather)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class HeadParallel(ParallelStyle):
     """Split an attention module's heads (ringtrain's CausalSelfAttention layout)."""
 
     sequence_parallel: bool = False
+    recompute_gather: bool = False
 
     def check(self, name, module):
         missing = [a for a in ("c_attn", "c_proj", "n_head", "dropout", "resid_drop")
@@ -108,7 +112,8 @@ class HeadParallel(ParallelStyle):
 
     def apply(self, module, group):
         return HeadParallelAttention.from_attention(module, group,
-                                                    sequence_parallel=self.sequence_parallel)
+                                                    sequence_parallel=self.sequence_parallel,
+                                                    recompute_gather=self.recompute_gather)
 
 
 @dataclass(frozen=True)
@@ -175,7 +180,8 @@ def _shared_parameters(module: nn.Module) -> set[int]:
     return {i for i, n in seen.items() if n > 1}
 
 
-def gpt_plan(sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+def gpt_plan(sequence_parallel: bool = False,
+             recompute_gather: bool = False) -> dict[str, ParallelStyle]:
     """The plan for ringtrain's GPT (`ringtrain.models.GPT`, untied embeddings).
 
     Without sequence parallelism: vocab-parallel token embedding, head-parallel attention,
@@ -184,14 +190,16 @@ def gpt_plan(sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     With it, the embedding's output is split along the sequence (Megatron-core's way: the
     vocab-parallel lookup is all-reduced, positions added, then split), the norms and residual
     stream run on T/t tokens, and every column layer all-gathers / row layer reduce-scatters.
+    `recompute_gather` (with sequence parallelism): the column layers keep only their input's
+    shard for backward and all-gather it again there.
     """
-    sp = sequence_parallel
+    sp, rg = sequence_parallel, recompute_gather
     plan: dict[str, ParallelStyle] = {
         "embed.wte": VocabParallel(),
-        "blocks.*.attn": HeadParallel(sequence_parallel=sp),
-        "blocks.*.mlp.0": ColwiseParallel(sequence_parallel=sp),
+        "blocks.*.attn": HeadParallel(sequence_parallel=sp, recompute_gather=rg),
+        "blocks.*.mlp.0": ColwiseParallel(sequence_parallel=sp, recompute_gather=rg),
         "blocks.*.mlp.2": RowwiseParallel(sequence_parallel=sp),
-        "head.lm_head": ColwiseParallel(sequence_parallel=sp),
+        "head.lm_head": ColwiseParallel(sequence_parallel=sp, recompute_gather=rg),
     }
     if sp:
         plan |= {"embed": SplitSequence(), "blocks.*.ln_1": SequenceParallel(),

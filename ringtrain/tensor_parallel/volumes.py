@@ -22,7 +22,8 @@ from __future__ import annotations
 
 
 def expected_bytes(*, n_layer: int, n_embd: int, batch: int, seq: int, sequence_parallel: bool,
-                   bias: bool = True, dtype_bytes: int = 4) -> dict[str, int]:
+                   bias: bool = True, dtype_bytes: int = 4,
+                   recompute_gather: bool = False) -> dict[str, int]:
     """Bytes per training step (forward + backward) by collective, for `gpt_plan`.
 
     Args:
@@ -31,6 +32,8 @@ def expected_bytes(*, n_layer: int, n_embd: int, batch: int, seq: int, sequence_
         sequence_parallel: whether the plan used sequence parallelism.
         bias: whether the GPT has biases (LayerNorm and Linear).
         dtype_bytes: bytes per activation element (4 for fp32).
+        recompute_gather: the column layers all-gather their input again in backward (one
+            more all-gather of a per column layer: 2 per transformer layer, 1 for lm_head).
     """
     a = batch * seq * n_embd * dtype_bytes
     loss = 3 * batch * seq * 4  # max, then (target logit, sum of exp), in fp32
@@ -39,8 +42,9 @@ def expected_bytes(*, n_layer: int, n_embd: int, batch: int, seq: int, sequence_
     per_layer_params = (2 * 2 + 2) * n_embd if bias else 2 * n_embd  # ln_1, ln_2, 2 row biases
     ln_f = (2 if bias else 1) * n_embd
     grads = (n_layer * per_layer_params + ln_f) * 4
+    again = a * (2 * n_layer + 1) if recompute_gather else 0
     return {"all_reduce": a + loss + grads,
-            "all_gather": a * (4 * n_layer + 2),  # layers, lm_head forward, embedding backward
+            "all_gather": a * (4 * n_layer + 2) + again,  # layers, lm_head fwd, embedding bwd
             "reduce_scatter": a * (4 * n_layer + 1)}  # layers, lm_head backward
 
 
