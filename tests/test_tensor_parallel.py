@@ -28,6 +28,7 @@ from ringtrain.tensor_parallel import (
     RowwiseParallel,
     expected_bytes,
     gpt_plan,
+    naive,
     parallelize,
     ring_bytes_per_rank,
     shard_rows,
@@ -226,6 +227,20 @@ def test_same_result_as_torch_dtensor_tensor_parallel(sessions):
 
 
 # ---- in-process: no ranks -------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_naive_reference_equals_the_unsplit_computation(tp):
+    """The one-process simulation of t ranks (naive.py) against the plain math."""
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = (torch.randn(*s, generator=g) for s in ((2, 8, 16), (64, 16), (16, 64)))
+    full = torch.nn.functional.gelu(x @ w1.T) @ w2.T
+    assert torch.allclose(naive.mlp(x, w1, w2, tp), full, atol=TOL)
+    assert torch.allclose(torch.cat(naive.mlp_sequence_parallel(x, w1, w2, tp), dim=1), full,
+                          atol=TOL)
+    logits, targets = torch.randn(10, 32, generator=g), torch.randint(0, 32, (10,), generator=g)
+    want = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    assert torch.allclose(naive.cross_entropy(logits, targets, tp), want, atol=TOL)
+
 
 def test_shard_rows_splits_each_fused_block():
     w = torch.arange(12.0).reshape(12, 1)  # q = 0..3, k = 4..7, v = 8..11

@@ -2,6 +2,8 @@
 matrix, on an explicit process group.
 
 Read in this order:
+- `naive.py`: the naive reference: t ranks simulated in one process with lists (MLP, its
+  sequence-parallel form, the vocab-parallel loss), the algebra without any communication code.
 - `comm.py`: the region boundaries (copy / reduce / gather / split, and their sequence-parallel
   all-gather / reduce-scatter versions) as autograd Functions, over the collectives they call.
 - `layers.py`: `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`, each
@@ -30,6 +32,7 @@ runs replicated, on whatever its input is.
 May import: torch, `ringtrain.collectives`. Guide: docs/tensor_parallel.md.
 """
 
+from ringtrain.tensor_parallel import naive
 from ringtrain.tensor_parallel.attention import HeadParallelAttention
 from ringtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -55,5 +58,5 @@ __all__ = [
     "ColumnParallelLinear", "ColwiseParallel", "HeadParallel", "HeadParallelAttention",
     "ParallelStyle", "RowParallelLinear", "RowwiseParallel", "SequenceParallel", "SplitSequence",
     "VocabParallel", "VocabParallelEmbedding", "expected_bytes", "gpt_plan", "parallelize",
-    "ring_bytes_per_rank", "shard_rows", "vocab_parallel_cross_entropy",
+    "naive", "ring_bytes_per_rank", "shard_rows", "vocab_parallel_cross_entropy",
 ]
