@@ -167,6 +167,17 @@ def _versus_dtensor(rank: int, world_size: int) -> dict:
             "grad": (ours[0].weight.grad - local).abs().max().item()}
 
 
+def _uneven_sequence(rank: int, world_size: int) -> str:
+    """A sequence of 7 tokens on 2 sequence-parallel ranks: every rank raises, none hangs."""
+    _, tp = _models(sp=True)
+    idx, _ = _batch()
+    try:
+        tp(idx[:, :7])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 MODES = ["tp", "sp", "sp_rg"]  # sp_rg: sequence parallel, the input gathered again in backward
 SCENARIOS = {
     "tp": partial(_forward_backward, sp=False),
@@ -178,6 +189,7 @@ SCENARIOS = {
     "sp_rg": partial(_forward_backward, sp=True, rg=True),
     "bytes_sp_rg": partial(_counted_bytes, sp=True, rg=True),
     "dtensor": _versus_dtensor,
+    "uneven_sequence": _uneven_sequence,
 }
 
 
@@ -226,6 +238,12 @@ def test_same_result_as_torch_dtensor_tensor_parallel(sessions):
         assert res["out"] < TOL and res["grad"] < TOL, res
 
 
+def test_a_sequence_that_does_not_split_fails_on_every_rank_with_the_fix(sessions):
+    """gloo, CPU, 2 ranks: T=7 under sequence parallelism is refused before any collective."""
+    for message in sessions("uneven_sequence"):
+        assert "into 2 equal parts" in message and "use T=6" in message, message
+
+
 # ---- in-process: no ranks -------------------------------------------------------------------
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -260,7 +278,8 @@ def test_plan_errors_name_the_entry_and_the_fix():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="'blocks.*.mlp.9' matches no module of GPT"):
         parallelize(GPT(CFG), {"blocks.*.mlp.9": ColwiseParallel()}, group=None)
-    with pytest.raises(TypeError, match="ColwiseParallel takes an Linear, but 'blocks.0.ln_1'"):
+    with pytest.raises(TypeError,
+                       match="ColwiseParallel takes nn.Linear modules, but 'blocks.0.ln_1'"):
         parallelize(GPT(CFG), {"blocks.0.ln_1": ColwiseParallel()}, group=None)
     with pytest.raises(TypeError, match="HeadParallel needs an attention module"):
         parallelize(GPT(CFG), {"blocks.0.mlp": HeadParallel()}, group=None)

@@ -48,9 +48,9 @@ class ParallelStyle:
 
     def check(self, name: str, module: nn.Module) -> None:
         if self.takes is not None and not isinstance(module, self.takes):
-            raise TypeError(f"plan entry {name!r}: {type(self).__name__} takes an "
-                            f"{self.takes.__name__}, but {name!r} is a {type(module).__name__}; "
-                            "name the module of that type in the plan")
+            raise TypeError(f"plan entry {name!r}: {type(self).__name__} takes "
+                            f"nn.{self.takes.__name__} modules, but {name!r} is a "
+                            f"{type(module).__name__}; name a module of that type in the plan")
 
 
 @dataclass(frozen=True)
