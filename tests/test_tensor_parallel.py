@@ -167,6 +167,17 @@ def _versus_dtensor(rank: int, world_size: int) -> dict:
             "grad": (ours[0].weight.grad - local).abs().max().item()}
 
 
+def _checkpointed_accumulated(rank: int, world_size: int) -> dict:
+    """SP + recompute_gather inside activation-checkpointed blocks (the recompute repeats the
+    forward's collectives on every rank), gradients accumulated over two backwards."""
+    full, tp = _models(True, dataclasses.replace(CFG, activation_checkpointing=True), rg=True)
+    idx, targets = _batch()
+    for _ in range(2):
+        loss_fn(full(idx), targets).backward()
+        vocab_parallel_cross_entropy(tp(idx), targets, dist.group.WORLD).backward()
+    return _errors(full, tp, rank, world_size, grads=True)
+
+
 def _uneven_sequence(rank: int, world_size: int) -> str:
     """A sequence of 7 tokens on 2 sequence-parallel ranks: every rank raises, none hangs."""
     _, tp = _models(sp=True)
@@ -190,6 +201,7 @@ SCENARIOS = {
     "bytes_sp_rg": partial(_counted_bytes, sp=True, rg=True),
     "dtensor": _versus_dtensor,
     "uneven_sequence": _uneven_sequence,
+    "checkpointed_accumulated": _checkpointed_accumulated,
 }
 
 
@@ -236,6 +248,13 @@ def test_same_result_as_torch_dtensor_tensor_parallel(sessions):
     """gloo, CPU, 2 ranks: our ColwiseParallel/RowwiseParallel MLP equals DTensor's."""
     for res in sessions("dtensor"):
         assert res["out"] < TOL and res["grad"] < TOL, res
+
+
+def test_checkpointed_blocks_and_accumulated_gradients_equal_one_process(sessions):
+    """gloo, CPU, 2 ranks: activation checkpointing and two accumulated backwards under SP."""
+    for rank, errors in enumerate(sessions("checkpointed_accumulated")):
+        bad = {n: e for n, e in errors.items() if not e < TOL}
+        assert bad == {}, (rank, bad)
 
 
 def test_a_sequence_that_does_not_split_fails_on_every_rank_with_the_fix(sessions):
