@@ -32,6 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"runtime", "staging", "torch_internals", "errors", "trace"},
     "ps": {"runtime", "staging", "errors", "ranges", "types", "trace", "collectives"},
     "localsgd": {"errors", "collectives"},
+    "tensor_parallel": {"collectives"},  # column/row/vocab/head-parallel layers, plans
     "zero": {"runtime", "staging", "torch_internals", "errors", "ranges", "ddp", "trace",
              "collectives"},
     "launch": {"runtime", "torch_internals", "errors", "store_keys"},
