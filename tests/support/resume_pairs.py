@@ -181,6 +181,31 @@ def table(rows: Iterable[Row]) -> str:
     return "\n".join(lines)
 
 
+def matrix(rows: Iterable[Row]) -> str:
+    """The table of docs/train.md: source layout x target layout over every world size, each
+    cell the largest difference of its pairs ("=": every one bit-identical), how many pairs,
+    and how many of them bit-identical."""
+    cells: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        key = (r.source.label.rsplit(" x", 1)[0], r.target.label.rsplit(" x", 1)[0])
+        cells.setdefault(key, []).append(r)
+    kinds = list(dict.fromkeys(k for key in cells for k in key))
+    out = ["| source \\ target | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+    for s in kinds:
+        shown = []
+        for t in kinds:
+            got = cells.get((s, t), [])
+            same = sum(r.identical for r in got)
+            worst = max((max(r.loss_diff, r.param_diff) for r in got), default=0.0)
+            shown.append("-" if not got else f"= ({len(got)})" if same == len(got)
+                         else f"{worst:.1e} ({len(got)}" + (f", {same} =)" if same else ")"))
+        out.append(f"| {s} | " + " | ".join(shown) + " |")
+    every = [r for got in cells.values() for r in got]
+    out.append(f"\n{len(every)} pairs, {sum(r.identical for r in every)} bit-identical, largest "
+               f"difference {max(max(r.loss_diff, r.param_diff) for r in every):.1e}")
+    return "\n".join(out)
+
+
 def run_table(root: Path, pairs: list[tuple[Layout, Layout]], *, in_process) -> dict[str, Any]:
     """Run every layout of `pairs` once and every pair: world sizes in ascending order (each
     one's layouts, then the pairs whose source has run), then descending for the pairs from a
@@ -230,4 +255,7 @@ if __name__ == "__main__":
     pairs = full_pairs(sizes)
     with tempfile.TemporaryDirectory() as tmp:
         got = run_table(Path(tmp), pairs, in_process=_in_process)
-        print(table(compare(Path(tmp), got, s, t) for s, t in pairs))
+        rows = [compare(Path(tmp), got, s, t) for s, t in pairs]
+        print(table(rows))
+        print()
+        print(matrix(rows))
