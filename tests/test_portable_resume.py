@@ -156,7 +156,7 @@ def table():
             mp.delenv(v, raising=False)
         params = rp.run_table(Path(tmp), pairs, in_process=rp._in_process)
         rows = [rp.compare(Path(tmp), params, s, t) for s, t in pairs]
-    print("\n" + rp.table(rows))
+    print("\n" + rp.table(rows) + "\n\n" + rp.matrix(rows))
     return rows
 
 

@@ -21,9 +21,14 @@ What a snapshot holds (files written by `ringtrain.checkpoint.snapshot.SnapshotM
   global batch the run started with.
 
 Exact resume (same world size): everything above is restored, so the run continues bit for
-bit as if never stopped. Elastic resume (another number of data ranks, replicated strategies
-only): the global batch is kept by changing grad_accum (or the per-rank batch), the sampler
-re-splits the rest of the epoch, and each rank's RNG is derived afresh from (seed, rank, step).
+bit as if never stopped. Elastic resume (another number of data ranks): the global batch is
+kept by changing grad_accum (or the per-rank batch), the sampler re-splits the rest of the
+epoch, and each rank's RNG is derived afresh from (seed, rank, step). The strategy's state loads
+as saved where the strategy and its `state_layout()` are the snapshot's (replicated state on
+any number of ranks, ZeRO resharded); otherwise it goes through the layout-free form
+(`ringtrain.strategies.portable`: the saved strategy's `to_portable`, this one's
+`load_portable_state_dict`), so ddp, zero and pipeline snapshots resume in one another.
+A larger `--steps` extends the run (`TrainerConfig.resume_view`: the schedule of the new length).
 
 The rules it applies (what must match, the elastic batch, the reseed) are plain functions in
 `rules.py`; catching SIGTERM/SIGINT/SIGUSR1 is `StopSignal` in `stop.py`. Both names stay
@@ -221,9 +226,9 @@ class Checkpointer:
         """Load the newest committed snapshot that verifies, if any, into the loop's state and
         the strategy; returns where the loop goes on (None: nothing to resume).
 
-        Raises ConfigError when the snapshot's options differ from this run's (naming them), or
-        ValueError when the global batch cannot be kept on this many ranks; `SnapshotError`
-        (with both world sizes) when the strategy's state cannot be resharded to this world size.
+        Raises ConfigError when the snapshot's options differ from this run's (naming them),
+        when the global batch cannot be kept on this many ranks, or when the state cannot be
+        converted to this strategy and layout (naming both, with the world sizes).
         """
         st, rt = self.state, self.runtime
         if rt.rank == 0:  # before any rank saves: the temp folders of saves that never finished
