@@ -6,11 +6,11 @@ layout-free form, `ringtrain.strategies.portable`), and a run extended with a la
 
 CPU, gloo. In one process: the conversions are exact (ddp -> zero-3 -> pipeline -> ddp gives
 back the same parameters and AdamW moments bit for bit, and the next step is bit-identical),
-and the rule of a changed --steps. The resume table (`tests/support/resume_pairs.py`): each pair
-resumes the source layout's snapshot in the target layout and must train on as the target's
-uninterrupted run does (max difference <= 1e-6 over the losses and the final parameters;
-`make test` runs a handful of representative pairs, RINGTRAIN_FULL=1 every pair of world sizes
-1-4 and prints the table of docs/train.md).
+the rule of a changed --steps, and the refusal of a strategy without a converter. The resume
+table (`tests/support/resume_pairs.py`): each pair resumes the source layout's snapshot in
+the target layout and must train on as the target's uninterrupted run does (max difference
+<= 1e-6 over the losses and the final parameters; `make test` runs 5 representative pairs,
+RINGTRAIN_FULL=1 all 756 of world sizes 1-4 and prints the table of docs/train.md).
 """
 
 from __future__ import annotations
@@ -166,3 +166,20 @@ def test_table_every_pair_trains_on_as_the_targets_uninterrupted_run(table):
         assert row.resumed_from == [rp.STOP], (row.source.label, row.target.label)
         assert row.loss_diff <= rp.TOLERANCE and row.param_diff <= rp.TOLERANCE, (
             f"{row.source.label} -> {row.target.label}: {row.result}")
+
+
+def test_a_strategy_without_a_converter_is_refused_naming_both_layouts(tmp_path,
+                                                                      single_process):
+    assert registered()["localsgd"].to_portable(lambda ranks: {}, None, {}) is None
+    cfg = TrainerConfig(steps=2, batch_size=8, lr=1e-3, seed=0, progress=False)
+
+    def trainer(name: str) -> Trainer:
+        return Trainer(make_strategy(name, runtime=single_process), single_process,
+                       lambda: GPT(MODEL), AdditionDataset("train", 1), None, loss_fn, cfg,
+                       run_dir=str(tmp_path), snapshot_every=2, name=name)
+
+    trainer("localsgd").fit()
+    with pytest.raises(ConfigError, match=r"saved by localsgd, 1 data ranks on world_size=1 and "
+                                          r"cannot be resumed in ddp, 1 data ranks.*Resume with "
+                                          r"--strategy localsgd on world_size=1"):
+        trainer("ddp").fit()
