@@ -14,14 +14,16 @@ Read in this order:
 - `rules.py`: the rules of a resume as plain functions: which options must match
   (`config_differences`), the global batch kept on another world size (`elastic_batch`), the
   (seed, rank, step) reseed.
-- `resume.py`: `Checkpointer`, what the training loop saves and how it resumes (exact, or
-  elastic on another world size), applying `rules.py`.
+- `resume.py`: `Checkpointer`, what the training loop saves and how it resumes (exact, elastic
+  on another world size, or in another strategy or layout through the layout-free form of
+  `ringtrain.strategies.portable`), applying `rules.py`.
 - `stop.py`: `StopSignal` (SIGTERM/SIGINT/SIGUSR1 become a flag the loop votes on, then a
   saved stop); still importable from `resume.py`, as the rules are.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.store_keys`, `ringtrain.agreement` (the strategy's agreement), `ringtrain.strategies`
-(the seam, for types), `ringtrain.collectives`. Never the trainer: the loop hands over its
+(the seam, for types; the registry, whose converters read another strategy's snapshot),
+`ringtrain.collectives`. Never the trainer: the loop hands over its
 `LoopState`.
 
 """

@@ -21,9 +21,14 @@ What a snapshot holds (files written by `ringtrain.checkpoint.snapshot.SnapshotM
   global batch the run started with.
 
 Exact resume (same world size): everything above is restored, so the run continues bit for
-bit as if never stopped. Elastic resume (another number of data ranks, replicated strategies
-only): the global batch is kept by changing grad_accum (or the per-rank batch), the sampler
-re-splits the rest of the epoch, and each rank's RNG is derived afresh from (seed, rank, step).
+bit as if never stopped. Elastic resume (another number of data ranks): the global batch is
+kept by changing grad_accum (or the per-rank batch), the sampler re-splits the rest of the
+epoch, and each rank's RNG is derived afresh from (seed, rank, step). The strategy's state loads
+as saved where the strategy and its `state_layout()` are the snapshot's (replicated state on
+any number of ranks, ZeRO resharded); otherwise it goes through the layout-free form
+(`ringtrain.strategies.portable`: the saved strategy's `to_portable`, this one's
+`load_portable_state_dict`), so ddp, zero and pipeline snapshots resume in one another.
+A larger `--steps` extends the run (`TrainerConfig.resume_view`: the schedule of the new length).
 
 The rules it applies (what must match, the elastic batch, the reseed) are plain functions in
 `rules.py`; catching SIGTERM/SIGINT/SIGUSR1 is `StopSignal` in `stop.py`. Both names stay
@@ -49,6 +54,7 @@ from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
 from ringtrain.checkpoint.sharded import load_strategy_parts
 from ringtrain.checkpoint.snapshot import (
     SaveResult,
+    Snapshot,
     SnapshotError,
     SnapshotManager,
     SnapshotNoSpaceError,
@@ -125,6 +131,7 @@ class Checkpointer:
         self.state, self.strategy = state, strategy
         self.runtime, self.agreement = runtime, agreement
         self.every, self.data_world_size, self.seed = every, data_world_size, config.seed
+        self.trainer_config = config  # its `resume_view`: the rule of a changed --steps
         self.manager = SnapshotManager(root_dir, rank=runtime.rank, world_size=runtime.world_size,
                                        store=runtime.store if runtime.world_size > 1 else None,
                                        keep=keep, timeout_s=timeout_s, name=name)
@@ -144,7 +151,8 @@ class Checkpointer:
         return self.every > 0 and step % self.every == 0
 
     def _topology(self) -> dict[str, Any]:
-        return {"strategy": self.strategy.name, "data_world_size": self.data_world_size}
+        return {"strategy": self.strategy.name, "data_world_size": self.data_world_size,
+                "layout": self.strategy.state_layout()}
 
     def save(self, step: int, reason: str = "periodic") -> SaveResult | None:
         """Write a snapshot of `step` on every rank; a failed save is logged, training goes on.
@@ -218,9 +226,9 @@ class Checkpointer:
         """Load the newest committed snapshot that verifies, if any, into the loop's state and
         the strategy; returns where the loop goes on (None: nothing to resume).
 
-        Raises ConfigError when the snapshot's options differ from this run's (naming them), or
-        ValueError when the global batch cannot be kept on this many ranks; `SnapshotError`
-        (with both world sizes) when the strategy's state cannot be resharded to this world size.
+        Raises ConfigError when the snapshot's options differ from this run's (naming them),
+        when the global batch cannot be kept on this many ranks, or when the state cannot be
+        converted to this strategy and layout (naming both, with the world sizes).
         """
         st, rt = self.state, self.runtime
         if rt.rank == 0:  # before any rank saves: the temp folders of saves that never finished
@@ -238,29 +246,33 @@ class Checkpointer:
                             "starts afresh from step 0", len(skipped), self.manager.root)
             return None
         meta = snap.metadata
-        diffs = config_differences(meta.get("config", {}), self.config)
-        if diffs:
-            raise ConfigError(
-                f"{snap.path} (step {snap.step}) was saved by a run with other options: "
-                f"{'; '.join(diffs)}. Resume with the snapshot's options, or start afresh with "
-                "--no-resume (its snapshots are deleted) or in another --run-dir")
+        self._check_options(snap)
+        # Written before layouts were saved: the layout is taken to be this run's.
+        saved_topo = {"layout": self.strategy.state_layout(), **(meta.get("topology") or {})}
+        own = (saved_topo.get("strategy") == self.strategy.name
+               and saved_topo["layout"] == self.strategy.state_layout())
         # Per-rank state saved by another number of ranks: the strategy may name the part
-        # this rank takes (None: it cannot be resharded, and check_topology refuses).
-        sources = (None if self.replicated
+        # this rank takes (None: it cannot be resharded, and the layout-free form is used).
+        sources = (None if self.replicated or not own
                    else self.strategy.reshard_sources(int(meta["world_size"])))
-        resharded = check_topology(meta, rt.world_size, topology=self._topology(),
-                                   reshardable=self.replicated or sources is not None)
         self.global_batch = int(meta["global_batch"])
         self._fit_global_batch(meta)
-        shared, per_rank, _ = self.manager.load(
-            snap, rank=sources[0] if resharded and sources else None)
-        assert shared is not None, "a committed snapshot always has shared.pt"
-        if self.replicated:
-            self.strategy.load_state_dict(shared["strategy"])
-        elif resharded:  # the saved ranks' parts this rank's new share overlaps (ZeRO: several)
-            self.strategy.load_resharded_state_dict(load_strategy_parts(snap, sources or []))
-        else:  # check_topology made sure this rank's file exists
-            self.strategy.load_state_dict(per_rank["strategy"])
+        if own and (self.replicated or sources is not None or (
+                meta["world_size"] == rt.world_size and saved_topo == self._topology())):
+            resharded = check_topology(meta, rt.world_size, topology=self._topology(),
+                                       reshardable=True)
+            shared, per_rank, _ = self.manager.load(
+                snap, rank=sources[0] if resharded and sources else None)
+            assert shared is not None, "a committed snapshot always has shared.pt"
+            if self.replicated:
+                self.strategy.load_state_dict(shared["strategy"])
+            elif resharded:  # the saved ranks' parts this rank's new share overlaps (ZeRO)
+                self.strategy.load_resharded_state_dict(load_strategy_parts(snap, sources or []))
+            else:  # the same layout on as many ranks: this rank's own file
+                self.strategy.load_state_dict(per_rank["strategy"])
+        else:  # another strategy or layout: through the layout-free form
+            resharded, per_rank = True, None
+            shared = self._load_portable(snap, saved_topo)
         st.load_state_dict(shared["trainer"])
         if not resharded and per_rank is not None:
             set_rng_state(per_rank["rng"])
@@ -270,9 +282,10 @@ class Checkpointer:
             if rt.rank == 0:
                 log.warning(
                     "warning: snapshot of step %d was written by world_size=%d, this run has "
-                    "world_size=%d: random generators (dropout) are seeded afresh from (seed, "
-                    "rank, step), so this run is not bit-identical to one without the change",
-                    snap.step, meta["world_size"], rt.world_size)
+                    "world_size=%d (%s, was %s): random generators (dropout) are seeded afresh "
+                    "from (seed, rank, step), so this run is not bit-identical to one without "
+                    "the change", snap.step, meta["world_size"], rt.world_size,
+                    _layout_text(self._topology()), _layout_text(saved_topo))
             st.restart_window(shared["window_sum"], holder=rt.rank == 0)
         st.resumes.append({"step": snap.step, "world_size": rt.world_size,
                            "saved_world_size": meta["world_size"],
@@ -281,6 +294,63 @@ class Checkpointer:
         log.info("resumed from %s: step %d of %d (saved by world_size %d)", snap.path, snap.step,
                  self.steps, meta["world_size"])
         return ResumePoint(snap.step, self.batch_size, self.grad_accum)
+
+    def _check_options(self, snap: Snapshot) -> None:
+        """Refuse a snapshot saved with other options (naming them), but let `--steps` change:
+        a run extended (or shortened) follows the schedule of its new length (`lr_at`)."""
+        meta = snap.metadata
+        saved = dict(meta.get("config", {}))
+        now = dict(self.config)
+        for c in (saved, now):  # the strategy may change: its layout is compared when loading
+            c.pop("strategy", None)
+        diffs = config_differences(self.trainer_config.resume_view(saved), now)
+        if diffs:
+            raise ConfigError(
+                f"{snap.path} (step {snap.step}) was saved by a run with other options: "
+                f"{'; '.join(diffs)}. Resume with the snapshot's options, or start afresh with "
+                "--no-resume (its snapshots are deleted) or in another --run-dir")
+        if self.steps < snap.step:
+            raise ConfigError(
+                f"--steps {self.steps} is before the snapshot's step {snap.step} ({snap.path}): "
+                f"a resumed run goes on from it; use --steps {snap.step} or more, or start "
+                "afresh with --no-resume or in another --run-dir")
+        saved_steps = saved.get("steps")
+        if saved_steps is not None and saved_steps != self.steps and self.runtime.rank == 0:
+            log.info("the run of %d steps goes on to %d: the learning rate follows the schedule "
+                     "of a %d-step run from step %d on (docs/train.md)", saved_steps,
+                     self.steps, self.steps, snap.step)
+
+    def _load_portable(self, snap: Snapshot, saved_topo: dict[str, Any]) -> dict[str, Any]:
+        """Load a snapshot of another strategy or layout into this one through the layout-free
+        form (`ringtrain.strategies.portable`); returns its shared.pt. Every rank reads what
+        the source strategy's converter needs (ZeRO: every saved rank's shards)."""
+        from ringtrain.strategies import registered  # the registry imports every strategy
+
+        meta = snap.metadata
+        shared, _, _ = self.manager.load(snap, rank=0)
+        assert shared is not None, "a committed snapshot always has shared.pt"
+        saved_name = saved_topo.get("strategy") or meta.get("config", {}).get("strategy")
+        source = registered().get(str(saved_name))
+        here, there = _layout_text(self._topology()), _layout_text(saved_topo)
+        state = None if source is None else source.to_portable(
+            lambda ranks: load_strategy_parts(snap, ranks), shared.get("strategy"), meta)
+        if state is None:
+            raise ConfigError(
+                f"{snap.path} (step {snap.step}) was saved by {there} on world_size="
+                f"{meta['world_size']} and cannot be resumed in {here} on world_size="
+                f"{self.runtime.world_size}: --strategy {saved_name}'s snapshots resume only in "
+                f"their own layout. Resume with --strategy {saved_name} on world_size="
+                f"{meta['world_size']}, or start afresh with --no-resume or in another --run-dir")
+        try:
+            self.strategy.load_portable_state_dict(state)
+        except ValueError as e:
+            raise ConfigError(f"{snap.path} (step {snap.step}, saved by {there}) does not load "
+                              f"into {here}: {e}") from None
+        if self.runtime.rank == 0:
+            log.info("resuming a snapshot of %s (world_size=%d) in %s (world_size=%d): the "
+                     "model and optimizer state by parameter name", there, meta["world_size"],
+                     here, self.runtime.world_size)
+        return shared
 
     def _fit_global_batch(self, meta: dict[str, Any]) -> None:
         """Keep the run's global batch on this run's data ranks (elastic resume)."""
@@ -293,3 +363,10 @@ class Checkpointer:
                  "per rank (was %d x %d on %d)", self.global_batch, wd, b, a, meta["batch_size"],
                  meta["grad_accum"], meta["topology"]["data_world_size"])
         self.batch_size, self.grad_accum = b, a
+
+
+def _layout_text(topology: dict[str, Any]) -> str:
+    """`pipeline, 2 data ranks, pp=2, virtual_stages=1`: a topology in words."""
+    layout = ", ".join(f"{k}={v}" for k, v in (topology.get("layout") or {}).items())
+    return ", ".join(str(x) for x in (topology.get("strategy"),
+                                      f"{topology.get('data_world_size')} data ranks", layout) if x)

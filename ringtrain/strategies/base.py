@@ -17,7 +17,7 @@ run time. See docs/architecture.md.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from ringtrain.agreement.base import Agreement, CollectiveAgreement
 from ringtrain.config import check_values
+from ringtrain.errors import ConfigError
 from ringtrain.trace import NO_TRACE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -191,6 +192,35 @@ class Strategy(ABC):
         `reshard_sources` to its `state_dict()`. Default: `load_state_dict` of the one part."""
         (state,) = parts.values()
         self.load_state_dict(state)
+
+    def state_layout(self) -> dict[str, Any]:
+        """What, besides the strategy and the world size, must equal the saved run's for this
+        rank's state to load as it was saved (a pipeline's pp); a snapshot of another layout or
+        strategy resumes through the layout-free form (`to_portable`). Default: nothing."""
+        return {}
+
+    @classmethod
+    def to_portable(cls, read_parts: Callable[[list[int]], dict[int, dict[str, Any]]],
+                    shared: dict[str, Any] | None,
+                    metadata: dict[str, Any]) -> dict[str, Any] | None:
+        """This strategy's snapshot in the layout-free form (`ringtrain.strategies.portable`),
+        for a resume by another strategy or layout; no process group (any rank calls it).
+
+        Args:
+            read_parts: saved ranks -> their `state_dict()` (read from their `rank{r}.pt`).
+            shared: the `state_dict()` rank 0 saved for every rank (`replicated_state`), else
+                None.
+            metadata: the snapshot's (its `world_size`, its `topology` with `state_layout`).
+
+        None (the default): this strategy's snapshots resume in its own layout only.
+        """
+        return None
+
+    def load_portable_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the layout-free form (`to_portable` of any strategy) into this rank's part; every
+        rank calls it (it may be collective). Default: refused."""
+        raise ConfigError(f"--strategy {self.name} cannot load another strategy's or layout's "
+                          "snapshot: resume with the snapshot's --strategy and layout")
 
     def close(self) -> None:
         """Release process groups and threads."""

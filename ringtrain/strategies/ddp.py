@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from ringtrain.ddp.distributed import DistributedDataParallel
 from ringtrain.ddp.powersgd import PowerSGDState, powersgd_hook
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
+from ringtrain.strategies import portable
 from ringtrain.strategies.base import (
     ShardPerRank,
     StepResult,
@@ -191,9 +192,15 @@ class DDPStrategy(ShardPerRank, Strategy):
         assert self.module is not None, "setup() first"
         return self.module.state_dict()
 
+    def _optimizer_names(self) -> list[str]:
+        assert self.module is not None, "setup() first"
+        return portable.optimizer_param_names(self.optimizer, portable.param_names(self.module))
+
     def state_dict(self) -> dict[str, Any]:
         assert self.module is not None, "setup() first"
-        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        # The names make it convertible to the layout-free form (`to_portable`).
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "param_names": self._optimizer_names()}
         if self.powersgd is not None:
             state["powersgd"] = self.powersgd.state_dict(list(self.module.parameters()))
         return state
@@ -204,6 +211,25 @@ class DDPStrategy(ShardPerRank, Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
         if self.powersgd is not None and "powersgd" in state:
             self.powersgd.load_state_dict(state["powersgd"], list(self.module.parameters()))
+
+    @classmethod
+    def to_portable(cls, read_parts: Callable[[list[int]], dict[int, dict[str, Any]]],
+                    shared: dict[str, Any] | None,
+                    metadata: dict[str, Any]) -> dict[str, Any] | None:
+        """Rank 0's replica (PowerSGD's error feedback, per rank, is left behind: it is a
+        correction of the last steps' compression, and starts again at zero)."""
+        state = shared if shared is not None else read_parts([0])[0]
+        if "param_names" not in state:
+            raise ConfigError("this ddp snapshot was written by a ringtrain that did not name "
+                              "the optimizer's parameters: resume it with --strategy ddp")
+        return portable.make(_strip_module_prefix(state["model"]),
+                             portable.optimizer_by_name(state["optimizer"], state["param_names"]))
+
+    def load_portable_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.module is not None, "setup() first"
+        portable.check(state)
+        portable.load_model(self.module, state["model"])
+        portable.load_optimizer(self.optimizer, self._optimizer_names(), state["optimizer"])
 
     def reshard_sources(self, saved_world_size: int) -> list[int] | None:
         """PowerSGD on another number of ranks: the weights are the same on every rank, the

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +34,12 @@ from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collect
 from ringtrain.config import MUST_MATCH, int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.pipeline.engine import PipelineStage, StepStats
+from ringtrain.pipeline.names import StageNames, model_tensors
 from ringtrain.pipeline.partition import partition, tied_parameters
 from ringtrain.pipeline.schedule import BUBBLE_FORMULA_TEXT, COMPUTE, SCHEDULES, bubble_formula
 from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import Runtime
+from ringtrain.strategies import portable
 from ringtrain.strategies.base import StepResult, Strategy, StrategyConfig
 from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
 from ringtrain.trace import COMM, Tracer
@@ -218,7 +220,8 @@ class PipelineStrategy(Strategy):
         chunks = [stages[c * pp + g.pp_rank].to(self.runtime.device) for c in range(v)]
         stage = chunks[0] if v == 1 else nn.ModuleList(chunks)
         self.stage = stage
-        self._map_names(model, stages)
+        self.names = StageNames.of(model, stages, stage)
+        self._param_names = portable.param_names(model)  # id -> name, for the optimizer
 
         # Tied weights: one group per (tie, pipeline), created by every rank in the same order.
         self._ties: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
@@ -257,28 +260,6 @@ class PipelineStrategy(Strategy):
             sync_next_backward=([d.reducer.prepare_for_backward for d in self.ddp] if self.ddp
                                 else None),
         )
-
-    def _map_names(self, model: nn.Module, stages: list[nn.Sequential]) -> None:
-        """Remember which of the model's state_dict names this stage holds, by tensor identity
-        (the stages share the model's parameter objects)."""
-        names: dict[int, list[str]] = {}
-        full = model.state_dict(keep_vars=True)
-        for name, t in full.items():
-            names.setdefault(id(t), []).append(name)
-        self._key_order = list(full)
-        covered = {name for stage in stages for t in stage.state_dict(keep_vars=True).values()
-                   for name in names.get(id(t), [])}
-        self._local_names: dict[str, str] = {}  # model name -> this rank's state_dict key
-        for key, t in self.stage.state_dict(keep_vars=True).items():
-            for name in names.get(id(t), []):
-                self._local_names.setdefault(name, key)
-        missing = [n for n in self._key_order if n not in covered]
-        if missing:
-            raise ValueError(
-                f"the model's state {missing[:5]} is held by no pipeline stage: "
-                f"{type(model).__name__}.to_sequential() must return layers that share the model's "
-                "own parameters and buffers (not copies)"
-            )
 
     # -- one optimizer step -----------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
@@ -343,24 +324,55 @@ class PipelineStrategy(Strategy):
         """The full model's state under its own names, gathered from every stage; equal on all
         ranks (a collective over the pipeline group)."""
         own = self.stage.state_dict()
-        local = {name: own[key].detach().cpu().clone() for name, key in self._local_names.items()}
+        local = {name: own[key].detach().cpu().clone() for name, key in self.names.local.items()}
         if self.topology.pp == 1:
-            return {name: local[name] for name in self._key_order}
+            return {name: local[name] for name in self.names.order}
         parts: list[dict[str, torch.Tensor] | None] = [None] * self.topology.pp
         collectives.all_gather_object(parts, local, group=self.groups.pp_group)
         full: dict[str, torch.Tensor] = {}
         for part in parts:
             full.update(part or {})
-        return {name: full[name] for name in self._key_order}
+        return {name: full[name] for name in self.names.order}
 
     def _layout(self) -> dict[str, int]:
         return {"world_size": self.topology.world_size, "pp": self.topology.pp,
                 "dp": self.topology.dp, "pp_rank": self.groups.pp_rank,
                 **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {})}
 
+    def state_layout(self) -> dict[str, Any]:
+        """Stages hold other layers under another pp or number of chunks."""
+        return {"pp": self.topology.pp, "virtual_stages": self.virtual_stages}
+
     def state_dict(self) -> dict[str, Any]:
+        # The model's names make it convertible to the layout-free form (`to_portable`).
         return {"layout": self._layout(), "stage": self.stage.state_dict(),
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict(), "names": self.names.keys,
+                "param_names": portable.optimizer_param_names(self.optimizer,
+                                                              self._param_names)}
+
+    @classmethod
+    def to_portable(cls, read_parts: Callable[[list[int]], dict[int, dict[str, Any]]],
+                    shared: dict[str, Any] | None,
+                    metadata: dict[str, Any]) -> dict[str, Any] | None:
+        """The stages of the first pipeline (dp_rank 0; the others hold the same), each
+        stage's tensors under the model's names."""
+        layout = read_parts([0])[0]["layout"]
+        ranks = Topology(int(layout["world_size"]), int(layout["pp"])).pp_group_ranks(0)
+        parts = read_parts(ranks)
+        if any("names" not in p for p in parts.values()):
+            raise ConfigError("this pipeline snapshot was written by a ringtrain that did not "
+                              "name the stages' tensors: resume it with --strategy pipeline "
+                              f"--pp {layout['pp']}")
+        return portable.make(model_tensors(parts), portable.merge(
+            portable.optimizer_by_name(p["optimizer"], p["param_names"])
+            for _, p in sorted(parts.items())))
+
+    def load_portable_state_dict(self, state: dict[str, Any]) -> None:
+        portable.check(state)
+        portable.load_model(self.stage, state["model"], names=self.names.keys)
+        portable.load_optimizer(
+            self.optimizer, portable.optimizer_param_names(self.optimizer, self._param_names),
+            state["optimizer"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, now = state.get("layout"), self._layout()

@@ -12,7 +12,7 @@ ranks resumes on 3); `model_state_dict()` gathers the full model on every rank.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch import nn
 from ringtrain.config import option
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
+from ringtrain.strategies import portable
 from ringtrain.strategies.base import (
     ShardPerRank,
     StepResult,
@@ -33,6 +34,7 @@ from ringtrain.strategies.figures import Figures, Workload, gather_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import reshard
+from ringtrain.zero import state as zero_state
 from ringtrain.zero.shard import STAGES, expected_bytes
 from ringtrain.zero.sharded import ZeroDataParallel
 
@@ -156,6 +158,22 @@ class ZeroStrategy(ShardPerRank, Strategy):
 
     def load_resharded_state_dict(self, parts: dict[int, dict[str, Any]]) -> None:
         self._zero().load_shard_state_dicts({r: p["zero"] for r, p in parts.items()})
+
+    @classmethod
+    def to_portable(cls, read_parts: Callable[[list[int]], dict[int, dict[str, Any]]],
+                    shared: dict[str, Any] | None,
+                    metadata: dict[str, Any]) -> dict[str, Any] | None:
+        """Every saved rank's shards put together (`reshard.consolidate`), cut by parameter."""
+        parts = read_parts(list(range(int(metadata["world_size"]))))
+        try:
+            model, state = zero_state.to_named([p["zero"] for _, p in sorted(parts.items())])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return portable.make(model, {"state": state})
+
+    def load_portable_state_dict(self, state: dict[str, Any]) -> None:
+        portable.check(state)
+        self._zero().load_named_state(state["model"], state["optimizer"]["state"])
 
     def stats(self) -> dict[str, Any]:
         memory = self._memory or self._zero().memory()

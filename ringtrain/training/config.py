@@ -117,12 +117,25 @@ class TrainerConfig:
         global batch is kept instead)."""
         return {name: getattr(self, name) for name in resume_fields(self)}
 
+    def resume_view(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A snapshot's `must_match()` as this run compares it with its own: `--steps` may
+        differ (a run extended, or shortened, to this run's steps: its learning rate then
+        follows the schedule of a run of this many steps, `lr_at`), and so may the warmup where
+        both runs took its default, which follows --steps."""
+        out = dict(saved)
+        if "steps" in out and "warmup_steps" in out:
+            if (out["warmup_steps"] == default_warmup(out["steps"])
+                    and self.warmup_steps == default_warmup(self.steps)):
+                out["warmup_steps"] = self.warmup_steps
+            out["steps"] = self.steps
+        return out
+
     def resolved(self) -> TrainerConfig:
         """A copy with every `None` derived from the others. The copy is built, so checked: a
         field set after construction (`config.lr = 0`) is caught here."""
         c = TrainerConfig(**asdict(self))
         c.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
-        c.warmup_steps = (min(100, self.steps // 10) if self.warmup_steps is None
+        c.warmup_steps = (default_warmup(self.steps) if self.warmup_steps is None
                           else self.warmup_steps)
         c.log_every = max(1, self.steps // 100) if self.log_every is None else self.log_every
         c.eval_every = max(1, self.steps // 10) if self.eval_every is None else self.eval_every
@@ -133,8 +146,17 @@ class TrainerConfig:
         return c
 
 
+def default_warmup(steps: int) -> int:
+    """--warmup-steps' default: a tenth of the run, at most 100 steps."""
+    return min(100, steps // 10)
+
+
 def lr_at(step: int, c: TrainerConfig) -> float:
-    """Linear warmup over `warmup_steps`, then cosine decay from lr to min_lr at the last step."""
+    """Linear warmup over `warmup_steps`, then cosine decay from lr to min_lr at the last step.
+
+    A function of the step and this run's options only: a run resumed with a larger --steps
+    (`resume_view`) follows the schedule of a run of its new length from the snapshot's step
+    on, as if it had been started with it (docs/train.md, "Extending a run")."""
     if step < c.warmup_steps:
         return c.lr * (step + 1) / c.warmup_steps
     if c.lr_schedule == "constant":

@@ -243,6 +243,13 @@ class ZeroDataParallel(UnitHooks, nn.Module):
                               rank=self.rank)
         self._after_step()
 
+    def load_named_state(self, model: dict[str, torch.Tensor],
+                         state: dict[str, dict[str, Any]]) -> None:
+        """Load whole parameters and their optimizer state by name (the layout-free form of
+        `ringtrain.strategies.portable`), on every rank: re-sliced as from one saved rank."""
+        part = zero_state.from_named(self.units, self.optimizer, model, state, stage=self.stage)
+        self.load_shard_state_dicts({0: part})
+
     def memory(self) -> dict[str, int | float]:
         """Bytes held now on this rank (counted from the tensors) next to the ZeRO formula."""
         self._wait_all_gathers()

@@ -3,17 +3,27 @@ from the parts of any number of saved ranks.
 
 Used by `ZeroDataParallel.shard_state_dict` / `load_shard_state_dicts` (`sharded.py`); the
 optimizer's parts and where they sit in each unit's shard come from `ZeroOptimizer.locations`.
+`to_named` and `from_named` convert every rank's parts to and from whole tensors by parameter
+name (the layout-free form of `ringtrain.strategies.portable`, for a resume by another strategy).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ringtrain.zero.optimizer import ZeroOptimizer
-from ringtrain.zero.reshard import FORMAT, check_parts, scalars, sources, unit_state
+from ringtrain.zero.reshard import (
+    FORMAT,
+    check_parts,
+    consolidate,
+    scalars,
+    sources,
+    unit_state,
+)
 from ringtrain.zero.units import FlatUnit
 
 
@@ -43,6 +53,7 @@ def shard_state(units: Sequence[FlatUnit], optimizer: ZeroOptimizer, *, stage: i
                 scal[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
     return {"format": FORMAT, "stage": stage, "world_size": world_size, "rank": rank,
             "numels": [u.plan.numel for u in units], "names": unit_names(units),
+            "shapes": [[list(s.shape) for s in u.plan.slots] for u in units],
             "shards": [u.shard.detach().clone() for u in units], "moments": moments,
             "scalars": scal,
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
@@ -84,3 +95,73 @@ def load_parts(units: Sequence[FlatUnit], optimizer: ZeroOptimizer,
         opt.state[part] = st
     for group, saved in zip(opt.param_groups, saved_groups, strict=True):
         group.update(saved)
+
+
+def to_named(parts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, torch.Tensor],
+                                                         dict[str, dict[str, Any]]]:
+    """Every saved rank's `shard_state` -> (parameters, optimizer state) by parameter name, in
+    each parameter's shape: the flat units put together and cut at the parameters' slots."""
+    some = parts[0]
+    if "shapes" not in some:
+        raise ValueError("this ZeRO snapshot was written by a ringtrain that did not save the "
+                         "parameters' shapes: resume it with --strategy zero")
+    full = consolidate(parts)
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for k, (names, shapes) in enumerate(zip(full["names"], some["shapes"], strict=True)):
+        offset = 0
+        for name, shape in zip(names, shapes, strict=True):
+            n = math.prod(shape)
+            model[name] = full["params"][k][offset:offset + n].view(shape).clone()
+            if full["moments"][k]:  # none before the first step
+                state[name] = {**{key: v.clone() if isinstance(v, torch.Tensor) else v
+                                  for key, v in full["scalars"].items()},
+                               **{key: flat[offset:offset + n].view(shape).clone()
+                                  for key, flat in full["moments"][k].items()}}
+            offset += n
+    return model, state
+
+
+def from_named(units: Sequence[FlatUnit], optimizer: ZeroOptimizer,
+               model: Mapping[str, torch.Tensor], state: Mapping[str, Mapping[str, Any]], *,
+               stage: int) -> dict[str, Any]:
+    """The inverse of `to_named`: whole tensors by name -> one part, as if saved by a single
+    rank, which `load_parts` re-slices for this rank (the same code as any resharding)."""
+    shards: list[torch.Tensor] = []
+    moments: list[dict[str, torch.Tensor]] = []
+    scal: dict[str, Any] = {}
+    for u in units:
+        pieces, flat = [], {}
+        for slot in u.plan.slots:
+            t = model.get(slot.name)
+            if t is None or tuple(t.shape) != slot.shape:
+                raise ValueError(
+                    f"parameter {slot.name!r} is "
+                    f"{'missing' if t is None else tuple(t.shape)} in the snapshot, {slot.shape} "
+                    "here: saved from another model; resume with the model options it was "
+                    "saved with")
+            pieces.append(t.detach().reshape(-1).cpu().to(u.shard.dtype))
+            for key, v in state.get(slot.name, {}).items():
+                if isinstance(v, torch.Tensor) and tuple(v.shape) == slot.shape and v.dim() >= 1:
+                    out = flat.setdefault(key, torch.zeros(u.plan.numel, dtype=v.dtype))
+                    out[slot.offset:slot.offset + slot.numel] = v.detach().reshape(-1).cpu()
+                elif key not in scal:
+                    scal[key] = v
+                elif not _equal(scal[key], v):
+                    raise ValueError(f"optimizer state {key!r} differs between parameters "
+                                     f"({scal[key]} and {v} at {slot.name!r}): ZeRO keeps one "
+                                     "per run")
+        shards.append(torch.cat(pieces))
+        moments.append(flat)
+    return {"format": FORMAT, "stage": stage, "world_size": 1, "rank": 0,
+            "numels": [u.plan.numel for u in units], "names": unit_names(units),
+            "shapes": [[list(s.shape) for s in u.plan.slots] for u in units],
+            "shards": shards, "moments": moments, "scalars": scal,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in optimizer.optimizer.param_groups]}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))
+    return a == b
