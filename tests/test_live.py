@@ -10,7 +10,7 @@ hosted here, in the test's process (never in a member, which may die):
   rank before the step is redone, so the run ends with the clean run's parameters, bit for bit;
 - "kill": the same kill, no spare: two members finish the run, each step on the same global
   batch, the loss within 1e-4 of the clean run's;
-- "hang": member 1 SIGSTOPs itself at step 3 (found by the group's 3 s collective timeout); a
+- "hang": member 1 SIGSTOPs itself at step 3 (found by the group's 4 s collective timeout); a
   replacement started once the survivors have moved on is let in at a later step boundary.
 Every member appends each committed step's sample ids and loss to its own file, so the ids of
 a member that was killed are counted too: every job's steps hold the clean run's samples, each
@@ -86,7 +86,7 @@ def _member(rank, world_size, port, records_dir, plan):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = _Momentum(model.parameters())
     state = LiveState(model, optimizer, GlobalBatches(N, BATCH, seed=1))
-    group = LiveGroup(store, WORLD, name=job, timeout_s=3, heartbeat_s=0.1, dead_after_s=1.5)
+    group = LiveGroup(store, WORLD, name=job, timeout_s=4, heartbeat_s=0.1, dead_after_s=3)
     if late:
         store.set(f"{job}/spare_ready", b"1")  # registered: let in at the next step boundary
     records = open(Path(records_dir) / f"{job}-{group.uid}.jsonl", "a")  # noqa: SIM115

@@ -69,11 +69,13 @@ class LiveGroup:
         dead_after_s: a member silent this long is lost (several heartbeats, so a busy host is
             not taken for a dead one).
         join_timeout_s: how long a replacement waits to be let in.
+        retries: failed steps in a row, at one step, that lost no member and are redone
+            before `recover` raises (a live but slow peer can time a collective out).
     """
 
     def __init__(self, store: dist.Store, world_size: int, *, name: str = "live",
                  timeout_s: float = 30.0, heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
-                 join_timeout_s: float = 600.0):
+                 join_timeout_s: float = 600.0, retries: int = 1):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: it must be at least 1")
         if not 0 < heartbeat_s < dead_after_s:
@@ -84,7 +86,8 @@ class LiveGroup:
         self._store = dist.PrefixStore(prefix, store)
         self.world_size, self.timeout_s = world_size, timeout_s
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
-        self.join_timeout_s = join_timeout_s
+        self.join_timeout_s, self.retries = join_timeout_s, retries
+        self._fruitless = (-1, 0)  # (step, recoveries in a row there that lost no member)
         self.uid = self._store.add("uids", 1) - 1
         self._store.set(f"pid/{self.uid}", str(os.getpid()))
         self._store.add(f"hb/{self.uid}", 1)  # beaten once: from here on it may be let in
@@ -177,16 +180,24 @@ class LiveGroup:
     def recover(self, state: LiveState, error: BaseException) -> None:
         """After a failed collective: form the next generation, restore, heal; go on.
 
-        Raises `LiveRecoveryError` (from `error`) when every member is still there: the
-        failure was not a lost member, and redoing the step would fail the same way.
+        A recovery that finds every member still there redoes the step too (a collective that
+        timed out on a live but slow peer), up to `retries` times in a row at one step; then
+        it raises `LiveRecoveryError` from `error`: not a lost member, and redoing the step
+        fails the same way. Every member counts the same recoveries, so all decide alike.
         """
         old = list(self.members)
         state.restore()
         self._reform(state)
-        if set(old) <= set(self.members):
+        if not set(old) <= set(self.members):
+            self._fruitless = (state.step, 0)
+            return
+        step, count = self._fruitless
+        self._fruitless = (state.step, count + 1 if step == state.step else 1)
+        if self._fruitless[1] > self.retries:
             raise LiveRecoveryError(
-                f"generation {self.generation}: a collective failed on uid {self.uid} but every "
-                f"member ({old}) is still in the job; not a peer failure: {error}") from error
+                f"generation {self.generation}, step {state.step}: a collective failed on uid "
+                f"{self.uid} {self._fruitless[1]} times in a row but every member ({old}) is "
+                f"still in the job; not a peer failure: {error}") from error
 
     def close(self) -> None:
         """Stop beating; tell waiting replacements the job is done (they return False)."""
