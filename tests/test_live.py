@@ -2,7 +2,7 @@
 
     .venv/bin/pytest -q tests/test_live.py
 
-Four jobs of 3 members run side by side in one start of 14 processes (a job's wall time is
+Five jobs run side by side in one start of 16 processes (a job's wall time is
 mostly its fault's detection, so running them together costs one job's time), on one store
 hosted here, in the test's process (never in a member, which may die):
 - "clean": the fault-free run, the reference;
@@ -11,7 +11,9 @@ hosted here, in the test's process (never in a member, which may die):
 - "kill": the same kill, no spare: two members finish the run, each step on the same global
   batch, the loss within 1e-4 of the clean run's;
 - "hang": member 1 SIGSTOPs itself at step 3 (found by the group's 4 s collective timeout); a
-  replacement started once the survivors have moved on is let in at a later step boundary.
+  replacement started once the survivors have moved on is let in at a later step boundary;
+- "bug" (2 members): the step raises on every member; nobody is lost, so after one redo the
+  error comes out of `train_live` on both, as `LiveRecoveryError`.
 Every member appends each committed step's sample ids and loss to its own file, so the ids of
 a member that was killed are counted too: every job's steps hold the clean run's samples, each
 once. The records, not the members' word, prove exactly-once.
@@ -31,11 +33,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.live import GlobalBatches, LiveGroup, LiveState, all_reduce_gradients, train_live
+from ringtrain.live import (
+    GlobalBatches,
+    LiveGroup,
+    LiveRecoveryError,
+    LiveState,
+    all_reduce_gradients,
+    train_live,
+)
 from ringtrain.testing import run_workers
 
 N, BATCH, STEPS, FAULT_STEP, WORLD = 60, 12, 8, 3, 3  # 5 steps per epoch: the run crosses one
-JOBS = {"clean": (None, 3), "kill_spare": ("kill", 4), "kill": ("kill", 3), "hang": ("stop", 4)}
+JOBS = {"clean": (None, 3), "kill_spare": ("kill", 4), "kill": ("kill", 3), "hang": ("stop", 4),
+        "bug": ("bug", 2)}
 
 
 def _data():
@@ -86,13 +96,16 @@ def _member(rank, world_size, port, records_dir, plan):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = _Momentum(model.parameters())
     state = LiveState(model, optimizer, GlobalBatches(N, BATCH, seed=1))
-    group = LiveGroup(store, WORLD, name=job, timeout_s=4, heartbeat_s=0.1, dead_after_s=3)
+    group = LiveGroup(store, 2 if job == "bug" else WORLD, name=job, timeout_s=4,
+                      heartbeat_s=0.1, dead_after_s=3)
     if late:
         store.set(f"{job}/spare_ready", b"1")  # registered: let in at the next step boundary
     records = open(Path(records_dir) / f"{job}-{group.uid}.jsonl", "a")  # noqa: SIM115
     generations = []
 
     def step(ids, process_group):
+        if fault == "bug" and state.step == 2:  # the job's own error, on every member
+            raise RuntimeError("a bug in the step, not a lost peer")
         if (fault and state.step == FAULT_STEP and group.rank == 1
                 and store.compare_set(f"{job}/fault", "", str(os.getpid())) == str(os.getpid())
                 .encode()):
@@ -116,7 +129,10 @@ def _member(rank, world_size, port, records_dir, plan):
             store.wait([f"{job}/spare_ready"])
 
     pid = os.getpid()
-    joined = train_live(group, state, step, STEPS, on_commit=on_commit)
+    try:
+        joined = train_live(group, state, step, STEPS, on_commit=on_commit)
+    except LiveRecoveryError as e:
+        return {"job": job, "error": str(e), "step": state.step}
     if fault == "stop" and joined and group.rank == 0:  # the agent would reap the frozen one
         os.kill(int(store.get(f"{job}/fault")), signal.SIGKILL)
     return {"job": job, "joined": joined, "pid": pid, "pid_now": os.getpid(), "uid": group.uid,
@@ -132,13 +148,13 @@ def run(tmp_path_factory):
             for job, (fault, n) in JOBS.items() for i in range(n)]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
-    faulty = [r for r, (job, fault, _) in enumerate(plan) if fault]
+    faulty = [r for r, (job, fault, _) in enumerate(plan) if fault in ("kill", "stop")]
     results = run_workers(_member, len(plan), args=(store.port, str(records_dir), plan),
                           init=False, timeout_s=90, tolerate=faulty)
     by_job: dict[str, list] = {job: [] for job in JOBS}
     for (job, _, _), result in zip(plan, results, strict=True):
         by_job[job].append(result)
-    steps: dict[str, dict[int, list]] = {job: {} for job in JOBS}
+    steps: dict[str, dict[int, list]] = {job: {} for job in JOBS}  # step -> its records
     for path in sorted(records_dir.glob("*.jsonl")):
         job = path.name.rsplit("-", 1)[0]
         for line in path.read_text().splitlines():
@@ -202,3 +218,13 @@ def test_every_step_trains_the_fault_free_samples_once_with_its_loss(run, job):
             assert record["loss"] == pytest.approx(clean_loss, abs=1e-4), f"step {s}"
     fewer = [s for s in range(STEPS) if len(steps[job][s]) == 2]
     assert FAULT_STEP in fewer if job != "kill_spare" else fewer == []
+
+
+def test_a_failure_that_loses_no_member_is_redone_once_then_raised_on_every_member(run):
+    by_job, steps = run
+    for r in by_job["bug"]:  # not retried forever, not hung: both members raise, at step 2
+        assert r["step"] == 2
+        assert "step 2 failed on uid" in r["error"] and "2 times in a row" in r["error"]
+        assert "every member ([0, 1]) is still in the job" in r["error"]
+        assert "a bug in the step, not a lost peer" in r["error"]
+    assert sorted(steps["bug"]) == [0, 1]

@@ -195,9 +195,9 @@ class LiveGroup:
         self._fruitless = (state.step, count + 1 if step == state.step else 1)
         if self._fruitless[1] > self.retries:
             raise LiveRecoveryError(
-                f"generation {self.generation}, step {state.step}: a collective failed on uid "
-                f"{self.uid} {self._fruitless[1]} times in a row but every member ({old}) is "
-                f"still in the job; not a peer failure: {error}") from error
+                f"step {state.step} failed on uid {self.uid} {self._fruitless[1]} times in a row "
+                f"(generation {self.generation}) but every member ({old}) is still in the job: "
+                f"not a lost peer, so redoing it will not help. The error: {error}") from error
 
     def close(self) -> None:
         """Stop beating; tell waiting replacements the job is done (they return False)."""
