@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -109,6 +110,7 @@ def _member(rank, world_size, port, records_dir, plan):
         if (fault and state.step == FAULT_STEP and group.rank == 1
                 and store.compare_set(f"{job}/fault", "", str(os.getpid())) == str(os.getpid())
                 .encode()):
+            store.set(f"{job}/fault_at", str(time.monotonic()))  # one clock for the host
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         loss = (model(x[ids]) - y[ids]).pow(2).sum() / BATCH  # this share's part of the mean
         loss.backward()
@@ -120,7 +122,8 @@ def _member(rank, world_size, port, records_dir, plan):
         return float(total), ids
 
     def on_commit(done, result):
-        records.write(json.dumps({"step": done, "loss": result[0], "ids": result[1]}) + "\n")
+        records.write(json.dumps({"step": done, "loss": result[0], "ids": result[1],
+                                  "at": time.monotonic()}) + "\n")
         records.flush()
         generations.append((group.generation, group.size))
         if done == FAULT_STEP and fault:  # the interrupted step, redone and committed
@@ -160,7 +163,9 @@ def run(tmp_path_factory):
         for line in path.read_text().splitlines():
             record = json.loads(line)
             steps[job].setdefault(record["step"], []).append(record)
-    return by_job, steps
+    fault_at = {job: float(store.get(f"{job}/fault_at")) for job, (fault, _) in JOBS.items()
+                if fault in ("kill", "stop")}
+    return by_job, steps, fault_at
 
 
 def _finished(results):
@@ -168,7 +173,7 @@ def _finished(results):
 
 
 def test_the_clean_run_trains_every_step_on_three_members(run):
-    by_job, _ = run
+    by_job, _, _ = run
     clean = _finished(by_job["clean"])
     assert len(clean) == 3 and {r["generations"][-1] for r in clean} == {(0, 3)}
     assert len({r["sha"] for r in clean}) == 1
@@ -176,7 +181,7 @@ def test_the_clean_run_trains_every_step_on_three_members(run):
 
 @pytest.mark.parametrize("job", ["kill_spare", "kill", "hang"])
 def test_the_survivors_finish_in_their_own_processes(run, job):
-    by_job, _ = run
+    by_job, _, _ = run
     assert sum(r is None for r in by_job[job]) == 1, "one member, the victim, died"
     finished = _finished(by_job[job])
     assert len(finished) == 3 if job != "kill" else 2
@@ -188,7 +193,7 @@ def test_the_survivors_finish_in_their_own_processes(run, job):
 
 
 def test_a_spare_that_takes_the_dead_members_rank_ends_with_the_fault_free_weights(run):
-    by_job, _ = run
+    by_job, _, _ = run
     clean_sha = _finished(by_job["clean"])[0]["sha"]
     finished = _finished(by_job["kill_spare"])
     assert {r["sha"] for r in finished} == {clean_sha}
@@ -198,7 +203,7 @@ def test_a_spare_that_takes_the_dead_members_rank_ends_with_the_fault_free_weigh
 
 
 def test_a_replacement_is_let_in_at_a_later_step_boundary(run):
-    by_job, _ = run
+    by_job, _, _ = run
     late = [r for r in _finished(by_job["hang"]) if r["generations"][0][0] != 0]
     assert len(late) == 1
     generation, size = late[0]["generations"][0]
@@ -207,7 +212,7 @@ def test_a_replacement_is_let_in_at_a_later_step_boundary(run):
 
 @pytest.mark.parametrize("job", ["kill_spare", "kill", "hang"])
 def test_every_step_trains_the_fault_free_samples_once_with_its_loss(run, job):
-    _, steps = run
+    _, steps, _ = run
     batches = GlobalBatches(N, BATCH, seed=1)
     assert sorted(steps[job]) == list(range(STEPS))
     for s in range(STEPS):
@@ -221,10 +226,21 @@ def test_every_step_trains_the_fault_free_samples_once_with_its_loss(run, job):
 
 
 def test_a_failure_that_loses_no_member_is_redone_once_then_raised_on_every_member(run):
-    by_job, steps = run
+    by_job, steps, _ = run
     for r in by_job["bug"]:  # not retried forever, not hung: both members raise, at step 2
         assert r["step"] == 2
         assert "step 2 failed on uid" in r["error"] and "2 times in a row" in r["error"]
         assert "every member ([0, 1]) is still in the job" in r["error"]
         assert "a bug in the step, not a lost peer" in r["error"]
     assert sorted(steps["bug"]) == [0, 1]
+
+
+@pytest.mark.parametrize("job", ["kill_spare", "kill", "hang"])
+def test_the_stall_is_the_detection_bound_not_a_restart(run, job):
+    # From the fault to the redone step's commit: about dead_after_s (3 s) after a kill,
+    # timeout_s (4 s) after a hang, plus a group build, a heal and a step. Printed with -s;
+    # the bound is loose, for a loaded 2-core host.
+    _, steps, fault_at = run
+    stall = min(r["at"] for r in steps[job][FAULT_STEP]) - fault_at[job]
+    print(f"{job}: {stall:.2f} s from the fault to step {FAULT_STEP} committed again")
+    assert 0 < stall < 30

@@ -139,12 +139,20 @@ class LiveGroup:
         from its rank 0's state (as DDP's broadcast at construction); a replacement takes the
         newest committed state of the members (`heal`).
         """
+        deadline = time.monotonic() + self.join_timeout_s
         if self.uid < self.world_size:  # the first world_size processes: generation 0
+            # All registered first: their group's rendezvous then starts within milliseconds
+            # everywhere, so a slow start (imports on a loaded host) never times it out.
+            while (registered := self._store.add("uids", 0)) < self.world_size:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"only {registered} of world_size={self.world_size} processes registered "
+                        f"within {self.join_timeout_s:g} s; start the others with the same store")
+                time.sleep(0.01)
             value = self._store.compare_set("gen0/members", "", _encode(range(self.world_size)))
             self._enter(0, _decode(value), state, fresh=self.uid != 0)
             return True
         g = self._store.add("generations", 0)
-        deadline = time.monotonic() + self.join_timeout_s
         while True:
             if self._store.check([f"gen{g}/members"]):
                 members = _decode(self._store.get(f"gen{g}/members"))
