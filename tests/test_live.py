@@ -42,7 +42,7 @@ from ringtrain.live import (
     all_reduce_gradients,
     train_live,
 )
-from ringtrain.testing import run_workers
+from ringtrain.testing import WorkerError, run_workers
 
 N, BATCH, STEPS, FAULT_STEP, WORLD = 60, 12, 8, 3, 3  # 5 steps per epoch: the run crosses one
 JOBS = {"clean": (None, 3), "kill_spare": ("kill", 4), "kill": ("kill", 3), "hang": ("stop", 4),
@@ -152,8 +152,11 @@ def run(tmp_path_factory):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
     faulty = [r for r, (job, fault, _) in enumerate(plan) if fault in ("kill", "stop")]
-    results = run_workers(_member, len(plan), args=(store.port, str(records_dir), plan),
-                          init=False, timeout_s=90, tolerate=faulty)
+    try:
+        results = run_workers(_member, len(plan), args=(store.port, str(records_dir), plan),
+                              init=False, timeout_s=90, tolerate=faulty)
+    except (TimeoutError, WorkerError) as e:  # which job the ranks named belong to
+        raise AssertionError(f"{e}\nranks by (job, fault, late): {dict(enumerate(plan))}") from e
     by_job: dict[str, list] = {job: [] for job in JOBS}
     for (job, _, _), result in zip(plan, results, strict=True):
         by_job[job].append(result)
@@ -213,11 +216,12 @@ def test_a_replacement_is_let_in_at_a_later_step_boundary(run):
 @pytest.mark.parametrize("job", ["kill_spare", "kill", "hang"])
 def test_every_step_trains_the_fault_free_samples_once_with_its_loss(run, job):
     _, steps, _ = run
-    batches = GlobalBatches(N, BATCH, seed=1)
-    assert sorted(steps[job]) == list(range(STEPS))
+    assert sorted(steps[job]) == sorted(steps["clean"]) == list(range(STEPS))
     for s in range(STEPS):
         ids = Counter(i for record in steps[job][s] for i in record["ids"])
-        assert ids == Counter(batches.batch(s)), f"step {s}: not the global batch, once each"
+        clean = Counter(i for record in steps["clean"][s] for i in record["ids"])
+        assert ids == clean and set(ids.values()) == {1}, f"step {s}: not the clean run's batch"
+        assert sorted(ids) == sorted(GlobalBatches(N, BATCH, seed=1).batch(s))
         clean_loss = steps["clean"][s][0]["loss"]
         for record in steps[job][s]:
             assert record["loss"] == pytest.approx(clean_loss, abs=1e-4), f"step {s}"
