@@ -72,6 +72,7 @@ def test_restore_goes_back_to_the_commit_and_stepping_after_it_leaves_the_commit
     state.step = 2
     state.commit()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
     for _ in range(2):  # restore twice: the optimizer must not have stepped the commit itself
         _train(model, optimizer, 1)
         torch.rand(1)
@@ -79,6 +80,8 @@ def test_restore_goes_back_to_the_commit_and_stepping_after_it_leaves_the_commit
         state.restore()
         assert state.step == 2
         assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+        restored = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(restored, moments, strict=True))
     first = torch.rand(1)
     state.restore()
     assert torch.equal(torch.rand(1), first)  # the RNG came back too
