@@ -2,9 +2,9 @@
 
     .venv/bin/pytest -q tests/test_live.py
 
-Five jobs run side by side in one start of 16 processes (a job's wall time is
-mostly its fault's detection, so running them together costs one job's time), on one store
-hosted here, in the test's process (never in a member, which may die):
+Five jobs run side by side in one start of 16 processes (a job's wall time is mostly its
+fault's detection, so running them together costs one job's time), on one store hosted here,
+in the test's process (never in a member, which may die):
 - "clean": the fault-free run, the reference;
 - "kill_spare": member 1 SIGKILLs itself at step 3; a spare, waiting from the start, takes its
   rank before the step is redone, so the run ends with the clean run's parameters, bit for bit;
@@ -107,7 +107,7 @@ def _member(rank, world_size, port, records_dir, plan):
     def step(ids, process_group):
         if fault == "bug" and state.step == 2:  # the job's own error, on every member
             raise RuntimeError("a bug in the step, not a lost peer")
-        if (fault and state.step == FAULT_STEP and group.rank == 1
+        if (fault in ("kill", "stop") and state.step == FAULT_STEP and group.rank == 1
                 and store.compare_set(f"{job}/fault", "", str(os.getpid())) == str(os.getpid())
                 .encode()):
             store.set(f"{job}/fault_at", str(time.monotonic()))  # one clock for the host
