@@ -96,8 +96,9 @@ def run_workers(
 
     The group is gloo; `device="cuda"` gives every rank CUDA tensors on a shared GPU (rank i on
     cuda:(i mod GPUs)), the way to test multi-process code on a box with fewer GPUs than ranks.
-    A rank in `tolerate` may die without a result (a fault test kills it): its result is None
-    (with `init=False`: a killed rank breaks the default group of the others).
+    A rank in `tolerate` may die without a result (a fault test kills it): its result is None.
+    Pair it with `init=False` and the test's own groups: a killed rank would break the others'
+    default group.
     """
     from ringtrain.launch.network import free_port
 
