@@ -42,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
                    "zero", "trace", "collectives", "config"},
     "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace",
                  "replicas", "config"},
+    "live": {"data", "checkpoint", "store_keys"},  # survivors go on; replacements heal
     "testing": {"runtime", "launch"},  # run_workers; the tests' faults live in tests/support
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
             "models", "trace", "config", "formats",

@@ -1,0 +1,27 @@
+"""Live recovery: survivors of a lost member keep training; a replacement heals from a peer.
+
+Read in this order:
+- `batches.py`: `GlobalBatches`, each step's global batch and a member's share of it, from the
+  step alone: a step redone by fewer members trains the same samples (exactly once).
+- `state.py`: `LiveState`, what a member commits in memory each step and restores on a failure
+  (model, optimizer, step, batches, RNG), as Horovod elastic's `State`.
+- `heal.py`: the members of a new generation agree on the newest committed step and take it
+  from a member that has it, over the new group (torchft's heal from a live peer).
+- `group.py`: `LiveGroup`, the generations: who is a member, agreed through the store; one
+  gloo group per generation on its own store prefix; replacements let in at step boundaries.
+- `loop.py`: `train_live`, the loop that ties them: share, step, commit; recover on a failed
+  collective; and `all_reduce_gradients`.
+
+A library layer for `ringtrain run` scripts; `ringtrain train` does not use it yet
+(docs/fault_tolerance.md, "Live recovery"). Tests: `.venv/bin/pytest -q tests/test_live*.py`.
+May import: torch, `ringtrain.data`, `ringtrain.checkpoint` (the RNG state), `ringtrain.store_keys`.
+"""
+
+from ringtrain.live.batches import GlobalBatches
+from ringtrain.live.group import LiveGroup, LiveMemberLostError, LiveRecoveryError
+from ringtrain.live.heal import HealReport, heal
+from ringtrain.live.loop import all_reduce_gradients, train_live
+from ringtrain.live.state import LiveState
+
+__all__ = ["GlobalBatches", "HealReport", "LiveGroup", "LiveMemberLostError",
+           "LiveRecoveryError", "LiveState", "all_reduce_gradients", "heal", "train_live"]

@@ -1,0 +1,311 @@
+"""`LiveGroup`: who trains now, agreed through the store, one fresh gloo group per generation.
+
+    group = LiveGroup(store, world_size=3, timeout_s=30)   # store hosted outside the members
+    group.join(state)                 # a member of generation 0, or a replacement that heals
+    ... step over group.process_group (group.rank of group.size) ...
+    group.recover(state, error)       # a collective failed: agree on who is left, go on
+    group.admit(state)                # at a step boundary: let waiting replacements in
+
+torchft's quorum, smaller. Every process that runs the job function registers in the store and
+gets a `uid` (a counter, never reused) and a heartbeat thread. A *generation* is a list of
+uids, its members in rank order; the first `world_size` uids form generation 0, later ones wait
+as replacements. Generation g's process group is a gloo group built directly on
+`PrefixStore(f"gen{g}/pg", store)`: the default group is never destroyed or re-initialised
+(a dead peer's group cannot be torn down collectively), and a new prefix means no key of an
+older generation is ever read again.
+
+Forming generation g+1 after a failure (every member of g that is still running, together):
+- each writes `gen{g+1}/here/{uid}`; a member of g is *lost* once its heartbeat has not moved
+  for `dead_after_s` (a SIGKILL, a SIGSTOP, a lost host) or it has not arrived within
+  `timeout_s + dead_after_s` (alive but stuck: the bound on waiting for it);
+- once every member of g is here or lost, one of them proposes the member list and writes it
+  with compare-and-set: the first proposal is the generation, for everyone. Survivors keep
+  their ranks; a waiting replacement takes a lost member's rank, so with the world size
+  restored each rank trains the fault-free run's share and the sums keep their order;
+  without one the survivors close ranks.
+Every member's heartbeat thread also reads the other members' counters, so a decision knows
+how long each has been silent. The stall after a kill is therefore about `dead_after_s` (gloo
+raises at once); after a hang, `timeout_s` (the group's collective timeout; by then the hung
+member has been silent that long, so with `timeout_s > dead_after_s` nothing more is waited).
+
+.. warning:: The store must outlive every member: host it in the agent, the launcher or a
+    separate process (tests host it in the parent). If the store's host dies, the job is lost
+    (a whole-job restart from the last snapshot).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.live.heal import HealReport, heal
+from ringtrain.live.state import LiveState
+from ringtrain.store_keys import claim_key
+
+
+class LiveMemberLostError(RuntimeError):
+    """This process was declared lost by the others (silent too long): it cannot go on."""
+
+
+class LiveRecoveryError(RuntimeError):
+    """A collective failed but no member was lost: the error is this job's own, not a fault."""
+
+
+class LiveGroup:
+    """This process's view of the job's generations; its current one's process group.
+
+    Args:
+        store: the job's store, reachable by every process and hosted outside them.
+        world_size: how many members the job trains with when whole.
+        name: names the store keys, the same in every process of the job.
+        timeout_s: each generation's collective timeout (a hung member is found after it),
+            also the bound on building a generation's group.
+        heartbeat_s: how often this process beats in the store.
+        dead_after_s: a member silent this long is lost (several heartbeats, so a busy host is
+            not taken for a dead one).
+        join_timeout_s: how long a replacement waits to be let in.
+        retries: failed steps in a row, at one step, that lost no member and are redone
+            before `recover` raises (a live but slow peer can time a collective out).
+    """
+
+    def __init__(self, store: dist.Store, world_size: int, *, name: str = "live",
+                 timeout_s: float = 30.0, heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
+                 join_timeout_s: float = 600.0, retries: int = 1):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: it must be at least 1")
+        if not 0 < heartbeat_s < dead_after_s:
+            raise ValueError(f"heartbeat_s={heartbeat_s}, dead_after_s={dead_after_s}: need "
+                             "0 < heartbeat_s < dead_after_s (e.g. 0.5 and 5)")
+        prefix = f"ringtrain/live/{name}"
+        claim_key(store, prefix, 0, "LiveGroup", name)  # one per process and name
+        self._store = dist.PrefixStore(prefix, store)
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+        self.join_timeout_s, self.retries = join_timeout_s, retries
+        self._fruitless = (-1, 0)  # (step, recoveries in a row there that lost no member)
+        self.uid = self._store.add("uids", 1) - 1
+        self._store.set(f"pid/{self.uid}", str(os.getpid()))
+        self._store.add(f"hb/{self.uid}", 1)  # beaten once: from here on it may be let in
+        self.generation = -1
+        self.members: list[int] = []
+        self.process_group: dist.ProcessGroup | None = None
+        self.last_heal: HealReport | None = None
+        self._known: set[int] = set()  # uids seen in a generation or found departed
+        # uid -> (heartbeat count, when it last moved on our clock); both threads write it
+        self._moved: dict[int, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        beat_store = dist.PrefixStore(prefix, _clone(store))  # waits here never delay a beat
+        self._beats = threading.Thread(target=self._beat, args=(beat_store,), daemon=True,
+                                       name="ringtrain-live-heartbeat")
+        self._beats.start()
+
+    # -- where this process stands ----------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.uid)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def _beat(self, store: dist.Store) -> None:
+        while not self._stop.is_set():
+            try:
+                store.add(f"hb/{self.uid}", 1)
+                for u in self.members:  # watched all along, so a failure finds them timed
+                    self._observe(u, store.add(f"hb/{u}", 0))
+            except RuntimeError:  # the store is gone: the job is over, nothing to tell
+                return
+            self._stop.wait(self.heartbeat_s)
+
+    def _observe(self, uid: int, count: int) -> float:
+        """Record `uid`'s heartbeat count as read now; how long it has not moved."""
+        now = time.monotonic()
+        last = self._moved.get(uid)
+        if last is None or last[0] != count:
+            self._moved[uid] = last = (count, now)
+        return now - last[1]
+
+    # -- joining ----------------------------------------------------------------------------
+    def join(self, state: LiveState) -> bool:
+        """Become a member (generation 0, or a later one as a replacement) and heal.
+
+        Returns False if the job finished before this process was let in. Generation 0 starts
+        from its rank 0's state (as DDP's broadcast at construction); a replacement takes the
+        newest committed state of the members (`heal`).
+        """
+        deadline = time.monotonic() + self.join_timeout_s
+        if self.uid < self.world_size:  # the first world_size processes: generation 0
+            # All registered first: their group's rendezvous then starts within milliseconds
+            # everywhere, so a slow start (imports on a loaded host) never times it out.
+            while (registered := self._store.add("uids", 0)) < self.world_size:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"only {registered} of world_size={self.world_size} processes registered "
+                        f"within {self.join_timeout_s:g} s; start the others with the same store")
+                time.sleep(0.01)
+            value = self._store.compare_set("gen0/members", "", _encode(range(self.world_size)))
+            self._enter(0, _decode(value), state, fresh=self.uid != 0)
+            return True
+        g = self._store.add("generations", 0)
+        while True:
+            if self._store.check([f"gen{g}/members"]):
+                members = _decode(self._store.get(f"gen{g}/members"))
+                if self.uid in members:
+                    self._enter(g, members, state, fresh=True)
+                    return True
+                g += 1
+                continue
+            if self._store.check(["finished"]):
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replacement uid {self.uid} was not let in within "
+                                   f"{self.join_timeout_s:g} s (generation {g - 1} is full or "
+                                   "its members never reached a step boundary)")
+            time.sleep(0.01)
+
+    def admit(self, state: LiveState) -> bool:
+        """At a step boundary, on every member: let waiting replacements in while short.
+
+        One store read and, while the group is short of `world_size`, one 1-element
+        all-reduce (the members must agree on the step at which the generation changes).
+        """
+        if self.size >= self.world_size:
+            return False
+        flag = torch.tensor([1 if self._waiting() else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        if not int(flag):
+            return False
+        self._reform(state)
+        return True
+
+    # -- failures ---------------------------------------------------------------------------
+    def recover(self, state: LiveState, error: BaseException) -> None:
+        """After a failed collective: form the next generation, restore, heal; go on.
+
+        A recovery that finds every member still there redoes the step too (a collective that
+        timed out on a live but slow peer), up to `retries` times in a row at one step; then
+        it raises `LiveRecoveryError` from `error`: not a lost member, and redoing the step
+        fails the same way. Every member counts the same recoveries, so all decide alike.
+        """
+        old = list(self.members)
+        state.restore()
+        self._reform(state)
+        if not set(old) <= set(self.members):
+            self._fruitless = (state.step, 0)
+            return
+        step, count = self._fruitless
+        self._fruitless = (state.step, count + 1 if step == state.step else 1)
+        if self._fruitless[1] > self.retries:
+            raise LiveRecoveryError(
+                f"step {state.step} failed on uid {self.uid} {self._fruitless[1]} times in a row "
+                f"(generation {self.generation}) but every member ({old}) is still in the job: "
+                f"not a lost peer, so redoing it will not help. The error: {error}") from error
+
+    def close(self) -> None:
+        """Stop beating; tell waiting replacements the job is done (they return False)."""
+        if self.process_group is not None:
+            self._store.set("finished", b"1")
+        self.process_group = None
+        self._stop.set()
+        self._beats.join(timeout=self.heartbeat_s + 5)
+
+    # -- generations ------------------------------------------------------------------------
+    def _reform(self, state: LiveState) -> None:
+        old, g = list(self.members), self.generation + 1
+        self.process_group = None  # the old group's sockets close with it
+        while True:
+            self._store.set(f"gen{g}/here/{self.uid}", b"1")
+            members = self._decide(g, old)
+            if self.uid not in members:
+                raise LiveMemberLostError(
+                    f"uid {self.uid} (pid {os.getpid()}) was left out of generation {g} "
+                    f"({members}): the others found it silent for over {self.dead_after_s:g} s "
+                    "or late by over the join bound; restart it as a replacement")
+            try:
+                self._enter(g, members, state, fresh=False)
+                return
+            except RuntimeError:  # a member died while the group formed: one more generation
+                old, g = members, g + 1
+
+    def _enter(self, g: int, members: list[int], state: LiveState, *, fresh: bool) -> None:
+        self.generation, self.members = g, members
+        self._known.update(members)
+        self.process_group = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"gen{g}/pg", self._store), self.rank, self.size,
+            timedelta(seconds=self.timeout_s))
+        self.last_heal = heal(state, self.process_group, self.rank,
+                              committed_step=-1 if fresh else None)
+
+    def _decide(self, g: int, old: list[int]) -> list[int]:
+        """Generation g's members: the first proposal written, whoever wrote it."""
+        key = f"gen{g}/members"
+        bound = time.monotonic() + self.timeout_s + self.dead_after_s
+        while not self._store.check([key]):
+            here, lost, pending = [], [], []
+            for u in old:
+                if self._store.check([f"gen{g}/here/{u}"]):
+                    here.append(u)
+                    continue
+                silent = self._observe(u, self._store.add(f"hb/{u}", 0))
+                late = time.monotonic() > bound
+                (lost if silent > self.dead_after_s or late else pending).append(u)
+            if not pending:
+                for u in lost:
+                    self._store.set(f"departed/{u}", b"1")
+                proposal = self._proposal(old, here)
+                value = _encode(proposal).encode()
+                if self._store.compare_set(key, "", value) == value:
+                    self._store.add("generations", 1)  # replacements look from here on
+                break
+            time.sleep(0.01)
+        members = _decode(self._store.get(key))
+        self._known.update(u for u in old if u not in members)
+        return members
+
+    def _proposal(self, old: list[int], here: list[int]) -> list[int]:
+        waiting = self._waiting_uids()
+        slots: list[int | None] = [u if u in here else None for u in old]
+        for i, u in enumerate(slots):  # a replacement takes a lost member's rank
+            if u is None and waiting:
+                slots[i] = waiting.pop(0)
+        members = [u for u in slots if u is not None]
+        while waiting and len(members) < self.world_size:
+            members.append(waiting.pop(0))
+        return members
+
+    def _waiting(self) -> bool:
+        return bool(self._waiting_uids())
+
+    def _waiting_uids(self) -> list[int]:
+        """Registered processes never in a generation, not departed, that have beaten."""
+        out = []
+        for u in range(int(self._store.add("uids", 0))):
+            if u in self._known:
+                continue
+            if self._store.check([f"departed/{u}"]):
+                self._known.add(u)
+            elif self._store.add(f"hb/{u}", 0) > 0:
+                out.append(u)
+        return out
+
+
+def _clone(store: dist.Store) -> dist.Store:
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError):  # an in-process store: shared is fine
+        return store
+
+
+def _encode(uids) -> str:
+    return ",".join(str(u) for u in uids)
+
+
+def _decode(value: bytes | str) -> list[int]:
+    text = value.decode() if isinstance(value, bytes) else value
+    return [int(u) for u in text.split(",") if u]

@@ -1,0 +1,83 @@
+"""The live step loop: take the step's share, step, commit; on a failed collective, recover.
+
+    def step(ids, process_group):            # this member's sample ids of the step
+        loss = model(x[ids]).sub(y[ids]).pow(2).sum() / batches.global_batch_size
+        loss.backward()
+        all_reduce_gradients(model, process_group)   # sums: the global batch's mean gradient
+        optimizer.step(); optimizer.zero_grad()
+        return loss.detach()
+
+    train_live(LiveGroup(store, 3), LiveState(model, optimizer, batches), step, num_steps=100)
+
+The loss is divided by the *global* batch size and the gradients are summed, not averaged: a
+member's share of the batch changes with the number of members, the sum over the batch does
+not, so every step's gradient is the fault-free one whoever computed its pieces (up to the
+order of the additions). The step function may raise any RuntimeError from a collective (a
+dead peer: gloo's "Connection reset by peer" at once; a hung one: its timeout); the loop then
+restores the last commit, forms the next generation, and redoes the same step (`state.step`
+did not move) over the same global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringtrain.live.group import LiveGroup, LiveMemberLostError, LiveRecoveryError
+from ringtrain.live.state import LiveState
+
+StepFn = Callable[[list[int], dist.ProcessGroup], Any]
+
+
+def all_reduce_gradients(model: nn.Module, process_group: dist.ProcessGroup) -> None:
+    """Sum every parameter's gradient over the group, in one flat all-reduce.
+
+    A parameter without a gradient (a member with an empty share) contributes zeros.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+    dist.all_reduce(flat, group=process_group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def train_live(group: LiveGroup, state: LiveState, step: StepFn, num_steps: int, *,
+               on_commit: Callable[[int, Any], None] | None = None) -> bool:
+    """Train until `state.step == num_steps`, surviving lost members; False if never let in.
+
+    Args:
+        group: this process's `LiveGroup` (not yet joined).
+        state: its `LiveState`; `state.batches` gives each step's share.
+        step: `step(ids, process_group)` runs one step on this member's share of the global
+            batch and returns what `on_commit` gets.
+        num_steps: the step count to reach.
+        on_commit: called with (step, result) after each committed step, on each member.
+    """
+    try:
+        if not group.join(state):
+            return False
+        while state.step < num_steps:
+            try:
+                group.admit(state)  # a step boundary: the only place the members may change
+                ids = state.batches.share(state.step, group.rank, group.size)
+                result = step(ids, group.process_group)
+            except (LiveMemberLostError, LiveRecoveryError):
+                raise  # this process is out, or the error is not a lost peer: no retry
+            except RuntimeError as error:  # a failed collective: a peer died or hangs
+                group.recover(state, error)
+                continue
+            state.step += 1
+            state.commit()
+            if on_commit is not None:
+                on_commit(state.step - 1, result)
+        return True
+    finally:
+        group.close()

@@ -1,0 +1,106 @@
+"""`LiveState`: what a member commits in memory after each step, and goes back to on a failure.
+
+    state = LiveState(model, optimizer, GlobalBatches(len(dataset), 12))
+    ... one step ...
+    state.step += 1
+    state.commit()          # a copy in memory: no disk, no peer
+    ...
+    state.restore()         # a step failed half way: back to the last commit
+
+Horovod elastic's `hvd.elastic.State` (commit / restore / sync) in ringtrain's terms. A step
+that fails half way (a peer died inside the gradient all-reduce; the optimizer may even have
+stepped on some members) leaves the model between two steps; `restore()` puts back the copy
+taken at the last `commit()`, so the survivors redo the step from where the fault-free run
+did it. `state_dict()` is the committed state: what a member that heals a replacement sends
+(`ringtrain/live/heal.py`), so a peer never receives half a step.
+
+The committed copy costs one model and one optimizer state of memory, and a copy per commit
+(a memcpy: small beside a step's compute and all-reduce).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Protocol
+
+from torch import nn
+
+from ringtrain.checkpoint.rng import get_rng_state, set_rng_state
+from ringtrain.live.batches import GlobalBatches
+
+
+class Stateful(Protocol):
+    """A torch optimizer, or anything else with its `state_dict` / `load_state_dict`."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class LiveState:
+    """A member's training state with an in-memory commit point.
+
+    Args:
+        model: the module every member replicates (the plain module, not a wrapper).
+        optimizer: its optimizer (or any `Stateful`), or None.
+        batches: the step -> global batch layout (its position is `step`).
+        step: the number of steps committed so far (0 for a fresh run).
+
+    .. warning:: RNG state (Python, NumPy, torch) is committed and healed as one state for the
+        whole group: a replacement takes its healer's generators. Randomness that must differ
+        per member (dropout) should be seeded from (step, rank) so that it survives a change
+        of members; per-member generators are not carried over.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Stateful | None,
+                 batches: GlobalBatches, *, step: int = 0):
+        self.model, self.optimizer, self.batches = model, optimizer, batches
+        self.step = step
+        self._committed: dict[str, Any] | None = None
+        self.commit()
+
+    def _capture(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizer": (copy.deepcopy(self.optimizer.state_dict())
+                          if self.optimizer is not None else None),
+            "batches": self.batches.state_dict(),
+            "rng": get_rng_state(),
+        }
+
+    def commit(self) -> None:
+        """Remember the state as it is now (call it at a step boundary, after `step` moved)."""
+        self._committed = self._capture()
+
+    @property
+    def committed_step(self) -> int:
+        assert self._committed is not None
+        return int(self._committed["step"])
+
+    def restore(self) -> None:
+        """Go back to the last commit: model, optimizer, step, RNG; gradients dropped."""
+        assert self._committed is not None
+        self._load(self._committed)
+        self.model.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last committed state (not the live one, which may be half a step on)."""
+        assert self._committed is not None
+        return self._committed
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take `state` (a peer's `state_dict()`) as the live state and commit it."""
+        self.batches.load_state_dict(state["batches"])
+        self._load(state)
+        self.model.zero_grad(set_to_none=True)
+        self.commit()
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            # A copy: the optimizer keeps the tensors it is given (`.to()` of a tensor already
+            # on its device and dtype is the tensor itself), and would then step the commit.
+            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])

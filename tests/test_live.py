@@ -1,0 +1,250 @@
+"""Live recovery on gloo and the CPU: survivors keep training, a replacement heals from a peer.
+
+    .venv/bin/pytest -q tests/test_live.py
+
+Five jobs run side by side in one start of 16 processes (a job's wall time is mostly its
+fault's detection, so running them together costs one job's time), on one store hosted here,
+in the test's process (never in a member, which may die):
+- "clean": the fault-free run, the reference;
+- "kill_spare": member 1 SIGKILLs itself at step 3; a spare, waiting from the start, takes its
+  rank before the step is redone, so the run ends with the clean run's parameters, bit for bit;
+- "kill": the same kill, no spare: two members finish the run, each step on the same global
+  batch, the loss within 1e-4 of the clean run's;
+- "hang": member 1 SIGSTOPs itself at step 3 (found by the group's 4 s collective timeout); a
+  replacement started once the survivors have moved on is let in at a later step boundary;
+- "bug" (2 members): the step raises on every member; nobody is lost, so after one redo the
+  error comes out of `train_live` on both, as `LiveRecoveryError`.
+Every member appends each committed step's sample ids and loss to its own file, so the ids of
+a member that was killed are counted too: every job's steps hold the clean run's samples, each
+once. The records, not the members' word, prove exactly-once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringtrain.live import (
+    GlobalBatches,
+    LiveGroup,
+    LiveRecoveryError,
+    LiveState,
+    all_reduce_gradients,
+    train_live,
+)
+from ringtrain.testing import WorkerError, run_workers
+
+N, BATCH, STEPS, FAULT_STEP, WORLD = 60, 12, 8, 3, 3  # 5 steps per epoch: the run crosses one
+JOBS = {"clean": (None, 3), "kill_spare": ("kill", 4), "kill": ("kill", 3), "hang": ("stop", 4),
+        "bug": ("bug", 2)}
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 8, generator=g)
+    return x, x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(N, 1, generator=g)
+
+
+class _Momentum:
+    """SGD with momentum, by hand: a torch.optim optimizer's construction imports torch._dynamo
+    (~4 s of CPU per process; 14 processes here). Its buffers are state a replacement must heal."""
+
+    def __init__(self, params, lr=0.05, beta=0.9):
+        self.params, self.lr, self.beta = list(params), lr, beta
+        self.buf = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        for p, b in zip(self.params, self.buf, strict=True):
+            p.sub_(self.lr * b.mul_(self.beta).add_(p.grad))
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self):
+        return {"buf": self.buf}
+
+    def load_state_dict(self, state):
+        for b, v in zip(self.buf, state["buf"], strict=True):
+            b.copy_(v)
+
+
+def _sha(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for v in model.state_dict().values():
+        h.update(v.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _member(rank, world_size, port, records_dir, plan):
+    job, fault, late = plan[rank]
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    if late:  # a replacement started after the survivors committed a step without the victim
+        store.wait([f"{job}/recovered"])
+    x, y = _data()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = _Momentum(model.parameters())
+    state = LiveState(model, optimizer, GlobalBatches(N, BATCH, seed=1))
+    group = LiveGroup(store, 2 if job == "bug" else WORLD, name=job, timeout_s=4,
+                      heartbeat_s=0.1, dead_after_s=3)
+    if late:
+        store.set(f"{job}/spare_ready", b"1")  # registered: let in at the next step boundary
+    records = open(Path(records_dir) / f"{job}-{group.uid}.jsonl", "a")  # noqa: SIM115
+    generations = []
+
+    def step(ids, process_group):
+        if fault == "bug" and state.step == 2:  # the job's own error, on every member
+            raise RuntimeError("a bug in the step, not a lost peer")
+        if (fault in ("kill", "stop") and state.step == FAULT_STEP and group.rank == 1
+                and store.compare_set(f"{job}/fault", "", str(os.getpid())) == str(os.getpid())
+                .encode()):
+            store.set(f"{job}/fault_at", str(time.monotonic()))  # one clock for the host
+            os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        loss = (model(x[ids]) - y[ids]).pow(2).sum() / BATCH  # this share's part of the mean
+        loss.backward()
+        all_reduce_gradients(model, process_group)
+        total = loss.detach().reshape(1)
+        dist.all_reduce(total, group=process_group)
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(total), ids
+
+    def on_commit(done, result):
+        records.write(json.dumps({"step": done, "loss": result[0], "ids": result[1],
+                                  "at": time.monotonic()}) + "\n")
+        records.flush()
+        generations.append((group.generation, group.size))
+        if done == FAULT_STEP and fault:  # the interrupted step, redone and committed
+            store.set(f"{job}/recovered", b"1")
+        if done == FAULT_STEP + 1 and fault == "stop":  # the replacement comes in at step 5
+            store.wait([f"{job}/spare_ready"])
+
+    pid = os.getpid()
+    try:
+        joined = train_live(group, state, step, STEPS, on_commit=on_commit)
+    except LiveRecoveryError as e:
+        return {"job": job, "error": str(e), "step": state.step}
+    if fault == "stop" and joined and group.rank == 0:  # the agent would reap the frozen one
+        os.kill(int(store.get(f"{job}/fault")), signal.SIGKILL)
+    return {"job": job, "joined": joined, "pid": pid, "pid_now": os.getpid(), "uid": group.uid,
+            "generations": generations, "sha": _sha(model), "step": state.step,
+            "healed_bytes": group.last_heal.nbytes if group.last_heal else 0}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    records_dir = tmp_path_factory.mktemp("live")
+    # (job, fault, started late): the hang job's last process is its late replacement
+    plan = [(job, fault, job == "hang" and i == n - 1)
+            for job, (fault, n) in JOBS.items() for i in range(n)]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    faulty = [r for r, (job, fault, _) in enumerate(plan) if fault in ("kill", "stop")]
+    try:
+        results = run_workers(_member, len(plan), args=(store.port, str(records_dir), plan),
+                              init=False, timeout_s=90, tolerate=faulty)
+    except (TimeoutError, WorkerError) as e:  # which job the ranks named belong to
+        raise AssertionError(f"{e}\nranks by (job, fault, late): {dict(enumerate(plan))}") from e
+    by_job: dict[str, list] = {job: [] for job in JOBS}
+    for (job, _, _), result in zip(plan, results, strict=True):
+        by_job[job].append(result)
+    steps: dict[str, dict[int, list]] = {job: {} for job in JOBS}  # step -> its records
+    for path in sorted(records_dir.glob("*.jsonl")):
+        job = path.name.rsplit("-", 1)[0]
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps[job].setdefault(record["step"], []).append(record)
+    fault_at = {job: float(store.get(f"{job}/fault_at")) for job, (fault, _) in JOBS.items()
+                if fault in ("kill", "stop")}
+    return by_job, steps, fault_at
+
+
+def _finished(results):
+    return [r for r in results if r is not None and r["joined"]]
+
+
+def test_the_clean_run_trains_every_step_on_three_members(run):
+    by_job, _, _ = run
+    clean = _finished(by_job["clean"])
+    assert len(clean) == 3 and {r["generations"][-1] for r in clean} == {(0, 3)}
+    assert len({r["sha"] for r in clean}) == 1
+
+
+@pytest.mark.parametrize("job", ["kill_spare", "kill", "hang"])
+def test_the_survivors_finish_in_their_own_processes(run, job):
+    by_job, _, _ = run
+    assert sum(r is None for r in by_job[job]) == 1, "one member, the victim, died"
+    finished = _finished(by_job[job])
+    assert len(finished) == 3 if job != "kill" else 2
+    for r in finished:
+        assert r["pid_now"] == r["pid"] and r["step"] == STEPS
+    survivors = [r for r in finished if r["generations"][0][0] == 0]
+    assert len(survivors) == 2  # the two that were members from the start; none restarted
+    assert len({r["sha"] for r in finished}) == 1, "the members end with the same weights"
+
+
+def test_a_spare_that_takes_the_dead_members_rank_ends_with_the_fault_free_weights(run):
+    by_job, _, _ = run
+    clean_sha = _finished(by_job["clean"])[0]["sha"]
+    finished = _finished(by_job["kill_spare"])
+    assert {r["sha"] for r in finished} == {clean_sha}
+    spare = [r for r in finished if r["generations"][0][0] != 0]
+    assert len(spare) == 1 and spare[0]["generations"][0] == (1, 3)  # let in at the redo
+    assert spare[0]["healed_bytes"] > 0  # from a peer's memory, not from disk
+
+
+def test_a_replacement_is_let_in_at_a_later_step_boundary(run):
+    by_job, _, _ = run
+    late = [r for r in _finished(by_job["hang"]) if r["generations"][0][0] != 0]
+    assert len(late) == 1
+    generation, size = late[0]["generations"][0]
+    assert generation == 2 and size == 3  # 0: three members, 1: the survivors, 2: healed
+
+
+@pytest.mark.parametrize("job", ["kill_spare", "kill", "hang"])
+def test_every_step_trains_the_fault_free_samples_once_with_its_loss(run, job):
+    _, steps, _ = run
+    assert sorted(steps[job]) == sorted(steps["clean"]) == list(range(STEPS))
+    for s in range(STEPS):
+        ids = Counter(i for record in steps[job][s] for i in record["ids"])
+        clean = Counter(i for record in steps["clean"][s] for i in record["ids"])
+        assert ids == clean and set(ids.values()) == {1}, f"step {s}: not the clean run's batch"
+        assert sorted(ids) == sorted(GlobalBatches(N, BATCH, seed=1).batch(s))
+        clean_loss = steps["clean"][s][0]["loss"]
+        for record in steps[job][s]:
+            assert record["loss"] == pytest.approx(clean_loss, abs=1e-4), f"step {s}"
+    fewer = [s for s in range(STEPS) if len(steps[job][s]) == 2]
+    assert FAULT_STEP in fewer if job != "kill_spare" else fewer == []
+
+
+def test_a_failure_that_loses_no_member_is_redone_once_then_raised_on_every_member(run):
+    by_job, steps, _ = run
+    for r in by_job["bug"]:  # not retried forever, not hung: both members raise, at step 2
+        assert r["step"] == 2
+        assert "step 2 failed on uid" in r["error"] and "2 times in a row" in r["error"]
+        assert "every member ([0, 1]) is still in the job" in r["error"]
+        assert "a bug in the step, not a lost peer" in r["error"]
+    assert sorted(steps["bug"]) == [0, 1]
+
+
+@pytest.mark.parametrize("job", ["kill_spare", "kill", "hang"])
+def test_the_stall_is_the_detection_bound_not_a_restart(run, job):
+    # From the fault to the redone step's commit: about dead_after_s (3 s) after a kill,
+    # timeout_s (4 s) after a hang, plus a group build, a heal and a step. Printed with -s;
+    # the bound is loose, for a loaded 2-core host.
+    _, steps, fault_at = run
+    stall = min(r["at"] for r in steps[job][FAULT_STEP]) - fault_at[job]
+    print(f"{job}: {stall:.2f} s from the fault to step {FAULT_STEP} committed again")
+    assert 0 < stall < 30

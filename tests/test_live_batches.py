@@ -1,0 +1,101 @@
+"""In-process checks of the live layer's pure parts: each step's global batch, the shares, the
+committed state. No process, no group.
+
+    .venv/bin/pytest -q tests/test_live_batches.py
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from ringtrain.data.sampler import DistributedSampler
+from ringtrain.live import GlobalBatches, LiveState
+
+
+def test_fixed_world_shares_are_distributed_samplers_batches():
+    # What the fault-free run trains: rank r's batch of step s under torch's layout.
+    n, world, per_rank = 50, 3, 4
+    batches = GlobalBatches(n, per_rank * world, seed=7)
+    for epoch in range(2):
+        for rank in range(world):
+            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, seed=7,
+                                         drop_last=True)
+            sampler.set_epoch(epoch)
+            mine = list(sampler)
+            for i in range(batches.steps_per_epoch):
+                step = epoch * batches.steps_per_epoch + i
+                assert batches.share(step, rank, world) == mine[i * per_rank:(i + 1) * per_rank]
+
+
+@pytest.mark.parametrize("members", [1, 2, 3, 5, 13])
+def test_any_number_of_members_trains_each_sample_of_a_step_once(members):
+    batches = GlobalBatches(40, 12, seed=1)
+    for step in range(7):  # over an epoch boundary (3 steps per epoch)
+        shares = [batches.share(step, r, members) for r in range(members)]
+        counts = Counter(i for share in shares for i in share)
+        assert sorted(counts) == sorted(batches.batch(step)) and set(counts.values()) == {1}
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    # an epoch's steps are disjoint; the tail (40 - 3 * 12 samples) is dropped, as drop_last
+    epoch0 = [i for s in range(3) for i in batches.batch(s)]
+    assert len(set(epoch0)) == 36
+
+
+def test_errors_carry_the_values():
+    with pytest.raises(ValueError, match="global_batch_size=20 with dataset_len=10"):
+        GlobalBatches(10, 20)
+    with pytest.raises(ValueError, match="Invalid rank 3"):
+        GlobalBatches(10, 2).share(0, 3, 3)
+    with pytest.raises(ValueError, match="start every member with the same"):
+        GlobalBatches(10, 2).load_state_dict(GlobalBatches(10, 5).state_dict())
+
+
+def _adam_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    return model, optimizer, LiveState(model, optimizer, GlobalBatches(8, 4))
+
+
+def _train(model, optimizer, steps):
+    for _ in range(steps):
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_restore_goes_back_to_the_commit_and_stepping_after_it_leaves_the_commit_alone():
+    model, optimizer, state = _adam_state()
+    _train(model, optimizer, 2)
+    state.step = 2
+    state.commit()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    for _ in range(2):  # restore twice: the optimizer must not have stepped the commit itself
+        _train(model, optimizer, 1)
+        torch.rand(1)
+        state.step = 3
+        state.restore()
+        assert state.step == 2
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+        restored = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(restored, moments, strict=True))
+    first = torch.rand(1)
+    state.restore()
+    assert torch.equal(torch.rand(1), first)  # the RNG came back too
+
+
+def test_a_state_loaded_from_a_peer_continues_as_the_peer_does():
+    model, optimizer, state = _adam_state()
+    _train(model, optimizer, 3)
+    state.step = 3
+    state.commit()
+    peer_model, peer_optimizer, peer = _adam_state()  # a replacement: fresh Adam, no moments
+    peer.load_state_dict(state.state_dict())
+    _train(model, optimizer, 2)
+    _train(peer_model, peer_optimizer, 2)
+    assert peer.step == 3
+    pairs = zip(model.parameters(), peer_model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
