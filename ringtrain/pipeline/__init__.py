@@ -6,6 +6,7 @@
     validate.py   runs a schedule on paper: deadlock, message order, timing (pure)
     p2p.py        send/recv of activations, gradients and shapes (torch.distributed)
     memory.py     activation bytes held per micro-batch (measurement)
+    backward.py   a backward split in two: input gradient now, weight gradients later
     step.py       what each action does in one training step (state keyed by micro-batch, chunk)
     engine.py     one rank running its actions
 

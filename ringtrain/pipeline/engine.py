@@ -5,12 +5,10 @@ neighbours' global ranks. `train_step(x, y, microbatches)` splits the batch, lea
 boundary shapes by a dry run the first time it sees an input shape, validates the schedule (a
 deadlock is an error before anything is sent), then walks this rank's actions (`step.py` says
 what each one does). A split backward (zero-bubble schedules) computes the input gradient
-first with `torch.autograd.grad(..., retain_graph=True)` and the weight gradients at
-`BackwardWeight` with `torch.autograd.backward(..., inputs=params)`, as torch's pipelining
-`stage_backward_input` / `stage_backward_weight` do (ours re-walks the graph from the output
-in the weight pass instead of keeping the intermediate gradients: simpler, and more compute
-on deep stages). The loss (last stage) is scaled by 1/M, so the accumulated gradients equal
-those of the full batch's mean loss.
+first, keeping the gradients at the parameters' consumers, and at `BackwardWeight` only the
+weight gradients from there (`backward.py`, as torch's pipelining `stage_backward_input` /
+`stage_backward_weight`). The loss (last stage) is scaled by 1/M, so the accumulated
+gradients equal those of the full batch's mean loss.
 
     .venv/bin/pytest -q tests/test_pipeline.py
 """

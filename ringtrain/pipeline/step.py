@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.pipeline import p2p
+from ringtrain.pipeline.backward import WeightPass, backward_input
 from ringtrain.pipeline.memory import ActivationMeter
 from ringtrain.pipeline.schedule import (
     Action,
@@ -117,6 +118,7 @@ class StepRun:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor | None] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.weight_passes: dict[tuple[int, int], WeightPass] = {}
         self.sends: list[p2p.PendingSend] = []
         self.losses: list[torch.Tensor] = []
 
@@ -133,20 +135,22 @@ class StepRun:
         elif isinstance(a, (Backward, BackwardWeight)):
             if self.index in self.arm and st.sync_next_backward:
                 st.sync_next_backward[c]()
-            out, grad = self.outputs.pop(key), self.grads.pop(key, None)
-            if isinstance(a, Backward):
+            weight_pass = self.weight_passes.pop(key, None)
+            if weight_pass is not None:
+                weight_pass.run()
+            else:  # a whole backward, or the first stage's (its input needs no gradient)
+                out, grad = self.outputs.pop(key), self.grads.pop(key, None)
                 torch.autograd.backward(out, grad)
-            else:
-                params = [p for p in st.chunks[c].parameters() if p.requires_grad]
-                torch.autograd.backward(out, grad, inputs=params)
             if self.meter:
                 self.meter.release(key)
         elif isinstance(a, BackwardInput):
-            # d loss / d input now (the previous stage waits on it); keep the graph for the
-            # weights. The first virtual stage's input needs no gradient: nothing to do.
+            # d loss / d input now (the previous stage waits on it), keeping the gradients at
+            # the parameters' consumers for the weight pass (`backward.py`). The first virtual
+            # stage's input needs no gradient: its whole backward waits for BackwardWeight.
             if not first:
-                (self.input_grads[key],) = torch.autograd.grad(
-                    self.outputs[key], self.inputs[key], self.grads.get(key), retain_graph=True)
+                params = [p for p in st.chunks[c].parameters() if p.requires_grad]
+                self.input_grads[key], self.weight_passes[key] = backward_input(
+                    self.outputs.pop(key), self.grads.pop(key, None), self.inputs[key], params)
         elif isinstance(a, SendGrad):
             self._send_grad(a)
         self.index += 1
