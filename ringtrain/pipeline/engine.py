@@ -58,7 +58,7 @@ def split_batch(t: torch.Tensor, microbatches: int, at_least: int = 1) -> list[t
     """`t` cut along dim 0 into `microbatches` equal parts; a clear error when it does not divide.
 
     Args:
-        at_least: the fewest micro-batches allowed (pp), only to suggest valid choices.
+        at_least: the fewest micro-batches to suggest among the valid choices.
     """
     size = t.shape[0]
     if microbatches < 1 or size % microbatches != 0:
@@ -224,7 +224,7 @@ class PipelineStage:
         """
         stats = StepStats(start=time.perf_counter())
         actions = self._actions(microbatches)
-        xs, ys = split_batch(x, microbatches, self.pp), split_batch(y, microbatches, self.pp)
+        xs, ys = split_batch(x, microbatches), split_batch(y, microbatches)
         self._warn_batchnorm(x.shape[0], microbatches)
         key = (tuple(x.shape), x.dtype)
         if key not in self._shapes:

@@ -47,12 +47,8 @@ def _check_args(pp_rank: int, pp: int, microbatches: int, virtual_stages: int = 
         raise ValueError(f"pp={pp}: the number of pipeline stages must be at least 1")
     if not 0 <= pp_rank < pp:
         raise ValueError(f"Invalid pp_rank {pp_rank}, it should be in the interval [0, {pp - 1}]")
-    if microbatches < pp:
-        raise ValueError(
-            f"microbatches={microbatches} is fewer than pp={pp} stages: some stages would "
-            f"never overlap. Use --microbatches {pp} or more (4 x pp keeps the bubble under "
-            f"{(pp - 1) / (5 * pp - 1):.0%})"
-        )
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches} must be at least 1")
     if virtual_stages != 1 and name != "interleaved":
         raise ValueError(f"virtual_stages={virtual_stages} needs --schedule interleaved; "
                          f"{name!r} holds one stage per rank (use --virtual-stages 1)")
@@ -155,6 +151,12 @@ def interleaved(pp_rank: int, pp: int, microbatches: int, virtual_stages: int = 
     if v > 1 and pp < 2:
         raise ValueError(f"virtual_stages={v} with pp={pp}: interleaving needs 2 or more ranks "
                          "to pass chunks between; use --virtual-stages 1 or --pp 2 or more")
+    if microbatches < pp:  # the rounds of pp below would be empty
+        raise ValueError(
+            f"microbatches={microbatches} is fewer than pp={pp} stages: interleaved runs "
+            f"micro-batches in rounds of pp. Use --microbatches {pp} or more (4 x pp keeps the "
+            f"bubble under {(pp - 1) / (4 * v * pp + pp - 1):.0%}), or --schedule 1f1b, which "
+            "runs fewer micro-batches than stages")
     if microbatches % pp:
         lo = microbatches - microbatches % pp
         fits = [n for n in (lo, lo + pp) if n >= pp]
@@ -200,8 +202,13 @@ def bubble_formula(name: str, pp: int, microbatches: int, virtual_stages: int = 
         gpipe, 1f1b   (p-1) / (m + p-1)          (p-1)(F+B+W) idle against m(F+B+W) busy
         interleaved   (p-1) / (v*m + p-1)        idle/busy = (p-1)/(v*m), the issue's figure
         zb-h1         (p-1) / (3m + p-1)         idle (p-1)(F+B-W) = (p-1)F: a third of 1F1B's
+
+    ZB-H1 with m < p has too few weight passes to fill the warm-up: no closed form, the
+    simulated schedule's bubble (`simulate`, exact under F = B = W) instead.
     """
     p, m, v = pp, microbatches, virtual_stages
+    if name == "zb-h1" and m < p:
+        return simulate(build_schedule(name, p, m), m).bubble
     scale = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb-h1": 3 * m}[name]
     return (p - 1) / (scale + p - 1)
 

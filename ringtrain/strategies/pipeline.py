@@ -46,10 +46,10 @@ from ringtrain.types import LossFn, OptimizerFn
 
 
 def _default_microbatches(batch: int, pp: int, schedule: str = "1f1b") -> int:
-    """The most micro-batches up to 4 x pp that divide `batch` evenly (at least pp); for an
-    interleaved schedule, a multiple of pp (it runs micro-batches in rounds of pp)."""
+    """The most micro-batches up to 4 x pp that divide `batch` evenly; for an interleaved
+    schedule, a multiple of pp (it runs micro-batches in rounds of pp)."""
     step = pp if schedule == "interleaved" else 1
-    for m in range(4 * pp, pp - 1, -1):
+    for m in range(4 * pp, step - 1, -1):
         if batch % m == 0 and m % step == 0:
             return m
     return 4 * pp  # nothing divides: let split_batch raise with the choices
@@ -125,12 +125,10 @@ class PipelineConfig(StrategyConfig):
         except ValueError as e:  # pp must divide world_size
             raise ConfigError(str(e)) from None
         m = self.microbatches
-        if m is not None and (m < pp or step_batch % m):
-            fits = [d for d in range(pp, step_batch + 1) if step_batch % d == 0]
-            fix = f"--microbatches in {fits}" if fits else f"--batch-size {pp} or more"
-            raise ConfigError(f"--microbatches {m} must be at least --pp {pp} and divide the "
-                              f"{step_batch} samples of a step (--batch-size x --grad-accum); "
-                              f"use {fix}")
+        if m is not None and step_batch % m:
+            fits = [d for d in range(1, step_batch + 1) if step_batch % d == 0]
+            raise ConfigError(f"--microbatches {m} must divide the {step_batch} samples of a "
+                              f"step (--batch-size x --grad-accum); use --microbatches in {fits}")
         _check_schedule(self.schedule, pp, self.virtual_stages,
                         self.microbatches_for(step_batch))
         return dp
@@ -170,8 +168,9 @@ class PipelineStrategy(Strategy):
         pp: stages per pipeline; must divide the world size.
         schedule: '1f1b' (default; at most pp micro-batches in flight), 'gpipe', 'zb-h1'
             (1F1B's memory, a third of its bubble) or 'interleaved' (with virtual_stages).
-        microbatches: micro-batches per step (>= pp, dividing the step batch); default: the
-            most up to 4 x pp that divide the batch.
+        microbatches: micro-batches per step (dividing the step batch; fewer than pp leaves
+            stages idle, and interleaved needs a multiple of pp); default: the most up to
+            4 x pp that divide the batch.
         split: layers per stage (e.g. [3, 2]; pp x virtual_stages of them); default: balanced
             by parameter count.
         virtual_stages: model chunks per rank, for `schedule='interleaved'`: the bubble shrinks
@@ -187,11 +186,6 @@ class PipelineStrategy(Strategy):
         if schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
                               f"{sorted(SCHEDULES)}")
-        if microbatches is not None and microbatches < pp:
-            raise ConfigError(
-                f"--microbatches {microbatches} is fewer than --pp {pp} stages: some stages would "
-                f"never overlap. Use --microbatches {pp} or more (e.g. {4 * pp})"
-            )
         _check_schedule(schedule, pp, virtual_stages, microbatches)
         self.runtime, self.virtual_stages = runtime, virtual_stages
         try:
