@@ -124,8 +124,9 @@ class PipelineConfig(StrategyConfig):
     microbatches: int | None = option(None, "pipeline micro-batches per batch",
                                       type=int_at_least(1),
                                       shown="the most up to 4 x pp that divide the batch")
-    virtual_stages: int = option(1, "model chunks per rank (--schedule interleaved): the model "
-                                 "is split into pp x v stages, rank r holds r, r+pp, ...",
+    virtual_stages: int = option(1, "model chunks per rank (--schedule interleaved; zb-v holds "
+                                 "2 in a V): the model is split into pp x v stages, rank r "
+                                 "holds r, r+pp, ...",
                                  type=int_at_least(1), resume=MUST_MATCH)
 
     def plan(self, world_size: int, step_batch: int) -> int:
