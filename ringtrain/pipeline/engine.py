@@ -1,14 +1,14 @@
 """Run a pipeline schedule on one rank: micro-batches, dry run, forward/backward, p2p.
 
-`PipelineStage` holds one rank's stage (or its `v` chunks, for interleaved schedules) and its
-neighbours' global ranks. `train_step(x, y, microbatches)` splits the batch, learns the
-boundary shapes by a dry run the first time it sees an input shape, validates the schedule (a
-deadlock is an error before anything is sent), then walks this rank's actions (`step.py` says
-what each one does). A split backward (zero-bubble schedules) computes the input gradient
-first, keeping the gradients at the parameters' consumers, and at `BackwardWeight` only the
-weight gradients from there (`backward.py`, as torch's pipelining `stage_backward_input` /
-`stage_backward_weight`). The loss (last stage) is scaled by 1/M, so the accumulated
-gradients equal those of the full batch's mean loss.
+`PipelineStage` holds one rank's stage (or its `v` chunks, for interleaved and zb-v schedules,
+placed as `placement.py` says) and its neighbours' global ranks. `train_step(x, y,
+microbatches)` splits the batch, learns the boundary shapes by a dry run the first time it sees
+an input shape, validates the schedule (a deadlock is an error before anything is sent), then
+walks this rank's actions (`step.py` says what each one does). A split backward (zero-bubble
+schedules) computes the input gradient first, keeping the gradients at the parameters'
+consumers, and at `BackwardWeight` only the weight gradients from there (`backward.py`, as
+torch's pipelining `stage_backward_input` / `stage_backward_weight`). The loss (last stage) is
+scaled by 1/M, so the accumulated gradients equal those of the full batch's mean loss.
 
     .venv/bin/pytest -q tests/test_pipeline.py
 """
