@@ -1,5 +1,4 @@
-"""`--strategy pipeline`: pipeline parallelism (GPipe, 1F1B, interleaved, ZB-H1, ZB-V) x data
-parallelism.
+"""`--strategy pipeline`: pipeline (GPipe, 1F1B, interleaved, ZB-H1, ZB-V) x data parallelism.
 
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 \
 [--schedule 1f1b|gpipe|zb-h1|zb-v] [--microbatches 4]
@@ -199,10 +198,8 @@ class PipelineStrategy(Strategy):
             raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
                               f"{sorted(SCHEDULES)}")
         _check_schedule(schedule, pp, virtual_stages, microbatches)
-        # Chunks per rank: zb-v always holds 2 (its layout records them, so a resume under
-        # another schedule is refused).
-        self.runtime = runtime
-        self.virtual_stages = chunks_per_rank(schedule, virtual_stages)
+        # Chunks per rank (zb-v: 2, in the layout, so resuming under another schedule is refused)
+        self.runtime, self.virtual_stages = runtime, chunks_per_rank(schedule, virtual_stages)
         try:
             self.topology = Topology(runtime.world_size, pp)
         except ValueError as e:  # pp does not divide the world: the same on every rank
@@ -221,9 +218,8 @@ class PipelineStrategy(Strategy):
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
-        g, pp = self.groups, self.topology.pp
-        place = placement(self.schedule, pp, self.virtual_stages)
-        v = place.v
+        g, pp, v = self.groups, self.topology.pp, self.virtual_stages
+        place = placement(self.schedule, pp, v)
         stages = partition(_as_sequential(model), pp * v, self.split)
         chunks = [stages[place.stage(g.pp_rank, c)].to(self.runtime.device) for c in range(v)]
         stage = chunks[0] if v == 1 else nn.ModuleList(chunks)
