@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/pipeline.py            # GPipe vs 1F1B, pp=2: ~3.5 min
     .venv/bin/python benchmarks/pipeline.py --quick    # one launch, ~1 min
-    .venv/bin/python benchmarks/pipeline.py --schedules gpipe,1f1b,zb-h1,interleaved:2 \
+    .venv/bin/python benchmarks/pipeline.py --schedules gpipe,1f1b,zb-h1,interleaved:2,zb-v \
         --microbatches 4,8 --model gpt                  # every schedule on the GPT
 (`benchmarks/pipeline_sleep.py` measures the same with sleep-model stages, on a busy machine.)
 
@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ringtrain.models import GPT, GPTConfig  # noqa: E402
 from ringtrain.models import loss_fn as gpt_loss  # noqa: E402
 from ringtrain.pipeline import PipelineStage, partition  # noqa: E402
-from ringtrain.pipeline.schedule import bubble_formula  # noqa: E402
+from ringtrain.pipeline.schedule import bubble_formula, placement  # noqa: E402
 from ringtrain.pipeline.topology import Topology, create_process_groups  # noqa: E402
 from ringtrain.testing import run_workers  # noqa: E402
 
@@ -137,9 +137,11 @@ def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     runs = {}  # (schedule, v, M) -> (engine, x, y)
     for name, v in _settings(cfg["schedules"]):
         model = _gpt(cfg["width"], cfg["layers"]) if gpt else _model(cfg["width"], cfg["layers"])
+        place = placement(name, pp, v)  # zb-v: 2 chunks in a V
+        v = place.v
         # equal stages: the Linears (the blocks) have the same size
         stages = partition(model.to_sequential() if gpt else model, pp * v)
-        chunks = [stages[c * pp + g.pp_rank] for c in range(v)]
+        chunks = [stages[place.stage(g.pp_rank, c)] for c in range(v)]
         for m in cfg["microbatches"]:
             gen = torch.Generator().manual_seed(m)
             if gpt:

@@ -5,10 +5,11 @@
 
 Every stage's compute is a fixed sleep: a forward sleeps F, an input-gradient pass B and a
 weight-gradient pass W (a whole `Backward` both), F = B = W = `--unit-ms` per full stage and
-1/v of that per chunk of an interleaved schedule. Sleeping ranks leave the CPU to the others, so
-4 ranks on 2 shared cores measure the schedule, not the machine (the real-model numbers come
-from `benchmarks/pipeline.py` on a quiet machine). Activations are small tensors: their
-transfers cost well under a ms against the units' tens.
+1/v of that per chunk of an interleaved or zb-v schedule (zb-v: v = 2, placed in a V).
+Sleeping ranks leave the CPU to the others, so 4 ranks on 2 shared cores measure the schedule,
+not the machine (the real-model numbers come from `benchmarks/pipeline.py` on a quiet
+machine). Activations are small tensors: their transfers cost well under a ms against the
+units' tens.
 
 The first stage has no input gradient to compute (its input is data): there its W sleeps
 B + W, so every schedule does the same work per micro-batch on every stage, as a real first
@@ -44,7 +45,8 @@ from ringtrain.pipeline.schedule import bubble_formula  # noqa: E402
 from ringtrain.pipeline.topology import Topology, create_process_groups  # noqa: E402
 from ringtrain.testing import run_workers  # noqa: E402
 
-SETTINGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4)]
+SETTINGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4),
+            ("zb-v", 2)]
 
 
 class _SleepInBackward(torch.autograd.Function):

@@ -76,7 +76,14 @@ def no_launch(monkeypatch):
     (["--strategy", "ps", "--servers", "1", "--nproc-per-node", "3", "--batch-size", "4800"],
      r"9500 samples over 2 data ranks is 4750 each"),  # servers read no data
     (["--strategy", "pipeline", "--pp", "2", "--microbatches", "3", "--nproc-per-node", "2"],
-     r"--microbatches 3 must be at least --pp 2 and divide the 16 samples of a step"),
+     r"--microbatches 3 must divide the 16 samples of a step .*"
+     r"--microbatches in \[1, 2, 4, 8, 16\]"),
+    (["--strategy", "pipeline", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+      "--microbatches", "1", "--nproc-per-node", "2"],
+     r"--microbatches 1 is fewer than --pp 2 stages: interleaved .* --schedule 1f1b"),
+    (["--strategy", "pipeline", "--pp", "2", "--schedule", "zb-v", "--virtual-stages", "3",
+      "--nproc-per-node", "2"],
+     r"--virtual-stages 3: zb-v holds 2 chunks per rank in a V \(use --virtual-stages 1"),
 ])
 def test_a_mistake_is_two_lines_and_exit_2(argv, message, capsys, no_launch, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # no warning about cores in the count

@@ -29,6 +29,7 @@ from ringtrain.pipeline.schedule import (
     RecvGrad,
     SendActivation,
     SendGrad,
+    placement,
 )
 from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import get_runtime
@@ -59,21 +60,25 @@ def _grads_match(model: nn.Module, stage: nn.Module, ref: nn.Module, what: str) 
 
 
 def _check_gpt_engine(rank: int, world_size: int) -> dict:
-    """A GPT split over `world_size` ranks: every schedule (interleaved with 2 chunks per rank),
-    M = pp and M = 4 (2 x pp for interleaved, which needs a multiple of pp), equal to the
-    unsplit model's loss and gradients; forward_only equals its logits."""
+    """A GPT split over `world_size` ranks: every schedule (interleaved and zb-v: 2 chunks),
+    M = pp and M = 4 (2 x pp for interleaved, which needs a multiple of pp), and M = 2 < pp
+    on 3 ranks, equal to the unsplit model's loss and gradients; forward_only equals its
+    logits."""
     pp = world_size
     g = create_process_groups(Topology(world_size, pp=pp))
     x, y = _batch(12)
     losses = {}
-    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
+                        ("zb-v", 2)):
         model = _gpt(n_layer=pp * v)
         ref = copy.deepcopy(model)
         ref_loss = loss_fn(ref(x), y)
         ref_loss.backward()
         stages = partition(model.to_sequential(), pp * v)
-        chunks = [stages[c * pp + g.pp_rank] for c in range(v)]
-        for m in ((pp, 2 * pp) if schedule == "interleaved" else (pp, 4)):
+        place = placement(schedule, pp, v)
+        chunks = [stages[place.stage(g.pp_rank, c)] for c in range(v)]
+        # M < pp (2 of 3 stages) runs too, for every schedule but interleaved
+        for m in ((pp, 2 * pp) if schedule == "interleaved" else (pp, 4, 2)[:2 + (pp > 2)]):
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
             engine = PipelineStage(chunks if v > 1 else chunks[0], pp_rank=g.pp_rank, pp=pp,
@@ -179,7 +184,7 @@ def _check_strategy(rank: int, world_size: int, pp: int, schedule: str, tie: boo
         # The trainer's gradient accumulation: two halves, concatenated by the strategy.
         result = strategy.train_step([(x[shard][:2], y[shard][:2]), (x[shard][2:], y[shard][2:])],
                                      lr=lr, grad_clip=clip)
-        assert result.count == (4 if strategy.groups.pp_is_last_stage else 0)
+        assert result.count == (4 if strategy.engine.is_last else 0)
     state = strategy.model_state_dict()
     ref_state = ref.state_dict()
     assert list(state) == list(ref_state)
@@ -188,7 +193,7 @@ def _check_strategy(rank: int, world_size: int, pp: int, schedule: str, tie: boo
                                    msg=lambda m, n=name: f"rank {rank}: {n}: {m}")
     x, _ = full[0]
     logits = strategy.eval_logits(x[shard])
-    if strategy.groups.pp_is_last_stage:
+    if strategy.engine.is_last:  # zb-v: rank 0 holds the last stage
         torch.testing.assert_close(logits, ref(x[shard]).detach(), **TOL)
     else:
         assert logits is None
@@ -200,11 +205,13 @@ CHECKS = {
     2: {"gpt_engine": (_check_gpt_engine, ()), "two_linear": (_check_two_linear, ()),
         "strategy_tied": (_check_strategy, (2, "gpipe", True)),
         "strategy_tied_interleaved": (_check_strategy, (2, "interleaved", True, 2)),
-        "strategy_tied_zb": (_check_strategy, (2, "zb-h1", True))},
+        "strategy_tied_zb": (_check_strategy, (2, "zb-h1", True)),
+        "strategy_tied_zbv": (_check_strategy, (2, "zb-v", True))},
     3: {"gpt_engine": (_check_gpt_engine, ())},
     4: {"strategy_dp2_pp2": (_check_strategy, (2, "1f1b", False)),
         "strategy_dp2_pp2_interleaved": (_check_strategy, (2, "interleaved", False, 2)),
-        "strategy_dp2_pp2_zb": (_check_strategy, (2, "zb-h1", False))},
+        "strategy_dp2_pp2_zb": (_check_strategy, (2, "zb-h1", False)),
+        "strategy_dp2_pp2_zbv": (_check_strategy, (2, "zb-v", False))},
 }
 
 
@@ -238,9 +245,11 @@ def _outcome(world_size: int, name: str) -> list:
 def test_gpt_pipeline_equals_unsplit_model_both_schedules(pp):
     results = _outcome(pp, "gpt_engine")
     assert [r["pp_rank"] for r in results] == list(range(pp))
-    assert set(results[-1]["losses"]) == {
+    fewer = {(name, 2) for name in ("gpipe", "1f1b", "zb-h1", "zb-v")} if pp > 2 else set()
+    losses = set(results[-1]["losses"]) | set(results[0]["losses"])  # zb-v: loss on rank 0
+    assert losses == {
         ("gpipe", pp), ("gpipe", 4), ("1f1b", pp), ("1f1b", 4), ("zb-h1", pp), ("zb-h1", 4),
-        ("interleaved", pp), ("interleaved", 2 * pp)}
+        ("interleaved", pp), ("interleaved", 2 * pp), ("zb-v", pp), ("zb-v", 4), *fewer}
 
 
 def test_two_linear_split_over_two_ranks_and_deadlock_rejected():
@@ -252,14 +261,17 @@ def test_strategy_tied_embeddings_two_stages_equals_single_process():
     assert layouts[1] == {"world_size": 2, "pp": 2, "dp": 1, "pp_rank": 1}
 
 
-def test_strategy_tied_embeddings_interleaved_and_zb_h1_equal_single_process():
+def test_strategy_tied_embeddings_interleaved_zb_h1_and_zb_v_equal_single_process():
     layouts = _outcome(2, "strategy_tied_interleaved")
     assert layouts[0] == {"world_size": 2, "pp": 2, "dp": 1, "pp_rank": 0, "virtual_stages": 2}
     _outcome(2, "strategy_tied_zb")
+    # zb-v: 4 stages in a V, rank 0 holds the embedding and the tied head (one parameter)
+    assert _outcome(2, "strategy_tied_zbv") == [
+        {"world_size": 2, "pp": 2, "dp": 1, "pp_rank": r, "virtual_stages": 2} for r in (0, 1)]
 
 
 @pytest.mark.parametrize("name", ["strategy_dp2_pp2", "strategy_dp2_pp2_interleaved",
-                                  "strategy_dp2_pp2_zb"])
+                                  "strategy_dp2_pp2_zb", "strategy_dp2_pp2_zbv"])
 def test_strategy_dp2_x_pp2_equals_single_process(name):
     layouts = _outcome(4, name)
     assert [(lay["dp"], lay["pp_rank"]) for lay in layouts] == [(2, 0), (2, 1), (2, 0), (2, 1)]
@@ -273,8 +285,9 @@ def test_strategy_rejects_bad_options_before_any_collective():
     rt = SimpleNamespace(rank=0, world_size=3, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="world_size=3 is not divisible by pp=2"):
         PipelineStrategy(rt, pp=2)
-    with pytest.raises(ValueError, match="--microbatches 1 is fewer than --pp 2"):
-        PipelineStrategy(rt, pp=2, microbatches=1)
+    with pytest.raises(ValueError, match="--microbatches 1 is fewer than --pp 2 stages: "
+                                         "interleaved runs micro-batches in rounds of pp"):
+        PipelineStrategy(rt, pp=2, microbatches=1, schedule="interleaved", virtual_stages=2)
     with pytest.raises(ValueError, match="--schedule 'zigzag' is not known"):
         PipelineStrategy(rt, pp=2, schedule="zigzag")
     with pytest.raises(ValueError, match="--virtual-stages 2 needs --schedule interleaved"):

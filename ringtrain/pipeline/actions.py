@@ -4,7 +4,8 @@ Each names a micro-batch `mb` and a `chunk`: the index of the model chunk on thi
 one chunk per rank (GPipe, 1F1B, ZB-H1) the chunk is always 0 and virtual stage = pp_rank;
 interleaved schedules give each rank `v` chunks, chunk c of rank r being virtual stage
 `c * pp + r` (Narayanan et al., 2021), so activations flow r -> r+1 and, at the last rank,
-wrap around to rank 0's next chunk; gradients flow back the same way.
+wrap around to rank 0's next chunk; gradients flow back the same way. ZB-V places its two
+chunks in a V instead (stages r and 2pp-1-r; `placement.py` says where each stage lives).
 
 `Backward` computes both gradients at once; zero-bubble schedules (Qi et al., 2023) split it
 into `BackwardInput` (d loss / d input: the next stage back waits on it) and `BackwardWeight`

@@ -1,16 +1,14 @@
 """Run a pipeline schedule on one rank: micro-batches, dry run, forward/backward, p2p.
 
-`PipelineStage` holds one rank's stage (or its `v` chunks, for interleaved schedules) and its
-neighbours' global ranks. `train_step(x, y, microbatches)` splits the batch, learns the
-boundary shapes by a dry run the first time it sees an input shape, validates the schedule (a
-deadlock is an error before anything is sent), then walks this rank's actions (`step.py` says
-what each one does). A split backward (zero-bubble schedules) computes the input gradient
-first with `torch.autograd.grad(..., retain_graph=True)` and the weight gradients at
-`BackwardWeight` with `torch.autograd.backward(..., inputs=params)`, as torch's pipelining
-`stage_backward_input` / `stage_backward_weight` do (ours re-walks the graph from the output
-in the weight pass instead of keeping the intermediate gradients: simpler, and more compute
-on deep stages). The loss (last stage) is scaled by 1/M, so the accumulated gradients equal
-those of the full batch's mean loss.
+`PipelineStage` holds one rank's stage (or its `v` chunks, for interleaved and zb-v schedules,
+placed as `placement.py` says) and its neighbours' global ranks. `train_step(x, y,
+microbatches)` splits the batch, learns the boundary shapes by a dry run the first time it sees
+an input shape, validates the schedule (a deadlock is an error before anything is sent), then
+walks this rank's actions (`step.py` says what each one does). A split backward (zero-bubble
+schedules) computes the input gradient first, keeping the gradients at the parameters'
+consumers, and at `BackwardWeight` only the weight gradients from there (`backward.py`, as
+torch's pipelining `stage_backward_input` / `stage_backward_weight`). The loss (last stage) is
+scaled by 1/M, so the accumulated gradients equal those of the full batch's mean loss.
 
     .venv/bin/pytest -q tests/test_pipeline.py
 """
@@ -28,12 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.pipeline import p2p
+from ringtrain.pipeline.placement import Placement
 from ringtrain.pipeline.schedule import (
     COMPUTE,
     Action,
     RecvActivation,
     Schedule,
     build_schedule,
+    placement,
     validate,
 )
 from ringtrain.pipeline.step import Boundary, StepRun
@@ -60,7 +60,7 @@ def split_batch(t: torch.Tensor, microbatches: int, at_least: int = 1) -> list[t
     """`t` cut along dim 0 into `microbatches` equal parts; a clear error when it does not divide.
 
     Args:
-        at_least: the fewest micro-batches allowed (pp), only to suggest valid choices.
+        at_least: the fewest micro-batches to suggest among the valid choices.
     """
     size = t.shape[0]
     if microbatches < 1 or size % microbatches != 0:
@@ -82,13 +82,16 @@ class PipelineStage:
 
     Args:
         module: this rank's layers (possibly wrapped in DistributedDataParallel), or, for an
-            interleaved schedule, its `v` chunks in order: chunk c is virtual stage c*pp + pp_rank.
+            interleaved or zb-v schedule, its `v` chunks in order (`placement.py`: interleaved
+            chunk c is virtual stage c*pp + pp_rank; zb-v's are pp_rank and 2*pp-1-pp_rank).
         pp_rank, pp: this rank's index and the number of ranks in the pipeline.
         pp_ranks: global ranks of the pipeline's stages, in stage order.
         pp_group: the pipeline's process group (p2p goes through it).
         loss_fn: `(output, target) -> mean loss`; used on the last stage.
-        schedule: a name in `SCHEDULES` ('1f1b', 'gpipe', 'interleaved', 'zb-h1'), or a
-            hand-made `Schedule` (one action list per rank).
+        schedule: a name in `SCHEDULES` ('1f1b', 'gpipe', 'interleaved', 'zb-h1', 'zb-v'), or
+            a hand-made `Schedule` (one action list per rank).
+        v_shape: a hand-made schedule's chunks sit in a V (as zb-v's), not a loop; a named
+            schedule knows its own.
         no_sync, sync_next_backward: data parallelism over `module` (a DDP wrapper's
             `no_sync` and `reducer.prepare_for_backward`; one of each per chunk). Every forward
             runs under `no_sync()`, so gradients accumulate locally; `sync_next_backward()` then
@@ -103,7 +106,7 @@ class PipelineStage:
                  loss_fn: LossFn | None = None, schedule: str | Schedule = "1f1b",
                  no_sync: Hook | Sequence[Hook] | None = None,
                  sync_next_backward: Arm | Sequence[Arm] | None = None,
-                 measure_memory: bool = False):
+                 measure_memory: bool = False, v_shape: bool = False):
         if (no_sync is None) != (sync_next_backward is None):
             raise ValueError("pass both no_sync and sync_next_backward (data parallelism) "
                              "or neither")
@@ -116,10 +119,14 @@ class PipelineStage:
         self.no_sync = _per_chunk(no_sync, self.v, "no_sync")
         self.sync_next_backward = _per_chunk(sync_next_backward, self.v, "sync_next_backward")
         self.pp_rank, self.pp = pp_rank, pp
+        self.placement = (placement(schedule, pp, self.v) if isinstance(schedule, str)
+                          else Placement(pp, self.v, v_shape))
         self.pp_ranks, self.pp_group = list(pp_ranks), pp_group
         self.loss_fn, self.schedule = loss_fn, schedule
         self.measure_memory = measure_memory
-        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
+        # Which rank holds the first / last virtual stage (zb-v: rank 0 holds both).
+        self.is_first = self.placement.where(0)[0] == pp_rank
+        self.is_last = self.placement.where(self.placement.stages - 1)[0] == pp_rank
         if self.is_last and loss_fn is None:
             raise ValueError("the last stage needs loss_fn(output, target) -> mean loss")
         first_param = next(self.module.parameters(), None)
@@ -131,32 +138,39 @@ class PipelineStage:
         self._warned_batchnorm = False
 
     # -- neighbours -------------------------------------------------------------------------
-    @property
-    def prev_rank(self) -> int:  # wraps around: rank 0's chunk c > 0 follows the last rank
-        return self.pp_ranks[(self.pp_rank - 1) % self.pp]
+    def peer(self, chunk: int, step: int) -> int:
+        """Global rank of the stage `step` (+1 next, -1 previous) away from `chunk`'s (an
+        interleaved rank 0's chunk c > 0 follows the last rank)."""
+        other = self.placement.neighbour(self.pp_rank, chunk, step)
+        assert other is not None, "the validated schedule sends nothing past the ends"
+        return self.pp_ranks[other[0]]
 
-    @property
-    def next_rank(self) -> int:
-        return self.pp_ranks[(self.pp_rank + 1) % self.pp]
+    def local(self, chunk: int, step: int) -> int | None:
+        """This rank's chunk that holds the stage `step` away, if one does (a V's bottom)."""
+        return self.placement.local(self.pp_rank, chunk, step)
 
     def chunk_ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether `chunk` of this rank is the pipeline's first / last virtual stage."""
-        k = chunk * self.pp + self.pp_rank
-        return k == 0, k == self.pp * self.v - 1
+        k = self.placement.stage(self.pp_rank, chunk)
+        return k == 0, k == self.placement.stages - 1
 
     # -- dry run ----------------------------------------------------------------------------
     def _dry_run(self, first_input: torch.Tensor) -> list[Boundary]:
         """Learn each chunk's input shape/dtype and pass its output's on: one forward of one
         micro-batch per chunk in eval mode, without grad, with the RNG state restored, so the
         real step is unaffected (no dropout draws, no BatchNorm statistics). Chunks go in
-        order, which is the pipeline's virtual-stage order on every rank: no cycle."""
-        bounds = []
+        order, which is the pipeline's virtual-stage order on every rank: no cycle. A chunk
+        whose neighbour stage is its own rank's (a V's bottom) hands the shape over locally."""
+        bounds: list[Boundary] = []
         for c, chunk in enumerate(self.chunks):
             first, last = self.chunk_ends(c)
+            prev = self.local(c, -1)
             if first:
                 shape, dtype = first_input.shape, first_input.dtype
+            elif prev is not None:
+                shape, dtype = bounds[prev].out_shape, bounds[prev].out_dtype
             else:
-                shape, dtype = p2p.recv_meta(self.prev_rank, self.pp_group, self.device)
+                shape, dtype = p2p.recv_meta(self.peer(c, -1), self.pp_group, self.device)
             if last:
                 bounds.append(Boundary(shape, dtype, None, None))
                 continue
@@ -182,7 +196,8 @@ class PipelineStage:
                     f"{where} outputs dtype {out.dtype}: a stage boundary carries "
                     "activations that need gradients, so it must be floating point. Put the "
                     "layer that turns integer inputs into floats (the embedding) in the same stage")
-            p2p.send_meta(out, self.next_rank, self.pp_group)
+            if self.local(c, 1) is None:
+                p2p.send_meta(out, self.peer(c, 1), self.pp_group)
             bounds.append(Boundary(shape, dtype, out.shape, out.dtype))
         return bounds
 
@@ -195,8 +210,8 @@ class PipelineStage:
             if len(schedule) != self.pp:
                 raise ValueError(f"the schedule has {len(schedule)} stage lists but pp={self.pp}")
         key = (self.schedule if isinstance(self.schedule, str) else id(self.schedule), microbatches)
-        if key not in self._validated:
-            validate(schedule, microbatches, self.v)  # same on every rank: all raise, none hangs
+        if key not in self._validated:  # same on every rank: all raise, none hangs
+            validate(schedule, microbatches, self.v, self.placement.v_shape)
             self._validated.add(key)
         return schedule[self.pp_rank]
 
@@ -213,10 +228,10 @@ class PipelineStage:
         bound = bounds[a.chunk]
         if isinstance(a, RecvActivation):
             return p2p.recv_activation(bound.in_shape, bound.in_dtype, self.device,
-                                       self.prev_rank, self.pp_group)
+                                       self.peer(a.chunk, -1), self.pp_group)
         assert bound.out_shape is not None and bound.out_dtype is not None
-        return p2p.recv_grad(bound.out_shape, bound.out_dtype, self.device, self.next_rank,
-                             self.pp_group)
+        return p2p.recv_grad(bound.out_shape, bound.out_dtype, self.device,
+                             self.peer(a.chunk, 1), self.pp_group)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, microbatches: int) -> StepStats:
         """Forward and backward the batch `(x, y)` as `microbatches` micro-batches.
@@ -226,7 +241,7 @@ class PipelineStage:
         """
         stats = StepStats(start=time.perf_counter())
         actions = self._actions(microbatches)
-        xs, ys = split_batch(x, microbatches, self.pp), split_batch(y, microbatches, self.pp)
+        xs, ys = split_batch(x, microbatches), split_batch(y, microbatches)
         self._warn_batchnorm(x.shape[0], microbatches)
         key = (tuple(x.shape), x.dtype)
         if key not in self._shapes:
@@ -263,14 +278,16 @@ class PipelineStage:
             first, last = self.chunk_ends(c)
             if first:
                 inp = x
+            elif self.local(c, -1) is not None:
+                inp = out  # a V's bottom: the previous chunk's output, on this rank
             else:
-                shape, dtype = p2p.recv_meta(self.prev_rank, self.pp_group, self.device)
-                inp = p2p.recv_activation(shape, dtype, self.device, self.prev_rank,
+                shape, dtype = p2p.recv_meta(self.peer(c, -1), self.pp_group, self.device)
+                inp = p2p.recv_activation(shape, dtype, self.device, self.peer(c, -1),
                                           self.pp_group).wait()
             out = chunk(inp)
-            if not last:
-                p2p.send_meta(out, self.next_rank, self.pp_group)
-                p2p.send_activation(out, self.next_rank, self.pp_group).wait()
+            if not last and self.local(c, 1) is None:
+                p2p.send_meta(out, self.peer(c, 1), self.pp_group)
+                p2p.send_activation(out, self.peer(c, 1), self.pp_group).wait()
                 out = None
         return out
 

@@ -5,9 +5,12 @@
     interleaved  1F1B over v chunks per rank (Narayanan et al., 2021): bubble (p-1)/(v*m)
     zb-h1        1F1B with the backward split in two, weight gradients filling the bubble
                  (zero-bubble pipeline parallelism, ZB-H1, Qi et al., 2023)
+    zb-v         two chunks per rank in a V, split backward (ZB-V, same paper): the bubble
+                 shrinks to one chunk's forward per rank at 1F1B's activation memory
 
-Builders are pure: `(pp_rank, pp, microbatches, virtual_stages)` in, actions out. Every schedule
-is checked by `validate` (`validate.py`) before anything is sent.
+Builders are pure: `(pp_rank, pp, microbatches, virtual_stages)` in, actions out; `placement`
+says where each schedule puts its chunks (`placement.py`). Every schedule is checked by
+`validate` (`validate.py`) before anything is sent.
 
     .venv/bin/pytest -q tests/test_schedule.py
 """
@@ -31,13 +34,15 @@ from ringtrain.pipeline.actions import (
     SendActivation,
     SendGrad,
 )
-from ringtrain.pipeline.validate import Timing, peak_in_flight, simulate, validate
+from ringtrain.pipeline.placement import Placement
+from ringtrain.pipeline.validate import UNIT_COST, Timing, peak_in_flight, simulate, validate
 
 __all__ = [
     "BUBBLE_FORMULA_TEXT", "COMPUTE", "SCHEDULES", "Action", "Backward", "BackwardInput",
     "BackwardWeight", "Forward", "RecvActivation", "RecvGrad", "Schedule", "ScheduleError",
-    "SendActivation", "SendGrad", "Timing", "bubble_formula", "build_schedule", "gpipe",
-    "interleaved", "one_f_one_b", "peak_in_flight", "simulate", "validate", "zb_h1",
+    "SendActivation", "SendGrad", "Timing", "V_SHAPED", "bubble_formula", "build_schedule",
+    "chunks_per_rank", "gpipe", "interleaved", "one_f_one_b", "peak_in_flight", "placement",
+    "simulate", "validate", "zb_h1", "zb_v",
 ]
 
 
@@ -47,13 +52,9 @@ def _check_args(pp_rank: int, pp: int, microbatches: int, virtual_stages: int = 
         raise ValueError(f"pp={pp}: the number of pipeline stages must be at least 1")
     if not 0 <= pp_rank < pp:
         raise ValueError(f"Invalid pp_rank {pp_rank}, it should be in the interval [0, {pp - 1}]")
-    if microbatches < pp:
-        raise ValueError(
-            f"microbatches={microbatches} is fewer than pp={pp} stages: some stages would "
-            f"never overlap. Use --microbatches {pp} or more (4 x pp keeps the bubble under "
-            f"{(pp - 1) / (5 * pp - 1):.0%})"
-        )
-    if virtual_stages != 1 and name != "interleaved":
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches} must be at least 1")
+    if virtual_stages != 1 and name not in ("interleaved", "zb-v"):
         raise ValueError(f"virtual_stages={virtual_stages} needs --schedule interleaved; "
                          f"{name!r} holds one stage per rank (use --virtual-stages 1)")
 
@@ -155,6 +156,12 @@ def interleaved(pp_rank: int, pp: int, microbatches: int, virtual_stages: int = 
     if v > 1 and pp < 2:
         raise ValueError(f"virtual_stages={v} with pp={pp}: interleaving needs 2 or more ranks "
                          "to pass chunks between; use --virtual-stages 1 or --pp 2 or more")
+    if microbatches < pp:  # the rounds of pp below would be empty
+        raise ValueError(
+            f"microbatches={microbatches} is fewer than pp={pp} stages: interleaved runs "
+            f"micro-batches in rounds of pp. Use --microbatches {pp} or more (4 x pp keeps the "
+            f"bubble under {(pp - 1) / (4 * v * pp + pp - 1):.0%}), or --schedule 1f1b, which "
+            "runs fewer micro-batches than stages")
     if microbatches % pp:
         lo = microbatches - microbatches % pp
         fits = [n for n in (lo, lo + pp) if n >= pp]
@@ -182,15 +189,109 @@ def interleaved(pp_rank: int, pp: int, microbatches: int, virtual_stages: int = 
     return actions
 
 
+def zb_v(pp_rank: int, pp: int, microbatches: int, virtual_stages: int = 2) -> list[Action]:
+    """ZB-V (Qi et al., 2023, section 6): two chunks per rank placed in a V (`placement.py`:
+    rank r holds stages r and 2pp-1-r), the backward split as in ZB-H1. Weight passes fill
+    the warm-up and cool-down; with F = B = W the bubble is (pp-1)/(6m + pp-1) (one chunk's
+    F + B - W = F of idle per rank at each end, against 6 chunk-passes per micro-batch), a
+    sixth of 1F1B's idle time, at 1F1B's peak activation memory (2pp chunk-activations, each
+    half a stage: pp stages' worth).
+
+    The order of compute is torch's `ScheduleZBVZeroBubble`: rank r warms up with 2(pp-r)-1
+    forwards of chunk 0, then r pairs (chunk 1, chunk 0), then pp-r rounds of chunk 1's F, B,
+    W; the steady state runs F B W on chunk 0 then on chunk 1; the cool-down defers weight
+    passes into the drain. Micro-batches are counted as if there were at least 2pp-1 of them
+    (the warm-up's length) and the missing ones left out, so m < 2pp-1 keeps the same order.
+    Receives go right before the pass that needs them, sends right after.
+    """
+    _check_args(pp_rank, pp, microbatches, 1, "zb-v")
+    if virtual_stages != 2:
+        chunks_per_rank("zb-v", virtual_stages)  # names the fix for anything but 1
+        raise ValueError("zb_v builds 2 chunks per rank: pass virtual_stages=2 "
+                         "(build_schedule does)")
+    r, n = pp_rank, max(2 * pp - 1, microbatches)
+    order: list[tuple[type, int, int]] = []  # (kind, mb, chunk)
+    f, b, w = [0, 0], [0, 0], [0, 0]
+
+    def run(kind: type, c: int) -> None:
+        count = {Forward: f, BackwardInput: b, BackwardWeight: w}[kind]
+        order.append((kind, count[c], c))
+        count[c] += 1
+
+    for _ in range(2 * (pp - r) - 1):
+        run(Forward, 0)
+    for _ in range(r):
+        run(Forward, 1)
+        run(Forward, 0)
+    for _ in range(pp - r):
+        run(Forward, 1)
+        run(BackwardInput, 1)
+        run(BackwardWeight, 1)
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            run(Forward, 0)
+        for c in (0, 1):
+            if c:
+                run(Forward, 1)
+            run(BackwardInput, c)
+            run(BackwardWeight, c)
+    for _ in range(r):
+        run(BackwardInput, 0)
+        run(BackwardInput, 1)
+    for _ in range(pp - r):
+        run(BackwardInput, 0)
+        run(BackwardWeight, 0)
+    while w[1] < b[1]:
+        run(BackwardWeight, 1)
+    while w[0] < b[0]:
+        run(BackwardWeight, 0)
+
+    place = Placement(pp, 2, v_shape=True)
+    # Per chunk: is the previous / next stage on another rank (a message), or none / local?
+    remote = [tuple(place.neighbour(r, c, step) not in (None, (r, 1 - c)) for step in (-1, 1))
+              for c in (0, 1)]
+    actions: list[Action] = []
+    for kind, mb, c in order:
+        if mb >= microbatches:
+            continue
+        recv_prev, send_next = remote[c]
+        if kind is Forward:
+            actions += [RecvActivation(mb, c)] * recv_prev + [Forward(mb, c)]
+            actions += [SendActivation(mb, c)] * send_next
+        elif kind is BackwardInput:
+            actions += [RecvGrad(mb, c)] * send_next + [BackwardInput(mb, c)]
+            actions += [SendGrad(mb, c)] * recv_prev
+        else:
+            actions.append(BackwardWeight(mb, c))
+    return actions
+
+
 SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1,
+    "zb-v": zb_v}
+# Schedules whose chunks sit in a V (`placement.py`); the others loop.
+V_SHAPED = frozenset({"zb-v"})
+
+
+def chunks_per_rank(name: str, virtual_stages: int) -> int:
+    """Model chunks each rank holds under schedule `name`: zb-v always 2, else as asked."""
+    if name in V_SHAPED and virtual_stages not in (1, 2):
+        raise ValueError(f"virtual_stages={virtual_stages}: {name} holds 2 chunks per rank in a "
+                         "V (use --virtual-stages 1, its default, or 2)")
+    return 2 if name in V_SHAPED else virtual_stages
+
+
+def placement(name: str, pp: int, virtual_stages: int = 1) -> Placement:
+    """Where schedule `name` puts each virtual stage."""
+    return Placement(pp, chunks_per_rank(name, virtual_stages), v_shape=name in V_SHAPED)
 
 
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Every rank's actions for the schedule called `name` (one of `SCHEDULES`)."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is not known; choose one of {sorted(SCHEDULES)}")
-    return [SCHEDULES[name](s, pp, microbatches, virtual_stages) for s in range(pp)]
+    v = chunks_per_rank(name, virtual_stages)
+    return [SCHEDULES[name](s, pp, microbatches, v) for s in range(pp)]
 
 
 def bubble_formula(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -200,12 +301,24 @@ def bubble_formula(name: str, pp: int, microbatches: int, virtual_stages: int = 
         gpipe, 1f1b   (p-1) / (m + p-1)          (p-1)(F+B+W) idle against m(F+B+W) busy
         interleaved   (p-1) / (v*m + p-1)        idle/busy = (p-1)/(v*m), the issue's figure
         zb-h1         (p-1) / (3m + p-1)         idle (p-1)(F+B-W) = (p-1)F: a third of 1F1B's
+        zb-v          (p-1) / (6m + p-1)         idle (p-1)F/2, one chunk's forward per rank:
+                                                 the least any 2-chunk schedule can idle (the
+                                                 last rank waits for p-1 of them to start)
+
+    With fewer micro-batches (zb-h1: m < p, zb-v: m < 2p-1) the weight passes cannot fill the
+    warm-up: no closed form, the simulated schedule's bubble (`simulate`, exact under F = B =
+    W) instead.
     """
     p, m, v = pp, microbatches, virtual_stages
-    scale = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb-h1": 3 * m}[name]
+    if (name == "zb-h1" and m < p) or (name == "zb-v" and m < 2 * p - 1):
+        v = chunks_per_rank(name, v)
+        cost = {kind: t / v for kind, t in UNIT_COST.items()}  # a chunk is 1/v of a stage
+        return simulate(build_schedule(name, p, m, v), m, v, cost, name in V_SHAPED).bubble
+    scale = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb-h1": 3 * m, "zb-v": 6 * m}[name]
     return (p - 1) / (scale + p - 1)
 
 
 # `bubble_formula` in words, for explanations ("... = 5.9% of the step").
 BUBBLE_FORMULA_TEXT = {"gpipe": "(pp-1)/(M+pp-1)", "1f1b": "(pp-1)/(M+pp-1)",
-                       "interleaved": "(pp-1)/(v*M+pp-1)", "zb-h1": "(pp-1)/(3M+pp-1)"}
+                       "interleaved": "(pp-1)/(v*M+pp-1)", "zb-h1": "(pp-1)/(3M+pp-1)",
+                       "zb-v": "(pp-1)/(6M+pp-1)"}

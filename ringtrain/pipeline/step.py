@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.pipeline import p2p
+from ringtrain.pipeline.backward import WeightPass, backward_input
 from ringtrain.pipeline.memory import ActivationMeter
 from ringtrain.pipeline.schedule import (
     Action,
@@ -46,11 +47,9 @@ class Stage(Protocol):
     sync_next_backward: list[Callable[[], None]] | None
     measure_memory: bool
 
-    @property
-    def prev_rank(self) -> int: ...
+    def peer(self, chunk: int, step: int) -> int: ...
 
-    @property
-    def next_rank(self) -> int: ...
+    def local(self, chunk: int, step: int) -> int | None: ...
 
     def chunk_ends(self, chunk: int) -> tuple[bool, bool]: ...
 
@@ -117,6 +116,7 @@ class StepRun:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor | None] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.weight_passes: dict[tuple[int, int], WeightPass] = {}
         self.sends: list[p2p.PendingSend] = []
         self.losses: list[torch.Tensor] = []
 
@@ -129,30 +129,44 @@ class StepRun:
         elif isinstance(a, Forward):
             self._forward(a, first, last)
         elif isinstance(a, SendActivation):
-            self.sends.append(p2p.send_activation(self.outputs[key], st.next_rank, st.pp_group))
+            self.sends.append(p2p.send_activation(self.outputs[key], st.peer(c, 1), st.pp_group))
         elif isinstance(a, (Backward, BackwardWeight)):
             if self.index in self.arm and st.sync_next_backward:
                 st.sync_next_backward[c]()
-            out, grad = self.outputs.pop(key), self.grads.pop(key, None)
-            if isinstance(a, Backward):
+            self._local_grad(a)
+            weight_pass = self.weight_passes.pop(key, None)
+            if weight_pass is not None:
+                weight_pass.run()
+            else:  # a whole backward, or the first stage's (its input needs no gradient)
+                out, grad = self.outputs.pop(key), self.grads.pop(key, None)
                 torch.autograd.backward(out, grad)
-            else:
-                params = [p for p in st.chunks[c].parameters() if p.requires_grad]
-                torch.autograd.backward(out, grad, inputs=params)
             if self.meter:
                 self.meter.release(key)
         elif isinstance(a, BackwardInput):
-            # d loss / d input now (the previous stage waits on it); keep the graph for the
-            # weights. The first virtual stage's input needs no gradient: nothing to do.
+            self._local_grad(a)
+            # d loss / d input now (the previous stage waits on it), keeping the gradients at
+            # the parameters' consumers for the weight pass (`backward.py`). The first virtual
+            # stage's input needs no gradient: its whole backward waits for BackwardWeight.
             if not first:
-                (self.input_grads[key],) = torch.autograd.grad(
-                    self.outputs[key], self.inputs[key], self.grads.get(key), retain_graph=True)
+                params = [p for p in st.chunks[c].parameters() if p.requires_grad]
+                self.input_grads[key], self.weight_passes[key] = backward_input(
+                    self.outputs.pop(key), self.grads.pop(key, None), self.inputs[key], params)
         elif isinstance(a, SendGrad):
             self._send_grad(a)
         self.index += 1
 
+    def _local_grad(self, a: Action) -> None:
+        """At a V's bottom the next stage is this rank's own chunk: its input gradient is this
+        chunk's output gradient, with no message (the validator checked it ran first)."""
+        nxt = self.stage.local(a.chunk, 1)
+        if nxt is not None and not isinstance(a, BackwardWeight):
+            self.grads[(a.mb, a.chunk)] = self._input_grad((a.mb, nxt))
+
     def _forward(self, a: Forward, first: bool, last: bool) -> None:
         st, key = self.stage, (a.mb, a.chunk)
+        prev = st.local(a.chunk, -1)
+        if prev is not None:  # a V's bottom: the previous stage's output, on this rank
+            self.inputs[key] = self.outputs[(a.mb, prev)].detach().requires_grad_()
         inp = self.xs[a.mb] if first else self.inputs[key]
         with (self.meter.saving(key) if self.meter else contextlib.nullcontext(),
               st.no_sync[a.chunk]() if st.no_sync else contextlib.nullcontext()):
@@ -171,13 +185,18 @@ class StepRun:
                 "a stage's output shape must depend only on its input's shape")
         self.outputs[key] = out
 
-    def _send_grad(self, a: SendGrad) -> None:
-        st, key = self.stage, (a.mb, a.chunk)
+    def _input_grad(self, key: tuple[int, int]) -> torch.Tensor:
+        """d loss / d input of (micro-batch, chunk), computed by its backward; done with it."""
         inp = self.inputs.pop(key)
         grad = self.input_grads.pop(key, None)
         grad = inp.grad if grad is None else grad
         if grad is None:
             raise RuntimeError(
-                f"stage {st.pp_rank} got no gradient for its input of micro-batch {a.mb}: "
-                "its output does not depend on its input differentiably (detach()?)")
-        self.sends.append(p2p.send_grad(grad, st.prev_rank, st.pp_group))
+                f"stage {self.stage.pp_rank} got no gradient for its input of micro-batch "
+                f"{key[0]}: its output does not depend on its input differentiably (detach()?)")
+        return grad
+
+    def _send_grad(self, a: SendGrad) -> None:
+        st = self.stage
+        grad = self._input_grad((a.mb, a.chunk))
+        self.sends.append(p2p.send_grad(grad, st.peer(a.chunk, -1), st.pp_group))

@@ -32,6 +32,7 @@ from ringtrain.pipeline.actions import (
     SendActivation,
     SendGrad,
 )
+from ringtrain.pipeline.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -64,30 +65,58 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
-# What each action needs done earlier on its own rank, for the same micro-batch and chunk.
-_NEEDS: dict[type, tuple[type, ...]] = {
-    Forward: (RecvActivation,), SendActivation: (Forward,), RecvGrad: (SendActivation,),
-    Backward: (Forward, RecvGrad), BackwardInput: (Forward, RecvGrad),
-    BackwardWeight: (BackwardInput,), SendGrad: (Backward,), RecvActivation: ()}
+def _missing(done: set[tuple[type, int, int]], kinds: tuple[type, ...], mb: int,
+             chunk: int) -> list[Action]:
+    """[the first of `kinds`] unless one of them was done for (mb, chunk)."""
+    for k in kinds:
+        if (k, mb, chunk) in done:
+            return []
+    return [kinds[0](mb, chunk)]
+
+
+_BACKWARD = (Backward, BackwardInput)
+_BACKWARDS = (BackwardInput, Backward)  # as named in an error: a split backward's first half
 
 
 def _local_error(rank: int, step: int, a: Action, done: set[tuple[type, int, int]], first: bool,
-                 last: bool) -> str | None:
+                 last: bool, prev: int | None, nxt: int | None) -> str | None:
     """Why rank `rank` may not run `a` given what it already did, if it may not. `first`/`last`:
-    `a`'s chunk is the first/last virtual stage of the pipeline. `done` holds (type, mb, chunk)
-    (tuples hash in C; this runs for every action of every schedule the sweep test checks)."""
+    `a`'s chunk is the first/last virtual stage of the pipeline; `prev`/`nxt`: the chunk of
+    this rank that holds the previous/next stage (the bottom of a V), else None. `done` holds
+    (type, mb, chunk) (tuples hash in C; this runs for every action of every schedule the
+    sweep test checks)."""
     kind, mb, c = type(a), a.mb, a.chunk
     if (kind, mb, c) in done:
         return f"stage {rank} runs {a} twice (step {step})"
-    if (kind is RecvActivation or kind is SendGrad) and first:
-        return f"stage {rank} has no previous stage for {a} (step {step})"
-    if (kind is SendActivation or kind is RecvGrad) and last:
-        return f"stage {rank} is the last stage and has no next stage for {a} (step {step})"
-    need = _NEEDS[kind]
-    if kind is SendGrad and (Backward, mb, c) not in done:
-        need = (BackwardInput,)  # a split backward's first half sends the input gradient
-    missing = [n(mb, c) for n in need if (n, mb, c) not in done
-               and not (first and n is RecvActivation) and not (last and n is RecvGrad)]
+    if kind is RecvActivation or kind is SendGrad:
+        if first:
+            return f"stage {rank} has no previous stage for {a} (step {step})"
+        if prev is not None:
+            return (f"stage {rank} runs {a} (step {step}) but its previous stage is its own "
+                    f"chunk {prev}: they hand over without a message")
+    if kind is SendActivation or kind is RecvGrad:
+        if last:
+            return f"stage {rank} is the last stage and has no next stage for {a} (step {step})"
+        if nxt is not None:
+            return (f"stage {rank} runs {a} (step {step}) but its next stage is its own "
+                    f"chunk {nxt}: they hand over without a message")
+    if kind is Forward:
+        missing = (_missing(done, (Forward,), mb, prev) if prev is not None
+                   else [] if first else _missing(done, (RecvActivation,), mb, c))
+    elif kind is Backward or kind is BackwardInput:
+        missing = _missing(done, (Forward,), mb, c) + (
+            _missing(done, _BACKWARDS, mb, nxt) if nxt is not None
+            else [] if last else _missing(done, (RecvGrad,), mb, c))
+    elif kind is BackwardWeight:
+        missing = _missing(done, (BackwardInput,), mb, c)
+    elif kind is SendActivation:
+        missing = _missing(done, (Forward,), mb, c)
+    elif kind is RecvGrad:
+        missing = _missing(done, (SendActivation,), mb, c)
+    elif kind is SendGrad:  # a split backward's first half sends the input gradient
+        missing = _missing(done, _BACKWARDS, mb, c)
+    else:
+        missing = []
     if missing:
         return f"stage {rank} runs {a} (step {step}) before {', '.join(map(str, missing))}"
     return None
@@ -118,40 +147,48 @@ def _check_counts(schedule: Sequence[Sequence[Action]], microbatches: int, v: in
                                     "other")
 
 
-def _compile(rank: int, actions: Sequence[Action], pp: int, v: int,
+def _compile(rank: int, actions: Sequence[Action], place: Placement,
              cost: Mapping[type, float]) -> list[tuple]:
     """Check one rank's own order (what depends only on its list), then reduce each action to
     what the cross-rank walk needs: ("c", seconds) | ("s", channel, message) | ("r", channel,
     message). A channel is (kind, src rank, dst rank); a message (mb, chunk at the receiver)."""
-    last_virtual = pp * v - 1
+    last_virtual = place.stages - 1
+    # Per chunk, the same for every action of it: (first, last, prev, next) for _local_error,
+    # and the (rank, chunk) of the previous and next stage (None past the ends).
+    ends, peers = {}, {}
+    for c in range(place.v):
+        k = place.stage(rank, c)
+        ends[c] = (k == 0, k == last_virtual, place.local(rank, c, -1), place.local(rank, c, 1))
+        peers[c] = (place.neighbour(rank, c, -1), place.neighbour(rank, c, 1))
     done: set[tuple[type, int, int]] = set()
     ops: list[tuple] = []
     for step, a in enumerate(actions):
-        k = a.chunk * pp + rank  # virtual stage
-        error = _local_error(rank, step, a, done, k == 0, k == last_virtual)
+        error = _local_error(rank, step, a, done, *ends[a.chunk])
         if error:
             raise ScheduleError(error)
-        done.add((type(a), a.mb, a.chunk))
-        if isinstance(a, COMPUTE):
-            ops.append(("c", cost[type(a)]))
-        elif isinstance(a, (SendActivation, SendGrad)):
-            act = isinstance(a, SendActivation)
-            dst = k + 1 if act else k - 1
-            ops.append(("s", ("act" if act else "grad", rank, dst % pp), (a.mb, dst // pp)))
+        kind = type(a)
+        done.add((kind, a.mb, a.chunk))
+        if kind in COMPUTE:
+            ops.append(("c", cost[kind]))
+        elif kind is SendActivation or kind is SendGrad:
+            act = kind is SendActivation
+            dst = peers[a.chunk][act]  # _local_error: not past either end
+            ops.append(("s", ("act" if act else "grad", rank, dst[0]), (a.mb, dst[1])))
         else:
-            act = isinstance(a, RecvActivation)
-            src = (k - 1 if act else k + 1) % pp
-            ops.append(("r", ("act" if act else "grad", src, rank), (a.mb, a.chunk)))
+            act = kind is RecvActivation
+            src = peers[a.chunk][not act]
+            ops.append(("r", ("act" if act else "grad", src[0], rank), (a.mb, a.chunk)))
     return ops
 
 
-def _run(schedule: Sequence[Sequence[Action]], microbatches: int, v: int,
+def _run(schedule: Sequence[Sequence[Action]], microbatches: int, v: int, v_shape: bool,
          cost: Mapping[type, float]) -> Timing:
     pp = len(schedule)
     if pp < 1:
         raise ScheduleError("the schedule has no stages")
     _check_counts(schedule, microbatches, v)
-    ops = [_compile(s, actions, pp, v, cost) for s, actions in enumerate(schedule)]
+    place = Placement(pp, v, v_shape)
+    ops = [_compile(s, actions, place, cost) for s, actions in enumerate(schedule)]
     # channel -> (message, time posted) not yet received, in posting order
     posted: dict[tuple[str, int, int], deque[tuple[tuple[int, int], float]]] = {}
     pc, clock, busy = [0] * pp, [0.0] * pp, [0.0] * pp
@@ -202,19 +239,20 @@ UNIT_COST: dict[type, float] = {Forward: 1.0, Backward: 2.0, BackwardInput: 1.0,
 
 
 def validate(schedule: Sequence[Sequence[Action]], microbatches: int,
-             virtual_stages: int = 1) -> None:
+             virtual_stages: int = 1, v_shape: bool = False) -> None:
     """Run all ranks' actions together on paper; raise `ScheduleError` if they cannot finish.
 
     Checks, for every rank and chunk: each micro-batch is forwarded and backwarded exactly once
     (a split backward: both halves), each action comes after what it depends on, every send has
     a receive for the same micro-batch and chunk in the same order on the neighbouring rank, and
-    no set of ranks waits on each other.
+    no set of ranks waits on each other. `v_shape`: chunks are placed in a V (`placement.py`),
+    not in a loop.
     """
-    _run(schedule, microbatches, virtual_stages, UNIT_COST)
+    _run(schedule, microbatches, virtual_stages, v_shape, UNIT_COST)
 
 
 def simulate(schedule: Sequence[Sequence[Action]], microbatches: int, virtual_stages: int = 1,
-             cost: Mapping[type, float] | None = None) -> Timing:
+             cost: Mapping[type, float] | None = None, v_shape: bool = False) -> Timing:
     """`validate`, timed: each compute action takes `cost[type]` (default F=1, B=2, split
     B=W=1), messages take no time. Raises `ScheduleError` as `validate` does."""
-    return _run(schedule, microbatches, virtual_stages, cost or UNIT_COST)
+    return _run(schedule, microbatches, virtual_stages, v_shape, cost or UNIT_COST)

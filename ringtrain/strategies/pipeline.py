@@ -1,7 +1,7 @@
-"""`--strategy pipeline`: pipeline parallelism (GPipe, 1F1B, interleaved, ZB-H1) x data parallelism.
+"""`--strategy pipeline`: pipeline (GPipe, 1F1B, interleaved, ZB-H1, ZB-V) x data parallelism.
 
-    ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 [--schedule 1f1b|gpipe|zb-h1] \
-[--microbatches 4]
+    ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 \
+[--schedule 1f1b|gpipe|zb-h1|zb-v] [--microbatches 4]
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 --schedule interleaved \
 --virtual-stages 2  # each rank holds 2 non-adjacent chunks
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 4      # dp=2 x pp=2
@@ -10,6 +10,7 @@ The world's ranks form `dp` pipelines of `pp` stages (`ringtrain.pipeline.topolo
 gets the full, identically initialised model in `setup`, splits it the same way (the model's
 `to_sequential()`, or the model itself if it is an `nn.Sequential`) into pp x v stages and keeps
 its own: stage pp_rank, or for an interleaved schedule the chunks pp_rank, pp_rank + pp, ...
+(zb-v: pp_rank and 2 pp - 1 - pp_rank, `ringtrain.pipeline.placement`)
 Every stage of one pipeline reads the same batch (`data_rank` is the dp coordinate); the
 trainer's gradient-accumulation micro-batches are concatenated into one step batch, which the
 pipeline cuts into `microbatches` equal micro-batches of its own. Each stage's gradients are
@@ -36,7 +37,14 @@ from ringtrain.errors import ConfigError
 from ringtrain.pipeline.engine import PipelineStage, StepStats
 from ringtrain.pipeline.names import StageNames, model_tensors
 from ringtrain.pipeline.partition import partition, tied_parameters
-from ringtrain.pipeline.schedule import BUBBLE_FORMULA_TEXT, COMPUTE, SCHEDULES, bubble_formula
+from ringtrain.pipeline.schedule import (
+    BUBBLE_FORMULA_TEXT,
+    COMPUTE,
+    SCHEDULES,
+    bubble_formula,
+    chunks_per_rank,
+    placement,
+)
 from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import Runtime
 from ringtrain.strategies import portable
@@ -48,10 +56,10 @@ from ringtrain.types import LossFn, OptimizerFn
 
 
 def _default_microbatches(batch: int, pp: int, schedule: str = "1f1b") -> int:
-    """The most micro-batches up to 4 x pp that divide `batch` evenly (at least pp); for an
-    interleaved schedule, a multiple of pp (it runs micro-batches in rounds of pp)."""
+    """The most micro-batches up to 4 x pp that divide `batch` evenly; for an interleaved
+    schedule, a multiple of pp (it runs micro-batches in rounds of pp)."""
     step = pp if schedule == "interleaved" else 1
-    for m in range(4 * pp, pp - 1, -1):
+    for m in range(4 * pp, step - 1, -1):
         if batch % m == 0 and m % step == 0:
             return m
     return 4 * pp  # nothing divides: let split_batch raise with the choices
@@ -63,7 +71,8 @@ def _check_schedule(schedule: str, pp: int, virtual_stages: int, microbatches: i
         raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
                           f"{sorted(SCHEDULES)}")
     try:
-        SCHEDULES[schedule](0, pp, microbatches or 4 * pp, virtual_stages)
+        SCHEDULES[schedule](0, pp, microbatches or 4 * pp,
+                            chunks_per_rank(schedule, virtual_stages))
     except ValueError as e:
         raise ConfigError(str(e).replace("microbatches=", "--microbatches ")
                           .replace("virtual_stages=", "--virtual-stages ")
@@ -116,8 +125,9 @@ class PipelineConfig(StrategyConfig):
     microbatches: int | None = option(None, "pipeline micro-batches per batch",
                                       type=int_at_least(1),
                                       shown="the most up to 4 x pp that divide the batch")
-    virtual_stages: int = option(1, "model chunks per rank (--schedule interleaved): the model "
-                                 "is split into pp x v stages, rank r holds r, r+pp, ...",
+    virtual_stages: int = option(1, "model chunks per rank (--schedule interleaved; zb-v holds "
+                                 "2 in a V): the model is split into pp x v stages, rank r "
+                                 "holds r, r+pp, ...",
                                  type=int_at_least(1), resume=MUST_MATCH)
 
     def plan(self, world_size: int, step_batch: int) -> int:
@@ -127,12 +137,10 @@ class PipelineConfig(StrategyConfig):
         except ValueError as e:  # pp must divide world_size
             raise ConfigError(str(e)) from None
         m = self.microbatches
-        if m is not None and (m < pp or step_batch % m):
-            fits = [d for d in range(pp, step_batch + 1) if step_batch % d == 0]
-            fix = f"--microbatches in {fits}" if fits else f"--batch-size {pp} or more"
-            raise ConfigError(f"--microbatches {m} must be at least --pp {pp} and divide the "
-                              f"{step_batch} samples of a step (--batch-size x --grad-accum); "
-                              f"use {fix}")
+        if m is not None and step_batch % m:
+            fits = [d for d in range(1, step_batch + 1) if step_batch % d == 0]
+            raise ConfigError(f"--microbatches {m} must divide the {step_batch} samples of a "
+                              f"step (--batch-size x --grad-accum); use --microbatches in {fits}")
         _check_schedule(self.schedule, pp, self.virtual_stages,
                         self.microbatches_for(step_batch))
         return dp
@@ -171,11 +179,13 @@ class PipelineStrategy(Strategy):
         runtime: the started process group (`ringtrain.init_distributed()`).
         pp: stages per pipeline; must divide the world size.
         schedule: '1f1b' (default; at most pp micro-batches in flight), 'gpipe', 'zb-h1'
-            (1F1B's memory, a third of its bubble) or 'interleaved' (with virtual_stages).
-        microbatches: micro-batches per step (>= pp, dividing the step batch); default: the
-            most up to 4 x pp that divide the batch.
-        split: layers per stage (e.g. [3, 2]; pp x virtual_stages of them); default: balanced
-            by parameter count.
+            (1F1B's memory, a third of its bubble), 'zb-v' (2 chunks per rank in a V, 1F1B's
+            memory, a sixth of its bubble) or 'interleaved' (with virtual_stages).
+        microbatches: micro-batches per step (dividing the step batch; fewer than pp leaves
+            stages idle, and interleaved needs a multiple of pp); default: the most up to
+            4 x pp that divide the batch.
+        split: layers per stage (e.g. [3, 2]; pp x chunks per rank of them); default:
+            balanced by parameter count.
         virtual_stages: model chunks per rank, for `schedule='interleaved'`: the bubble shrinks
             to (pp-1)/(v*m) of the compute, for more p2p messages and warm-up activations.
     """
@@ -189,13 +199,9 @@ class PipelineStrategy(Strategy):
         if schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
                               f"{sorted(SCHEDULES)}")
-        if microbatches is not None and microbatches < pp:
-            raise ConfigError(
-                f"--microbatches {microbatches} is fewer than --pp {pp} stages: some stages would "
-                f"never overlap. Use --microbatches {pp} or more (e.g. {4 * pp})"
-            )
         _check_schedule(schedule, pp, virtual_stages, microbatches)
-        self.runtime, self.virtual_stages = runtime, virtual_stages
+        # Chunks per rank (zb-v: 2, in the layout, so resuming under another schedule is refused)
+        self.runtime, self.virtual_stages = runtime, chunks_per_rank(schedule, virtual_stages)
         try:
             self.topology = Topology(runtime.world_size, pp)
         except ValueError as e:  # pp does not divide the world: the same on every rank
@@ -215,9 +221,9 @@ class PipelineStrategy(Strategy):
     # -- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
         g, pp, v = self.groups, self.topology.pp, self.virtual_stages
+        place = placement(self.schedule, pp, v)
         stages = partition(_as_sequential(model), pp * v, self.split)
-        # Virtual stage k lives on rank k % pp as its chunk k // pp.
-        chunks = [stages[c * pp + g.pp_rank].to(self.runtime.device) for c in range(v)]
+        chunks = [stages[place.stage(g.pp_rank, c)].to(self.runtime.device) for c in range(v)]
         stage = chunks[0] if v == 1 else nn.ModuleList(chunks)
         self.stage = stage
         self.names = StageNames.of(model, stages, stage)
@@ -230,13 +236,13 @@ class PipelineStrategy(Strategy):
         # A tie between two chunks of one rank is one parameter object there: autograd sums it.
         local = {id(p): p for p in stage.parameters()}
         for tie in tied_parameters(stages):
-            ranks = sorted({k % pp for k in tie.stages})
+            ranks = sorted({place.where(k)[0] for k in tie.stages})
             if len(ranks) < 2:
                 continue
             for d in range(self.topology.dp):
                 group = dist.new_group([self.topology.rank_of(d, r) for r in ranks])
                 if d == g.dp_rank and g.pp_rank in ranks:
-                    k = next(k for k in tie.stages if k % pp == g.pp_rank)
+                    k = next(k for k in tie.stages if place.where(k)[0] == g.pp_rank)
                     param = dict(stages[k].named_parameters())[dict(tie.holders)[k]]
                     self._ties.append((local[id(param)], group))
                     if g.pp_rank != ranks[0]:

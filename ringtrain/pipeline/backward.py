@@ -1,0 +1,168 @@
+"""The two halves of a split backward (zero-bubble schedules, Qi et al., 2023).
+
+`backward_input(out, grad, inp, params)` computes d loss / d input (what the previous stage
+waits for) and, on the way, keeps the gradient that arrives at each *consumer* of the
+parameters: an autograd node that depends on the stage input and reads a parameter (the
+`AddmmBackward` of a Linear, the `NativeLayerNormBackward` of a LayerNorm). It returns a
+`WeightPass`; `WeightPass.run()` later starts from those kept gradients and goes only down to
+the parameters, so it costs what the weight gradients cost (a Linear: one matmul, not the
+two that re-walking the graph from the output needs). This is torch's
+`stage_backward_input` / `stage_backward_weight` (torch/distributed/pipelining/_backward.py),
+with two differences: parameters are grouped by union of shared consumers (a parameter is in
+exactly one group), and the weight gradients are accumulated by one `autograd.backward` call
+rooted at the parameters' accumulators, so `.grad` accumulation and post-accumulate hooks
+(our DDP reducer averages from them, ending its round at the end of that call) run as in a
+plain backward.
+
+    .venv/bin/pytest -q tests/test_pipeline_backward.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _accumulator(t: torch.Tensor) -> Node:
+    """A leaf's AccumulateGrad node (made on demand, so reach it through a view), else its
+    grad_fn. Held by the graph while the graph lives, so the same node the graph points to."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    node = t.view_as(t).grad_fn
+    assert node is not None, "a leaf that requires grad has a view with a grad_fn"
+    return node.next_functions[0][0]
+
+
+@dataclass(eq=False)
+class _Group:
+    """Parameters whose gradients flow only through `consumers` (merged when they share one)."""
+
+    params: list[Node]  # AccumulateGrad nodes
+    consumers: list[Node]
+    grads: dict[Node, tuple] = field(default_factory=dict)  # consumer -> its grad_outputs
+
+
+def _postorder(root: Node) -> list[Node]:
+    """Every node below `root`, children before parents (iterative: graphs can be deep)."""
+    order, seen, stack = [], {root}, [(root, iter(root.next_functions))]
+    while stack:
+        node, children = stack[-1]
+        for child, _ in children:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append((child, iter(child.next_functions)))
+                break
+        else:
+            order.append(node)
+            stack.pop()
+    return order
+
+
+def _groups(root: Node, inp: Node, params: Sequence[Node]) -> list[_Group]:
+    """Find each parameter's consumers below `root` and group parameters that share one."""
+    order = _postorder(root)
+    wanted = set(params)
+    depends: dict[Node, bool] = {}  # does the node's gradient lead to the input?
+    below: dict[Node, frozenset] = {}  # parameters under a node, through input-free nodes only
+    for node in order:
+        kids = [c for c, _ in node.next_functions if c is not None]
+        depends[node] = node is inp or any(depends[c] for c in kids)
+        mine = {node} & wanted
+        for c in kids:
+            if not depends[c]:
+                mine |= below[c]
+        below[node] = frozenset(mine)
+    # A consumer: depends on the input and has an input-free child over some parameters.
+    owner: dict[Node, _Group] = {}  # parameter -> its group
+    groups: list[_Group] = []
+    for node in order:
+        if not depends[node] or node is inp:
+            continue
+        reads = {p for c, _ in node.next_functions
+                 if c is not None and not depends[c] for p in below[c]}
+        if not reads:
+            continue
+        merged = {id(owner[p]): owner[p] for p in reads if p in owner}
+        group = _Group(params=[], consumers=[node])
+        for other in merged.values():
+            group.params += other.params
+            group.consumers += other.consumers
+            groups.remove(other)
+        group.params += [p for p in reads if p not in owner]
+        for p in group.params:
+            owner[p] = group
+        groups.append(group)
+    return groups
+
+
+@dataclass
+class WeightPass:
+    """What `backward_input` kept for the weight gradients; `run()` once, then it is spent."""
+
+    groups: list[_Group]
+
+    def run(self) -> None:
+        """Accumulate the weight gradients into `.grad` (post-accumulate hooks fire, in one
+        autograd call)."""
+        roots, grads = [], []
+        for group in self.groups:
+            edges, outs = [], []
+            for node in group.consumers:
+                for i, g in enumerate(group.grads.get(node, ())):
+                    if g is not None:
+                        edges.append(GradientEdge(node, i))
+                        outs.append(g)
+            if not edges:
+                continue
+            # A consumer below another consumer of the same parameter (a weight used twice
+            # along the input's path) would get the upper one's gradient a second time on top
+            # of the one it kept: clamp each to what it kept, as torch does.
+            handles = [node.register_prehook(lambda _, kept=group.grads[node]: kept)
+                       for node in group.consumers if len(group.consumers) > 1
+                       and node in group.grads]
+            try:
+                dws = torch.autograd.grad(edges, [GradientEdge(p, 0) for p in group.params],
+                                          outs, allow_unused=True)
+            finally:
+                for h in handles:
+                    h.remove()
+            for p, dw in zip(group.params, dws, strict=True):
+                if dw is not None:
+                    roots.append(GradientEdge(p, 0))
+                    grads.append(dw)
+        self.groups = []
+        if roots:
+            torch.autograd.backward(roots, grads)
+
+
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor,
+                   params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, WeightPass]:
+    """d loss / d `inp` (returned, not accumulated into `inp.grad`), and the weight pass.
+
+    Args:
+        out: the stage's output (or scaled loss, on the last stage; then `grad` is None).
+        grad: d loss / d `out` from the next stage.
+        inp: the stage's input, a leaf that requires grad.
+        params: the stage's parameters that require grad.
+    """
+    if out.grad_fn is None:
+        raise RuntimeError("the stage output has no autograd graph: it does not depend on its "
+                           "input or parameters differentiably (detach()? no_grad?)")
+    groups = _groups(out.grad_fn, _accumulator(inp), [_accumulator(p) for p in params])
+
+    def keep(group: _Group, node: Node):
+        def hook(grad_outputs: tuple) -> None:
+            group.grads[node] = grad_outputs
+        return hook
+
+    handles = [node.register_prehook(keep(group, node))
+               for group in groups for node in group.consumers]
+    try:
+        (grad_in,) = torch.autograd.grad(out, inp, grad, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return grad_in, WeightPass(groups)
