@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
                    "collectives"},
     "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps", "localsgd",
-                   "zero", "trace", "collectives", "config"},
+                   "zero", "trace", "collectives", "config", "tensor_parallel"},
     "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace",
                  "replicas", "config"},
     "live": {"data", "checkpoint", "store_keys"},  # survivors go on; replacements heal

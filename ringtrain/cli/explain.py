@@ -150,7 +150,8 @@ def run_facts(run: RunFiles) -> RunFacts:
     figures, refused = None, ""
     try:  # options the strategy refuses for this world size: no figures, the generic words
         if strategy:
-            figures = strategy.figures(Workload(world, params, step_batch, accum, sample))
+            figures = strategy.figures(Workload(world, params, step_batch, accum, sample,
+                                                      config["model"].get("n_layer", 0)))
     except ValueError as e:
         refused = str(e)
     return RunFacts(name, cls, strategy, world, params, step_batch, figures,

@@ -8,9 +8,9 @@ module, with what it costs in numbers (`figures.py`, for `ringtrain explain`). `
 the layout-free form of a strategy's state (parameters and optimizer state by name) that lets a
 snapshot of one strategy or layout resume in any other: each strategy converts to and from it.
 May import: `ringtrain.config`, `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`,
-`ringtrain.localsgd`, `ringtrain.zero` (the engines), `ringtrain.agreement`, `ringtrain.runtime`,
-`ringtrain.errors`, `ringtrain.types`, `ringtrain.trace`, `ringtrain.collectives`. Never the
-trainer or the command line.
+`ringtrain.localsgd`, `ringtrain.zero`, `ringtrain.tensor_parallel` (the engines),
+`ringtrain.agreement`, `ringtrain.runtime`, `ringtrain.errors`, `ringtrain.types`,
+`ringtrain.trace`, `ringtrain.collectives`. Never the trainer or the command line.
 """
 
 from __future__ import annotations

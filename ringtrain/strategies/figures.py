@@ -44,6 +44,7 @@ class Workload:
         grad_accum: micro-batches per optimizer step (--grad-accum).
         sample_numel: activation elements one sample carries across a layer boundary
             (block_size x n_embd for the GPT); 0 where unknown.
+        n_layer: transformer layers (the GPT's n_layer); 0 where unknown.
     """
 
     world_size: int
@@ -51,6 +52,7 @@ class Workload:
     step_batch: int
     grad_accum: int = 1
     sample_numel: int = 0
+    n_layer: int = 0
 
     @property
     def model_bytes(self) -> int:

@@ -13,6 +13,9 @@ Read in this order:
 - `plan.py`: `parallelize(model, plan, group)` and the styles a plan names (torch's
   `parallelize_module` convention); `gpt_plan()` for ringtrain's GPT.
 - `volumes.py`: the bytes a step communicates, from the textbook formulas (pure).
+- `grid.py`: the dp x tp layout of ranks (tp innermost) and its process groups, made once.
+- `state.py`: a parameter's slice for a tp rank and the whole tensor from the slices (pure):
+  how `--strategy tp` (`ringtrain/strategies/tp.py`) converts its snapshots.
 
 The reference is the model itself in one process: tests/test_tensor_parallel.py checks logits,
 loss, every gradient and 20 AdamW steps against it, and the counted bytes against `volumes`.

@@ -1,0 +1,147 @@
+"""`--strategy tp` (dp x tp, `ringtrain.strategies.tp`) against one process, and its pieces.
+
+    .venv/bin/pytest -q tests/test_tp_strategy.py
+
+CPU, gloo. In one process: the grid's index math, slicing a tensor for a tp rank and putting it
+back (`tensor_parallel.state`), the pre-launch refusals and the explain figures. On 4 ranks
+(dp 2 x tp 2; tp 2 on 2 ranks as well with RINGTRAIN_FULL=1, the contract test runs it): 3
+AdamW steps with clipping equal one process's (allclose 1e-5, the same global batch); the
+snapshot converts to the layout-free form equal to the one-process run's (parameters and AdamW
+moments), a ddp snapshot loads into tp, and both go on equal to one process.
+The contract (step, state round trip, bit-identical resume through `Trainer`) is
+tests/test_strategy_contract.py's, over every registered strategy.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from ringtrain.data.addition import AdditionDataset
+from ringtrain.errors import ConfigError
+from ringtrain.models import GPT, GPTConfig, loss_fn
+from ringtrain.runtime import get_runtime
+from ringtrain.strategies import make_strategy
+from ringtrain.strategies.figures import Workload
+from ringtrain.strategies.tp import TPConfig, TPStrategy
+from ringtrain.tensor_parallel import shard_rows
+from ringtrain.tensor_parallel.grid import Grid
+from ringtrain.tensor_parallel.state import Split, shard, unshard
+from ringtrain.testing import run_workers
+from ringtrain.training.config import adamw
+
+FULL = os.environ.get("RINGTRAIN_FULL") == "1"
+MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=2, n_head=2, n_embd=16)
+LR, CLIP, BATCH = 1e-2, 0.05, 8  # a clip small enough to act on every step
+
+
+# -- in one process ------------------------------------------------------------------------------
+def test_unit_grid_puts_tp_innermost_and_refuses_a_world_it_does_not_divide():
+    g = Grid(4, tp=2)
+    assert g.dp == 2 and g.coords(3) == (1, 1)
+    assert g.tp_group_ranks(1) == [2, 3] and g.dp_group_ranks(0) == [0, 2]
+    with pytest.raises(ValueError, match=r"world_size=3 is not divisible by tp=2.*--tp in \[1, "):
+        Grid(3, tp=2)
+    with pytest.raises(ConfigError, match="--tp in"):
+        TPConfig(tp=2).plan(3, 4)
+    assert TPConfig(tp=2).plan(4, 4) == 2  # data ranks: the replicas
+
+
+def test_unit_shard_is_shard_rows_and_unshard_its_inverse():
+    full = torch.arange(12 * 4, dtype=torch.float32).reshape(12, 4)
+    for split in (Split(0), Split(0, chunks=3), Split(1), Split(None)):
+        parts = [shard(full, split, r, 2) for r in range(2)]
+        assert torch.equal(unshard(parts, split), full), split
+    # Fused q, k, v: the same slices as the layers take (rank 0 gets q_0, k_0, v_0).
+    assert torch.equal(shard(full, Split(0, chunks=3), 1, 2), shard_rows(full, 1, 2, chunks=3))
+    assert torch.equal(shard(full, Split(1), 1, 2), full[:, 2:])
+    with pytest.raises(ValueError, match="not divisible by tp=5"):
+        shard(full, Split(0), 0, 5)
+
+
+def test_unit_figures_are_a_replica_over_tp_and_the_textbook_activations():
+    w = Workload(world_size=4, params=1000, step_batch=8, sample_numel=3 * 16, n_layer=2)
+    f = TPConfig(tp=2).figures(w)
+    assert f.data_ranks == 2 and f.params_bytes == 1000 * 4 / 2
+    assert f.optimizer_bytes == 1000 * 8 / 2
+    assert f.dp_sent_bytes == 1.0 * 1000 * 4 / 2  # 2(dp-1)/dp = 1 of the slice's gradients
+    # 4 all-reduces per layer + embedding + lm_head input, of b*s*h fp32, ring share 2(t-1)/t.
+    assert f.tp_sent_bytes == 1.0 * 8 * 48 * 4 * (4 * 2 + 2)
+    assert f.sent_bytes == f.dp_sent_bytes + f.tp_sent_bytes
+    assert TPConfig(tp=2).figures(Workload(world_size=2, params=10, step_batch=1)).sent_bytes \
+        is None  # no shape: not estimated
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"dropout": 0.1}, "does not support dropout yet"),
+    ({"tie_embeddings": True}, "tied embeddings"),
+])
+def test_unit_what_it_does_not_do_yet_is_refused_naming_the_fix(single_process, change, words):
+    config = GPTConfig(**{**MODEL.__dict__, **change})
+    strategy = make_strategy("tp", runtime=single_process, tp=1)
+    with pytest.raises(ConfigError, match=words):
+        strategy.setup(GPT(config), adamw(0.1), loss_fn)
+
+
+# -- on 2 ranks, against one process ---------------------------------------------------------------
+def _batches(data, steps):
+    return [(torch.stack([data[i][0] for i in range(s * BATCH, (s + 1) * BATCH)]),
+             torch.stack([data[i][1] for i in range(s * BATCH, (s + 1) * BATCH)]))
+            for s in range(steps)]
+
+
+def _tp_worker(rank, world_size, reference_portable):
+    data = AdditionDataset("train", 1)
+    torch.manual_seed(0)
+    s = make_strategy("tp", runtime=get_runtime(), tp=2)
+    s.setup(GPT(MODEL), adamw(0.1), loss_fn)
+    # Replica d takes every dp-th sample of the global batch (the mean of equal halves' means
+    # is the global mean).
+    d, dp = s.data_rank, s.data_world_size
+    batches = [(x[d::dp], y[d::dp]) for x, y in _batches(data, 4)]
+    for x, y in batches[:3]:
+        s.train_step([(x, y)], lr=LR, grad_clip=CLIP)
+    # A copy, as a snapshot is: the live tensors move on below.
+    out = {"after_3": s.model_state_dict(), "state": copy.deepcopy(s.state_dict())}
+    s.load_portable_state_dict(reference_portable)  # ddp's snapshot after 3 steps
+    s.train_step([batches[3]], lr=LR, grad_clip=CLIP)
+    out["after_4"] = s.model_state_dict()
+    s.close()
+    return out
+
+
+def _close(a, b, what):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=f"{what}: {k}")
+
+
+@pytest.mark.parametrize("world", [4] + [2] * FULL, ids=["dp2xtp2", "tp2"][:1 + FULL])
+def test_equals_one_process_and_resumes_to_and_from_ddp(single_process, world):
+    data = AdditionDataset("train", 1)
+    torch.manual_seed(0)
+    one = make_strategy("ddp", runtime=single_process)
+    one.setup(GPT(MODEL), adamw(0.1), loss_fn)
+    batches = _batches(data, 4)
+    for x, y in batches[:3]:
+        one.train_step([(x, y)], lr=LR, grad_clip=CLIP)
+    ddp_state = copy.deepcopy(one.state_dict())  # a snapshot: step 4 below moves the live one
+    reference = one.to_portable(lambda r: {}, ddp_state, {"world_size": 1})
+    out = run_workers(_tp_worker, world, args=(reference,), timeout_s=120)
+    one_after_3 = {k: v.clone() for k, v in one.model_state_dict().items()}
+    one.train_step([batches[3]], lr=LR, grad_clip=CLIP)
+    for r in out:
+        _close(r["after_3"], one_after_3, "tp 2 after 3 steps")
+        _close(r["after_4"], one.model_state_dict(), "ddp -> tp 2, one more step")
+    # tp 2's snapshot in the layout-free form: the one-process run's parameters and moments.
+    portable = TPStrategy.to_portable(lambda ranks: {r: out[r]["state"] for r in ranks}, None,
+                                      {"world_size": world})
+    own = {k: v for k, v in one_after_3.items() if k in portable["model"]}
+    _close(portable["model"], own, "tp 2 -> portable model")
+    for name, entry in reference["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(portable["optimizer"]["state"][name][key], entry[key],
+                                       rtol=1e-4, atol=1e-7, msg=f"{name}.{key}")
