@@ -298,7 +298,8 @@ def test_diloco_meeting_bytes_by_codec(codec, meeting):
 @pytest.mark.parametrize("name", sorted(registered()))
 def test_every_registered_strategy_gives_figures_and_words(name):
     cls = registered()[name]
-    work = Workload(world_size=2, params=P, step_batch=16, sample_numel=6 * 32)
+    work = Workload(world_size=2, params=P, step_batch=16, sample_numel=6 * 32,
+                    n_layer=MODEL["n_layer"])
     fig = cls.Config().figures(work)
     assert fig is not None and fig.data_ranks >= 1 and fig.held_bytes > 0, name
     assert fig == run_facts(_run(2, name)).figures  # explain asks the strategy, nothing else

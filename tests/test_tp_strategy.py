@@ -76,6 +76,19 @@ def test_unit_figures_are_a_replica_over_tp_and_the_textbook_activations():
 
 
 @pytest.mark.parametrize("change, words", [
+    ({"n_head": 3, "n_embd": 48}, r"--n-head 3 is not divisible by --tp 2.*--tp in \[1, 3\]"),
+    ({"tie_embeddings": True}, "does not split tied embeddings yet.*drop --tie-embeddings"),
+    ({"dropout": 0.1}, "does not support dropout yet.*use --dropout 0"),
+])
+def test_unit_a_model_it_cannot_split_is_refused_before_launch(change, words):
+    from ringtrain.cli.options import ModelOptions
+
+    TPConfig(tp=2).check_model(ModelOptions())  # the default model fits
+    with pytest.raises(ConfigError, match=words):
+        TPConfig(tp=2).check_model(ModelOptions(**change))
+
+
+@pytest.mark.parametrize("change, words", [
     ({"dropout": 0.1}, "does not support dropout yet"),
     ({"tie_embeddings": True}, "tied embeddings"),
 ])

@@ -24,6 +24,7 @@ from ringtrain.strategies.figures import FP32_BYTES, Figures
 from ringtrain.strategies.localsgd import LocalSGDFigures
 from ringtrain.strategies.pipeline import PipelineFigures
 from ringtrain.strategies.ps import PSFigures
+from ringtrain.strategies.tp import TPFigures
 from ringtrain.strategies.zero import ZeroFigures
 
 
@@ -281,7 +282,32 @@ def zero(f: RunFacts) -> Explanation:
                        "and the step, so their time is counted as compute")
 
 
+def tp(f: RunFacts) -> Explanation:
+    fig: TPFigures = f.figures
+    t, dp = fig.tp, fig.data_ranks
+    roles = [f"{f.world} ranks as {dp} replica{'s' if dp > 1 else ''} of the GPT "
+             f"({n(f.params)} parameters), each split over {t} consecutive ranks (Megatron-LM "
+             "tensor parallelism): every rank holds 1/tp of each matrix (attention heads, MLP "
+             "width, vocabulary), the tp ranks of a replica read the same batch, and the loss "
+             "is computed on vocab-sharded logits without gathering them.",
+             held(fig, "each rank") + " (1/tp of fp32 AdamW's 16 bytes per parameter; the "
+             "norms and position embedding, held whole, left out)."]
+    traffic = []
+    if fig.tp_sent_bytes is not None:
+        traffic.append(f"within each tp group: 4 all-reduces of the activations (batch x "
+                       f"block_size x n_embd in fp32) per layer, 2 in forward and 2 in backward, "
+                       f"plus the embedding's and lm_head's: {nbytes(fig.tp_sent_bytes)} sent "
+                       f"per rank per step by ring (2(t-1)/t of each, t = {t}).")
+    traffic.append(f"across the {dp} replica{'s' if dp > 1 else ''}: each rank's gradient "
+                   f"slices all-reduced over its data-parallel group: "
+                   f"{nbytes(fig.dp_sent_bytes)} per rank per step."
+                   if dp > 1 else "no data-parallel traffic: one replica.")
+    return Explanation(roles, traffic, reader="one per replica: its tp ranks read the same samples",
+                       waiting="the data-parallel all-reduce after backward "
+                       "(the tp collectives run inside forward and backward, counted as compute)")
+
+
 # --strategy name -> its words; a strategy missing here gets `generic`.
 WORDS: dict[str, Callable[[RunFacts], Explanation]] = {
     "ddp": ddp, "pipeline": pipeline, "ps": ps, "localsgd": localsgd, "diloco": diloco,
-    "zero": zero}
+    "zero": zero, "tp": tp}

@@ -188,10 +188,11 @@ def check_args(opts: TrainOptions, world_size: int | None = None) -> list[str]:
 
 def _check_layout(opts: TrainOptions, world_size: int, train_samples: int) -> None:
     """What the workers would otherwise find one by one: a strategy layout that does not fit
-    `world_size` (the strategy's own `plan`), a micro-batch larger than one data rank's share
-    of the training set."""
+    `world_size` or the model (the strategy's own `plan` and `check_model`), a micro-batch
+    larger than one data rank's share of the training set."""
     batch = opts.trainer.batch_size
     data_world_size = opts.strategy.plan(world_size, batch * opts.trainer.grad_accum)
+    opts.strategy.check_model(opts.model)
     per_rank = -(-train_samples // data_world_size)  # the sampler pads the last rank's share
     if per_rank < batch:
         raise ValueError(

@@ -69,6 +69,23 @@ class TPConfig(StrategyConfig):
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def check_model(self, model: Any) -> None:
+        """Heads split across the tp ranks; what the strategy does not do yet, refused. (The
+        vocabulary comes from the data: a --tp that does not divide it is refused by `setup`.)"""
+        if model.n_head % self.tp:
+            divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
+            raise ConfigError(f"--n-head {model.n_head} is not divisible by --tp {self.tp}: each "
+                              f"tp rank computes n_head / tp heads; use --tp in {divisors} or "
+                              f"--n-head a multiple of {self.tp}")
+        if model.tie_embeddings:
+            raise ConfigError("--strategy tp does not split tied embeddings yet (the token "
+                              "embedding and lm_head would need one vocab-parallel weight): "
+                              "drop --tie-embeddings")
+        if model.dropout > 0:
+            raise ConfigError(f"--strategy tp does not support dropout yet (--dropout "
+                              f"{model.dropout}): the activations every tp rank holds whole "
+                              "would need the same dropout mask on each; use --dropout 0")
+
     def figures(self, workload: Workload) -> TPFigures:
         """1/tp of the parameters, gradients and AdamW moments per rank (the norms and the
         position embedding, held whole, are left out of the count); the dp group all-reduces

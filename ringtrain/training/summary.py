@@ -87,12 +87,11 @@ def write_run_files(run_dir: str, summary: dict[str, Any], records: list[dict[st
     return None
 
 
-def eager_copy(model: nn.Module, state: dict[str, Any], *, compiled: bool,
+def eager_copy(model: nn.Module, state: dict[str, Any], *,
                model_fn: Callable[[], nn.Module]) -> nn.Module:
-    """`model`, or under `compile` an uncompiled copy holding `state`: generating grows the
-    input one token at a time, and each new length would cost a compile."""
-    if not compiled:
-        return model
+    """A fresh, uncompiled model holding the whole `state`, on `model`'s device, to generate
+    from: `model` itself may have been changed by its strategy (tp replaced its layers by their
+    slices), and a compiled one would compile again at each new length of the input."""
     eager = model_fn()
     eager.load_state_dict(state)
     return eager.to(next(model.parameters()).device).eval()

@@ -304,10 +304,8 @@ class Trainer:
         summary.update(self.tracer.finish(self.agreement.gather, self.run_dir))  # --trace-steps
         if rt.rank == 0:
             if self.sample_fn is not None:
-                self.model.load_state_dict(state)
-                self.model.eval()
-                summary["sample"] = self.sample_fn(eager_copy(
-                    self.model, state, compiled=self.config.compile, model_fn=self._model_fn))
+                summary["sample"] = self.sample_fn(eager_copy(self.model, state,
+                                                              model_fn=self._model_fn))
             if self.run_dir:
                 summary["run_dir"] = self.run_dir
                 disk_full = write_run_files(
