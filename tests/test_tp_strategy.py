@@ -4,7 +4,8 @@
 
 CPU, gloo. In one process: the grid's index math, slicing a tensor for a tp rank and putting it
 back (`tensor_parallel.state`), the pre-launch refusals and the explain figures. On 4 ranks
-(dp 2 x tp 2; tp 2 on 2 ranks as well with RINGTRAIN_FULL=1, the contract test runs it): 3
+(dp 2 x tp 2 with sequence parallelism; tp 2 on 2 ranks without it as well under
+RINGTRAIN_FULL=1, the contract test runs that one): 3
 AdamW steps with clipping equal one process's (allclose 1e-5, the same global batch); the
 snapshot converts to the layout-free form equal to the one-process run's (parameters and AdamW
 moments), a ddp snapshot loads into tp, and both go on equal to one process.
@@ -34,7 +35,8 @@ from ringtrain.testing import run_workers
 from ringtrain.training.config import adamw
 
 FULL = os.environ.get("RINGTRAIN_FULL") == "1"
-MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=2, n_head=2, n_embd=16)
+DIGITS = 2  # block_size 6: the sequence splits over tp 2 (sequence parallelism)
+MODEL = GPTConfig(vocab_size=10, block_size=6, n_layer=2, n_head=2, n_embd=16)
 LR, CLIP, BATCH = 1e-2, 0.05, 8  # a clip small enough to act on every step
 
 
@@ -106,10 +108,10 @@ def _batches(data, steps):
             for s in range(steps)]
 
 
-def _tp_worker(rank, world_size, reference_portable):
-    data = AdditionDataset("train", 1)
+def _tp_worker(rank, world_size, reference_portable, options):
+    data = AdditionDataset("train", DIGITS)
     torch.manual_seed(0)
-    s = make_strategy("tp", runtime=get_runtime(), tp=2)
+    s = make_strategy("tp", runtime=get_runtime(), tp=2, **options)
     s.setup(GPT(MODEL), adamw(0.1), loss_fn)
     # Replica d takes every dp-th sample of the global batch (the mean of equal halves' means
     # is the global mean).
@@ -129,12 +131,16 @@ def _tp_worker(rank, world_size, reference_portable):
 def _close(a, b, what):
     assert a.keys() == b.keys(), what
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=f"{what}: {k}")
+        # 1e-5 (issue 27's bound): AdamW's step is sign-like where a moment is near 0, so a
+        # sum in another order moves a weight by up to ~lr * 1e-4 there.
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
-@pytest.mark.parametrize("world", [4] + [2] * FULL, ids=["dp2xtp2", "tp2"][:1 + FULL])
-def test_equals_one_process_and_resumes_to_and_from_ddp(single_process, world):
-    data = AdditionDataset("train", 1)
+@pytest.mark.parametrize("world, options", [(4, {"sequence_parallel": True})]
+                         + [(2, {})] * FULL, ids=["dp2xtp2-sp", "tp2"][:1 + FULL])
+def test_equals_one_process_and_resumes_to_and_from_ddp(single_process, world, options):
+    data = AdditionDataset("train", DIGITS)
     torch.manual_seed(0)
     one = make_strategy("ddp", runtime=single_process)
     one.setup(GPT(MODEL), adamw(0.1), loss_fn)
@@ -143,7 +149,7 @@ def test_equals_one_process_and_resumes_to_and_from_ddp(single_process, world):
         one.train_step([(x, y)], lr=LR, grad_clip=CLIP)
     ddp_state = copy.deepcopy(one.state_dict())  # a snapshot: step 4 below moves the live one
     reference = one.to_portable(lambda r: {}, ddp_state, {"world_size": 1})
-    out = run_workers(_tp_worker, world, args=(reference,), timeout_s=120)
+    out = run_workers(_tp_worker, world, args=(reference, options), timeout_s=120)
     one_after_3 = {k: v.clone() for k, v in one.model_state_dict().items()}
     one.train_step([batches[3]], lr=LR, grad_clip=CLIP)
     for r in out:

@@ -8,14 +8,15 @@ host). Each replica's GPT is parallelised by `gpt_plan()`: every rank holds 1/tp
 matrix (heads, MLP width, vocabulary) and the loss is `vocab_parallel_cross_entropy` of the
 vocab-sharded logits, which never gathers them. Gradients of the parameters every tp rank holds
 whole (layer norms, position embedding, row-parallel biases) come out equal on every tp rank
-(the region boundaries sum their inputs' gradients over the group), so they need nothing more;
-the data-parallel mean runs over the dp group only, on each rank's own slices.
+(the region boundaries sum their inputs' gradients over the group; under --sequence-parallel
+the plan sums the norms' over the group, as each rank saw its tokens only), so they need
+nothing more; the data-parallel mean runs over the dp group only, on each rank's own slices.
 
 A separate strategy, not a `--tp` of ddp: its state is per rank and sharded (ddp's is one
 replicated copy), its loss and eval logits go through the tp group, and its clip norm sums
 slices; as a ddp option each of those would be an `if tp > 1` in ddp's methods.
-Not yet: with --pp, ZeRO, sequence parallelism (the layers have it; the strategy does not
-offer it yet), dropout > 0 (needs the same RNG on every tp rank), tied embeddings.
+Not yet: with --pp, ZeRO (other strategies: their flags are refused with --strategy tp),
+dropout > 0 (needs the same RNG on every tp rank), tied embeddings, `recompute_gather`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyC
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.tensor_parallel import (
-    ColumnParallelLinear,
+    HeadParallelAttention,
     comm,
     gpt_plan,
     parallelize,
@@ -62,6 +63,10 @@ class TPConfig(StrategyConfig):
 
     tp: int = option(2, "tensor-parallel degree: ranks that split every matrix (consecutive "
                      "ranks, one host); must divide the world size, n_head and the vocabulary")
+    sequence_parallel: bool = option(False, "sequence parallelism: the norms and the residual "
+                                     "stream on block_size / tp tokens per rank, all-gather and "
+                                     "reduce-scatter instead of all-reduce (block_size must be "
+                                     "divisible by --tp)")
 
     def plan(self, world_size: int, step_batch: int) -> int:
         try:
@@ -104,15 +109,11 @@ class TPConfig(StrategyConfig):
 
 
 def _splits(module: nn.Module) -> dict[str, Split]:
-    """How each state entry of a parallelised GPT is held across the tp group, by name."""
-    out: dict[str, Split] = {}
-    for name, child in module.named_modules():
-        fused = 3 if isinstance(child, ColumnParallelLinear) and \
-            name.rpartition(".")[2] == "c_attn" else 1  # q, k, v split block by block
-        for pname, p in child.named_parameters(recurse=False):
-            dim = getattr(p, "tp_shard_dim", None)
-            out[f"{name}.{pname}" if name else pname] = Split(dim, fused if dim == 0 else 1)
-    return out
+    """How each parameter of a parallelised GPT is held across the tp group, by name."""
+    fused = {id(p) for m in module.modules() if isinstance(m, HeadParallelAttention)
+             for p in m.c_attn.parameters()}  # q, k, v: split block by block
+    return {name: Split(getattr(p, "tp_shard_dim", None), 3 if id(p) in fused else 1)
+            for name, p in module.named_parameters()}
 
 
 class TPStrategy(Strategy):
@@ -121,13 +122,14 @@ class TPStrategy(Strategy):
     Args:
         runtime: this process's `Runtime` (rank, world_size, device, process_group).
         tp: the tensor-parallel degree (--tp); must divide the world size.
+        sequence_parallel: `gpt_plan(sequence_parallel=True)` (--sequence-parallel).
     """
 
     name = "tp"
     Config = TPConfig
 
-    def __init__(self, runtime: Runtime, *, tp: int = 2):
-        self.runtime, self.tp = runtime, tp
+    def __init__(self, runtime: Runtime, *, tp: int = 2, sequence_parallel: bool = False):
+        self.runtime, self.tp, self.sequence_parallel = runtime, tp, sequence_parallel
         try:
             self.grid = Grid(runtime.world_size, tp)
         except ValueError as e:
@@ -140,7 +142,8 @@ class TPStrategy(Strategy):
         _refuse_not_yet(model)
         self.groups = create_process_groups(self.grid, self.runtime.rank)
         try:
-            model = parallelize(model, gpt_plan(), self.groups.tp_group)
+            model = parallelize(model, gpt_plan(sequence_parallel=self.sequence_parallel),
+                                self.groups.tp_group)
         except (TypeError, ValueError) as e:  # n_head or vocab not divisible, tied embeddings
             raise ConfigError(f"--strategy tp --tp {self.tp}: {e}") from None
         self.module = model.to(self.runtime.device)
