@@ -294,10 +294,13 @@ def tp(f: RunFacts) -> Explanation:
              "norms and position embedding, held whole, left out)."]
     traffic = []
     if fig.tp_sent_bytes is not None:
+        how = ("as all-gathers and reduce-scatters (--sequence-parallel: the same bytes, the "
+               "norms on 1/tp of the tokens)" if f.option("sequence_parallel") else "")
         traffic.append(f"within each tp group: 4 all-reduces of the activations (batch x "
-                       f"block_size x n_embd in fp32) per layer, 2 in forward and 2 in backward, "
-                       f"plus the embedding's and lm_head's: {nbytes(fig.tp_sent_bytes)} sent "
-                       f"per rank per step by ring (2(t-1)/t of each, t = {t}).")
+                       f"block_size x n_embd in fp32) per layer{', ' + how if how else ''}, 2 in "
+                       f"forward and 2 in backward, plus the embedding's and lm_head's: "
+                       f"{nbytes(fig.tp_sent_bytes)} sent per rank per step by ring (2(t-1)/t "
+                       f"of each, t = {t}).")
     traffic.append(f"across the {dp} replica{'s' if dp > 1 else ''}: each rank's gradient "
                    f"slices all-reduced over its data-parallel group: "
                    f"{nbytes(fig.dp_sent_bytes)} per rank per step."

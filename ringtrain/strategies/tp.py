@@ -95,7 +95,9 @@ class TPConfig(StrategyConfig):
         """1/tp of the parameters, gradients and AdamW moments per rank (the norms and the
         position embedding, held whole, are left out of the count); the dp group all-reduces
         those gradients; the tp group all-reduces activations: per layer 2 forward and 2
-        backward of b x s x h (`tensor_parallel.volumes`, where the workload gives the shape)."""
+        backward of b x s x h (`tensor_parallel.volumes`, where the workload gives the shape);
+        under sequence parallelism the same bytes as all-gathers and reduce-scatters (the norms'
+        gradient sums and the loss's (b x s) floats are left out)."""
         dp = self.plan(workload.world_size, workload.step_batch)
         own = {k: v / self.tp for k, v in workload.replica().items()}
         dp_sent = all_reduce_share(dp) * workload.model_bytes / self.tp
