@@ -3,12 +3,12 @@
     .venv/bin/pytest -q tests/test_tp_strategy.py
 
 CPU, gloo. In one process: the grid's index math, slicing a tensor for a tp rank and putting it
-back (`tensor_parallel.state`), the pre-launch refusals and the explain figures. On 4 ranks
-(dp 2 x tp 2 with sequence parallelism; tp 2 on 2 ranks without it as well under
-RINGTRAIN_FULL=1, the contract test runs that one): 3
-AdamW steps with clipping equal one process's (allclose 1e-5, the same global batch); the
-snapshot converts to the layout-free form equal to the one-process run's (parameters and AdamW
-moments), a ddp snapshot loads into tp, and both go on equal to one process.
+back (`tensor_parallel.state`), the pre-launch refusals and the explain figures. On 4 ranks,
+dp 2 x tp 2 with sequence parallelism (tp 2 on 2 ranks with and without it under
+RINGTRAIN_FULL=1; the contract test runs plain tp 2): 3 AdamW steps with clipping equal one
+process's (allclose 1e-5, the same global batch); the snapshot converts to the layout-free
+form equal to the one-process run's (parameters and AdamW moments), a ddp snapshot loads into
+tp, and both go on equal to one process.
 The contract (step, state round trip, bit-identical resume through `Trainer`) is
 tests/test_strategy_contract.py's, over every registered strategy.
 """
@@ -137,8 +137,15 @@ def _close(a, b, what):
                                    msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
-@pytest.mark.parametrize("world, options", [(4, {"sequence_parallel": True})]
-                         + [(2, {})] * FULL, ids=["dp2xtp2-sp", "tp2"][:1 + FULL])
+# `make test`: dp 2 x tp 2 with sequence parallelism on 4 ranks (4.5 s after the suite's first
+# worker start, 1 s more than 2 ranks); tp 2 with SP and plain tp 2 on 2 ranks with
+# RINGTRAIN_FULL=1 (the contract test runs plain tp 2 on 2 ranks as well).
+SP = {"sequence_parallel": True}
+CASES = [(4, SP)] + [(2, SP), (2, {})] * FULL
+
+
+@pytest.mark.parametrize("world, options", CASES,
+                         ids=["dp2xtp2-sp", "tp2-sp", "tp2"][:len(CASES)])
 def test_equals_one_process_and_resumes_to_and_from_ddp(single_process, world, options):
     data = AdditionDataset("train", DIGITS)
     torch.manual_seed(0)
