@@ -113,6 +113,9 @@ class SnapshotManager:
             this rank for the same directory on the same store (a new trainer resuming in the
             same process group) needs another name: ValueError otherwise, as it would read the
             first one's stale keys.
+
+    Set `background = True` (the trainer does, unless `--sync-snapshots`) to have `save` copy
+    the state to host memory and return, a thread writing it; `wait()` joins that thread.
     """
 
     def __init__(

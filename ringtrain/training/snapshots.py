@@ -69,13 +69,6 @@ class LoopSnapshots:
         self._committed_bytes: int | None = None
         self._said_slow = False
 
-    @property
-    def committed_step(self) -> int | None:
-        """The newest committed snapshot's step (in the background: not the one in flight)."""
-        if self.manager.in_flight is None:
-            return self.checkpointer.saved_step
-        return self._committed
-
     def wait(self) -> None:
         """Join the save in flight, if any; raise `DiskFullError` (on every rank) when it found
         the disk full, warn when it failed otherwise (the previous snapshot stays the newest).
