@@ -6,6 +6,8 @@ Read in this order:
   finding and loading snapshots.
 - `handshake.py`: how the ranks of one save talk through the store (keys, failure reports that
   every rank raises alike, waits bounded by deadlines).
+- `background.py`: a save in the background: the state copied to host memory in the step
+  (`HostCopy`), the rest of `SnapshotManager.save` on a writer thread (`BackgroundSave`).
 - `commit.py`: rank 0's directory work: the commit (rename, `COMMITTED` last) and the rotation
   that keeps the newest `keep` snapshots.
 - `sharded.py`: several saved ranks' parts read for one rank (a sharded resume on M ranks).

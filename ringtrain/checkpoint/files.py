@@ -240,4 +240,7 @@ class SaveResult:
     bytes: int  # written by this rank
     total_bytes: int  # written by all ranks
     write_s: float  # this rank serialising and fsyncing its files
-    total_s: float  # the whole collective step, waits included
+    total_s: float  # the whole collective step, waits included (in the background: the copy)
+    # False: a save in the background, copied to host memory but not yet written or committed
+    # (`SnapshotManager.wait` says how it ended); bytes are then the bytes copied by this rank.
+    committed: bool = True

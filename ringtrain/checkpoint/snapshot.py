@@ -4,6 +4,8 @@
     result = manager.save(step, shared={"model": ..., "optimizer": ..., "sampler": ...},
                           per_rank={"rng": get_rng_state()},
                           metadata={"config": ..., "topology": ...})
+    manager.background = True                     # save() copies the state and returns at once;
+    manager.wait()                                # a thread writes it: its result, or its error
     snap = manager.latest()                       # newest committed snapshot that verifies, or None
     shared, per_rank, metadata = manager.load(snap)
 
@@ -12,7 +14,8 @@ checksums, manifests, `unwrap_state_dict`, `check_topology`) live in `ringtrain.
 the keys, reports and bounded waits of the ranks' handshake in `ringtrain.checkpoint.handshake`;
 rank 0's commit (rename, `COMMITTED` last) and the rotation of old snapshots in
 `ringtrain.checkpoint.commit`. This file holds the manager: the order of one save, each rank's
-own part (written in a thread, bounded by the deadline), and finding and loading snapshots.
+own part (written in a thread, bounded by the deadline), and finding and loading snapshots; the
+host copy and the writer thread of a save in the background are `ringtrain.checkpoint.background`.
 
 Layout under `root_dir` (a directory every rank sees, e.g. on a shared filesystem):
 
@@ -30,12 +33,19 @@ kind: `SnapshotNoSpaceError` when any rank's disk was full. A save that fails re
 directory; a crash at any point leaves either a temp directory or a directory without
 `COMMITTED`: both are ignored by `latest()`, the temp ones removed by `remove_unfinished` (at
 the next start) and all by the next save.
+
+In the background (`background = True`; the trainer's default): `save` copies the state to host
+memory and returns, and a thread runs the save above, unchanged: so a crash during the write
+leaves the previous snapshot the newest, and every rank learns the same outcome from the store.
+`wait()` (or the next `save`) joins it and raises what it raised.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -48,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.checkpoint.background import BackgroundSave, HostCopy
 from ringtrain.checkpoint.commit import commit, retain
 from ringtrain.checkpoint.files import (
     SHARED,
@@ -83,6 +94,8 @@ __all__ = [
     "remove_unfinished", "unwrap_state_dict",
 ]
 
+log = logging.getLogger("ringtrain")
+
 
 class SnapshotManager:
     """Save and find snapshots under `root_dir`; `save` is a collective call on every rank.
@@ -100,6 +113,9 @@ class SnapshotManager:
             this rank for the same directory on the same store (a new trainer resuming in the
             same process group) needs another name: ValueError otherwise, as it would read the
             first one's stale keys.
+
+    Set `background = True` (the trainer does, unless `--sync-snapshots`) to have `save` copy
+    the state to host memory and return, a thread writing it; `wait()` joins that thread.
     """
 
     def __init__(
@@ -136,6 +152,16 @@ class SnapshotManager:
         self._prefix = f"ringtrain/snapshot/{restart}/{where}/{name}"
         if store is not None:  # one rank alone uses no keys
             claim_key(store, self._prefix, rank, "SnapshotManager", name)
+        # Saves in the background: `save` copies the state and returns; see `wait`. The
+        # handshake of a background save goes through the store only, never a collective: a
+        # collective on the writer's thread could interleave with the step's own collectives on
+        # the same process group (their order must be the same on every rank), and a gloo group
+        # of its own would cost every rank a connection to every other at start. The store's
+        # client serialises its requests (TCPStore holds a lock per operation), so the step
+        # loop and a watchdog may use it meanwhile.
+        self.background = False
+        self._host = HostCopy()
+        self._in_flight: BackgroundSave | None = None
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -155,10 +181,59 @@ class SnapshotManager:
         Raises `SnapshotError` on every rank, naming the rank, when a rank fails to write its
         part or does not finish within `timeout_s` (`SnapshotNoSpaceError` on every rank when a
         disk was full); the temp directory is removed and the previous snapshot stays the newest.
+
+        With `background` on, it returns once the state is copied to host memory (the result
+        says `committed=False`, its sizes are the bytes copied by this rank); a thread writes,
+        checksums, fsyncs and commits it, exactly as above, while the caller goes on. Its
+        outcome (and any of the errors above) comes from `wait()`, or from the next `save`,
+        which waits for it first: at most one save is in flight.
         """
-        t0 = time.monotonic()
+        self.wait()  # at most one save in flight; raises the failure of the one before
         keys = f"{self._prefix}/{self._saves}"
         self._saves += 1
+        if not self.background:
+            return self._save_now(keys, step, shared, per_rank, metadata)
+        t0 = time.monotonic()
+        (shared, per_rank), ready = self._host.copy(
+            (shared if self.rank == 0 else None, per_rank))
+        metadata = copy.deepcopy(metadata)  # small; the caller may change its dicts meanwhile
+        staged_s = time.monotonic() - t0
+
+        def write() -> SaveResult:
+            ready()  # a device's copies have landed in host memory
+            result = self._save_now(keys, step, shared, per_rank, metadata)
+            log.info("snapshot of step %d committed in the background: %.1f MB, written in "
+                     "%.2f s -> %s", step, result.total_bytes / 1e6, result.total_s,
+                     result.path)
+            return result
+
+        self._in_flight = BackgroundSave(step, write)
+        return SaveResult(step, self.root / f"snap-{step:08d}", self._host.bytes,
+                          self._host.bytes, 0.0, staged_s, committed=False)
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the save in flight, if any (`background` on): its result, or its error.
+
+        Raises what the save raised (`SnapshotError`, `SnapshotNoSpaceError`, ... as `save`
+        does in the foreground), once: on every rank alike, as each rank learns the outcome of
+        the same save from rank 0. None when no save was in flight.
+        """
+        save, self._in_flight = self._in_flight, None
+        return save.result() if save is not None else None
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the save in the background that `wait()` has not joined yet, or None."""
+        return self._in_flight.step if self._in_flight is not None else None
+
+    @property
+    def writing(self) -> bool:
+        """True while a save in the background is still being written (`wait()` would block)."""
+        return self._in_flight is not None and not self._in_flight.done()
+
+    def _save_now(self, keys: str, step: int, shared, per_rank, metadata) -> SaveResult:
+        """One save, start to commit, on the calling thread (the caller's or the writer's)."""
+        t0 = time.monotonic()
         if self.rank == 0:
             tmp = self.root / f"{TEMP_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
             try:

@@ -187,6 +187,9 @@ class RunOptions:
                                            type=parse_steps, metavar="A:B")
     snapshot_every: int = option(100, "steps between snapshots in RUN_DIR/snapshots (and one on "
                                  "SIGTERM), 0: none", type=_non_negative)
+    sync_snapshots: bool = option(False, "write each snapshot in the step (the step waits for "
+                                  "the disk); by default the step copies the state to host "
+                                  "memory and a thread writes and commits it")
     keep: int = option(2, "committed snapshots kept (2: a corrupt newest one falls back)",
                        type=_positive)
     # Not resume=MUST_MATCH: a resume takes its snapshot's weights, whatever started the run.

@@ -95,6 +95,7 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
                           run_dir=run.run_dir, sample_fn=job["sample_fn"],
                           stop_when=stop_when, started_at=started_at,
                           snapshot_every=run.snapshot_every, keep=run.keep, resume=resume,
+                          sync_snapshots=run.sync_snapshots,
                           run_config=run_config(opts), trace_steps=run.trace_steps)
         n_params = sum(p.numel() for p in trainer.model.parameters())
         log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, "

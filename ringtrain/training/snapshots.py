@@ -1,25 +1,36 @@
 """When the training loop saves a snapshot, and how it stops on a signal.
 
-    snapshots = LoopSnapshots(checkpointer, agreement, state, rank=runtime.rank)
+    snapshots = LoopSnapshots(checkpointer, agreement, state, rank=runtime.rank, background=True)
     with StopSignal(STOP_SIGNALS) as stop:
         ...
         snapshots.save(step)                               # at a snapshot step
         if agreement.vote(stop.received is not None, at_shared_step=logged):
             return snapshots.stop(step, stop)              # every rank at the same step
+    snapshots.wait()                                       # the run's end: the last one written
 
 Apart from the step loop (`trainer.py`) because it is the loop's side of fault tolerance, not
 its arithmetic: which signals are caught, no snapshot once a rank has left the job, the
-sample log merged before a save, and the save and the one line that end a stopped run. What a
-snapshot holds and how a run resumes is `ringtrain.checkpoint.resume.Checkpointer`'s business.
+sample log merged before a save, the save and the one line that end a stopped run, and the
+saves in the background: the step only copies the state to host memory, a thread writes it
+(`SnapshotManager.background`), and this class joins that thread before the next save, at the
+run's end and at a stop, turning what it raised into the loop's outcome. What a snapshot holds
+and how a run resumes is `ringtrain.checkpoint.resume.Checkpointer`'s business.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import time
 from typing import Any
 
 from ringtrain.checkpoint.resume import Checkpointer
+from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
+from ringtrain.checkpoint.snapshot import (
+    SnapshotError,
+    SnapshotNoSpaceError,
+    newest_snapshot_bytes,
+)
 from ringtrain.checkpoint.stop import StopSignal
 from ringtrain.training.state import LoopState
 
@@ -41,13 +52,56 @@ class LoopSnapshots:
         agreement: the strategy's agreement (which ranks are gone; the sample logs gathered).
         state: the loop's `LoopState` (its sample log, if one is kept).
         rank: this process's rank (rank 0 alone says what every rank does).
+        background: save in the background (the step copies the state to host memory and goes
+            on); False: the whole save in the step (`--sync-snapshots`).
     """
 
     def __init__(self, checkpointer: Checkpointer, agreement: Any, state: LoopState, *,
-                 rank: int):
+                 rank: int, background: bool = True):
         self.checkpointer, self.agreement, self.state, self.rank = (checkpointer, agreement,
                                                                     state, rank)
+        self.manager = checkpointer.manager
+        self.manager.background = background
         self.off = False  # a rank left the job: no more snapshots
+        # The newest committed snapshot while one is in flight (the Checkpointer's `saved_step`
+        # is the one in flight), and its size: what a disk-full message names.
+        self._committed: int | None = None
+        self._committed_bytes: int | None = None
+        self._said_slow = False
+
+    def wait(self) -> None:
+        """Join the save in flight, if any; raise `DiskFullError` (on every rank) when it found
+        the disk full, warn when it failed otherwise (the previous snapshot stays the newest).
+
+        Every rank calls this at the same step (before a save, at the run's end, at a stop),
+        and every rank's writer learns the same outcome from rank 0: all decide alike.
+        """
+        cp, step = self.checkpointer, self.manager.in_flight
+        if step is None:
+            return
+        try:
+            result = self.manager.wait()
+        except SnapshotNoSpaceError as e:
+            log.debug("snapshot of step %d not saved: %s", step, e)
+            cp.saved_step = self._committed  # the Checkpointer's word for the newest on disk
+            need = self._committed_bytes or newest_snapshot_bytes(self.manager.root)
+            raise DiskFullError(no_space_message(self.manager.root, f"the snapshot of step {step}",
+                                                 self._committed, need)) from None
+        except SnapshotError as e:
+            log.warning("warning: snapshot of step %d not saved, training goes on: %s", step, e)
+            cp.saved_step = self._committed
+            return
+        self._committed, self._committed_bytes = step, result.total_bytes
+
+    def settle(self) -> None:
+        """After an error in the loop: let the save in flight end (bounded by its deadlines), so
+        it leaves a committed snapshot or nothing, never a writer still at work behind a
+        caller that goes on (a new trainer resuming from the same directory); its own failure
+        is only logged, the loop's error is the one that counts."""
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - the error already leaving the loop matters more
+            log.warning("warning: the snapshot in flight did not commit: %s", e)
 
     def save(self, step: int, reason: str = "periodic") -> None:
         """`Checkpointer.save`, unless a rank has left the job: its part would be missing."""
@@ -62,8 +116,19 @@ class LoopSnapshots:
                                 step, gone)
         if self.off:
             return
+        writing, started = self.manager.writing, time.monotonic()
+        self.wait()  # at most one in flight: every rank waits alike, on rank 0's word
+        waited = time.monotonic() - started
+        # A wait under a second is not worth a line (a tiny model's snapshot every step).
+        if writing and waited > 1.0 and not self._said_slow and self.rank == 0:
+            self._said_slow = True
+            log.warning("warning: the snapshot of step %d waited %.2f s for the one before to "
+                        "be written: writing takes longer than --snapshot-every steps, so a "
+                        "save waits for the last one (said once); raise --snapshot-every to "
+                        "train without waiting", step, waited)
         if self.state.samples is not None:  # every rank's steps since the last snapshot, merged
             self.state.samples.sync(self.agreement.gather)
+        self._committed = self.checkpointer.saved_step  # all written: the newest on disk
         self.checkpointer.save(step, reason=reason)
 
     def stop(self, step: int, stop: StopSignal) -> str:
@@ -74,6 +139,7 @@ class LoopSnapshots:
         name = signal.Signals(stop.received).name if stop.received else "SIGTERM"
         if cp.saved_step != step:
             self.save(step, reason=name)
+        self.wait()  # never stop before the snapshot that resumes the run is committed
         if self.rank == 0:  # every rank stops at this step: one line says it
             log.warning("warning: stopping at step %d on %s; the snapshot of step %s "
                         "resumes the run (run the same command again)", step, name,

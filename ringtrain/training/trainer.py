@@ -97,6 +97,9 @@ class Trainer:
         run_config: options that must equal a snapshot's to resume from it (name -> value, e.g.
             the model's); the trainer adds its own (steps, lr, seed, ...).
         snapshot_timeout_s: bound on each rank's part of a save.
+        sync_snapshots: write each snapshot in the step (the step waits for the disk); by
+            default the step copies the state to host memory and a thread writes and commits
+            it while training goes on (`ringtrain.training.snapshots`).
         trace_steps: (A, B): record a timeline of steps A to B-1 on every rank into
             `run_dir`/trace.json (`ringtrain.trace`); None: none.
         name: names this trainer's store keys (snapshot handshakes, store reductions), the
@@ -113,7 +116,7 @@ class Trainer:
                  started_at: float | None = None, snapshot_every: int = 0, keep: int = 2,
                  resume: bool = True, run_config: dict[str, Any] | None = None,
                  snapshot_timeout_s: float = 60.0, name: str = "trainer",
-                 trace_steps: tuple[int, int] | None = None):
+                 trace_steps: tuple[int, int] | None = None, sync_snapshots: bool = False):
         self.strategy, self.runtime = strategy, runtime
         self.config = config.resolved()
         self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
@@ -168,7 +171,7 @@ class Trainer:
                 os.path.join(run_dir, "snapshots"), every=snapshot_every, keep=keep,
                 timeout_s=snapshot_timeout_s, run_config=run_config, name=name)
             self.snapshots = LoopSnapshots(self.checkpointer, self.agreement, self.state,
-                                           rank=runtime.rank)
+                                           rank=runtime.rank, background=not sync_snapshots)
 
     @property
     def step(self) -> int:
@@ -227,6 +230,10 @@ class Trainer:
                     stopped = self._loop(progress, stop, resumed=resumed_at is not None)
                 except DiskFullError as e:  # raised by the same save on every rank: all stop
                     stopped, disk_full = "disk full", str(e)
+        except BaseException:
+            if self.snapshots is not None:  # a snapshot in the background: committed, or none
+                self.snapshots.settle()
+            raise
         finally:
             progress.close()
             self.metrics.close()
@@ -289,6 +296,8 @@ class Trainer:
                                                         at_shared_step=logged):
                 assert snaps is not None  # this rank or another got a stop signal
                 return snaps.stop(self.step, stop)
+        if snaps is not None:  # the last snapshot, written in the background, is committed
+            snaps.wait()
         return None
 
     def _finish(self, started: float) -> dict[str, Any]:

@@ -92,6 +92,19 @@ def _kill_on_next_save(rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     torch.save = save_then_die
+    # Snapshots are written by a thread while the step loop goes on (the default): hold the loop
+    # in this save until the write (and the kill) comes, so the kill is inside the save of this
+    # step, on the writer's thread, and the steps trained before it do not depend on timing.
+    from ringtrain.checkpoint import background
+
+    started = background.BackgroundSave.__init__
+
+    def start_and_wait(self, step, fn):
+        started(self, step, fn)
+        while not self.done():
+            time.sleep(0.005)
+
+    background.BackgroundSave.__init__ = start_and_wait
 
 
 def _ask_outside(d: Path, i: int, rank: int) -> None:

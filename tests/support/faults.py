@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,17 @@ def fault_env(spec: str) -> dict[str, str]:
     path = [str(SUPPORT), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {FAULT_ENV: spec, "RINGTRAIN_STEP_HOOK": "faults:hook",
             "PYTHONPATH": os.pathsep.join(path)}
+
+
+def _snapshot_written(timeout_s: float = 60.0) -> None:
+    """Wait (bounded) for this process's snapshot writer, if one is at work in the background.
+
+    A `kill` here is a kill between snapshots, so the tests can name the step a restart resumes
+    from; a kill *during* the background write is tests/test_async_snapshots.py's case.
+    """
+    for thread in threading.enumerate():
+        if thread.name.startswith("snapshot-writer-"):  # ringtrain.checkpoint.background
+            thread.join(timeout_s)
 
 
 def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], None] | None:
@@ -75,6 +87,8 @@ def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], No
             on_step(step)
         if step != at_step:
             return
+        if action == "kill":
+            _snapshot_written()
         print(f"[rank {rank}] test fault: {action} after step {step} at unix time "
               f"{time.time():.3f}", file=sys.stderr, flush=True)
         if action == "kill":

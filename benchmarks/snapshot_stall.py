@@ -1,0 +1,233 @@
+"""What a snapshot costs the step: synchronous, in the background, and none, in one run.
+
+    .venv/bin/python benchmarks/snapshot_stall.py                 # ~100 M parameter GPT
+    .venv/bin/python benchmarks/snapshot_stall.py --quick         # a small model, seconds
+    .venv/bin/python benchmarks/snapshot_stall.py --every 50 --steps 300 --rounds 2
+
+One process (CUDA if present, else the CPU), `ringtrain.Trainer` with the `ddp` strategy on one
+rank, a GPT of about 100 M parameters (14 layers, 768 wide, 12 heads: 99 M with a 65-token
+vocabulary) on random tokens, AdamW. The same run (same seed, same steps) is trained three
+times per round, with a snapshot every --every steps into a temporary run directory:
+- `none`: no snapshots (`snapshot_every=0`);
+- `sync`: the whole save in the step (`--sync-snapshots`);
+- `async`: the default: the step copies the state to host memory, a thread writes it.
+The order of the three rotates from round to round (drift hits each alike).
+
+A step's time is the wall time between the trainer's `on_step` calls (after a device
+synchronisation on CUDA), so the snapshot of step k, taken after `on_step(k)`, lands in the time
+of step k+1: that step is a "snapshot step", the others are "other steps"; the first --warmup
+steps of each run are not counted. In the background the writer shares the CPU with the steps
+that follow a snapshot: they are in "other steps", and in the throughput (steps per second over
+the counted steps). The last step's snapshot (the run's end waits for it) is in no step.
+
+Goals (issue 29): async snapshot steps at most 2 % slower than none's steps (p50), async
+throughput within 1 % of none with a snapshot every 50 steps. The last line is JSON: {"device",
+"params", "every", "steps", "rounds", "snapshot_mb", "modes": {mode: {"snapshot_step_ms",
+"other_step_ms" (p50/p95/max/n), "steps_per_s", "save_s_mean"}}, "async_snapshot_step_vs_none",
+"async_throughput_vs_none", "sync_snapshot_step_vs_none", "sync_throughput_vs_none", loadavg}.
+`save_s_mean` is the time the step spent in a save: the whole save for sync, the host copy for
+async.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+SHAPES = {  # per device type: the model (~99 M parameters) and a batch that keeps it busy
+    "cuda": {"n_layer": 14, "n_head": 12, "n_embd": 768, "block_size": 512, "batch_size": 8,
+             "steps": 300, "every": 50},
+    "cpu": {"n_layer": 14, "n_head": 12, "n_embd": 768, "block_size": 64, "batch_size": 2,
+            "steps": 120, "every": 40},
+    "quick": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 32, "batch_size": 4,
+              "steps": 40, "every": 10},
+}
+VOCAB = 65
+MODES = ("none", "sync", "async")
+
+
+class RandomTokens(Dataset):
+    """(input, target) windows of random tokens: what is learned does not matter here."""
+
+    def __init__(self, n: int, block_size: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, VOCAB, (n + block_size + 1,), generator=g)
+        self.n, self.block_size = n, block_size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        w = self.tokens[i:i + self.block_size + 1]
+        return w[:-1], w[1:]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU: no CUDA call there)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
+    """Train `args.steps` steps in `mode`; each step's seconds and the trainer's summary."""
+    from ringtrain.models import GPT, GPTConfig, loss_fn
+    from ringtrain.strategies import make_strategy
+    from ringtrain.training.trainer import Trainer, TrainerConfig
+
+    device = runtime.device
+    model = GPTConfig(vocab_size=VOCAB, block_size=shape["block_size"], n_layer=shape["n_layer"],
+                      n_head=shape["n_head"], n_embd=shape["n_embd"], dropout=0.0)
+    config = TrainerConfig(steps=args.steps, batch_size=shape["batch_size"], lr=6e-4, seed=1337,
+                           dtype="bf16" if device.type == "cuda" else "fp32",
+                           log_every=args.every, eval_every=args.steps, progress=False)
+    data = RandomTokens(max(1024, 2 * shape["batch_size"]), shape["block_size"])
+    trainer = Trainer(make_strategy("ddp", runtime=runtime), runtime, lambda: GPT(model), data,
+                      None, loss_fn, config, run_dir=str(run_dir),
+                      snapshot_every=0 if mode == "none" else args.every,
+                      sync_snapshots=mode == "sync", resume=False, name=f"stall-{mode}")
+    marks: list[float] = []
+
+    def on_step(step: int) -> None:
+        sync(device)
+        marks.append(time.perf_counter())
+    trainer.on_step = on_step
+    sync(device)
+    marks.append(time.perf_counter())
+    summary = trainer.fit()
+    trainer.strategy.close()
+    params = sum(p.numel() for p in trainer.model.parameters())
+    from ringtrain.checkpoint.files import newest_snapshot_bytes
+
+    size = newest_snapshot_bytes(run_dir / "snapshots")
+    del trainer
+    gc.collect()
+    return {"step_s": [b - a for a, b in zip(marks, marks[1:], strict=False)], "params": params,
+            "save_s_mean": summary.get("snapshot_s_mean"), "snapshot_bytes": size}
+
+
+def percentiles(ms: list[float]) -> dict | None:
+    if not ms:
+        return None
+    s = sorted(ms)
+    return {"p50": round(statistics.median(s), 3),
+            "p95": round(s[min(len(s) - 1, round(0.95 * (len(s) - 1)))], 3),
+            "max": round(s[-1], 3), "n": len(s)}
+
+
+def split(step_s: list[float], every: int, warmup: int) -> tuple[list[float], list[float]]:
+    """(snapshot steps, other steps) in ms; step k (1-based) holds the snapshot of step k-1."""
+    snap, other = [], []
+    for i, s in enumerate(step_s):
+        k = i + 1
+        if k <= warmup:
+            continue
+        (snap if k > 1 and (k - 1) % every == 0 else other).append(1e3 * s)
+    return snap, other
+
+
+def histogram(runs: dict[str, list[float]], bins: int = 12) -> list[str]:
+    """Lines of a text histogram of step ms, one column of counts per mode."""
+    every = [x for v in runs.values() for x in v]
+    lo, hi = min(every), max(every)
+    width = (hi - lo) / bins or 1.0
+    lines = [f"{'step ms':>19s}  " + "  ".join(f"{m:>6s}" for m in runs)]
+    for b in range(bins):
+        a = lo + b * width
+        counts = [sum(1 for x in v if a <= x < a + width or (b == bins - 1 and x == hi))
+                  for v in runs.values()]
+        lines.append(f"{a:9.1f} - {a + width:7.1f}  " + "  ".join(f"{c:6d}" for c in counts))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from ringtrain.launch.network import free_port
+    from ringtrain.launch.process_group import destroy_distributed, init_distributed
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a small model and a short run (seconds)")
+    for key in SHAPES["cpu"]:
+        p.add_argument("--" + key.replace("_", "-"), type=int,
+                       help=f"default: {SHAPES['cuda'][key]} on CUDA, {SHAPES['cpu'][key]} on "
+                       f"the CPU, {SHAPES['quick'][key]} with --quick")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each mode, order rotated")
+    p.add_argument("--warmup", type=int, default=3, help="first steps of a run not counted")
+    p.add_argument("--threads", type=int, help="torch threads on the CPU (default: torch's)")
+    p.add_argument("--dir", help="where the snapshots go (default: a temporary directory)")
+    args = p.parse_args(argv)
+    before = os.getloadavg()
+    runtime = init_distributed(rank=0, world_size=1, master_addr="127.0.0.1",
+                               master_port=free_port())
+    device = runtime.device
+    if device.type == "cpu" and args.threads:
+        torch.set_num_threads(args.threads)
+    defaults = SHAPES["quick" if args.quick else "cuda" if device.type == "cuda" else "cpu"]
+    shape = {k: getattr(args, k) or v for k, v in defaults.items()}
+    args.steps, args.every = shape["steps"], shape["every"]
+    if args.every < 2 or args.steps < args.every + 2:
+        p.error(f"--every {args.every} --steps {args.steps}: take at least one snapshot whose "
+                "next step is timed (--steps >= --every + 2, --every >= 2)")
+    steps: dict[str, list[float]] = {m: [] for m in MODES}
+    saves: dict[str, list[float]] = {m: [] for m in MODES}
+    params = size = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="snapshot_stall_", dir=args.dir) as tmp:
+            for r in range(args.rounds):
+                for mode in MODES[r % 3:] + MODES[:r % 3]:
+                    out = one_run(mode, shape, args, runtime, Path(tmp) / f"{mode}-{r}")
+                    steps[mode].append(out["step_s"])  # per run: split knows the step numbers
+                    if out["save_s_mean"] is not None:
+                        saves[mode].append(out["save_s_mean"])
+                    params, size = out["params"], out["snapshot_bytes"] or size
+                    mean = statistics.fmean(out["step_s"][args.warmup:])
+                    print(f"round {r} {mode:5s}: {1e3 * mean:9.2f} ms/step mean", flush=True)
+    finally:
+        destroy_distributed()
+    modes, split_ms = {}, {}
+    for mode in MODES:
+        snap, other = [], []
+        for run in steps[mode]:
+            a, b = split(run, args.every, args.warmup)
+            snap, other = snap + a, other + b
+        if mode == "none":  # no snapshot: every step is an "other step"
+            snap, other = [], snap + other
+        split_ms[mode] = snap + other
+        modes[mode] = {"snapshot_step_ms": percentiles(snap), "other_step_ms": percentiles(other),
+                       "steps_per_s": round(1e3 * len(split_ms[mode]) / sum(split_ms[mode]), 4),
+                       "save_s_mean": (round(statistics.fmean(saves[mode]), 4)
+                                       if saves[mode] else None)}
+    none = modes["none"]
+    ratio = {}
+    for mode in ("async", "sync"):
+        ratio[f"{mode}_snapshot_step_vs_none"] = round(
+            modes[mode]["snapshot_step_ms"]["p50"] / none["other_step_ms"]["p50"], 4)
+        ratio[f"{mode}_throughput_vs_none"] = round(
+            modes[mode]["steps_per_s"] / none["steps_per_s"], 4)
+    print("\n".join(histogram(split_ms)))
+    for mode in MODES:
+        m = modes[mode]
+        print(f"{mode:5s}  snapshot steps {m['snapshot_step_ms']}  other steps "
+              f"{m['other_step_ms']}  {m['steps_per_s']} steps/s  save in step "
+              f"{m['save_s_mean']} s")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result = {"device": name, "torch": torch.__version__, "params": params, "shape": shape,
+              "every": args.every, "steps": args.steps, "rounds": args.rounds,
+              "warmup": args.warmup,
+              "threads": torch.get_num_threads() if device.type == "cpu" else None,
+              "snapshot_mb": round(size / 1e6, 1) if size else None, "modes": modes, **ratio,
+              "loadavg_before": before, "loadavg_after": os.getloadavg()}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,274 @@
+"""Snapshots saved in the background (`ringtrain.checkpoint.background`, the trainer's default).
+
+    .venv/bin/pytest -q tests/test_async_snapshots.py
+
+CPU, gloo, one process unless a test says otherwise. The writer is held at a gate (a patched
+`write_durably` that waits for an event) where a test needs the write to be still under way:
+no sleeps as synchronisation. What the background keeps from the synchronous save is tested
+where the synchronous save is: test_resume.py (two ranks: exact resume, a torn part, a SIGTERM
+stop) and test_disk.py (a full disk stops every rank at the last committed snapshot) run with
+the default, the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Subset
+
+import ringtrain.checkpoint.snapshot as snapshot
+from ringtrain.checkpoint.background import HostCopy
+from ringtrain.checkpoint.snapshot import SnapshotManager
+from ringtrain.testing import WorkerError, run_workers
+
+GATE_S = 60  # a bound on every wait for the gated writer: nothing here should come near it
+
+
+@pytest.fixture()
+def gate(monkeypatch):
+    """`gate(step)`: the writer of that step's files waits until `gate.open.set()`."""
+    real = snapshot.write_durably
+    held = {"step": None}
+    opened, entered = threading.Event(), threading.Event()
+
+    def write(path: Path, obj):
+        if held["step"] is not None and f"-{held['step']:08d}-" in path.parent.name:
+            entered.set()
+            assert opened.wait(GATE_S), "the test never opened the gate"
+        return real(path, obj)
+
+    def hold(step: int):
+        held["step"] = step
+    monkeypatch.setattr(snapshot, "write_durably", write)
+    hold.open, hold.entered = opened, entered
+    return hold
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model.register_buffer("head", model[0].weight.detach()[2:4])  # a view of a parameter
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # state: momentum buffers
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+# ---- the host copy -----------------------------------------------------------------------------
+
+
+def test_host_copy_is_what_torch_save_writes_and_keeps_views_and_sharing():
+    model, opt = _model_and_optimizer()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3,
+             "pair": (torch.ones(2), [torch.zeros(1)])}
+    host = HostCopy()
+    staged, ready = host.copy(state)
+    ready()
+    a, b = staged["model"]["0.weight"], staged["model"]["head"]
+    assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()  # still shared
+    assert (b.storage_offset(), b.stride()) == (16, a.stride()) and torch.equal(b, a[2:4])
+    assert staged["model"]._metadata == state["model"]._metadata  # load_state_dict reads it
+    assert staged["step"] == 3 and isinstance(staged["pair"], tuple)
+
+    def saved(obj) -> bytes:
+        import io
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+    assert saved(staged) == saved(state)
+    # The optimizer's next step changes parameters and moments in place: not the copy.
+    before = saved(staged)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert saved(staged) == before != saved(state)
+    # The next copy reuses the buffers: no allocation once the storages are known.
+    again, _ = host.copy(state)
+    assert again["model"]["0.weight"].untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+
+
+# ---- the manager in the background --------------------------------------------------------------
+
+
+def test_background_save_returns_before_the_write_and_commits_what_the_step_had(tmp_path, gate):
+    model, opt = _model_and_optimizer()
+    sync = SnapshotManager(tmp_path / "sync", rank=0, world_size=1)
+    sync.save(1, shared={"model": model.state_dict(), "optimizer": opt.state_dict()},
+              per_rank={"step": 1})
+    manager = SnapshotManager(tmp_path / "bg", rank=0, world_size=1)
+    manager.background = True
+    gate(1)
+    result = manager.save(1, shared={"model": model.state_dict(), "optimizer": opt.state_dict()},
+                          per_rank={"step": 1})
+    assert not result.committed and gate.entered.wait(GATE_S)
+    assert manager.writing and manager.in_flight == 1 and manager.latest() is None
+    model(torch.randn(4, 8)).sum().backward()  # the loop goes on while the writer is held
+    opt.step()
+    gate.open.set()
+    done = manager.wait()
+    assert done.committed and done.step == 1 and not manager.writing
+    assert manager.wait() is None  # joined once
+    # Byte for byte the synchronous save of the same state, taken before the optimizer moved.
+    files = {n: f["sha256"] for n, f in manager.latest().manifest["files"].items()}
+    assert files == {n: f["sha256"] for n, f in sync.latest().manifest["files"].items()}
+
+
+def test_at_most_one_save_in_flight_and_a_failure_raised_once(tmp_path, gate):
+    manager = SnapshotManager(tmp_path, rank=0, world_size=1)
+    manager.background = True
+    gate(1)
+    manager.save(1, shared={"x": torch.zeros(3)}, per_rank={})
+    assert gate.entered.wait(GATE_S)
+    threading.Timer(0.2, gate.open.set).start()  # the second save must wait for the first
+    manager.save(2, shared={"x": torch.ones(3)}, per_rank={})
+    assert [s.step for s in manager.snapshots()] == [1]  # 1 committed before 2 was copied
+    manager.wait()
+    assert [s.step for s in manager.snapshots()] == [2, 1]
+    # A failure in the writer comes out of wait(), once, as the foreground save raises it.
+    manager.save(3, shared={"x": _Unpicklable()}, per_rank={})
+    with pytest.raises(snapshot.SnapshotError, match="rank 0 failed to write its part of "
+                       "snapshot step 3"):
+        manager.wait()
+    assert manager.wait() is None and manager.latest().step == 2
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise OSError(5, "Input/output error")
+
+
+# ---- through the trainer -----------------------------------------------------------------------
+
+
+def _trainer(run_dir, *, steps=6, every=2, sync=False, on_step=None):
+    from ringtrain.data.addition import AdditionDataset
+    from ringtrain.models import GPT, GPTConfig, loss_fn
+    from ringtrain.runtime import get_runtime
+    from ringtrain.strategies import make_strategy
+    from ringtrain.training.trainer import Trainer, TrainerConfig
+
+    rt = get_runtime()
+    model = GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
+    cfg = TrainerConfig(steps=steps, batch_size=8, seed=0, progress=False, log_every=1,
+                        eval_every=steps)
+    trainer = Trainer(make_strategy("ddp", runtime=rt), rt, lambda: GPT(model),
+                      AdditionDataset("train", 1), Subset(AdditionDataset("test", 1), range(5)),
+                      loss_fn, cfg, run_dir=str(run_dir), snapshot_every=every,
+                      sync_snapshots=sync)
+    trainer.on_step = on_step
+    return trainer
+
+
+@pytest.fixture()
+def one_rank(monkeypatch):
+    """A process group of this process alone (gloo, CPU, one thread as `run_workers` gives its
+    workers, so that a run here and one in a worker give the same bits), destroyed after."""
+    from ringtrain.launch.process_group import destroy_distributed, init_distributed
+
+    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr("ringtrain.training.report.write_report", lambda *a, **k: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    init_distributed()
+    try:
+        yield
+    finally:
+        destroy_distributed()
+        torch.set_num_threads(threads)
+
+
+def _saved(run_dir: Path) -> dict[str, tuple[list, str]]:
+    """Each snapshot's model and optimizer state, flattened, and rank 0's file checksum.
+
+    shared.pt's own bytes differ from run to run: the loop's totals hold wall-clock times.
+    """
+    def flat(obj, path=""):
+        if isinstance(obj, dict):
+            return [x for k, v in obj.items() for x in flat(v, f"{path}/{k}")]
+        if isinstance(obj, list | tuple):
+            return [x for i, v in enumerate(obj) for x in flat(v, f"{path}[{i}]")]
+        if isinstance(obj, torch.Tensor):  # the bits, and the dtype and shape with them
+            return [(path, obj.dtype, tuple(obj.shape), obj.numpy().tobytes())]
+        return [(path, obj)]
+
+    manager = SnapshotManager(run_dir / "snapshots", rank=0, world_size=1)
+    return {snap.path.name: (flat(manager.load(snap)[0]["strategy"]),
+                             snap.manifest["files"]["rank0.pt"]["sha256"])
+            for snap in manager.snapshots()}
+
+
+_REFERENCE: dict[str, str] = {}  # the uninterrupted run's param_sha256, made once per session
+
+
+def _reference_sha(run_dir: Path) -> str:
+    if "sha" not in _REFERENCE:
+        _REFERENCE["sha"] = _trainer(run_dir, sync=True).fit()["param_sha256"]
+    return _REFERENCE["sha"]
+
+
+def test_background_and_sync_snapshots_write_the_same_files(tmp_path, one_rank, gate, caplog):
+    _REFERENCE.pop("sha", None)  # this test's sync run is the reference: run it here
+    sync = {"param_sha256": _reference_sha(tmp_path / "sync")}
+    gate(2)  # the writer of step 2 is held until step 4's save: the step waits, and says so once
+    opened = threading.Timer(1.5, gate.open.set)
+    with caplog.at_level(logging.WARNING, logger="ringtrain"):
+        trainer = _trainer(tmp_path / "bg", on_step=lambda s: opened.start() if s == 3 else None)
+        background = trainer.fit()
+    assert background["param_sha256"] == sync["param_sha256"]
+    saved = _saved(tmp_path / "bg")
+    assert list(saved) == ["snap-00000006", "snap-00000004"]  # keep 2
+    assert saved == _saved(tmp_path / "sync")
+    waited = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(waited) == 1 and waited[0].startswith(
+        "warning: the snapshot of step 4 waited"), waited
+
+
+def _killed_while_writing(rank, world_size, run_dir):
+    """Snapshots every 2 steps; the writer of step 4 never finishes; SIGKILL after step 5."""
+    import os
+    import signal
+    import time
+
+    real = snapshot.write_durably
+
+    def write(path, obj):
+        if "-00000004-" in path.parent.name:
+            time.sleep(GATE_S)  # a slow disk: the kill comes first
+        return real(path, obj)
+    snapshot.write_durably = write
+    import ringtrain.training.report
+    ringtrain.training.report.write_report = lambda *a, **k: None
+
+    def on_step(step):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+    _trainer(run_dir, on_step=on_step).fit()
+
+
+def test_a_kill_during_the_background_write_leaves_the_previous_snapshot(tmp_path, one_rank):
+    run_dir = tmp_path / "killed"
+    with pytest.raises(WorkerError, match="exited with code -9"):
+        run_workers(_killed_while_writing, 1, args=(str(run_dir),), timeout_s=90)
+    left = sorted(p.name for p in (run_dir / "snapshots").iterdir())
+    assert left[0].startswith(".tmp-snap-00000004-") and left[1:] == ["snap-00000002"], left
+    assert SnapshotManager(run_dir / "snapshots", rank=0, world_size=1).latest().step == 2
+    # The same run again resumes from step 2 and ends where an uninterrupted run ends.
+    resumed = _trainer(run_dir).fit()
+    assert resumed["param_sha256"] == _reference_sha(tmp_path / "reference")
+    assert sorted(p.name for p in (run_dir / "snapshots").iterdir()) == ["snap-00000004",
+                                                                        "snap-00000006"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned copies)")
+def test_host_copy_from_cuda_is_pinned_and_ready_after_the_event():
+    t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    staged, ready = HostCopy().copy({"t": t, "v": t[10:20]})
+    t.add_(1)  # queued after the copy on the same stream: the copy has the old values
+    ready()
+    assert staged["t"].is_pinned() and staged["t"].device.type == "cpu"
+    assert torch.equal(staged["t"], torch.arange(1 << 20, dtype=torch.float32))
+    assert torch.equal(staged["v"], staged["t"][10:20])
