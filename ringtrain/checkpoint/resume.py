@@ -187,8 +187,11 @@ class Checkpointer:
             return None
         self.saved_step = step
         self.saves.append((time.perf_counter() - start, result.total_bytes))
-        log.info("snapshot of step %d (%s): %.1f MB in %.2f s -> %s", step, reason,
-                 result.total_bytes / 1e6, self.saves[-1][0], result.path)
+        # A save in the background says its one line when it commits (the writer's); here it
+        # has only been copied to host memory.
+        log.log(logging.INFO if result.committed else logging.DEBUG,
+                "snapshot of step %d (%s): %.1f MB in %.2f s -> %s", step, reason,
+                result.total_bytes / 1e6, self.saves[-1][0], result.path)
         return result
 
     def summary(self) -> dict[str, Any]:

@@ -202,9 +202,10 @@ class SnapshotManager:
         def write() -> SaveResult:
             ready()  # a device's copies have landed in host memory
             result = self._save_now(keys, step, shared, per_rank, metadata)
-            log.info("snapshot of step %d committed in the background: %.1f MB, written in "
-                     "%.2f s -> %s", step, result.total_bytes / 1e6, result.total_s,
-                     result.path)
+            log.info("snapshot of step %d (%s): %.1f MB, the step held %.2f s to copy it, "
+                     "written in the background in %.2f s -> %s", step,
+                     metadata.get("reason", "periodic"), result.total_bytes / 1e6, staged_s,
+                     result.total_s, result.path)
             return result
 
         self._in_flight = BackgroundSave(step, write)
