@@ -199,13 +199,14 @@ class SnapshotManager:
         metadata = copy.deepcopy(metadata)  # small; the caller may change its dicts meanwhile
         staged_s = time.monotonic() - t0
 
+        reason = (metadata or {}).get("reason", "periodic")  # metadata is rank 0's alone
+
         def write() -> SaveResult:
             ready()  # a device's copies have landed in host memory
             result = self._save_now(keys, step, shared, per_rank, metadata)
             log.info("snapshot of step %d (%s): %.1f MB, the step held %.2f s to copy it, "
-                     "written in the background in %.2f s -> %s", step,
-                     metadata.get("reason", "periodic"), result.total_bytes / 1e6, staged_s,
-                     result.total_s, result.path)
+                     "written in the background in %.2f s -> %s", step, reason,
+                     result.total_bytes / 1e6, staged_s, result.total_s, result.path)
             return result
 
         self._in_flight = BackgroundSave(step, write)
