@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
     steps: dict[str, list[float]] = {m: [] for m in MODES}
     saves: dict[str, list[float]] = {m: [] for m in MODES}
     params = size = None
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)  # a folder to make, not a failure
     try:
         with tempfile.TemporaryDirectory(prefix="snapshot_stall_", dir=args.dir) as tmp:
             for r in range(args.rounds):

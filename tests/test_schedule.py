@@ -122,7 +122,9 @@ def _shapes():
 def test_validator_proves_every_schedule_up_to_pp8_m32_v4_within_10s():
     """Each builder either gives a schedule the validator proves (no deadlock, messages in
     order, every micro-batch once) or refuses it up front, naming the fix."""
-    t0 = time.perf_counter()
+    # CPU time, not wall: the bound is the validator's work; a loaded CI machine (8.8 s of wall
+    # at load 15 for 2.4 s of CPU) must not fail it.
+    t0 = time.process_time()
     proved = refused = 0
     for name, pp, m, v in _shapes():
         try:
@@ -135,8 +137,8 @@ def test_validator_proves_every_schedule_up_to_pp8_m32_v4_within_10s():
         place = placement(name, pp, v)
         validate(schedule, m, place.v, place.v_shape)
         proved += 1
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 10, f"{elapsed:.1f} s"
+    elapsed = time.process_time() - t0
+    assert elapsed < 10, f"{elapsed:.1f} s of CPU"
     # refused: interleaved with m < pp or m % pp (m < pp runs for the others)
     assert proved == 1268 and refused == 780, (proved, refused)
 
