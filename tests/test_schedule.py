@@ -119,6 +119,7 @@ def _shapes():
                     yield name, pp, m, v  # zb-v: 2 chunks whatever v says (build_schedule)
 
 
+@pytest.mark.slow  # 2.4 s of CPU: over the fast tier's 2 s per test
 def test_validator_proves_every_schedule_up_to_pp8_m32_v4_within_10s():
     """Each builder either gives a schedule the validator proves (no deadlock, messages in
     order, every micro-batch once) or refuses it up front, naming the fix."""
