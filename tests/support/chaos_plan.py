@@ -130,6 +130,12 @@ def _play(d: Path, i: int, fault: dict[str, Any], rank: int) -> None:
         raise InjectedFault(f"chaos: fault {i}, an exception raised on rank {rank} after step "
                             f"{fault['step']}")
     elif kind in KINDS_OUTSIDE:
+        # The outside acts on the newest committed snapshot: let this rank's background write
+        # (and with it the commit it waits for) end first, or `corrupt` could hit the snapshot
+        # before it and the resume step would depend on timing (seen: 5 steps redone, not 10).
+        from faults import snapshot_written
+
+        snapshot_written()
         _ask_outside(d, i, rank)
     else:
         raise ValueError(f"chaos plan: unknown fault kind {kind!r}; one of "

@@ -37,7 +37,7 @@ def fault_env(spec: str) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(path)}
 
 
-def _snapshot_written(timeout_s: float = 60.0) -> None:
+def snapshot_written(timeout_s: float = 60.0) -> None:
     """Wait (bounded) for this process's snapshot writer, if one is at work in the background.
 
     A `kill` here is a kill between snapshots, so the tests can name the step a restart resumes
@@ -88,7 +88,7 @@ def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], No
         if step != at_step:
             return
         if action == "kill":
-            _snapshot_written()
+            snapshot_written()
         print(f"[rank {rank}] test fault: {action} after step {step} at unix time "
               f"{time.time():.3f}", file=sys.stderr, flush=True)
         if action == "kill":
