@@ -112,16 +112,12 @@ def create_process_groups(topology: Topology, rank: int | None = None) -> Proces
             f"Topology(world_size={dist.get_world_size()}, ...)"
         )
     dp_rank, pp_rank = topology.coords(rank)
-    pp_group = dp_group = None
-    for d in range(topology.dp):
-        group = dist.new_group(topology.pp_group_ranks(d))
-        if d == dp_rank:
-            pp_group = group
-    for s in range(topology.pp):
-        group = dist.new_group(topology.dp_group_ranks(s))
-        if s == pp_rank:
-            dp_group = group
-    assert pp_group is not None and dp_group is not None
+    # torch's helper makes every group of each axis in order (one new_group per row).
+    _, pp_groups = dist.new_subgroups_by_enumeration(
+        [topology.pp_group_ranks(d) for d in range(topology.dp)])
+    _, dp_groups = dist.new_subgroups_by_enumeration(
+        [topology.dp_group_ranks(s) for s in range(topology.pp)])
+    pp_group, dp_group = pp_groups[dp_rank], dp_groups[pp_rank]
     return ProcessGroups(
         topology, rank, dp_rank, pp_rank, pp_group, dp_group,
         tuple(topology.pp_group_ranks(dp_rank)), tuple(topology.dp_group_ranks(pp_rank)),

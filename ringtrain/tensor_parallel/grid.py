@@ -85,14 +85,10 @@ def create_process_groups(grid: Grid, rank: int | None = None) -> GridGroups:
                          f"{dist.get_world_size()} ranks; build Grid({dist.get_world_size()}, "
                          "tp=...)")
     dp_rank, tp_rank = grid.coords(rank)
-    tp_group = dp_group = None
-    for d in range(grid.dp):
-        group = dist.new_group(grid.tp_group_ranks(d))
-        if d == dp_rank:
-            tp_group = group
-    for t in range(grid.tp):
-        group = dist.new_group(grid.dp_group_ranks(t))
-        if t == tp_rank:
-            dp_group = group
-    assert tp_group is not None and dp_group is not None
+    # torch's helper makes every group of each axis in order (one new_group per row).
+    _, tp_groups = dist.new_subgroups_by_enumeration(
+        [grid.tp_group_ranks(d) for d in range(grid.dp)])
+    _, dp_groups = dist.new_subgroups_by_enumeration(
+        [grid.dp_group_ranks(t) for t in range(grid.tp)])
+    tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
     return GridGroups(grid, rank, dp_rank, tp_rank, tp_group, dp_group)
