@@ -46,7 +46,10 @@ VARIANTS = [("ps", {"mode": "async"}, False), ("ddp", {"grad_compress": "powersg
             # zb-v, not zb-h1: its split backward on two chunks in a V covers zb-h1's one
             # chunk, for the same suite time (zb-h1 is checked against one process in
             # test_pipeline.py)
-            ("pipeline", {"schedule": "zb-v"}, True)]
+            ("pipeline", {"schedule": "zb-v"}, True),
+            # tp's state under ZeRO (its shards of the slices); 2 ranks: dp 2 x tp 1, so ZeRO
+            # shards (dp 2 x tp 2 is tests/test_tp_zero.py's, against one process)
+            ("tp", {"tp": 1, "zero_stage": 2}, True)]
 CASES = [(name, {}, True) for name in registered()] + VARIANTS
 # Through Trainer: every strategy, and the variants whose state differs (not int8's codec).
 TRAINER_CASES = [c for c in CASES if c[1].get("outer_compress") is None]
