@@ -163,6 +163,9 @@ def _fit(rank, world_size, run_dir, name, options):
     trainer = _trainer(get_runtime(), run_dir, name, options)
     summary = trainer.fit()
     trainer.strategy.close()
+    # What `ringtrain train` exports: the whole final model (not tp's slices, not ZeRO 3's
+    # freed parameters), the one the ranks agreed on.
+    assert param_sha256(trainer.final_model().state_dict()) == summary["param_sha256"]
     return summary
 
 

@@ -1,4 +1,4 @@
-"""`--strategy tp --zero-stage 1|2` (ZeRO on the data-parallel axis of dp x tp) against one process.
+"""`--strategy tp --zero-stage 1|2|3`: ZeRO on the dp axis of dp x tp, against one process.
 
     .venv/bin/pytest -q tests/test_tp_zero.py
 
