@@ -42,7 +42,7 @@ from torch import nn
 from ringtrain.config import option
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
-from ringtrain.strategies import portable
+from ringtrain.strategies import layouts, portable
 from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyConfig
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
@@ -57,9 +57,8 @@ from ringtrain.tensor_parallel.grid import Grid, create_process_groups
 from ringtrain.tensor_parallel.state import Split, shard_named, unshard, unshard_named
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import state as zero_state
+from ringtrain.zero.shard import expected_bytes
 from ringtrain.zero.sharded import ZeroDataParallel
-
-ZERO_STAGES = (0, 1, 2, 3)  # 0: no ZeRO
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +66,11 @@ class TPFigures(Figures):
     """`--strategy tp`'s figures: the dp all-reduce of a rank's slices, and tp's activations."""
 
     tp: int
-    dp_sent_bytes: float  # ring all-reduce of this rank's gradients over the dp group
+    zero_stage: int  # ZeRO on the dp axis (0: none)
+    dp_sent_bytes: float  # this rank's gradients over the dp group (ring; ZeRO's collectives)
     tp_sent_bytes: float | None  # activations' all-reduces over the tp group (None: unknown)
+    # Saved for backward per rank in one micro-batch (`volumes.activation_bytes`; None: unknown)
+    activation_bytes: float | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,22 +113,34 @@ class TPConfig(StrategyConfig):
                               "would need the same dropout mask on each; use --dropout 0")
 
     def figures(self, workload: Workload) -> TPFigures:
-        """1/tp of the parameters, gradients and AdamW moments per rank (the norms and the
-        position embedding, held whole, are left out of the count); the dp group all-reduces
-        those gradients; the tp group all-reduces activations: per layer 2 forward and 2
-        backward of b x s x h (`tensor_parallel.volumes`, where the workload gives the shape);
-        under sequence parallelism the same bytes as all-gathers and reduce-scatters (the norms'
-        gradient sums and the loss's (b x s) floats are left out)."""
+        """`ringtrain plan`'s figures of this layout (`strategies.layouts`): per rank 1/tp of
+        the split parameters and the whole ones (norms, position embedding, row biases), their
+        gradients and AdamW moments, ZeRO dividing them by dp; the dp group's ring all-reduce of
+        the gradients (ZeRO's reduce-scatter and all-gather, the same bytes); the tp group's
+        activation collectives, per layer 2 forward and 2 backward of b x s x h
+        (`tensor_parallel.volumes`), and the activations saved for backward. Where the workload
+        lacks the GPT's shape: 1/tp of a replica, and no activation figures."""
         dp = self.plan(workload.world_size, workload.step_batch)
-        own = {k: v / self.tp for k, v in workload.replica().items()}
-        dp_sent = all_reduce_share(dp) * workload.model_bytes / self.tp
-        tp_sent = None
-        if workload.sample_numel and workload.n_layer:
-            a = workload.step_batch * workload.sample_numel * 4  # b*s*h fp32, whole step
-            tp_sent = all_reduce_share(self.tp) * a * (4 * workload.n_layer + 2)
-        sent = None if tp_sent is None else dp_sent + tp_sent
-        return TPFigures(data_ranks=dp, **own, sent_bytes=sent, tp=self.tp,
-                         dp_sent_bytes=dp_sent, tp_sent_bytes=tp_sent)
+        w = workload
+        if not (w.sample_numel and w.n_layer and w.block_size and w.vocab_size):
+            own = {k: v / self.tp for k, v in w.replica().items()}
+            if self.zero_stage:
+                own = {f"{k}_bytes": v for k, v in
+                       expected_bytes(w.params // self.tp, dp, self.zero_stage).items()}
+            dp_sent = all_reduce_share(dp) * w.model_bytes / self.tp
+            return TPFigures(data_ranks=dp, **own, sent_bytes=None, tp=self.tp,
+                             zero_stage=self.zero_stage, dp_sent_bytes=dp_sent,
+                             tp_sent_bytes=None, activation_bytes=None)
+        shape = layouts.ModelShape(w.n_layer, w.sample_numel // w.block_size, self.tp,
+                                   w.vocab_size, w.block_size, w.params, w.whole_params)
+        layout = layouts.Layout(dp, 1, self.tp, self.zero_stage, self.sequence_parallel)
+        f = layouts.layout_figures(layout, shape, batch=w.step_batch)
+        micro = layouts.layout_figures(layout, shape, batch=w.step_batch // w.grad_accum)
+        return TPFigures(data_ranks=dp, params_bytes=f.params_bytes, grads_bytes=f.grads_bytes,
+                         optimizer_bytes=f.optimizer_bytes, sent_bytes=f.sent_bytes, tp=self.tp,
+                         zero_stage=self.zero_stage, dp_sent_bytes=f.dp_sent_bytes,
+                         tp_sent_bytes=f.tp_sent_bytes,
+                         activation_bytes=micro.activation_sp_bytes)
 
 
 def _splits(module: nn.Module) -> dict[str, Split]:
