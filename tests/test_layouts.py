@@ -71,8 +71,8 @@ def test_unit_a_layouts_figures_are_the_formulas():
     assert (f.params_bytes, f.grads_bytes, f.optimizer_bytes) == (4 * held, 4 * held / 2,
                                                                    8 * held / 2)
     assert f.dp_sent_bytes == 2 * (2 - 1) / 2 * 4 * held  # ZeRO 2: one all-reduce's bytes
-    volumes = expected_bytes(n_layer=4, n_embd=256, batch=4, seq=256, sequence_parallel=False)
-    assert f.tp_sent_bytes == ring_bytes_per_rank("all_reduce", volumes["all_reduce"], 4)
+    volumes = expected_bytes(n_layer=4, n_embd=256, batch=4, seq=256, sequence_parallel=True)
+    assert f.tp_sent_bytes == sum(ring_bytes_per_rank(op, b, 4) for op, b in volumes.items())
     assert f.activation_sp_bytes == activation_bytes(n_layer=4, n_embd=256, batch=4, seq=256,
                                                      vocab_size=1024, tp=4,
                                                      sequence_parallel=True)

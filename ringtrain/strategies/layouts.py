@@ -139,7 +139,7 @@ def layout_figures(layout: Layout, shape: ModelShape, *, batch: int) -> LayoutFi
     tp_sent = 0.0
     if tp > 1:
         volumes = expected_bytes(n_layer=layers, n_embd=shape.n_embd, batch=batch,
-                                 seq=shape.block_size, sequence_parallel=False)
+                                 seq=shape.block_size, sequence_parallel=layout.sequence_parallel)
         tp_sent = sum(ring_bytes_per_rank(op, b, tp) for op, b in volumes.items())
     boundary = batch * shape.block_size * shape.n_embd * FP32_BYTES
     pp_sent = boundary * (2 if pp > 2 else 1) if pp > 1 else 0.0
