@@ -4,11 +4,12 @@
 
 CPU, gloo. On 4 ranks (dp 2 x tp 2), one worker start for every stage: 1; 2 with sequence
 parallelism; 3 with it and activation checkpointing; each 3 AdamW steps with clipping equal to
-one process's (ddp, allclose 1e-5, the same global batch, dropout 0); its state saved and
-loaded again replays step 4 bit for bit; its snapshot in the layout-free form equals the
-one-process run's (parameters and AdamW moments) and loads into ddp; ddp's snapshot loads into
-it and step 4 equals one process's. The Trainer's resume through snapshots (bit-identical) is
-tests/test_strategy_contract.py's variant `tp-1-2` (dp 2 x tp 1 under ZeRO 2).
+one process's (ddp, allclose 1e-5, the same global batch, dropout 0), and so are its eval
+logits; its state saved and loaded again replays step 4 bit for bit; its snapshot in the
+layout-free form equals the one-process run's (parameters and AdamW moments) and loads into
+ddp; ddp's snapshot loads into it and step 4 equals one process's. The Trainer's resume
+through snapshots (bit-identical) is tests/test_strategy_contract.py's variant `tp-1-2` (dp 2
+x tp 1 under ZeRO 2).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _worker(rank, world_size, reference_portable):
         for x, y in batches[:3]:
             s.train_step([(x, y)], lr=LR, grad_clip=CLIP)
         saved = copy.deepcopy(s.state_dict())  # a snapshot: the live tensors move on below
-        r = {"after_3": s.model_state_dict(), "state": saved, "stats": s.stats()}
+        r = {"after_3": s.model_state_dict(), "state": saved, "stats": s.stats(),
+             "logits": s.eval_logits(batches[0][0])}  # (stage 3: frees, the step re-gathers)
         s.train_step([batches[3]], lr=LR, grad_clip=CLIP)
         r["after_4"] = s.model_state_dict()
         s.load_state_dict(saved)  # resume in the same layout: step 4 again, bit for bit
@@ -91,12 +93,16 @@ def test_dp2_tp2_with_zero_equals_one_process_resumes_bit_identical_and_to_ddp(s
     ddp_state = copy.deepcopy(one.state_dict())
     reference = one.to_portable(lambda r: {}, ddp_state, {"world_size": 1})
     one_after_3 = {k: v.clone() for k, v in one.model_state_dict().items()}
+    one_logits = one.eval_logits(batches[0][0][0::2])  # replica 0's half of the first batch
     one.train_step([batches[3]], lr=LR, grad_clip=CLIP)
     one_after_4 = one.model_state_dict()
 
     out = run_workers(_worker, 4, args=(reference,), timeout_s=180)
     for i, (stage, _, _) in enumerate(RUNS):
         what = f"dp 2 x tp 2, ZeRO {stage}"
+        # Replica 0's tp rank 0 gathers the vocab-sharded logits (the other tp ranks: None).
+        assert out[1][i]["logits"] is None
+        torch.testing.assert_close(out[0][i]["logits"], one_logits, rtol=1e-5, atol=1e-5)
         for r in (o[i] for o in out):
             _close(r["after_3"], one_after_3, f"{what}, after 3 steps")
             _close(r["after_4"], one_after_4, f"{what}, after 4 steps")
