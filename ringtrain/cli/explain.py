@@ -125,8 +125,6 @@ def load_run(path: str | Path) -> RunFiles:
 
 def run_facts(run: RunFiles) -> RunFacts:
     """The run's strategy, its options and its figures (`Config.figures`), the model's size."""
-    import torch
-
     from ringtrain.models import GPT, GPTConfig
     from ringtrain.strategies import registered
     from ringtrain.strategies.figures import Workload
@@ -143,8 +141,7 @@ def run_facts(run: RunFiles) -> RunFacts:
 
         strategy = cls.Config(**set_values(cls.Config, parsed_text(args)))
     try:
-        with torch.device("meta"):  # counted, not allocated
-            gpt = GPT(GPTConfig(**config["model"]))
+        gpt = GPT(GPTConfig(**config["model"]))
         params = sum(p.numel() for p in gpt.parameters())
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.json's model section {config['model']} does not build a GPT "
