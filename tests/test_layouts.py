@@ -105,6 +105,12 @@ def test_unit_recommendation_follows_its_rule():
     assert (best.layout.tp, best.layout.pp) == (2, 1) and best.total_bytes <= budget < dp_only
     # Nothing fits.
     assert recommend(rows, 1.0)[0] is None
+    # The flags that run a layout.
+    assert Layout(2, 1, 2, 3, True).flags() == "--strategy tp --tp 2 --zero-stage 3 " \
+                                                "--sequence-parallel"
+    assert Layout(1, 2, 2, 0, True).flags() == "--strategy pipeline --pp 2 --tp 2 " \
+                                                "--sequence-parallel"
+    assert Layout(4, 1, 1, 1).flags() == "--strategy zero --zero-stage 1"
 
 
 def test_unit_explain_gives_the_plans_figures_for_tp():

@@ -84,12 +84,12 @@ class Layout:
         if self.tp == 1 and self.pp == 1:
             return f"--strategy zero --zero-stage {self.zero_stage}" if self.zero_stage else \
                 "--strategy ddp"
-        if self.tp == 1:
-            return f"--strategy pipeline --pp {self.pp}"
-        zero = f" --zero-stage {self.zero_stage}" if self.zero_stage else ""
-        pp = f" --pp {self.pp}" if self.pp > 1 else ""
         sp = " --sequence-parallel" if self.sequence_parallel else ""
-        return f"--strategy tp --tp {self.tp}{pp}{zero}{sp}"
+        if self.pp > 1:  # each pipeline stage split over its tp group (issue 27's one grid)
+            tp = f" --tp {self.tp}{sp}" if self.tp > 1 else ""
+            return f"--strategy pipeline --pp {self.pp}{tp}"
+        zero = f" --zero-stage {self.zero_stage}" if self.zero_stage else ""
+        return f"--strategy tp --tp {self.tp}{zero}{sp}"
 
 
 @dataclass(frozen=True)
