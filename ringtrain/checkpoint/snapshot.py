@@ -53,12 +53,15 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ringtrain.checkpoint.background import BackgroundSave, HostCopy
+if TYPE_CHECKING:
+    from ringtrain.strategies.base import UpdatedState
+
+from ringtrain.checkpoint.background import BackgroundSave, HostCopy, StagedCopy, state_bytes
 from ringtrain.checkpoint.commit import commit, retain
 from ringtrain.checkpoint.files import (
     SHARED,
@@ -85,6 +88,7 @@ from ringtrain.checkpoint.handshake import (
     save_error,
     wait_one,
 )
+from ringtrain.checkpoint.writer import WriterProcess
 from ringtrain.store_keys import claim_key
 from ringtrain.torch_internals import default_store
 
@@ -95,6 +99,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("ringtrain")
+
+WRITERS = ("auto", "process", "thread")  # SnapshotManager.writer
+PROCESS_MIN_BYTES = 64 << 20  # "auto" writes a state this large from a process
 
 
 class SnapshotManager:
@@ -160,14 +167,24 @@ class SnapshotManager:
         # client serialises its requests (TCPStore holds a lock per operation), so the step
         # loop and a watchdog may use it meanwhile.
         self.background = False
+        # Who serialises, hashes and fsyncs a background save's files: "process" (a long-lived
+        # process reading shared memory: `writer.py`, DCP's PROCESS type), "thread" (the writer
+        # thread itself, the simple reference), or "auto": the process for a state of at least
+        # PROCESS_MIN_BYTES, where the thread's hold on the GIL slows the step (figures in
+        # docs/train.md), the thread below (starting a process costs a second of CPU).
+        self.writer = "auto"
+        self._writing_with = "thread"  # the save in flight's
         self._host = HostCopy()
+        self._process: WriterProcess | None = None
         self._in_flight: BackgroundSave | None = None
+        self._staged: StagedCopy | None = None
 
     # ---- saving ------------------------------------------------------------------------------
 
     def save(
         self, step: int, shared: dict[str, Any] | None = None,
         per_rank: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
+        updated: UpdatedState | None = None,
     ) -> SaveResult:
         """Write one snapshot; call on every rank at the same step.
 
@@ -177,6 +194,10 @@ class SnapshotManager:
                 rank 0's is written, other ranks may pass None.
             per_rank: this rank's own state (RNG; a pipeline stage's parameters), `rank{r}.pt`.
             metadata: JSON-able facts (config, topology); `step` and `world_size` are added.
+            updated: in the background, the tensors only these optimizers' `step()` changes
+                (`Strategy.updated_state()`): their host copy runs beside the caller's next
+                forward and backward, and the optimizers' next `step()` waits for it
+                (`background.py`'s rule). None: everything is copied before `save` returns.
 
         Raises `SnapshotError` on every rank, naming the rank, when a rank fails to write its
         part or does not finish within `timeout_s` (`SnapshotNoSpaceError` on every rank when a
@@ -193,25 +214,34 @@ class SnapshotManager:
         self._saves += 1
         if not self.background:
             return self._save_now(keys, step, shared, per_rank, metadata)
-        t0 = time.monotonic()
-        (shared, per_rank), ready = self._host.copy(
-            (shared if self.rank == 0 else None, per_rank))
+        state = (shared if self.rank == 0 else None, per_rank)
+        if self.writer not in WRITERS:
+            raise ValueError(f"writer={self.writer!r}: use one of {', '.join(WRITERS)}")
+        self._writing_with = self.writer if self.writer != "auto" else (
+            "process" if state_bytes(state) >= PROCESS_MIN_BYTES else "thread")
+        if self._host.shared != (self._writing_with == "process"):  # where the writer reads
+            self._host = HostCopy(shared=self._writing_with == "process")
+        staged = self._host.copy(state,
+                                 later=updated.tensors if updated is not None else ())
+        staged.guard(updated.optimizers if updated is not None else ())
+        (shared, per_rank), staged_s = staged.state, staged.staged_s
         metadata = copy.deepcopy(metadata)  # small; the caller may change its dicts meanwhile
-        staged_s = time.monotonic() - t0
 
         reason = (metadata or {}).get("reason", "periodic")  # metadata is rank 0's alone
 
         def write() -> SaveResult:
-            ready()  # a device's copies have landed in host memory
+            staged.finish()  # first: the step's optimizer waits for it (the copies landed)
             result = self._save_now(keys, step, shared, per_rank, metadata)
-            log.info("snapshot of step %d (%s): %.1f MB, the step held %.2f s to copy it, "
-                     "written in the background in %.2f s -> %s", step, reason,
-                     result.total_bytes / 1e6, staged_s, result.total_s, result.path)
+            log.info("snapshot of step %d (%s): %.1f MB, the step held %.2f s to copy it "
+                     "(%.1f MB more copied beside the next step in %.2f s), written in the "
+                     "background by a %s in %.2f s -> %s", step, reason,
+                     result.total_bytes / 1e6, staged_s, staged.later_bytes / 1e6,
+                     staged.overlap_s, self._writing_with, result.total_s, result.path)
             return result
 
-        self._in_flight = BackgroundSave(step, write)
-        return SaveResult(step, self.root / f"snap-{step:08d}", self._host.bytes,
-                          self._host.bytes, 0.0, staged_s, committed=False)
+        self._staged, self._in_flight = staged, BackgroundSave(step, write)
+        return SaveResult(step, self.root / f"snap-{step:08d}", staged.bytes, staged.bytes, 0.0,
+                          staged_s, committed=False)
 
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight, if any (`background` on): its result, or its error.
@@ -221,7 +251,22 @@ class SnapshotManager:
         the same save from rank 0. None when no save was in flight.
         """
         save, self._in_flight = self._in_flight, None
-        return save.result() if save is not None else None
+        staged, self._staged = self._staged, None
+        try:
+            return save.result() if save is not None else None
+        finally:
+            if staged is not None:
+                staged.unguard()  # the copy has landed: the optimizers step freely again
+
+    def close(self) -> None:
+        """Wait for the save in flight (its error is the caller's to take from `wait` first),
+        then stop the writer process, if one was started."""
+        try:
+            self.wait()
+        finally:
+            if self._process is not None:
+                self._process.close()
+                self._process = None
 
     @property
     def in_flight(self) -> int | None:
@@ -314,13 +359,18 @@ class SnapshotManager:
         files: dict[str, Any] = {}
         failure: list[BaseException] = []
 
+        write_file = write_durably
+        if self.background and self._writing_with == "process":
+            self._process = self._process or WriterProcess()
+            write_file = self._process.write
+
         def write():
             try:
                 if shared is not None:
-                    files[SHARED] = write_durably(tmp / SHARED, shared)
+                    files[SHARED] = write_file(tmp / SHARED, shared)
                 if per_rank is not None:
-                    files[f"rank{self.rank}.pt"] = write_durably(tmp / f"rank{self.rank}.pt",
-                                                                 per_rank)
+                    files[f"rank{self.rank}.pt"] = write_file(tmp / f"rank{self.rank}.pt",
+                                                              per_rank)
             except BaseException as e:  # noqa: BLE001 - reported to every rank below
                 failure.append(e)
 

@@ -1,0 +1,122 @@
+"""A writer process: a snapshot's files serialised, hashed and fsynced outside the training process.
+
+    writer = WriterProcess()                       # started at its first write, then kept
+    files = writer.write(tmp / "shared.pt", staged) # as files.write_durably, in the process
+    writer.close()
+
+Why a process and not only the writer thread (`background.py`): a thread's `torch.save` calls
+Python for every chunk it writes (our hashing file wrapper), so it takes the GIL hundreds of
+times per gigabyte, and the training thread, which needs the GIL for every op it dispatches,
+waits behind it. A process has its own interpreter. This is torch.distributed.checkpoint's
+`AsyncCheckpointerType.PROCESS`: the staged state lives in shared memory
+(`HostCopy(shared=True)`), and only its handles cross the pipe (torch.multiprocessing's
+reductions: one file descriptor per storage, storages shared by several tensors rebuilt once),
+so nothing is copied on the way. The process runs at a lower priority (nice 10) and one torch
+thread: where the cores are scarce, the kernel gives them to training first.
+
+The thread still runs the save's handshake and rank 0's commit (`snapshot.py`), so the
+crash-safety argument is unchanged: this process only writes files into the temp directory.
+When the training process dies (SIGKILL), the pipe closes: the process finishes at most the file
+it is writing, into a temp directory no reader takes for a snapshot, and exits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["WriterProcess"]
+
+
+def _serve(conn) -> None:
+    """The process: `write_durably` each (seq, path, obj) received; reply (seq, ok, value)."""
+    import torch
+
+    from ringtrain.checkpoint.files import write_durably
+
+    torch.set_num_threads(1)
+    os.nice(10)
+    while True:
+        try:
+            seq, path, obj = conn.recv()
+        except (EOFError, OSError):  # the training process is gone (or closed us): stop
+            return
+        try:
+            reply = (seq, True, write_durably(Path(path), obj))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            reply = (seq, False, e)
+        del obj  # drop the shared buffers' mappings before waiting for the next save
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
+        except Exception as e:  # noqa: BLE001 - an error that does not pickle: its words
+            conn.send((seq, False, RuntimeError(repr(e))))
+
+
+class WriterProcess:
+    """One long-lived process that writes snapshot files for this rank (see the module).
+
+    `write` may be called from any thread; calls are served one at a time. A call abandoned at
+    its deadline (a stuck disk) leaves its reply behind: the next call skips it by number.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn = None
+        self._process: mp.process.BaseProcess | None = None
+        self._seq = 0
+
+    def _start(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        # spawn: a fork of a process holding a process group and CUDA state is not safe.
+        ctx = mp.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(theirs,), daemon=True,
+                                    name="ringtrain-snapshot-writer")
+        self._process.start()
+        theirs.close()
+        self._conn = mine
+
+    def write(self, path: Path, obj: Any) -> dict[str, Any]:
+        """`files.write_durably(path, obj)` in the process: its checksum and size, or its error.
+
+        Tensors in `obj` should be in shared memory (`HostCopy(shared=True)`); others are moved
+        there by torch's reductions on the way (a copy).
+        """
+        # torch.multiprocessing registers the reductions that send tensors as handles.
+        import torch.multiprocessing  # noqa: F401
+
+        with self._lock:
+            self._start()
+            self._seq += 1
+            seq = self._seq
+            self._conn.send((seq, str(path), obj))
+            while True:
+                try:
+                    got, ok, value = self._conn.recv()
+                except EOFError:
+                    code = self._process.exitcode if self._process else None
+                    raise OSError(f"the snapshot writer process ended (exit code {code}) "
+                                  f"while writing {path}") from None
+                if got == seq:
+                    break
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Stop the process (it ends when its pipe closes); wait briefly for it."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            if self._process is not None:
+                self._process.join(5.0)
+                if self._process.is_alive():
+                    self._process.kill()
+                self._process = None
