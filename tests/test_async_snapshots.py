@@ -132,17 +132,17 @@ def test_a_writer_process_writes_what_the_thread_writes(tmp_path):
     sync = SnapshotManager(tmp_path / "sync", rank=0, world_size=1)
     sync.save(1, shared=state, per_rank={"step": 1})
     manager = SnapshotManager(tmp_path / "process", rank=0, world_size=1)
-    manager.background, manager.writer = True, "process"
+    manager.background, manager.background_saves.writer = True, "process"
     manager.save(1, shared=state, per_rank={"step": 1})
     assert manager.wait().committed
     files = {n: f["sha256"] for n, f in manager.latest().manifest["files"].items()}
     assert files == {n: f["sha256"] for n, f in sync.latest().manifest["files"].items()}
     with pytest.raises(FileNotFoundError, match="No such file"):
-        manager._process.write(tmp_path / "missing" / "x.pt", {"x": 1})  # noqa: SLF001
+        manager.background_saves.write_file()(tmp_path / "missing" / "x.pt", {"x": 1})
     writer = WriterProcess()
     writer.close()  # never started: nothing to stop
     manager.close()
-    assert manager._process is None  # noqa: SLF001
+    assert manager.background_saves._process is None  # noqa: SLF001
 
 
 # ---- the manager in the background --------------------------------------------------------------
@@ -328,3 +328,19 @@ def test_host_copy_from_cuda_is_pinned_and_ready_after_the_event():
     assert staged["t"].is_pinned() and staged["t"].device.type == "cpu"
     assert torch.equal(staged["t"], torch.arange(1 << 20, dtype=torch.float32))
     assert torch.equal(staged["v"], staged["t"][10:20])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a side stream)")
+def test_host_copy_from_cuda_beside_the_step_is_ordered_before_the_optimizer():
+    """CUDA. The deferred copy runs on a side stream; `fence()` makes the current stream wait
+    for it, so a kernel queued after the fence (the optimizer's) cannot reach the copy."""
+    t = torch.arange(1 << 22, dtype=torch.float32, device="cuda")
+    buffer = torch.zeros(4, device="cuda")
+    staged = HostCopy().copy({"t": t, "buffer": buffer}, later=[t])
+    buffer.add_(1)  # a forward's in-place change: the buffer was copied before it
+    staged.fence()
+    t.mul_(0)  # the optimizer's step, queued after the fence
+    staged.finish()
+    assert staged.state["t"].is_pinned() and staged.later_bytes == t.numel() * 4
+    assert torch.equal(staged.state["t"], torch.arange(1 << 22, dtype=torch.float32))
+    assert torch.equal(staged.state["buffer"], torch.zeros(4))

@@ -41,13 +41,27 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BackgroundSave", "HostCopy", "StagedCopy", "state_bytes"]
+from ringtrain.checkpoint.writer import WriterProcess
+
+__all__ = ["BackgroundSave", "BackgroundSaves", "HostCopy", "StagedCopy", "state_bytes"]
+
+WRITERS = ("auto", "process", "thread")  # BackgroundSaves.writer
+PROCESS_MIN_BYTES = 64 << 20  # "auto" writes a state this large from a process
 
 _Key = tuple[Any, ...]  # a storage: (device, address, bytes)
 
 
 def _key(storage: torch.UntypedStorage, device: torch.device) -> _Key:
     return (device, storage.data_ptr(), storage.nbytes())
+
+
+def _copy(host: torch.UntypedStorage, source: torch.UntypedStorage, non_blocking: bool) -> None:
+    """`host.copy_(source)` through byte tensors: a tensor's `copy_` releases the GIL, a
+    storage's does not (measured: a Python thread beside a 400 MB storage copy ran 4x slower),
+    and the training thread must go on while the writer thread copies."""
+    def as_bytes(s: torch.UntypedStorage) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
+    as_bytes(host).copy_(as_bytes(source), non_blocking=non_blocking)
 
 
 def state_bytes(obj: Any) -> int:
@@ -98,7 +112,7 @@ class StagedCopy:
         t0 = time.monotonic()
         try:
             for host, source in self._later:
-                host.copy_(source)  # a memcpy with the GIL released: the step goes on meanwhile
+                _copy(host, source, False)  # the GIL released: the step goes on meanwhile
             for event in self._events:
                 event.synchronize()
         finally:
@@ -190,7 +204,7 @@ class HostCopy:
             side.wait_stream(torch.accelerator.current_stream(device))
             with side:
                 for host, source in pairs:
-                    host.copy_(source, non_blocking=True)
+                    _copy(host, source, True)
             event = torch.Event(device=device)
             event.record(side)
             events.append(event)
@@ -245,7 +259,7 @@ class HostCopy:
                 pending.append((host, source))
             else:
                 on_device = t.device.type != "cpu"
-                host.copy_(source, non_blocking=on_device)
+                _copy(host, source, on_device)
                 if on_device:
                     devices.add(t.device)
             used[key] = host
@@ -287,3 +301,75 @@ class BackgroundSave:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class BackgroundSaves:
+    """A `SnapshotManager`'s saves in the background: the host copy, who writes the files, and
+    the one save in flight.
+
+    `writer` says who serialises, hashes and fsyncs the files: "process" (a long-lived process
+    reading shared memory: `writer.py`, DCP's PROCESS type), "thread" (the writer thread itself:
+    the simple reference), or "auto" (the default): the process for a state of at least
+    PROCESS_MIN_BYTES, where the thread's hold on the GIL slows the step (figures in
+    docs/train.md), the thread below it (starting a process costs a second or two of CPU).
+    """
+
+    def __init__(self) -> None:
+        self.writer = "auto"
+        self.using = "thread"  # the writer of the save in flight (or the last one)
+        self._host = HostCopy()
+        self._process: WriterProcess | None = None
+        self._in_flight: BackgroundSave | None = None
+        self._staged: StagedCopy | None = None
+
+    def stage(self, state: Any, updated: Any) -> StagedCopy:
+        """Copy `state` (deferring `updated.tensors`, guarding `updated.optimizers`, see the
+        module's rule) into buffers the chosen writer reads."""
+        if self.writer not in WRITERS:
+            raise ValueError(f"writer={self.writer!r}: use one of {', '.join(WRITERS)}")
+        self.using = self.writer if self.writer != "auto" else (
+            "process" if state_bytes(state) >= PROCESS_MIN_BYTES else "thread")
+        if self._host.shared != (self.using == "process"):  # a process reads shared memory
+            self._host = HostCopy(shared=self.using == "process")
+        staged = self._host.copy(state, later=updated.tensors if updated is not None else ())
+        staged.guard(updated.optimizers if updated is not None else ())
+        self._staged = staged
+        return staged
+
+    def start(self, step: int, fn: Callable[[], Any]) -> None:
+        """Run the save `fn` (which calls the staged copy's `finish()` first) on a thread."""
+        self._in_flight = BackgroundSave(step, fn)
+
+    def write_file(self) -> Callable[[Any, Any], dict[str, Any]] | None:
+        """The writer process's `write` for the save in flight, or None: the thread writes."""
+        if self.using != "process":
+            return None
+        self._process = self._process or WriterProcess()
+        return self._process.write
+
+    def wait(self) -> Any:
+        """Join the save in flight: its result, or raise its error; None when none was."""
+        save, self._in_flight = self._in_flight, None
+        staged, self._staged = self._staged, None
+        try:
+            return save.result() if save is not None else None
+        finally:
+            if staged is not None:
+                staged.unguard()  # the copy has landed: the optimizers step freely again
+
+    @property
+    def in_flight(self) -> int | None:
+        return self._in_flight.step if self._in_flight is not None else None
+
+    @property
+    def writing(self) -> bool:
+        return self._in_flight is not None and not self._in_flight.done()
+
+    def close(self) -> None:
+        """`wait()`, then stop the writer process, if one was started."""
+        try:
+            self.wait()
+        finally:
+            if self._process is not None:
+                self._process.close()
+                self._process = None

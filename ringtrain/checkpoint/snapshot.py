@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -61,7 +60,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from ringtrain.strategies.base import UpdatedState
 
-from ringtrain.checkpoint.background import BackgroundSave, HostCopy, StagedCopy, state_bytes
+from ringtrain.checkpoint.background import BackgroundSaves
 from ringtrain.checkpoint.commit import commit, retain
 from ringtrain.checkpoint.files import (
     SHARED,
@@ -73,6 +72,7 @@ from ringtrain.checkpoint.files import (
     SnapshotNoSpaceError,
     check_topology,
     load_model_state_dict,
+    manifest_metadata,
     newest_snapshot_bytes,
     read_manifest,
     remove_unfinished,
@@ -88,7 +88,6 @@ from ringtrain.checkpoint.handshake import (
     save_error,
     wait_one,
 )
-from ringtrain.checkpoint.writer import WriterProcess
 from ringtrain.store_keys import claim_key
 from ringtrain.torch_internals import default_store
 
@@ -99,9 +98,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("ringtrain")
-
-WRITERS = ("auto", "process", "thread")  # SnapshotManager.writer
-PROCESS_MIN_BYTES = 64 << 20  # "auto" writes a state this large from a process
 
 
 class SnapshotManager:
@@ -167,17 +163,9 @@ class SnapshotManager:
         # client serialises its requests (TCPStore holds a lock per operation), so the step
         # loop and a watchdog may use it meanwhile.
         self.background = False
-        # Who serialises, hashes and fsyncs a background save's files: "process" (a long-lived
-        # process reading shared memory: `writer.py`, DCP's PROCESS type), "thread" (the writer
-        # thread itself, the simple reference), or "auto": the process for a state of at least
-        # PROCESS_MIN_BYTES, where the thread's hold on the GIL slows the step (figures in
-        # docs/train.md), the thread below (starting a process costs a second of CPU).
-        self.writer = "auto"
-        self._writing_with = "thread"  # the save in flight's
-        self._host = HostCopy()
-        self._process: WriterProcess | None = None
-        self._in_flight: BackgroundSave | None = None
-        self._staged: StagedCopy | None = None
+        # The host copy, who writes the files (`.writer`: "auto", "process" or "thread"), the
+        # save in flight.
+        self.background_saves = BackgroundSaves()
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -214,16 +202,8 @@ class SnapshotManager:
         self._saves += 1
         if not self.background:
             return self._save_now(keys, step, shared, per_rank, metadata)
-        state = (shared if self.rank == 0 else None, per_rank)
-        if self.writer not in WRITERS:
-            raise ValueError(f"writer={self.writer!r}: use one of {', '.join(WRITERS)}")
-        self._writing_with = self.writer if self.writer != "auto" else (
-            "process" if state_bytes(state) >= PROCESS_MIN_BYTES else "thread")
-        if self._host.shared != (self._writing_with == "process"):  # where the writer reads
-            self._host = HostCopy(shared=self._writing_with == "process")
-        staged = self._host.copy(state,
-                                 later=updated.tensors if updated is not None else ())
-        staged.guard(updated.optimizers if updated is not None else ())
+        bg = self.background_saves
+        staged = bg.stage((shared if self.rank == 0 else None, per_rank), updated)
         (shared, per_rank), staged_s = staged.state, staged.staged_s
         metadata = copy.deepcopy(metadata)  # small; the caller may change its dicts meanwhile
 
@@ -236,10 +216,10 @@ class SnapshotManager:
                      "(%.1f MB more copied beside the next step in %.2f s), written in the "
                      "background by a %s in %.2f s -> %s", step, reason,
                      result.total_bytes / 1e6, staged_s, staged.later_bytes / 1e6,
-                     staged.overlap_s, self._writing_with, result.total_s, result.path)
+                     staged.overlap_s, bg.using, result.total_s, result.path)
             return result
 
-        self._staged, self._in_flight = staged, BackgroundSave(step, write)
+        bg.start(step, write)
         return SaveResult(step, self.root / f"snap-{step:08d}", staged.bytes, staged.bytes, 0.0,
                           staged_s, committed=False)
 
@@ -250,33 +230,22 @@ class SnapshotManager:
         does in the foreground), once: on every rank alike, as each rank learns the outcome of
         the same save from rank 0. None when no save was in flight.
         """
-        save, self._in_flight = self._in_flight, None
-        staged, self._staged = self._staged, None
-        try:
-            return save.result() if save is not None else None
-        finally:
-            if staged is not None:
-                staged.unguard()  # the copy has landed: the optimizers step freely again
+        return self.background_saves.wait()
 
     def close(self) -> None:
-        """Wait for the save in flight (its error is the caller's to take from `wait` first),
-        then stop the writer process, if one was started."""
-        try:
-            self.wait()
-        finally:
-            if self._process is not None:
-                self._process.close()
-                self._process = None
+        """Wait for the save in flight (take its error from `wait` first), then stop the writer
+        process, if one was started."""
+        self.background_saves.close()
 
     @property
     def in_flight(self) -> int | None:
         """The step of the save in the background that `wait()` has not joined yet, or None."""
-        return self._in_flight.step if self._in_flight is not None else None
+        return self.background_saves.in_flight
 
     @property
     def writing(self) -> bool:
         """True while a save in the background is still being written (`wait()` would block)."""
-        return self._in_flight is not None and not self._in_flight.done()
+        return self.background_saves.writing
 
     def _save_now(self, keys: str, step: int, shared, per_rank, metadata) -> SaveResult:
         """One save, start to commit, on the calling thread (the caller's or the writer's)."""
@@ -284,7 +253,7 @@ class SnapshotManager:
         if self.rank == 0:
             tmp = self.root / f"{TEMP_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
             try:
-                meta = self._metadata(step, metadata)
+                meta = manifest_metadata(metadata, step=step, world_size=self.world_size)
                 self.root.mkdir(parents=True, exist_ok=True)
                 tmp.mkdir()
             except Exception as e:
@@ -339,18 +308,6 @@ class SnapshotManager:
         mine = sum(f["bytes"] for name, f in files.items() if name in (SHARED, "rank0.pt"))
         return SaveResult(step, final, mine, total, write_s, time.monotonic() - t0)
 
-    def _metadata(self, step: int, metadata: dict[str, Any] | None) -> dict[str, Any]:
-        meta = dict(metadata or {})
-        for key, value in (("step", step), ("world_size", self.world_size)):
-            if meta.setdefault(key, value) != value:
-                raise ValueError(f"metadata[{key!r}]={meta[key]!r} but save has {key}={value}")
-        try:
-            json.dumps(meta)  # fail before writing anything
-        except TypeError as e:
-            raise TypeError(
-                f"metadata goes into manifest.json and must be JSON-able: {e}") from None
-        return meta
-
     def _write_part(self, tmp: Path, step: int, shared, per_rank, deadline: float):
         """Write this rank's files in a thread, so a stuck disk costs at most the deadline.
 
@@ -359,10 +316,9 @@ class SnapshotManager:
         files: dict[str, Any] = {}
         failure: list[BaseException] = []
 
-        write_file = write_durably
-        if self.background and self._writing_with == "process":
-            self._process = self._process or WriterProcess()
-            write_file = self._process.write
+        # Looked up here, not bound at import: a test gates the writer by patching this name.
+        write_file = self.background_saves.write_file() if self.background else None
+        write_file = write_file or write_durably
 
         def write():
             try:

@@ -73,8 +73,11 @@ class WriterProcess:
     def _start(self) -> None:
         if self._process is not None and self._process.is_alive():
             return
-        # spawn: a fork of a process holding a process group and CUDA state is not safe.
-        ctx = mp.get_context("spawn")
+        # Never a plain fork of this process (it holds a process group, threads, perhaps CUDA):
+        # a forkserver's child (a clean server; ~0.1 s where one runs already, as under
+        # `ringtrain.testing`, and it imports torch once for every writer after), else spawn.
+        ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods()
+                             else "spawn")
         mine, theirs = ctx.Pipe()
         self._process = ctx.Process(target=_serve, args=(theirs,), daemon=True,
                                     name="ringtrain-snapshot-writer")
