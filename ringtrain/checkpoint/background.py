@@ -43,10 +43,9 @@ import torch
 
 from ringtrain.checkpoint.writer import WriterProcess
 
-__all__ = ["BackgroundSave", "BackgroundSaves", "HostCopy", "StagedCopy", "state_bytes"]
+__all__ = ["BackgroundSave", "BackgroundSaves", "HostCopy", "StagedCopy"]
 
-WRITERS = ("auto", "process", "thread")  # BackgroundSaves.writer
-PROCESS_MIN_BYTES = 64 << 20  # "auto" writes a state this large from a process
+WRITERS = ("thread", "process")  # BackgroundSaves.writer
 
 _Key = tuple[Any, ...]  # a storage: (device, address, bytes)
 
@@ -62,25 +61,6 @@ def _copy(host: torch.UntypedStorage, source: torch.UntypedStorage, non_blocking
     def as_bytes(s: torch.UntypedStorage) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
     as_bytes(host).copy_(as_bytes(source), non_blocking=non_blocking)
-
-
-def state_bytes(obj: Any) -> int:
-    """Bytes of the tensors' storages in `obj` (each storage once): what `HostCopy` copies."""
-    seen: dict[_Key, int] = {}
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            if (o.layout == torch.strided and not o.is_quantized and o.device.type != "meta"):
-                s = o.untyped_storage()
-                seen[_key(s, o.device)] = s.nbytes()
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, list | tuple):
-            for v in o:
-                walk(v)
-    walk(obj)
-    return sum(seen.values())
 
 
 class StagedCopy:
@@ -307,15 +287,17 @@ class BackgroundSaves:
     """A `SnapshotManager`'s saves in the background: the host copy, who writes the files, and
     the one save in flight.
 
-    `writer` says who serialises, hashes and fsyncs the files: "process" (a long-lived process
-    reading shared memory: `writer.py`, DCP's PROCESS type), "thread" (the writer thread itself:
-    the simple reference), or "auto" (the default): the process for a state of at least
-    PROCESS_MIN_BYTES, where the thread's hold on the GIL slows the step (figures in
-    docs/train.md), the thread below it (starting a process costs a second or two of CPU).
+    `writer` says who serialises, hashes and fsyncs the files: "thread" (the default: the
+    writer thread itself) or "process" (a long-lived process reading shared memory:
+    `writer.py`, DCP's PROCESS type). The thread is the default because it measured no worse:
+    `torch.save` hands each storage to the file in one call and `sha256`, `write` and `fsync`
+    release the GIL, so a pure-Python thread beside a 400 MB write kept the same share of the
+    GIL as beside the process's write (docs/train.md); the process costs a start (a second or
+    two of CPU) and shared-memory buffers. `benchmarks/snapshot_stall.py` measures both.
     """
 
     def __init__(self) -> None:
-        self.writer = "auto"
+        self.writer = "thread"
         self.using = "thread"  # the writer of the save in flight (or the last one)
         self._host = HostCopy()
         self._process: WriterProcess | None = None
@@ -327,8 +309,7 @@ class BackgroundSaves:
         module's rule) into buffers the chosen writer reads."""
         if self.writer not in WRITERS:
             raise ValueError(f"writer={self.writer!r}: use one of {', '.join(WRITERS)}")
-        self.using = self.writer if self.writer != "auto" else (
-            "process" if state_bytes(state) >= PROCESS_MIN_BYTES else "thread")
+        self.using = self.writer
         if self._host.shared != (self.using == "process"):  # a process reads shared memory
             self._host = HostCopy(shared=self.using == "process")
         staged = self._host.copy(state, later=updated.tensors if updated is not None else ())

@@ -4,15 +4,16 @@
     files = writer.write(tmp / "shared.pt", staged) # as files.write_durably, in the process
     writer.close()
 
-Why a process and not only the writer thread (`background.py`): a thread's `torch.save` calls
-Python for every chunk it writes (our hashing file wrapper), so it takes the GIL hundreds of
-times per gigabyte, and the training thread, which needs the GIL for every op it dispatches,
-waits behind it. A process has its own interpreter. This is torch.distributed.checkpoint's
-`AsyncCheckpointerType.PROCESS`: the staged state lives in shared memory
-(`HostCopy(shared=True)`), and only its handles cross the pipe (torch.multiprocessing's
-reductions: one file descriptor per storage, storages shared by several tensors rebuilt once),
-so nothing is copied on the way. The process runs at a lower priority (nice 10) and one torch
-thread: where the cores are scarce, the kernel gives them to training first.
+Why a process beside the writer thread (`background.py`, the default): a thread shares the
+interpreter, so whatever Python the write runs (pickling the state's structure, the hashing
+file wrapper's calls, one per storage) takes the GIL from the training thread, which needs it
+for every op it dispatches. Measured here that is little (docs/train.md), so the thread stays
+the default; the process is for where it is not (a state of very many small tensors). This is
+torch.distributed.checkpoint's `AsyncCheckpointerType.PROCESS`: the staged state lives in
+shared memory (`HostCopy(shared=True)`), and only its handles cross the pipe
+(torch.multiprocessing's reductions: one file descriptor per storage, a storage shared by
+several tensors rebuilt once), so nothing is copied on the way. The process runs at a lower
+priority (nice 10) and one torch thread: where cores are scarce, training gets them first.
 
 The thread still runs the save's handshake and rank 0's commit (`snapshot.py`), so the
 crash-safety argument is unchanged: this process only writes files into the temp directory.
@@ -98,16 +99,18 @@ class WriterProcess:
             self._start()
             self._seq += 1
             seq = self._seq
-            self._conn.send((seq, str(path), obj))
-            while True:
-                try:
+            try:
+                self._conn.send((seq, str(path), obj))
+                while True:
                     got, ok, value = self._conn.recv()
-                except EOFError:
-                    code = self._process.exitcode if self._process else None
-                    raise OSError(f"the snapshot writer process ended (exit code {code}) "
-                                  f"while writing {path}") from None
-                if got == seq:
-                    break
+                    if got == seq:
+                        break
+            except (EOFError, ConnectionError) as e:  # not a pickling error: those are the state's
+                self._process.join(1.0)
+                code = self._process.exitcode
+                self._process = None  # the next write starts a new one
+                raise OSError(f"the snapshot writer process ended (exit code {code}) while "
+                              f"writing {path} ({e!r})") from None
         if not ok:
             raise value
         return value
