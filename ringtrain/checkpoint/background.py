@@ -93,12 +93,12 @@ class StagedCopy:
         try:
             for host, source in self._later:
                 _copy(host, source, False)  # the GIL released: the step goes on meanwhile
-            for event in self._events:
-                event.synchronize()
         finally:
             self._later = []  # the sources are the live parameters: hold no reference to them
-            self.overlap_s = time.monotonic() - t0
-            self._landed.set()
+            self._landed.set()  # before the device's wait: the step's fence needs only this
+        for event in self._events:
+            event.synchronize()
+        self.overlap_s = time.monotonic() - t0
 
     def fence(self) -> None:
         """Before anything changes the deferred tensors (the optimizer step): wait for their copy.

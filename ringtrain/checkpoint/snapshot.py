@@ -35,9 +35,10 @@ directory; a crash at any point leaves either a temp directory or a directory wi
 the next start) and all by the next save.
 
 In the background (`background = True`; the trainer's default): `save` copies the state to host
-memory and returns, and a thread runs the save above, unchanged: so a crash during the write
-leaves the previous snapshot the newest, and every rank learns the same outcome from the store.
-`wait()` (or the next `save`) joins it and raises what it raised.
+memory (what `updated` names beside the caller's next forward and backward, see
+`background.py`) and returns, and a thread runs the save above, unchanged: so a crash during
+the write leaves the previous snapshot the newest, and every rank learns the same outcome from
+the store. `wait()` (or the next `save`) joins it and raises what it raised.
 """
 
 from __future__ import annotations
