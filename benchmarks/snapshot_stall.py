@@ -11,9 +11,10 @@ times per round, with a snapshot every --every steps into a temporary run direct
 - `none`: no snapshots (`snapshot_every=0`);
 - `sync`: the whole save in the step (`--sync-snapshots`);
 - `async`: the default: buffers copied in the step, parameters and moments beside the next
-  forward/backward (`ringtrain.checkpoint.background`), the files written by the writer thread;
-- `async_process`: the same, the files written by a writer process reading shared memory
-  (`SnapshotManager.background_saves.writer = "process"`, `ringtrain.checkpoint.writer`).
+  forward/backward (`ringtrain.checkpoint.background`), the files written by a writer process
+  reading shared memory (`ringtrain.checkpoint.writer`: what the default writer "auto" picks
+  for a state of 64 MB or more);
+- `async_thread`: the same, the files written by the writer thread (`writer = "thread"`).
 The order rotates from round to round (drift hits each alike).
 
 On the CPU, training runs on ONE torch thread by default (`--threads 1`): that emulates a GPU
@@ -62,8 +63,8 @@ SHAPES = {  # per device type: the model (~99 M parameters) and a batch that kee
               "steps": 40, "every": 10},
 }
 VOCAB = 65
-MODES = ("none", "sync", "async", "async_process")
-WRITER = {"async": "thread", "async_process": "process"}  # BackgroundSaves.writer per mode
+MODES = ("none", "sync", "async", "async_thread")
+WRITER = {"async": "process", "async_thread": "thread"}  # BackgroundSaves.writer per mode
 GOALS = {"snapshot_step": 1.02, "throughput": 0.99}  # issue 29: async vs none
 
 

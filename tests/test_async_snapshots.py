@@ -104,7 +104,8 @@ def test_copy_beside_the_next_step_holds_the_snapshot_steps_state_and_gates_the_
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     expected = _saved_bytes(state)  # what a synchronous save at this step writes
     moments = [t for s in opt.state.values() for t in s.values()]
-    staged = HostCopy().copy(state, later=[*model.parameters(), *moments])
+    host = HostCopy()
+    staged = host.copy(state, later=[*model.parameters(), *moments])
     staged.guard([opt])
     assert staged.later_bytes == sum(t.untyped_storage().nbytes()
                                      for t in [*model.parameters(), *moments])
@@ -120,6 +121,11 @@ def test_copy_beside_the_next_step_holds_the_snapshot_steps_state_and_gates_the_
     staged.unguard()
     assert not opt._optimizer_step_pre_hooks  # noqa: SLF001 - the hook is gone once joined
     assert _saved_bytes(staged.state) == expected  # byte for byte the snapshot step's state
+    # The buffers `finish` allocated (off the step) are the next copy's, views and all.
+    again = host.copy(state, later=[*model.parameters(), *moments])
+    again.finish()
+    ptr = staged.state["model"]["0.weight"].untyped_storage().data_ptr()
+    assert again.state["model"]["0.weight"].untyped_storage().data_ptr() == ptr
 
 
 def test_a_writer_process_writes_what_the_thread_writes(tmp_path):

@@ -43,9 +43,10 @@ import torch
 
 from ringtrain.checkpoint.writer import WriterProcess
 
-__all__ = ["BackgroundSave", "BackgroundSaves", "HostCopy", "StagedCopy"]
+__all__ = ["BackgroundSave", "BackgroundSaves", "HostCopy", "StagedCopy", "state_bytes"]
 
-WRITERS = ("thread", "process")  # BackgroundSaves.writer
+WRITERS = ("auto", "process", "thread")  # BackgroundSaves.writer
+PROCESS_MIN_BYTES = 64 << 20  # "auto" has a writer process write a state at least this large
 
 _Key = tuple[Any, ...]  # a storage: (device, address, bytes)
 
@@ -63,23 +64,64 @@ def _copy(host: torch.UntypedStorage, source: torch.UntypedStorage, non_blocking
     as_bytes(host).copy_(as_bytes(source), non_blocking=non_blocking)
 
 
+def state_bytes(obj: Any) -> int:
+    """Bytes of the tensors' storages in `obj`, each storage once: what `HostCopy` copies."""
+    seen: dict[_Key, int] = {}
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            if o.layout == torch.strided and not o.is_quantized and o.device.type != "meta":
+                s = o.untyped_storage()
+                seen[_key(s, o.device)] = s.nbytes()
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list | tuple):
+            for v in o:
+                walk(v)
+    walk(obj)
+    return sum(seen.values())
+
+
+class _Deferred:
+    """One source storage whose copy waits for `StagedCopy.finish()`: its host buffer (None
+    until `finish` allocates it, on the CPU: a first allocation of a gigabyte of page-locked or
+    shared memory takes seconds, which the step should not hold) and the staged tensors that
+    view it (`set_` onto the buffer once it exists)."""
+
+    def __init__(self, source: torch.UntypedStorage, host: torch.UntypedStorage | None):
+        self.source, self.host = source, host
+        self.views: list[tuple[torch.Tensor, int, torch.Size, tuple[int, ...]]] = []
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        staged = torch.empty(0, dtype=t.dtype)
+        if self.host is not None:
+            return staged.set_(self.host, t.storage_offset(), t.size(), t.stride())
+        self.views.append((staged, t.storage_offset(), t.size(), t.stride()))
+        return staged
+
+
 class StagedCopy:
     """One save's host copy: `state` (what the writer saves), `finish()` on the writer's thread
     before it reads `state`, and `fence()` / `guard()` for the step before it changes the source.
 
     Args:
         state: the copied object; its deferred tensors hold their values once `finish()` ran.
-        later: (host buffer, source storage) pairs to copy on the CPU in `finish()`.
+        later: the deferred CPU storages to copy in `finish()` (keyed as in `buffers`).
+        buffers: the `HostCopy`'s buffers, where `finish()` keeps the ones it allocates.
+        new_buffer: `HostCopy`'s allocator, `(nbytes, device) -> storage`.
         events: device events `finish()` waits for (the copies queued on a stream).
         side_events: the side stream's events `fence()` makes the current stream wait for.
         staged_s: seconds the step spent on the copy (the buffers and the non-deferred tensors).
     """
 
-    def __init__(self, state: Any, later: list[tuple[torch.UntypedStorage, torch.UntypedStorage]],
-                 events: list, side_events: list, staged_s: float, nbytes: int):
+    def __init__(self, state: Any, later: dict[_Key, _Deferred], buffers: dict, new_buffer,
+                 events: list, side_events: list, staged_s: float, nbytes: int,
+                 later_bytes: int):
         self.state, self.staged_s, self.bytes = state, staged_s, nbytes
-        self.later_bytes = sum(s.nbytes() for _, s in later)
-        self._later, self._events, self._side_events = later, events, side_events
+        self.later_bytes = later_bytes  # copied beside the next step (CPU and device)
+        self._later, self._buffers, self._new_buffer = later, buffers, new_buffer
+        self._events, self._side_events = events, side_events
         self._landed = threading.Event()
         if not later:
             self._landed.set()
@@ -91,10 +133,14 @@ class StagedCopy:
         for the device's copies; the step's `fence()` returns from then on."""
         t0 = time.monotonic()
         try:
-            for host, source in self._later:
-                _copy(host, source, False)  # the GIL released: the step goes on meanwhile
+            for key, d in self._later.items():
+                if d.host is None:
+                    d.host = self._buffers[key] = self._new_buffer(d.source.nbytes(), key[0])
+                    for staged, offset, size, stride in d.views:
+                        staged.set_(d.host, offset, size, stride)
+                _copy(d.host, d.source, False)  # the GIL released: the step goes on meanwhile
         finally:
-            self._later = []  # the sources are the live parameters: hold no reference to them
+            self._later = {}  # the sources are the live parameters: hold no reference to them
             self._landed.set()  # before the device's wait: the step's fence needs only this
         for event in self._events:
             event.synchronize()
@@ -154,11 +200,13 @@ class HostCopy:
         t0 = time.monotonic()
         deferred = {_key(t.untyped_storage(), t.device) for t in later}
         used: dict[_Key, torch.UntypedStorage] = {}
-        pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        pending: dict[_Key, _Deferred] = {}
         devices: set[torch.device] = set()
         state = self._walk(obj, used, devices, (deferred, pending))
         self._buffers = used  # storages gone since the last save free their buffers
         self.bytes = sum(s.nbytes() for s in used.values())
+        later_bytes = sum(d.source.nbytes() for d in pending.values())
+        self.bytes += sum(d.source.nbytes() for d in pending.values() if d.host is None)
         # From CUDA the copies of now are queued on the current stream (pinned memory,
         # non_blocking): the step goes on at once, and the stream runs them before the next
         # step's kernels change the buffers. The writer waits for this event before reading.
@@ -167,14 +215,11 @@ class HostCopy:
             event = torch.Event(device=device)
             event.record()
             events.append(event)
-        later_cpu = []
-        for host, source in pending:
-            if source.device.type == "cpu":
-                later_cpu.append((host, source))
+        later_cpu = {key: d for key, d in pending.items() if key[0].type == "cpu"}
         by_device: dict[torch.device, list] = {}
-        for host, source in pending:
-            if source.device.type != "cpu":
-                by_device.setdefault(source.device, []).append((host, source))
+        for key, d in pending.items():
+            if key[0].type != "cpu":
+                by_device.setdefault(key[0], []).append((d.host, d.source))
         for device, pairs in by_device.items():
             # The side stream first waits for the work queued so far (the optimizer step that
             # made this state), then copies while the current stream runs the next forward;
@@ -189,8 +234,8 @@ class HostCopy:
             event.record(side)
             events.append(event)
             side_events.append(event)
-        return StagedCopy(state, later_cpu, events, side_events, time.monotonic() - t0,
-                          self.bytes)
+        return StagedCopy(state, later_cpu, used, self._new_buffer, events, side_events,
+                          time.monotonic() - t0, self.bytes, later_bytes)
 
     def _walk(self, obj: Any, used: dict, devices: set, later: tuple) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -208,10 +253,7 @@ class HostCopy:
             return obj.copy()
         return obj
 
-    def _buffer(self, key: _Key, nbytes: int, device: torch.device) -> torch.UntypedStorage:
-        host = self._buffers.get(key)
-        if host is not None:
-            return host
+    def _new_buffer(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         if not self.shared:
             return torch.empty(nbytes, dtype=torch.uint8,
                                pin_memory=device.type == "cuda").untyped_storage()
@@ -231,17 +273,26 @@ class HostCopy:
             return t.detach().to("cpu", copy=True)  # rare kinds: a plain copy, no buffer reuse
         source = t.untyped_storage()
         key = _key(source, t.device)
+        deferred, pending = later
+        if key in deferred:  # copied by `finish` (CPU) or on the side stream (device)
+            d = pending.get(key)
+            if d is None:
+                host = self._buffers.get(key)
+                if host is None and t.device.type != "cpu":  # the side stream copies at once
+                    host = self._new_buffer(source.nbytes(), t.device)
+                d = pending[key] = _Deferred(source, host)
+                if host is not None:
+                    used[key] = host
+            return d.view(t)
         host = used.get(key)
         if host is None:  # the first tensor on this storage copies all of it, as torch.save
-            host = self._buffer(key, source.nbytes(), t.device)
-            deferred, pending = later
-            if key in deferred:
-                pending.append((host, source))
-            else:
-                on_device = t.device.type != "cpu"
-                _copy(host, source, on_device)
-                if on_device:
-                    devices.add(t.device)
+            host = self._buffers.get(key)
+            if host is None:
+                host = self._new_buffer(source.nbytes(), t.device)
+            on_device = t.device.type != "cpu"
+            _copy(host, source, on_device)
+            if on_device:
+                devices.add(t.device)
             used[key] = host
         return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
 
@@ -287,17 +338,17 @@ class BackgroundSaves:
     """A `SnapshotManager`'s saves in the background: the host copy, who writes the files, and
     the one save in flight.
 
-    `writer` says who serialises, hashes and fsyncs the files: "thread" (the default: the
-    writer thread itself) or "process" (a long-lived process reading shared memory:
-    `writer.py`, DCP's PROCESS type). The thread is the default because it measured no worse:
-    `torch.save` hands each storage to the file in one call and `sha256`, `write` and `fsync`
-    release the GIL, so a pure-Python thread beside a 400 MB write kept the same share of the
-    GIL as beside the process's write (docs/train.md); the process costs a start (a second or
-    two of CPU) and shared-memory buffers. `benchmarks/snapshot_stall.py` measures both.
+    `writer` says who serialises, hashes and fsyncs the files: "process" (a long-lived process
+    reading shared memory: `writer.py`, DCP's PROCESS type), "thread" (the writer thread itself:
+    the simple reference), or "auto" (the default): the process for a state of at least
+    PROCESS_MIN_BYTES, the thread below. Measured (docs/train.md): a training thread ran 1.85x
+    slower while a thread wrote 400 MB (1.1x beside the process), even with the writer thread
+    at nice 10: the GIL, not the CPU, is what a thread takes from training. Below 64 MB a write
+    is over in a fraction of a second, and starting a process costs a second or two of CPU.
     """
 
     def __init__(self) -> None:
-        self.writer = "thread"
+        self.writer = "auto"
         self.using = "thread"  # the writer of the save in flight (or the last one)
         self._host = HostCopy()
         self._process: WriterProcess | None = None
@@ -309,7 +360,8 @@ class BackgroundSaves:
         module's rule) into buffers the chosen writer reads."""
         if self.writer not in WRITERS:
             raise ValueError(f"writer={self.writer!r}: use one of {', '.join(WRITERS)}")
-        self.using = self.writer
+        self.using = self.writer if self.writer != "auto" else (
+            "process" if state_bytes(state) >= PROCESS_MIN_BYTES else "thread")
         if self._host.shared != (self.using == "process"):  # a process reads shared memory
             self._host = HostCopy(shared=self.using == "process")
         staged = self._host.copy(state, later=updated.tensors if updated is not None else ())

@@ -4,16 +4,19 @@
     files = writer.write(tmp / "shared.pt", staged) # as files.write_durably, in the process
     writer.close()
 
-Why a process beside the writer thread (`background.py`, the default): a thread shares the
-interpreter, so whatever Python the write runs (pickling the state's structure, the hashing
-file wrapper's calls, one per storage) takes the GIL from the training thread, which needs it
-for every op it dispatches. Measured here that is little (docs/train.md), so the thread stays
-the default; the process is for where it is not (a state of very many small tensors). This is
+Why a process and not the writer thread: a thread shares the interpreter, and a training
+thread releases the GIL around every op it runs and must take it back after; with a writer
+thread wanting it too (pickling the state's structure, the hashing file wrapper's calls), every
+op may wait for a hand-over. Measured (docs/train.md): training steps took 1.85x as long while a
+thread wrote 400 MB (also with that thread at nice 10), and 1.0-1.1x while this process did. This is
 torch.distributed.checkpoint's `AsyncCheckpointerType.PROCESS`: the staged state lives in
 shared memory (`HostCopy(shared=True)`), and only its handles cross the pipe
 (torch.multiprocessing's reductions: one file descriptor per storage, a storage shared by
-several tensors rebuilt once), so nothing is copied on the way. The process runs at a lower
-priority (nice 10) and one torch thread: where cores are scarce, training gets them first.
+several tensors rebuilt once), so nothing is copied on the way. The process runs one torch
+thread at the normal priority: at nice 10 on a loaded machine its write was starved past the
+next snapshot (30 s for 230 MB), and the step then waits for it, which costs more than sharing
+the CPU.
+`SnapshotManager.background_saves.writer` chooses ("auto": this process from 64 MB).
 
 The thread still runs the save's handshake and rank 0's commit (`snapshot.py`), so the
 crash-safety argument is unchanged: this process only writes files into the temp directory.
@@ -24,7 +27,6 @@ it is writing, into a temp directory no reader takes for a snapshot, and exits.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,6 @@ def _serve(conn) -> None:
     from ringtrain.checkpoint.files import write_durably
 
     torch.set_num_threads(1)
-    os.nice(10)
     while True:
         try:
             seq, path, obj = conn.recv()
