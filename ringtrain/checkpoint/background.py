@@ -345,6 +345,10 @@ class BackgroundSaves:
     slower while a thread wrote 400 MB (1.1x beside the process), even with the writer thread
     at nice 10: the GIL, not the CPU, is what a thread takes from training. Below 64 MB a write
     is over in a fraction of a second, and starting a process costs a second or two of CPU.
+
+    .. warning:: The process is started as multiprocessing starts any (forkserver, else spawn),
+       which imports the main script again: a script calling the trainer must keep its top-level
+       code under `if __name__ == "__main__":` once its state reaches 64 MB.
     """
 
     def __init__(self) -> None:
