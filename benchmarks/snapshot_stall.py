@@ -11,7 +11,7 @@ times per round, with a snapshot every --every steps into a temporary run direct
 - `none`: no snapshots (`snapshot_every=0`);
 - `sync`: the whole save in the step (`--sync-snapshots`);
 - `async`: the default: buffers copied in the step, parameters and moments beside the next
-  forward/backward (`ringtrain.checkpoint.background`), the files written by a writer process
+  forward/backward (`ringtrain.checkpoint.host_copy`), the files written by a writer process
   reading shared memory (`ringtrain.checkpoint.writer`: what the default writer "auto" picks
   for a state of 64 MB or more);
 - `async_thread`: the same, the files written by the writer thread (`writer = "thread"`).

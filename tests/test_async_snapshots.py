@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Subset
 
 import ringtrain.checkpoint.snapshot as snapshot
-from ringtrain.checkpoint.background import HostCopy
+from ringtrain.checkpoint.host_copy import HostCopy
 from ringtrain.checkpoint.snapshot import SnapshotManager
 from ringtrain.testing import WorkerError, run_workers
 

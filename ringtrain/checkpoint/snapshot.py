@@ -36,7 +36,7 @@ the next start) and all by the next save.
 
 In the background (`background = True`; the trainer's default): `save` copies the state to host
 memory (what `updated` names beside the caller's next forward and backward, see
-`background.py`) and returns, and a thread runs the save above, unchanged: so a crash during
+`host_copy.py`) and returns, and a thread runs the save above, unchanged: so a crash during
 the write leaves the previous snapshot the newest, and every rank learns the same outcome from
 the store. `wait()` (or the next `save`) joins it and raises what it raised.
 """
@@ -186,7 +186,7 @@ class SnapshotManager:
             updated: in the background, the tensors only these optimizers' `step()` changes
                 (`Strategy.updated_state()`): their host copy runs beside the caller's next
                 forward and backward, and the optimizers' next `step()` waits for it
-                (`background.py`'s rule). None: everything is copied before `save` returns.
+                (`host_copy.py`'s rule). None: everything is copied before `save` returns.
 
         Raises `SnapshotError` on every rank, naming the rank, when a rank fails to write its
         part or does not finish within `timeout_s` (`SnapshotNoSpaceError` on every rank when a

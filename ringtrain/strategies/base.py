@@ -58,7 +58,7 @@ class UpdatedState:
     place (parameters, optimizer moments): not the forward, not the backward, not a collective
     between steps. A background snapshot copies them beside the next step's forward and
     backward, and the optimizers' next `step()` waits for the copy (`ringtrain.checkpoint.
-    background`). State left out (buffers a forward changes: BatchNorm's running stats, DDP's
+    host_copy`). State left out (buffers a forward changes: BatchNorm's running stats, DDP's
     broadcast of buffers) is copied in the snapshot's own step.
     """
 
