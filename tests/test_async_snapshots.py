@@ -143,8 +143,13 @@ def test_a_writer_process_writes_what_the_thread_writes(tmp_path):
     assert manager.wait().committed
     files = {n: f["sha256"] for n, f in manager.latest().manifest["files"].items()}
     assert files == {n: f["sha256"] for n, f in sync.latest().manifest["files"].items()}
+    write = manager.background_saves.write_file()
     with pytest.raises(FileNotFoundError, match="No such file"):
-        manager.background_saves.write_file()(tmp_path / "missing" / "x.pt", {"x": 1})
+        write(tmp_path / "missing" / "x.pt", {"x": 1})
+    if Path("/dev/full").exists():  # a full disk: errno ENOSPC survives the trip back
+        with pytest.raises(OSError) as full:
+            write(Path("/dev/full"), {"x": torch.zeros(1 << 16)})
+        assert snapshot.save_error("x", full.value).__class__ is snapshot.SnapshotNoSpaceError
     writer = WriterProcess()
     writer.close()  # never started: nothing to stop
     manager.close()
