@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Subset
 
 import ringtrain.checkpoint.snapshot as snapshot
-from ringtrain.checkpoint.background import HostCopy
+from ringtrain.checkpoint.host_copy import HostCopy
 from ringtrain.checkpoint.snapshot import SnapshotManager
 from ringtrain.testing import WorkerError, run_workers
 
@@ -66,19 +66,14 @@ def test_host_copy_is_what_torch_save_writes_and_keeps_views_and_sharing():
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3,
              "pair": (torch.ones(2), [torch.zeros(1)])}
     host = HostCopy()
-    staged, ready = host.copy(state)
-    ready()
+    staged = host.copy(state).state  # nothing deferred: copied before copy() returns
     a, b = staged["model"]["0.weight"], staged["model"]["head"]
     assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()  # still shared
     assert (b.storage_offset(), b.stride()) == (16, a.stride()) and torch.equal(b, a[2:4])
     assert staged["model"]._metadata == state["model"]._metadata  # load_state_dict reads it
     assert staged["step"] == 3 and isinstance(staged["pair"], tuple)
 
-    def saved(obj) -> bytes:
-        import io
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        return buf.getvalue()
+    saved = _saved_bytes
     assert saved(staged) == saved(state)
     # The optimizer's next step changes parameters and moments in place: not the copy.
     before = saved(staged)
@@ -86,8 +81,79 @@ def test_host_copy_is_what_torch_save_writes_and_keeps_views_and_sharing():
     opt.step()
     assert saved(staged) == before != saved(state)
     # The next copy reuses the buffers: no allocation once the storages are known.
-    again, _ = host.copy(state)
+    again = host.copy(state).state
     assert again["model"]["0.weight"].untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+
+
+def _saved_bytes(obj) -> bytes:
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_copy_beside_the_next_step_holds_the_snapshot_steps_state_and_gates_the_optimizer():
+    """CPU. The rule: parameters and moments (declared) are copied beside the next forward and
+    backward, the optimizer's next step waits for that copy; a buffer the forward changes in
+    place (BatchNorm's running stats) is copied in the snapshot's step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    expected = _saved_bytes(state)  # what a synchronous save at this step writes
+    moments = [t for s in opt.state.values() for t in s.values()]
+    host = HostCopy()
+    staged = host.copy(state, later=[*model.parameters(), *moments])
+    staged.guard([opt])
+    assert staged.later_bytes == sum(t.untyped_storage().nbytes()
+                                     for t in [*model.parameters(), *moments])
+    model(torch.randn(4, 8)).sum().backward()  # the next step's forward and backward ...
+    assert _saved_bytes(state) != expected  # ... changed the running stats in place
+    stepped = threading.Thread(target=opt.step)  # ... and its optimizer step must wait
+    stepped.start()
+    stepped.join(0.3)
+    assert stepped.is_alive(), "the optimizer stepped before the copy landed"
+    staged.finish()  # the writer thread's first act
+    stepped.join(GATE_S)
+    assert not stepped.is_alive() and staged.overlap_s >= 0
+    staged.unguard()
+    assert not opt._optimizer_step_pre_hooks  # noqa: SLF001 - the hook is gone once joined
+    assert _saved_bytes(staged.state) == expected  # byte for byte the snapshot step's state
+    # The buffers `finish` allocated (off the step) are the next copy's, views and all.
+    again = host.copy(state, later=[*model.parameters(), *moments])
+    again.finish()
+    ptr = staged.state["model"]["0.weight"].untyped_storage().data_ptr()
+    assert again.state["model"]["0.weight"].untyped_storage().data_ptr() == ptr
+
+
+def test_a_writer_process_writes_what_the_thread_writes(tmp_path):
+    """CPU. The process writer (`writer.py`): the same files as a synchronous save, from shared
+    memory; a failure in the process comes back as the OSError it was."""
+    from ringtrain.checkpoint.writer import WriterProcess
+
+    model, opt = _model_and_optimizer()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    sync = SnapshotManager(tmp_path / "sync", rank=0, world_size=1)
+    sync.save(1, shared=state, per_rank={"step": 1})
+    manager = SnapshotManager(tmp_path / "process", rank=0, world_size=1)
+    manager.background, manager.background_saves.writer = True, "process"
+    manager.save(1, shared=state, per_rank={"step": 1})
+    assert manager.wait().committed
+    files = {n: f["sha256"] for n, f in manager.latest().manifest["files"].items()}
+    assert files == {n: f["sha256"] for n, f in sync.latest().manifest["files"].items()}
+    write = manager.background_saves.write_file()
+    with pytest.raises(FileNotFoundError, match="No such file"):
+        write(tmp_path / "missing" / "x.pt", {"x": 1})
+    if Path("/dev/full").exists():  # a full disk: errno ENOSPC survives the trip back
+        with pytest.raises(OSError) as full:
+            write(Path("/dev/full"), {"x": torch.zeros(1 << 16)})
+        assert snapshot.save_error("x", full.value).__class__ is snapshot.SnapshotNoSpaceError
+    writer = WriterProcess()
+    writer.close()  # never started: nothing to stop
+    manager.close()
+    assert manager.background_saves._process is None  # noqa: SLF001
 
 
 # ---- the manager in the background --------------------------------------------------------------
@@ -266,9 +332,26 @@ def test_a_kill_during_the_background_write_leaves_the_previous_snapshot(tmp_pat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned copies)")
 def test_host_copy_from_cuda_is_pinned_and_ready_after_the_event():
     t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
-    staged, ready = HostCopy().copy({"t": t, "v": t[10:20]})
+    copied = HostCopy().copy({"t": t, "v": t[10:20]})
     t.add_(1)  # queued after the copy on the same stream: the copy has the old values
-    ready()
+    copied.finish()
+    staged = copied.state
     assert staged["t"].is_pinned() and staged["t"].device.type == "cpu"
     assert torch.equal(staged["t"], torch.arange(1 << 20, dtype=torch.float32))
     assert torch.equal(staged["v"], staged["t"][10:20])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a side stream)")
+def test_host_copy_from_cuda_beside_the_step_is_ordered_before_the_optimizer():
+    """CUDA. The deferred copy runs on a side stream; `fence()` makes the current stream wait
+    for it, so a kernel queued after the fence (the optimizer's) cannot reach the copy."""
+    t = torch.arange(1 << 22, dtype=torch.float32, device="cuda")
+    buffer = torch.zeros(4, device="cuda")
+    staged = HostCopy().copy({"t": t, "buffer": buffer}, later=[t])
+    buffer.add_(1)  # a forward's in-place change: the buffer was copied before it
+    staged.fence()
+    t.mul_(0)  # the optimizer's step, queued after the fence
+    staged.finish()
+    assert staged.state["t"].is_pinned() and staged.later_bytes == t.numel() * 4
+    assert torch.equal(staged.state["t"], torch.arange(1 << 22, dtype=torch.float32))
+    assert torch.equal(staged.state["buffer"], torch.zeros(4))

@@ -6,8 +6,12 @@ Read in this order:
   finding and loading snapshots.
 - `handshake.py`: how the ranks of one save talk through the store (keys, failure reports that
   every rank raises alike, waits bounded by deadlines).
-- `background.py`: a save in the background: the state copied to host memory in the step
-  (`HostCopy`), the rest of `SnapshotManager.save` on a writer thread (`BackgroundSave`).
+- `host_copy.py`: a save's state copied to host memory (`HostCopy`): the parameters and moments
+  a strategy declares in `Strategy.updated_state()` beside the next step, fenced before its
+  optimizer step, the rest in the step.
+- `background.py`: a save in the background: that copy, the rest of `SnapshotManager.save` on
+  a writer thread (`BackgroundSave`), the one save in flight (`BackgroundSaves`).
+- `writer.py`: the files written by a long-lived process instead (`WriterProcess`, an option).
 - `commit.py`: rank 0's directory work: the commit (rename, `COMMITTED` last) and the rotation
   that keeps the newest `keep` snapshots.
 - `sharded.py`: several saved ranks' parts read for one rank (a sharded resume on M ranks).

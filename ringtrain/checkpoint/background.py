@@ -1,110 +1,31 @@
-"""A snapshot saved in the background: state copied to host memory in the step, written by a thread.
+"""A snapshot saved in the background: the host copy (`host_copy.py`), then a writer.
 
-    host = HostCopy()
-    staged, ready = host.copy({"model": model.state_dict(), "optimizer": opt.state_dict()})
-    save = BackgroundSave(step, lambda: (ready(), write(staged))[1])   # the step loop goes on
-    ...
-    result = save.result()        # joins the thread; raises what the write raised
+    staged = HostCopy().copy(state, later=model_and_optimizer_tensors)
+    staged.guard([optimizer])             # optimizer.step() waits until the copy has landed
+    save = BackgroundSave(step, lambda: (staged.finish(), write(staged.state))[1])
+    ...                                   # the next forward and backward run beside the copy
+    result = save.result()                # joins the thread; raises what the write raised
 
-`SnapshotManager` (`snapshot.py`) uses both when its `background` is on (the trainer's default,
-`--sync-snapshots` for the old behaviour): `save` copies the state here and hands the write,
-the ranks' handshake and the commit to a `BackgroundSave`. This is torch.distributed.checkpoint's
-`async_save` in small: stage to host memory (pinned on CUDA), then a background writer.
-
-Why copy at all: the optimizer changes parameters and moments *in place* at the next step, and
-a write takes seconds, so the writer must read a copy that nothing else touches. The copy keeps
-what `torch.save` would have written exactly (tensors that share a storage still share one, a
-view keeps its offset and strides), so a snapshot saved in the background is byte for byte the
-one a synchronous save writes. Tests: `.venv/bin/pytest -q tests/test_async_snapshots.py`.
+`SnapshotManager` (`snapshot.py`) uses these through `BackgroundSaves` when its `background` is
+on (the trainer's default, `--sync-snapshots` for the old behaviour). This is
+torch.distributed.checkpoint's `async_save` in small: stage to host memory (pinned on CUDA),
+then a background writer, a thread or a process (`writer.py`). Tests:
+`.venv/bin/pytest -q tests/test_async_snapshots.py`.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import torch
+from ringtrain.checkpoint.host_copy import HostCopy, StagedCopy, state_bytes
+from ringtrain.checkpoint.writer import WriterProcess
 
-__all__ = ["BackgroundSave", "HostCopy"]
+__all__ = ["BackgroundSave", "BackgroundSaves"]
 
-
-class HostCopy:
-    """Copies of state dicts in host memory, into buffers kept from one save to the next.
-
-    The buffers are keyed by the source's storage (device, address, size): parameters and
-    optimizer moments keep their storage across steps, so from the second save on nothing is
-    allocated (a pinned allocation costs milliseconds per megabyte on CUDA). A buffer is
-    reused only by the next `copy`, which the manager makes after the previous write finished.
-
-    .. warning:: Objects that are not tensors, numpy arrays or containers (dict, list, tuple)
-       are kept by reference, not copied: `state_dict()` builds them afresh, and a deep copy
-       would pickle them once more in the step.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.UntypedStorage] = {}
-        self.bytes = 0  # copied by the last `copy`
-
-    def copy(self, obj: Any) -> tuple[Any, Callable[[], None]]:
-        """`obj` with every tensor copied to host memory; and `ready()`, which waits until the
-        device-to-host copies have landed (call it on the writer's thread, not in the step).
-        """
-        used: dict[tuple[Any, ...], torch.UntypedStorage] = {}
-        devices: set[torch.device] = set()
-        staged = self._walk(obj, used, devices)
-        self._buffers = used  # storages gone since the last save free their buffers
-        self.bytes = sum(s.nbytes() for s in used.values())
-        # From CUDA the copies are queued on the current stream (pinned memory, non_blocking):
-        # the step goes on at once, and the writer waits for this event before reading them.
-        # The stream runs them before the next step's kernels change the parameters.
-        events = []
-        for device in devices:
-            event = torch.Event(device=device)
-            event.record()
-            events.append(event)
-
-        def ready() -> None:
-            for event in events:
-                event.synchronize()
-        return staged, ready
-
-    def _walk(self, obj: Any, used: dict, devices: set) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self._tensor(obj, used, devices)
-        if isinstance(obj, dict):
-            out = copy.copy(obj)  # the same type and attributes (a state_dict's `_metadata`)
-            for k, v in obj.items():
-                out[k] = self._walk(v, used, devices)
-            return out
-        if type(obj) is list:
-            return [self._walk(v, used, devices) for v in obj]
-        if type(obj) is tuple:
-            return tuple(self._walk(v, used, devices) for v in obj)
-        if isinstance(obj, np.ndarray):
-            return obj.copy()
-        return obj
-
-    def _tensor(self, t: torch.Tensor, used: dict, devices: set) -> torch.Tensor:
-        if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided
-                or t.is_quantized or t.device.type == "meta"):
-            return t.detach().to("cpu", copy=True)  # rare kinds: a plain copy, no buffer reuse
-        source = t.untyped_storage()
-        key = (t.device, source.data_ptr(), source.nbytes())
-        host = used.get(key)
-        if host is None:  # the first tensor on this storage copies all of it, as torch.save
-            host = self._buffers.get(key)
-            if host is None:
-                host = torch.empty(source.nbytes(), dtype=torch.uint8,
-                                   pin_memory=t.device.type == "cuda").untyped_storage()
-            on_device = t.device.type != "cpu"
-            host.copy_(source, non_blocking=on_device)
-            if on_device:
-                devices.add(t.device)
-            used[key] = host
-        return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+WRITERS = ("auto", "process", "thread")  # BackgroundSaves.writer
+PROCESS_MIN_BYTES = 64 << 20  # "auto" has a writer process write a state at least this large
 
 
 class BackgroundSave:
@@ -142,3 +63,81 @@ class BackgroundSave:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class BackgroundSaves:
+    """A `SnapshotManager`'s saves in the background: the host copy, who writes the files, and
+    the one save in flight.
+
+    `writer` says who serialises, hashes and fsyncs the files: "process" (a long-lived process
+    reading shared memory: `writer.py`, DCP's PROCESS type), "thread" (the writer thread itself:
+    the simple reference), or "auto" (the default): the process for a state of at least
+    PROCESS_MIN_BYTES, the thread below. Measured (docs/train.md): a training thread ran 1.85x
+    slower while a thread wrote 400 MB (1.1x beside the process), even with the writer thread
+    at nice 10: the GIL, not the CPU, is what a thread takes from training. Below 64 MB a write
+    is over in a fraction of a second, and starting a process costs a second or two of CPU.
+
+    .. warning:: The process is started as multiprocessing starts any (forkserver, else spawn),
+       which imports the main script again: a script calling the trainer must keep its top-level
+       code under `if __name__ == "__main__":` once its state reaches 64 MB.
+    """
+
+    def __init__(self) -> None:
+        self.writer = "auto"
+        self.using = "thread"  # the writer of the save in flight (or the last one)
+        self._host = HostCopy()
+        self._process: WriterProcess | None = None
+        self._in_flight: BackgroundSave | None = None
+        self._staged: StagedCopy | None = None
+
+    def stage(self, state: Any, updated: Any) -> StagedCopy:
+        """Copy `state` (deferring `updated.tensors`, guarding `updated.optimizers`, see the
+        module's rule) into buffers the chosen writer reads."""
+        if self.writer not in WRITERS:
+            raise ValueError(f"writer={self.writer!r}: use one of {', '.join(WRITERS)}")
+        self.using = self.writer if self.writer != "auto" else (
+            "process" if state_bytes(state) >= PROCESS_MIN_BYTES else "thread")
+        if self._host.shared != (self.using == "process"):  # a process reads shared memory
+            self._host = HostCopy(shared=self.using == "process")
+        staged = self._host.copy(state, later=updated.tensors if updated is not None else ())
+        staged.guard(updated.optimizers if updated is not None else ())
+        self._staged = staged
+        return staged
+
+    def start(self, step: int, fn: Callable[[], Any]) -> None:
+        """Run the save `fn` (which calls the staged copy's `finish()` first) on a thread."""
+        self._in_flight = BackgroundSave(step, fn)
+
+    def write_file(self) -> Callable[[Any, Any], dict[str, Any]] | None:
+        """The writer process's `write` for the save in flight, or None: the thread writes."""
+        if self.using != "process":
+            return None
+        self._process = self._process or WriterProcess()
+        return self._process.write
+
+    def wait(self) -> Any:
+        """Join the save in flight: its result, or raise its error; None when none was."""
+        save, self._in_flight = self._in_flight, None
+        staged, self._staged = self._staged, None
+        try:
+            return save.result() if save is not None else None
+        finally:
+            if staged is not None:
+                staged.unguard()  # the copy has landed: the optimizers step freely again
+
+    @property
+    def in_flight(self) -> int | None:
+        return self._in_flight.step if self._in_flight is not None else None
+
+    @property
+    def writing(self) -> bool:
+        return self._in_flight is not None and not self._in_flight.done()
+
+    def close(self) -> None:
+        """`wait()`, then stop the writer process, if one was started."""
+        try:
+            self.wait()
+        finally:
+            if self._process is not None:
+                self._process.close()
+                self._process = None

@@ -27,6 +27,7 @@ from torch import nn
 __all__ = [
     "COMMITTED", "MANIFEST", "SHARED", "SnapshotCorruptError", "SnapshotError",
     "SnapshotNoSpaceError", "TEMP_PREFIX", "check_topology", "fsync_dir", "load_model_state_dict",
+    "manifest_metadata",
     "newest_snapshot_bytes", "read_manifest", "remove_unfinished", "sha256_file", "snap_dirs",
     "unwrap_state_dict", "verify", "write_durably",
 ]
@@ -67,6 +68,21 @@ def load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: 
     """Load a model state saved with or without `module.` into a wrapped or plain model."""
     target = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
     return target.load_state_dict(unwrap_state_dict(state_dict), strict=strict)
+
+
+def manifest_metadata(metadata: dict[str, Any] | None, *, step: int,
+                      world_size: int) -> dict[str, Any]:
+    """The caller's metadata with `step` and `world_size`, checked JSON-able before any write."""
+    meta = dict(metadata or {})
+    for key, value in (("step", step), ("world_size", world_size)):
+        if meta.setdefault(key, value) != value:
+            raise ValueError(f"metadata[{key!r}]={meta[key]!r} but save has {key}={value}")
+    try:
+        json.dumps(meta)  # fail before writing anything
+    except TypeError as e:
+        raise TypeError(
+            f"metadata goes into manifest.json and must be JSON-able: {e}") from None
+    return meta
 
 
 def check_topology(

@@ -176,7 +176,8 @@ class Checkpointer:
                     "global_batch": self.global_batch, "batch_size": self.batch_size,
                     "grad_accum": self.grad_accum, "replicated": self.replicated}
         try:
-            result = self.manager.save(step, shared, per_rank, meta)
+            result = self.manager.save(step, shared, per_rank, meta,
+                                       updated=s.updated_state())
         except SnapshotNoSpaceError as e:
             log.debug("snapshot of step %d not saved: %s", step, e)
             need = self.saves[-1][1] if self.saves else newest_snapshot_bytes(self.manager.root)

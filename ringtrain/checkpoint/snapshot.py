@@ -35,16 +35,16 @@ directory; a crash at any point leaves either a temp directory or a directory wi
 the next start) and all by the next save.
 
 In the background (`background = True`; the trainer's default): `save` copies the state to host
-memory and returns, and a thread runs the save above, unchanged: so a crash during the write
-leaves the previous snapshot the newest, and every rank learns the same outcome from the store.
-`wait()` (or the next `save`) joins it and raises what it raised.
+memory (what `updated` names beside the caller's next forward and backward, see
+`host_copy.py`) and returns, and a thread runs the save above, unchanged: so a crash during
+the write leaves the previous snapshot the newest, and every rank learns the same outcome from
+the store. `wait()` (or the next `save`) joins it and raises what it raised.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -53,12 +53,15 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ringtrain.checkpoint.background import BackgroundSave, HostCopy
+if TYPE_CHECKING:
+    from ringtrain.strategies.base import UpdatedState
+
+from ringtrain.checkpoint.background import BackgroundSaves
 from ringtrain.checkpoint.commit import commit, retain
 from ringtrain.checkpoint.files import (
     SHARED,
@@ -70,6 +73,7 @@ from ringtrain.checkpoint.files import (
     SnapshotNoSpaceError,
     check_topology,
     load_model_state_dict,
+    manifest_metadata,
     newest_snapshot_bytes,
     read_manifest,
     remove_unfinished,
@@ -160,14 +164,16 @@ class SnapshotManager:
         # client serialises its requests (TCPStore holds a lock per operation), so the step
         # loop and a watchdog may use it meanwhile.
         self.background = False
-        self._host = HostCopy()
-        self._in_flight: BackgroundSave | None = None
+        # The host copy, who writes the files (`.writer`: "auto", "process" or "thread"), the
+        # save in flight.
+        self.background_saves = BackgroundSaves()
 
     # ---- saving ------------------------------------------------------------------------------
 
     def save(
         self, step: int, shared: dict[str, Any] | None = None,
         per_rank: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
+        updated: UpdatedState | None = None,
     ) -> SaveResult:
         """Write one snapshot; call on every rank at the same step.
 
@@ -177,6 +183,10 @@ class SnapshotManager:
                 rank 0's is written, other ranks may pass None.
             per_rank: this rank's own state (RNG; a pipeline stage's parameters), `rank{r}.pt`.
             metadata: JSON-able facts (config, topology); `step` and `world_size` are added.
+            updated: in the background, the tensors only these optimizers' `step()` changes
+                (`Strategy.updated_state()`): their host copy runs beside the caller's next
+                forward and backward, and the optimizers' next `step()` waits for it
+                (`host_copy.py`'s rule). None: everything is copied before `save` returns.
 
         Raises `SnapshotError` on every rank, naming the rank, when a rank fails to write its
         part or does not finish within `timeout_s` (`SnapshotNoSpaceError` on every rank when a
@@ -193,25 +203,26 @@ class SnapshotManager:
         self._saves += 1
         if not self.background:
             return self._save_now(keys, step, shared, per_rank, metadata)
-        t0 = time.monotonic()
-        (shared, per_rank), ready = self._host.copy(
-            (shared if self.rank == 0 else None, per_rank))
+        bg = self.background_saves
+        staged = bg.stage((shared if self.rank == 0 else None, per_rank), updated)
+        (shared, per_rank), staged_s = staged.state, staged.staged_s
         metadata = copy.deepcopy(metadata)  # small; the caller may change its dicts meanwhile
-        staged_s = time.monotonic() - t0
 
         reason = (metadata or {}).get("reason", "periodic")  # metadata is rank 0's alone
 
         def write() -> SaveResult:
-            ready()  # a device's copies have landed in host memory
+            staged.finish()  # first: the step's optimizer waits for it (the copies landed)
             result = self._save_now(keys, step, shared, per_rank, metadata)
-            log.info("snapshot of step %d (%s): %.1f MB, the step held %.2f s to copy it, "
-                     "written in the background in %.2f s -> %s", step, reason,
-                     result.total_bytes / 1e6, staged_s, result.total_s, result.path)
+            log.info("snapshot of step %d (%s): %.1f MB, the step held %.2f s to copy it "
+                     "(%.1f MB more copied beside the next step in %.2f s), written in the "
+                     "background by a %s in %.2f s -> %s", step, reason,
+                     result.total_bytes / 1e6, staged_s, staged.later_bytes / 1e6,
+                     staged.overlap_s, bg.using, result.total_s, result.path)
             return result
 
-        self._in_flight = BackgroundSave(step, write)
-        return SaveResult(step, self.root / f"snap-{step:08d}", self._host.bytes,
-                          self._host.bytes, 0.0, staged_s, committed=False)
+        bg.start(step, write)
+        return SaveResult(step, self.root / f"snap-{step:08d}", staged.bytes, staged.bytes, 0.0,
+                          staged_s, committed=False)
 
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight, if any (`background` on): its result, or its error.
@@ -220,18 +231,22 @@ class SnapshotManager:
         does in the foreground), once: on every rank alike, as each rank learns the outcome of
         the same save from rank 0. None when no save was in flight.
         """
-        save, self._in_flight = self._in_flight, None
-        return save.result() if save is not None else None
+        return self.background_saves.wait()
+
+    def close(self) -> None:
+        """Wait for the save in flight (take its error from `wait` first), then stop the writer
+        process, if one was started."""
+        self.background_saves.close()
 
     @property
     def in_flight(self) -> int | None:
         """The step of the save in the background that `wait()` has not joined yet, or None."""
-        return self._in_flight.step if self._in_flight is not None else None
+        return self.background_saves.in_flight
 
     @property
     def writing(self) -> bool:
         """True while a save in the background is still being written (`wait()` would block)."""
-        return self._in_flight is not None and not self._in_flight.done()
+        return self.background_saves.writing
 
     def _save_now(self, keys: str, step: int, shared, per_rank, metadata) -> SaveResult:
         """One save, start to commit, on the calling thread (the caller's or the writer's)."""
@@ -239,7 +254,7 @@ class SnapshotManager:
         if self.rank == 0:
             tmp = self.root / f"{TEMP_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
             try:
-                meta = self._metadata(step, metadata)
+                meta = manifest_metadata(metadata, step=step, world_size=self.world_size)
                 self.root.mkdir(parents=True, exist_ok=True)
                 tmp.mkdir()
             except Exception as e:
@@ -294,18 +309,6 @@ class SnapshotManager:
         mine = sum(f["bytes"] for name, f in files.items() if name in (SHARED, "rank0.pt"))
         return SaveResult(step, final, mine, total, write_s, time.monotonic() - t0)
 
-    def _metadata(self, step: int, metadata: dict[str, Any] | None) -> dict[str, Any]:
-        meta = dict(metadata or {})
-        for key, value in (("step", step), ("world_size", self.world_size)):
-            if meta.setdefault(key, value) != value:
-                raise ValueError(f"metadata[{key!r}]={meta[key]!r} but save has {key}={value}")
-        try:
-            json.dumps(meta)  # fail before writing anything
-        except TypeError as e:
-            raise TypeError(
-                f"metadata goes into manifest.json and must be JSON-able: {e}") from None
-        return meta
-
     def _write_part(self, tmp: Path, step: int, shared, per_rank, deadline: float):
         """Write this rank's files in a thread, so a stuck disk costs at most the deadline.
 
@@ -314,13 +317,17 @@ class SnapshotManager:
         files: dict[str, Any] = {}
         failure: list[BaseException] = []
 
+        # Looked up here, not bound at import: a test gates the writer by patching this name.
+        write_file = self.background_saves.write_file() if self.background else None
+        write_file = write_file or write_durably
+
         def write():
             try:
                 if shared is not None:
-                    files[SHARED] = write_durably(tmp / SHARED, shared)
+                    files[SHARED] = write_file(tmp / SHARED, shared)
                 if per_rank is not None:
-                    files[f"rank{self.rank}.pt"] = write_durably(tmp / f"rank{self.rank}.pt",
-                                                                 per_rank)
+                    files[f"rank{self.rank}.pt"] = write_file(tmp / f"rank{self.rank}.pt",
+                                                              per_rank)
             except BaseException as e:  # noqa: BLE001 - reported to every rank below
                 failure.append(e)
 

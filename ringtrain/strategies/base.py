@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ringtrain.strategies.figures import Figures, Workload
 
 __all__ = ["EvalShard", "LossFn", "OptimizerFn", "ShardPerRank", "StepResult", "Strategy",
-           "StrategyConfig", "eval_forward"]
+           "StrategyConfig", "UpdatedState", "eval_forward"]
 
 
 @dataclass
@@ -50,6 +50,20 @@ class StepResult:
     count: int  # samples behind loss_sum; 0 where this rank computes no loss
     compute_s: float = 0.0  # forward + backward + optimizer time
     comm_s: float = 0.0  # time spent waiting on communication
+
+
+@dataclass(frozen=True)
+class UpdatedState:
+    """Tensors of a strategy's `state_dict()` that nothing but `optimizers`' `step()` changes in
+    place (parameters, optimizer moments): not the forward, not the backward, not a collective
+    between steps. A background snapshot copies them beside the next step's forward and
+    backward, and the optimizers' next `step()` waits for the copy (`ringtrain.checkpoint.
+    host_copy`). State left out (buffers a forward changes: BatchNorm's running stats, DDP's
+    broadcast of buffers) is copied in the snapshot's own step.
+    """
+
+    tensors: list[torch.Tensor]
+    optimizers: list[torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -153,6 +167,12 @@ class Strategy(ABC):
         """Inverse of `state_dict`."""
 
     # -- optional, with defaults for lockstep strategies ----------------------------------------
+    def updated_state(self) -> UpdatedState | None:
+        """The state only the optimizer step changes (see `UpdatedState`), so a background
+        snapshot may copy it beside the next step. Default None: every tensor of `state_dict()`
+        is copied in the snapshot's step (right for any strategy, only slower)."""
+        return None
+
     def agreement(self, runtime: Runtime, name: str) -> Agreement:
         """How this strategy's ranks agree on sums, votes and digests (`ringtrain.agreement`).
 

@@ -31,6 +31,7 @@ from ringtrain.strategies.base import (
     StepResult,
     Strategy,
     StrategyConfig,
+    UpdatedState,
     eval_forward,
 )
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
@@ -204,6 +205,14 @@ class DDPStrategy(ShardPerRank, Strategy):
         if self.powersgd is not None:
             state["powersgd"] = self.powersgd.state_dict(list(self.module.parameters()))
         return state
+
+    def updated_state(self) -> UpdatedState:
+        # Parameters and the optimizer's moments change only in optimizer.step(). Left out,
+        # so copied in the snapshot's step: buffers (the wrapper broadcasts them in each
+        # forward) and PowerSGD's error feedback (changed in the backward).
+        moments = [t for per_param in self.optimizer.state.values()
+                   for t in per_param.values() if isinstance(t, torch.Tensor)]
+        return UpdatedState([*self._parameters(), *moments], [self.optimizer])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.module is not None, "setup() first"

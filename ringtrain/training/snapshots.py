@@ -93,6 +93,11 @@ class LoopSnapshots:
             return
         self._committed, self._committed_bytes = step, result.total_bytes
 
+    def close(self) -> None:
+        """The run is over: stop the manager's writer process, if one was started (the saves
+        were joined by `wait` or `settle` before)."""
+        self.manager.close()
+
     def settle(self) -> None:
         """After an error in the loop: let the save in flight end (bounded by its deadlines), so
         it leaves a committed snapshot or nothing, never a writer still at work behind a

@@ -238,6 +238,8 @@ class Trainer:
         finally:
             progress.close()
             self.metrics.close()
+            if self.snapshots is not None:
+                self.snapshots.close()  # the writer process of background snapshots
         if stopped:
             return {"steps": self.step, "stopped_by": stopped, "run_dir": self.run_dir,
                     "snapshot_step": cp.saved_step if cp is not None else None,
