@@ -3,7 +3,7 @@
     ringtrain train --strategy tp --tp 2 --nproc-per-node 2      # one replica split in two
     ringtrain train --strategy tp --tp 2 --nproc-per-node 4      # dp 2 x tp 2
 
-Ranks form a `tensor_parallel.grid.Grid` (tp innermost: a tp group is consecutive ranks, one
+Ranks form a `ringtrain.grid.Grid` with pp=1 (tp innermost: a tp group is consecutive ranks, one
 host). Each replica's GPT is parallelised by `gpt_plan()`: every rank holds 1/tp of each
 matrix (heads, MLP width, vocabulary) and the loss is `vocab_parallel_cross_entropy` of the
 vocab-sharded logits, which never gathers them. Gradients of the parameters every tp rank holds
@@ -31,20 +31,19 @@ from torch import nn
 
 from ringtrain.config import option
 from ringtrain.errors import ConfigError
+from ringtrain.grid import Grid, create_process_groups
 from ringtrain.runtime import Runtime
 from ringtrain.strategies import portable
 from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyConfig
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.tensor_parallel import (
-    HeadParallelAttention,
     comm,
     gpt_plan,
     parallelize,
     vocab_parallel_cross_entropy,
 )
-from ringtrain.tensor_parallel.grid import Grid, create_process_groups
-from ringtrain.tensor_parallel.state import Split, shard, unshard
+from ringtrain.tensor_parallel.state import Split, param_splits, shard, unshard
 from ringtrain.types import LossFn, OptimizerFn
 
 
@@ -61,6 +60,8 @@ class TPFigures(Figures):
 class TPConfig(StrategyConfig):
     """`--strategy tp`'s options."""
 
+    chosen_by = ("tp",)  # --tp without --strategy (and without --pp, which picks pipeline)
+
     tp: int = option(2, "tensor-parallel degree: ranks that split every matrix (consecutive "
                      "ranks, one host); must divide the world size, n_head and the vocabulary")
     sequence_parallel: bool = option(False, "sequence parallelism: the norms and the residual "
@@ -70,7 +71,7 @@ class TPConfig(StrategyConfig):
 
     def plan(self, world_size: int, step_batch: int) -> int:
         try:
-            return Grid(world_size, self.tp).dp
+            return Grid(world_size, tp=self.tp).dp
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -110,14 +111,6 @@ class TPConfig(StrategyConfig):
                          dp_sent_bytes=dp_sent, tp_sent_bytes=tp_sent)
 
 
-def _splits(module: nn.Module) -> dict[str, Split]:
-    """How each parameter of a parallelised GPT is held across the tp group, by name."""
-    fused = {id(p) for m in module.modules() if isinstance(m, HeadParallelAttention)
-             for p in m.c_attn.parameters()}  # q, k, v: split block by block
-    return {name: Split(getattr(p, "tp_shard_dim", None), 3 if id(p) in fused else 1)
-            for name, p in module.named_parameters()}
-
-
 class TPStrategy(Strategy):
     """dp x tp: Megatron-LM tensor parallelism in each replica, data parallelism across them.
 
@@ -133,7 +126,7 @@ class TPStrategy(Strategy):
     def __init__(self, runtime: Runtime, *, tp: int = 2, sequence_parallel: bool = False):
         self.runtime, self.tp, self.sequence_parallel = runtime, tp, sequence_parallel
         try:
-            self.grid = Grid(runtime.world_size, tp)
+            self.grid = Grid(runtime.world_size, tp=tp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.groups = None
@@ -149,7 +142,7 @@ class TPStrategy(Strategy):
         except (TypeError, ValueError) as e:  # n_head or vocab not divisible, tied embeddings
             raise ConfigError(f"--strategy tp --tp {self.tp}: {e}") from None
         self.module = model.to(self.runtime.device)
-        self.splits = _splits(self.module)
+        self.splits = param_splits(self.module)
         self.optimizer = optimizer_fn(self.module.parameters())
         tp_group = self.groups.tp_group
         # The plan's lm_head leaves the logits split by vocabulary: the loss is the
@@ -159,14 +152,14 @@ class TPStrategy(Strategy):
 
     @property
     def data_rank(self) -> int | None:
-        return self.grid.coords(self.runtime.rank)[0]  # the tp ranks of a replica read alike
+        return self.grid.coords(self.runtime.rank).dp_rank  # the tp ranks of a replica read alike
 
     @property
     def data_world_size(self) -> int:
         return self.grid.dp
 
     def _tp_rank(self) -> int:
-        return self.grid.coords(self.runtime.rank)[1]
+        return self.grid.coords(self.runtime.rank).tp_rank
 
     # -- the step ----------------------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,

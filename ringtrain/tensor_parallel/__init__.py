@@ -13,7 +13,8 @@ Read in this order:
 - `plan.py`: `parallelize(model, plan, group)` and the styles a plan names (torch's
   `parallelize_module` convention); `gpt_plan()` for ringtrain's GPT.
 - `volumes.py`: the bytes a step communicates, from the textbook formulas (pure).
-- `grid.py`: the dp x tp layout of ranks (tp innermost) and its process groups, made once.
+- the layout of ranks (dp x pp x tp, tp innermost) and its groups: `ringtrain.grid`, one for
+  every strategy (`--strategy tp`, and `--strategy pipeline --tp`).
 - `state.py`: a parameter's slice for a tp rank and the whole tensor from the slices (pure):
   how `--strategy tp` (`ringtrain/strategies/tp.py`) converts its snapshots.
 
