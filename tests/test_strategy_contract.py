@@ -4,7 +4,7 @@
 
 Over every strategy `ringtrain.strategies.registered()` finds (a new module in
 `ringtrain/strategies/` is picked up without editing this file), on 2 gloo ranks with the
-strategy's default options, plus the variants below:
+strategy's default options, plus the variants below (tp 2 x pp 2: on 4 ranks):
 - the seam: build, a few steps (the reduced sample count is the batch), `state_dict` round trip
   (steps after the save are undone by loading it), `model_state_dict` equal on every rank,
   `eval_logits` on the ranks that produce output, `stats`, `close`, all under
@@ -46,11 +46,19 @@ VARIANTS = [("ps", {"mode": "async"}, False), ("ddp", {"grad_compress": "powersg
             # zb-v, not zb-h1: its split backward on two chunks in a V covers zb-h1's one
             # chunk, for the same suite time (zb-h1 is checked against one process in
             # test_pipeline.py)
-            ("pipeline", {"schedule": "zb-v"}, True)]
+            ("pipeline", {"schedule": "zb-v"}, True),
+            # the dp x pp x tp grid: tp 2 x pp 2 on 4 ranks (issue 27)
+            ("pipeline", {"pp": 2, "tp": 2}, True)]
 CASES = [(name, {}, True) for name in registered()] + VARIANTS
 # Through Trainer: every strategy, and the variants whose state differs (not int8's codec).
 TRAINER_CASES = [c for c in CASES if c[1].get("outer_compress") is None]
 DEBUG_COLLECTIVES = {"RINGTRAIN_DEBUG": "collectives", "RINGTRAIN_DEBUG_TIMEOUT": "60"}
+
+
+def _world(case) -> int:
+    """WORLD ranks, or the ranks one model needs where that is more (pp x tp)."""
+    options = case[1]
+    return max(WORLD, options.get("pp", 1) * options.get("tp", 1))
 
 
 def _ids(case):
@@ -131,9 +139,10 @@ def test_the_seam(case):
     name, options, _ = case
     # Under RINGTRAIN_DEBUG=collectives: every strategy's collectives agree across ranks (a
     # false mismatch would raise); the Trainer runs below go without it.
-    out = run_workers(_seam, WORLD, args=(name, options), timeout_s=120, env=DEBUG_COLLECTIVES)
+    world = _world(case)
+    out = run_workers(_seam, world, args=(name, options), timeout_s=120, env=DEBUG_COLLECTIVES)
     cls = registered()[name]
-    data_ranks = cls.Config(**options).plan(WORLD, BATCH)  # the pre-launch check agrees
+    data_ranks = cls.Config(**options).plan(world, BATCH)  # the pre-launch check agrees
     for r in out:
         # Every sample of a step counted once: data ranks x batch, whoever computes the loss.
         assert r["counts"] == [data_ranks * BATCH] * 2
@@ -166,7 +175,8 @@ def _fit(rank, world_size, run_dir, name, options):
 @pytest.mark.parametrize("case", TRAINER_CASES, ids=_ids)
 def test_a_trainer_run_and_its_resume(case, tmp_path):
     name, options, deterministic = case
-    full = run_workers(_fit, WORLD, args=(str(tmp_path / "full"), name, options), timeout_s=120)
+    full = run_workers(_fit, _world(case), args=(str(tmp_path / "full"), name, options),
+                       timeout_s=120)
     summary = full[0]
     assert summary["steps"] == STEPS and summary["strategy"] == name
     assert math.isfinite(summary["train_loss"]) and math.isfinite(summary["eval_loss"])
@@ -181,7 +191,8 @@ def test_a_trainer_run_and_its_resume(case, tmp_path):
     assert [s.step for s in snaps] == list(range(EVERY, STEPS + 1, EVERY))
     for s in snaps[1:]:
         shutil.rmtree(s.path)
-    again = run_workers(_fit, WORLD, args=(str(resumed_dir), name, options), timeout_s=120)
+    again = run_workers(_fit, _world(case), args=(str(resumed_dir), name, options),
+                        timeout_s=120)
     assert again[0]["steps"] == STEPS and again[0]["resumed_from_step"] == [EVERY]
     if deterministic:
         assert again[0]["param_sha256"] == summary["param_sha256"]

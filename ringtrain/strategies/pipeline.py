@@ -100,9 +100,10 @@ class PipelineStrategy(Strategy):
         virtual_stages: model chunks per rank, for `schedule='interleaved'`: the bubble shrinks
             to (pp-1)/(v*m) of the compute, for more p2p messages and warm-up activations.
         tp: ranks that split each stage's matrices (Megatron-LM; ringtrain's GPT, untied,
-            dropout 0); with the schedules in `pipeline_config.TP_SCHEDULES`.
+            dropout 0).
         sequence_parallel: with tp, the norms and the residual stream (and so the stage
-            boundaries) on block_size / tp tokens per rank.
+            boundaries) on block_size / tp tokens per rank; with the schedules in
+            `pipeline_config.SP_SCHEDULES`.
     """
 
     name = "pipeline"
@@ -111,7 +112,7 @@ class PipelineStrategy(Strategy):
     def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
                  microbatches: int | None = None, split: Sequence[int] | None = None,
                  virtual_stages: int = 1, tp: int = 1, sequence_parallel: bool = False):
-        check_schedule(schedule, pp, virtual_stages, microbatches, tp)
+        check_schedule(schedule, pp, virtual_stages, microbatches, sequence_parallel)
         if sequence_parallel and tp == 1:
             raise ConfigError("sequence_parallel=True shards the sequence over the tp ranks: "
                               "pass tp=2 (or more), or sequence_parallel=False")

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.config import option
 from ringtrain.errors import ConfigError
 from ringtrain.grid import Grid, create_process_groups
 from ringtrain.runtime import Runtime
@@ -37,6 +36,7 @@ from ringtrain.strategies import portable
 from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyConfig
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
+from ringtrain.strategies.tp_options import sequence_parallel_option, tp_option
 from ringtrain.tensor_parallel import (
     comm,
     gpt_plan,
@@ -62,12 +62,8 @@ class TPConfig(StrategyConfig):
 
     chosen_by = ("tp",)  # --tp without --strategy (and without --pp, which picks pipeline)
 
-    tp: int = option(2, "tensor-parallel degree: ranks that split every matrix (consecutive "
-                     "ranks, one host); must divide the world size, n_head and the vocabulary")
-    sequence_parallel: bool = option(False, "sequence parallelism: the norms and the residual "
-                                     "stream on block_size / tp tokens per rank, all-gather and "
-                                     "reduce-scatter instead of all-reduce (block_size must be "
-                                     "divisible by --tp)")
+    tp: int = tp_option(2)
+    sequence_parallel: bool = sequence_parallel_option()
 
     def plan(self, world_size: int, step_batch: int) -> int:
         try:
