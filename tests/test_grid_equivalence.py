@@ -19,6 +19,7 @@ through `Trainer`: tests/test_strategy_contract.py.
 from __future__ import annotations
 
 import copy
+import io
 import os
 import subprocess
 import sys
@@ -112,7 +113,10 @@ def test_tp2_x_pp2_equals_one_process_and_resumes_on_another_tp_degree(single_pr
     one_after_3 = {k: v.clone() for k, v in one.model_state_dict().items()}
     one_state = copy.deepcopy(one.state_dict())
     reference = one.to_portable(lambda r: {}, one_state, {"world_size": 1})
-    out = run_workers(_grid_worker, 4, args=(reference,), timeout_s=150)
+    # Under RINGTRAIN_DEBUG=collectives: the tp, pp and dp groups' collectives agree across
+    # ranks (the contract test's seam check, for this layout).
+    out = run_workers(_grid_worker, 4, args=(reference,), timeout_s=150,
+                      env={"RINGTRAIN_DEBUG": "collectives", "RINGTRAIN_DEBUG_TIMEOUT": "60"})
     for name in SCENARIOS:
         for r in out:  # model_state_dict: every rank holds the whole model, gathered
             _close(r[name]["after_3"], one_after_3, f"tp 2 x pp 2 {name}, 3 steps")
@@ -163,13 +167,46 @@ def _host_rank(local_rank, _local_world, node_rank, master, port, ifname):
         dist.destroy_process_group()
 
 
-def host_main(node_rank: int, master: str, port: int, ifname: str, out: str) -> None:
-    """`python tests/test_grid_equivalence.py NODE MASTER PORT IFNAME OUT`: a host's 4 ranks."""
-    import test_grid_equivalence as this  # by its module name: the ranks import it
+def _host_child(local_rank, node_rank, master, port, ifname, out) -> None:
+    torch.set_num_threads(1)
+    try:
+        buf = io.BytesIO()  # bytes, not tensors: torch would pass those as fds of this process
+        torch.save(_host_rank(local_rank, 4, node_rank, master, port, ifname), buf)
+        out.put((local_rank, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - the host reports it, naming the rank
+        import traceback
 
-    results = run_workers(this._host_rank, 4, args=(node_rank, master, port, ifname), init=False,
-                          timeout_s=150)
-    torch.save(results, out)
+        out.put((local_rank, traceback.format_exc()))
+
+
+def host_main(node_rank: int, master: str, port: int, ifname: str, out: str) -> None:
+    """`python tests/test_grid_equivalence.py NODE MASTER PORT IFNAME OUT`: a host's 4 ranks,
+    forked from this process (torch imported once per host, no worker server to start)."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_host_child, args=(r, node_rank, master, port, ifname, results),
+                         daemon=True) for r in range(4)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < 4:
+            r, value = results.get(timeout=150)
+            if isinstance(value, str):
+                raise RuntimeError(f"host {node_rank}, local rank {r} raised:\n{value}")
+            got[r] = torch.load(io.BytesIO(value))
+    except queue.Empty:
+        raise RuntimeError(f"host {node_rank}: ranks {sorted(set(range(4)) - set(got))} did "
+                           "not finish within 150 s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    torch.save([got[r] for r in range(4)], out)
 
 
 @pytest.mark.multinode

@@ -4,7 +4,8 @@
 
 Over every strategy `ringtrain.strategies.registered()` finds (a new module in
 `ringtrain/strategies/` is picked up without editing this file), on 2 gloo ranks with the
-strategy's default options, plus the variants below (tp 2 x pp 2: on 4 ranks):
+strategy's default options, plus the variants below (and tp 2 x pp 2 on 4 ranks, through
+`Trainer`):
 - the seam: build, a few steps (the reduced sample count is the batch), `state_dict` round trip
   (steps after the save are undone by loading it), `model_state_dict` equal on every rank,
   `eval_logits` on the ranks that produce output, `stats`, `close`, all under
@@ -46,12 +47,13 @@ VARIANTS = [("ps", {"mode": "async"}, False), ("ddp", {"grad_compress": "powersg
             # zb-v, not zb-h1: its split backward on two chunks in a V covers zb-h1's one
             # chunk, for the same suite time (zb-h1 is checked against one process in
             # test_pipeline.py)
-            ("pipeline", {"schedule": "zb-v"}, True),
-            # the dp x pp x tp grid: tp 2 x pp 2 on 4 ranks (issue 27)
-            ("pipeline", {"pp": 2, "tp": 2}, True)]
+            ("pipeline", {"schedule": "zb-v"}, True)]
 CASES = [(name, {}, True) for name in registered()] + VARIANTS
-# Through Trainer: every strategy, and the variants whose state differs (not int8's codec).
-TRAINER_CASES = [c for c in CASES if c[1].get("outer_compress") is None]
+# Through Trainer: every strategy, and the variants whose state differs (not int8's codec),
+# and the dp x pp x tp grid as tp 2 x pp 2 on 4 ranks (its seam and equality with one process:
+# tests/test_grid_equivalence.py, which checks every rank's model_state_dict).
+TRAINER_CASES = [c for c in CASES if c[1].get("outer_compress") is None] + [
+    ("pipeline", {"pp": 2, "tp": 2}, True)]
 DEBUG_COLLECTIVES = {"RINGTRAIN_DEBUG": "collectives", "RINGTRAIN_DEBUG_TIMEOUT": "60"}
 
 
@@ -139,10 +141,9 @@ def test_the_seam(case):
     name, options, _ = case
     # Under RINGTRAIN_DEBUG=collectives: every strategy's collectives agree across ranks (a
     # false mismatch would raise); the Trainer runs below go without it.
-    world = _world(case)
-    out = run_workers(_seam, world, args=(name, options), timeout_s=120, env=DEBUG_COLLECTIVES)
+    out = run_workers(_seam, WORLD, args=(name, options), timeout_s=120, env=DEBUG_COLLECTIVES)
     cls = registered()[name]
-    data_ranks = cls.Config(**options).plan(world, BATCH)  # the pre-launch check agrees
+    data_ranks = cls.Config(**options).plan(WORLD, BATCH)  # the pre-launch check agrees
     for r in out:
         # Every sample of a step counted once: data ranks x batch, whoever computes the loss.
         assert r["counts"] == [data_ranks * BATCH] * 2

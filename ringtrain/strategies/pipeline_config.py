@@ -29,9 +29,11 @@ from ringtrain.strategies.tp_options import sequence_parallel_option, tp_option
 
 # Schedules that run with --sequence-parallel (every schedule runs with --tp alone, each checked
 # against one process). The zero-bubble ones split a backward in two (input gradient now,
-# weights later, `ringtrain.pipeline.backward`); with the sequence split at the first stage's
-# embedding, the token embedding's weight gradient comes out wrong (measured: 5e-3 off after 3
-# steps), so they are refused with it until the split backward learns the sequence boundary.
+# weights later, `ringtrain.pipeline.backward`), whose weight pass runs a parameter's tensor
+# hook twice (once in its autograd.grad, once in the backward rooted at the accumulator):
+# sequence parallelism's sum of the norms' gradients over tp is such a hook, so those come out
+# tp times too large (measured: every weight 5e-3 off after 3 clipped steps). Refused until
+# the weight pass runs hooks once.
 SP_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
@@ -54,9 +56,8 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, microbatches: in
                           f"{sorted(SCHEDULES)}")
     if sequence_parallel and schedule not in SP_SCHEDULES:
         raise ConfigError(f"--schedule {schedule} does not run with --sequence-parallel yet "
-                          "(its split backward gets the sequence-split embedding's gradient "
-                          f"wrong); use --schedule in {list(SP_SCHEDULES)} or drop "
-                          "--sequence-parallel")
+                          "(its split backward sums the norms' gradients over tp twice); use "
+                          f"--schedule in {list(SP_SCHEDULES)} or drop --sequence-parallel")
     try:
         SCHEDULES[schedule](0, pp, microbatches or 4 * pp,
                             chunks_per_rank(schedule, virtual_stages))
