@@ -1,20 +1,29 @@
-"""Tensor and sequence parallelism: activation memory per rank and bytes per step, by layout.
+"""Tensor parallelism by layout: bytes per step against the formulas, memory per rank, step time.
 
     .venv/bin/python benchmarks/tensor_parallel.py            # GPT 4 x 256, batch 4 x 256
-    .venv/bin/python benchmarks/tensor_parallel.py --quick    # a smaller model
+    .venv/bin/python benchmarks/tensor_parallel.py --quick    # GPT 2 x 64, batch 4 x 64
 
-Layouts: tp 1 (the plain GPT in one process), tp 2 and tp 4 (gloo ranks on this machine, one
-thread each), each without sequence parallelism, with it, and with it and `recompute_gather`
-(the column layers save their input's shard and all-gather it again in backward). Reported
-per layout:
-- `saved_mb`: bytes autograd keeps for backward at the end of one forward + loss, on rank 0
-  (`ringtrain.pipeline.memory.ActivationMeter`: each saved storage once, parameters not at
-  all). The logits are vocab-sharded under tp, so the loss's saved softmax is 1/t too;
-- `counted` against `formula`: the bytes of each collective in one step, counted by wrapping
-  torch.distributed's calls, next to `ringtrain.tensor_parallel.expected_bytes`;
-- `step_ms`: the median of `--steps` steps (forward, loss, backward, AdamW) on rank 0; on a
-  2-core machine more ranks than cores only shows the overhead, not a speed-up.
-The last line printed is JSON.
+Layouts, side by side in one run (gloo ranks on this machine, one thread each):
+- tp 1 (the plain GPT in one process); tp 2 and tp 4, each without sequence parallelism, with
+  it, and with it and `recompute_gather` (the column layers save their input's shard and
+  all-gather it again in backward): `parallelize(GPT, gpt_plan(...))` over the world;
+- dp 2 x tp 2 on 4 ranks, plain, with sequence parallelism, and with it and ZeRO 1 on the dp
+  axis: `--strategy tp` itself (`ringtrain.strategies.tp.TPStrategy`), one `train_step` each.
+Reported per layout, on rank 0:
+- `tp_counted` against `tp_formula`: the bytes of each collective over the tp group in one step
+  (each call's whole tensor), counted by wrapping torch.distributed's calls, next to
+  `ringtrain.tensor_parallel.expected_bytes`: equal to the byte;
+- `sent_counted` against `sent_formula`: the bytes this rank sends per step on each axis, the
+  collectives' by ring (2(t-1)/t of an all-reduce, (t-1)/t of the others) and ZeRO's rings'
+  `isend`s as counted, next to `ringtrain plan`'s formula (`strategies.layouts`);
+- `saved_mb` against `saved_formula_mb`: bytes autograd keeps for backward at the end of one
+  forward + loss (`ringtrain.pipeline.memory.ActivationMeter`: each saved storage once,
+  parameters not at all), next to `tensor_parallel.volumes.activation_bytes`;
+- `state_mb` against `state_formula_mb`: parameters, gradients and AdamW state this rank holds
+  in the step (counted from the tensors; ZeRO's from `ZeroDataParallel.memory`);
+- `step_ms`: the median of `--steps` steps; on a 2-core machine more ranks than cores only
+  shows the overhead, not a speed-up.
+A table, then the last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -31,93 +40,212 @@ import torch.distributed as dist
 
 from ringtrain.models import GPT, GPTConfig, loss_fn
 from ringtrain.pipeline.memory import ActivationMeter
+from ringtrain.runtime import get_runtime
+from ringtrain.strategies.layouts import Layout, ModelShape, layout_figures, whole_numel
+from ringtrain.strategies.tp import TPStrategy
 from ringtrain.tensor_parallel import expected_bytes, gpt_plan, parallelize
 from ringtrain.tensor_parallel import vocab_parallel_cross_entropy as vp_loss
+from ringtrain.tensor_parallel.volumes import activation_bytes, ring_bytes_per_rank
 from ringtrain.testing import run_workers
+from ringtrain.training.config import adamw
 
 COLLECTIVES = {"all_reduce": ("all_reduce", 0), "all_gather_into_tensor": ("all_gather", 0),
                "all_gather_single": ("all_gather", 0),
                "reduce_scatter_tensor": ("reduce_scatter", 1),
-               "reduce_scatter_single": ("reduce_scatter", 1)}
+               "reduce_scatter_single": ("reduce_scatter", 1), "isend": ("isend", 0)}
+MIB = 2**20
 
 
-def _count_collectives(counted: dict) -> dict:
-    real = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
-    for name, fn in real.items():
-        key, which = COLLECTIVES[name]
+class Counter:
+    """Bytes of torch.distributed's calls by group and op while `counting()` (one step)."""
 
-        def wrapper(*args, _fn=fn, _key=key, _which=which, **kwargs):
-            counted[_key] += args[_which].numel() * args[_which].element_size()
-            return _fn(*args, **kwargs)
-        setattr(dist, name, wrapper)
-    return real
+    def __init__(self):
+        self.bytes: dict[tuple[str, str], int] = {}
+
+    def counting(self, groups: dict[str, dist.ProcessGroup | None]):
+        """Wrap the calls; `groups` names the process groups (None: the world)."""
+        real = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+
+        def axis(group) -> str:
+            for name, g in groups.items():
+                if group is g or (g is None and group in (None, dist.group.WORLD)):
+                    return name
+            return "other"
+
+        for name, fn in real.items():
+            op, which = COLLECTIVES[name]
+
+            def wrapper(*args, _fn=fn, _op=op, _which=which, **kwargs):
+                t = args[_which]
+                key = (axis(kwargs.get("group")), _op)
+                self.bytes[key] = self.bytes.get(key, 0) + t.numel() * t.element_size()
+                return _fn(*args, **kwargs)
+            setattr(dist, name, wrapper)
+        return real
+
+    @staticmethod
+    def restore(real) -> None:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+    def of(self, axis: str) -> dict[str, int]:
+        return {op: b for (a, op), b in self.bytes.items() if a == axis}
+
+    def sent(self, axis: str, size: int) -> float:
+        """What this rank sent on `axis` (a group of `size` ranks), collectives by ring."""
+        return sum(b if op == "isend" else ring_bytes_per_rank(op, b, size)
+                   for op, b in self.of(axis).items())
 
 
-def _measure(rank: int, world_size: int, config: GPTConfig, batch: int, sp: bool, rg: bool,
-             steps: int) -> dict:
+def _shape(config: GPTConfig) -> ModelShape:
+    with torch.device("meta"):
+        model = GPT(config)
+    return ModelShape(config.n_layer, config.n_embd, config.n_head, config.vocab_size,
+                      config.block_size, sum(p.numel() for p in model.parameters()),
+                      whole_numel(model))
+
+
+def _batch(config: GPTConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g),
+            torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g))
+
+
+def _formulas(row: dict, config: GPTConfig, batch: int, layout: Layout, rg: bool) -> dict:
+    """`ringtrain plan`'s figures of the layout, and the whole tensors tp's collectives move."""
+    f = layout_figures(layout, _shape(config), batch=batch)
+    sp = layout.sequence_parallel
+    saved = activation_bytes(n_layer=config.n_layer, n_embd=config.n_embd, batch=batch,
+                             seq=config.block_size, vocab_size=config.vocab_size, tp=layout.tp,
+                             sequence_parallel=sp, recompute_gather=rg)
+    tp = (expected_bytes(n_layer=config.n_layer, n_embd=config.n_embd, batch=batch,
+                         seq=config.block_size, sequence_parallel=sp, recompute_gather=rg)
+          if layout.tp > 1 else {})
+    # `recompute_gather` is not a layout of `ringtrain plan`: its rows sum the ring shares.
+    tp_sent = (sum(ring_bytes_per_rank(op, b, layout.tp) for op, b in tp.items()) if rg
+               else f.tp_sent_bytes)
+    return {**row, "tp_formula": {k: v for k, v in tp.items() if v},
+            "sent_formula": {"tp": round(tp_sent), "dp": round(f.dp_sent_bytes)},
+            "saved_formula_mb": round(saved / MIB, 2),
+            "state_formula_mb": round(f.state_bytes / MIB, 3)}
+
+
+def _plain(world_size: int, config: GPTConfig, batch: int, sp: bool, rg: bool,
+           steps: int) -> dict:
+    """tp = world_size (1: the plain GPT) by `parallelize`, AdamW by hand."""
     torch.manual_seed(0)
     model = GPT(config)
     group = dist.group.WORLD if world_size > 1 else None
     if group is not None:
-        plan = gpt_plan(sequence_parallel=sp, recompute_gather=rg)
-        model = parallelize(copy.deepcopy(model), plan, group)
+        model = parallelize(copy.deepcopy(model), gpt_plan(sequence_parallel=sp,
+                                                           recompute_gather=rg), group)
 
     def loss_of(idx, targets):
         logits = model(idx)
         return loss_fn(logits, targets) if group is None else vp_loss(logits, targets, group)
 
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g)
-    targets = torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g)
+    idx, targets = _batch(config, batch)
     meter = ActivationMeter(model)
     with meter.saving(0):
         loss = loss_of(idx, targets)
     loss.backward()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    counted = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
-    times = []
+    counter, times = Counter(), []
     for step in range(steps + 1):
-        real = _count_collectives(counted) if step == 0 and group is not None else {}
+        real = counter.counting({"tp": None}) if step == 0 and group is not None else {}
         t0 = time.perf_counter()
         opt.zero_grad()
         loss_of(idx, targets).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-    formula = expected_bytes(n_layer=config.n_layer, n_embd=config.n_embd, batch=batch,
-                             seq=config.block_size, sequence_parallel=sp, bias=config.bias,
-                             recompute_gather=rg)
-    return {"tp": world_size, "sequence_parallel": sp, "recompute_gather": rg,
-            "saved_mb": round(meter.peak / 2**20, 2),
-            "counted": counted if group is not None else None,
-            "formula": formula if group is not None else None,
-            "step_ms": round(1e3 * statistics.median(times[1:]), 1)}
+        Counter.restore(real)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    optim = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if t.dim() > 0)  # the moments; AdamW's step scalars left out
+    row = {"layout": f"tp {world_size}" + (" +SP" if sp else "") + (" +recompute" if rg else ""),
+           "tp_counted": counter.of("tp"),
+           "sent_counted": {"tp": round(counter.sent("tp", world_size)), "dp": 0},
+           "saved_mb": round(meter.peak / MIB, 2),
+           "state_mb": round((2 * params + optim) / MIB, 3),
+           "step_ms": round(1e3 * statistics.median(times[1:]), 1)}
+    return _formulas(row, config, batch, Layout(1, 1, world_size, 0, sp), rg)
+
+
+def _strategy(world_size: int, config: GPTConfig, batch: int, sp: bool, zero: int,
+              steps: int) -> dict:
+    """dp 2 x tp 2 (`--strategy tp`), one `train_step` per step, no clipping."""
+    torch.manual_seed(0)
+    s = TPStrategy(get_runtime(), tp=2, sequence_parallel=sp, zero_stage=zero)
+    s.setup(GPT(config), adamw(0.0), loss_fn)
+    dp = s.data_world_size
+    idx, targets = _batch(config, batch * dp)
+    mine = (idx[s.data_rank::dp], targets[s.data_rank::dp])
+    forward = s.zero or s.module
+    meter = ActivationMeter(s.module)
+    with meter.saving(0):
+        s.loss_fn(forward(mine[0]), mine[1])
+    counter, times = Counter(), []
+    groups = {"tp": s.groups.tp_group, "dp": s.groups.dp_group}
+    for step in range(steps + 1):
+        real = counter.counting(groups) if step == 0 else {}
+        t0 = time.perf_counter()
+        s.train_step([mine], lr=1e-3, grad_clip=None)
+        times.append(time.perf_counter() - t0)
+        Counter.restore(real)
+    if s.zero is not None:
+        held = s.stats()
+        state = held["zero_param_bytes"] + held["zero_grad_bytes"] + held["zero_optimizer_bytes"]
+    else:  # the gradients live through the step: as many bytes as the parameters
+        params = sum(p.numel() * p.element_size() for p in s.module.parameters())
+        state = 2 * params + sum(t.numel() * t.element_size() for st in s.optimizer.state.values()
+                                 for t in st.values() if t.dim() > 0)
+    row = {"layout": f"dp {dp} x tp 2" + (" +SP" if sp else "") + (f" +ZeRO {zero}" if zero
+                                                                    else ""),
+           "tp_counted": {k: v for k, v in counter.of("tp").items() if v},
+           "sent_counted": {"tp": round(counter.sent("tp", 2)),
+                            "dp": round(counter.sent("dp", dp))},
+           "saved_mb": round(meter.peak / MIB, 2), "state_mb": round(state / MIB, 3),
+           "step_ms": round(1e3 * statistics.median(times[1:]), 1)}
+    s.close()
+    return _formulas(row, config, batch, Layout(dp, 1, 2, zero, sp), False)
+
+
+def _worker(rank: int, world_size: int, config: GPTConfig, batch: int, steps: int) -> list:
+    torch.set_num_threads(1)
+    rows = [_plain(world_size, config, batch, sp, rg, steps)
+            for sp, rg in ((False, False), (True, False), (True, True))]
+    if world_size == 4:
+        rows += [_strategy(world_size, config, batch, sp, zero, steps)
+                 for sp, zero in ((False, 0), (True, 0), (True, 1))]
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="GPT 2 x 64, batch 2 x 64")
+    parser.add_argument("--quick", action="store_true", help="GPT 2 x 64, batch 4 x 64")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     if args.quick:
         config, batch = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4,
-                                  n_embd=64), 2
+                                  n_embd=64), 4
     else:
         config, batch = GPTConfig(vocab_size=1024, block_size=256, n_layer=4, n_head=8,
                                   n_embd=256), 4
     torch.set_num_threads(1)
     load = os.getloadavg()
-    rows = [_measure(0, 1, config, batch, False, False, args.steps)]
-    for tp in (2, 4):
-        for sp, rg in ((False, False), (True, False), (True, True)):
-            rows.append(run_workers(_measure, tp, args=(config, batch, sp, rg, args.steps),
-                                    timeout_s=600)[0])
+    rows = [_plain(1, config, batch, False, False, args.steps)]
+    for world in (2, 4):  # one worker start per world size, its layouts in turn
+        rows += run_workers(_worker, world, args=(config, batch, args.steps), timeout_s=600)[0]
+    print(f"{'layout':<24}{'tp bytes = formula':>19}{'sent MB (formula)':>22}"
+          f"{'saved MiB (formula)':>22}{'state MiB (formula)':>22}{'step ms':>9}")
     for r in rows:
-        ok = "" if r["counted"] is None else f" counted==formula: {r['counted'] == r['formula']}"
-        print(f"tp={r['tp']} sp={r['sequence_parallel']!s:5} "
-              f"recompute_gather={r['recompute_gather']!s:5} saved {r['saved_mb']:7.2f} MiB "
-              f"step {r['step_ms']:8.1f} ms{ok}")
+        equal = "-" if not r["tp_formula"] else str(r["tp_counted"] == r["tp_formula"])
+        sent = sum(r["sent_counted"].values()) / 1e6
+        sent_f = sum(r["sent_formula"].values()) / 1e6
+        saved = "{saved_mb:.2f} ({saved_formula_mb:.2f})".format(**r)
+        state = "{state_mb:.3f} ({state_formula_mb:.3f})".format(**r)
+        print(f"{r['layout']:<24}{equal:>19}{f'{sent:.3f} ({sent_f:.3f})':>22}{saved:>22}"
+              f"{state:>22}{r['step_ms']:9.1f}")
     print(json.dumps({"config": {"n_layer": config.n_layer, "n_embd": config.n_embd,
                                  "n_head": config.n_head, "vocab_size": config.vocab_size,
                                  "batch": batch, "seq": config.block_size},

@@ -23,6 +23,7 @@ from ringtrain.data.addition import train_size
 from ringtrain.models import GPT, GPTConfig
 from ringtrain.strategies import registered
 from ringtrain.strategies.figures import Workload
+from ringtrain.strategies.layouts import whole_numel
 
 TINY = ["--steps", "20", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16",
         "--eval-every", "10", "--no-progress", "--snapshot-every", "10"]
@@ -299,7 +300,8 @@ def test_diloco_meeting_bytes_by_codec(codec, meeting):
 def test_every_registered_strategy_gives_figures_and_words(name):
     cls = registered()[name]
     work = Workload(world_size=2, params=P, step_batch=16, sample_numel=6 * 32,
-                    n_layer=MODEL["n_layer"])
+                    n_layer=MODEL["n_layer"], block_size=6, vocab_size=10,
+                    whole_params=whole_numel(GPT(GPTConfig(**MODEL))))
     fig = cls.Config().figures(work)
     assert fig is not None and fig.data_ranks >= 1 and fig.held_bytes > 0, name
     assert fig == run_facts(_run(2, name)).figures  # explain asks the strategy, nothing else

@@ -47,7 +47,10 @@ VARIANTS = [("ps", {"mode": "async"}, False), ("ddp", {"grad_compress": "powersg
             # zb-v, not zb-h1: its split backward on two chunks in a V covers zb-h1's one
             # chunk, for the same suite time (zb-h1 is checked against one process in
             # test_pipeline.py)
-            ("pipeline", {"schedule": "zb-v"}, True)]
+            ("pipeline", {"schedule": "zb-v"}, True),
+            # tp's state under ZeRO (its shards of the slices); 2 ranks: dp 2 x tp 1, so ZeRO
+            # shards (dp 2 x tp 2 is tests/test_tp_zero.py's, against one process)
+            ("tp", {"tp": 1, "zero_stage": 2}, True)]
 CASES = [(name, {}, True) for name in registered()] + VARIANTS
 # Through Trainer: every strategy, and the variants whose state differs (not int8's codec),
 # and the dp x pp x tp grid as tp 2 x pp 2 on 4 ranks (its seam and equality with one process:
@@ -170,6 +173,9 @@ def _fit(rank, world_size, run_dir, name, options):
     trainer = _trainer(get_runtime(), run_dir, name, options)
     summary = trainer.fit()
     trainer.strategy.close()
+    # What `ringtrain train` exports: the whole final model (not tp's slices, not ZeRO 3's
+    # freed parameters), the one the ranks agreed on.
+    assert param_sha256(trainer.final_model().state_dict()) == summary["param_sha256"]
     return summary
 
 

@@ -128,6 +128,7 @@ def run_facts(run: RunFiles) -> RunFacts:
     from ringtrain.models import GPT, GPTConfig
     from ringtrain.strategies import registered
     from ringtrain.strategies.figures import Workload
+    from ringtrain.strategies.layouts import whole_numel
 
     config, trainer = run.config, run.config.get("trainer", {})
     args, world = config["args"], config["world_size"]
@@ -140,18 +141,22 @@ def run_facts(run: RunFiles) -> RunFacts:
 
         strategy = cls.Config(**set_values(cls.Config, parsed_text(args)))
     try:
-        params = sum(p.numel() for p in GPT(GPTConfig(**config["model"])).parameters())
+        gpt = GPT(GPTConfig(**config["model"]))
+        params = sum(p.numel() for p in gpt.parameters())
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.json's model section {config['model']} does not build a GPT "
                           f"({e}); was it written by another version of ringtrain?") from None
     accum = trainer.get("grad_accum", 1)
     step_batch = trainer.get("batch_size", 1) * accum
-    sample = config["model"].get("block_size", 0) * config["model"].get("n_embd", 0)
+    model = config["model"]
+    sample = model.get("block_size", 0) * model.get("n_embd", 0)
     figures, refused = None, ""
     try:  # options the strategy refuses for this world size: no figures, the generic words
         if strategy:
-            figures = strategy.figures(Workload(world, params, step_batch, accum, sample,
-                                                      config["model"].get("n_layer", 0)))
+            figures = strategy.figures(Workload(
+                world, params, step_batch, accum, sample, model.get("n_layer", 0),
+                block_size=model.get("block_size", 0), vocab_size=model.get("vocab_size", 0),
+                whole_params=whole_numel(gpt)))
     except ValueError as e:
         refused = str(e)
     return RunFacts(name, cls, strategy, world, params, step_batch, figures,

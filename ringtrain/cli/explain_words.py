@@ -287,6 +287,10 @@ def zero(f: RunFacts) -> Explanation:
                        "and the step, so their time is counted as compute")
 
 
+_ZERO_SHARDS = ["", "optimizer state", "optimizer state and gradients",
+                "optimizer state, gradients and parameters"]
+
+
 def tp(f: RunFacts) -> Explanation:
     fig: TPFigures = f.figures
     t, dp = fig.tp, fig.data_ranks
@@ -295,8 +299,17 @@ def tp(f: RunFacts) -> Explanation:
              "tensor parallelism): every rank holds 1/tp of each matrix (attention heads, MLP "
              "width, vocabulary), the tp ranks of a replica read the same batch, and the loss "
              "is computed on vocab-sharded logits without gathering them.",
-             held(fig, "each rank") + " (1/tp of fp32 AdamW's 16 bytes per parameter; the "
-             "norms and position embedding, held whole, left out)."]
+             held(fig, "each rank") + " (fp32 AdamW's 16 bytes per parameter of its slices and "
+             "of the norms, position embedding and row biases, held whole"
+             + (f"; ZeRO {fig.zero_stage} divides the {_ZERO_SHARDS[fig.zero_stage]} by "
+                f"the {dp} ranks of each data-parallel group" if fig.zero_stage else "")
+             + "; `ringtrain plan` gives the same figures for every layout)."]
+    if fig.activation_bytes is not None:
+        roles.append(f"activations saved for backward: {nbytes(fig.activation_bytes)} per rank "
+                     "per micro-batch (the formula of docs/tensor_parallel.md"
+                     + (", sequence parallelism on" if f.option("sequence_parallel") else "")
+                     + "; without --activation-checkpointing, which keeps only each block's "
+                     "input).")
     traffic = []
     if fig.tp_sent_bytes is not None:
         how = ("as all-gathers and reduce-scatters (--sequence-parallel: the same bytes, the "
@@ -306,9 +319,13 @@ def tp(f: RunFacts) -> Explanation:
                        f"forward and 2 in backward, plus the embedding's and lm_head's: "
                        f"{nbytes(fig.tp_sent_bytes)} sent per rank per step by ring (2(t-1)/t "
                        f"of each, t = {t}).")
+    how = (f"reduce-scattered over its data-parallel group as they are made and the updated "
+           f"parts all-gathered (ZeRO {fig.zero_stage}"
+           + (", and each block's slices gathered before its forward and backward" if
+              fig.zero_stage == 3 else ": the bytes of one all-reduce") + ")"
+           if fig.zero_stage else "all-reduced over its data-parallel group")
     traffic.append(f"across the {dp} replica{'s' if dp > 1 else ''}: each rank's gradient "
-                   f"slices all-reduced over its data-parallel group: "
-                   f"{nbytes(fig.dp_sent_bytes)} per rank per step."
+                   f"slices {how}: {nbytes(fig.dp_sent_bytes)} per rank per step."
                    if dp > 1 else "no data-parallel traffic: one replica.")
     return Explanation(roles, traffic, reader="one per replica: its tp ranks read the same samples",
                        waiting="the data-parallel all-reduce after backward "

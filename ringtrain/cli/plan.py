@@ -1,7 +1,8 @@
-"""`ringtrain plan`: will the model fit, and which strategy is fastest? DDP, ZeRO 1/2/3, pipeline.
+"""`ringtrain plan`: will the model fit, and how to lay it out? DDP, ZeRO 1/2/3, pipeline, tp.
 
     ringtrain plan --nproc-per-node 4 --n-layer 12 --n-embd 768 --vocab-size 50304 --block-size 1024
     ringtrain plan --nproc-per-node 8 --params 1.5B --memory-gb 16
+    ringtrain plan --nproc-per-node 8 --n-layer 24 --n-embd 2048 --n-head 16 --memory-gb 40
 
 Counts the GPT's parameters without allocating them (on the meta device), then prints per rank,
 for each strategy: the bytes of parameters, gradients and fp32 AdamW state it holds (the ZeRO
@@ -12,8 +13,16 @@ parameter count is one unit), the bytes each rank sends per step, and a step tim
 model: compute 6 x parameters x tokens / --tflops (a pipeline: its heaviest stage, times the
 bubble (m + pp - 1) / m of m = 4 x pp micro-batches) plus the bytes sent over --link-gbit (no
 overlap assumed). With --memory-gb it says which fit; it names the fastest (of those that fit).
-Activations are not counted: they depend on the batch, and every strategy pays them (a pipeline
-stage pays them for its layers only: `--activation-checkpointing` cuts them for all).
+Activations are not counted in that first table: they depend on the batch, and every strategy
+pays them (a pipeline stage pays them for its layers only: `--activation-checkpointing` cuts
+them for all).
+
+A model given by its shape gets a second table: every layout dp x pp x tp of the ranks (tp
+inside one node of --nproc-per-node ranks, dividing --n-head and the vocabulary; ZeRO 1-3 on
+the dp axis), per rank its parameters, gradients, AdamW state and activations (with and without
+sequence parallelism) and the bytes it sends per step on each axis, from the formulas of
+`ringtrain.strategies.layouts` (which `ringtrain explain` uses for --strategy tp), and the layout
+it recommends, with the rule (`layouts.RULE`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch
 
 from ringtrain.errors import USAGE_EXIT_CODE
 from ringtrain.models import GPT, GPTConfig
+from ringtrain.strategies import layouts
 from ringtrain.strategies.pipeline import partition  # the pipeline strategy's own split
 from ringtrain.strategies.zero import ZeroStrategy
 
@@ -57,6 +67,58 @@ def gpt_stages(cfg: GPTConfig, pp: int) -> list[int] | None:
     with torch.device("meta"):
         stages = partition(GPT(cfg).to_sequential(), pp)
     return [sum(p.numel() for p in s.parameters()) for s in stages]
+
+
+def model_shape(cfg: GPTConfig, world_size: int) -> layouts.ModelShape:
+    """The GPT's sizes and, for every pipeline degree that divides `world_size`, its stages'
+    (parameters, those tp keeps whole, layers), split as `--strategy pipeline` splits it."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+        stages: dict[int, list[tuple[int, int, int]]] = {}
+        for pp in range(2, min(world_size, cfg.n_layer + 2) + 1):
+            if world_size % pp == 0:
+                parts = partition(model.to_sequential(), pp)
+                stages[pp] = [(sum(p.numel() for p in s.parameters()), layouts.whole_numel(s),
+                               sum(isinstance(m, type(model.blocks[0])) for m in s))
+                              for s in parts]
+    return layouts.ModelShape(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size,
+                              cfg.block_size, sum(p.numel() for p in model.parameters()),
+                              layouts.whole_numel(model), stages)
+
+
+def print_layouts(shape: layouts.ModelShape, world_size: int, host: int, batch: int,
+                  memory_gb: float | None) -> layouts.LayoutFigures | None:
+    """The layout table and the recommendation; returns the recommended row."""
+    rows = [layouts.layout_figures(lay, shape, batch=batch)
+            for lay in layouts.layouts(world_size, shape, host=host)]
+    limit = None if memory_gb is None else memory_gb * 2**30
+    best, rule = layouts.recommend(rows, limit)
+    print(f"\nlayouts of {world_size} ranks (dp x pp x tp, ZeRO on dp; tp within a node of "
+          f"{host}), GiB per rank with activations of {batch} samples per replica (act: tp "
+          "alone, act+SP: with sequence parallelism, counted in total), MB sent per rank per "
+          "step on each axis:")
+    print(f"{'dp x pp x tp':<13}{'zero':>5}{'params':>9}{'grads':>9}{'optim':>9}{'act':>9}"
+          f"{'act+SP':>9}{'total':>9}{'dp MB':>9}{'tp MB':>9}{'pp MB':>9}"
+          + ("  fits" if memory_gb else ""))
+    for r in rows:
+        lay = r.layout
+        fits = limit is None or r.total_bytes <= limit
+        mark = " <-" if r is best else ""
+        print(f"{f'{lay.dp} x {lay.pp} x {lay.tp}':<13}{lay.zero_stage:>5}{_gb(r.params_bytes)}"
+              f"{_gb(r.grads_bytes)}{_gb(r.optimizer_bytes)}{_gb(r.activation_bytes)}"
+              f"{_gb(r.activation_sp_bytes)}{_gb(r.total_bytes)}{r.dp_sent_bytes / 1e6:9.1f}"
+              f"{r.tp_sent_bytes / 1e6:9.1f}{r.pp_sent_bytes / 1e6:9.1f}"
+              + (("  ok" if fits else "  -") if memory_gb else "") + mark)
+    if best is None:
+        print(f"no layout fits in {memory_gb:g} GiB per rank: add ranks or memory, or "
+              "--activation-checkpointing")
+    else:
+        lay = best.layout
+        nodes = f" --nnodes {world_size // host}" if world_size > host else ""
+        print(f"recommended: dp {lay.dp} x pp {lay.pp} x tp {lay.tp}"
+              f"{f', ZeRO {lay.zero_stage}' if lay.zero_stage else ''}: ringtrain train "
+              f"--nproc-per-node {host}{nodes} {lay.flags()}\nrule: {rule}")
+    return best
 
 
 def plan_rows(numel: int, world_size: int, root: int | None = None, block: int | None = None, *,
@@ -127,6 +189,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--params", type=parse_count, help="parameter count (instead of the shape)")
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=64)
+    ap.add_argument("--n-head", type=int, default=4,
+                    help="attention heads: tp must divide them (the layout table)")
     ap.add_argument("--vocab-size", type=int, default=50304)
     ap.add_argument("--block-size", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=8,
@@ -158,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
-                            n_layer=args.n_layer, n_head=1, n_embd=args.n_embd)
+                            n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
         except ValueError as e:
             print(f"ringtrain plan: {e}")
             return USAGE_EXIT_CODE
@@ -190,4 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"fastest{' that fits' if args.memory_gb else ''} by this model: {best['strategy']} "
               f"({best['step_s']:.3f} s per step)")
+    if args.params is None:
+        print_layouts(model_shape(cfg, world), world, args.nproc_per_node, args.batch_size,
+                      args.memory_gb)
     return 0

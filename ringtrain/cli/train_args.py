@@ -92,9 +92,8 @@ def options_from(given: Mapping[str, Any], *, parse_text: bool = False) -> Train
     _check_names(recipe, f"recipe={given.get('recipe')!r}")
     values = {**TASK_DEFAULTS[task], **recipe, **given}
     strategies = registered()
-    if values.get("strategy") is None:  # --pp 2 alone: the strategy its options name
-        given = {**given, "strategy": implied_strategy(values)}
-    chosen = strategies[given.get("strategy", values.get("strategy"))]
+    given = {**given, "strategy": strategy_name(values)}  # --pp 2 alone: pipeline
+    chosen = strategies[given["strategy"]]
     mine = {flag(f) for f in option_fields(chosen.Config)}
     for flag_, names in _flag_owners().items():
         if flag_ not in mine and flag_[2:].replace("-", "_") in {**recipe, **given}:
@@ -110,14 +109,13 @@ def options_from(given: Mapping[str, Any], *, parse_text: bool = False) -> Train
         raise ValueError(to_flags(str(e), every_option_class())) from None
 
 
-def implied_strategy(values: Mapping[str, Any]) -> str:
-    """With no --strategy: the first strategy (by name) whose `Config.chosen_by` options are
-    among `values` (--pp: pipeline, whose --tp then splits each stage; --tp alone: tp), else
-    ddp. Said in `--strategy`'s help."""
-    for name, cls in registered().items():
-        if any(values.get(k) is not None for k in cls.Config.chosen_by):
-            return name
-    return "ddp"
+def strategy_name(values: Mapping[str, Any]) -> str:
+    """--strategy as given (or by the recipe); else the first strategy (by name) whose
+    `Config.chosen_by` options are among `values` (--pp: pipeline, whose --tp then splits each
+    stage; --tp alone: tp); else ddp. Said in `--strategy`'s help."""
+    implied = (name for name, cls in registered().items()
+               if any(values.get(k) is not None for k in cls.Config.chosen_by))
+    return values.get("strategy") or next(implied, "ddp")
 
 
 def parsed_text(values: dict[str, Any]) -> dict[str, Any]:

@@ -136,7 +136,8 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
                       flush=True)
             return stopped(summary["stopped_by"])
         if rt.rank == 0:
-            export_final(trainer.model, job, run.run_dir)  # model.safetensors + its config
+            # model.safetensors + its config: the whole model (tp's ranks hold slices)
+            export_final(trainer.final_model(), job, run.run_dir)
             print(format_summary(summary), flush=True)
         return 0
     except ConfigError as e:

@@ -4,7 +4,8 @@ Read `base.py` first (the seam the trainer talks to), then `ddp.py` (the simples
 `pipeline.py` and `ps.py`. Each module here holds one `Strategy` subclass with a `name`; it is
 found by that name (`--strategy NAME`, `make_strategy(NAME, ...)`) without a list to edit.
 Each strategy's options are its `Config` dataclass (`base.StrategyConfig`), declared in its
-module, with what it costs in numbers (`figures.py`, for `ringtrain explain`). `portable.py` is
+module, with what it costs in numbers (`figures.py`, for `ringtrain explain`; `layouts.py`: a
+GPT's dp x pp x tp layouts, for `ringtrain plan` and `--strategy tp`). `portable.py` is
 the layout-free form of a strategy's state (parameters and optimizer state by name) that lets a
 snapshot of one strategy or layout resume in any other: each strategy converts to and from it.
 May import: `ringtrain.config`, `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`,

@@ -45,6 +45,9 @@ class Workload:
         sample_numel: activation elements one sample carries across a layer boundary
             (block_size x n_embd for the GPT); 0 where unknown.
         n_layer: transformer layers (the GPT's n_layer); 0 where unknown.
+        block_size, vocab_size: the GPT's (tensor parallelism's activations); 0 where unknown.
+        whole_params: parameters tensor parallelism keeps whole on every rank (norms, position
+            embedding, row-parallel biases: `tensor_parallel.volumes.whole_params`).
     """
 
     world_size: int
@@ -53,6 +56,9 @@ class Workload:
     grad_accum: int = 1
     sample_numel: int = 0
     n_layer: int = 0
+    block_size: int = 0
+    vocab_size: int = 0
+    whole_params: int = 0
 
     @property
     def model_bytes(self) -> int:

@@ -2,6 +2,7 @@
 
     ringtrain train --strategy tp --tp 2 --nproc-per-node 2      # one replica split in two
     ringtrain train --strategy tp --tp 2 --nproc-per-node 4      # dp 2 x tp 2
+    ringtrain train --strategy tp --tp 2 --zero-stage 2 --nproc-per-node 4   # + ZeRO 2 on dp
 
 Ranks form a `ringtrain.grid.Grid` with pp=1 (tp innermost: a tp group is consecutive ranks, one
 host). Each replica's GPT is parallelised by `gpt_plan()`: every rank holds 1/tp of each
@@ -12,11 +13,20 @@ whole (layer norms, position embedding, row-parallel biases) come out equal on e
 the plan sums the norms' over the group, as each rank saw its tokens only), so they need
 nothing more; the data-parallel mean runs over the dp group only, on each rank's own slices.
 
+`--zero-stage 1|2|3` shards along the data-parallel axis what each rank holds of its slices: the
+tp-local module (this rank's slices and the whole parameters) goes into ZeRO's
+`ZeroDataParallel` over the dp group, so the slices' AdamW moments (1) and gradients (2) are
+cut dp ways (3: and the slices themselves, gathered over the dp group around each block's
+forward and backward), the dp mean is ZeRO's reduce-scatter, and the updated parts are
+all-gathered. The two axes never meet inside ZeRO: its collectives run on the dp group, tp's
+inside autograd on the tp group (so recomputed blocks and sequence parallelism's gradient sums
+work under it unchanged).
+
 A separate strategy, not a `--tp` of ddp: its state is per rank and sharded (ddp's is one
 replicated copy), its loss and eval logits go through the tp group, and its clip norm sums
 slices; as a ddp option each of those would be an `if tp > 1` in ddp's methods.
-Not yet: with --pp, ZeRO (other strategies: their flags are refused with --strategy tp),
-dropout > 0 (needs the same RNG on every tp rank), tied embeddings, `recompute_gather`.
+Not yet: with --pp (refused with --strategy tp), dropout > 0 (needs the same
+RNG on every tp rank), tied embeddings, `recompute_gather`.
 """
 
 from __future__ import annotations
@@ -29,10 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringtrain.config import option
 from ringtrain.errors import ConfigError
 from ringtrain.grid import Grid, create_process_groups
 from ringtrain.runtime import Runtime
-from ringtrain.strategies import portable
+from ringtrain.strategies import layouts, portable
 from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyConfig
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
@@ -43,8 +54,11 @@ from ringtrain.tensor_parallel import (
     parallelize,
     vocab_parallel_cross_entropy,
 )
-from ringtrain.tensor_parallel.state import Split, param_splits, shard, unshard
+from ringtrain.tensor_parallel.state import Split, param_splits, shard_named, unshard, unshard_named
 from ringtrain.types import LossFn, OptimizerFn
+from ringtrain.zero import state as zero_state
+from ringtrain.zero.shard import expected_bytes
+from ringtrain.zero.sharded import ZeroDataParallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +66,11 @@ class TPFigures(Figures):
     """`--strategy tp`'s figures: the dp all-reduce of a rank's slices, and tp's activations."""
 
     tp: int
-    dp_sent_bytes: float  # ring all-reduce of this rank's gradients over the dp group
+    zero_stage: int  # ZeRO on the dp axis (0: none)
+    dp_sent_bytes: float  # this rank's gradients over the dp group (ring; ZeRO's collectives)
     tp_sent_bytes: float | None  # activations' all-reduces over the tp group (None: unknown)
+    # Saved for backward per rank in one micro-batch (`volumes.activation_bytes`; None: unknown)
+    activation_bytes: float | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +81,11 @@ class TPConfig(StrategyConfig):
 
     tp: int = tp_option(2)
     sequence_parallel: bool = sequence_parallel_option()
+    zero_stage: int = option(0, "ZeRO: what is sharded over the data-parallel ranks: 1 optimizer "
+                             "state, 2 + gradients, 3 + parameters (--strategy tp: 0, no ZeRO, "
+                             "by default; 1-3 shard each rank's slices over its dp group)",
+                             type=int, choices=(0, 1, 2, 3),
+                             shown="2 with --strategy zero, 0 with --strategy tp")
 
     def plan(self, world_size: int, step_batch: int) -> int:
         try:
@@ -89,22 +111,34 @@ class TPConfig(StrategyConfig):
                               "would need the same dropout mask on each; use --dropout 0")
 
     def figures(self, workload: Workload) -> TPFigures:
-        """1/tp of the parameters, gradients and AdamW moments per rank (the norms and the
-        position embedding, held whole, are left out of the count); the dp group all-reduces
-        those gradients; the tp group all-reduces activations: per layer 2 forward and 2
-        backward of b x s x h (`tensor_parallel.volumes`, where the workload gives the shape);
-        under sequence parallelism the same bytes as all-gathers and reduce-scatters (the norms'
-        gradient sums and the loss's (b x s) floats are left out)."""
+        """`ringtrain plan`'s figures of this layout (`strategies.layouts`): per rank 1/tp of
+        the split parameters and the whole ones (norms, position embedding, row biases), their
+        gradients and AdamW moments, ZeRO dividing them by dp; the dp group's ring all-reduce of
+        the gradients (ZeRO's reduce-scatter and all-gather, the same bytes); the tp group's
+        activation collectives, per layer 2 forward and 2 backward of b x s x h
+        (`tensor_parallel.volumes`), and the activations saved for backward. Where the workload
+        lacks the GPT's shape: 1/tp of a replica, and no activation figures."""
         dp = self.plan(workload.world_size, workload.step_batch)
-        own = {k: v / self.tp for k, v in workload.replica().items()}
-        dp_sent = all_reduce_share(dp) * workload.model_bytes / self.tp
-        tp_sent = None
-        if workload.sample_numel and workload.n_layer:
-            a = workload.step_batch * workload.sample_numel * 4  # b*s*h fp32, whole step
-            tp_sent = all_reduce_share(self.tp) * a * (4 * workload.n_layer + 2)
-        sent = None if tp_sent is None else dp_sent + tp_sent
-        return TPFigures(data_ranks=dp, **own, sent_bytes=sent, tp=self.tp,
-                         dp_sent_bytes=dp_sent, tp_sent_bytes=tp_sent)
+        w = workload
+        if not (w.sample_numel and w.n_layer and w.block_size and w.vocab_size):
+            own = {k: v / self.tp for k, v in w.replica().items()}
+            if self.zero_stage:
+                own = {f"{k}_bytes": v for k, v in
+                       expected_bytes(w.params // self.tp, dp, self.zero_stage).items()}
+            dp_sent = all_reduce_share(dp) * w.model_bytes / self.tp
+            return TPFigures(data_ranks=dp, **own, sent_bytes=None, tp=self.tp,
+                             zero_stage=self.zero_stage, dp_sent_bytes=dp_sent,
+                             tp_sent_bytes=None, activation_bytes=None)
+        shape = layouts.ModelShape(w.n_layer, w.sample_numel // w.block_size, self.tp,
+                                   w.vocab_size, w.block_size, w.params, w.whole_params)
+        layout = layouts.Layout(dp, 1, self.tp, self.zero_stage, self.sequence_parallel)
+        f = layouts.layout_figures(layout, shape, batch=w.step_batch)
+        micro = layouts.layout_figures(layout, shape, batch=w.step_batch // w.grad_accum)
+        return TPFigures(data_ranks=dp, params_bytes=f.params_bytes, grads_bytes=f.grads_bytes,
+                         optimizer_bytes=f.optimizer_bytes, sent_bytes=f.sent_bytes, tp=self.tp,
+                         zero_stage=self.zero_stage, dp_sent_bytes=f.dp_sent_bytes,
+                         tp_sent_bytes=f.tp_sent_bytes,
+                         activation_bytes=micro.activation_sp_bytes)
 
 
 class TPStrategy(Strategy):
@@ -114,19 +148,22 @@ class TPStrategy(Strategy):
         runtime: this process's `Runtime` (rank, world_size, device, process_group).
         tp: the tensor-parallel degree (--tp); must divide the world size.
         sequence_parallel: `gpt_plan(sequence_parallel=True)` (--sequence-parallel).
+        zero_stage: 0 (no ZeRO), 1, 2 or 3: ZeRO over the dp group of this rank's module.
     """
 
     name = "tp"
     Config = TPConfig
 
-    def __init__(self, runtime: Runtime, *, tp: int = 2, sequence_parallel: bool = False):
+    def __init__(self, runtime: Runtime, *, tp: int = 2, sequence_parallel: bool = False,
+                 zero_stage: int = 0):
         self.runtime, self.tp, self.sequence_parallel = runtime, tp, sequence_parallel
-        try:
-            self.grid = Grid(runtime.world_size, tp=tp)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self.zero_stage = int(zero_stage)
+        # The pre-launch checks again (a script builds the strategy without the command line).
+        TPConfig(tp=tp, zero_stage=self.zero_stage).plan(runtime.world_size, 1)
+        self.grid = Grid(runtime.world_size, tp=tp)
         self.groups = None
         self.module: nn.Module | None = None
+        self.zero: ZeroDataParallel | None = None  # --zero-stage 1, 2: the dp axis's wrapper
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
@@ -139,7 +176,15 @@ class TPStrategy(Strategy):
             raise ConfigError(f"--strategy tp --tp {self.tp}: {e}") from None
         self.module = model.to(self.runtime.device)
         self.splits = param_splits(self.module)
-        self.optimizer = optimizer_fn(self.module.parameters())
+        if self.zero_stage:
+            # ZeRO shards this rank's module (its slices, the whole parameters) over the ranks
+            # holding the same slices; the tp collectives stay inside the module's autograd.
+            self.zero = ZeroDataParallel(self.module, optimizer_fn, stage=self.zero_stage,
+                                         process_group=self.groups.dp_group)
+            self.zero.trace(self.tracer)
+            self.optimizer = self.zero.optimizer
+        else:
+            self.optimizer = optimizer_fn(self.module.parameters())
         tp_group = self.groups.tp_group
         # The plan's lm_head leaves the logits split by vocabulary: the loss is the
         # cross-entropy of ringtrain's `loss_fn` (mean over targets, -1 ignored), computed
@@ -163,10 +208,11 @@ class TPStrategy(Strategy):
         assert self.module is not None and self.groups is not None, "setup() first"
         start = time.perf_counter()
         lr_into(self.optimizer, lr)
-        acc = accumulate(micro_batches, self.module, self.loss_fn, device=self.runtime.device,
-                         tracer=self.tracer)
-        comm_s = 0.0
-        if self.grid.dp > 1:
+        acc = accumulate(micro_batches, self.zero or self.module, self.loss_fn,
+                         device=self.runtime.device, tracer=self.tracer,
+                         no_sync=self.zero.no_sync if self.zero else None)
+        comm_s = 0.0  # ZeRO's reduce-scatters overlap backward: counted as compute, as zero's
+        if self.grid.dp > 1 and self.zero is None:
             began = time.perf_counter()
             with self.tracer.span("all-reduce dp"):
                 self._average_over_dp()
@@ -191,8 +237,14 @@ class TPStrategy(Strategy):
 
     def _clip(self, max_norm: float) -> torch.Tensor:
         """torch's `clip_grad_norm_` of the whole model: each slice's squares summed over the tp
-        group, the parameters held whole counted once (they are equal on every tp rank)."""
+        group, the parameters held whole counted once (they are equal on every tp rank).
+        Under ZeRO each rank holds a dp shard of its slices: the squares of the world's shards
+        are summed, the whole parameters' on tp rank 0 only."""
         first = self._tp_rank() == 0
+        if self.zero is not None:
+            whole = () if first else {n for n, s in self.splits.items() if s.dim is None}
+            return self.zero.clip_grad_norm_(max_norm, skip=whole,
+                                             norm_group=self.runtime.process_group)
         squares = torch.zeros((), device=self.runtime.device, dtype=torch.float32)
         for name, p in self.module.named_parameters():
             if p.grad is not None and (self.splits[name].dim is not None or first):
@@ -217,7 +269,7 @@ class TPStrategy(Strategy):
         was_training = self.module.training
         self.module.eval()
         try:
-            local = self.module(x.to(self.runtime.device))  # (B, T, V/tp)
+            local = (self.zero or self.module)(x.to(self.runtime.device))  # (B, T, V/tp)
         finally:
             self.module.train(was_training)
         logits = comm.all_gather(local, -1, self.groups.tp_group)  # (B, T, V)
@@ -227,7 +279,9 @@ class TPStrategy(Strategy):
         """The whole model's tensors by the plain GPT's names (collective over the tp group)."""
         assert self.module is not None and self.groups is not None, "setup() first"
         out = {}
-        for name, t in self.module.state_dict().items():
+        # ZeRO: the parts updated by the other dp ranks gathered first.
+        local = self.zero.full_state_dict() if self.zero else self.module.state_dict()
+        for name, t in local.items():
             split = self.splits.get(name, Split(None))
             if split.dim is None:
                 out[name] = t.clone()
@@ -241,9 +295,11 @@ class TPStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         assert self.module is not None, "setup() first"
+        layout = {"tp": self.tp, "splits": {k: (s.dim, s.chunks) for k, s in self.splits.items()}}
+        if self.zero is not None:  # this rank's dp shard of its slices (ZeRO's flat layout)
+            return {"zero": self.zero.shard_state_dict(), **layout}
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "param_names": self._names(), "tp": self.tp,
-                "splits": {k: (s.dim, s.chunks) for k, s in self.splits.items()}}
+                "param_names": self._names(), **layout}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.module is not None, "setup() first"
@@ -251,42 +307,68 @@ class TPStrategy(Strategy):
             raise ConfigError(f"this tp state was saved with --tp {state.get('tp')}, this rank "
                               f"runs --tp {self.tp}: each rank holds other slices; resume with "
                               f"--tp {state.get('tp')} or through the layout-free form")
+        if (self.zero is None) != ("zero" not in state):
+            raise ConfigError("this tp state was saved with"
+                              f"{'' if 'zero' in state else 'out'} ZeRO, this run has "
+                              f"--zero-stage {self.zero_stage}: resume with the saved "
+                              "--zero-stage or through the layout-free form")
+        if self.zero is not None:
+            self.zero.load_shard_state_dict(state["zero"])
+            return
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
     def state_layout(self) -> dict[str, Any]:
-        return {"tp": self.tp}  # another tp degree resumes through the layout-free form
+        # Another tp degree or ZeRO stage resumes through the layout-free form.
+        return {"tp": self.tp, **({"zero_stage": self.zero_stage} if self.zero_stage else {})}
 
     @classmethod
     def to_portable(cls, read_parts: Callable[[list[int]], dict[int, dict[str, Any]]],
                     shared: dict[str, Any] | None,
                     metadata: dict[str, Any]) -> dict[str, Any] | None:
-        """Replica 0's tp ranks' slices put back together (the replicas are equal)."""
-        tp = int(read_parts([0])[0]["tp"])
+        """The tp ranks' slices put back together: replica 0's (the replicas are equal), or
+        under ZeRO each slice's dp shards first (`zero.state.to_named`)."""
+        first = read_parts([0])[0]
+        tp, splits = int(first["tp"]), {k: Split(*v) for k, v in first["splits"].items()}
+        if "zero" in first:
+            dp = int(metadata["world_size"]) // tp
+            named = []
+            for t in range(tp):  # tp rank t's slice is sharded over the ranks d * tp + t
+                parts = read_parts([d * tp + t for d in range(dp)])
+                try:
+                    named.append(zero_state.to_named([p["zero"] for _, p in sorted(parts.items())]))
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+            model, optimizer = unshard_named([m for m, _ in named], [o for _, o in named], splits)
+            return portable.make(model, {"state": optimizer})
         parts = read_parts(list(range(tp)))  # replica 0: ranks 0..tp-1 (tp innermost)
         states = [parts[r] for r in range(tp)]
-        splits = {k: Split(*v) for k, v in states[0]["splits"].items()}
-        model = {k: unshard([s["model"][k] for s in states], splits.get(k, Split(None)))
-                 for k in states[0]["model"]}
         by_name = [portable.optimizer_by_name(s["optimizer"], s["param_names"])["state"]
                    for s in states]
-        optimizer = {name: {key: unshard([b[name][key] for b in by_name], splits[name])
-                            if isinstance(v, torch.Tensor) else v
-                            for key, v in entry.items()}
-                     for name, entry in by_name[0].items()}
+        model, optimizer = unshard_named([s["model"] for s in states], by_name, splits)
         return portable.make(model, {"state": optimizer})
 
     def load_portable_state_dict(self, state: dict[str, Any]) -> None:
         assert self.module is not None, "setup() first"
         portable.check(state)
-        r = self._tp_rank()
-        sliced = {k: shard(v, self.splits.get(k, Split(None)), r, self.tp)
-                  for k, v in state["model"].items()}
+        sliced, opt = shard_named(state["model"], state["optimizer"]["state"], self.splits,
+                                  self._tp_rank(), self.tp)
+        if self.zero is not None:
+            params = {n for n, _ in self.module.named_parameters()}
+            self.zero.load_named_state({k: v for k, v in sliced.items() if k in params}, opt)
+            return
         portable.load_model(self.module, sliced)
-        opt = {name: {key: shard(v, self.splits[name], r, self.tp)
-                      if isinstance(v, torch.Tensor) else v for key, v in entry.items()}
-               for name, entry in state["optimizer"]["state"].items() if name in self.splits}
         portable.load_optimizer(self.optimizer, self._names(), {"state": opt})
+
+    def stats(self) -> dict[str, Any]:
+        if self.zero is None:
+            return {}
+        return {"zero_stage": self.zero_stage,
+                **{f"zero_{k}": v for k, v in self.zero.memory().items()}}
+
+    def close(self) -> None:
+        if self.zero is not None:
+            self.zero.remove_hooks()
 
 
 def _refuse_not_yet(model: nn.Module) -> None:

@@ -12,11 +12,13 @@ Read in this order:
 - `loss.py`: `vocab_parallel_cross_entropy`, the loss of vocab-sharded logits, never gathered.
 - `plan.py`: `parallelize(model, plan, group)` and the styles a plan names (torch's
   `parallelize_module` convention); `gpt_plan()` for ringtrain's GPT.
-- `volumes.py`: the bytes a step communicates, from the textbook formulas (pure).
+- `volumes.py`: the bytes a step communicates and the activations it saves per rank, from the
+  textbook formulas (pure; `ringtrain plan` and `ringtrain explain` use them).
 - the layout of ranks (dp x pp x tp, tp innermost) and its groups: `ringtrain.grid`, one for
   every strategy (`--strategy tp`, and `--strategy pipeline --tp`).
-- `state.py`: a parameter's slice for a tp rank and the whole tensor from the slices (pure):
-  how `--strategy tp` (`ringtrain/strategies/tp.py`) converts its snapshots.
+- `state.py`: a parameter's slice for a tp rank and the whole tensor from the slices, and a
+  model's and its optimizer's by name (pure): how `--strategy tp` (`ringtrain/strategies/tp.py`)
+  converts its snapshots, under ZeRO too.
 
 The reference is the model itself in one process: tests/test_tensor_parallel.py checks logits,
 loss, every gradient and 20 AdamW steps against it, and the counted bytes against `volumes`.

@@ -11,8 +11,9 @@ portable`). The optimizer's per-parameter moments have their parameter's shape: 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,3 +65,28 @@ def unshard(parts: Sequence[torch.Tensor], split: Split) -> torch.Tensor:
     blocks = [f.reshape(c, per, *f.shape[1:]) for f in fronts]  # (c, n, ...) each
     whole = torch.cat(blocks, dim=1)  # (c, tp * n, ...): each block's slices in rank order
     return whole.reshape(-1, *whole.shape[2:]).movedim(0, d).contiguous()
+
+
+def unshard_named(models: Sequence[Mapping[str, torch.Tensor]],
+                  optimizers: Sequence[Mapping[str, Mapping[str, Any]]],
+                  splits: Mapping[str, Split]) -> tuple[dict[str, torch.Tensor],
+                                                        dict[str, dict[str, Any]]]:
+    """Every tp rank's tensors by name (in tp_rank order) -> the whole model's, and its
+    optimizer state by parameter name (the moments split as their parameter; scalars kept)."""
+    model = {k: unshard([m[k] for m in models], splits.get(k, Split(None))) for k in models[0]}
+    optimizer = {name: {key: unshard([o[name][key] for o in optimizers], splits[name])
+                        if isinstance(v, torch.Tensor) else v for key, v in entry.items()}
+                 for name, entry in optimizers[0].items()}
+    return model, optimizer
+
+
+def shard_named(model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Mapping[str, Any]],
+                splits: Mapping[str, Split], tp_rank: int,
+                tp: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """The inverse of `unshard_named`: rank `tp_rank`'s slices of the whole tensors by name
+    (optimizer state only for the parameters in `splits`: this rank's model's)."""
+    sliced = {k: shard(v, splits.get(k, Split(None)), tp_rank, tp) for k, v in model.items()}
+    opt = {name: {key: shard(v, splits[name], tp_rank, tp) if isinstance(v, torch.Tensor) else v
+                  for key, v in entry.items()}
+           for name, entry in optimizer.items() if name in splits}
+    return sliced, opt

@@ -54,3 +54,35 @@ def ring_bytes_per_rank(op: str, nbytes: int, tp: int) -> float:
     if op not in factor:
         raise ValueError(f"ring_bytes_per_rank: op={op!r} is not one of {sorted(factor)}")
     return factor[op] * (tp - 1) / tp * nbytes
+
+
+def activation_bytes(*, n_layer: int, n_embd: int, batch: int, seq: int, vocab_size: int, tp: int,
+                     sequence_parallel: bool = False, recompute_gather: bool = False,
+                     dtype_bytes: int = 4) -> float:
+    """Bytes autograd saves for backward per rank in one forward and loss of `gpt_plan`'s GPT.
+
+    With a = b*s*h*dtype_bytes, per layer: the attention's q, k, v (3a), its output and c_proj's
+    input (2a), the MLP's GELU input and c_proj's input (8a) are split over the t ranks (13a/t);
+    the two norms' inputs and the two column layers' inputs (4a) are whole on every rank under
+    tp alone. Sequence parallelism splits the norms' inputs (2a/t), and `recompute_gather` the
+    column inputs (2a/t). The head adds ln_f's and lm_head's inputs (as a norm and a column
+    layer) and the loss's softmax, b*s*V/t floats. Left out: the norms' mean and rstd, the
+    attention's logsumexp (b*s floats each), token ids. The measured table of
+    docs/tensor_parallel.md is this to 0.5% (tp 1/2/4, with and without SP).
+    """
+    if tp < 1:
+        raise ValueError(f"activation_bytes: tp={tp}; it must be >= 1")
+    a = batch * seq * n_embd * dtype_bytes
+    norms = (2 * n_layer + 1) * a  # ln_1, ln_2 of every layer, ln_f: their inputs
+    columns = (2 * n_layer + 1) * a  # c_attn, mlp.0 of every layer, lm_head: their inputs
+    split = 13 * n_layer * a + batch * seq * vocab_size * 4
+    return (split / tp + (norms / tp if sequence_parallel else norms)
+            + (columns / tp if recompute_gather else columns))
+
+
+def whole_params(*, n_layer: int, n_embd: int, block_size: int, bias: bool = True) -> int:
+    """Parameters of `gpt_plan`'s GPT that every tp rank holds whole: the norms, the position
+    embedding and the row-parallel layers' biases (attn.c_proj, mlp.2); the rest is split."""
+    norm = 2 * n_embd if bias else n_embd
+    row_biases = 2 * n_embd if bias else 0
+    return n_layer * (2 * norm + row_biases) + norm + block_size * n_embd

@@ -133,6 +133,7 @@ class Trainer:
         strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay, betas=(c.beta1, c.beta2)),
                        loss_fn)
         self._model_fn = model_fn
+        self._final_state: dict[str, Any] | None = None  # model_state_dict() at the end of fit()
         if c.compile:
             # From outside the model, after setup: a copy the strategy made in setup (local
             # SGD's weights of the last meeting) stays eager, rather than sharing a compiled
@@ -300,10 +301,19 @@ class Trainer:
             snaps.wait()
         return None
 
+    def final_model(self) -> nn.Module:
+        """The whole model after `fit()`, as a plain module (to export): the one given to the
+        strategy may no longer be it (tp replaced its layers by this rank's slices; ZeRO 3
+        frees its parameters between uses)."""
+        if self._final_state is None:
+            raise RuntimeError("Trainer.final_model() is the model after fit(): call fit() first")
+        return eager_copy(self.model, self._final_state, model_fn=self._model_fn)
+
     def _finish(self, started: float) -> dict[str, Any]:
         """Final state: hash checked across ranks, summary and report on rank 0."""
         rt, s = self.runtime, self.strategy
         state = s.model_state_dict()
+        self._final_state = state  # for `final_model`: `self.model` may hold slices (tp)
         sha = agreed_sha256(state, rt, self.agreement)
         summary = run_summary(self.state, s, rt, self.config, self.data_world_size,
                               list(self.eval_metrics), steps=self.step, started=started, sha=sha)

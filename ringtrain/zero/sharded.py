@@ -29,7 +29,7 @@ the end-of-backward callback) are in `hooks.py`, a base class of the wrapper.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -174,18 +174,44 @@ class ZeroDataParallel(UnitHooks, nn.Module):
     # ---- the step -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, *, skip: Collection[str] = (),
+                        norm_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Scale the averaged gradients so their global 2-norm is at most `max_norm`; return the
-        norm before clipping (collective: the squares of every rank's shard are summed)."""
+        norm before clipping (collective: the squares of every rank's shard are summed).
+
+        Args:
+            max_norm: the bound on the norm.
+            skip: parameters (by name in the module) whose gradient this rank leaves out of the
+                sum, as another rank counts it (tensor parallelism: a parameter every tp rank
+                holds whole is counted by one of them); they are scaled all the same.
+            norm_group: the ranks whose squares make the norm (default: `process_group`;
+                tensor parallelism: the world, each tp slice's shards on its own dp group).
+        """
         grads = [u.shard_grad for u in self.units]
-        sq = torch.stack([torch.linalg.vector_norm(g) for g in grads]).square().sum()
-        if self.world_size > 1:
-            checked.all_reduce(sq, group=self.process_group)
+        if skip:
+            parts = [g[s:e] for u in self.units for g, s, e, name in self._owned_parts(u)
+                     if name not in skip]
+            sq = sum((p.square().sum() for p in parts), torch.zeros((), device=grads[0].device))
+        else:
+            sq = torch.stack([torch.linalg.vector_norm(g) for g in grads]).square().sum()
+        group = norm_group or self.process_group
+        if group.size() > 1:
+            checked.all_reduce(sq, group=group)
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
         return total
+
+    @staticmethod
+    def _owned_parts(unit: FlatUnit) -> list[tuple[torch.Tensor, int, int, str]]:
+        """(the unit's shard gradient, start, end, parameter name) of each part this rank owns."""
+        out = []
+        for slot_i, a, b in unit.plan.owned(unit.rank):
+            slot = unit.plan.slots[slot_i]
+            out.append((unit.shard_grad, slot.offset + a - unit.lo, slot.offset + b - unit.lo,
+                        slot.name))
+        return out
 
     def _after_step(self) -> None:
         # Stages 1 and 2: every rank updated its own part of `full`; spread the parts. All the

@@ -1,0 +1,142 @@
+"""`ringtrain plan`'s layouts (dp x pp x tp, ZeRO on dp) and `ringtrain explain`'s tp figures.
+
+    .venv/bin/pytest -q tests/test_layouts.py
+
+In one process (no workers; CPU): the parameters tp keeps whole, counted three ways; the
+activation formula against the bytes measured in docs/tensor_parallel.md; a layout's figures
+against the formulas written out by hand; the recommendation following its rule on three
+memory budgets; `TPConfig.figures` (explain) equal to the plan's row; the command's table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringtrain.cli.plan import main, model_shape
+from ringtrain.models import GPT, GPTConfig
+from ringtrain.strategies.figures import Workload
+from ringtrain.strategies.layouts import (
+    Layout,
+    ModelShape,
+    layout_figures,
+    layouts,
+    recommend,
+    whole_numel,
+)
+from ringtrain.strategies.tp import TPConfig
+from ringtrain.tensor_parallel import gpt_plan, parallelize
+from ringtrain.tensor_parallel.volumes import (
+    activation_bytes,
+    expected_bytes,
+    ring_bytes_per_rank,
+    whole_params,
+)
+
+MIB = 2**20
+# docs/tensor_parallel.md's model: GPT 4 x 256, 8 heads, vocabulary 1024, batch 4 x 256.
+DOC = GPTConfig(vocab_size=1024, block_size=256, n_layer=4, n_head=8, n_embd=256)
+
+
+def test_unit_whole_parameters_are_what_gpt_plan_leaves_unsplit(single_process):
+    cfg = GPTConfig(vocab_size=10, block_size=6, n_layer=2, n_head=2, n_embd=16)
+    model = parallelize(GPT(cfg), gpt_plan(), torch.distributed.group.WORLD)
+    unsplit = sum(p.numel() for p in model.parameters() if getattr(p, "tp_shard_dim", None)
+                  is None)
+    assert unsplit == whole_numel(GPT(cfg)) == whole_params(n_layer=2, n_embd=16, block_size=6)
+    nobias = GPTConfig(**{**cfg.__dict__, "bias": False})
+    assert whole_numel(GPT(nobias)) == whole_params(n_layer=2, n_embd=16, block_size=6,
+                                                    bias=False)
+
+
+@pytest.mark.parametrize("tp, sp, recompute, measured_mib", [
+    (1, False, False, 74.21), (2, False, False, 46.16), (2, True, False, 41.62),
+    (2, True, True, 37.12), (4, False, False, 32.13), (4, True, False, 25.32),
+    (4, True, True, 18.57)])
+def test_unit_activation_formula_is_the_measured_table(tp, sp, recompute, measured_mib):
+    got = activation_bytes(n_layer=4, n_embd=256, batch=4, seq=256, vocab_size=1024, tp=tp,
+                           sequence_parallel=sp, recompute_gather=recompute)
+    # Left out by the formula: the norms' mean/rstd and attention's logsumexp (b*s floats).
+    assert got / MIB == pytest.approx(measured_mib, rel=0.005)
+    a = 4 * 256 * 256 * 4
+    if not sp:  # the textbook split: 13a per layer and the logits / t, the norms' 4a + 2 whole
+        assert got == (13 * 4 * a + 4 * 256 * 1024 * 4) / tp + (4 * 4 + 2) * a
+
+
+def test_unit_a_layouts_figures_are_the_formulas():
+    shape = model_shape(DOC, 8)
+    P, W = shape.params, shape.whole
+    f = layout_figures(Layout(dp=2, tp=4, zero_stage=2, sequence_parallel=True), shape, batch=4)
+    held = (P - W) / 4 + W
+    assert (f.params_bytes, f.grads_bytes, f.optimizer_bytes) == (4 * held, 4 * held / 2,
+                                                                   8 * held / 2)
+    assert f.dp_sent_bytes == 2 * (2 - 1) / 2 * 4 * held  # ZeRO 2: one all-reduce's bytes
+    volumes = expected_bytes(n_layer=4, n_embd=256, batch=4, seq=256, sequence_parallel=True)
+    assert f.tp_sent_bytes == sum(ring_bytes_per_rank(op, b, 4) for op, b in volumes.items())
+    assert f.activation_sp_bytes == activation_bytes(n_layer=4, n_embd=256, batch=4, seq=256,
+                                                     vocab_size=1024, tp=4,
+                                                     sequence_parallel=True)
+    assert f.total_bytes == f.state_bytes + f.activation_sp_bytes and f.pp_sent_bytes == 0
+    z3 = layout_figures(Layout(dp=8, zero_stage=3), shape, batch=4)
+    assert z3.params_bytes == 4 * P / 8 and z3.dp_sent_bytes == (2 + 1) * 7 / 8 * 4 * P
+    # A pipeline stage: the heaviest's parameters, its activations out and gradients back.
+    p2 = layout_figures(Layout(dp=4, pp=2), shape, batch=4)
+    assert p2.params_bytes == 4 * max(s[0] for s in shape.stages[2])
+    assert p2.pp_sent_bytes == 4 * 256 * 256 * 4
+
+
+def test_unit_recommendation_follows_its_rule():
+    shape = model_shape(DOC, 4)
+    rows = [layout_figures(lay, shape, batch=4) for lay in layouts(4, shape, host=4)]
+    assert {(r.layout.dp, r.layout.pp, r.layout.tp) for r in rows} >= {
+        (4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 1, 4), (1, 2, 2), (1, 4, 1)}
+    # Anything fits: no model parallelism, and of dp's ZeRO stages the one holding least
+    # among those sending least (2: as many bytes as 0 and 1; 3 sends more).
+    best, rule = recommend(rows)
+    assert (best.layout.tp, best.layout.pp, best.layout.zero_stage) == (1, 1, 2)
+    assert "least model parallelism" in rule and "tp before pp" in rule
+    # Pure data parallelism does not fit, tp 2 and pp 2 both do: tp 2 (tp before pp).
+    dp_only = max(r.total_bytes for r in rows if r.layout.tp * r.layout.pp == 1)
+    tp2 = min(r.total_bytes for r in rows if (r.layout.tp, r.layout.pp) == (2, 1))
+    pp2 = min(r.total_bytes for r in rows if (r.layout.tp, r.layout.pp) == (1, 2))
+    budget = max(tp2, pp2)
+    assert min(r.total_bytes for r in rows if r.layout.tp * r.layout.pp == 1) > budget
+    best, _ = recommend(rows, budget)
+    assert (best.layout.tp, best.layout.pp) == (2, 1) and best.total_bytes <= budget < dp_only
+    # Nothing fits.
+    assert recommend(rows, 1.0)[0] is None
+    # The flags that run a layout.
+    assert Layout(2, 1, 2, 3, True).flags() == "--strategy tp --tp 2 --zero-stage 3 " \
+                                                "--sequence-parallel"
+    assert Layout(1, 2, 2, 0, True).flags() == "--strategy pipeline --pp 2 --tp 2 " \
+                                                "--sequence-parallel"
+    assert Layout(4, 1, 1, 1).flags() == "--strategy zero --zero-stage 1"
+
+
+def test_unit_explain_gives_the_plans_figures_for_tp():
+    shape = model_shape(DOC, 4)
+    work = Workload(world_size=4, params=shape.params, step_batch=4, sample_numel=256 * 256,
+                    n_layer=4, block_size=256, vocab_size=1024, whole_params=shape.whole)
+    fig = TPConfig(tp=2, zero_stage=1, sequence_parallel=True).figures(work)
+    row = layout_figures(Layout(2, 1, 2, 1, True), ModelShape(
+        4, 256, 8, 1024, 256, shape.params, shape.whole), batch=4)
+    assert (fig.params_bytes, fig.grads_bytes, fig.optimizer_bytes, fig.sent_bytes) == (
+        row.params_bytes, row.grads_bytes, row.optimizer_bytes, row.sent_bytes)
+    assert fig.activation_bytes == row.activation_sp_bytes
+    assert fig.dp_sent_bytes + fig.tp_sent_bytes == fig.sent_bytes
+
+
+def test_plan_command_lists_the_layouts_and_recommends_one(capsys):
+    assert main(["--nproc-per-node", "4", "--n-layer", "4", "--n-embd", "256", "--n-head", "8",
+                 "--vocab-size", "1024", "--block-size", "256", "--batch-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "dp x pp x tp" in out and "2 x 1 x 2" in out and "1 x 1 x 4" in out
+    assert "recommended: dp 4 x pp 1 x tp 1, ZeRO 2: ringtrain train --nproc-per-node 4 " \
+           "--strategy zero --zero-stage 2" in out and "rule: the layout that fits" in out
+    assert main(["--nproc-per-node", "4", "--n-layer", "4", "--n-embd", "256", "--n-head", "8",
+                 "--vocab-size", "1024", "--block-size", "256", "--batch-size", "4",
+                 "--memory-gb", "0.06"]) == 0
+    # dp 4 (74 MB of activations per rank) does not fit; tp 2 with ZeRO 2 does, sending less
+    # than ZeRO 3 (which fits too).
+    assert "recommended: dp 2 x pp 1 x tp 2, ZeRO 2: ringtrain train --nproc-per-node 4 " \
+           "--strategy tp --tp 2 --zero-stage 2 --sequence-parallel" in capsys.readouterr().out
