@@ -11,7 +11,8 @@ process's (allclose 1e-5); the 1F1B run's snapshot in the layout-free form equal
 one-process run's parameters and AdamW moments, and resumes on one process (tp 2 x pp 2 ->
 ddp) and back (ddp -> tp 2 x pp 2), both going on equal to one process.
 On 8 ranks over two network-namespace hosts (4 ranks each, `tests/netns.py`): dp 2 x pp 2 x
-tp 2, equal to one process (2 steps; 20 with RINGTRAIN_FULL=1); skipped, with the reason, where
+tp 2 with sequence parallelism, the GPT without biases, equal to one process (2 steps; 20 with
+RINGTRAIN_FULL=1); skipped, with the reason, where
 namespaces cannot be made. The grid's index math: tests/test_grid.py; the bit-identical resume
 through `Trainer`: tests/test_strategy_contract.py.
 """
@@ -19,6 +20,7 @@ through `Trainer`: tests/test_strategy_contract.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import os
 import subprocess
@@ -63,12 +65,12 @@ def _batches(steps):
             for s in range(steps)]
 
 
-def _train(options, steps):
+def _train(options, steps, model=MODEL):
     """This rank's strategy after `steps` clipped AdamW steps; replica d reads every dp-th
     sample of each global batch (the mean of equal parts' means is the global mean)."""
     torch.manual_seed(0)
     s = make_strategy("pipeline", runtime=get_runtime(), **options)
-    s.setup(GPT(MODEL), adamw(0.1), loss_fn)
+    s.setup(GPT(model), adamw(0.1), loss_fn)
     d, dp = s.data_rank, s.data_world_size
     batches = [(x[d::dp], y[d::dp]) for x, y in _batches(steps + 1)]
     for x, y in batches[:steps]:
@@ -99,10 +101,10 @@ def _close(a, b, what):
                                    msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
-def _one_process(runtime, steps):
+def _one_process(runtime, steps, model=MODEL):
     torch.manual_seed(0)
     one = make_strategy("ddp", runtime=runtime)
-    one.setup(GPT(MODEL), adamw(0.1), loss_fn)
+    one.setup(GPT(model), adamw(0.1), loss_fn)
     for x, y in _batches(steps):
         one.train_step([(x, y)], lr=LR, grad_clip=CLIP)
     return one
@@ -147,6 +149,11 @@ def test_tp2_x_pp2_equals_one_process_and_resumes_on_another_tp_degree(single_pr
 # -- 8 ranks over two hosts: dp 2 x pp 2 x tp 2 -------------------------------------------------
 
 HOST_STEPS = 20 if FULL else 2
+# Without biases: the key projection's bias has a gradient of exactly 0 in exact arithmetic
+# (softmax is shift-invariant along a row), rounding noise in practice, which Adam turns into
+# steps of random sign that differ between summation orders (4e-5 after 20 steps; as
+# tests/test_tensor_parallel.py's 20 steps). The 4-rank test above keeps them (3 steps).
+HOST_MODEL = dataclasses.replace(MODEL, bias=False)
 GRID8 = {"pp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 2, "sequence_parallel": True}
 
 
@@ -158,7 +165,7 @@ def _host_rank(local_rank, _local_world, node_rank, master, port, ifname):
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=8)
     try:
-        s, _ = _train(GRID8, HOST_STEPS)
+        s, _ = _train(GRID8, HOST_STEPS, HOST_MODEL)
         c = s.grid.coords(rank)
         after = s.model_state_dict()
         s.close()
@@ -230,7 +237,7 @@ def test_dp2_x_pp2_x_tp2_on_two_hosts_equals_one_process(single_process, tmp_pat
     # tp innermost: a tp group never leaves its host; the replicas (dp) are the two hosts.
     assert [r["coords"] for r in results][:4] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
     assert all(len({q // 4 for q in r["tp_ranks"]}) == 1 for r in results)
-    one = _one_process(single_process, HOST_STEPS)
+    one = _one_process(single_process, HOST_STEPS, HOST_MODEL)
     for r in results:
         _close(r["after"], one.model_state_dict(), f"dp 2 x pp 2 x tp 2, {HOST_STEPS} steps")
 
