@@ -135,10 +135,6 @@ class GridGroups:
     tp_ranks: tuple[int, ...]  # the ranks that split this stage with this one, by tp_rank
 
     @property
-    def topology(self) -> Grid:  # the dp x pp name `--strategy pipeline` used
-        return self.grid
-
-    @property
     def pp_is_first_stage(self) -> bool:
         return self.pp_rank == 0
 

@@ -123,10 +123,6 @@ class PipelineStrategy(Strategy):
         self.sequence_parallel = sequence_parallel
         self.groups = create_process_groups(self.grid, runtime.rank)
 
-    @property
-    def topology(self):  # the dp x pp view older callers read (.pp, .dp, .world_size)
-        return self.grid
-
     # -- where this rank reads data ---------------------------------------------------------
     @property
     def data_rank(self) -> int | None:
