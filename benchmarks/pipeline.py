@@ -50,11 +50,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ringtrain.grid import Grid, create_process_groups  # noqa: E402
 from ringtrain.models import GPT, GPTConfig  # noqa: E402
 from ringtrain.models import loss_fn as gpt_loss  # noqa: E402
 from ringtrain.pipeline import PipelineStage, partition  # noqa: E402
 from ringtrain.pipeline.schedule import bubble_formula, placement  # noqa: E402
-from ringtrain.pipeline.topology import Topology, create_process_groups  # noqa: E402
 from ringtrain.testing import run_workers  # noqa: E402
 
 _MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20),
@@ -132,7 +132,7 @@ def _settings(text: str) -> list[tuple[str, int]]:
 
 def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     pp = world_size
-    g = create_process_groups(Topology(world_size, pp=pp))
+    g = create_process_groups(Grid(world_size, pp=pp))
     gpt = cfg["model"] == "gpt"
     runs = {}  # (schedule, v, M) -> (engine, x, y)
     for name, v in _settings(cfg["schedules"]):

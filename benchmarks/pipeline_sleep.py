@@ -40,9 +40,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ringtrain.grid import Grid, create_process_groups  # noqa: E402
 from ringtrain.pipeline import PipelineStage  # noqa: E402
 from ringtrain.pipeline.schedule import bubble_formula  # noqa: E402
-from ringtrain.pipeline.topology import Topology, create_process_groups  # noqa: E402
 from ringtrain.testing import run_workers  # noqa: E402
 
 SETTINGS = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4),
@@ -97,7 +97,7 @@ def _step(engine: PipelineStage, x, y, m: int, pp: int, group) -> tuple[float, f
 
 def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     pp, m, unit = world_size, cfg["microbatches"], cfg["unit_ms"] / 1e3
-    g = create_process_groups(Topology(world_size, pp=pp))
+    g = create_process_groups(Grid(world_size, pp=pp))
     x = torch.randn(m * cfg["mb_size"], cfg["width"], generator=torch.Generator().manual_seed(0))
     rows = []
     for name, v in SETTINGS:

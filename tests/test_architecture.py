@@ -14,10 +14,11 @@ from architecture import PACKAGE, area, area_graph, cycles, graph
 
 # What each area may import (besides torch and the standard library). An area is a package
 # under ringtrain/ or a top-level module. docs/architecture.md draws the same table.
-BOTTOM = {"errors", "types", "ranges", "torch_internals", "store_keys", "trace"}
+BOTTOM = {"errors", "types", "ranges", "torch_internals", "store_keys", "trace", "grid"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(), "types": set(), "ranges": set(), "torch_internals": set(),
     "store_keys": set(),
+    "grid": set(),  # the dp x pp x tp layout of ranks and its process groups
     "config": set(),  # options defined once: option(), the argparse generator, recipes
     "staging": set(),  # point-to-point calls that also carry CUDA tensors over gloo
     "trace": set(),  # the step timeline (--trace-steps): every engine may record into it
@@ -39,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
                    "collectives"},
     "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps", "localsgd",
-                   "zero", "trace", "collectives", "config", "tensor_parallel"},
+                   "zero", "trace", "collectives", "config", "tensor_parallel", "grid"},
     "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace",
                  "replicas", "config"},
     "live": {"data", "checkpoint", "store_keys"},  # survivors go on; replacements heal

@@ -64,7 +64,8 @@ def no_launch(monkeypatch):
 
 @pytest.mark.parametrize("argv,message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--pp", "2"], "--pp applies to --strategy pipeline, not ddp"),
+    (["--pp", "2", "--strategy", "ddp"], "--pp applies to --strategy pipeline, not ddp"),
+    (["--pp", "2"], r"world_size=1 is not divisible by pp=2"),  # --pp chose pipeline
     (["--strategy", "pipeline", "--pp", "3", "--nproc-per-node", "2"],
      r"world_size=2 is not divisible by pp=3: .* or --pp in \[1, 2\]"),
     (["--strategy", "ps", "--servers", "2", "--nproc-per-node", "2"],

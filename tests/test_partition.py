@@ -1,4 +1,4 @@
-"""Layer partitioning and the dp x pp layout: pure, no processes.
+"""Layer partitioning and micro-batch splitting: pure, no processes (the layout: test_grid.py).
 
     .venv/bin/pytest -q tests/test_partition.py
 """
@@ -16,7 +16,6 @@ from ringtrain.pipeline.partition import (
     partition,
     tied_parameters,
 )
-from ringtrain.pipeline.topology import Topology
 
 
 def _stack(widths=(4, 8, 8, 8, 2)):
@@ -104,23 +103,3 @@ def test_split_batch_errors_name_the_choices():
     with pytest.raises(ValueError, match="microbatches=8 equal micro-batches; "
                                          "use a batch size that is a multiple of 8"):
         split_batch(torch.zeros(2), 8, at_least=4)
-
-
-def test_topology_coords_and_groups():
-    t = Topology(8, pp=4)
-    assert t.dp == 2
-    assert [t.coords(r) for r in (0, 3, 4, 7)] == [(0, 0), (0, 3), (1, 0), (1, 3)]
-    assert all(t.rank_of(*t.coords(r)) == r for r in range(8))
-    assert t.pp_group_ranks(1) == [4, 5, 6, 7]
-    assert t.dp_group_ranks(2) == [2, 6]
-    assert Topology(3, pp=1).dp_group_ranks(0) == [0, 1, 2]
-    with pytest.raises(ValueError, match="Invalid rank 8"):
-        t.coords(8)
-
-
-def test_topology_rejects_world_size_not_divisible_by_pp():
-    with pytest.raises(ValueError, match=r"world_size=3 is not divisible by pp=2"
-                                         r".*--nproc-per-node 2 or 4.*--pp in \[1, 3\]"):
-        Topology(3, pp=2)
-    with pytest.raises(ValueError, match="world_size=2 is not divisible by pp=4"):
-        Topology(2, pp=4)

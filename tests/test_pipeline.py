@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ringtrain.cli.train import main as train_main
+from ringtrain.grid import Grid, create_process_groups
 from ringtrain.launch.process_group import destroy_distributed
 from ringtrain.models.gpt import GPT, GPTConfig, loss_fn
 from ringtrain.pipeline import PipelineStage, ScheduleError, partition
@@ -31,7 +32,6 @@ from ringtrain.pipeline.schedule import (
     SendGrad,
     placement,
 )
-from ringtrain.pipeline.topology import Topology, create_process_groups
 from ringtrain.runtime import get_runtime
 from ringtrain.testing import run_workers
 
@@ -65,7 +65,7 @@ def _check_gpt_engine(rank: int, world_size: int) -> dict:
     on 3 ranks, equal to the unsplit model's loss and gradients; forward_only equals its
     logits."""
     pp = world_size
-    g = create_process_groups(Topology(world_size, pp=pp))
+    g = create_process_groups(Grid(world_size, pp=pp))
     x, y = _batch(12)
     losses = {}
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
@@ -103,7 +103,7 @@ def _check_gpt_engine(rank: int, world_size: int) -> dict:
 def _check_two_linear(rank: int, world_size: int) -> None:
     """The seeds' example: Linear(1000, 10000) on rank 0, Linear(10000, 1000) on rank 1; and
     a deadlocking hand-made schedule, rejected on both ranks before anything is sent."""
-    g = create_process_groups(Topology(2, pp=2))
+    g = create_process_groups(Grid(2, pp=2))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1000, 10000), nn.Linear(10000, 1000))
     x, y = torch.randn(4, 1000), torch.randn(4, 1000)

@@ -4,7 +4,8 @@
 
 Over every strategy `ringtrain.strategies.registered()` finds (a new module in
 `ringtrain/strategies/` is picked up without editing this file), on 2 gloo ranks with the
-strategy's default options, plus the variants below:
+strategy's default options, plus the variants below (and tp 2 x pp 2 on 4 ranks, through
+`Trainer`):
 - the seam: build, a few steps (the reduced sample count is the batch), `state_dict` round trip
   (steps after the save are undone by loading it), `model_state_dict` equal on every rank,
   `eval_logits` on the ranks that produce output, `stats`, `close`, all under
@@ -51,9 +52,18 @@ VARIANTS = [("ps", {"mode": "async"}, False), ("ddp", {"grad_compress": "powersg
             # shards (dp 2 x tp 2 is tests/test_tp_zero.py's, against one process)
             ("tp", {"tp": 1, "zero_stage": 2}, True)]
 CASES = [(name, {}, True) for name in registered()] + VARIANTS
-# Through Trainer: every strategy, and the variants whose state differs (not int8's codec).
-TRAINER_CASES = [c for c in CASES if c[1].get("outer_compress") is None]
+# Through Trainer: every strategy, and the variants whose state differs (not int8's codec),
+# and the dp x pp x tp grid as tp 2 x pp 2 on 4 ranks (its seam and equality with one process:
+# tests/test_grid_equivalence.py, which checks every rank's model_state_dict).
+TRAINER_CASES = [c for c in CASES if c[1].get("outer_compress") is None] + [
+    ("pipeline", {"pp": 2, "tp": 2}, True)]
 DEBUG_COLLECTIVES = {"RINGTRAIN_DEBUG": "collectives", "RINGTRAIN_DEBUG_TIMEOUT": "60"}
+
+
+def _world(case) -> int:
+    """WORLD ranks, or the ranks one model needs where that is more (pp x tp)."""
+    options = case[1]
+    return max(WORLD, options.get("pp", 1) * options.get("tp", 1))
 
 
 def _ids(case):
@@ -172,7 +182,8 @@ def _fit(rank, world_size, run_dir, name, options):
 @pytest.mark.parametrize("case", TRAINER_CASES, ids=_ids)
 def test_a_trainer_run_and_its_resume(case, tmp_path):
     name, options, deterministic = case
-    full = run_workers(_fit, WORLD, args=(str(tmp_path / "full"), name, options), timeout_s=120)
+    full = run_workers(_fit, _world(case), args=(str(tmp_path / "full"), name, options),
+                       timeout_s=120)
     summary = full[0]
     assert summary["steps"] == STEPS and summary["strategy"] == name
     assert math.isfinite(summary["train_loss"]) and math.isfinite(summary["eval_loss"])
@@ -187,7 +198,8 @@ def test_a_trainer_run_and_its_resume(case, tmp_path):
     assert [s.step for s in snaps] == list(range(EVERY, STEPS + 1, EVERY))
     for s in snaps[1:]:
         shutil.rmtree(s.path)
-    again = run_workers(_fit, WORLD, args=(str(resumed_dir), name, options), timeout_s=120)
+    again = run_workers(_fit, _world(case), args=(str(resumed_dir), name, options),
+                        timeout_s=120)
     assert again[0]["steps"] == STEPS and again[0]["resumed_from_step"] == [EVERY]
     if deterministic:
         assert again[0]["param_sha256"] == summary["param_sha256"]

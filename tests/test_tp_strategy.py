@@ -29,7 +29,6 @@ from ringtrain.strategies import make_strategy
 from ringtrain.strategies.figures import Workload
 from ringtrain.strategies.tp import TPConfig, TPStrategy
 from ringtrain.tensor_parallel import shard_rows
-from ringtrain.tensor_parallel.grid import Grid
 from ringtrain.tensor_parallel.state import Split, shard, unshard
 from ringtrain.testing import run_workers
 from ringtrain.training.config import adamw
@@ -41,12 +40,8 @@ LR, CLIP, BATCH = 1e-2, 0.05, 8  # a clip small enough to act on every step
 
 
 # -- in one process ------------------------------------------------------------------------------
-def test_unit_grid_puts_tp_innermost_and_refuses_a_world_it_does_not_divide():
-    g = Grid(4, tp=2)
-    assert g.dp == 2 and g.coords(3) == (1, 1)
-    assert g.tp_group_ranks(1) == [2, 3] and g.dp_group_ranks(0) == [0, 2]
-    with pytest.raises(ValueError, match=r"world_size=3 is not divisible by tp=2.*--tp in \[1, "):
-        Grid(3, tp=2)
+def test_unit_the_options_check_the_grid_before_launch():
+    # The grid itself (dp x pp x tp, tp innermost): tests/test_grid.py.
     with pytest.raises(ConfigError, match="--tp in"):
         TPConfig(tp=2).plan(3, 4)
     assert TPConfig(tp=2).plan(4, 4) == 2  # data ranks: the replicas

@@ -66,7 +66,17 @@ def test_text_data_single_process(tmp_path, capsys):
     (["--batch-size", "0"], "argument --batch-size: 0 is not allowed: it must be 1 or more"),
     (["--strategy", "nope"], "--strategy: invalid choice: 'nope'"),
     (["--data", "/nonexistent/input.txt"], "--data /nonexistent/input.txt: no such file"),
-    (["--pp", "2"], "--pp applies to --strategy pipeline, not ddp"),
+    (["--pp", "2", "--strategy", "ddp"], "--pp applies to --strategy pipeline, not ddp"),
+    (["--pp", "2"], r"world_size=1 is not divisible by pp=2"),  # --pp chose pipeline
+    (["--pp", "2", "--tp", "2", "--nproc-per-node", "2"],
+     r"world_size=2 is not divisible by pp=2 x tp=2: .*--nproc-per-node 4 "),
+    (["--pp", "2", "--tp", "2", "--nproc-per-node", "4", "--schedule", "zb-h1",
+      "--sequence-parallel"],
+     r"--schedule zb-h1 does not run with --sequence-parallel yet.*use --schedule in"),
+    (["--pp", "2", "--tp", "2", "--nproc-per-node", "4", "--tie-embeddings"],
+     "--tp does not split tied embeddings yet"),
+    (["--pp", "2", "--sequence-parallel", "--nproc-per-node", "2"],
+     "--sequence-parallel shards the sequence over the tp ranks: add --tp 2"),
     (["--servers", "1", "--strategy", "pipeline"],
      "--servers applies to --strategy ps, not pipeline"),
     (["--n-embd", "30", "--n-head", "4"], "--n-embd 30 is not divisible by --n-head 4"),
@@ -104,7 +114,11 @@ def test_async_parameter_server_lowers_adam_momentum_unless_told():
 def test_strategy_options_only_for_the_chosen_strategy():
     opts = parse_options(["--strategy", "pipeline", "--pp", "2", "--schedule", "gpipe"])
     assert opts.strategy.kwargs() == {"pp": 2, "schedule": "gpipe", "microbatches": None,
-                                      "virtual_stages": 1}
+                                      "virtual_stages": 1, "tp": 1, "sequence_parallel": False}
+    # --pp without --strategy chooses pipeline; --tp then splits each stage (issue 27).
+    opts = parse_options(["--pp", "2", "--tp", "2"])
+    assert (opts.run.strategy, opts.strategy.kwargs()["tp"]) == ("pipeline", 2)
+    assert parse_options(["--tp", "2"]).run.strategy == "tp"
     opts = parse_options(["--strategy", "ps", "--ps-mode", "ssp", "--staleness", "0"])
     # servers: its default
     assert opts.strategy.kwargs() == {"servers": 1, "mode": "ssp", "staleness": 0}

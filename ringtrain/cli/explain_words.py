@@ -144,10 +144,15 @@ def ddp(f: RunFacts) -> Explanation:
 def pipeline(f: RunFacts) -> Explanation:
     fig: PipelineFigures = f.figures
     pp, dp, m = fig.pp, fig.dp, fig.microbatches
-    roles = [f"{f.world} ranks = {plural(dp, 'pipeline')} x {pp} stages (model parallelism, "
-             f"--pp {pp}): each stage holds a contiguous run of the GPT's layers (embedding, "
-             f"blocks, head) balanced by parameter count, about {n(fig.stage_params)} of the "
-             f"{n(f.params)} parameters; rank = dp_rank x {pp} + pp_rank."]
+    tp = fig.tp
+    roles = [f"{f.world} ranks = {plural(dp * tp, 'pipeline')} x {pp} stages (model "
+             f"parallelism, --pp {pp}): each stage holds a contiguous run of the GPT's layers "
+             f"(embedding, blocks, head) balanced by parameter count, about "
+             f"{n(fig.stage_params)} of the {n(f.params)} parameters; "
+             + (f"rank = dp_rank x {pp} + pp_rank." if tp == 1 else
+                f"each stage's matrices are split over {tp} consecutive ranks (--tp {tp}, "
+                f"Megatron-LM), a pipeline per tp rank; rank = (dp_rank x {pp} + pp_rank) x "
+                f"{tp} + tp_rank.")]
     roles += [f"pipeline {d}: " + ", ".join(f"stage {s} on rank {r}" for s, r in enumerate(line))
               for d, line in enumerate(fig.pipelines)]
     roles.append(f"each step's {f.step_batch} samples flow through the stages as {m} "

@@ -177,7 +177,9 @@ class RunOptions:
     run_dir: str | None = option(None, "where the run's files go", shown="runs/<timestamp>")
     recipe: str | None = option(None, "a named set of options (ringtrain/config/recipes/) or "
                                 "a .py file of them; the command line overrides it")
-    strategy: str = option("ddp", "how the model is distributed", choices=tuple(registered()))
+    strategy: str = option("ddp", "how the model is distributed; unset, --pp chooses pipeline "
+                           "(its --tp splits each stage) and --tp alone tp",
+                           choices=tuple(registered()))
     stop_at_accuracy: float | None = option(None, "stop once the held-out accuracy reaches this, "
                                             "e.g. 0.99 (addition)", type=non_negative_float,
                                             metavar="FRACTION")

@@ -92,7 +92,8 @@ def options_from(given: Mapping[str, Any], *, parse_text: bool = False) -> Train
     _check_names(recipe, f"recipe={given.get('recipe')!r}")
     values = {**TASK_DEFAULTS[task], **recipe, **given}
     strategies = registered()
-    chosen = strategies[values.get("strategy", "ddp")]
+    given = {**given, "strategy": strategy_name(values)}  # --pp 2 alone: pipeline
+    chosen = strategies[given["strategy"]]
     mine = {flag(f) for f in option_fields(chosen.Config)}
     for flag_, names in _flag_owners().items():
         if flag_ not in mine and flag_[2:].replace("-", "_") in {**recipe, **given}:
@@ -106,6 +107,15 @@ def options_from(given: Mapping[str, Any], *, parse_text: bool = False) -> Train
         return TrainOptions(**sections, strategy=strategy)
     except ValueError as e:  # "lr=0.0: ..." -> "--lr 0.0: ..."
         raise ValueError(to_flags(str(e), every_option_class())) from None
+
+
+def strategy_name(values: Mapping[str, Any]) -> str:
+    """--strategy as given (or by the recipe); else the first strategy (by name) whose
+    `Config.chosen_by` options are among `values` (--pp: pipeline, whose --tp then splits each
+    stage; --tp alone: tp); else ddp. Said in `--strategy`'s help."""
+    implied = (name for name, cls in registered().items()
+               if any(values.get(k) is not None for k in cls.Config.chosen_by))
+    return values.get("strategy") or next(implied, "ddp")
 
 
 def parsed_text(values: dict[str, Any]) -> dict[str, Any]:

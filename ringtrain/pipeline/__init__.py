@@ -12,7 +12,7 @@
     engine.py     one rank running its actions
 
 The trainer-facing strategy is `ringtrain.strategies.pipeline.PipelineStrategy`;
-`ringtrain.pipeline.topology` lays out dp x pp ranks and their process groups.
+`ringtrain.grid` lays out dp x pp x tp ranks and their process groups.
 """
 
 from ringtrain.pipeline.engine import PipelineStage, StepStats, split_batch

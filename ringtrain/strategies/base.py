@@ -85,6 +85,10 @@ class StrategyConfig:
     option the user did not set keeps them. Subclass it next to the strategy, as `Config`.
     """
 
+    # Options that choose this strategy when --strategy is not given (`--pp 2` alone means
+    # `--strategy pipeline --pp 2`); the first strategy by name with one of them given wins.
+    chosen_by: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self) -> None:
         # Values from Python, a recipe or config.json get the command line's checks (a field's
         # type and choices), so `ZeroConfig(zero_stage=4)` fails here, naming the field.

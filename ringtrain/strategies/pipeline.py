@@ -1,22 +1,29 @@
-"""`--strategy pipeline`: pipeline (GPipe, 1F1B, interleaved, ZB-H1, ZB-V) x data parallelism.
+"""`--strategy pipeline`: pipeline (GPipe, 1F1B, interleaved, ZB-H1, ZB-V) x data parallelism,
+with tensor parallelism inside each stage (`--tp`).
 
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 \
 [--schedule 1f1b|gpipe|zb-h1|zb-v] [--microbatches 4]
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 2 --schedule interleaved \
 --virtual-stages 2  # each rank holds 2 non-adjacent chunks
     ringtrain train --strategy pipeline --pp 2 --nproc-per-node 4      # dp=2 x pp=2
+    ringtrain train --pp 2 --tp 2 --nproc-per-node 4     # pp=2 x tp=2 (--pp implies pipeline)
 
-The world's ranks form `dp` pipelines of `pp` stages (`ringtrain.pipeline.topology`). Every rank
-gets the full, identically initialised model in `setup`, splits it the same way (the model's
-`to_sequential()`, or the model itself if it is an `nn.Sequential`) into pp x v stages and keeps
-its own: stage pp_rank, or for an interleaved schedule the chunks pp_rank, pp_rank + pp, ...
-(zb-v: pp_rank and 2 pp - 1 - pp_rank, `ringtrain.pipeline.placement`)
+The world's ranks form a dp x pp x tp grid (`ringtrain.grid`, tp innermost). Every rank gets
+the full, identically initialised model in `setup`; with tp > 1 it first splits every matrix
+over its tp group (`pipeline_tp.py`: Megatron-LM's plan, the vocab-parallel loss on the last
+stage), then cuts the model the same way (the model's `to_sequential()`, or the model itself if
+it is an `nn.Sequential`) into pp x v stages and keeps its own: stage pp_rank, or for an
+interleaved schedule the chunks pp_rank, pp_rank + pp, ... (zb-v: pp_rank and 2 pp - 1 -
+pp_rank, `ringtrain.pipeline.placement`). A pipeline is the ranks of one tp rank across the
+stages: the boundary activations go between the same tp rank of adjacent stages (under
+sequence parallelism, each its own slice of the sequence).
 Every stage of one pipeline reads the same batch (`data_rank` is the dp coordinate); the
 trainer's gradient-accumulation micro-batches are concatenated into one step batch, which the
 pipeline cuts into `microbatches` equal micro-batches of its own. Each stage's gradients are
 averaged over its data-parallel peers by DistributedDataParallel on the dp group; weights tied
 across stages have their gradients summed between the stages that hold them; gradient clipping
-uses the norm over all stages.
+uses the norm over all stages and tp slices (torch's `clip_grad_norm_` of the whole model).
+Options and figures: `pipeline_config.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,51 +38,29 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
-from ringtrain.config import MUST_MATCH, int_at_least, option
 from ringtrain.errors import ConfigError
+from ringtrain.grid import create_process_groups
 from ringtrain.pipeline.engine import PipelineStage, StepStats
 from ringtrain.pipeline.names import StageNames, model_tensors
 from ringtrain.pipeline.partition import partition, tied_parameters
-from ringtrain.pipeline.schedule import (
-    BUBBLE_FORMULA_TEXT,
-    COMPUTE,
-    SCHEDULES,
-    bubble_formula,
-    chunks_per_rank,
-    placement,
-)
-from ringtrain.pipeline.topology import Topology, create_process_groups
+from ringtrain.pipeline.schedule import COMPUTE, chunks_per_rank, placement
 from ringtrain.runtime import Runtime
 from ringtrain.strategies import portable
-from ringtrain.strategies.base import StepResult, Strategy, StrategyConfig
-from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
+from ringtrain.strategies.base import StepResult, Strategy
+from ringtrain.strategies.pipeline_config import (
+    PipelineConfig,
+    PipelineFigures,
+    check_schedule,
+    default_microbatches,
+    make_grid,
+)
+from ringtrain.strategies.pipeline_tp import StageSlices, join_slices, parallelize_model
+from ringtrain.tensor_parallel import comm, vocab_parallel_cross_entropy
 from ringtrain.trace import COMM, Tracer
 from ringtrain.trace import COMPUTE as COMPUTE_LANE
 from ringtrain.types import LossFn, OptimizerFn
 
-
-def _default_microbatches(batch: int, pp: int, schedule: str = "1f1b") -> int:
-    """The most micro-batches up to 4 x pp that divide `batch` evenly; for an interleaved
-    schedule, a multiple of pp (it runs micro-batches in rounds of pp)."""
-    step = pp if schedule == "interleaved" else 1
-    for m in range(4 * pp, step - 1, -1):
-        if batch % m == 0 and m % step == 0:
-            return m
-    return 4 * pp  # nothing divides: let split_batch raise with the choices
-
-
-def _check_schedule(schedule: str, pp: int, virtual_stages: int, microbatches: int | None) -> None:
-    """The schedule's own checks (its builder's), as a ConfigError before any rank starts."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
-                          f"{sorted(SCHEDULES)}")
-    try:
-        SCHEDULES[schedule](0, pp, microbatches or 4 * pp,
-                            chunks_per_rank(schedule, virtual_stages))
-    except ValueError as e:
-        raise ConfigError(str(e).replace("microbatches=", "--microbatches ")
-                          .replace("virtual_stages=", "--virtual-stages ")
-                          .replace("pp=", "--pp ")) from None
+__all__ = ["PipelineConfig", "PipelineFigures", "PipelineStrategy"]  # the options: re-exported
 
 
 def _trace_timeline(tracer: Tracer, stats: StepStats) -> None:
@@ -99,85 +83,12 @@ def _as_sequential(model: nn.Module) -> nn.Module | list[nn.Module]:
     return model  # partition() raises a clear TypeError unless it is an nn.Sequential
 
 
-@dataclass(frozen=True, kw_only=True)
-class PipelineFigures(Figures):
-    """`--strategy pipeline`'s figures; the common ones are a stage's (its layers' share of the
-    parameters: on average 1/pp; `partition` balances them by parameter count)."""
-
-    pp: int
-    dp: int  # pipelines (replicas of each stage)
-    pipelines: tuple[tuple[int, ...], ...]  # each pipeline's ranks, in stage order
-    microbatches: int
-    microbatch_size: int  # samples
-    stage_params: float  # parameters per stage, on average
-    bubble: float  # the fraction of a step each stage idles, by the schedule's formula
-    bubble_formula: str  # that formula in words, e.g. "(pp-1)/(M+pp-1)"
-    boundary_bytes: float  # activations across one stage boundary per step (gradients: as many)
-    dp_sent_bytes: float  # a rank's share of the ring all-reduce among its stage's replicas
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineConfig(StrategyConfig):
-    """`--strategy pipeline`'s options, checked against the world size before launch."""
-
-    pp: int = option(2, "pipeline stages", type=int_at_least(1))
-    schedule: str = option("1f1b", "pipeline schedule", choices=sorted(SCHEDULES))
-    microbatches: int | None = option(None, "pipeline micro-batches per batch",
-                                      type=int_at_least(1),
-                                      shown="the most up to 4 x pp that divide the batch")
-    virtual_stages: int = option(1, "model chunks per rank (--schedule interleaved; zb-v holds "
-                                 "2 in a V): the model is split into pp x v stages, rank r "
-                                 "holds r, r+pp, ...",
-                                 type=int_at_least(1), resume=MUST_MATCH)
-
-    def plan(self, world_size: int, step_batch: int) -> int:
-        pp = self.pp
-        try:
-            dp = Topology(world_size, pp).dp
-        except ValueError as e:  # pp must divide world_size
-            raise ConfigError(str(e)) from None
-        m = self.microbatches
-        if m is not None and step_batch % m:
-            fits = [d for d in range(1, step_batch + 1) if step_batch % d == 0]
-            raise ConfigError(f"--microbatches {m} must divide the {step_batch} samples of a "
-                              f"step (--batch-size x --grad-accum); use --microbatches in {fits}")
-        _check_schedule(self.schedule, pp, self.virtual_stages,
-                        self.microbatches_for(step_batch))
-        return dp
-
-    def microbatches_for(self, step_batch: int) -> int:
-        """Micro-batches of a step of `step_batch` samples: as set, else the default."""
-        return self.microbatches or _default_microbatches(step_batch, self.pp, self.schedule)
-
-    def figures(self, workload: Workload) -> PipelineFigures:
-        """Per stage and step: the activations of the step's samples forward across each
-        boundary and their gradients backward (fp32), and the ring all-reduce of the stage's
-        gradients among its dp replicas. `sent_bytes` is the busiest stage's: a middle one sends
-        both ways, an end stage one way.
-        The bubble is the schedule's formula (`bubble_formula`: GPipe's for 1F1B, Narayanan et
-        al. 2021; smaller for interleaved and ZB-H1)."""
-        pp, dp = self.pp, self.plan(workload.world_size, workload.step_batch)
-        topology = Topology(workload.world_size, pp)
-        m = self.microbatches_for(workload.step_batch)
-        stage = workload.params / pp
-        boundary = float(workload.step_batch * workload.sample_numel * FP32_BYTES)
-        dp_sent = all_reduce_share(dp) * stage * FP32_BYTES
-        return PipelineFigures(
-            data_ranks=dp, **{k: v / pp for k, v in workload.replica().items()},
-            sent_bytes=min(2, pp - 1) * boundary + dp_sent, pp=pp, dp=dp,
-            pipelines=tuple(tuple(topology.pp_group_ranks(d)) for d in range(dp)), microbatches=m,
-            microbatch_size=workload.step_batch // m, stage_params=stage,
-            bubble=bubble_formula(self.schedule, pp, m, self.virtual_stages),
-            bubble_formula=BUBBLE_FORMULA_TEXT[self.schedule],
-            boundary_bytes=boundary, dp_sent_bytes=dp_sent)
-
-
 class PipelineStrategy(Strategy):
-    """One rank's stage of a dp x pp pipeline.
+    """One rank's stage (its tp slice) of a dp x pp x tp pipeline.
 
     Args:
         runtime: the started process group (`ringtrain.init_distributed()`).
-        pp: stages per pipeline; must divide the world size.
+        pp: stages per pipeline; pp x tp must divide the world size.
         schedule: '1f1b' (default; at most pp micro-batches in flight), 'gpipe', 'zb-h1'
             (1F1B's memory, a third of its bubble), 'zb-v' (2 chunks per rank in a V, 1F1B's
             memory, a sixth of its bubble) or 'interleaved' (with virtual_stages).
@@ -188,6 +99,11 @@ class PipelineStrategy(Strategy):
             balanced by parameter count.
         virtual_stages: model chunks per rank, for `schedule='interleaved'`: the bubble shrinks
             to (pp-1)/(v*m) of the compute, for more p2p messages and warm-up activations.
+        tp: ranks that split each stage's matrices (Megatron-LM; ringtrain's GPT, untied,
+            dropout 0).
+        sequence_parallel: with tp, the norms and the residual stream (and so the stage
+            boundaries) on block_size / tp tokens per rank; with the schedules in
+            `pipeline_config.SP_SCHEDULES`.
     """
 
     name = "pipeline"
@@ -195,41 +111,50 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
                  microbatches: int | None = None, split: Sequence[int] | None = None,
-                 virtual_stages: int = 1):
-        if schedule not in SCHEDULES:
-            raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
-                              f"{sorted(SCHEDULES)}")
-        _check_schedule(schedule, pp, virtual_stages, microbatches)
+                 virtual_stages: int = 1, tp: int = 1, sequence_parallel: bool = False):
+        check_schedule(schedule, pp, virtual_stages, microbatches, sequence_parallel)
+        if sequence_parallel and tp == 1:
+            raise ConfigError("sequence_parallel=True shards the sequence over the tp ranks: "
+                              "pass tp=2 (or more), or sequence_parallel=False")
         # Chunks per rank (zb-v: 2, in the layout, so resuming under another schedule is refused)
         self.runtime, self.virtual_stages = runtime, chunks_per_rank(schedule, virtual_stages)
-        try:
-            self.topology = Topology(runtime.world_size, pp)
-        except ValueError as e:  # pp does not divide the world: the same on every rank
-            raise ConfigError(str(e)) from None
+        self.grid = make_grid(runtime.world_size, pp, tp)  # the same refusal on every rank
         self.schedule, self.microbatches, self.split = schedule, microbatches, split
-        self.groups = create_process_groups(self.topology, runtime.rank)
+        self.sequence_parallel = sequence_parallel
+        self.groups = create_process_groups(self.grid, runtime.rank)
 
     # -- where this rank reads data ---------------------------------------------------------
     @property
     def data_rank(self) -> int | None:
-        return self.groups.dp_rank
+        return self.groups.dp_rank  # every stage and tp rank of a replica reads alike
 
     @property
     def data_world_size(self) -> int:
-        return self.topology.dp
+        return self.grid.dp
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
-        g, pp, v = self.groups, self.topology.pp, self.virtual_stages
+        g, pp, v, tp = self.groups, self.grid.pp, self.virtual_stages, self.grid.tp
+        if tp > 1:
+            # Split before cutting: the stages then share the parallelised model's modules,
+            # so the model's names still say which tensor each stage holds (`StageNames`).
+            model = parallelize_model(model, g.tp_group, tp=tp,
+                                      sequence_parallel=self.sequence_parallel)
+            # The lm_head leaves the logits split by vocabulary: the loss is ringtrain's
+            # cross-entropy (mean over targets, -1 ignored) without gathering them.
+            loss_fn = lambda logits, y: vocab_parallel_cross_entropy(  # noqa: E731
+                logits, y, g.tp_group)
         place = placement(self.schedule, pp, v)
         stages = partition(_as_sequential(model), pp * v, self.split)
         chunks = [stages[place.stage(g.pp_rank, c)].to(self.runtime.device) for c in range(v)]
         stage = chunks[0] if v == 1 else nn.ModuleList(chunks)
         self.stage = stage
         self.names = StageNames.of(model, stages, stage)
+        self.slices = StageSlices.of(stage, self.names.keys, g.tp_rank, tp)
         self._param_names = portable.param_names(model)  # id -> name, for the optimizer
 
-        # Tied weights: one group per (tie, pipeline), created by every rank in the same order.
+        # Tied weights: one group per (tie, pipeline), created by every rank in the same order
+        # (tp > 1 refuses ties: there is one pipeline per dp_rank).
         self._ties: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
         # tied copies whose norm another stage counts
         self._norm_counted_elsewhere: set[int] = set()
@@ -239,17 +164,23 @@ class PipelineStrategy(Strategy):
             ranks = sorted({place.where(k)[0] for k in tie.stages})
             if len(ranks) < 2:
                 continue
-            for d in range(self.topology.dp):
-                group = dist.new_group([self.topology.rank_of(d, r) for r in ranks])
+            for d in range(self.grid.dp):
+                group = dist.new_group([self.grid.rank_of(d, r) for r in ranks])
                 if d == g.dp_rank and g.pp_rank in ranks:
                     k = next(k for k in tie.stages if place.where(k)[0] == g.pp_rank)
                     param = dict(stages[k].named_parameters())[dict(tie.holders)[k]]
                     self._ties.append((local[id(param)], group))
                     if g.pp_rank != ranks[0]:
                         self._norm_counted_elsewhere.add(id(param))
+        # The clip norm counts a parameter every tp rank holds whole once, on tp rank 0.
+        if g.tp_rank > 0:
+            whole = {key for key, names in self.names.keys.items()
+                     if not any(self.slices.is_sliced(n) for n in names)}
+            self._norm_counted_elsewhere |= {id(p) for key, p in stage.named_parameters()
+                                             if key in whole}
 
         self.ddp: list[nn.Module] | None = None
-        if self.topology.dp > 1:
+        if self.grid.dp > 1:
             from ringtrain.ddp.distributed import DistributedDataParallel
 
             # One DDP per chunk, each armed before its chunk's last backward (the engine's
@@ -273,8 +204,7 @@ class PipelineStrategy(Strategy):
         device = self.runtime.device
         x = torch.cat([mb[0] for mb in micro_batches]).to(device)
         y = torch.cat([mb[1] for mb in micro_batches]).to(device)
-        m = self.microbatches or _default_microbatches(x.shape[0], self.topology.pp,
-                                                         self.schedule)
+        m = self.microbatches or default_microbatches(x.shape[0], self.grid.pp, self.schedule)
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.engine.train_step(x, y, m)
         if self.tracer.active:
@@ -295,19 +225,25 @@ class PipelineStrategy(Strategy):
         step_s = time.perf_counter() - t0
         if self.runtime.world_size == 1:  # nothing is sent: its waits and the clip are compute
             stats.busy_s, stats.wait_s, comm_s = stats.busy_s + stats.wait_s + comm_s, 0.0, 0.0
-        return StepResult(stats.loss_sum or 0.0, stats.count, stats.busy_s + step_s,
+        # Every tp rank of the last stage computed the same loss on the same samples: one counts.
+        counted = self.groups.tp_rank == 0
+        return StepResult((stats.loss_sum or 0.0) if counted else 0.0,
+                          stats.count if counted else 0, stats.busy_s + step_s,
                           stats.wait_s + comm_s)
 
     def _clip(self, max_norm: float) -> float:
         """Clip by the 2-norm over every stage's gradients (as clip_grad_norm_ on the whole
-        model): each stage sums its squares, the pipeline adds them up. A tied weight counts
-        once; data-parallel peers hold equal, already averaged gradients."""
+        model): each stage sums its squares, over its tp slices, and the pipeline adds them up.
+        A tied weight and a weight every tp rank holds whole count once; data-parallel peers
+        hold equal, already averaged gradients."""
         grads = [p.grad for p in self.stage.parameters()
                  if p.grad is not None and id(p) not in self._norm_counted_elsewhere]
         sq = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
         for grad in grads:
             sq += grad.detach().float().pow(2).sum()
-        if self.topology.pp > 1:
+        if self.grid.tp > 1:
+            collectives.all_reduce(sq, group=self.groups.tp_group)
+        if self.grid.pp > 1:
             collectives.all_reduce(sq, group=self.groups.pp_group)
         total = float(sq.sqrt())
         coef = max_norm / (total + 1e-6)
@@ -322,18 +258,23 @@ class PipelineStrategy(Strategy):
         was_training = self.stage.training
         self.stage.eval()
         try:
-            return self.engine.forward_only(x.to(self.runtime.device))
+            out = self.engine.forward_only(x.to(self.runtime.device))
         finally:
             self.stage.train(was_training)
+        if self.grid.tp == 1 or out is None:
+            return out
+        logits = comm.all_gather(out, -1, self.groups.tp_group)  # (B, T, V/tp) -> (B, T, V)
+        return logits if self.groups.tp_rank == 0 else None  # each sample scored once
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's state under its own names, gathered from every stage; equal on all
-        ranks (a collective over the pipeline group)."""
+        """The full model's state under its own names, gathered from every stage (and its tp
+        slices); equal on all ranks (a collective over the tp and pipeline groups)."""
         own = self.stage.state_dict()
         local = {name: own[key].detach().cpu().clone() for name, key in self.names.local.items()}
-        if self.topology.pp == 1:
+        local = self.slices.gather(local, self.groups.tp_group)
+        if self.grid.pp == 1:
             return {name: local[name] for name in self.names.order}
-        parts: list[dict[str, torch.Tensor] | None] = [None] * self.topology.pp
+        parts: list[dict[str, torch.Tensor] | None] = [None] * self.grid.pp
         collectives.all_gather_object(parts, local, group=self.groups.pp_group)
         full: dict[str, torch.Tensor] = {}
         for part in parts:
@@ -341,44 +282,59 @@ class PipelineStrategy(Strategy):
         return {name: full[name] for name in self.names.order}
 
     def _layout(self) -> dict[str, int]:
-        return {"world_size": self.topology.world_size, "pp": self.topology.pp,
-                "dp": self.topology.dp, "pp_rank": self.groups.pp_rank,
+        tp = {"tp": self.grid.tp, "tp_rank": self.groups.tp_rank} if self.grid.tp > 1 else {}
+        return {"world_size": self.grid.world_size, "pp": self.grid.pp,
+                "dp": self.grid.dp, "pp_rank": self.groups.pp_rank, **tp,
                 **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {})}
 
     def state_layout(self) -> dict[str, Any]:
-        """Stages hold other layers under another pp or number of chunks."""
-        return {"pp": self.topology.pp, "virtual_stages": self.virtual_stages}
+        """Stages hold other layers under another pp or number of chunks, other slices under
+        another tp."""
+        return {"pp": self.grid.pp, "virtual_stages": self.virtual_stages,
+                **({"tp": self.grid.tp} if self.grid.tp > 1 else {})}
 
     def state_dict(self) -> dict[str, Any]:
         # The model's names make it convertible to the layout-free form (`to_portable`).
-        return {"layout": self._layout(), "stage": self.stage.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "names": self.names.keys,
-                "param_names": portable.optimizer_param_names(self.optimizer,
-                                                              self._param_names)}
+        state = {"layout": self._layout(), "stage": self.stage.state_dict(),
+                 "optimizer": self.optimizer.state_dict(), "names": self.names.keys,
+                 "param_names": portable.optimizer_param_names(self.optimizer,
+                                                               self._param_names)}
+        if self.grid.tp > 1:
+            state["splits"] = self.slices.to_dict()  # how to put the tp slices together
+        return state
 
     @classmethod
     def to_portable(cls, read_parts: Callable[[list[int]], dict[int, dict[str, Any]]],
                     shared: dict[str, Any] | None,
                     metadata: dict[str, Any]) -> dict[str, Any] | None:
-        """The stages of the first pipeline (dp_rank 0; the others hold the same), each
-        stage's tensors under the model's names."""
+        """The stages of the first pipelines (dp_rank 0; the others hold the same), each
+        stage's tensors under the model's names, its tp slices put together."""
         layout = read_parts([0])[0]["layout"]
-        ranks = Topology(int(layout["world_size"]), int(layout["pp"])).pp_group_ranks(0)
-        parts = read_parts(ranks)
+        grid = make_grid(int(layout["world_size"]), int(layout["pp"]), int(layout.get("tp", 1)))
+        stages = [grid.tp_group_ranks(0, s) for s in range(grid.pp)]
+        parts = read_parts([r for ranks in stages for r in ranks])
         if any("names" not in p for p in parts.values()):
             raise ConfigError("this pipeline snapshot was written by a ringtrain that did not "
                               "name the stages' tensors: resume it with --strategy pipeline "
                               f"--pp {layout['pp']}")
-        return portable.make(model_tensors(parts), portable.merge(
-            portable.optimizer_by_name(p["optimizer"], p["param_names"])
-            for _, p in sorted(parts.items())))
+        model: dict[str, torch.Tensor] = {}
+        optimizers = []
+        for ranks in stages:
+            splits = parts[ranks[0]].get("splits", {})
+            model.update(join_slices([model_tensors({r: parts[r]}) for r in ranks], splits))
+            optimizers.append({"state": join_slices(
+                [portable.optimizer_by_name(parts[r]["optimizer"],
+                                            parts[r]["param_names"])["state"] for r in ranks],
+                splits)})
+        return portable.make(model, portable.merge(optimizers))
 
     def load_portable_state_dict(self, state: dict[str, Any]) -> None:
         portable.check(state)
-        portable.load_model(self.stage, state["model"], names=self.names.keys)
-        portable.load_optimizer(
-            self.optimizer, portable.optimizer_param_names(self.optimizer, self._param_names),
-            state["optimizer"])
+        portable.load_model(self.stage, self.slices.cut(state["model"]), names=self.names.keys)
+        names = portable.optimizer_param_names(self.optimizer, self._param_names)
+        mine = {n: self.slices.cut_entry(n, s) for n, s in state["optimizer"]["state"].items()
+                if n in set(names)}  # this stage's parameters' moments, this tp rank's slices
+        portable.load_optimizer(self.optimizer, names, {"state": mine})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, now = state.get("layout"), self._layout()
@@ -386,8 +342,9 @@ class PipelineStrategy(Strategy):
             raise ConfigError(
                 f"this pipeline state was saved with layout {saved} but this rank runs {now}: "
                 f"stages hold different layers, so it cannot be loaded here. Restart with "
-                f"--pp {saved and saved['pp']} and "
-                f"--nproc-per-node {saved and saved['world_size']}, "
+                f"--pp {saved and saved['pp']}"
+                + (f" --tp {saved['tp']}" if saved and saved.get("tp", 1) > 1 else "")
+                + f" and --nproc-per-node {saved and saved['world_size']}, "
                 "or resume from the full model state (model_state_dict)"
             )
         self.stage.load_state_dict(state["stage"])

@@ -4,7 +4,7 @@
     ringtrain train --strategy tp --tp 2 --nproc-per-node 4      # dp 2 x tp 2
     ringtrain train --strategy tp --tp 2 --zero-stage 2 --nproc-per-node 4   # + ZeRO 2 on dp
 
-Ranks form a `tensor_parallel.grid.Grid` (tp innermost: a tp group is consecutive ranks, one
+Ranks form a `ringtrain.grid.Grid` with pp=1 (tp innermost: a tp group is consecutive ranks, one
 host). Each replica's GPT is parallelised by `gpt_plan()`: every rank holds 1/tp of each
 matrix (heads, MLP width, vocabulary) and the loss is `vocab_parallel_cross_entropy` of the
 vocab-sharded logits, which never gathers them. Gradients of the parameters every tp rank holds
@@ -41,20 +41,20 @@ from torch import nn
 
 from ringtrain.config import option
 from ringtrain.errors import ConfigError
+from ringtrain.grid import Grid, create_process_groups
 from ringtrain.runtime import Runtime
 from ringtrain.strategies import layouts, portable
 from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyConfig
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
+from ringtrain.strategies.tp_options import sequence_parallel_option, tp_option
 from ringtrain.tensor_parallel import (
-    HeadParallelAttention,
     comm,
     gpt_plan,
     parallelize,
     vocab_parallel_cross_entropy,
 )
-from ringtrain.tensor_parallel.grid import Grid, create_process_groups
-from ringtrain.tensor_parallel.state import Split, shard_named, unshard, unshard_named
+from ringtrain.tensor_parallel.state import Split, param_splits, shard_named, unshard, unshard_named
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import state as zero_state
 from ringtrain.zero.shard import expected_bytes
@@ -77,12 +77,10 @@ class TPFigures(Figures):
 class TPConfig(StrategyConfig):
     """`--strategy tp`'s options."""
 
-    tp: int = option(2, "tensor-parallel degree: ranks that split every matrix (consecutive "
-                     "ranks, one host); must divide the world size, n_head and the vocabulary")
-    sequence_parallel: bool = option(False, "sequence parallelism: the norms and the residual "
-                                     "stream on block_size / tp tokens per rank, all-gather and "
-                                     "reduce-scatter instead of all-reduce (block_size must be "
-                                     "divisible by --tp)")
+    chosen_by = ("tp",)  # --tp without --strategy (and without --pp, which picks pipeline)
+
+    tp: int = tp_option(2)
+    sequence_parallel: bool = sequence_parallel_option()
     zero_stage: int = option(0, "ZeRO: what is sharded over the data-parallel ranks: 1 optimizer "
                              "state, 2 + gradients, 3 + parameters (--strategy tp: 0, no ZeRO, "
                              "by default; 1-3 shard each rank's slices over its dp group)",
@@ -91,7 +89,7 @@ class TPConfig(StrategyConfig):
 
     def plan(self, world_size: int, step_batch: int) -> int:
         try:
-            return Grid(world_size, self.tp).dp
+            return Grid(world_size, tp=self.tp).dp
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -143,14 +141,6 @@ class TPConfig(StrategyConfig):
                          activation_bytes=micro.activation_sp_bytes)
 
 
-def _splits(module: nn.Module) -> dict[str, Split]:
-    """How each parameter of a parallelised GPT is held across the tp group, by name."""
-    fused = {id(p) for m in module.modules() if isinstance(m, HeadParallelAttention)
-             for p in m.c_attn.parameters()}  # q, k, v: split block by block
-    return {name: Split(getattr(p, "tp_shard_dim", None), 3 if id(p) in fused else 1)
-            for name, p in module.named_parameters()}
-
-
 class TPStrategy(Strategy):
     """dp x tp: Megatron-LM tensor parallelism in each replica, data parallelism across them.
 
@@ -170,7 +160,7 @@ class TPStrategy(Strategy):
         self.zero_stage = int(zero_stage)
         # The pre-launch checks again (a script builds the strategy without the command line).
         TPConfig(tp=tp, zero_stage=self.zero_stage).plan(runtime.world_size, 1)
-        self.grid = Grid(runtime.world_size, tp)
+        self.grid = Grid(runtime.world_size, tp=tp)
         self.groups = None
         self.module: nn.Module | None = None
         self.zero: ZeroDataParallel | None = None  # --zero-stage 1, 2: the dp axis's wrapper
@@ -185,7 +175,7 @@ class TPStrategy(Strategy):
         except (TypeError, ValueError) as e:  # n_head or vocab not divisible, tied embeddings
             raise ConfigError(f"--strategy tp --tp {self.tp}: {e}") from None
         self.module = model.to(self.runtime.device)
-        self.splits = _splits(self.module)
+        self.splits = param_splits(self.module)
         if self.zero_stage:
             # ZeRO shards this rank's module (its slices, the whole parameters) over the ranks
             # holding the same slices; the tp collectives stay inside the module's autograd.
@@ -203,14 +193,14 @@ class TPStrategy(Strategy):
 
     @property
     def data_rank(self) -> int | None:
-        return self.grid.coords(self.runtime.rank)[0]  # the tp ranks of a replica read alike
+        return self.grid.coords(self.runtime.rank).dp_rank  # the tp ranks of a replica read alike
 
     @property
     def data_world_size(self) -> int:
         return self.grid.dp
 
     def _tp_rank(self) -> int:
-        return self.grid.coords(self.runtime.rank)[1]
+        return self.grid.coords(self.runtime.rank).tp_rank
 
     # -- the step ----------------------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,

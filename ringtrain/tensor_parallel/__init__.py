@@ -14,7 +14,8 @@ Read in this order:
   `parallelize_module` convention); `gpt_plan()` for ringtrain's GPT.
 - `volumes.py`: the bytes a step communicates and the activations it saves per rank, from the
   textbook formulas (pure; `ringtrain plan` and `ringtrain explain` use them).
-- `grid.py`: the dp x tp layout of ranks (tp innermost) and its process groups, made once.
+- the layout of ranks (dp x pp x tp, tp innermost) and its groups: `ringtrain.grid`, one for
+  every strategy (`--strategy tp`, and `--strategy pipeline --tp`).
 - `state.py`: a parameter's slice for a tp rank and the whole tensor from the slices, and a
   model's and its optimizer's by name (pure): how `--strategy tp` (`ringtrain/strategies/tp.py`)
   converts its snapshots, under ZeRO too.

@@ -1,0 +1,175 @@
+"""`--strategy pipeline`'s options and figures: what it checks before any rank starts.
+
+    ringtrain train --pp 2 --tp 2 --nproc-per-node 4   # --pp implies --strategy pipeline
+
+The layout is `ringtrain.grid.Grid(world_size, pp=pp, tp=tp)`: dp x pp x tp, tp innermost.
+`--tp` splits every stage's matrices over consecutive ranks (Megatron-LM, as `--strategy tp`
+does for a whole replica), under every schedule; `--sequence-parallel` under those in
+`SP_SCHEDULES` (the others are refused here, with the fix). The strategy itself:
+`ringtrain/strategies/pipeline.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ringtrain.config import MUST_MATCH, int_at_least, option
+from ringtrain.errors import ConfigError
+from ringtrain.grid import Grid
+from ringtrain.pipeline.schedule import (
+    BUBBLE_FORMULA_TEXT,
+    SCHEDULES,
+    bubble_formula,
+    chunks_per_rank,
+)
+from ringtrain.strategies.base import StrategyConfig
+from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
+from ringtrain.strategies.tp_options import sequence_parallel_option, tp_option
+
+# Schedules that run with --sequence-parallel (every schedule runs with --tp alone, each checked
+# against one process). The zero-bubble ones split a backward in two (input gradient now,
+# weights later, `ringtrain.pipeline.backward`), whose weight pass runs a parameter's tensor
+# hook twice (once in its autograd.grad, once in the backward rooted at the accumulator):
+# sequence parallelism's sum of the norms' gradients over tp is such a hook, so those come out
+# tp times too large (measured: every weight 5e-3 off after 3 clipped steps). Refused until
+# the weight pass runs hooks once.
+SP_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+def default_microbatches(batch: int, pp: int, schedule: str = "1f1b") -> int:
+    """The most micro-batches up to 4 x pp that divide `batch` evenly; for an interleaved
+    schedule, a multiple of pp (it runs micro-batches in rounds of pp)."""
+    step = pp if schedule == "interleaved" else 1
+    for m in range(4 * pp, step - 1, -1):
+        if batch % m == 0 and m % step == 0:
+            return m
+    return 4 * pp  # nothing divides: let split_batch raise with the choices
+
+
+def check_schedule(schedule: str, pp: int, virtual_stages: int, microbatches: int | None,
+                   sequence_parallel: bool = False) -> None:
+    """The schedule's own checks (its builder's), and whether it runs with sequence
+    parallelism, as a ConfigError before any rank starts."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
+                          f"{sorted(SCHEDULES)}")
+    if sequence_parallel and schedule not in SP_SCHEDULES:
+        raise ConfigError(f"--schedule {schedule} does not run with --sequence-parallel yet "
+                          "(its split backward sums the norms' gradients over tp twice); use "
+                          f"--schedule in {list(SP_SCHEDULES)} or drop --sequence-parallel")
+    try:
+        SCHEDULES[schedule](0, pp, microbatches or 4 * pp,
+                            chunks_per_rank(schedule, virtual_stages))
+    except ValueError as e:
+        raise ConfigError(str(e).replace("microbatches=", "--microbatches ")
+                          .replace("virtual_stages=", "--virtual-stages ")
+                          .replace("pp=", "--pp ")) from None
+
+
+def make_grid(world_size: int, pp: int, tp: int) -> Grid:
+    """The grid, its refusal (pp x tp must divide the world) as a ConfigError."""
+    try:
+        return Grid(world_size, pp=pp, tp=tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineFigures(Figures):
+    """`--strategy pipeline`'s figures; the common ones are a stage's (its layers' share of the
+    parameters: on average 1/pp; `partition` balances them by parameter count), over tp."""
+
+    pp: int
+    dp: int  # pipelines (replicas of each stage)
+    pipelines: tuple[tuple[int, ...], ...]  # each pipeline's ranks, in stage order (dp x tp)
+    microbatches: int
+    microbatch_size: int  # samples
+    stage_params: float  # parameters per stage, on average
+    bubble: float  # the fraction of a step each stage idles, by the schedule's formula
+    bubble_formula: str  # that formula in words, e.g. "(pp-1)/(M+pp-1)"
+    boundary_bytes: float  # activations across one stage boundary per step (gradients: as many)
+    dp_sent_bytes: float  # a rank's share of the ring all-reduce among its stage's replicas
+    tp: int = 1  # ranks that split each stage's matrices
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig(StrategyConfig):
+    """`--strategy pipeline`'s options, checked against the world size before launch."""
+
+    chosen_by = ("pp",)  # with no --strategy, --pp chooses this one (see StrategyConfig)
+
+    pp: int = option(2, "pipeline stages", type=int_at_least(1))
+    schedule: str = option("1f1b", "pipeline schedule", choices=sorted(SCHEDULES))
+    microbatches: int | None = option(None, "pipeline micro-batches per batch",
+                                      type=int_at_least(1),
+                                      shown="the most up to 4 x pp that divide the batch")
+    virtual_stages: int = option(1, "model chunks per rank (--schedule interleaved; zb-v holds "
+                                 "2 in a V): the model is split into pp x v stages, rank r "
+                                 "holds r, r+pp, ...",
+                                 type=int_at_least(1), resume=MUST_MATCH)
+    tp: int = tp_option(1)
+    sequence_parallel: bool = sequence_parallel_option()
+
+    def plan(self, world_size: int, step_batch: int) -> int:
+        pp, tp = self.pp, self.tp
+        dp = make_grid(world_size, pp, tp).dp
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("--sequence-parallel shards the sequence over the tp ranks: "
+                              "add --tp 2 (or more), or drop --sequence-parallel")
+        m = self.microbatches
+        if m is not None and step_batch % m:
+            fits = [d for d in range(1, step_batch + 1) if step_batch % d == 0]
+            raise ConfigError(f"--microbatches {m} must divide the {step_batch} samples of a "
+                              f"step (--batch-size x --grad-accum); use --microbatches in {fits}")
+        check_schedule(self.schedule, pp, self.virtual_stages,
+                       self.microbatches_for(step_batch), self.sequence_parallel)
+        return dp
+
+    def check_model(self, model: Any) -> None:
+        """With --tp: heads split across the tp ranks; what tp does not do yet, refused."""
+        if self.tp == 1:
+            return
+        if model.n_head % self.tp:
+            divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
+            raise ConfigError(f"--n-head {model.n_head} is not divisible by --tp {self.tp}: each "
+                              f"tp rank computes n_head / tp heads; use --tp in {divisors} or "
+                              f"--n-head a multiple of {self.tp}")
+        if model.tie_embeddings:
+            raise ConfigError("--tp does not split tied embeddings yet (the token embedding and "
+                              "lm_head would need one vocab-parallel weight, on two stages): "
+                              "drop --tie-embeddings")
+        if model.dropout > 0:
+            raise ConfigError(f"--tp does not support dropout yet (--dropout {model.dropout}): "
+                              "the activations every tp rank holds whole would need the same "
+                              "dropout mask on each; use --dropout 0")
+
+    def microbatches_for(self, step_batch: int) -> int:
+        """Micro-batches of a step of `step_batch` samples: as set, else the default."""
+        return self.microbatches or default_microbatches(step_batch, self.pp, self.schedule)
+
+    def figures(self, workload: Workload) -> PipelineFigures:
+        """Per stage and step: the activations of the step's samples forward across each
+        boundary and their gradients backward (fp32; 1/tp of them per rank under sequence
+        parallelism), and the ring all-reduce of the stage's gradients (1/tp of them per rank)
+        among its dp replicas. `sent_bytes` is the busiest stage's: a middle one sends both
+        ways, an end stage one way. The tp group's own activation all-reduces are left out
+        (`--strategy tp`'s figures count them).
+        The bubble is the schedule's formula (`bubble_formula`: GPipe's for 1F1B, Narayanan et
+        al. 2021; smaller for interleaved and ZB-H1)."""
+        pp, tp, dp = self.pp, self.tp, self.plan(workload.world_size, workload.step_batch)
+        grid = make_grid(workload.world_size, pp, tp)
+        m = self.microbatches_for(workload.step_batch)
+        stage = workload.params / pp
+        boundary = float(workload.step_batch * workload.sample_numel * FP32_BYTES)
+        if self.sequence_parallel:
+            boundary /= tp
+        dp_sent = all_reduce_share(dp) * stage / tp * FP32_BYTES
+        return PipelineFigures(
+            data_ranks=dp, **{k: v / (pp * tp) for k, v in workload.replica().items()},
+            sent_bytes=min(2, pp - 1) * boundary + dp_sent, pp=pp, dp=dp, tp=tp,
+            pipelines=tuple(tuple(r) for r in grid.groups()["pp"]), microbatches=m,
+            microbatch_size=workload.step_batch // m, stage_params=stage,
+            bubble=bubble_formula(self.schedule, pp, m, self.virtual_stages),
+            bubble_formula=BUBBLE_FORMULA_TEXT[self.schedule],
+            boundary_bytes=boundary, dp_sent_bytes=dp_sent)
