@@ -39,7 +39,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.config import option
 from ringtrain.errors import ConfigError
 from ringtrain.grid import Grid, create_process_groups
 from ringtrain.runtime import Runtime
@@ -47,7 +46,11 @@ from ringtrain.strategies import layouts, portable
 from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyConfig
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
-from ringtrain.strategies.tp_options import sequence_parallel_option, tp_option
+from ringtrain.strategies.tp_options import (
+    sequence_parallel_option,
+    tp_option,
+    zero_stage_option,
+)
 from ringtrain.tensor_parallel import (
     comm,
     gpt_plan,
@@ -57,7 +60,7 @@ from ringtrain.tensor_parallel import (
 from ringtrain.tensor_parallel.state import Split, param_splits, shard_named, unshard, unshard_named
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import state as zero_state
-from ringtrain.zero.shard import expected_bytes
+from ringtrain.zero.shard import STAGES, expected_bytes
 from ringtrain.zero.sharded import ZeroDataParallel
 
 
@@ -81,11 +84,7 @@ class TPConfig(StrategyConfig):
 
     tp: int = tp_option(2)
     sequence_parallel: bool = sequence_parallel_option()
-    zero_stage: int = option(0, "ZeRO: what is sharded over the data-parallel ranks: 1 optimizer "
-                             "state, 2 + gradients, 3 + parameters (--strategy tp: 0, no ZeRO, "
-                             "by default; 1-3 shard each rank's slices over its dp group)",
-                             type=int, choices=(0, 1, 2, 3),
-                             shown="2 with --strategy zero, 0 with --strategy tp")
+    zero_stage: int = zero_stage_option(0, (0, *STAGES))
 
     def plan(self, world_size: int, step_batch: int) -> int:
         try:

@@ -1,4 +1,5 @@
-"""The options `--strategy tp` and `--strategy pipeline` share, each one field defined once
+"""The options strategies share (`--tp`, `--sequence-parallel`: tp and pipeline; `--zero-stage`:
+zero and tp), each one field defined once
 (their help is the same wherever they appear; only the default is each strategy's).
 
     ringtrain train --strategy tp --tp 2 --nproc-per-node 2
@@ -25,3 +26,13 @@ def sequence_parallel_option() -> Any:
     return option(False, "sequence parallelism: the norms and the residual stream on "
                   "block_size / tp tokens per rank, all-gather and reduce-scatter instead of "
                   "all-reduce (block_size must be divisible by --tp)")
+
+
+def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
+    """`--zero-stage`: what ZeRO shards over the data-parallel ranks (`ringtrain.zero`); 0 (none)
+    is a choice only where the strategy runs without ZeRO too."""
+    return option(default, "ZeRO: what is sharded over the data-parallel ranks: 1 optimizer "
+                  "state, 2 + gradients, 3 + parameters (--strategy zero: 2 by default; "
+                  "--strategy tp: 0, no ZeRO, by default, 1-3 shard each rank's slices over its "
+                  "dp group)", type=int, choices=choices,
+                  shown="2 with --strategy zero, 0 with --strategy tp")

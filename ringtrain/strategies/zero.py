@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.config import option
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
 from ringtrain.strategies import portable
@@ -32,6 +31,7 @@ from ringtrain.strategies.base import (
 )
 from ringtrain.strategies.figures import Figures, Workload, gather_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
+from ringtrain.strategies.tp_options import zero_stage_option
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import reshard
 from ringtrain.zero import state as zero_state
@@ -54,8 +54,7 @@ class ZeroFigures(Figures):
 class ZeroConfig(StrategyConfig):
     """`--strategy zero`'s options."""
 
-    zero_stage: int = option(2, "what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters",
-                             type=int, choices=STAGES)
+    zero_stage: int = zero_stage_option(2, STAGES)
 
     def figures(self, workload: Workload) -> ZeroFigures:
         """1/N of what is sharded (`expected_bytes`, the paper's count). Per step, stages 1 and
