@@ -3,6 +3,7 @@
     .venv/bin/pytest -q tests/test_pipeline_backward.py
 """
 
+import collections
 import copy
 
 import pytest
@@ -10,9 +11,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ringtrain.errors import ConfigError
 from ringtrain.models.gpt import GPT, GPTConfig, loss_fn
 from ringtrain.pipeline.backward import backward_input
 from ringtrain.pipeline.partition import partition
+from ringtrain.strategies import pipeline_config
+from ringtrain.strategies.pipeline_config import SPLIT_BACKWARD, check_schedule
+from ringtrain.torch_internals import tensor_hooks_held
 
 
 class _CountMatmuls(TorchDispatchMode):
@@ -102,6 +107,80 @@ def test_weight_pass_runs_one_matmul_per_linear_and_fires_hooks_once():
     with _CountMatmuls() as count:
         torch.autograd.backward(rewalk, grad, inputs=list(stage.parameters()))
     assert count.count == 2 * n - 1
+
+
+def _hooked_stage(seed: int) -> tuple[nn.Module, collections.Counter]:
+    """A stage whose every parameter has a tensor hook that changes its gradient (as sequence
+    parallelism's sum over tp does) and a post-accumulate hook, both counted; hooks that change
+    the gradients of the Linear's and the LayerNorm's outputs (the consumers' outputs) too."""
+    torch.manual_seed(seed)
+    stage = _Reused()
+    calls = collections.Counter()
+    for name, p in stage.named_parameters():
+        p.register_hook(lambda g, name=name: calls.update([("tensor", name)]) or g * 3)
+        p.register_post_accumulate_grad_hook(lambda _, name=name: calls.update([("post", name)]))
+
+    def hook_output(_module, _args, out):
+        out.register_hook(lambda g: g * 2)  # once in value; the engine calls it again in W
+    stage.lin.register_forward_hook(hook_output)
+    stage.norm.register_forward_hook(hook_output)
+    return stage, calls
+
+
+def test_split_backward_runs_each_parameters_hooks_once_as_a_plain_backward():
+    """CPU: per micro-batch, a parameter's tensor hooks (`register_hook`) and post-accumulate
+    hooks run exactly as often as in a plain backward (the weight pass used to run the tensor
+    hooks twice: in its `autograd.grad` and in the backward rooted at the accumulators), and
+    the accumulated gradients, hooks applied, are equal; so is a hook on a consumer's output."""
+    x, grad = torch.randn(4, 8), torch.randn(4, 8)
+    plain, plain_calls = _hooked_stage(0)
+    split, split_calls = _hooked_stage(0)
+    passes = []
+    for mb in range(2):
+        inp = (x + mb).requires_grad_()
+        torch.autograd.backward(plain(inp), grad)
+        ref = inp.grad
+        inp = (x + mb).requires_grad_()
+        g, weight_pass = backward_input(split(inp), grad, inp, list(split.parameters()))
+        torch.testing.assert_close(g, ref)
+        passes.append(weight_pass)
+    assert not split_calls  # the input pass reaches no parameter
+    for weight_pass in passes:
+        weight_pass.run()
+    assert split_calls == plain_calls
+    assert set(plain_calls.values()) == {2}  # each hook, once per micro-batch
+    for (name, p), q in zip(split.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_hooks_held_come_back_in_order_and_removable():
+    """CPU: `tensor_hooks_held` holds a leaf's hooks for its body only; after it, they run in
+    their order, a handle still removes its hook, and one registered meanwhile stays last."""
+    p = torch.zeros(2, requires_grad=True)
+    order = []
+    h1 = p.register_hook(lambda g: order.append(1))
+    p.register_hook(lambda g: order.append(2))
+    with tensor_hooks_held([p]):
+        (p * 1).sum().backward()
+        assert order == []
+        p.register_hook(lambda g: order.append(3))
+    (p * 1).sum().backward()
+    assert order == [1, 2, 3]
+    h1.remove()
+    (p * 1).sum().backward()
+    assert order == [1, 2, 3, 2, 3]
+
+
+def test_sequence_parallel_with_a_split_backward_runs_or_is_refused_by_torch(monkeypatch):
+    """zb-h1 / zb-v run with --sequence-parallel where torch lets the weight pass hold hooks,
+    and are refused before launch, with the fix, where it does not."""
+    for schedule in SPLIT_BACKWARD:
+        check_schedule(schedule, 2, 1, 4, sequence_parallel=True)
+    monkeypatch.setattr(pipeline_config, "tensor_hooks_held_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"--schedule zb-h1 does not run with "
+                       r"--sequence-parallel on torch .*use --schedule in \['gpipe', '1f1b', "
+                       r"'interleaved'\]"):
+        check_schedule("zb-h1", 2, 1, 4, sequence_parallel=True)
 
 
 def test_output_without_graph_is_an_error():

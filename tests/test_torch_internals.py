@@ -39,7 +39,7 @@ PRIVATE_NAMES = [
     "_flatten_dense_tensors", "_unflatten_dense_tensors", "_unsafe_preserve_version_counter",
     "_get_default_store", "_get_backend", "_distributed_c10d", "_matches_machine_hostname",
     "rdzv_registry", "_capture_process_failures", "_running_local_ranks", "subprocess_handlers",
-    "_start_workers", "_restart_workers", "_remaining_restarts", "_BatchNorm",
+    "_start_workers", "_restart_workers", "_remaining_restarts", "_BatchNorm", "_backward_hooks",
 ]
 # Spelled with their owner: the bare attribute is too common a word.
 PRIVATE_PATTERNS = [r"torch\._utils\b", r"options\._timeout\b", r"distributed_c10d\._"]

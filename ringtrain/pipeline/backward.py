@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from ringtrain.torch_internals import tensor_hooks_held
+
 
 def _accumulator(t: torch.Tensor) -> Node:
     """A leaf's AccumulateGrad node (made on demand, so reach it through a view), else its
@@ -105,8 +107,20 @@ class WeightPass:
     groups: list[_Group]
 
     def run(self) -> None:
-        """Accumulate the weight gradients into `.grad` (post-accumulate hooks fire, in one
-        autograd call)."""
+        """Accumulate the weight gradients into `.grad`: each parameter's tensor hooks and
+        post-accumulate hooks run once, in one autograd call, as in a plain backward."""
+        # The engine runs a leaf's `register_hook` hooks where `autograd.grad` captures its
+        # gradient and again where the final backward accumulates it: twice per micro-batch, so
+        # a hook that sums over tp (sequence parallelism's norms) summed tp times. Hold them
+        # while capturing: they run once, on the raw gradient, where a plain backward runs them.
+        with tensor_hooks_held([p.variable for g in self.groups for p in g.params]):
+            roots, grads = self._weight_grads()
+        self.groups = []
+        if roots:
+            torch.autograd.backward(roots, grads)
+
+    def _weight_grads(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """Each parameter's gradient for this micro-batch (no hook run), by group."""
         roots, grads = [], []
         for group in self.groups:
             edges, outs = [], []
@@ -117,12 +131,14 @@ class WeightPass:
                         outs.append(g)
             if not edges:
                 continue
-            # A consumer below another consumer of the same parameter (a weight used twice
-            # along the input's path) would get the upper one's gradient a second time on top
-            # of the one it kept: clamp each to what it kept, as torch does.
+            # Clamp each consumer to the gradient it kept in the input pass. A consumer below
+            # another consumer of the same parameter (a weight used twice along the input's
+            # path) would get the upper one's gradient a second time on top of it (torch clamps
+            # too); and the engine runs a consumer's tensor hooks (hooks on a Linear's output)
+            # again on the kept gradient, which already went through them: the clamp discards
+            # that second result, so a hook that changes the gradient changes it once.
             handles = [node.register_prehook(lambda _, kept=group.grads[node]: kept)
-                       for node in group.consumers if len(group.consumers) > 1
-                       and node in group.grads]
+                       for node in group.consumers if node in group.grads]
             try:
                 dws = torch.autograd.grad(edges, [GradientEdge(p, 0) for p in group.params],
                                           outs, allow_unused=True)
@@ -133,9 +149,7 @@ class WeightPass:
                 if dw is not None:
                     roots.append(GradientEdge(p, 0))
                     grads.append(dw)
-        self.groups = []
-        if roots:
-            torch.autograd.backward(roots, grads)
+        return roots, grads
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor,

@@ -103,7 +103,7 @@ class PipelineStrategy(Strategy):
             dropout 0).
         sequence_parallel: with tp, the norms and the residual stream (and so the stage
             boundaries) on block_size / tp tokens per rank; with the schedules in
-            `pipeline_config.SP_SCHEDULES`.
+            `pipeline_config.sp_schedules()` (every one on a tested torch).
     """
 
     name = "pipeline"

@@ -5,7 +5,7 @@
 The layout is `ringtrain.grid.Grid(world_size, pp=pp, tp=tp)`: dp x pp x tp, tp innermost.
 `--tp` splits every stage's matrices over consecutive ranks (Megatron-LM, as `--strategy tp`
 does for a whole replica), under every schedule; `--sequence-parallel` under those in
-`SP_SCHEDULES` (the others are refused here, with the fix). The strategy itself:
+`sp_schedules()` (all of them on a tested torch; the others are refused here, with the fix). The strategy itself:
 `ringtrain/strategies/pipeline.py`.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ringtrain.config import MUST_MATCH, int_at_least, option
 from ringtrain.errors import ConfigError
@@ -26,15 +28,21 @@ from ringtrain.pipeline.schedule import (
 from ringtrain.strategies.base import StrategyConfig
 from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
 from ringtrain.strategies.tp_options import sequence_parallel_option, tp_option
+from ringtrain.torch_internals import tensor_hooks_held_available
 
-# Schedules that run with --sequence-parallel (every schedule runs with --tp alone, each checked
-# against one process). The zero-bubble ones split a backward in two (input gradient now,
-# weights later, `ringtrain.pipeline.backward`), whose weight pass runs a parameter's tensor
-# hook twice (once in its autograd.grad, once in the backward rooted at the accumulator):
-# sequence parallelism's sum of the norms' gradients over tp is such a hook, so those come out
-# tp times too large (measured: every weight 5e-3 off after 3 clipped steps). Refused until
-# the weight pass runs hooks once.
-SP_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# The schedules that split a backward in two (input gradient now, weights later,
+# `ringtrain.pipeline.backward`). Sequence parallelism sums the norms' gradients over tp in a
+# parameter's tensor hook; the weight pass runs such a hook once only where this torch lets it
+# hold the hooks while it captures the weight gradients (`torch_internals.tensor_hooks_held`):
+# running it twice counted those gradients tp times (weights 5e-3 off after 3 clipped steps).
+SPLIT_BACKWARD = ("zb-h1", "zb-v")
+
+
+def sp_schedules() -> tuple[str, ...]:
+    """The schedules that run with --sequence-parallel on this torch (every schedule runs
+    with --tp alone, each checked against one process)."""
+    return tuple(s for s in SCHEDULES
+                 if s not in SPLIT_BACKWARD or tensor_hooks_held_available())
 
 
 def default_microbatches(batch: int, pp: int, schedule: str = "1f1b") -> int:
@@ -54,10 +62,12 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, microbatches: in
     if schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
                           f"{sorted(SCHEDULES)}")
-    if sequence_parallel and schedule not in SP_SCHEDULES:
-        raise ConfigError(f"--schedule {schedule} does not run with --sequence-parallel yet "
-                          "(its split backward sums the norms' gradients over tp twice); use "
-                          f"--schedule in {list(SP_SCHEDULES)} or drop --sequence-parallel")
+    if sequence_parallel and schedule not in sp_schedules():
+        raise ConfigError(f"--schedule {schedule} does not run with --sequence-parallel on torch "
+                          f"{torch.__version__} (its split backward would sum the norms' "
+                          "gradients over tp twice: this torch lets no hook be held); "
+                          f"use --schedule in {list(sp_schedules())}, drop "
+                          "--sequence-parallel, or install a torch in pyproject.toml's range")
     try:
         SCHEDULES[schedule](0, pp, microbatches or 4 * pp,
                             chunks_per_rank(schedule, virtual_stages))

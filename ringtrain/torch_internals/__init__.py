@@ -318,6 +318,48 @@ def set_remaining_restarts(agent: Any, remaining: int) -> None:
     agent._remaining_restarts = remaining
 
 
+# ---- a split backward's weight pass runs each parameter's tensor hooks once (pipeline.backward) --
+
+_HOOKS = _feature(
+    "running a parameter's tensor hooks once in a split backward's weight pass "
+    "(ringtrain.pipeline.backward: zb-h1, zb-v)",
+    "a split backward runs a parameter's register_hook hooks twice (sequence parallelism's sum "
+    "over tp counts tp times): zb-h1 and zb-v refuse --sequence-parallel")
+lookup("torch._C.TensorBase._backward_hooks", _HOOKS)
+
+
+def tensor_hooks_held_available() -> bool:
+    """Whether `tensor_hooks_held` can hold hooks on this torch (else it holds none)."""
+    return _HOOKS.on
+
+
+@contextlib.contextmanager
+def tensor_hooks_held(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Run the body with the `register_hook` hooks of the leaf `tensors` taken out, then put
+    them back in their order (their handles still remove them).
+
+    The engine runs a leaf's hooks wherever its gradient is captured (`autograd.grad`) as well
+    as where it is accumulated; a weight pass does both, and must run them once. torch keeps a
+    leaf's Python hooks in the dict `Tensor._backward_hooks`, which its one C++ pre-hook reads
+    at each call: emptying the dict in place holds them without touching the C++ side.
+    """
+    if not _HOOKS.on:
+        yield
+        return
+    held = [(d, list(d.items())) for t in tensors
+            if (d := t._backward_hooks) is not None and len(d)]
+    for d, _ in held:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, items in held:
+            added = list(d.items())  # registered meanwhile: after the held ones, as they came
+            d.clear()
+            d.update(items)
+            d.update(added)
+
+
 # ---- the BatchNorm warning of pipeline stages (ringtrain.pipeline.engine) -----------------------
 
 _BATCHNORM = _feature("warning that BatchNorm normalises over micro-batches (ringtrain.pipeline)",
