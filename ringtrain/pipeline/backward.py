@@ -67,6 +67,7 @@ def _groups(root: Node, inp: Node, params: Sequence[Node]) -> list[_Group]:
     """Find each parameter's consumers below `root` and group parameters that share one."""
     order = _postorder(root)
     wanted = set(params)
+    position = {p: i for i, p in enumerate(params)}
     depends: dict[Node, bool] = {}  # does the node's gradient lead to the input?
     below: dict[Node, frozenset] = {}  # parameters under a node, through input-free nodes only
     for node in order:
@@ -94,6 +95,10 @@ def _groups(root: Node, inp: Node, params: Sequence[Node]) -> list[_Group]:
             group.consumers += other.consumers
             groups.remove(other)
         group.params += [p for p in reads if p not in owner]
+        # In the caller's order, not a set's: the weight pass's backward runs the parameters'
+        # hooks in this order, and sequence parallelism's hooks are all-reduces, which every tp
+        # rank must issue in the same order (a set of nodes iterates by address).
+        group.params.sort(key=position.__getitem__)
         for p in group.params:
             owner[p] = group
         groups.append(group)
