@@ -109,16 +109,16 @@ def test_weight_pass_runs_one_matmul_per_linear_and_fires_hooks_once():
     assert count.count == 2 * n - 1
 
 
-def _hooked_stage(seed: int) -> tuple[nn.Module, collections.Counter]:
+def _hooked_stage(seed: int) -> tuple[nn.Module, list]:
     """A stage whose every parameter has a tensor hook that changes its gradient (as sequence
-    parallelism's sum over tp does) and a post-accumulate hook, both counted; hooks that change
+    parallelism's sum over tp does) and a post-accumulate hook, both logged; hooks that change
     the gradients of the Linear's and the LayerNorm's outputs (the consumers' outputs) too."""
     torch.manual_seed(seed)
     stage = _Reused()
-    calls = collections.Counter()
+    calls = []
     for name, p in stage.named_parameters():
-        p.register_hook(lambda g, name=name: calls.update([("tensor", name)]) or g * 3)
-        p.register_post_accumulate_grad_hook(lambda _, name=name: calls.update([("post", name)]))
+        p.register_hook(lambda g, name=name: calls.append(("tensor", name)) or g * 3)
+        p.register_post_accumulate_grad_hook(lambda _, name=name: calls.append(("post", name)))
 
     def hook_output(_module, _args, out):
         out.register_hook(lambda g: g * 2)  # once in value; the engine calls it again in W
@@ -129,9 +129,11 @@ def _hooked_stage(seed: int) -> tuple[nn.Module, collections.Counter]:
 
 def test_split_backward_runs_each_parameters_hooks_once_as_a_plain_backward():
     """CPU: per micro-batch, a parameter's tensor hooks (`register_hook`) and post-accumulate
-    hooks run exactly as often as in a plain backward (the weight pass used to run the tensor
-    hooks twice: in its `autograd.grad` and in the backward rooted at the accumulators), and
-    the accumulated gradients, hooks applied, are equal; so is a hook on a consumer's output."""
+    hooks run as often as in a plain backward (the weight pass used to run the tensor hooks
+    twice: in its `autograd.grad` and in the backward rooted at the accumulators), last
+    parameter first (before, in an order set by node addresses: not the same on every rank),
+    and the accumulated gradients, hooks applied, are equal; so is a hook on a consumer's
+    output, applied once in value."""
     x, grad = torch.randn(4, 8), torch.randn(4, 8)
     plain, plain_calls = _hooked_stage(0)
     split, split_calls = _hooked_stage(0)
@@ -147,8 +149,11 @@ def test_split_backward_runs_each_parameters_hooks_once_as_a_plain_backward():
     assert not split_calls  # the input pass reaches no parameter
     for weight_pass in passes:
         weight_pass.run()
-    assert split_calls == plain_calls
-    assert set(plain_calls.values()) == {2}  # each hook, once per micro-batch
+    assert collections.Counter(split_calls) == collections.Counter(plain_calls)
+    # each hook, once per micro-batch
+    assert set(collections.Counter(plain_calls).values()) == {2} and len(plain_calls) == 16
+    names = [n for n, _ in split.named_parameters()]
+    assert [n for kind, n in split_calls if kind == "post"] == names[::-1] * 2
     for (name, p), q in zip(split.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -10,9 +10,15 @@ two that re-walking the graph from the output needs). This is torch's
 `stage_backward_input` / `stage_backward_weight` (torch/distributed/pipelining/_backward.py),
 with two differences: parameters are grouped by union of shared consumers (a parameter is in
 exactly one group), and the weight gradients are accumulated by one `autograd.backward` call
-rooted at the parameters' accumulators, so `.grad` accumulation and post-accumulate hooks
-(our DDP reducer averages from them, ending its round at the end of that call) run as in a
-plain backward.
+rooted at the parameters, so `.grad` accumulation and post-accumulate hooks (our DDP reducer
+averages from them, ending its round at the end of that call) run as in a plain backward.
+
+Hooks, per micro-batch, as in a plain backward: a parameter's tensor hooks (`register_hook`;
+sequence parallelism's sum over tp) and post-accumulate hooks run once, last parameter first,
+in the same order on every rank. A hook on a consumer's output tensor (a Linear's output)
+changes the gradient once, but the engine calls it twice (in the input pass and again, its
+result discarded, when the weight pass starts at that consumer; torch gives no handle on a
+non-leaf's hooks from its node), and `retain_grad()` on such a tensor sums both calls.
 
     .venv/bin/pytest -q tests/test_pipeline_backward.py
 """
@@ -67,7 +73,6 @@ def _groups(root: Node, inp: Node, params: Sequence[Node]) -> list[_Group]:
     """Find each parameter's consumers below `root` and group parameters that share one."""
     order = _postorder(root)
     wanted = set(params)
-    position = {p: i for i, p in enumerate(params)}
     depends: dict[Node, bool] = {}  # does the node's gradient lead to the input?
     below: dict[Node, frozenset] = {}  # parameters under a node, through input-free nodes only
     for node in order:
@@ -95,10 +100,6 @@ def _groups(root: Node, inp: Node, params: Sequence[Node]) -> list[_Group]:
             group.consumers += other.consumers
             groups.remove(other)
         group.params += [p for p in reads if p not in owner]
-        # In the caller's order, not a set's: the weight pass's backward runs the parameters'
-        # hooks in this order, and sequence parallelism's hooks are all-reduces, which every tp
-        # rank must issue in the same order (a set of nodes iterates by address).
-        group.params.sort(key=position.__getitem__)
         for p in group.params:
             owner[p] = group
         groups.append(group)
@@ -110,23 +111,32 @@ class WeightPass:
     """What `backward_input` kept for the weight gradients; `run()` once, then it is spent."""
 
     groups: list[_Group]
+    params: list[Node]  # AccumulateGrad nodes, in the caller's order
 
     def run(self) -> None:
         """Accumulate the weight gradients into `.grad`: each parameter's tensor hooks and
-        post-accumulate hooks run once, in one autograd call, as in a plain backward."""
+        post-accumulate hooks run once, in one autograd call, last parameter first."""
         # The engine runs a leaf's `register_hook` hooks where `autograd.grad` captures its
         # gradient and again where the final backward accumulates it: twice per micro-batch, so
         # a hook that sums over tp (sequence parallelism's norms) summed tp times. Hold them
         # while capturing: they run once, on the raw gradient, where a plain backward runs them.
-        with tensor_hooks_held([p.variable for g in self.groups for p in g.params]):
-            roots, grads = self._weight_grads()
+        with tensor_hooks_held([p.variable for p in self.params]):
+            dws = self._weight_grads()
         self.groups = []
-        if roots:
-            torch.autograd.backward(roots, grads)
+        # Rooted at a fresh view of each parameter, made in the caller's order: the engine runs
+        # the newest node first, so the parameters accumulate (and their hooks run) last layer
+        # first, as in a plain backward (DDP's buckets fill in the order it plans), and in the
+        # same order on every rank, which sequence parallelism's all-reduce hooks need. Rooted
+        # at the accumulators themselves, the engine's queue mixes them (one priority for all).
+        params = [p for p in self.params if p in dws]
+        if params:
+            with torch.enable_grad():
+                roots = [p.variable.view_as(p.variable) for p in params]
+            torch.autograd.backward(roots, [dws[p] for p in params])
 
-    def _weight_grads(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
-        """Each parameter's gradient for this micro-batch (no hook run), by group."""
-        roots, grads = [], []
+    def _weight_grads(self) -> dict[Node, torch.Tensor]:
+        """Each parameter's gradient for this micro-batch, by group (run no hook of theirs)."""
+        dws: dict[Node, torch.Tensor] = {}
         for group in self.groups:
             edges, outs = [], []
             for node in group.consumers:
@@ -145,16 +155,13 @@ class WeightPass:
             handles = [node.register_prehook(lambda _, kept=group.grads[node]: kept)
                        for node in group.consumers if node in group.grads]
             try:
-                dws = torch.autograd.grad(edges, [GradientEdge(p, 0) for p in group.params],
+                got = torch.autograd.grad(edges, [GradientEdge(p, 0) for p in group.params],
                                           outs, allow_unused=True)
             finally:
                 for h in handles:
                     h.remove()
-            for p, dw in zip(group.params, dws, strict=True):
-                if dw is not None:
-                    roots.append(GradientEdge(p, 0))
-                    grads.append(dw)
-        return roots, grads
+            dws |= {p: dw for p, dw in zip(group.params, got, strict=True) if dw is not None}
+        return dws
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor,
@@ -170,7 +177,8 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     if out.grad_fn is None:
         raise RuntimeError("the stage output has no autograd graph: it does not depend on its "
                            "input or parameters differentiably (detach()? no_grad?)")
-    groups = _groups(out.grad_fn, _accumulator(inp), [_accumulator(p) for p in params])
+    accumulators = [_accumulator(p) for p in params]
+    groups = _groups(out.grad_fn, _accumulator(inp), accumulators)
 
     def keep(group: _Group, node: Node):
         def hook(grad_outputs: tuple) -> None:
@@ -184,4 +192,4 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     finally:
         for h in handles:
             h.remove()
-    return grad_in, WeightPass(groups)
+    return grad_in, WeightPass(groups, accumulators)

@@ -5,8 +5,8 @@
 The layout is `ringtrain.grid.Grid(world_size, pp=pp, tp=tp)`: dp x pp x tp, tp innermost.
 `--tp` splits every stage's matrices over consecutive ranks (Megatron-LM, as `--strategy tp`
 does for a whole replica), under every schedule; `--sequence-parallel` under those in
-`sp_schedules()` (all of them on a tested torch; the others are refused here, with the fix). The strategy itself:
-`ringtrain/strategies/pipeline.py`.
+`sp_schedules()` (all of them on a tested torch; the others are refused here, with the fix).
+The strategy itself: `ringtrain/strategies/pipeline.py`.
 """
 
 from __future__ import annotations
