@@ -158,6 +158,38 @@ def test_split_backward_runs_each_parameters_hooks_once_as_a_plain_backward():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_ddp_delayed_all_reduce_launches_once_after_its_gradients(single_process,
+                                                                   monkeypatch):
+    """CPU, gloo, one rank: our DDP under a split backward. Its reducer stages from
+    post-accumulate hooks, which ran once before too; `param_to_hook_all_reduce` is a tensor
+    hook, which launched the delayed all-reduce twice, the first time before any delayed
+    gradient had arrived. Now: once, with the delayed gradients in, equal to a plain backward."""
+    from ringtrain.ddp.delayed import DelayedAllReduce
+    from ringtrain.ddp.distributed import DistributedDataParallel
+
+    seen = []
+    launch = DelayedAllReduce.launch
+    monkeypatch.setattr(DelayedAllReduce, "launch",
+                        lambda self: seen.append(self.buffer.abs().sum().item()) or launch(self))
+    grads = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        ddp = DistributedDataParallel(
+            model, delay_all_reduce_named_params=[("2.weight", model[2].weight)],
+            param_to_hook_all_reduce=model[0].weight)
+        inp = torch.ones(4, 8, requires_grad=True)
+        out = ddp(inp)
+        if split:
+            backward_input(out, torch.ones(4, 8), inp, list(model.parameters()))[1].run()
+        else:
+            out.backward(torch.ones(4, 8))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert len(seen) == 2 and seen[0] > 0 and seen[1] == seen[0]  # one launch each, filled
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_hooks_held_come_back_in_order_and_removable():
     """CPU: `tensor_hooks_held` holds a leaf's hooks for its body only; after it, they run in
     their order, a handle still removes its hook, and one registered meanwhile stays last."""
