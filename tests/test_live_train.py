@@ -115,3 +115,28 @@ def test_the_faulted_run_ends_with_the_fault_free_weights_and_samples(runs):
     batches = GlobalBatches(n, BATCH * WORLD, seed=1337)
     assert history.step_sets() == {s + 1: sorted((0, i) for i in batches.batch(s))
                                    for s in range(STEPS)}
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--strategy", "zero"], "--strategy zero: it has no live recovery yet"),
+    (["--strategy", "localsgd"], "--strategy localsgd: it has no live recovery yet"),
+    (["--strategy", "diloco"], "--strategy diloco: it has no live recovery yet"),
+    (["--grad-compress", "fp16"], "--grad-compress fp16 is a hook on DDP's wrapper"),
+    (["--max-restarts", "2"], "replaces a lost worker instead of restarting the job"),
+])
+def test_live_is_refused_before_launch_with_the_reason_and_the_fix(argv, said):
+    from ringtrain.cli.train_args import check_args, parse_options
+
+    with pytest.raises(ValueError, match="drop") as e:
+        check_args(parse_options(["--live", "--nproc-per-node", "3", *argv]), world_size=3)
+    assert said in str(e.value)
+    check_args(parse_options(["--live", "--nproc-per-node", "3"]), world_size=3)  # ddp: fine
+    with pytest.raises(ValueError, match="--live-wait 5 needs --live"):
+        check_args(parse_options(["--live-wait", "5"]), world_size=3)
+
+
+def test_the_live_launcher_refuses_restarts_and_several_nodes():
+    from ringtrain.launch.launcher import launch
+
+    with pytest.raises(ValueError, match="live mode replaces workers on one node"):
+        launch("x.py", [], nproc_per_node=2, max_restarts=1, live=True)
