@@ -59,7 +59,7 @@ def runs(tmp_path_factory):
     out = {}
     try:
         for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=240)
+            stdout, stderr = proc.communicate(timeout=420)
             assert proc.returncode == 0, f"{name}: {stdout[-2000:]}{stderr[-4000:]}"
             out[name] = (root / name, stderr)
     finally:

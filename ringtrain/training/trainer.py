@@ -201,6 +201,21 @@ class Trainer:
                           global_batch=c.batch_size * c.grad_accum * live.world_size,
                           grad_accum=c.grad_accum, samples=samples, run_dir=self.run_dir)
 
+    def _join_live(self) -> bool:
+        """Become a member of the live job at this step (a replacement: at its healer's);
+        False when the job ended before this replacement was let in."""
+        assert self.live is not None
+        try:
+            at = self.live.join(self.step)
+        except BaseException:
+            self.live.close("failed")
+            raise
+        if at is None:
+            self.live.close()
+            return False
+        self.state.step, self.runtime = at, self.live.runtime
+        return True
+
     def _writes_snapshots(self) -> bool:
         """Whether this process saves snapshots: every rank, or in live mode rank 0 alone."""
         return self.live is None or self.live.runtime.rank == 0
@@ -240,16 +255,8 @@ class Trainer:
         # A live replacement heals from a live peer, never from the disk.
         original = self.live is None or self.live.register()
         resumed_at = cp.resume() if cp is not None and self.resume and original else None
-        if self.live is not None:
-            try:
-                at = self.live.join(self.step)
-            except BaseException:
-                self.live.close("failed")
-                raise
-            if at is None:  # the job finished before this replacement was let in
-                self.live.close()
-                return {"steps": self.step, "stopped_by": None, "live_admitted": False}
-            self.state.step, self.runtime = at, self.live.runtime
+        if self.live is not None and not self._join_live():
+            return {"steps": self.step, "stopped_by": None, "live_admitted": False}
         if resumed_at is not None:
             # An elastic resume keeps the global batch with another per-rank layout.
             self.config = replace(self.config, batch_size=resumed_at.batch_size,
