@@ -25,7 +25,6 @@ from ringtrain.cli.relaunch import job_rank, under_agent
 from ringtrain.cli.step_hook import STEP_HOOK_ENV, load_step_hook
 from ringtrain.cli.train_args import run_config
 from ringtrain.errors import DISK_FULL_EXIT_CODE, ConfigError
-from ringtrain.live import LiveMemberLostError
 
 
 def run_job(opts: TrainOptions, started_at: float, mistake: ValueError | None = None) -> int:
@@ -55,6 +54,7 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
     import torch
 
     from ringtrain.launch.process_group import destroy_distributed, init_distributed
+    from ringtrain.live import LiveMemberLostError
     from ringtrain.strategies import make_strategy
     from ringtrain.training.progress import format_summary, setup_logging, write_json
     from ringtrain.training.trainer import Trainer
