@@ -34,12 +34,14 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from ringtrain.data.sample_log import SampleLog
+from ringtrain.errors import ConfigError
 from ringtrain.live import GlobalBatches, LiveGroup, LiveState
 from ringtrain.runtime import Runtime
-from ringtrain.strategies.base import LiveHooks, StepResult
+from ringtrain.strategies.base import LiveHooks, StepResult, Strategy
+from ringtrain.training.config import TrainerConfig
 from ringtrain.training.evaluate import collate
 
-__all__ = ["LiveDriver", "LiveSettings"]
+__all__ = ["LiveDriver", "LiveSettings", "live_driver"]
 
 log = logging.getLogger("ringtrain")
 
@@ -79,6 +81,19 @@ class _Committed:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.samples is not None and state["samples"] is not None:
             self.samples.load_state_dict(state["samples"])
+
+
+def live_driver(strategy: Strategy, live: LiveSettings, runtime: Runtime, train_set: Dataset,
+                config: TrainerConfig, samples: SampleLog | None,
+                run_dir: str | None) -> LiveDriver:
+    """The trainer's live driver for `strategy`, or the error naming the fix."""
+    hooks = strategy.live_hooks()  # asked, never probed: None means it has none
+    if hooks is None:
+        raise ConfigError(f"--strategy {strategy.name} has no live recovery: drop --live, or use "
+                          "--strategy ddp")
+    return LiveDriver(live, hooks, runtime, train_set, seed=config.seed,
+                      global_batch=config.batch_size * config.grad_accum * live.world_size,
+                      grad_accum=config.grad_accum, samples=samples, run_dir=run_dir)
 
 
 class LiveDriver:

@@ -56,14 +56,13 @@ from ringtrain.checkpoint.run_dir import DiskFullError
 from ringtrain.checkpoint.stop import StopSignal
 from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
-from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy
 from ringtrain.trace import Tracer
 from ringtrain.training.batches import MicroBatches
 from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
 from ringtrain.training.evaluate import eval_sums
-from ringtrain.training.live import LiveDriver, LiveSettings
+from ringtrain.training.live import LiveDriver, LiveSettings, live_driver
 from ringtrain.training.progress import MetricsLog, Progress
 from ringtrain.training.record import eval_text, log_step
 from ringtrain.training.snapshots import STOP_SIGNALS, LoopSnapshots
@@ -156,7 +155,8 @@ class Trainer:
         samples = SampleLog(self.data_rank) if c.record_samples else None
         self.live: LiveDriver | None = None
         if live is not None:
-            self.live = self._live_driver(live, samples)
+            self.live = live_driver(strategy, live, runtime, train_set, self.config, samples,
+                                    run_dir)
             self.agreement = self.live.agreement  # over the current generation
             self.data_world_size = live.world_size
         self.tracer.align_clocks(self.agreement.gather)  # each rank's offset to rank 0's clock
@@ -191,16 +191,6 @@ class Trainer:
                 keep=keep, timeout_s=snapshot_timeout_s, run_config=run_config, name=name)
             self.snapshots = LoopSnapshots(self.checkpointer, cp_agreement, self.state,
                                            rank=runtime.rank, background=not sync_snapshots)
-
-    def _live_driver(self, live: LiveSettings, samples: SampleLog | None) -> LiveDriver:
-        hooks = self.strategy.live_hooks()  # asked, never probed: None means it has none
-        if hooks is None:
-            raise ConfigError(f"--strategy {self.strategy.name} has no live recovery: drop "
-                              "--live, or use --strategy ddp")
-        c = self.config
-        return LiveDriver(live, hooks, self.runtime, self.train_set, seed=c.seed,
-                          global_batch=c.batch_size * c.grad_accum * live.world_size,
-                          grad_accum=c.grad_accum, samples=samples, run_dir=self.run_dir)
 
     def _join_live(self) -> bool:
         """Become a member of the live job at this step (a replacement: at its healer's);
