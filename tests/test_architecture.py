@@ -42,11 +42,11 @@ ALLOWED: dict[str, set[str]] = {
     "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps", "localsgd",
                    "zero", "trace", "collectives", "config", "tensor_parallel", "grid"},
     "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace",
-                 "replicas", "config"},
+                 "replicas", "config", "live"},
     "live": {"data", "checkpoint", "store_keys"},  # survivors go on; replacements heal
     "testing": {"runtime", "launch"},  # run_workers; the tests' faults live in tests/support
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
-            "models", "trace", "config", "formats",
+            "models", "trace", "config", "formats", "live",
             "zero"},  # `ringtrain sample`: a ZeRO snapshot's shards put together
     # the package's __init__: the public names, most loaded on first use (its _LAZY table)
     "ringtrain": {"runtime", "launch", "ddp", "data", "replicas", "training", "strategies", "zero"},

@@ -7,6 +7,8 @@ Read in this order:
 - `membership.py`: which ranks are still in the job, kept in the rendezvous store.
 - `store.py`: `StoreAgreement`, the same questions answered through the store over the ranks
   still in the job, for strategies whose ranks drift apart (async/SSP parameter server).
+- `generations.py`: `GenerationAgreement`, over a live job's current generation (its group
+  changes as members are lost and let in: `ringtrain train --live`).
 
 A strategy hands out its agreement (`Strategy.agreement`); the trainer never picks one.
 May import: torch, `ringtrain.runtime`, `ringtrain.store_keys`, `ringtrain.collectives`.

@@ -6,6 +6,8 @@
     130  stopped by Ctrl-C (SIGINT)
     74   the run directory filled up: stopped at the last committed snapshot
          (`ringtrain.errors.DISK_FULL_EXIT_CODE`)
+    76   a worker of a `--live` job left out by its peers (too slow, or silent): its agent
+         starts a replacement (`ringtrain.launch.live_agent.LEFT_OUT_EXIT_CODE`)
 
 A mistake every rank finds (a snapshot written with other options) is printed by rank 0 alone,
 and no rank exits before it has (`explain_once`): the launcher then adds nothing.

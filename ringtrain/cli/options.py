@@ -84,6 +84,13 @@ class LaunchOptions:
                                      "silent; 0 disables", type=non_negative_float)
     max_restarts: int = option(0, "restart the workers up to this many times after a failure",
                                type=_non_negative, launcher=True)
+    live: bool = option(False, "live recovery: when a worker dies or hangs, the others go on "
+                        "from memory over a new group and the launcher starts a replacement, "
+                        "which heals from a live peer (ddp; docs/fault_tolerance.md)")
+    live_wait: float = option(0.0, "with --live: seconds the survivors wait for a replacement "
+                              "before going on without it (0: at once; waiting keeps every "
+                              "step's sums those of the fault-free run)", type=non_negative_float,
+                              metavar="S")
     nnodes: str = option("1", "machines in the job: N, or MIN:MAX (elastic)", launcher=True)
     node_rank: int = option(0, "this machine's index in [0, nnodes)", type=_non_negative,
                             launcher=True)

@@ -191,9 +191,32 @@ def check_args(opts: TrainOptions, world_size: int | None = None) -> list[str]:
     if run.trace_steps is not None and run.trace_steps.start > t.steps:
         warnings.append(f"--trace-steps {run.trace_steps} starts after the run's last step "
                         f"({t.steps}): the trace will be empty; pick steps up to {t.steps}")
+    _check_live(opts, world_size)
     if world_size is not None:
         _check_layout(opts, world_size, train_samples)
     return warnings
+
+
+def _check_live(opts: TrainOptions, world_size: int | None) -> None:
+    """--live: the strategy's own refusal, and what the live launcher does not do."""
+    launch = opts.launch
+    if not launch.live:
+        if launch.live_wait:
+            raise ValueError(f"--live-wait {launch.live_wait:g} needs --live")
+        return
+    if world_size is not None and world_size < 2:
+        raise ValueError("--live needs workers to lose and replace: --nproc-per-node 2 or more")
+    refusal = opts.strategy.live_refusal()
+    if refusal is not None:
+        raise ValueError(f"--live with --strategy {opts.run.strategy}: {refusal}")
+    if launch.max_restarts:
+        raise ValueError(f"--live with --max-restarts {launch.max_restarts}: the launcher "
+                         "replaces a lost worker instead of restarting the job; drop "
+                         "--max-restarts (a whole-job failure resumes from the snapshots when "
+                         "the same command is run again)")
+    if launch.nnodes != "1":
+        raise ValueError(f"--live with --nnodes {launch.nnodes}: live recovery runs on one "
+                         "machine for now (the store lives in its agent); drop --live")
 
 
 def _check_layout(opts: TrainOptions, world_size: int, train_samples: int) -> None:

@@ -54,13 +54,19 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
     import torch
 
     from ringtrain.launch.process_group import destroy_distributed, init_distributed
+    from ringtrain.live import LiveMemberLostError
     from ringtrain.strategies import make_strategy
     from ringtrain.training.progress import format_summary, setup_logging, write_json
     from ringtrain.training.trainer import Trainer
 
     setup_logging(job_rank())  # before init: rank 0 says which launcher it found
     launch, run = opts.launch, opts.run
-    rt = init_distributed(launch.backend, device=launch.device)
+    if launch.live:  # no default group: the members form one per generation (training/live.py)
+        from ringtrain.launch.process_group import init_live
+
+        rt = init_live(device=launch.device)
+    else:
+        rt = init_distributed(launch.backend, device=launch.device)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
     # Workers of one machine share its cores: more threads than cores makes every op wait.
     torch.set_num_threads(launch.threads or max(1, (os.cpu_count() or 1) // local_world))
@@ -74,7 +80,8 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
             log.warning("warning: bf16 autocast is not supported on %s; training in fp32",
                         rt.device)
             config.dtype = "fp32"
-        if rt.world_size > 1:  # under an outside launcher only rank 0 named a run dir
+        if rt.world_size > 1 and not launch.live:  # under an outside launcher only rank 0
+            # named a run dir (--live runs under our own launcher, which named it)
             holder = [run.run_dir]
             torch.distributed.broadcast_object_list(holder, src=0, group=rt.process_group)
             run.run_dir = holder[0]
@@ -85,24 +92,26 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
                 "task": opts.task, "world_size": rt.world_size, "args": opts.flat(),
                 "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
         resume = _resume_or_clear(opts, rt.rank, log)
-        strategy = make_strategy(run.strategy, runtime=rt, **opts.strategy.kwargs())
+        placed = _one_replica(rt) if launch.live else rt  # live: generations give the rest
+        strategy = make_strategy(run.strategy, runtime=placed, **opts.strategy.kwargs())
         stop_when = None
         if run.stop_at_accuracy is not None:
             def stop_when(rec):
                 return rec.get("eval_accuracy", 0.0) >= run.stop_at_accuracy
-        trainer = Trainer(strategy, rt, job["model_fn"], job["train_set"], job["eval_set"],
+        trainer = Trainer(strategy, placed, job["model_fn"], job["train_set"], job["eval_set"],
                           job["loss_fn"], config, eval_metrics=job["eval_metrics"],
                           run_dir=run.run_dir, sample_fn=job["sample_fn"],
                           stop_when=stop_when, started_at=started_at,
                           snapshot_every=run.snapshot_every, keep=run.keep, resume=resume,
                           sync_snapshots=run.sync_snapshots,
-                          run_config=run_config(opts), trace_steps=run.trace_steps)
+                          run_config=run_config(opts), trace_steps=run.trace_steps,
+                          live=_live_settings(opts, rt))
         n_params = sum(p.numel() for p in trainer.model.parameters())
         log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, "
                  "%d steps", opts.task, n_params / 1e6, run.strategy, rt.world_size,
-                 config.batch_size * config.grad_accum * strategy.data_world_size, config.steps)
+                 config.batch_size * config.grad_accum * trainer.data_world_size, config.steps)
         with contextlib.ExitStack() as stack:
-            if rt.world_size > 1 and launch.watchdog_timeout:
+            if rt.world_size > 1 and launch.watchdog_timeout and not launch.live:
                 from ringtrain.launch.watchdog import Watchdog
 
                 # A rank that dies or hangs stops the others within the timeout, naming it;
@@ -117,11 +126,19 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
                 trainer.on_step = step_hook(trainer.on_step, rt.rank)
             try:
                 summary = trainer.fit()
+            except LiveMemberLostError as e:  # the peers went on without this process: be replaced
+                log.error("error: %s", e)
+                from ringtrain.launch.live_agent import LEFT_OUT_EXIT_CODE
+
+                return LEFT_OUT_EXIT_CODE
             except (ConfigError, KeyboardInterrupt) as e:
                 # Handled here, not by the watchdog (which would stop every peer with a
                 # line of its own): every rank meets the same mistake, or the same Ctrl-C.
                 return explain_once(e, rt) if isinstance(e, ConfigError) else interrupted()
         strategy.close()
+        if summary.get("live_admitted") is False:  # a replacement the job ended without
+            return 0
+        rt = trainer.runtime  # live: this member's place at the end (rank 0 reports)
         if summary.get("disk_full") and summary.get("stopped_by"):  # every rank, same save
             return explain_once(summary["disk_full"], rt, DISK_FULL_EXIT_CODE)
         if summary.get("disk_full"):  # rank 0 alone, writing summary.json at the end
@@ -148,6 +165,28 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
         destroy_distributed()
 
 
+def _one_replica(rt):
+    """--live: the trainer and strategy start as one replica; each generation of the live
+    group gives them their rank and group (`ringtrain.training.live`)."""
+    from ringtrain.strategies.live_step import one_replica_view
+
+    return one_replica_view(rt)
+
+
+def _live_settings(opts: TrainOptions, rt):
+    """--live: the agent's store and the bounds (a hung member is found after
+    --watchdog-timeout), or None."""
+    if not opts.launch.live:
+        return None
+    from ringtrain.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S
+    from ringtrain.training.live import LiveSettings
+
+    timeout = opts.launch.watchdog_timeout or DEFAULT_COLLECTIVE_TIMEOUT_S
+    return LiveSettings(rt.store, rt.world_size, timeout_s=timeout,
+                        replace_wait_s=opts.launch.live_wait,
+                        dead_after_s=min(3.0, max(1.0, timeout / 2)), launcher_rank=rt.rank)
+
+
 def _bf16_supported(device) -> bool:
     import torch
 
@@ -171,7 +210,10 @@ def _resume_or_clear(opts: TrainOptions, rank: int, log) -> bool:
 
     A restarted worker resumes even under --no-resume: it must continue the run it belongs to.
     """
-    if opts.run.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+    from ringtrain.launch.live_agent import REPLACEMENT_ENV
+
+    if opts.run.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 or \
+            os.environ.get(REPLACEMENT_ENV):  # a live replacement: the job's snapshots stay
         return True
     old = os.path.join(opts.run.run_dir, "snapshots")
     if rank == 0 and os.path.isdir(old):

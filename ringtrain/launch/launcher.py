@@ -18,7 +18,9 @@ Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
   seconds to save, and then exits with 143 ("requeue me", `ringtrain.errors.REQUEUE_EXIT_CODE`),
 - across nodes, counts restarts for the job, not per node (`agent_patches.restarts_for_the_job`),
 - lets chosen ranks die without stopping the others (`launch(..., tolerate_ranks=...)`, used by
-  `ringtrain train --strategy ps --ps-mode async` for its workers other than rank 0).
+  `ringtrain train --strategy ps --ps-mode async` for its workers other than rank 0),
+- in live mode (`launch(..., live=True)`, `ringtrain train --live`) replaces a lost worker in
+  place while the others go on, and kills one its peers found hung (`live_agent.py`).
 
     from ringtrain.launch.launcher import record
     @record                          # the launcher then prints this worker's traceback
@@ -54,6 +56,7 @@ from ringtrain.launch.failure_report import (
     format_failure,
     root_cause,
 )
+from ringtrain.launch.live_agent import replacing_lost_workers
 from ringtrain.launch.process_group import WATCHDOG_ENV
 from ringtrain.launch.rendezvous import (
     _bounded_rendezvous,
@@ -143,10 +146,11 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 
 def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None,
-         tolerate_ranks: Collection[int] = ()) -> int:
+         tolerate_ranks: Collection[int] = (), live: bool = False) -> int:
     """Launch from parsed torchrun arguments; the entrypoint may be replaced by a function.
 
     `tolerate_ranks`: global ranks whose own death does not stop the others (`tolerating`).
+    `live`: a lost worker is replaced in place (`replacing_lost_workers`).
     """
     if entrypoint is None and (missing := missing_entrypoint(args.training_script, args.module,
                                                              args.no_python)):
@@ -178,6 +182,8 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         with contextlib.ExitStack() as stack:
             stack.enter_context(_quiet_torch_logs())
             stack.enter_context(tolerating(tolerate_ranks))
+            if live:
+                stack.enter_context(replacing_lost_workers())
             if multi_node:
                 stack.enter_context(_bounded_rendezvous(config.rdzv_endpoint))
                 stack.enter_context(restarts_for_the_job())
@@ -269,6 +275,7 @@ def launch(
     module: bool = False,
     tolerate_ranks: Collection[int] = (),
     shutdown_timeout: int | None = None,
+    live: bool = False,
 ) -> int:
     """Run `entrypoint` on `nproc_per_node` workers here (and join `nnodes` nodes); return the
     exit code.
@@ -289,6 +296,9 @@ def launch(
             a non-zero exit other than the watchdog's 75 or SIGTERM's 143) is a warning, not a
             failure: the other workers run on. Scripts and modules only, not functions; the
             workers must be able to go on without them (async parameter-server workers).
+        live: a worker killed by a signal, or left out by its peers, is started again in place
+            while the others run on (`ringtrain.launch.live_agent`); the workers must recover
+            without it (`ringtrain train --live`). Single node, no max_restarts.
     """
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node}: start at least one worker per node")
@@ -316,4 +326,7 @@ def launch(
         parsed = get_args_parser().parse_args([*argv, "<function>"])
         return _run(parsed, entrypoint, args)
     parsed = get_args_parser().parse_args([*argv, *(["-m"] if module else []), entrypoint, *args])
-    return _run(parsed, tolerate_ranks=tolerate_ranks)
+    if live and (max_restarts or max_nodes > 1):
+        raise ValueError(f"live=True with max_restarts={max_restarts}, nnodes={nnodes!r}: live "
+                         "mode replaces workers on one node; use max_restarts=0, nnodes='1'")
+    return _run(parsed, tolerate_ranks=tolerate_ranks, live=live)

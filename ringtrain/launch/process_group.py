@@ -213,6 +213,37 @@ def init_distributed(
     return _runtime
 
 
+def init_live(*, device: str | None = None,
+              rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S) -> Runtime:
+    """A live job's worker (`ringtrain train --live`): its place and the agent's store, no group.
+
+    No default process group: a replacement started later could never join one (its peers
+    built theirs long ago), and a dead member's group cannot be torn down collectively. The
+    members form their groups themselves, one per generation, on this store
+    (`ringtrain.live.LiveGroup`), with gloo. The store is the one `ringtrain run`'s agent hosts,
+    so it outlives any worker; if the agent (or its machine) dies, the job is lost and resumes
+    from its last snapshot when the command is run again. The `Runtime` has no process group.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        raise DistributedInitError(
+            "live recovery needs a store that outlives every worker: start the job with "
+            "`ringtrain train --live --nproc-per-node N` (its agent hosts the store), not by "
+            "hand or under another launcher")
+    found = detect(os.environ)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or found.local_rank + 1)
+    placement = choose("gloo", device, local_rank=found.local_rank, local_world_size=local_world)
+    if placement.device.type == "cuda":
+        torch.cuda.set_device(placement.device)
+    _pick_gloo_interface(found.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                         found.rank)
+    store = _agent_store(found.master_addr, found.master_port, rendezvous_timeout_s)
+    register_exit_grace()
+    rt = Runtime(found.rank, found.world_size, found.local_rank, "gloo", placement.device,
+                 None, store)  # type: ignore[arg-type]
+    _log_found(found.name, rt, found.master_addr, found.master_port)
+    return rt
+
+
 def _adopt_group(name: str) -> Runtime:
     """The group someone else started, as a `Runtime`; `destroy_distributed` leaves it to them.
 

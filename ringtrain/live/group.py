@@ -71,11 +71,16 @@ class LiveGroup:
         join_timeout_s: how long a replacement waits to be let in.
         retries: failed steps in a row, at one step, that lost no member and are redone
             before `recover` raises (a live but slow peer can time a collective out).
+        replace_wait_s: after losing members, how long the survivors wait for as many
+            replacements to register before going on without them (0: go on at once; a
+            replacement then joins at a later step boundary). Waiting keeps every step's
+            world size, so the run ends with the fault-free sums, for a stall of about a
+            replacement's start-up (`ringtrain train --live-wait`).
     """
 
     def __init__(self, store: dist.Store, world_size: int, *, name: str = "live",
                  timeout_s: float = 30.0, heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
-                 join_timeout_s: float = 600.0, retries: int = 1):
+                 join_timeout_s: float = 600.0, retries: int = 1, replace_wait_s: float = 0.0):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: it must be at least 1")
         if not 0 < heartbeat_s < dead_after_s:
@@ -87,6 +92,7 @@ class LiveGroup:
         self.world_size, self.timeout_s = world_size, timeout_s
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self.join_timeout_s, self.retries = join_timeout_s, retries
+        self.replace_wait_s = replace_wait_s
         self._fruitless = (-1, 0)  # (step, recoveries in a row there that lost no member)
         self.uid = self._store.add("uids", 1) - 1
         self._store.set(f"pid/{self.uid}", str(os.getpid()))
@@ -258,15 +264,30 @@ class LiveGroup:
             if not pending:
                 for u in lost:
                     self._store.set(f"departed/{u}", b"1")
+                self._await_replacements(key, len(lost))
                 proposal = self._proposal(old, here)
                 value = _encode(proposal).encode()
-                if self._store.compare_set(key, "", value) == value:
+                if self._store.compare_set(key, "", value) == value and \
+                        self._store.add(f"gen{g}/counted", 1) == 1:
+                    # Once per generation: members proposing the same list all see it win.
                     self._store.add("generations", 1)  # replacements look from here on
                 break
             time.sleep(0.01)
         members = _decode(self._store.get(key))
         self._known.update(u for u in old if u not in members)
         return members
+
+    def _await_replacements(self, key: str, lost: int) -> None:
+        """Wait up to `replace_wait_s` for `lost` replacements (or another member's proposal).
+
+        `departed/{uid}` is written first: a launcher that watches it kills a hung member and
+        starts its replacement, which this wait then lets in.
+        """
+        deadline = time.monotonic() + self.replace_wait_s
+        while lost and time.monotonic() < deadline and not self._store.check([key]):
+            if len(self._waiting_uids()) >= lost:
+                return
+            time.sleep(0.05)
 
     def _proposal(self, old: list[int], here: list[int]) -> list[int]:
         waiting = self._waiting_uids()

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ringtrain.agreement.base import Agreement, CollectiveAgreement
+from ringtrain.agreement.generations import GenerationAgreement
 from ringtrain.config import check_values
 from ringtrain.errors import ConfigError
 from ringtrain.trace import NO_TRACE, Tracer
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
     from ringtrain.strategies.figures import Figures, Workload
 
-__all__ = ["EvalShard", "LossFn", "OptimizerFn", "ShardPerRank", "StepResult", "Strategy",
-           "StrategyConfig", "UpdatedState", "eval_forward"]
+__all__ = ["EvalShard", "LiveHooks", "LossFn", "OptimizerFn", "ShardPerRank", "StepResult",
+           "Strategy", "StrategyConfig", "UpdatedState", "eval_forward"]
 
 
 @dataclass
@@ -117,11 +118,42 @@ class StrategyConfig:
         """TrainerConfig defaults this strategy changes (e.g. AdamW's beta1), by field name."""
         return {}
 
+    def live_refusal(self) -> str | None:
+        """Why `--live` cannot run with these options (the reason and the fix), checked before
+        any worker starts; None: it can (the strategy's `live_hooks` gives its step).
+        Default: refused, for a strategy without live recovery."""
+        return ("it has no live recovery yet (survivors would not know how to rebuild its "
+                "state over fewer ranks): drop --live (a failure then restarts every worker "
+                "from the last snapshot, --max-restarts), or use --strategy ddp")
+
     def figures(self, workload: Workload) -> Figures | None:
         """What a rank holds and sends under these options (`ringtrain.strategies.figures`),
         for `ringtrain explain`; None (the default): not estimated. Raises ConfigError where
         `plan` does."""
         return None
+
+
+class LiveHooks(ABC):
+    """A strategy's part in live recovery: its state, and a step over the current members."""
+
+    model: nn.Module  # the plain module every member replicates (committed and healed)
+    optimizer: Any  # its optimizer (committed and healed with it)
+
+    def agreement(self, current: Callable[[], Runtime]) -> Agreement:
+        """How the loop's sums, votes and digests are agreed over the current generation
+        (`current()`: this member's place now). Default: its group's collectives."""
+        return GenerationAgreement(current)
+
+    @abstractmethod
+    def on_members(self, runtime: Runtime) -> None:
+        """A new generation: `runtime` says this member's rank, the members' number and their
+        process group (outside torch's registry: call its methods, or dist ops without src)."""
+
+    @abstractmethod
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+                   lr: float, grad_clip: float | None, weight: float) -> StepResult:
+        """This member's share of one step (`weight`: its samples / the global batch's); raise
+        the collective's RuntimeError if a peer is lost (the caller recovers and redoes it)."""
 
 
 class Strategy(ABC):
@@ -199,6 +231,12 @@ class Strategy(ABC):
 
     def rank_departed(self, rank: int, why: str) -> None:
         """A tolerated rank died (the watchdog found it): go on without it."""
+        return None
+
+    def live_hooks(self) -> LiveHooks | None:
+        """What live recovery (`ringtrain train --live`) needs of this strategy after `setup`
+        (`ringtrain.strategies.live_step`); None (the default): it has none, and its
+        `Config.live_refusal` says so before launch."""
         return None
 
     def trace(self, tracer: Tracer) -> None:

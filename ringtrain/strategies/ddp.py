@@ -35,6 +35,7 @@ from ringtrain.strategies.base import (
     eval_forward,
 )
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
+from ringtrain.strategies.live_step import ReplicaLiveHooks
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -73,6 +74,13 @@ class DDPConfig(StrategyConfig):
 
     grad_compress: str = option("none", "gradient compression: none, fp16, bf16 or powersgd:R",
                                 type=parse_grad_compress)
+
+    def live_refusal(self) -> str | None:
+        if self.grad_compress == "none":
+            return None
+        return (f"--grad-compress {self.grad_compress} is a hook on DDP's wrapper, which the live "
+                "step does not use (its gradients are summed over each generation's group in "
+                "full precision): drop --grad-compress, or drop --live")
 
     def figures(self, workload: Workload) -> DDPFigures:
         """A replica per rank; one ring all-reduce of the gradients per optimizer step (the
@@ -192,6 +200,12 @@ class DDPStrategy(ShardPerRank, Strategy):
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         assert self.module is not None, "setup() first"
         return self.module.state_dict()
+
+    def live_hooks(self) -> ReplicaLiveHooks:
+        """A whole replica per member, gradients summed over each generation's group
+        (built with a one-rank runtime: `setup` then wraps nothing)."""
+        assert self.module is not None, "setup() first"
+        return ReplicaLiveHooks(self)
 
     def _optimizer_names(self) -> list[str]:
         assert self.module is not None, "setup() first"

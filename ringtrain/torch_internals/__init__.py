@@ -23,6 +23,7 @@ No other module of ringtrain touches these names (`tests/test_torch_internals.py
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -266,8 +267,9 @@ RDZV_REGISTRY = patch_point("torch.distributed.launcher.api.rdzv_registry", _RDZ
 # ---- tolerated ranks in `ringtrain run` (ringtrain.launch.launcher) -----------------------------
 
 _TOLERATE = _feature("tolerated ranks in `ringtrain run` (launch(..., tolerate_ranks=...), "
-                     "ringtrain.launch.launcher)",
-                     "launch(..., tolerate_ranks=...) is unavailable (it raises)")
+                     "ringtrain.launch.launcher) and a lost worker replaced in place "
+                     "(`ringtrain train --live`, ringtrain.launch.live_agent)",
+                     "launch(..., tolerate_ranks=...) and --live are unavailable (they raise)")
 _MP_API = "torch.distributed.elastic.multiprocessing.api"
 #: `SubprocessContext._capture_process_failures(self, done_local_ranks)`: the step of the
 #: agent's poll that records each exited worker as finished or failed.
@@ -370,6 +372,44 @@ BatchNorm: type | tuple[type, ...] = lookup("torch.nn.modules.batchnorm._BatchNo
                                              _BATCHNORM) or (
     torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm,
     torch.nn.LazyBatchNorm1d, torch.nn.LazyBatchNorm2d, torch.nn.LazyBatchNorm3d)
+
+
+
+# ---- a lost worker replaced in `ringtrain train --live` (ringtrain.launch.live_agent) -----------
+
+# Its process-context half is the tolerated ranks' feature (the same classes), its agent half
+# the job's restarts' (the same agent); --live raises where either is off.
+#: `SubprocessHandler._popen(self, args, env)`: how the handler started its worker (its own
+#: stdout/stderr files, a new session).
+_POPEN = lookup("torch.distributed.elastic.multiprocessing.subprocess_handler."
+                "subprocess_handler.SubprocessHandler._popen", _TOLERATE)
+
+#: `LocalElasticAgent._monitor_workers(self, worker_group)`: the agent's poll, which first checks
+#: that its workers' ids are its process context's pids (a replaced worker's would not be).
+MONITOR_WORKERS = patch_point("torch.distributed.elastic.agent.server.local_elastic_agent."
+                              "LocalElasticAgent._monitor_workers", _RESTARTS,
+                              raise_when_off=True)
+set_by_init(MONITOR_WORKERS.owner, "_pcontext", _RESTARTS)
+
+
+def sync_worker_ids(agent: Any, worker_group: Any) -> None:
+    """Give `worker_group`'s workers the pids of `agent`'s processes now (after a `respawn`)."""
+    pids = agent._pcontext.pids() if agent._pcontext is not None else {}
+    for worker in worker_group.workers:
+        if worker.local_rank in pids:
+            worker.id = pids[worker.local_rank]
+
+
+def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """Start `local_rank`'s command again in its handler, as the agent started it (the same
+    arguments, environment and output files), with `env` on top; the handler's process is then
+    the new one, which the agent's poll and teardown see as that worker."""
+    if _POPEN is None:
+        _TOLERATE.require()
+    handler = context.subprocess_handlers[local_rank]
+    handler.proc = handler._popen(handler.proc.args,
+                                  {**os.environ, **context.envs[local_rank], **env})
+    return handler.proc
 
 
 # Say once, now, what this torch turns off; backward_tls_free says it when there is something

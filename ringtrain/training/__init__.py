@@ -10,6 +10,8 @@ Read in this order:
   (`STOP_SIGNALS`, the save and the line that end a stopped run).
 - `summary.py`: the end of the run: the replicas' digests compared, summary.json, report.png.
 - `batches.py`: `MicroBatches`, a data rank's training batches (sampler order, pinned on CUDA).
+- `live.py`: `LiveDriver`, the live mode's steps (`--live`): each step's share of the
+  fault-free global batch over whoever is left, recovered in memory through `ringtrain.live`.
 - `evaluate.py`: evaluation on the exact eval shard the strategy names.
 - `progress.py`: the progress bar, rank-prefixed logging, metrics.jsonl and summary.json.
 - `report.py`: report.png from metrics.jsonl.
@@ -17,7 +19,8 @@ Read in this order:
 
 May import: torch, `ringtrain.strategies` (the seam only: `Strategy`, `StepResult`),
 `ringtrain.checkpoint`, `ringtrain.data.sampler`, `ringtrain.runtime`, `ringtrain.types`,
-`ringtrain.errors`, `ringtrain.trace`, `ringtrain.replicas`, `ringtrain.config` (options).
+`ringtrain.errors`, `ringtrain.trace`, `ringtrain.replicas`, `ringtrain.config` (options),
+`ringtrain.live` (the live mode's generations, commits and batches).
 Never a concrete strategy, model or launcher; agreement comes from the strategy.
 """
 

@@ -30,14 +30,17 @@ every N steps and on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C), and `fit` resumes from
 directory's newest committed snapshot by itself (`resume=False` starts afresh).
 
 This file is the step loop; what it calls at the edges lives beside it: a logged step's
-reduced record (`record.py`), when to save and how to stop on a signal (`snapshots.py`), and
-the end of the run (`summary.py`).
+reduced record (`record.py`), when to save and how to stop on a signal (`snapshots.py`), the
+end of the run (`summary.py`), and the live mode's steps (`live.py`: with `live`, each step is
+the fault-free run's global batch over whoever is left, recovered in memory when a member is
+lost; snapshots are then written by the members' rank 0 alone, as one replica).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -59,6 +62,7 @@ from ringtrain.trace import Tracer
 from ringtrain.training.batches import MicroBatches
 from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
 from ringtrain.training.evaluate import eval_sums
+from ringtrain.training.live import LiveDriver, LiveSettings, live_driver
 from ringtrain.training.progress import MetricsLog, Progress
 from ringtrain.training.record import eval_text, log_step
 from ringtrain.training.snapshots import STOP_SIGNALS, LoopSnapshots
@@ -105,6 +109,10 @@ class Trainer:
         name: names this trainer's store keys (snapshot handshakes, store reductions), the
             same on every rank; a second trainer in one process group that snapshots to the
             same directory, or reduces through the store, needs another name (ValueError).
+        live: live recovery (`ringtrain.training.live`): the job's store and bounds. The
+            trainer and the strategy then get a one-rank `runtime`
+            (`ringtrain.strategies.live_step.one_replica_view`); each generation of the
+            members gives them their rank and group.
     """
 
     def __init__(self, strategy: Strategy, runtime: Runtime, model_fn: Callable[[], nn.Module],
@@ -116,7 +124,8 @@ class Trainer:
                  started_at: float | None = None, snapshot_every: int = 0, keep: int = 2,
                  resume: bool = True, run_config: dict[str, Any] | None = None,
                  snapshot_timeout_s: float = 60.0, name: str = "trainer",
-                 trace_steps: tuple[int, int] | None = None, sync_snapshots: bool = False):
+                 trace_steps: tuple[int, int] | None = None, sync_snapshots: bool = False,
+                 live: LiveSettings | None = None):
         self.strategy, self.runtime = strategy, runtime
         self.config = config.resolved()
         self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
@@ -142,9 +151,17 @@ class Trainer:
         torch.manual_seed(rank_seed(c.seed, runtime.rank))  # dropout differs per rank
         self.data_rank, self.data_world_size = strategy.data_rank, strategy.data_world_size
         self.agreement = strategy.agreement(runtime, name)  # sums, votes, digests across ranks
+        cp_agreement = self.agreement  # live: the one replica's (local), for its snapshots
+        samples = SampleLog(self.data_rank) if c.record_samples else None
+        self.live: LiveDriver | None = None
+        if live is not None:
+            self.live = live_driver(strategy, live, runtime, train_set, self.config, samples,
+                                    run_dir)
+            self.agreement = self.live.agreement  # over the current generation
+            self.data_world_size = live.world_size
         self.tracer.align_clocks(self.agreement.gather)  # each rank's offset to rank 0's clock
         self.train_sampler: DistributedSampler | None = None
-        if self.data_rank is not None:
+        if self.data_rank is not None and self.live is None:
             self.train_sampler = DistributedSampler(
                 train_set, num_replicas=self.data_world_size, rank=self.data_rank, shuffle=True,
                 seed=c.seed)
@@ -155,10 +172,9 @@ class Trainer:
                     f"--batch-size {c.batch_size}; lower --batch-size or use more data")
         # Step, metrics window (per rank, saved so logged losses continue exactly), totals and
         # the sampler's cursor: what a snapshot holds of the loop.
-        self.state = LoopState(self.train_sampler,
-                               samples=SampleLog(self.data_rank) if c.record_samples else None)
+        self.state = LoopState(self.train_sampler, samples=samples)
         self.batches: MicroBatches | None = None
-        if self.train_sampler is not None:
+        if self.train_sampler is not None:  # live: the driver takes each step's share
             self.batches = MicroBatches(train_set, self.train_sampler, batch_size=c.batch_size,
                                         samples=self.state.samples,
                                         pin=runtime.device.type == "cuda")
@@ -167,12 +183,33 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         self.snapshots: LoopSnapshots | None = None
         if run_dir is not None:
+            # Live: the members' rank 0 writes a one-replica snapshot alone (another member may
+            # be lost in the middle of a save); a whole-job restart resumes it on every member.
             self.checkpointer = Checkpointer(
-                self.state, strategy, runtime, self.agreement, self.config, self.data_world_size,
-                os.path.join(run_dir, "snapshots"), every=snapshot_every, keep=keep,
-                timeout_s=snapshot_timeout_s, run_config=run_config, name=name)
-            self.snapshots = LoopSnapshots(self.checkpointer, self.agreement, self.state,
+                self.state, strategy, runtime, cp_agreement, self.config,
+                self.data_world_size, os.path.join(run_dir, "snapshots"), every=snapshot_every,
+                keep=keep, timeout_s=snapshot_timeout_s, run_config=run_config, name=name)
+            self.snapshots = LoopSnapshots(self.checkpointer, cp_agreement, self.state,
                                            rank=runtime.rank, background=not sync_snapshots)
+
+    def _join_live(self) -> bool:
+        """Become a member of the live job at this step (a replacement: at its healer's);
+        False when the job ended before this replacement was let in."""
+        assert self.live is not None
+        try:
+            at = self.live.join(self.step)
+        except BaseException:
+            self.live.close("failed")
+            raise
+        if at is None:
+            self.live.close()
+            return False
+        self.state.step, self.runtime = at, self.live.runtime
+        return True
+
+    def _writes_snapshots(self) -> bool:
+        """Whether this process saves snapshots: every rank, or in live mode rank 0 alone."""
+        return self.live is None or self.live.runtime.rank == 0
 
     @property
     def step(self) -> int:
@@ -206,7 +243,11 @@ class Trainer:
         """
         started = self._started = self.started_at or time.time()
         cp = self.checkpointer
-        resumed_at = cp.resume() if cp is not None and self.resume else None
+        # A live replacement heals from a live peer, never from the disk.
+        original = self.live is None or self.live.register()
+        resumed_at = cp.resume() if cp is not None and self.resume and original else None
+        if self.live is not None and not self._join_live():
+            return {"steps": self.step, "stopped_by": None, "live_admitted": False}
         if resumed_at is not None:
             # An elastic resume keeps the global batch with another per-rank layout.
             self.config = replace(self.config, batch_size=resumed_at.batch_size,
@@ -234,12 +275,24 @@ class Trainer:
         except BaseException:
             if self.snapshots is not None:  # a snapshot in the background: committed, or none
                 self.snapshots.settle()
+            if self.live is not None:
+                self.live.close("failed")
             raise
         finally:
             progress.close()
             self.metrics.close()
             if self.snapshots is not None:
                 self.snapshots.close()  # the writer process of background snapshots
+        if self.live is not None:
+            try:
+                return self._stopped_or_finished(stopped, disk_full, started)
+            finally:
+                self.live.close()  # after the final digest: waiting replacements may exit
+        return self._stopped_or_finished(stopped, disk_full, started)
+
+    def _stopped_or_finished(self, stopped: str | None, disk_full: str | None,
+                             started: float) -> dict[str, Any]:
+        cp = self.checkpointer
         if stopped:
             return {"steps": self.step, "stopped_by": stopped, "run_dir": self.run_dir,
                     "snapshot_step": cp.saved_step if cp is not None else None,
@@ -255,7 +308,11 @@ class Trainer:
             micro = [self.batches.next() for _ in range(c.grad_accum)] if self.batches else []
             t0 = time.perf_counter()
             with self._autocast(), self.tracer.step(self.step + 1):
-                res: StepResult = s.train_step(micro, lr=lr, grad_clip=c.grad_clip)
+                if self.live is None:
+                    res: StepResult = s.train_step(micro, lr=lr, grad_clip=c.grad_clip)
+                else:  # this step's share over whoever is left (recovered in there)
+                    res, micro = self.live.step(lr, c.grad_clip)
+                    self.runtime = self.live.runtime
             tokens_per_sample = micro[0][0][0].numel() if micro else 0
             reads_data = 1.0 if self.data_rank is not None else 0.0  # whose times are averaged
             self.state.add(WindowSums(loss_sum=res.loss_sum, count=res.count,
@@ -264,7 +321,7 @@ class Trainer:
                                       worker_steps=reads_data),
                            time.perf_counter() - t0)
             self.state.step += 1
-            if self.state.samples is not None:
+            if self.state.samples is not None and self.live is None:  # live: the driver's
                 self.state.samples.end_step(self.step)
             if resumed:  # the figure behind "recovery time": from a kill to this line
                 resumed = False
@@ -290,7 +347,7 @@ class Trainer:
                     break
                 if evaluated:
                     log.info("step %d: %s", self.step, eval_text(rec))
-            if cp is not None and cp.due(self.step):
+            if cp is not None and cp.due(self.step) and self._writes_snapshots():
                 assert snaps is not None
                 snaps.save(self.step)
             # Every step, every rank: did any rank get a stop signal? (An agreement whose ranks
@@ -298,6 +355,9 @@ class Trainer:
             if stop is not None and self.agreement.vote(stop.received is not None,
                                                         at_shared_step=logged):
                 assert snaps is not None  # this rank or another got a stop signal
+                if not self._writes_snapshots():  # live: the members' rank 0 saves
+                    return "SIGTERM" if stop.received is None else signal.Signals(
+                        stop.received).name
                 return snaps.stop(self.step, stop)
         if snaps is not None:  # the last snapshot, written in the background, is committed
             snaps.wait()

@@ -23,7 +23,7 @@ from pathlib import Path
 SUPPORT = Path(__file__).resolve().parent  # tests/support
 REPO = SUPPORT.parent.parent
 FAULT_ENV = "RINGTRAIN_TEST_FAULT"
-FAULT_ACTIONS = ("kill", "term", "term-launcher", "int", "raise")
+FAULT_ACTIONS = ("kill", "stop", "term", "term-launcher", "int", "raise")
 
 
 def fault_env(spec: str) -> dict[str, str]:
@@ -51,14 +51,16 @@ def snapshot_written(timeout_s: float = 60.0) -> None:
 def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], None] | None:
     """Wrap a trainer's `on_step` with the fault RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP asks for.
 
-    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `term`
+    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `stop`
+    (SIGSTOP itself: a hang, alive but silent, until someone kills it), `term`
     (SIGTERM itself), `int` (SIGINT itself, as Ctrl-C), `raise` (an exception out of the loop)
     or `term-launcher` (SIGTERM its parent,
     the launcher, and wait for the signal it forwards, so the job stops at that step). Only in
     the first attempt of a job (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs through.
     It prints the wall-clock time first, so a test can time the recovery. Returns `on_step`
-    itself when the variable is unset or names another rank. `plan:FILE` is a chaos schedule,
-    played in every attempt (`chaos_plan.plan_hook`).
+    itself when the variable is unset or names another rank. Several faults are separated by
+    commas (`kill:1:3,stop:2:7`). `plan:FILE` is a chaos schedule, played in every attempt
+    (`chaos_plan.plan_hook`).
 
     Args:
         on_step: the callback to keep calling first (a watchdog's `set_step`), or None.
@@ -71,6 +73,13 @@ def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], No
         return plan_hook(on_step, rank, spec[len("plan:"):])
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         return on_step
+    for one in spec.split(",")[:-1]:  # several faults: "kill:1:3,stop:2:7", each its own hook
+        on_step = _one_fault(on_step, rank, one)
+    return _one_fault(on_step, rank, spec.split(",")[-1])
+
+
+def _one_fault(on_step: Callable[[int], None] | None, rank: int,
+               spec: str) -> Callable[[int], None] | None:
     try:
         action, fault_rank, fault_step = spec.split(":")
         at_rank, at_step = int(fault_rank), int(fault_step)
@@ -93,6 +102,8 @@ def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], No
               f"{time.time():.3f}", file=sys.stderr, flush=True)
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "term":
             os.kill(os.getpid(), signal.SIGTERM)
         elif action == "int":

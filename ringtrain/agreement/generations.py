@@ -1,0 +1,80 @@
+"""`GenerationAgreement`: the questions of a live job, over whoever is a member now.
+
+    agreement = GenerationAgreement(lambda: driver.runtime)   # the current generation's place
+
+A live job (`ringtrain train --live`) changes its process group whenever a member is lost or
+let in (`ringtrain.live.LiveGroup`); its groups are built directly on the store, outside torch's
+registry, so each question calls the group's own methods. A question whose collective fails (a
+member lost after the step committed) is answered locally: one metrics line then misses the
+lost member's sums, a stop vote counts this member's flag. The next step's collective fails the
+same way and recovers, so a recovery happens at one place, the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.agreement.base import Agreement
+from ringtrain.runtime import Runtime
+
+__all__ = ["GenerationAgreement"]
+
+log = logging.getLogger("ringtrain")
+
+
+class GenerationAgreement(Agreement):
+    """Sums, votes and digests over the current generation's group (`current().process_group`,
+    `current().rank` of `current().world_size`)."""
+
+    def __init__(self, current: Callable[[], Runtime]):
+        self.current = current
+
+    def _group(self) -> Any | None:
+        rt = self.current()
+        return rt.process_group if rt.world_size > 1 else None
+
+    def _reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor | None:
+        pg = self._group()
+        if pg is None:
+            return t
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        try:
+            pg.allreduce([t], options).wait()
+        except RuntimeError as e:  # a member lost: the next step recovers (module docstring)
+            log.warning("live: a sum or vote failed (%s); answered locally",
+                        str(e).splitlines()[0])
+            return None
+        return t
+
+    def sum(self, values: list[float]) -> list[float]:
+        t = self._reduce(torch.tensor(values, dtype=torch.float64), dist.ReduceOp.SUM)
+        return list(values) if t is None else t.tolist()
+
+    def vote(self, flag: bool, *, at_shared_step: bool) -> bool:
+        t = self._reduce(torch.tensor([1 if flag else 0], dtype=torch.int32), dist.ReduceOp.MAX)
+        return flag if t is None else bool(t.item())
+
+    def gather(self, text: str) -> dict[int, str]:
+        pg, rank = self._group(), self.current().rank
+        if pg is None:
+            return {rank: text}
+        data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+        size = pg.size()
+        try:
+            lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+            pg.allgather([lengths], [torch.tensor([data.numel()])]).wait()
+            width = max(int(n) for n in lengths)
+            padded = torch.zeros(width, dtype=torch.uint8)
+            padded[:data.numel()] = data
+            out = [torch.empty_like(padded) for _ in range(size)]
+            pg.allgather([out], [padded]).wait()
+        except RuntimeError as e:
+            log.warning("live: a gather failed (%s); answered locally", str(e).splitlines()[0])
+            return {rank: text}
+        return {r: bytes(out[r][:int(lengths[r])].tolist()).decode() for r in range(size)}

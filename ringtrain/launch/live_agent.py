@@ -1,0 +1,135 @@
+"""The agent in live mode (`ringtrain train --live`): a lost worker is replaced, the rest go on.
+
+    with replacing_lost_workers():
+        elastic_launch(config, cmd)(*args)
+
+torch's agent stops every worker when one fails and restarts them all (or gives up). In live
+mode the survivors recover by themselves (`ringtrain.live.LiveGroup`), so the agent's part is:
+- a worker killed by a signal (kill -9, the OOM killer), or one that exited with
+  `LEFT_OUT_EXIT_CODE` (its peers left it out of a generation: it was too slow), is started
+  again in place, with `REPLACEMENT_ENV` set: the new process registers in the store as a
+  replacement, is let in at a step boundary and heals from a live peer (no disk). The others
+  never stop;
+- a member the others declared lost while its process still runs (a hang: SIGSTOP, a deadlock,
+  a machine swapping) is killed with SIGKILL, then replaced as above: `LiveGroup` writes
+  `departed/{uid}` with the uid's `pid/{uid}` under its prefix in the store, read here;
+- any other failure (an exception, a mistake, a stop on SIGTERM) is the job's, as without
+  --live: every worker stops, one report.
+
+The store is the one the agent hosts for the rendezvous (its workers get
+TORCHELASTIC_USE_AGENT_STORE), so it outlives every worker. If the agent or its machine dies,
+the job is lost: run the same command again and it resumes from its last snapshot. At most
+`MAX_REPLACEMENTS` replacements per job: a worker that dies every time it starts is a bug to
+report, not a fault to ride out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ringtrain.torch_internals import (
+    CAPTURE_PROCESS_FAILURES,
+    MONITOR_WORKERS,
+    respawn,
+    running_workers,
+    sync_worker_ids,
+)
+
+__all__ = ["LEFT_OUT_EXIT_CODE", "MAX_REPLACEMENTS", "REPLACEMENT_ENV", "replacing_lost_workers"]
+
+REPLACEMENT_ENV = "RINGTRAIN_LIVE_REPLACEMENT"  # set in a replacement: which one it is (1, 2..)
+LEFT_OUT_EXIT_CODE = 76  # a worker its peers left out of a generation (LiveMemberLostError)
+MAX_REPLACEMENTS = 32
+# Where `LiveGroup(name="train")` keeps its keys under the worker's store prefix
+# (`ringtrain.launch.process_group._agent_store`, `ringtrain.live.group`).
+_LIVE_KEYS = "ringtrain/{run}/attempt_{attempt}/ringtrain/live/train"
+_POLL_DEPARTED_S = 0.25
+
+
+def _replaceable(exitcode: int) -> bool:
+    """A death the survivors ride out: a signal other than a stop the job asked for, or left out."""
+    return exitcode == LEFT_OUT_EXIT_CODE or (exitcode < 0 and exitcode != -signal.SIGTERM)
+
+
+class _Departed:
+    """Reads the pids of members the live group declared lost (`departed/{uid}`, `pid/{uid}`)."""
+
+    def __init__(self) -> None:
+        self.store: Any = None
+        self.seen: set[int] = set()
+        self.next_poll = 0.0
+
+    def pids(self, env: dict[str, str]) -> list[int]:
+        now = time.monotonic()
+        if now < self.next_poll:
+            return []
+        self.next_poll = now + _POLL_DEPARTED_S
+        try:
+            if self.store is None:  # the agent's own store, as a client (the workers' address)
+                client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                                       is_master=False, timeout=timedelta(seconds=5))
+                self.store = dist.PrefixStore(_LIVE_KEYS.format(
+                    run=env.get("TORCHELASTIC_RUN_ID", "none"),
+                    attempt=env.get("TORCHELASTIC_RESTART_COUNT", "0")), client)
+            out = []
+            for uid in range(int(self.store.add("uids", 0))):
+                if uid in self.seen or not self.store.check([f"departed/{uid}"]):
+                    continue
+                self.seen.add(uid)
+                if self.store.check([f"pid/{uid}"]):
+                    out.append(int(self.store.get(f"pid/{uid}")))
+            return out
+        except (RuntimeError, OSError, KeyError, ValueError):
+            return []  # no store yet (workers starting) or the job is ending: next poll
+
+
+@contextlib.contextmanager
+def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS) -> Iterator[None]:
+    """Inside: the agent replaces a lost worker in place and kills a member found hung (see the
+    module docstring); every other failure stops the job as torch's agent does."""
+    original = CAPTURE_PROCESS_FAILURES.get()
+    departed = _Departed()
+    count = [0]
+
+    def capture(self, done_local_ranks: set[int]) -> None:
+        workers = running_workers(self)
+        if workers:
+            hung = set(departed.pids(self.envs[workers[0][0]]))
+            for _, rank, proc in workers:
+                if proc.pid in hung and proc.poll() is None:
+                    print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) was left out by "
+                          "its peers (silent or hung): killing it to start a replacement",
+                          file=sys.stderr, flush=True)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+        for local_rank, rank, proc in running_workers(self):
+            exitcode = proc.poll()
+            if exitcode is None or not _replaceable(exitcode) or count[0] >= max_replacements:
+                continue
+            count[0] += 1
+            how = (f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0
+                   else f"left out by its peers (exit code {exitcode})")
+            new = respawn(self, local_rank, {REPLACEMENT_ENV: str(count[0])})
+            print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go on, "
+                  f"replacement {count[0]} of at most {max_replacements} started (pid "
+                  f"{new.pid})", file=sys.stderr, flush=True)
+        original(self, done_local_ranks)
+
+    monitor = MONITOR_WORKERS.get()
+
+    def monitor_workers(self, worker_group):
+        sync_worker_ids(self, worker_group)  # a replacement is that worker now
+        return monitor(self, worker_group)
+
+    with CAPTURE_PROCESS_FAILURES.replaced(capture), MONITOR_WORKERS.replaced(monitor_workers):
+        yield

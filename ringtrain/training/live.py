@@ -1,0 +1,238 @@
+"""The trainer's live mode (`ringtrain train --live`): each step over whoever is left.
+
+    driver = LiveDriver(settings, strategy.live_hooks(), runtime, train_set, global_batch=...)
+    original = driver.register()     # a process of generation 0, or a replacement
+    driver.join(step)                # member of a generation; a replacement heals from a peer
+    result, micro = driver.step(lr, grad_clip)      # in the trainer's one loop, per step
+    driver.close()
+
+The library layer (`ringtrain.live`) does the generations (`LiveGroup`), the in-memory commit
+(`LiveState`) and each step's global batch (`GlobalBatches`); this module ties them to the loop:
+- a step's micro-batches are this member's share of the step's global batch (`grad_accum`
+  pieces), whatever the number of members; the strategy's `LiveHooks` train it over the
+  generation's group; the step is then committed in memory;
+- a step whose collective fails (a peer died or hangs) is recovered (`LiveGroup.recover`: the
+  next generation, the last commit, a heal) and redone over the same global batch; a
+  replacement waiting is let in at the next step boundary (`admit`);
+- `--record-samples`: every member's share of a committed step is all-gathered before the
+  commit and kept in the sample history, which is committed and healed with the optimizer,
+  so the history is the job's whatever members were lost;
+- the loop's sums, votes and digests go over the current generation (`agreement`: the
+  strategy's `LiveHooks.agreement`, by default `ringtrain.agreement.generations`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from ringtrain.data.sample_log import SampleLog
+from ringtrain.errors import ConfigError
+from ringtrain.live import GlobalBatches, LiveGroup, LiveState
+from ringtrain.runtime import Runtime
+from ringtrain.strategies.base import LiveHooks, StepResult, Strategy
+from ringtrain.training.config import TrainerConfig
+from ringtrain.training.evaluate import collate
+
+__all__ = ["LiveDriver", "LiveSettings", "live_driver"]
+
+log = logging.getLogger("ringtrain")
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """How a live job's members find each other and how long they wait.
+
+    Args:
+        store: the job's store, hosted outside the members (the launcher's agent).
+        world_size: members when whole.
+        timeout_s: a generation's collective timeout: a hung member is found after it.
+        replace_wait_s: how long survivors wait for a replacement before going on without.
+        dead_after_s: a member whose heartbeat is this old is lost.
+    """
+
+    store: dist.Store
+    world_size: int
+    timeout_s: float = 30.0
+    replace_wait_s: float = 0.0
+    dead_after_s: float = 3.0
+    join_timeout_s: float = 600.0
+    launcher_rank: int = 0  # the RANK the launcher gave this process (its slot, for the record)
+
+
+class _Committed:
+    """What a member commits besides the model: the optimizer and the sample history."""
+
+    def __init__(self, optimizer: Any, samples: SampleLog | None):
+        self.optimizer, self.samples = optimizer, samples
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(),
+                "samples": self.samples.state_dict() if self.samples is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.samples is not None and state["samples"] is not None:
+            self.samples.load_state_dict(state["samples"])
+
+
+def live_driver(strategy: Strategy, live: LiveSettings, runtime: Runtime, train_set: Dataset,
+                config: TrainerConfig, samples: SampleLog | None,
+                run_dir: str | None) -> LiveDriver:
+    """The trainer's live driver for `strategy`, or the error naming the fix."""
+    hooks = strategy.live_hooks()  # asked, never probed: None means it has none
+    if hooks is None:
+        raise ConfigError(f"--strategy {strategy.name} has no live recovery: drop --live, or use "
+                          "--strategy ddp")
+    return LiveDriver(live, hooks, runtime, train_set, seed=config.seed,
+                      global_batch=config.batch_size * config.grad_accum * live.world_size,
+                      grad_accum=config.grad_accum, samples=samples, run_dir=run_dir)
+
+
+class LiveDriver:
+    """One member's steps in a live job (see the module docstring)."""
+
+    def __init__(self, settings: LiveSettings, hooks: LiveHooks, runtime: Runtime,
+                 dataset: Dataset, *, global_batch: int, grad_accum: int, seed: int,
+                 samples: SampleLog | None = None, run_dir: str | None = None):
+        self.settings, self.hooks, self.dataset = settings, hooks, dataset
+        self.run_dir = run_dir  # RUN_DIR/live/PID.json: each process's part, at join and close
+        self.grad_accum, self.samples = grad_accum, samples
+        self.batches = GlobalBatches(len(dataset), global_batch, seed=seed)  # type: ignore[arg-type]
+        self.runtime = runtime  # this member's rank and group in the current generation
+        self.group: LiveGroup | None = None
+        self.state: LiveState | None = None
+        self.recoveries = 0
+        self.joined_at: int | None = None
+        self.agreement = hooks.agreement(lambda: self.runtime)  # over the current generation
+
+    @property
+    def world_size(self) -> int:
+        return self.settings.world_size
+
+    def register(self) -> bool:
+        """Register with the job's store; True for a process of generation 0 (it may resume
+        from a snapshot), False for a replacement (it heals from a live peer instead)."""
+        s = self.settings
+        self.group = LiveGroup(s.store, s.world_size, name="train", timeout_s=s.timeout_s,
+                               heartbeat_s=min(0.5, s.dead_after_s / 4),
+                               dead_after_s=s.dead_after_s, join_timeout_s=s.join_timeout_s,
+                               replace_wait_s=s.replace_wait_s)
+        return self.group.uid < s.world_size
+
+    def join(self, step: int) -> int | None:
+        """Become a member (at `step`, this process's committed step); the step the group is
+        at (a replacement's is its healer's), or None if the job ended before it was let in."""
+        assert self.group is not None, "register() first"
+        self.state = LiveState(self.hooks.model, _Committed(self.hooks.optimizer, self.samples),
+                               self.batches, step=step)
+        if not self.group.join(self.state):
+            return None
+        self._members_changed()
+        self.joined_at = self.state.step
+        self._write_member("training")
+        return self.state.step
+
+    def _members_changed(self) -> None:
+        g = self.group
+        assert g is not None
+        self.runtime = replace(self.runtime, rank=g.rank, world_size=g.size,
+                               process_group=g.process_group)
+        self.hooks.on_members(self.runtime)
+        if g.last_heal is not None and g.last_heal.nbytes and g.rank == 0:
+            log.info("live: generation %d, %d members; healed to step %d (%d bytes)",
+                     g.generation, g.size, g.last_heal.step, g.last_heal.nbytes)
+
+    def step(self, lr: float, grad_clip: float | None
+             ) -> tuple[StepResult, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Train and commit the next step over the current members, recovering as needed.
+
+        Returns the step's result and the micro-batches this member trained (none, with count
+        0, when a recovery healed this member to a step a peer had committed already).
+        """
+        from ringtrain.live import LiveMemberLostError, LiveRecoveryError
+
+        g, state = self.group, self.state
+        assert g is not None and state is not None, "join() first"
+        start = state.step
+        while True:
+            try:
+                if g.admit(state):  # a step boundary: replacements waiting are let in
+                    self._members_changed()
+                ids = self.batches.share(start, g.rank, g.size)
+                micro = self._micro(ids)
+                result = self.hooks.train_step(micro, lr=lr, grad_clip=grad_clip,
+                                               weight=len(ids) / self.batches.global_batch_size)
+                if self.samples is not None:
+                    self._record(start, ids)
+            except (LiveMemberLostError, LiveRecoveryError):
+                raise  # this process is out, or the error is the job's own: no retry
+            except RuntimeError as error:  # a failed collective: a peer died or hangs
+                before = list(g.members)
+                g.recover(state, error)
+                self.recoveries += 1
+                self._members_changed()
+                if g.rank == 0:
+                    log.warning("live: step %d failed (%s); generation %d: %d of %d members "
+                                "(was %d), redoing it", start + 1, str(error).splitlines()[0],
+                                g.generation, g.size, self.world_size, len(before))
+                if state.step > start:  # a peer had committed it: healed to it
+                    assert state.step == start + 1, (start, state.step)
+                    return StepResult(loss_sum=0.0, count=0), []
+                continue
+            state.step += 1
+            state.commit()
+            return result, micro
+
+    def _micro(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`ids` as `grad_accum` micro-batches (sizes differ by at most one)."""
+        n = min(self.grad_accum, len(ids))
+        cuts = [len(ids) * i // n for i in range(n + 1)] if n else []
+        return [collate(self.dataset, ids[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+    def _record(self, step: int, ids: list[int]) -> None:
+        """Every member's share of `step` (0-based) into the history, as step `step + 1`."""
+        assert self.group is not None and self.samples is not None
+        pg, size = self.group.process_group, self.group.size
+        width = -(-self.batches.global_batch_size // size) + 1
+        mine = torch.full((width,), -1, dtype=torch.int64)
+        mine[0] = len(ids)
+        mine[1:1 + len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(size)]
+        assert pg is not None
+        pg.allgather([out], [mine]).wait()
+        epoch = step // self.batches.steps_per_epoch
+        self.samples.steps.append(step + 1)
+        self.samples.entries.append([(epoch, t[1:1 + int(t[0])].tolist()) for t in out])
+
+    def close(self, status: str = "finished") -> None:
+        """Leave the job: waiting replacements learn it is done."""
+        if self.group is not None:
+            self.group.close()
+            if self.joined_at is not None:
+                self._write_member(status)
+            self.group = None
+
+    def _write_member(self, status: str) -> None:
+        """This process's part of the job, for the user and the tests: whether it trained from
+        the start (a survivor keeps its pid) or was let in later (a replacement, healed)."""
+        if self.run_dir is None or self.group is None or self.state is None:
+            return
+        folder = os.path.join(self.run_dir, "live")
+        os.makedirs(folder, exist_ok=True)
+        record = {"pid": os.getpid(), "uid": self.group.uid, "status": status,
+                  "launcher_rank": self.settings.launcher_rank, "joined_at_step": self.joined_at,
+                  "step": self.state.step, "generation": self.group.generation,
+                  "rank": self.runtime.rank, "members": self.runtime.world_size,
+                  "recoveries": self.recoveries}
+        tmp = os.path.join(folder, f".{os.getpid()}.json")
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, os.path.join(folder, f"{os.getpid()}.json"))

@@ -1,0 +1,142 @@
+"""`ringtrain train --live` end to end (CLI, gloo, CPU, 3 workers, a tiny GPT).
+
+One faulted run and its fault-free reference, started together (the faulted run mostly waits:
+for a dead peer's heartbeat, a hung peer's timeout, a replacement's start-up):
+- after step 4, rank 1 is killed (SIGKILL, as kill -9) and rank 2 stops (SIGSTOP: a hang), at
+  once (one stall instead of two: the replacements start together); `--live-wait 60` makes
+  the survivor wait for the replacements, so every step runs on 3 members;
+- the survivor never stops (its pid finishes the run), the agent kills the hung worker and
+  starts a replacement for each lost one, which heals from a live peer at the step the group is
+  at (RUN_DIR/live/PID.json says who trained from where);
+- the final `param_sha256` is the fault-free run's, and the committed sample history (in the
+  last snapshot, `--record-samples`) is the fault-free run's: every step the same global batch,
+  each sample once.
+Pure parts (the launcher's and the options' refusals) are tested without processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from support.faults import fault_env
+
+from ringtrain.data.sample_log import SampleLog, check_history
+from ringtrain.live import GlobalBatches
+
+STEPS, BATCH, WORLD = 10, 8, 3
+LIVE = ["--nproc-per-node", str(WORLD), "--steps", str(STEPS), "--n-layer", "1", "--n-embd", "32",
+        "--batch-size", str(BATCH), "--dropout", "0", "--log-every", "2", "--eval-every",
+        str(STEPS), "--snapshot-every", str(STEPS), "--threads", "1", "--no-progress",
+        "--device", "cpu", "--live", "--live-wait", "60", "--record-samples",
+        "--watchdog-timeout", "6"]
+FAULTS, AT = "kill:1:4,stop:2:4", 4
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT",
+                "RINGTRAIN_STEP_HOOK")
+
+
+def _start(run_dir: Path, fault: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    if fault:
+        env.update(fault_env(fault))
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "ringtrain", "train", *LIVE, "--run-dir",
+                             str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=run_dir.parent, env=env)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live")
+    procs = {"faulted": _start(root / "faulted", FAULTS), "clean": _start(root / "clean", None)}
+    out = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=420)
+            assert proc.returncode == 0, f"{name}: {stdout[-2000:]}{stderr[-4000:]}"
+            out[name] = (root / name, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return out
+
+
+def _members(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "live").glob("*.json"))]
+
+
+def _history(run_dir: Path) -> SampleLog:
+    shared = torch.load(run_dir / "snapshots" / f"snap-{STEPS:08d}" / "shared.pt",
+                        weights_only=True)
+    return SampleLog.from_state(shared["trainer"]["samples"])
+
+
+def test_survivors_keep_their_pids_and_each_lost_worker_is_replaced_and_healed(runs):
+    run_dir, stderr = runs["faulted"]
+    members = _members(run_dir)
+    by_slot = {(m["launcher_rank"], m["joined_at_step"]): m for m in members}
+    assert len(members) == 5, members  # 3 started, 2 replacements
+    # Rank 0's process trained every step; the killed and the hung ones never finished.
+    assert by_slot[0, 0]["status"] == "finished" and by_slot[0, 0]["step"] == STEPS
+    assert by_slot[1, 0]["status"] == by_slot[2, 0]["status"] == "training"
+    # Each replacement joined at the step the group had committed, and finished the run.
+    assert by_slot[1, AT]["status"] == by_slot[2, AT]["status"] == "finished"
+    assert by_slot[0, 0]["recoveries"] == 1
+    assert {m["members"] for m in members if m["status"] == "finished"} == {WORLD}
+    # The agent said what it did, naming the pids that the records name.
+    assert f"(pid {by_slot[1, 0]['pid']}) killed by SIGKILL" in stderr, stderr[-3000:]
+    assert f"(pid {by_slot[2, 0]['pid']}) was left out by its peers" in stderr, stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == WORLD and summary["steps"] == STEPS
+
+
+def test_the_faulted_run_ends_with_the_fault_free_weights_and_samples(runs):
+    (faulted, _), (clean, _) = runs["faulted"], runs["clean"]
+    sha = {name: json.loads((d / "summary.json").read_text())["param_sha256"]
+           for name, d in (("faulted", faulted), ("clean", clean))}
+    assert sha["faulted"] == sha["clean"]
+    history, reference = _history(faulted), _history(clean)
+    assert history.step_sets() == reference.step_sets()
+    from ringtrain.data.addition import train_size
+
+    n = train_size(2)  # the addition task's default digits
+    report = check_history(history, dataset_len=n, seed=1337, global_batch=BATCH * WORLD,
+                           steps=STEPS)
+    assert report["errors"] == [] and report["samples"] == STEPS * BATCH * WORLD
+    # Each step's global batch is torch's DistributedSampler layout over 3 ranks (GlobalBatches).
+    batches = GlobalBatches(n, BATCH * WORLD, seed=1337)
+    assert history.step_sets() == {s + 1: sorted((0, i) for i in batches.batch(s))
+                                   for s in range(STEPS)}
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--strategy", "zero"], "--strategy zero: it has no live recovery yet"),
+    (["--strategy", "localsgd"], "--strategy localsgd: it has no live recovery yet"),
+    (["--strategy", "diloco"], "--strategy diloco: it has no live recovery yet"),
+    (["--grad-compress", "fp16"], "--grad-compress fp16 is a hook on DDP's wrapper"),
+    (["--max-restarts", "2"], "replaces a lost worker instead of restarting the job"),
+])
+def test_live_is_refused_before_launch_with_the_reason_and_the_fix(argv, said):
+    from ringtrain.cli.train_args import check_args, parse_options
+
+    with pytest.raises(ValueError, match="drop") as e:
+        check_args(parse_options(["--live", "--nproc-per-node", "3", *argv]), world_size=3)
+    assert said in str(e.value)
+    check_args(parse_options(["--live", "--nproc-per-node", "3"]), world_size=3)  # ddp: fine
+    with pytest.raises(ValueError, match="--live-wait 5 needs --live"):
+        check_args(parse_options(["--live-wait", "5"]), world_size=3)
+
+
+def test_the_live_launcher_refuses_restarts_and_several_nodes():
+    from ringtrain.launch.launcher import launch
+
+    with pytest.raises(ValueError, match="live mode replaces workers on one node"):
+        launch("x.py", [], nproc_per_node=2, max_restarts=1, live=True)
