@@ -13,11 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringtrain.errors import ConfigError
 from ringtrain.models.gpt import GPT, GPTConfig, loss_fn
-from ringtrain.pipeline.backward import backward_input
+from ringtrain.pipeline.backward import backward_input, tensor_hooks_held
 from ringtrain.pipeline.partition import partition
 from ringtrain.strategies import pipeline_config
 from ringtrain.strategies.pipeline_config import SPLIT_BACKWARD, check_schedule
-from ringtrain.torch_internals import tensor_hooks_held
 
 
 class _CountMatmuls(TorchDispatchMode):
@@ -213,7 +212,7 @@ def test_sequence_parallel_with_a_split_backward_runs_or_is_refused_by_torch(mon
     and are refused before launch, with the fix, where it does not."""
     for schedule in SPLIT_BACKWARD:
         check_schedule(schedule, 2, 1, 4, sequence_parallel=True)
-    monkeypatch.setattr(pipeline_config, "tensor_hooks_held_available", lambda: False)
+    monkeypatch.setattr(pipeline_config, "tensor_hooks_held_off", lambda: True)
     with pytest.raises(ConfigError, match=r"--schedule zb-h1 does not run with "
                        r"--sequence-parallel on torch .*use --schedule in \['gpipe', '1f1b', "
                        r"'interleaved'\]"):

@@ -25,13 +25,14 @@ non-leaf's hooks from its node), and `retain_grad()` on such a tensor sums both 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from ringtrain.torch_internals import tensor_hooks_held
+from ringtrain.torch_internals import tensor_hooks
 
 
 def _accumulator(t: torch.Tensor) -> Node:
@@ -42,6 +43,24 @@ def _accumulator(t: torch.Tensor) -> Node:
     node = t.view_as(t).grad_fn
     assert node is not None, "a leaf that requires grad has a view with a grad_fn"
     return node.next_functions[0][0]
+
+
+@contextlib.contextmanager
+def tensor_hooks_held(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Run the body with the `register_hook` hooks of the leaf `tensors` taken out, then put
+    them back in their order (their handles still remove them; one registered meanwhile goes
+    last). Where torch keeps them out of reach (`torch_internals`), it holds none."""
+    held = [(d, list(d.items())) for t in tensors if (d := tensor_hooks(t))]
+    for d, _ in held:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, items in held:
+            added = list(d.items())
+            d.clear()
+            d.update(items)
+            d.update(added)
 
 
 @dataclass(eq=False)

@@ -28,12 +28,12 @@ from ringtrain.pipeline.schedule import (
 from ringtrain.strategies.base import StrategyConfig
 from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
 from ringtrain.strategies.tp_options import sequence_parallel_option, tp_option
-from ringtrain.torch_internals import tensor_hooks_held_available
+from ringtrain.torch_internals import tensor_hooks_held_off
 
 # The schedules that split a backward in two (input gradient now, weights later,
 # `ringtrain.pipeline.backward`). Sequence parallelism sums the norms' gradients over tp in a
 # parameter's tensor hook; the weight pass runs such a hook once only where this torch lets it
-# hold the hooks while it captures the weight gradients (`torch_internals.tensor_hooks_held`):
+# hold the hooks while it captures the weight gradients (`backward.tensor_hooks_held`):
 # running it twice counted those gradients tp times (weights 5e-3 off after 3 clipped steps).
 SPLIT_BACKWARD = ("zb-h1", "zb-v")
 
@@ -42,7 +42,7 @@ def sp_schedules() -> tuple[str, ...]:
     """The schedules that run with --sequence-parallel on this torch (every schedule runs
     with --tp alone, each checked against one process)."""
     return tuple(s for s in SCHEDULES
-                 if s not in SPLIT_BACKWARD or tensor_hooks_held_available())
+                 if s not in SPLIT_BACKWARD or not tensor_hooks_held_off())
 
 
 def default_microbatches(batch: int, pp: int, schedule: str = "1f1b") -> int:

@@ -330,36 +330,15 @@ _HOOKS = _feature(
 lookup("torch._C.TensorBase._backward_hooks", _HOOKS)
 
 
-def tensor_hooks_held_available() -> bool:
-    """Whether `tensor_hooks_held` can hold hooks on this torch (else it holds none)."""
-    return _HOOKS.on
+def tensor_hooks(t: torch.Tensor) -> dict | None:
+    """The dict of `t`'s `register_hook` hooks, which torch's one C++ pre-hook on `t` reads at
+    each call (so emptying it in place holds them); None if none or `tensor_hooks_held_off()`."""
+    return t._backward_hooks if _HOOKS.on else None
 
 
-@contextlib.contextmanager
-def tensor_hooks_held(tensors: list[torch.Tensor]) -> Iterator[None]:
-    """Run the body with the `register_hook` hooks of the leaf `tensors` taken out, then put
-    them back in their order (their handles still remove them).
-
-    The engine runs a leaf's hooks wherever its gradient is captured (`autograd.grad`) as well
-    as where it is accumulated; a weight pass does both, and must run them once. torch keeps a
-    leaf's Python hooks in the dict `Tensor._backward_hooks`, which its one C++ pre-hook reads
-    at each call: emptying the dict in place holds them without touching the C++ side.
-    """
-    if not _HOOKS.on:
-        yield
-        return
-    held = [(d, list(d.items())) for t in tensors
-            if (d := t._backward_hooks) is not None and len(d)]
-    for d, _ in held:
-        d.clear()
-    try:
-        yield
-    finally:
-        for d, items in held:
-            added = list(d.items())  # registered meanwhile: after the held ones, as they came
-            d.clear()
-            d.update(items)
-            d.update(added)
+def tensor_hooks_held_off() -> bool:
+    """Whether this torch keeps a leaf's hooks where `tensor_hooks` cannot reach them."""
+    return not _HOOKS.on
 
 
 # ---- the BatchNorm warning of pipeline stages (ringtrain.pipeline.engine) -----------------------
