@@ -8,17 +8,23 @@ Layouts, side by side in one run (gloo ranks on this machine, one thread each):
   it, and with it and `recompute_gather` (the column layers save their input's shard and
   all-gather it again in backward): `parallelize(GPT, gpt_plan(...))` over the world;
 - dp 2 x tp 2 on 4 ranks, plain, with sequence parallelism, and with it and ZeRO 1 on the dp
-  axis: `--strategy tp` itself (`ringtrain.strategies.tp.TPStrategy`), one `train_step` each.
-Reported per layout, on rank 0:
+  axis: `--strategy tp` itself (`ringtrain.strategies.tp.TPStrategy`), one `train_step` each;
+- tp 2 x pp 2 on the same 4 ranks, 1F1B, plain and with sequence parallelism: `--strategy
+  pipeline --pp 2 --tp 2` itself (`PipelineStrategy`), a row for each stage (rank 0, rank 2).
+Reported per layout, on rank 0 (and rank 2 for the pipeline's second stage):
 - `tp_counted` against `tp_formula`: the bytes of each collective over the tp group in one step
   (each call's whole tensor), counted by wrapping torch.distributed's calls, next to
   `ringtrain.tensor_parallel.expected_bytes`: equal to the byte;
 - `sent_counted` against `sent_formula`: the bytes this rank sends per step on each axis, the
   collectives' by ring (2(t-1)/t of an all-reduce, (t-1)/t of the others) and ZeRO's rings'
-  `isend`s as counted, next to `ringtrain plan`'s formula (`strategies.layouts`);
+  and the pipeline's `isend`s as counted, next to `ringtrain plan`'s formula
+  (`strategies.layouts`; a pipeline stage's tp bytes: `expected_bytes` of its own layers, with
+  the embedding on the first stage and the head on the last, `layouts.pp_sent_bytes` on pp);
 - `saved_mb` against `saved_formula_mb`: bytes autograd keeps for backward at the end of one
   forward + loss (`ringtrain.pipeline.memory.ActivationMeter`: each saved storage once,
-  parameters not at all), next to `tensor_parallel.volumes.activation_bytes`;
+  parameters not at all; a pipeline stage: the most held at once over a 1F1B step, the
+  engine's `measure_memory`), next to `tensor_parallel.volumes.activation_bytes` (a stage's:
+  `ringtrain plan`'s bound, the head counted on every stage);
 - `state_mb` against `state_formula_mb`: parameters, gradients and AdamW state this rank holds
   in the step (counted from the tensors; ZeRO's from `ZeroDataParallel.memory`);
 - `step_ms`: the median of `--steps` steps; on a 2-core machine more ranks than cores only
@@ -38,10 +44,20 @@ import time
 import torch
 import torch.distributed as dist
 
+from ringtrain.cli.plan import model_shape
 from ringtrain.models import GPT, GPTConfig, loss_fn
 from ringtrain.pipeline.memory import ActivationMeter
 from ringtrain.runtime import get_runtime
-from ringtrain.strategies.layouts import Layout, ModelShape, layout_figures, whole_numel
+from ringtrain.strategies.figures import ADAMW_BYTES, FP32_BYTES
+from ringtrain.strategies.layouts import (
+    Layout,
+    ModelShape,
+    layout_figures,
+    pp_sent_bytes,
+    whole_numel,
+)
+from ringtrain.strategies.pipeline import PipelineStrategy
+from ringtrain.strategies.pipeline_config import default_microbatches
 from ringtrain.strategies.tp import TPStrategy
 from ringtrain.tensor_parallel import expected_bytes, gpt_plan, parallelize
 from ringtrain.tensor_parallel import vocab_parallel_cross_entropy as vp_loss
@@ -210,6 +226,58 @@ def _strategy(world_size: int, config: GPTConfig, batch: int, sp: bool, zero: in
     return _formulas(row, config, batch, Layout(dp, 1, 2, zero, sp), False)
 
 
+def _pipeline(config: GPTConfig, batch: int, sp: bool, steps: int) -> dict:
+    """tp 2 x pp 2 on 4 ranks (`--strategy pipeline --pp 2 --tp 2`, 1F1B), one `train_step` per
+    step, no clipping; the figures of this rank's stage."""
+    torch.manual_seed(0)
+    s = PipelineStrategy(get_runtime(), pp=2, schedule="1f1b", tp=2, sequence_parallel=sp)
+    s.setup(GPT(config), adamw(0.0), loss_fn)
+    idx, targets = _batch(config, batch)
+    m = default_microbatches(batch, 2)
+    # A first step by the engine itself: its dry run (the boundary shapes) stays out of the
+    # counted step, and it measures the most bytes saved at once.
+    s.engine.measure_memory = True
+    peak = s.engine.train_step(idx, targets, m).peak_activation_bytes
+    s.engine.measure_memory = False
+    counter, times = Counter(), []
+    groups = {"tp": s.groups.tp_group, "pp": s.groups.pp_group, "dp": s.groups.dp_group}
+    for step in range(steps + 1):
+        real = counter.counting(groups) if step == 0 else {}
+        t0 = time.perf_counter()
+        s.train_step([(idx, targets)], lr=1e-3, grad_clip=None)
+        times.append(time.perf_counter() - t0)
+        Counter.restore(real)
+    params = sum(p.numel() * p.element_size() for p in s.stage.parameters())
+    state = 2 * params + sum(t.numel() * t.element_size() for st in s.optimizer.state.values()
+                             for t in st.values() if t.dim() > 0)
+    k, layout = s.groups.pp_rank, Layout(1, 2, 2, 0, sp)
+    row = {"layout": "tp 2 x pp 2" + (" +SP" if sp else "") + f" stage {k}",
+           "tp_counted": {op: b for op, b in counter.of("tp").items() if b},
+           "sent_counted": {"tp": round(counter.sent("tp", 2)), "pp": round(counter.sent("pp", 2)),
+                            "dp": round(counter.sent("dp", 1))},
+           "other_counted": counter.of("other"),
+           "saved_mb": round(peak / MIB, 2), "state_mb": round(state / MIB, 3),
+           "step_ms": round(1e3 * statistics.median(times[1:]), 1)}
+    s.close()
+    # This stage's formulas: its own layers, the embedding on the first, the head on the last.
+    shape = model_shape(config, 4)
+    n, whole, layers = shape.stages[2][k]
+    tp = expected_bytes(n_layer=layers, n_embd=config.n_embd, batch=batch,
+                        seq=config.block_size, sequence_parallel=sp, embedding=k == 0,
+                        head=k == 1, backwards=m)
+    held = (n - whole) / 2 + whole
+    in_flight = min(2 - k, m) * batch / m  # 1F1B: stage k holds pp - k micro-batches at most
+    saved = activation_bytes(n_layer=layers, n_embd=config.n_embd, batch=in_flight,
+                             seq=config.block_size, vocab_size=config.vocab_size, tp=2,
+                             sequence_parallel=sp)  # the head counted on every stage: a bound
+    return {**row, "tp_formula": {op: b for op, b in tp.items() if b},
+            "sent_formula": {"tp": round(sum(ring_bytes_per_rank(op, b, 2)
+                                             for op, b in tp.items())),
+                             "pp": round(pp_sent_bytes(layout, shape, batch=batch)), "dp": 0},
+            "saved_formula_mb": round(saved / MIB, 2),
+            "state_formula_mb": round((2 * FP32_BYTES + ADAMW_BYTES) * held / MIB, 3)}
+
+
 def _worker(rank: int, world_size: int, config: GPTConfig, batch: int, steps: int) -> list:
     torch.set_num_threads(1)
     rows = [_plain(world_size, config, batch, sp, rg, steps)
@@ -217,6 +285,7 @@ def _worker(rank: int, world_size: int, config: GPTConfig, batch: int, steps: in
     if world_size == 4:
         rows += [_strategy(world_size, config, batch, sp, zero, steps)
                  for sp, zero in ((False, 0), (True, 0), (True, 1))]
+        rows += [_pipeline(config, batch, sp, steps) for sp in (False, True)]
     return rows
 
 
@@ -235,17 +304,22 @@ def main() -> None:
     load = os.getloadavg()
     rows = [_plain(1, config, batch, False, False, args.steps)]
     for world in (2, 4):  # one worker start per world size, its layouts in turn
-        rows += run_workers(_worker, world, args=(config, batch, args.steps), timeout_s=600)[0]
-    print(f"{'layout':<24}{'tp bytes = formula':>19}{'sent MB (formula)':>22}"
-          f"{'saved MiB (formula)':>22}{'state MiB (formula)':>22}{'step ms':>9}")
+        ranks = run_workers(_worker, world, args=(config, batch, args.steps), timeout_s=600)
+        rows += ranks[0]
+        if world == 4:  # rank 2: tp rank 0 of the pipeline's second stage
+            rows += [r for r in ranks[2] if "stage 1" in r["layout"]]
+    print(f"{'layout':<26}{'tp bytes = formula':>19}{'sent MB (formula)':>20}{'of it pp':>8}"
+          f"{'saved MiB (formula)':>21}{'state MiB (formula)':>21}{'step ms':>9}")
     for r in rows:
         equal = "-" if not r["tp_formula"] else str(r["tp_counted"] == r["tp_formula"])
         sent = sum(r["sent_counted"].values()) / 1e6
         sent_f = sum(r["sent_formula"].values()) / 1e6
+        pp = r["sent_counted"].get("pp")
+        pp = "-" if pp is None else str(pp == r["sent_formula"]["pp"])  # equal to the byte
         saved = "{saved_mb:.2f} ({saved_formula_mb:.2f})".format(**r)
         state = "{state_mb:.3f} ({state_formula_mb:.3f})".format(**r)
-        print(f"{r['layout']:<24}{equal:>19}{f'{sent:.3f} ({sent_f:.3f})':>22}{saved:>22}"
-              f"{state:>22}{r['step_ms']:9.1f}")
+        print(f"{r['layout']:<26}{equal:>19}{f'{sent:.3f} ({sent_f:.3f})':>20}{pp:>8}"
+              f"{saved:>21}{state:>21}{r['step_ms']:9.1f}")
     print(json.dumps({"config": {"n_layer": config.n_layer, "n_embd": config.n_embd,
                                  "n_head": config.n_head, "vocab_size": config.vocab_size,
                                  "batch": batch, "seq": config.block_size},

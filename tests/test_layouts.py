@@ -4,8 +4,10 @@
 
 In one process (no workers; CPU): the parameters tp keeps whole, counted three ways; the
 activation formula against the bytes measured in docs/tensor_parallel.md; a layout's figures
-against the formulas written out by hand; the recommendation following its rule on three
-memory budgets; `TPConfig.figures` (explain) equal to the plan's row; the command's table.
+against the formulas written out by hand; a pipeline stage's bytes on the tp and pp axes
+against those counted by benchmarks/tensor_parallel.py; the recommendation following its rule
+on three memory budgets; `TPConfig.figures` (explain) equal to the plan's row; the command's
+table.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ringtrain.strategies.layouts import (
     ModelShape,
     layout_figures,
     layouts,
+    pp_sent_bytes,
     recommend,
     whole_numel,
 )
@@ -83,6 +86,38 @@ def test_unit_a_layouts_figures_are_the_formulas():
     p2 = layout_figures(Layout(dp=4, pp=2), shape, batch=4)
     assert p2.params_bytes == 4 * max(s[0] for s in shape.stages[2])
     assert p2.pp_sent_bytes == 4 * 256 * 256 * 4
+
+
+# benchmarks/tensor_parallel.py --quick, tp 2 x pp 2, 1F1B (4 micro-batches of 1): bytes counted
+# by wrapping torch.distributed's calls on tp rank 0 of each stage, one step.
+QUICK = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
+COUNTED_TP = {  # (sequence parallel, stage) -> bytes by collective over the tp group
+    (False, 0): {"all_reduce": 327680}, (False, 1): {"all_reduce": 330752},
+    (True, 0): {"all_reduce": 71680, "all_gather": 327680, "reduce_scatter": 262144},
+    (True, 1): {"all_reduce": 11264, "all_gather": 327680, "reduce_scatter": 327680}}
+COUNTED_PP = {False: 65536, True: 32768}  # isend bytes per rank, either stage
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_unit_pipeline_stages_bytes_are_the_counted_ones(sp):
+    shape = model_shape(QUICK, 4)
+    assert [layers for _, _, layers in shape.stages[2]] == [1, 1]
+    # Per stage: its own layers, the embedding on the first, the head on the last; under SP
+    # the replicated parameters' gradients are summed after each of the 4 backwards.
+    for k in (0, 1):
+        got = expected_bytes(n_layer=1, n_embd=64, batch=4, seq=64, sequence_parallel=sp,
+                             embedding=k == 0, head=k == 1, backwards=4)
+        assert {op: b for op, b in got.items() if b} == COUNTED_TP[sp, k]
+    # The stages add up to the whole model's, the gradients' sums once per step.
+    stages = [expected_bytes(n_layer=1, n_embd=64, batch=4, seq=64, sequence_parallel=sp,
+                             embedding=k == 0, head=k == 1) for k in (0, 1)]
+    whole = expected_bytes(n_layer=2, n_embd=64, batch=4, seq=64, sequence_parallel=sp)
+    assert {op: stages[0][op] + stages[1][op] for op in whole} == whole
+    # pp: every micro-batch's boundary (b x s x h in all) one way, its slice of it under SP.
+    f = layout_figures(Layout(1, 2, 2, 0, sp), shape, batch=4)
+    assert f.pp_sent_bytes == pp_sent_bytes(f.layout, shape, batch=4) == COUNTED_PP[sp]
+    assert layout_figures(Layout(1, 4, 2, 0, sp), model_shape(QUICK, 8),
+                          batch=4).pp_sent_bytes == 2 * COUNTED_PP[sp]  # a middle stage
 
 
 def test_unit_recommendation_follows_its_rule():

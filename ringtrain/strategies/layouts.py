@@ -18,7 +18,10 @@ Per rank, in bytes (fp32 AdamW, the textbook count of `figures.py`):
 - sent per step: the dp group's ring all-reduce of the rank's gradients (ZeRO 1, 2: a
   reduce-scatter and an all-gather, the same bytes; ZeRO 3: one more all-gather); the tp
   group's activation collectives (`tensor_parallel.volumes.expected_bytes`, ring share per op);
-  a pipeline stage's activations out and gradients back (b x s x h each; a middle stage both).
+  a pipeline stage's activations out and gradients back (b x s x h each, b x s/tp x h under
+  sequence parallelism: each tp rank sends its own slice of the sequence, the same tp rank of
+  the next stage receives it; a middle stage both). Counted to the byte by
+  `benchmarks/tensor_parallel.py` (tp 2 x pp 2, 1F1B, with and without sequence parallelism).
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ class ModelShape:
         if pp == 1:
             return self.params, self.whole, self.n_layer
         return max(self.stages[pp])
+
+    def heaviest(self, pp: int) -> int:
+        """Index of that stage: 0 holds the embedding, pp - 1 the head."""
+        return 0 if pp == 1 else self.stages[pp].index(self.stage(pp))
 
 
 @dataclass(frozen=True)
@@ -137,14 +144,29 @@ def layout_figures(layout: Layout, shape: ModelShape, *, batch: int) -> LayoutFi
     if stage == 3:
         dp_sent += gather_share(dp) * FP32_BYTES * held  # the parameters gathered again
     tp_sent = 0.0
-    if tp > 1:
+    if tp > 1:  # the heaviest stage's: the embedding's and the head's only where it has them
+        k = shape.heaviest(pp)
         volumes = expected_bytes(n_layer=layers, n_embd=shape.n_embd, batch=batch,
-                                 seq=shape.block_size, sequence_parallel=layout.sequence_parallel)
+                                 seq=shape.block_size, sequence_parallel=layout.sequence_parallel,
+                                 embedding=k == 0, head=k == pp - 1,
+                                 backwards=4 * pp if pp > 1 else 1)  # micro-batches, as `samples`
         tp_sent = sum(ring_bytes_per_rank(op, b, tp) for op, b in volumes.items())
-    boundary = batch * shape.block_size * shape.n_embd * FP32_BYTES
-    pp_sent = boundary * (2 if pp > 2 else 1) if pp > 1 else 0.0
+    pp_sent = pp_sent_bytes(layout, shape, batch=batch)
     return LayoutFigures(layout, p_bytes, g_bytes, o_bytes, act[False],
                          act[layout.sequence_parallel], dp_sent, tp_sent, pp_sent)
+
+
+def pp_sent_bytes(layout: Layout, shape: ModelShape, *, batch: int) -> float:
+    """Bytes a pipeline rank sends per step: every micro-batch's boundary activation forward
+    (all but the last stage) and its gradient back (all but the first), b x s x h in all over
+    the step's micro-batches, each tp rank its own copy, or under sequence parallelism its
+    slice of the sequence (s/tp). The heaviest of them: a middle stage's where pp > 2."""
+    if layout.pp == 1:
+        return 0.0
+    boundary = batch * shape.block_size * shape.n_embd * FP32_BYTES
+    if layout.sequence_parallel:
+        boundary /= layout.tp
+    return boundary * (2 if layout.pp > 2 else 1)
 
 
 def layouts(world_size: int, shape: ModelShape, *, host: int) -> list[Layout]:

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 
 def expected_bytes(*, n_layer: int, n_embd: int, batch: int, seq: int, sequence_parallel: bool,
-                   bias: bool = True, dtype_bytes: int = 4,
-                   recompute_gather: bool = False) -> dict[str, int]:
+                   bias: bool = True, dtype_bytes: int = 4, recompute_gather: bool = False,
+                   embedding: bool = True, head: bool = True,
+                   backwards: int = 1) -> dict[str, int]:
     """Bytes per training step (forward + backward) by collective, for `gpt_plan`.
 
     Args:
@@ -34,18 +35,26 @@ def expected_bytes(*, n_layer: int, n_embd: int, batch: int, seq: int, sequence_
         dtype_bytes: bytes per activation element (4 for fp32).
         recompute_gather: the column layers all-gather their input again in backward (one
             more all-gather of a per column layer: 2 per transformer layer, 1 for lm_head).
+        embedding, head: whether the layers come with the embedding and with the head (ln_f,
+            lm_head, the loss); a pipeline stage has its own (the first one, the last one).
+        backwards: backward passes per step (a pipeline's micro-batches). Under SP the
+            replicated parameters' gradients are summed after each one
+            (`comm.sum_grad_over_group`'s hook), where Megatron-LM sums them once per step;
+            the activations' bytes are the same either way.
     """
     a = batch * seq * n_embd * dtype_bytes
-    loss = 3 * batch * seq * 4  # max, then (target logit, sum of exp), in fp32
+    e, h = int(embedding), int(head)
+    loss = 3 * batch * seq * 4 * h  # max, then (target logit, sum of exp), in fp32
     if not sequence_parallel:
-        return {"all_reduce": a * (4 * n_layer + 2) + loss, "all_gather": 0, "reduce_scatter": 0}
+        return {"all_reduce": a * (4 * n_layer + e + h) + loss, "all_gather": 0,
+                "reduce_scatter": 0}
     per_layer_params = (2 * 2 + 2) * n_embd if bias else 2 * n_embd  # ln_1, ln_2, 2 row biases
-    ln_f = (2 if bias else 1) * n_embd
-    grads = (n_layer * per_layer_params + ln_f) * 4
-    again = a * (2 * n_layer + 1) if recompute_gather else 0
-    return {"all_reduce": a + loss + grads,
-            "all_gather": a * (4 * n_layer + 2) + again,  # layers, lm_head fwd, embedding bwd
-            "reduce_scatter": a * (4 * n_layer + 1)}  # layers, lm_head backward
+    ln_f = (2 if bias else 1) * n_embd * h
+    grads = (n_layer * per_layer_params + ln_f) * 4 * backwards
+    again = a * (2 * n_layer + h) if recompute_gather else 0
+    return {"all_reduce": a * e + loss + grads,
+            "all_gather": a * (4 * n_layer + h + e) + again,  # layers, lm_head fwd, embedding bwd
+            "reduce_scatter": a * (4 * n_layer + h)}  # layers, lm_head backward
 
 
 def ring_bytes_per_rank(op: str, nbytes: int, tp: int) -> float:
