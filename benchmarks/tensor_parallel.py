@@ -308,7 +308,7 @@ def main() -> None:
         rows += ranks[0]
         if world == 4:  # rank 2: tp rank 0 of the pipeline's second stage
             rows += [r for r in ranks[2] if "stage 1" in r["layout"]]
-    print(f"{'layout':<26}{'tp bytes = formula':>19}{'sent MB (formula)':>20}{'of it pp':>8}"
+    print(f"{'layout':<26}{'tp bytes = formula':>19}{'sent MB (formula)':>20}{'pp = formula':>14}"
           f"{'saved MiB (formula)':>21}{'state MiB (formula)':>21}{'step ms':>9}")
     for r in rows:
         equal = "-" if not r["tp_formula"] else str(r["tp_counted"] == r["tp_formula"])
@@ -318,7 +318,7 @@ def main() -> None:
         pp = "-" if pp is None else str(pp == r["sent_formula"]["pp"])  # equal to the byte
         saved = "{saved_mb:.2f} ({saved_formula_mb:.2f})".format(**r)
         state = "{state_mb:.3f} ({state_formula_mb:.3f})".format(**r)
-        print(f"{r['layout']:<26}{equal:>19}{f'{sent:.3f} ({sent_f:.3f})':>20}{pp:>8}"
+        print(f"{r['layout']:<26}{equal:>19}{f'{sent:.3f} ({sent_f:.3f})':>20}{pp:>14}"
               f"{saved:>21}{state:>21}{r['step_ms']:9.1f}")
     print(json.dumps({"config": {"n_layer": config.n_layer, "n_embd": config.n_embd,
                                  "n_head": config.n_head, "vocab_size": config.vocab_size,
