@@ -212,7 +212,7 @@ def test_sequence_parallel_with_a_split_backward_runs_or_is_refused_by_torch(mon
     and are refused before launch, with the fix, where it does not."""
     for schedule in SPLIT_BACKWARD:
         check_schedule(schedule, 2, 1, 4, sequence_parallel=True)
-    monkeypatch.setattr(pipeline_config, "tensor_hooks_held_off", lambda: True)
+    monkeypatch.setattr(pipeline_config, "holds_tensor_hooks", lambda: False)
     with pytest.raises(ConfigError, match=r"--schedule zb-h1 does not run with "
                        r"--sequence-parallel on torch .*use --schedule in \['gpipe', '1f1b', "
                        r"'interleaved'\]"):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from ringtrain.torch_internals import tensor_hooks
+from ringtrain.torch_internals import tensor_hooks, tensor_hooks_held_off
 
 
 def _accumulator(t: torch.Tensor) -> Node:
@@ -70,6 +70,13 @@ class _Group:
     params: list[Node]  # AccumulateGrad nodes
     consumers: list[Node]
     grads: dict[Node, tuple] = field(default_factory=dict)  # consumer -> its grad_outputs
+
+
+def holds_tensor_hooks() -> bool:
+    """Whether the weight pass runs each parameter's tensor hooks once on this torch (it holds
+    them while it captures the gradients); where not, a hook that sums over a group (sequence
+    parallelism's) would run twice."""
+    return not tensor_hooks_held_off()
 
 
 def _postorder(root: Node) -> list[Node]:

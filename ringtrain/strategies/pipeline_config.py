@@ -19,6 +19,7 @@ import torch
 from ringtrain.config import MUST_MATCH, int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.grid import Grid
+from ringtrain.pipeline.backward import holds_tensor_hooks
 from ringtrain.pipeline.schedule import (
     BUBBLE_FORMULA_TEXT,
     SCHEDULES,
@@ -28,7 +29,6 @@ from ringtrain.pipeline.schedule import (
 from ringtrain.strategies.base import StrategyConfig
 from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
 from ringtrain.strategies.tp_options import sequence_parallel_option, tp_option
-from ringtrain.torch_internals import tensor_hooks_held_off
 
 # The schedules that split a backward in two (input gradient now, weights later,
 # `ringtrain.pipeline.backward`). Sequence parallelism sums the norms' gradients over tp in a
@@ -42,7 +42,7 @@ def sp_schedules() -> tuple[str, ...]:
     """The schedules that run with --sequence-parallel on this torch (every schedule runs
     with --tp alone, each checked against one process)."""
     return tuple(s for s in SCHEDULES
-                 if s not in SPLIT_BACKWARD or not tensor_hooks_held_off())
+                 if s not in SPLIT_BACKWARD or holds_tensor_hooks())
 
 
 def default_microbatches(batch: int, pp: int, schedule: str = "1f1b") -> int:
