@@ -29,6 +29,8 @@ how long each has been silent, and so does a collective in flight: the group han
 silent for `dead_after_s`. A SIGKILL (gloo raises at once), a SIGSTOP and a lost link are all
 found after about `dead_after_s` (1 s by default), not after the collective timeout; a member
 that is merely slow still beats (its thread does), so only `timeout_s` bounds waiting for it.
+Building a generation's group is watched the same way (`_connect`): a replacement lost while
+the group forms (its host's link just went down) costs a second, not the group's timeout.
 
 .. warning:: Each member reads every member's counter each heartbeat: O(members^2) store reads
     per `heartbeat_s` over the job, fine for tens of members on one store, not for thousands.
@@ -96,6 +98,10 @@ class LiveGroup:
         self._fruitless = (-1, 0)  # (step, recoveries in a row there that lost no member)
         self.uid = self._store.add("uids", 1) - 1
         self._store.set(f"pid/{self.uid}", str(os.getpid()))
+        # Read before the first beat: a generation that lets this process in is decided after
+        # that beat, so it comes after this one (read later, the counter may already have
+        # moved past the generation that took it in, and `join` would wait for the next).
+        self._first_generation = int(self._store.add("generations", 0))
         self._store.add(f"hb/{self.uid}", 1)  # beaten once: from here on it may be let in
         self.generation = -1
         self.members: list[int] = []
@@ -177,13 +183,16 @@ class LiveGroup:
             value = self._store.compare_set("gen0/members", "", _encode(range(self.world_size)))
             self._enter(0, _decode(value), state, fresh=self.uid != 0)
             return True
-        g = self._store.add("generations", 0)
+        g = self._first_generation
         while True:
             if self._store.check([f"gen{g}/members"]):
                 members = _decode(self._store.get(f"gen{g}/members"))
                 if self.uid in members:
-                    self._enter(g, members, state, fresh=True)
-                    return True
+                    try:
+                        self._enter(g, members, state, fresh=True)
+                        return True
+                    except RuntimeError:  # a member was lost while it formed: the next one
+                        self.process_group = None
                 g += 1
                 continue
             if self._store.check(["finished"]):
@@ -270,11 +279,37 @@ class LiveGroup:
     def _enter(self, g: int, members: list[int], state: LiveState, *, fresh: bool) -> None:
         self.generation, self.members = g, members
         self._known.update(members)
-        self.process_group = WatchedGroup(dist.ProcessGroupGloo(
-            dist.PrefixStore(f"gen{g}/pg", self._store), self.rank, self.size,
-            timedelta(seconds=self.timeout_s)), self.check_members)
+        self.process_group = WatchedGroup(self._connect(g), self.check_members)
         self.last_heal = heal(state, self.process_group, self.rank,
                               committed_step=-1 if fresh else None)
+
+    def _connect(self, g: int) -> dist.ProcessGroup:
+        """Generation g's gloo group, built while its members' heartbeats are watched.
+
+        Building it connects to every member and blocks until they all have, up to
+        `timeout_s`: a member lost meanwhile (a replacement on a host whose link just went
+        down) would cost the whole timeout. The build runs in a thread (it releases the GIL)
+        and is abandoned, still blocked, once `check_members` finds a member silent.
+        """
+        built: dict[str, object] = {}
+
+        def build() -> None:
+            try:
+                built["group"] = dist.ProcessGroupGloo(
+                    dist.PrefixStore(f"gen{g}/pg", self._store), self.rank, self.size,
+                    timedelta(seconds=self.timeout_s))
+            except RuntimeError as error:
+                built["error"] = error
+
+        thread = threading.Thread(target=build, daemon=True, name=f"ringtrain-live-gen{g}")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            if thread.is_alive():
+                self.check_members()
+        if "error" in built:
+            raise built["error"]  # type: ignore[misc]
+        return built["group"]  # type: ignore[return-value]
 
     def _decide(self, g: int, old: list[int]) -> list[int]:
         """Generation g's members: the first proposal written, whoever wrote it."""
@@ -317,14 +352,17 @@ class LiveGroup:
         return bool(self._waiting_uids())
 
     def _waiting_uids(self) -> list[int]:
-        """Registered processes never in a generation, not departed, that have beaten."""
+        """Registered processes never in a generation, not departed, beating now (a spare
+        whose heartbeat stopped, e.g. on a host that lost its link, is not let in)."""
         out = []
         for u in range(int(self._store.add("uids", 0))):
             if u in self._known:
                 continue
             if self._store.check([f"departed/{u}"]):
                 self._known.add(u)
-            elif self._store.add(f"hb/{u}", 0) > 0:
+                continue
+            count = self._store.add(f"hb/{u}", 0)
+            if count > 0 and self._observe(u, count) <= self.dead_after_s:
                 out.append(u)
         return out
 
