@@ -329,7 +329,9 @@ class LiveGroup:
                     self._store.set(f"departed/{u}", b"1")
                 proposal = self._proposal(old, here)
                 value = _encode(proposal).encode()
-                if self._store.compare_set(key, "", value) == value:
+                if self._store.compare_set(key, "", value) == value and \
+                        self._store.add(f"gen{g}/counted", 1) == 1:
+                    # Once per generation: members proposing the same list all see it win.
                     self._store.add("generations", 1)  # replacements look from here on
                 break
             time.sleep(0.01)
