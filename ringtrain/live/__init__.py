@@ -7,8 +7,11 @@ Read in this order:
   (model, optimizer, step, batches, RNG), as Horovod elastic's `State`.
 - `heal.py`: the members of a new generation agree on the newest committed step and take it
   from a member that has it, over the new group (torchft's heal from a live peer).
+- `watched.py`: `WatchedGroup`, a gloo group whose collectives wait in short slices and give
+  up once a member's heartbeat stops (a hang or a lost link found in ~1 s, not a timeout).
 - `group.py`: `LiveGroup`, the generations: who is a member, agreed through the store; one
-  gloo group per generation on its own store prefix; replacements let in at step boundaries.
+  watched gloo group per generation on its own store prefix; replacements let in at step
+  boundaries.
 - `loop.py`: `train_live`, the loop that ties them: share, step, commit; recover on a failed
   collective; and `all_reduce_gradients`.
 
@@ -22,6 +25,8 @@ from ringtrain.live.group import LiveGroup, LiveMemberLostError, LiveRecoveryErr
 from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.loop import all_reduce_gradients, train_live
 from ringtrain.live.state import LiveState
+from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
 
 __all__ = ["GlobalBatches", "HealReport", "LiveGroup", "LiveMemberLostError",
-           "LiveRecoveryError", "LiveState", "all_reduce_gradients", "heal", "train_live"]
+           "LiveMemberSilentError", "LiveRecoveryError", "LiveState", "WatchedGroup",
+           "all_reduce_gradients", "heal", "train_live"]

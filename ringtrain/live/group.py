@@ -24,9 +24,16 @@ Forming generation g+1 after a failure (every member of g that is still running,
   restored each rank trains the fault-free run's share and the sums keep their order;
   without one the survivors close ranks.
 Every member's heartbeat thread also reads the other members' counters, so a decision knows
-how long each has been silent. The stall after a kill is therefore about `dead_after_s` (gloo
-raises at once); after a hang, `timeout_s` (the group's collective timeout; by then the hung
-member has been silent that long, so with `timeout_s > dead_after_s` nothing more is waited).
+how long each has been silent, and so does a collective in flight: the group handed out is a
+`WatchedGroup` (watched.py), whose waits raise `LiveMemberSilentError` once a member has been
+silent for `dead_after_s`. A SIGKILL (gloo raises at once), a SIGSTOP and a lost link are all
+found after about `dead_after_s` (1 s by default), not after the collective timeout; a member
+that is merely slow still beats (its thread does), so only `timeout_s` bounds waiting for it.
+Building a generation's group is watched the same way (`_connect`): a replacement lost while
+the group forms (its host's link just went down) costs a second, not the group's timeout.
+
+.. warning:: Each member reads every member's counter each heartbeat: O(members^2) store reads
+    per `heartbeat_s` over the job, fine for tens of members on one store, not for thousands.
 
 .. warning:: The store must outlive every member: host it in the agent, the launcher or a
     separate process (tests host it in the parent). If the store's host dies, the job is lost
@@ -45,6 +52,7 @@ import torch.distributed as dist
 
 from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.state import LiveState
+from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
 from ringtrain.store_keys import claim_key
 
 
@@ -63,11 +71,11 @@ class LiveGroup:
         store: the job's store, reachable by every process and hosted outside them.
         world_size: how many members the job trains with when whole.
         name: names the store keys, the same in every process of the job.
-        timeout_s: each generation's collective timeout (a hung member is found after it),
-            also the bound on building a generation's group.
-        heartbeat_s: how often this process beats in the store.
-        dead_after_s: a member silent this long is lost (several heartbeats, so a busy host is
-            not taken for a dead one).
+        timeout_s: each generation's collective timeout: the bound on waiting for a member
+            that still beats but does not take part (stuck), and on building a group.
+        heartbeat_s: how often this process beats in the store (from a thread).
+        dead_after_s: a member silent this long is lost, also inside a collective (several
+            heartbeats, so a busy host is not taken for a dead one).
         join_timeout_s: how long a replacement waits to be let in.
         retries: failed steps in a row, at one step, that lost no member and are redone
             before `recover` raises (a live but slow peer can time a collective out).
@@ -79,7 +87,7 @@ class LiveGroup:
     """
 
     def __init__(self, store: dist.Store, world_size: int, *, name: str = "live",
-                 timeout_s: float = 30.0, heartbeat_s: float = 0.5, dead_after_s: float = 5.0,
+                 timeout_s: float = 30.0, heartbeat_s: float = 0.1, dead_after_s: float = 1.0,
                  join_timeout_s: float = 600.0, retries: int = 1, replace_wait_s: float = 0.0):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: it must be at least 1")
@@ -96,6 +104,10 @@ class LiveGroup:
         self._fruitless = (-1, 0)  # (step, recoveries in a row there that lost no member)
         self.uid = self._store.add("uids", 1) - 1
         self._store.set(f"pid/{self.uid}", str(os.getpid()))
+        # Read before the first beat: a generation that lets this process in is decided after
+        # that beat, so it comes after this one (read later, the counter may already have
+        # moved past the generation that took it in, and `join` would wait for the next).
+        self._first_generation = int(self._store.add("generations", 0))
         self._store.add(f"hb/{self.uid}", 1)  # beaten once: from here on it may be let in
         self.generation = -1
         self.members: list[int] = []
@@ -104,6 +116,8 @@ class LiveGroup:
         self._known: set[int] = set()  # uids seen in a generation or found departed
         # uid -> (heartbeat count, when it last moved on our clock); both threads write it
         self._moved: dict[int, tuple[int, float]] = {}
+        self._read_at = time.monotonic()  # when the heartbeat thread last read every counter
+        self._abandoned: list[dist.ProcessGroup] = []
         self._stop = threading.Event()
         beat_store = dist.PrefixStore(prefix, _clone(store))  # waits here never delay a beat
         self._beats = threading.Thread(target=self._beat, args=(beat_store,), daemon=True,
@@ -125,6 +139,7 @@ class LiveGroup:
                 store.add(f"hb/{self.uid}", 1)
                 for u in self.members:  # watched all along, so a failure finds them timed
                     self._observe(u, store.add(f"hb/{u}", 0))
+                self._read_at = time.monotonic()
             except RuntimeError:  # the store is gone: the job is over, nothing to tell
                 return
             self._stop.wait(self.heartbeat_s)
@@ -136,6 +151,22 @@ class LiveGroup:
         if last is None or last[0] != count:
             self._moved[uid] = last = (count, now)
         return now - last[1]
+
+    def check_members(self) -> None:
+        """Raise `LiveMemberSilentError` if a member's heartbeat has not moved for
+        `dead_after_s`, as last read by this process's heartbeat thread.
+
+        Silence is counted up to that thread's last read, not up to now: if this process's own
+        thread is starved (a loaded host) or its store link is down, nobody is accused.
+        """
+        read_at = self._read_at
+        for u in self.members:
+            moved = self._moved.get(u)
+            if u != self.uid and moved is not None and read_at - moved[1] > self.dead_after_s:
+                raise LiveMemberSilentError(
+                    f"member uid {u} of generation {self.generation} has not beaten for "
+                    f"{read_at - moved[1]:.2f} s (dead_after_s={self.dead_after_s:g}): lost or "
+                    "frozen; this collective is abandoned and the survivors regroup")
 
     # -- joining ----------------------------------------------------------------------------
     def join(self, state: LiveState) -> bool:
@@ -158,13 +189,16 @@ class LiveGroup:
             value = self._store.compare_set("gen0/members", "", _encode(range(self.world_size)))
             self._enter(0, _decode(value), state, fresh=self.uid != 0)
             return True
-        g = self._store.add("generations", 0)
+        g = self._first_generation
         while True:
             if self._store.check([f"gen{g}/members"]):
                 members = _decode(self._store.get(f"gen{g}/members"))
                 if self.uid in members:
-                    self._enter(g, members, state, fresh=True)
-                    return True
+                    try:
+                        self._enter(g, members, state, fresh=True)
+                        return True
+                    except RuntimeError:  # a member was lost while it formed: the next one
+                        self.process_group = None
                 g += 1
                 continue
             if self._store.check(["finished"]):
@@ -180,15 +214,19 @@ class LiveGroup:
 
         One store read and, while the group is short of `world_size`, one 1-element
         all-reduce (the members must agree on the step at which the generation changes).
+        After letting someone in, the new generation asks again, still short: a replacement
+        starts its first step with this call, so the members it joined must make it too
+        (else its 8-byte all-reduce meets their gradients': gloo aborts the process).
         """
-        if self.size >= self.world_size:
-            return False
-        flag = torch.tensor([1 if self._waiting() else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-        if not int(flag):
-            return False
-        self._reform(state)
-        return True
+        admitted = False
+        while self.size < self.world_size:
+            flag = torch.tensor([1 if self._waiting() else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            if not int(flag):
+                break
+            self._reform(state)
+            admitted = True
+        return admitted
 
     # -- failures ---------------------------------------------------------------------------
     def recover(self, state: LiveState, error: BaseException) -> None:
@@ -224,7 +262,12 @@ class LiveGroup:
     # -- generations ------------------------------------------------------------------------
     def _reform(self, state: LiveState) -> None:
         old, g = list(self.members), self.generation + 1
-        self.process_group = None  # the old group's sockets close with it
+        if self.process_group is not None:
+            # A collective may still be in flight in it (abandoned on a silent member): dropping
+            # the group would wait for it in gloo's destructor, up to timeout_s. It ends on its
+            # own timeout; the list keeps the few a job loses.
+            self._abandoned.append(self.process_group)
+        self.process_group = None
         while True:
             self._store.set(f"gen{g}/here/{self.uid}", b"1")
             members = self._decide(g, old)
@@ -242,11 +285,37 @@ class LiveGroup:
     def _enter(self, g: int, members: list[int], state: LiveState, *, fresh: bool) -> None:
         self.generation, self.members = g, members
         self._known.update(members)
-        self.process_group = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"gen{g}/pg", self._store), self.rank, self.size,
-            timedelta(seconds=self.timeout_s))
+        self.process_group = WatchedGroup(self._connect(g), self.check_members)
         self.last_heal = heal(state, self.process_group, self.rank,
                               committed_step=-1 if fresh else None)
+
+    def _connect(self, g: int) -> dist.ProcessGroup:
+        """Generation g's gloo group, built while its members' heartbeats are watched.
+
+        Building it connects to every member and blocks until they all have, up to
+        `timeout_s`: a member lost meanwhile (a replacement on a host whose link just went
+        down) would cost the whole timeout. The build runs in a thread (it releases the GIL)
+        and is abandoned, still blocked, once `check_members` finds a member silent.
+        """
+        built: dict[str, object] = {}
+
+        def build() -> None:
+            try:
+                built["group"] = dist.ProcessGroupGloo(
+                    dist.PrefixStore(f"gen{g}/pg", self._store), self.rank, self.size,
+                    timedelta(seconds=self.timeout_s))
+            except RuntimeError as error:
+                built["error"] = error
+
+        thread = threading.Thread(target=build, daemon=True, name=f"ringtrain-live-gen{g}")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            if thread.is_alive():
+                self.check_members()
+        if "error" in built:
+            raise built["error"]  # type: ignore[misc]
+        return built["group"]  # type: ignore[return-value]
 
     def _decide(self, g: int, old: list[int]) -> list[int]:
         """Generation g's members: the first proposal written, whoever wrote it."""
@@ -304,14 +373,17 @@ class LiveGroup:
         return bool(self._waiting_uids())
 
     def _waiting_uids(self) -> list[int]:
-        """Registered processes never in a generation, not departed, that have beaten."""
+        """Registered processes never in a generation, not departed, beating now (a spare
+        whose heartbeat stopped, e.g. on a host that lost its link, is not let in)."""
         out = []
         for u in range(int(self._store.add("uids", 0))):
             if u in self._known:
                 continue
             if self._store.check([f"departed/{u}"]):
                 self._known.add(u)
-            elif self._store.add(f"hb/{u}", 0) > 0:
+                continue
+            count = self._store.add(f"hb/{u}", 0)
+            if count > 0 and self._observe(u, count) <= self.dead_after_s:
                 out.append(u)
         return out
 

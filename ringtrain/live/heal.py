@@ -5,35 +5,45 @@
 torchft's "heal from a live peer", over the new group instead of from disk. Each member says
 which step it has committed (one all-gather of an int); the first member at the highest step
 is the source. When every member is there already (survivors that all failed in the same step)
-nothing moves. Otherwise the source broadcasts its committed state (model, optimizer, step,
+nothing moves. Otherwise the source sends its committed state (model, optimizer, step,
 batches, RNG: `LiveState.state_dict()`) and every member loads it, so the group leaves the call
 with identical state. Taking the highest step, not the lowest, also settles a failure that hit
 after some members had already stepped: their step completed its all-reduce with every
 member's gradients, so it is the fault-free step and the others catch up to it.
 
-The state travels as one serialized buffer (`torch.save`, a size then the bytes): simple, and
-the receivers need no idea of the optimizer state's shapes (a fresh Adam has none yet). A
-large model would broadcast its tensors in place instead, bucketed; that is not done yet.
+How it travels: the large tensors (weights, the optimizer's moments) are broadcast one by one,
+in place, from the source's committed tensors into tensors the receivers allocate; everything
+else (the structure, with each large tensor replaced by a `meta` tensor of its shape and dtype,
+and the small tensors and values) goes first as one small pickled buffer. So the receivers need
+no idea of the optimizer state's shapes beforehand (a fresh AdamW has none), and nothing the
+size of the model is pickled, copied into a buffer or unpickled (100 M parameters with AdamW:
+1.2 GB; docs/fault_tolerance.md has the seconds).
 """
 
 from __future__ import annotations
 
 import io
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ringtrain.live.state import LiveState
 
+INLINE_BYTES = 1 << 16  # a tensor smaller than this travels inside the pickled structure
+
 
 @dataclass(frozen=True)
 class HealReport:
-    """What a heal did: the source's position, the step healed to, bytes broadcast (0: none)."""
+    """What a heal did: the source's position, the step healed to, bytes broadcast (0: none),
+    and the seconds it took on this member (the step agreement included)."""
 
     source: int
     step: int
     nbytes: int
+    seconds: float = 0.0
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> None:
@@ -42,6 +52,44 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> None
     options = dist.BroadcastOptions()
     options.rootRank = src
     group.broadcast([tensor], options).wait()
+
+
+def _split(obj: Any, large: list[torch.Tensor]) -> Any:
+    """`obj` with each large tensor replaced by a meta tensor (appended to `large`, in order)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() * obj.element_size() < INLINE_BYTES:
+            return obj
+        large.append(obj.contiguous())
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, dict):
+        return type(obj)((k, _split(v, large)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_split(v, large) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, large: list[torch.Tensor]) -> Any:
+    """`obj` with each meta tensor replaced by a new CPU tensor (appended to `large`)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "meta":
+            return obj
+        large.append(torch.empty(obj.shape, dtype=obj.dtype))
+        return large[-1]
+    if isinstance(obj, dict):
+        return type(obj)((k, _fill(v, large)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_fill(v, large) for v in obj)
+    return obj
+
+
+def _send_bytes(group: dist.ProcessGroup, payload: bytes | None, src: int) -> bytes:
+    """Broadcast a byte string from `src` (a size, then the bytes); every member returns it."""
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+    _broadcast(group, size, src)
+    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None
+           else torch.empty(int(size), dtype=torch.uint8))
+    _broadcast(group, buf, src)
+    return buf.numpy().tobytes()
 
 
 def heal(state: LiveState, group: dist.ProcessGroup, rank: int,
@@ -54,6 +102,7 @@ def heal(state: LiveState, group: dist.ProcessGroup, rank: int,
         committed_step: this member's step; -1 for a replacement that has none yet. Default:
             `state.committed_step`.
     """
+    start = time.perf_counter()
     mine = state.committed_step if committed_step is None else committed_step
     steps = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
     group.allgather([steps], [torch.tensor([mine], dtype=torch.int64)]).wait()
@@ -61,19 +110,20 @@ def heal(state: LiveState, group: dist.ProcessGroup, rank: int,
     newest = max(by_rank)
     source = by_rank.index(newest)
     if min(by_rank) == newest:
-        return HealReport(source, newest, 0)
+        return HealReport(source, newest, 0, time.perf_counter() - start)
+    large: list[torch.Tensor] = []
+    payload = None
     if rank == source:
         buf = io.BytesIO()
-        torch.save(state.state_dict(), buf)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    _broadcast(group, size, source)
+        torch.save(_split(state.state_dict(), large), buf)
+        payload = buf.getvalue()
+    payload = _send_bytes(group, payload, source)
+    received = None
     if rank != source:
-        payload = torch.empty(int(size), dtype=torch.uint8)
-    _broadcast(group, payload, source)
-    if rank != source and by_rank[rank] != newest:
-        received = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-        state.load_state_dict(received)
-    return HealReport(source, newest, int(size))
+        received = _fill(torch.load(io.BytesIO(payload), weights_only=True), large)
+    for tensor in large:  # the same order everywhere: the structure's, as walked by _split
+        _broadcast(group, tensor, source)
+    if received is not None and by_rank[rank] != newest:
+        state.load_state_dict(received, adopt=True)
+    return HealReport(source, newest, len(payload) + sum(t.nbytes for t in large),
+                      time.perf_counter() - start)

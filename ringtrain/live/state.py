@@ -89,12 +89,22 @@ class LiveState:
         assert self._committed is not None
         return self._committed
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take `state` (a peer's `state_dict()`) as the live state and commit it."""
+    def load_state_dict(self, state: dict[str, Any], *, adopt: bool = False) -> None:
+        """Take `state` (a peer's `state_dict()`) as the live state and commit it.
+
+        Args:
+            state: the state to take.
+            adopt: keep `state` itself as the commit instead of a copy of what was loaded
+                (`heal` hands over tensors it has just received and nothing else holds: one
+                copy of the model and optimizer state fewer).
+        """
         self.batches.load_state_dict(state["batches"])
         self._load(state)
         self.model.zero_grad(set_to_none=True)
-        self.commit()
+        if adopt:
+            self._committed = state
+        else:
+            self.commit()
 
     def _load(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])

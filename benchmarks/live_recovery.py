@@ -1,0 +1,307 @@
+"""Live recovery against today's restart path: two network-namespace hosts, faults in turns.
+
+    .venv/bin/python benchmarks/live_recovery.py            # full size (root): ~1 s steps,
+                                                            #   a fault every 60 s and every 10 s
+    nice .venv/bin/python benchmarks/live_recovery.py --quick   # small GPT, a fault every 8 s
+
+Two hosts (tests/netns.py), 2 workers each (world size 4), the store in its own process on
+host a; the same GPT, data and global batches in every mode (benchmarks/live_recovery_worker.py):
+- `clean`: the fault-free run, the anchor (live mode, no fault);
+- `live@N`: a fault every N s, in turns: SIGKILL of a worker on b, SIGSTOP of a worker on a,
+  host b's link down (`ip link set ... down`, both its workers lost). The survivors regroup and
+  go on; once they have committed a step without the lost ones, the benchmark does what an
+  agent would: reaps what is left of them (SIGKILL; the link back up) and starts as many spares
+  with the same command, which join at a step boundary and heal from a peer;
+- `restart@N`: today's path, the same faults: the agent kills every worker and starts them all
+  again, and they resume from the newest snapshot (every --snapshot-every steps). The agent
+  is told of each fault at once, which favours it (a real one waits out its watchdog for a
+  hang or a lost link).
+The fault clock runs while the job is whole and training: the next fault comes N s after the
+spares are in (live) or after the restarted job's first step (restart), so each fault meets a
+job of 4 workers and the restart path is not faulted again before it has trained at all.
+Reported per mode: goodput (samples committed per second from the first commit to the last,
+over the clean run's), each fault's stall (the longest wait for a new step from the last step
+committed before it to the first step committed by the regrouped or restarted job: a redone
+step does not count, and neither does a step that was in flight when the link went down),
+heals (seconds, bytes), the committed history checked against `GlobalBatches` (samples
+skipped or repeated; a share whose member was killed or stopped between its commit and its
+record's flush is counted from the step's size and rank as `unlogged_shares`), samples whose
+training was thrown away (restart: steps redone), processes left. A table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # netns.py: the two-host setup the tests use
+sys.path.insert(0, str(REPO))
+
+from netns import two_hosts, unavailable  # noqa: E402
+
+from ringtrain.live import GlobalBatches  # noqa: E402
+
+WORKER = REPO / "benchmarks" / "live_recovery_worker.py"
+PORT = 29571
+KINDS = ("kill", "stop", "link")
+
+
+FULL = {"steps": 300, "intervals": "60,10", "n_layer": 4, "n_embd": 256, "block_size": 128,
+        "global_batch": 32}
+QUICK = {"steps": 240, "intervals": "8", "n_layer": 2, "n_embd": 128, "block_size": 64,
+         "global_batch": 64}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=f"smaller: {QUICK}")
+    p.add_argument("--steps", type=int, help=f"default {FULL['steps']}")
+    p.add_argument("--intervals", help="seconds between faults, one run per interval and mode "
+                   f"(default {FULL['intervals']})")
+    p.add_argument("--n-layer", type=int)
+    p.add_argument("--n-embd", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--global-batch", type=int)
+    p.add_argument("--snapshot-every", type=int, default=10, help="the restart path's snapshots")
+    p.add_argument("--modes", default="live,restart")
+    a = p.parse_args(argv)
+    for key, value in (QUICK if a.quick else FULL).items():
+        if getattr(a, key) is None:  # given on the command line: kept
+            setattr(a, key, value)
+    return a
+
+
+class Job:
+    """One run's workers on the two hosts, their records and their processes."""
+
+    def __init__(self, a, hosts, out: Path, mode: str, name: str):
+        self.a, self.hosts, self.out, self.mode, self.name = a, hosts, out, mode, name
+        self.procs: list[tuple[object, subprocess.Popen]] = []  # (host, process)
+        self.attempt = 0
+
+    def start(self, host, rank: int = -1) -> subprocess.Popen:
+        config = {"mode": self.mode, "store": [self.hosts[0].addr, PORT], "job": self.name,
+                  "world_size": 4, "steps": self.a.steps, "out_dir": str(self.out),
+                  "model": {"n_layer": self.a.n_layer, "n_embd": self.a.n_embd,
+                            "block_size": self.a.block_size},
+                  "global_batch": self.a.global_batch, "rank": rank, "attempt": self.attempt,
+                  "snapshot_every": self.a.snapshot_every}
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
+        log = open(self.out / f"{self.name}.log", "a")  # noqa: SIM115 - the child holds it
+        proc = host.popen([sys.executable, str(WORKER), json.dumps(config)], env=env,
+                          stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append((host, proc))
+        return proc
+
+    def start_all(self) -> None:
+        a, b = self.hosts
+        for rank, host in enumerate((a, a, b, b)):
+            self.start(host, rank)
+
+    def records(self) -> list[dict]:
+        out = []
+        for path in self.out.glob(f"{self.name}-*.jsonl"):
+            for line in path.read_text().splitlines():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a line being written
+                    pass
+        return out
+
+    def committed(self) -> list[dict]:
+        return [r for r in self.records() if "step" in r]
+
+    def alive(self, host=None) -> list[subprocess.Popen]:
+        return [p for h, p in self.procs if p.poll() is None and (host is None or h is host)]
+
+    def done(self) -> bool:
+        last = self.a.steps - 1
+        return any(r["step"] == last for r in self.committed()) and not self.alive()
+
+
+def _wait(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _inject(kind: str, job: Job) -> list[subprocess.Popen]:
+    """Fire one fault; the processes it took out of the job."""
+    a, b = job.hosts
+    if kind == "kill":
+        victim = job.alive(b)[0]
+        victim.send_signal(signal.SIGKILL)
+        return [victim]
+    if kind == "stop":
+        victim = job.alive(a)[-1]
+        victim.send_signal(signal.SIGSTOP)
+        return [victim]
+    b.unplug()
+    return job.alive(b)
+
+
+def _reap(job: Job, lost: list[subprocess.Popen]) -> None:
+    """What the agent does once the fault is known: nothing of the lost ones is left."""
+    b = job.hosts[1]
+    for p in lost:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
+    subprocess.run(["ip", "-n", b.netns, "link", "set", b.ifname, "up"], check=True,
+                   capture_output=True, timeout=10)
+
+
+def run_job(a, hosts, out: Path, mode: str, interval: float | None) -> dict:
+    name = f"{mode}@{interval:g}" if interval else "clean"
+    job = Job(a, hosts, out, "live" if mode in ("live", "clean") else "restart", name)
+    job.start_all()
+    if not _wait(lambda: job.committed(), 300):
+        raise RuntimeError(f"{name}: no step committed within 300 s; see {out / name}.log")
+    faults = []
+    next_at: float | None = time.time() + (interval or 0)
+    deadline = time.monotonic() + 60 * 60
+    while not job.done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name}: not done within an hour; see {out / name}.log")
+        now = time.time()
+        committed = job.committed()
+        newest = max(r["step"] for r in committed)
+        whole = max(committed, key=lambda r: r["t"])["size"] == 4  # spares in: a fault each
+        if next_at is None and whole:  # the clock runs while the job is whole and training
+            next_at = now + interval
+        if interval and next_at and now >= next_at and newest < a.steps - 3 and whole:
+            kind = KINDS[len(faults) % len(KINDS)]
+            lost = _inject(kind, job)
+            faults.append({"kind": kind, "t": now, "before": newest})
+            if job.mode == "live":  # the survivors go on alone first, then spares join
+                _wait(lambda t=now: any(r["t"] > t and r["size"] < 4 for r in job.committed()), 120)
+                _reap(job, lost)
+                for p in lost:
+                    job.start(next(h for h, q in job.procs if q is p))
+            else:  # restart: everything stops, everything starts again
+                for _, p in job.procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGKILL)
+                        p.wait(timeout=30)
+                _reap(job, [])
+                job.attempt += 1
+                job.start_all()
+                restarted = time.time()
+                _wait(lambda t=restarted: any(r["t"] > t for r in job.committed()), 300)
+            next_at = None
+        time.sleep(0.05)
+    time.sleep(1)
+    left = len(job.alive())
+    for _, p in job.procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+    return analyse(a, name, job.records(), faults, left, started=len(job.procs))
+
+
+def analyse(a, name: str, records: list[dict], faults: list[dict], left: int,
+            started: int) -> dict:
+    steps = [r for r in records if "step" in r]
+    by_step: dict[int, list[dict]] = {}
+    for r in steps:
+        by_step.setdefault(r["step"], []).append(r)
+    batches = GlobalBatches(4096, a.global_batch, seed=2)
+    skipped = repeated = redone = unlogged = 0
+    for s in range(a.steps):
+        rs = by_step.get(s, [])
+        final = max((r.get("attempt", 0) for r in rs), default=0)
+        kept = [r for r in rs if r.get("attempt", 0) == final]
+        redone += sum(len(r["ids"]) for r in rs if r.get("attempt", 0) != final)
+        ids = Counter(i for r in kept for i in r["ids"])
+        if kept:  # a member stopped or killed between its commit and its record's flush
+            size = kept[0]["size"]
+            for rank in set(range(size)) - {r["rank"] for r in kept}:
+                unlogged += 1
+                ids.update(batches.share(s, rank, size))
+        skipped += len(set(batches.batch(s)) - set(ids))
+        repeated += sum(c - 1 for c in ids.values()) + len(set(ids) - set(batches.batch(s)))
+    first = min(r["t"] for r in by_step[0])
+    last = max(r["t"] for r in by_step[a.steps - 1])
+    stalls = []
+    for f in faults:
+        prev = max((r for r in steps if r["t"] < f["t"]), key=lambda r: r["t"])
+        # Up to the first step committed by the regrouped (live) or restarted job, the longest
+        # wait for a new step: a step whose all-reduce was done when the link went down may
+        # still commit just after the fault, and is not the end of the stall.
+        group = (prev.get("gen"), prev.get("attempt"))
+        later = [r for r in steps if r["t"] > f["t"] and r["step"] > prev["step"]]
+        end = min((r["t"] for r in later if (r.get("gen"), r.get("attempt")) != group),
+                  default=min(r["t"] for r in later))  # no regroup (a spare that was not in)
+        firsts: dict[int, float] = {}
+        for r in steps:
+            if r["step"] > prev["step"] and prev["t"] < r["t"] <= end:
+                firsts[r["step"]] = min(firsts.get(r["step"], end), r["t"])
+        times = [prev["t"], *sorted(firsts.values())]
+        stalls.append(round(max(b - a for a, b in zip(times, times[1:], strict=False)), 3))
+    heals = [r for r in records if "heal_s" in r]
+    return {"name": name, "faults": [f["kind"] for f in faults], "stalls_s": stalls,
+            "median_stall_s": round(statistics.median(stalls), 3) if stalls else None,
+            "samples_per_s": round((a.steps - 1) * a.global_batch / (last - first), 3),
+            "wall_s": round(last - first, 2),
+            "heal_s": [round(r["heal_s"], 3) for r in heals],
+            "heal_bytes": [r["heal_bytes"] for r in heals],
+            "skipped": skipped, "repeated": repeated, "samples_redone": redone,
+            "unlogged_shares": unlogged,
+            "processes_started": started, "processes_left": left}
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    reason = unavailable()
+    if reason:
+        sys.exit(f"live_recovery needs two network-namespace hosts: {reason}")
+    intervals = [float(i) for i in a.intervals.split(",") if i]
+    modes = [m for m in a.modes.split(",") if m]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="live_recovery-") as tmp, two_hosts() as hosts:
+        out = Path(tmp)
+        store = hosts[0].popen([sys.executable, "-c", (
+            "import time, torch.distributed as d; "
+            f"s = d.TCPStore('{hosts[0].addr}', {PORT}, is_master=True, wait_for_workers=False);"
+            " time.sleep(24 * 3600)")])
+        try:
+            runs = [("clean", None)] + [(m, i) for i in intervals for m in modes]
+            for mode, interval in runs:
+                r = run_job(a, hosts, out, mode, interval)
+                results[r["name"]] = r
+                print(json.dumps(r), file=sys.stderr, flush=True)
+        finally:
+            store.kill()
+    clean = results["clean"]["samples_per_s"]
+    for r in results.values():
+        r["goodput"] = round(r["samples_per_s"] / clean, 3)
+    print(f"{'run':<12}{'faults':>7}{'goodput':>9}{'stall med':>10}  {'stalls (s)':<28}"
+          f"{'heal s':>8}{'heal MB':>9}{'skip':>5}{'rep':>5}{'redone':>7}{'left':>5}")
+    for r in results.values():
+        heal_s = f"{statistics.median(r['heal_s']):.2f}" if r["heal_s"] else "-"
+        heal_mb = f"{statistics.median(r['heal_bytes']) / 1e6:.1f}" if r["heal_bytes"] else "-"
+        med = f"{r['median_stall_s']:.2f}" if r["median_stall_s"] is not None else "-"
+        print(f"{r['name']:<12}{len(r['faults']):>7}{r['goodput']:>9.3f}{med:>10}  "
+              f"{str(r['stalls_s'])[:27]:<28}{heal_s:>8}{heal_mb:>9}{r['skipped']:>5}"
+              f"{r['repeated']:>5}{r['samples_redone']:>7}{r['processes_left']:>5}")
+    summary = {"benchmark": "live_recovery", "steps": a.steps, "global_batch": a.global_batch,
+               "model": {"n_layer": a.n_layer, "n_embd": a.n_embd, "block_size": a.block_size},
+               "results": results}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""One worker of benchmarks/live_recovery.py, run inside a network-namespace host.
+
+    python live_recovery_worker.py CONFIG_JSON         (started by the benchmark, not by hand)
+
+CONFIG_JSON: mode ("live" or "restart"), store (addr, port), job, world_size, steps, out_dir,
+model (n_layer, n_embd, block_size), global_batch; for "restart" also rank, attempt and
+snapshot_every. Both modes train the same GPT on the same synthetic tokens, each step on
+`GlobalBatches`' global batch (the loss summed over the shares, the gradients summed):
+- "live": `train_live` (heartbeat 0.1 s, lost after 1 s of silence); a worker started after
+  the job began is a spare and joins as a replacement, healing from a peer;
+- "restart": today's path, a fixed gloo group of world_size ranks; it loads the newest
+  snapshot (written by rank 0 every snapshot_every steps: weights, AdamW, step) and trains on
+  from it; on any fault the benchmark kills every worker and starts them all again.
+Each committed step appends {step, t (wall clock), ids, size, pid} to OUT_DIR/<job>-<pid>.jsonl;
+a heal appends {heal_s, heal_bytes}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ringtrain.live import (  # noqa: E402
+    GlobalBatches,
+    LiveGroup,
+    LiveState,
+    all_reduce_gradients,
+    train_live,
+)
+from ringtrain.models.gpt import GPT, GPTConfig  # noqa: E402
+
+DATASET = 4096  # synthetic sequences: an epoch is long enough for any run here
+
+
+def build(c: dict):
+    torch.manual_seed(0)
+    m = c["model"]
+    config = GPTConfig(vocab_size=256, block_size=m["block_size"], n_layer=m["n_layer"],
+                       n_head=max(1, m["n_embd"] // 64), n_embd=m["n_embd"], dropout=0.0)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    tokens = torch.randint(0, 256, (DATASET, m["block_size"] + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return model, optimizer, tokens, GlobalBatches(DATASET, c["global_batch"], seed=2)
+
+
+def make_step(model, optimizer, tokens, global_batch):
+    def step(ids: list[int], process_group: dist.ProcessGroup) -> float:
+        x, y = tokens[ids, :-1], tokens[ids, 1:]
+        logits = model(x)  # (b, T, vocab)
+        # Summed over this share, divided by the global count: the shares' sum is the mean.
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+        loss = loss / (global_batch * y.size(1))
+        loss.backward()
+        all_reduce_gradients(model, process_group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    return step
+
+
+def live(c: dict, store: dist.Store, records) -> None:
+    model, optimizer, tokens, batches = build(c)
+    state = LiveState(model, optimizer, batches)
+    group = LiveGroup(store, c["world_size"], name=c["job"], timeout_s=30, heartbeat_s=0.1,
+                      dead_after_s=1.0)
+    step = make_step(model, optimizer, tokens, c["global_batch"])
+    first = True
+
+    def on_commit(done: int, loss: float) -> None:
+        nonlocal first
+        if first and group.generation > 0 and group.last_heal and group.last_heal.nbytes:
+            # This process's first step, in a later generation: it joined as a replacement.
+            records.write(json.dumps({"heal_s": group.last_heal.seconds,
+                                      "heal_bytes": group.last_heal.nbytes}) + "\n")
+        first = False
+        ids = state.batches.share(done, group.rank, group.size)
+        records.write(json.dumps({"step": done, "t": time.time(), "ids": ids, "loss": loss,
+                                  "rank": group.rank, "size": group.size,
+                                  "gen": group.generation}) + "\n")
+        records.flush()
+
+    train_live(group, state, lambda ids, pg: step(ids, pg), c["steps"], on_commit=on_commit)
+
+
+def restart(c: dict, store: dist.Store, records) -> None:
+    model, optimizer, tokens, batches = build(c)
+    rank, world = c["rank"], c["world_size"]
+    snapshot = Path(c["out_dir"]) / f"{c['job']}-snapshot.pt"
+    first = 0
+    if snapshot.exists():
+        saved = torch.load(snapshot, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        first = saved["step"]
+    group = dist.ProcessGroupGloo(dist.PrefixStore(f"{c['job']}/attempt{c['attempt']}", store),
+                                  rank, world, timedelta(seconds=30))
+    step = make_step(model, optimizer, tokens, c["global_batch"])
+    for s in range(first, c["steps"]):
+        ids = batches.share(s, rank, world)
+        loss = step(ids, group)
+        records.write(json.dumps({"step": s, "t": time.time(), "ids": ids, "loss": loss,
+                                  "rank": rank, "size": world, "attempt": c["attempt"]}) + "\n")
+        records.flush()
+        if rank == 0 and (s + 1) % c["snapshot_every"] == 0:  # atomic: written, then renamed
+            tmp = snapshot.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": s + 1}, tmp)
+            os.replace(tmp, snapshot)
+
+
+def main() -> None:
+    c = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    store = dist.TCPStore(c["store"][0], c["store"][1], is_master=False,
+                          timeout=timedelta(seconds=60))
+    path = Path(c["out_dir"]) / f"{c['job']}-{os.getpid()}.jsonl"
+    with open(path, "a") as records:
+        (live if c["mode"] == "live" else restart)(c, store, records)
+
+
+if __name__ == "__main__":
+    main()
