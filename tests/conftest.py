@@ -164,3 +164,18 @@ def pytest_terminal_summary(terminalreporter, config):
     refused = sum(FAST_SKIP in str(r.longrepr) for r in stats.get("skipped", []))
     terminalreporter.write_line(f"fast tier: {ran} tests ran; {refused} skipped at their first "
                                 "process start (`make test` runs them)")
+
+
+import ringtrain.training.report as _report  # noqa: E402
+
+_WRITE_REPORT = _report.write_report
+
+
+@pytest.fixture(autouse=True)
+def _real_write_report():
+    """Worker functions stub `write_report` (matplotlib is slow) in their own process; one run
+    in the test process leaked the stub into later tests (test_trainer's report.png was missing
+    in a full run). Every test starts with the real one."""
+    _report.write_report = _WRITE_REPORT
+    yield
+    _report.write_report = _WRITE_REPORT
