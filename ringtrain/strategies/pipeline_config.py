@@ -28,7 +28,7 @@ from ringtrain.pipeline.schedule import (
 )
 from ringtrain.strategies.base import StrategyConfig
 from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
-from ringtrain.strategies.tp_options import sequence_parallel_option, tp_option
+from ringtrain.strategies.tp_options import check_tp_model, sequence_parallel_option, tp_option
 
 # The schedules that split a backward in two (input gradient now, weights later,
 # `ringtrain.pipeline.backward`). Sequence parallelism sums the norms' gradients over tp in a
@@ -140,19 +140,8 @@ class PipelineConfig(StrategyConfig):
         """With --tp: heads split across the tp ranks; what tp does not do yet, refused."""
         if self.tp == 1:
             return
-        if model.n_head % self.tp:
-            divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
-            raise ConfigError(f"--n-head {model.n_head} is not divisible by --tp {self.tp}: each "
-                              f"tp rank computes n_head / tp heads; use --tp in {divisors} or "
-                              f"--n-head a multiple of {self.tp}")
-        if model.tie_embeddings:
-            raise ConfigError("--tp does not split tied embeddings yet (the token embedding and "
-                              "lm_head would need one vocab-parallel weight, on two stages): "
-                              "drop --tie-embeddings")
-        if model.dropout > 0:
-            raise ConfigError(f"--tp does not support dropout yet (--dropout {model.dropout}): "
-                              "the activations every tp rank holds whole would need the same "
-                              "dropout mask on each; use --dropout 0")
+        check_tp_model(model, self.tp, "--tp", "the token embedding and lm_head would need "
+                       "one vocab-parallel weight, on two stages")
 
     def microbatches_for(self, step_batch: int) -> int:
         """Micro-batches of a step of `step_batch` samples: as set, else the default."""

@@ -47,6 +47,7 @@ from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyC
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.strategies.tp_options import (
+    check_tp_model,
     sequence_parallel_option,
     tp_option,
     zero_stage_option,
@@ -95,19 +96,8 @@ class TPConfig(StrategyConfig):
     def check_model(self, model: Any) -> None:
         """Heads split across the tp ranks; what the strategy does not do yet, refused. (The
         vocabulary comes from the data: a --tp that does not divide it is refused by `setup`.)"""
-        if model.n_head % self.tp:
-            divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
-            raise ConfigError(f"--n-head {model.n_head} is not divisible by --tp {self.tp}: each "
-                              f"tp rank computes n_head / tp heads; use --tp in {divisors} or "
-                              f"--n-head a multiple of {self.tp}")
-        if model.tie_embeddings:
-            raise ConfigError("--strategy tp does not split tied embeddings yet (the token "
-                              "embedding and lm_head would need one vocab-parallel weight): "
-                              "drop --tie-embeddings")
-        if model.dropout > 0:
-            raise ConfigError(f"--strategy tp does not support dropout yet (--dropout "
-                              f"{model.dropout}): the activations every tp rank holds whole "
-                              "would need the same dropout mask on each; use --dropout 0")
+        check_tp_model(model, self.tp, "--strategy tp", "the token embedding and lm_head "
+                       "would need one vocab-parallel weight")
 
     def figures(self, workload: Workload) -> TPFigures:
         """`ringtrain plan`'s figures of this layout (`strategies.layouts`): per rank 1/tp of

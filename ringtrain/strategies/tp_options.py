@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ringtrain.config import int_at_least, option
+from ringtrain.errors import ConfigError
 
 
 def tp_option(default: int) -> Any:
@@ -36,3 +37,20 @@ def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
                   "--strategy tp: 0, no ZeRO, by default, 1-3 shard each rank's slices over its "
                   "dp group)", type=int, choices=choices,
                   shown="2 with --strategy zero, 0 with --strategy tp")
+
+
+def check_tp_model(model: Any, tp: int, who: str, tied_why: str) -> None:
+    """Refuse, before launch, a model --tp cannot split: n_head not divisible by `tp`, tied
+    embeddings, dropout (`who` names the option in the message: "--tp", "--strategy tp")."""
+    if model.n_head % tp:
+        divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
+        raise ConfigError(f"--n-head {model.n_head} is not divisible by --tp {tp}: each "
+                          f"tp rank computes n_head / tp heads; use --tp in {divisors} or "
+                          f"--n-head a multiple of {tp}")
+    if model.tie_embeddings:
+        raise ConfigError(f"{who} does not split tied embeddings yet ({tied_why}): "
+                          "drop --tie-embeddings")
+    if model.dropout > 0:
+        raise ConfigError(f"{who} does not support dropout yet (--dropout {model.dropout}): "
+                          "the activations every tp rank holds whole would need the same "
+                          "dropout mask on each; use --dropout 0")
