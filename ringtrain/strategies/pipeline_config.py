@@ -11,12 +11,12 @@ The strategy itself: `ringtrain/strategies/pipeline.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from ringtrain.config import MUST_MATCH, int_at_least, option
+from ringtrain.config import MUST_MATCH, flag, int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.grid import Grid
 from ringtrain.pipeline.backward import holds_tensor_hooks
@@ -140,7 +140,8 @@ class PipelineConfig(StrategyConfig):
         """With --tp: heads split across the tp ranks; what tp does not do yet, refused."""
         if self.tp == 1:
             return
-        check_tp_model(model, self.tp, "--tp", "the token embedding and lm_head would need "
+        tp_flag = flag(next(f for f in fields(self) if f.name == "tp"))  # --tp, from its field
+        check_tp_model(model, self.tp, tp_flag, "the token embedding and lm_head would need "
                        "one vocab-parallel weight, on two stages")
 
     def microbatches_for(self, step_batch: int) -> int:
