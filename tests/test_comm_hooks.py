@@ -14,6 +14,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+from support.gpu_box import TORCH_POWERSGD_LEFT_OUT, TORCH_POWERSGD_ON_CPU
 from torch import nn
 
 from ringtrain.ddp.buckets import GradBucket
@@ -174,7 +175,7 @@ def _train_with_hooks(rank, world_size, names):
 def _scenarios(world_size: int) -> dict:
     hooks = [None, "ring"] if world_size == 3 else [
         None, "ring", "fp16", "bf16", "torch_allreduce", "torch_fp16", "torch_fp16_wrapper",
-        "torch_powersgd"]
+        *(["torch_powersgd"] if TORCH_POWERSGD_ON_CPU else [])]
     return {"vs_all_reduce": (_hooks_vs_all_reduce, ()), "train": (_train_with_hooks, (hooks,))}
 
 
@@ -226,6 +227,11 @@ def test_hooks_and_ring_match_backend_all_reduce(sessions, world_size):
             )
         # Compression must actually compress: fp16 is not bit-exact on random data.
         assert max(out["fp16"]) > 0 and max(out["bf16"]) > max(out["fp16"])
+
+
+@pytest.mark.skipif(not TORCH_POWERSGD_ON_CPU, reason=TORCH_POWERSGD_LEFT_OUT)
+def test_torch_powersgd_hook_trained_in_the_session(sessions):
+    assert all("torch_powersgd" in out for out in sessions(2, "train"))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

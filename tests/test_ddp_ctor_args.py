@@ -96,6 +96,13 @@ def test_broadcast_buffers_warns_as_torch_does(single_process):
     assert ddp.forward_sync_buffers is True and ddp.broadcast_buffers is True
 
 
+@pytest.mark.skipif("forward_sync_buffers" in _TORCH_ARGS,
+                    reason="this torch deprecates broadcast_buffers (2.13+): the test above")
+def test_broadcast_buffers_says_nothing_where_torch_has_no_forward_sync_buffers(single_process):
+    for kwargs in ({"broadcast_buffers": True}, {"broadcast_buffers": False}):
+        assert _future_warnings(Ours, **kwargs) == [] == _future_warnings(TorchDDP, **kwargs)
+
+
 def test_check_reduction_warns_as_torch_does(single_process):
     ours = _future_warnings(Ours, check_reduction=True)
     assert ours == _future_warnings(TorchDDP, check_reduction=True)

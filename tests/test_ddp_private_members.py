@@ -24,6 +24,7 @@ from torch.nn.parallel.distributed import _BufferCommHookLocation
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ringtrain
+from ringtrain.ddp.ctor_args import BROADCAST_BUFFERS_DEPRECATED
 from ringtrain.testing import run_workers
 
 IMPLS = {"torch": torch.nn.parallel.DistributedDataParallel,
@@ -121,10 +122,15 @@ BUFFER_CASES = {
 }
 
 
+# torch before 2.13 has only `broadcast_buffers`; the buffers start equal on every rank, so
+# the construction sync the two names treat differently changes nothing here.
+_SYNC_KWARG = ("forward_sync_buffers" if BROADCAST_BUFFERS_DEPRECATED else "broadcast_buffers")
+
+
 def _buffer_hooks(rank, cls):
     out = {}
     for case, (hook, where, sync) in BUFFER_CASES.items():
-        ddp = cls(_Counting(), forward_sync_buffers=sync)
+        ddp = cls(_Counting(), **{_SYNC_KWARG: sync})
         ddp._register_buffer_comm_hook(ddp, hook, _BufferCommHookLocation[where])
         steps = []
         for step in range(3):

@@ -46,6 +46,10 @@ def test_an_argument_wins_over_the_environment_which_wins_over_auto():
     assert choose(None, None, env=env, gpus=_gpus(1)) == Placement("gloo", torch.device("cpu"))
     assert (choose(None, "cuda", env=env, gpus=_gpus(1))
             == Placement("gloo", torch.device("cuda", 0)))
+    # `auto` is the CLI's default, not a choice: RINGTRAIN_DEVICE=cpu still wins on a GPU box
+    # (the suite's CPU tests launched `ringtrain train --nproc-per-node 2` with NCCL there)
+    assert (choose("auto", "auto", env={DEVICE_ENV: "cpu"}, local_world_size=3, gpus=_never)
+            == Placement("gloo", torch.device("cpu")))
 
 
 def test_more_nccl_processes_than_gpus_is_one_clear_error():

@@ -23,6 +23,7 @@ as ringtrain's errors were, and a RuntimeError, as torch's are). Tests:
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Sequence
@@ -33,6 +34,11 @@ import torch.distributed as dist
 
 from ringtrain.ddp.buckets import DEFAULT_BUCKET_CAP_MB
 from ringtrain.ddp.ignored import IGNORE_ATTR
+
+# torch 2.13 added `forward_sync_buffers` and deprecated `broadcast_buffers`; on an older torch
+# the old name is the only one and says nothing, so a drop-in says nothing there either.
+BROADCAST_BUFFERS_DEPRECATED = "forward_sync_buffers" in inspect.signature(
+    torch.nn.parallel.DistributedDataParallel.__init__).parameters
 
 _MB = 1024 * 1024
 
@@ -69,10 +75,11 @@ def buffer_sync_flags(broadcast_buffers: bool | None,
                       forward_sync_buffers: bool | None) -> tuple[bool, bool]:
     """(sync buffers before each forward, sync them at construction), as torch 2.13+ decides.
 
-    `broadcast_buffers` is torch 2.13's deprecated name: it warns (FutureWarning, torch's text)
-    and, unlike `forward_sync_buffers`, False also leaves buffers out of the construction sync.
+    `broadcast_buffers` is torch 2.13's deprecated name: it warns there (FutureWarning, torch's
+    text; not on a torch without `forward_sync_buffers`) and, unlike `forward_sync_buffers`,
+    False also leaves buffers out of the construction sync.
     """
-    if broadcast_buffers is not None:
+    if broadcast_buffers is not None and BROADCAST_BUFFERS_DEPRECATED:
         if forward_sync_buffers is not None:
             warnings.warn(
                 "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "

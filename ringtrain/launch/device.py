@@ -15,7 +15,8 @@ The rule, torch's usual default made safe on a box with fewer GPUs than processe
 - gloo with CUDA tensors lets processes share GPUs (local rank i -> cuda:(i mod GPUs)), to test
   multi-process code on a one-GPU box. gloo's send and recv take CPU tensors only, so
   ringtrain's point-to-point traffic goes through host memory there (`ringtrain.staging`).
-An argument wins over RINGTRAIN_BACKEND / RINGTRAIN_DEVICE, which win over `auto`. No
+An argument wins over RINGTRAIN_BACKEND / RINGTRAIN_DEVICE, which win over `auto` (also an
+`auto` given as an argument: `--device auto` is the CLI's default, so it leaves the choice open). No
 `torch.cuda` call is made when the CPU was asked for. Tests: `pytest -q tests/test_device.py`.
 """
 
@@ -53,7 +54,9 @@ def cuda_device_count() -> int:
 
 def _pick(name: str, value: str | None, env: Mapping[str, str], env_name: str,
           allowed: tuple[str, ...]) -> str:
-    chosen = value or env.get(env_name) or "auto"
+    # "auto" as an argument is no choice: it is `ringtrain train`'s default, and it must not
+    # hide RINGTRAIN_DEVICE=cpu (on a GPU box the test suite's CPU tests ran NCCL without this)
+    chosen = (value if value != "auto" else None) or env.get(env_name) or "auto"
     if chosen not in allowed:
         where = f"{env_name}={chosen!r}" if not value else f"{name} {chosen!r}"
         raise PlacementError(f"{where}: use one of {', '.join(allowed)}")

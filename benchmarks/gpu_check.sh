@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU session's checks in one run (issues 23 and 29): a lent GPU machine has its own python3
+# with torch and no network, and minutes of device time, so everything goes in one command:
+#
+#     bash benchmarks/gpu_check.sh "$OUT" 480     # OUT: where the logs go; 480: seconds in all
+#
+# In order, each bounded by `timeout` so that a hang cannot eat the rest: the environment,
+# ringtrain installed without dependencies, the CUDA tests, benchmarks/gpu_gpt.py (eager and
+# compiled, trainer against nanoGPT's loop, MFU), benchmarks/snapshot_stall.py on CUDA (the
+# side-stream copy and pinned buffers), then the whole suite with the GPU visible, one xdist
+# worker per file (`-v`, so a cut-off run still says which tests passed). Benchmarks first:
+# they need a quiet machine. Each part's log is OUT/NAME.log.
+set -u
+OUT=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
+BUDGET=${2:-480}
+START=$(date +%s)
+mkdir -p "$OUT"
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+part() {  # part NAME SECONDS CMD...: at most SECONDS, and never past the budget
+    local name=$1 limit=$2; shift 2
+    local l; l=$(left)
+    if [ "$l" -lt "$limit" ]; then limit=$l; fi
+    if [ "$limit" -le 5 ]; then echo "== $name: skipped, budget spent" | tee -a "$OUT/summary.log"; return; fi
+    echo "== $name (limit ${limit}s)" | tee -a "$OUT/summary.log"
+    local t0; t0=$(date +%s)
+    PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc, $(( $(date +%s) - t0 )) s; last lines:" | tee -a "$OUT/summary.log"
+    tail -n 4 "$OUT/$name.log" | tee -a "$OUT/summary.log"
+}
+{ nvidia-smi -L; python3 -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'; nproc; } >"$OUT/summary.log" 2>&1
+part install 120 python3 -m pip install -q --no-deps --no-build-isolation -e .
+part cuda_tests 120 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_cuda.py
+part cuda_named 90 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_async_snapshots.py \
+    tests/test_checkpoint.py tests/test_step_loop.py tests/test_device.py
+part gpu_gpt 200 python3 benchmarks/gpu_gpt.py --compile --batch-size 16
+part snapshot_stall 120 python3 benchmarks/snapshot_stall.py
+part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 120
+echo "== done in $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.log"
