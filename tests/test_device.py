@@ -92,6 +92,29 @@ def test_ringtrain_train_refuses_two_nccl_ranks_on_one_gpu_before_any_worker_sta
     assert "--nproc-per-node 1" in err and "--backend gloo --device cuda" in err
 
 
+
+def test_ringtrain_train_on_a_gpu_box_with_the_cpu_in_the_environment_launches(
+        monkeypatch, clean_env, tmp_path):
+    """RINGTRAIN_DEVICE=cpu (what the test suite sets) on a 1-GPU box: `ringtrain train
+    --nproc-per-node 2` launches on gloo; the CLI's default `--device auto` used to hide the
+    variable, and every CPU test that launched 2 workers was refused on an H100 box."""
+    from ringtrain.cli.train import main
+
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    class Launched(Exception):
+        pass
+
+    def launched(*args, **kwargs):
+        raise Launched
+
+    monkeypatch.setattr("ringtrain.launch.launcher.launch", launched)
+    with pytest.raises(Launched):
+        main(["--nproc-per-node", "2", "--steps", "2", "--no-progress",
+              "--run-dir", str(tmp_path / "run")])
+
 @pytest.mark.slow  # over the fast tier's 2 s (a bound it waits out, or a real run)
 def test_ringtrain_train_with_the_cpu_asked_for_starts_on_a_gpu_box(
     monkeypatch, clean_env, tmp_path
