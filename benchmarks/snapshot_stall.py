@@ -17,15 +17,17 @@ times per round, with a snapshot every --every steps into a temporary run direct
 - `async_thread`: the same, the files written by the writer thread (`writer = "thread"`).
 The order rotates from round to round (drift hits each alike).
 
-On CUDA the default snapshot interval (every 150 steps of 360: ~4.4 s at ~29 ms a step on an
-H100) is longer than a write of the 1.2 GB state (~2.7 s on that box's disk, measured): with a
-shorter one (issue 29's every 50: 1.5 s) each snapshot step waits for the previous write, and
-the figure measures the disk, not the stall. `--every 50 --steps 300` still gives that run.
-The `async` mode's writer process is started before the timed run (a tiny write through it): a
-run pays its start (a new interpreter importing torch) once, at its first snapshot, where it
-made that snapshot's write outlast the interval.
-Each mode's line and JSON say how many snapshot steps waited for the previous write
-(`waited_for_write`: count, seconds in all): a mode with any is write-bound, not stalled.
+On CUDA the default snapshot interval (every 100 steps of 205: two timed snapshots per mode,
+~2.9 s apart at ~29 ms a step on an H100; ~60 s for the 4 modes, estimated from a 98 s run of
+the old default) is longer than a write of the 1.2 GB state (~2.6 s on that box's disk,
+measured); with a shorter one (issue 29's every 50: 1.5 s) each snapshot step waits for the
+previous write, and the figure measures the disk, not the stall. `--every 50 --steps 300`
+still gives that run. The `async` mode's writer process is started before the timed run (a
+tiny write through it): a run pays its start (a new interpreter importing torch) once, at its
+first snapshot, where it made that snapshot's write outlast the interval. The runs' report.png
+is not drawn (matplotlib: seconds per mode, nothing the benchmark reads). Each mode's line and
+JSON say how many saves waited for the previous write (`waited_for_write`: count, of, seconds
+in all): a mode with any is write-bound, not stalled.
 
 On the CPU, training runs on ONE torch thread by default (`--threads 1`): that emulates a GPU
 box, where training is one Python thread feeding the device and the host's other cores are free
@@ -67,7 +69,7 @@ from torch.utils.data import Dataset
 
 SHAPES = {  # per device type: the model (~99 M parameters) and a batch that keeps it busy
     "cuda": {"n_layer": 14, "n_head": 12, "n_embd": 768, "block_size": 512, "batch_size": 8,
-             "steps": 360, "every": 150},  # an interval longer than a write: see above
+             "steps": 205, "every": 100},  # an interval longer than a write: see above
     "cpu": {"n_layer": 14, "n_head": 12, "n_embd": 768, "block_size": 64, "batch_size": 2,
             "steps": 160, "every": 50},
     "quick": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 32, "batch_size": 4,
@@ -228,6 +230,12 @@ def main(argv: list[str] | None = None) -> dict:
     defaults = SHAPES["quick" if args.quick else "cuda" if device.type == "cuda" else "cpu"]
     shape = {k: getattr(args, k) or v for k, v in defaults.items()}
     args.steps, args.every = shape["steps"], shape["every"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    # First, so that a run cut off by a time limit still says what it ran.
+    print(f"device {name} (torch {torch.__version__}), shape {shape}, every {args.every}, "
+          f"steps {args.steps}, rounds {args.rounds}, modes {', '.join(MODES)}", flush=True)
+    import ringtrain.training.report as report
+    report.write_report = lambda *a, **k: None  # see the docstring
     if args.every < 2 or args.steps < args.every + 2:
         p.error(f"--every {args.every} --steps {args.steps}: take at least one snapshot whose "
                 "next step is timed (--steps >= --every + 2, --every >= 2)")
@@ -299,7 +307,6 @@ def main(argv: list[str] | None = None) -> dict:
               f"a plain step (<= {GOALS['snapshot_step']}x: {said['snapshot_step']}), "
               f"throughput {ratio[f'{mode}_throughput_vs_none']}x none (>= "
               f"{GOALS['throughput']}x: {said['throughput']})")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {"device": name, "torch": torch.__version__, "params": params, "shape": shape,
               "every": args.every, "steps": args.steps, "rounds": args.rounds,
               "warmup": args.warmup,
