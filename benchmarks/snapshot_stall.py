@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/snapshot_stall.py                 # ~100 M parameter GPT
     .venv/bin/python benchmarks/snapshot_stall.py --quick         # a small model, seconds
-    .venv/bin/python benchmarks/snapshot_stall.py --every 50 --steps 300 --rounds 2
+    .venv/bin/python benchmarks/snapshot_stall.py --every 50 --steps 300   # issue 29's shape
 
 One process (CUDA if present, else the CPU), `ringtrain.Trainer` with the `ddp` strategy on one
 rank, a GPT of about 100 M parameters (14 layers, 768 wide, 12 heads: 99 M with a 65-token
@@ -16,6 +16,18 @@ times per round, with a snapshot every --every steps into a temporary run direct
   for a state of 64 MB or more);
 - `async_thread`: the same, the files written by the writer thread (`writer = "thread"`).
 The order rotates from round to round (drift hits each alike).
+
+On CUDA the default snapshot interval (every 100 steps of 205: two timed snapshots per mode,
+~2.9 s apart at ~29 ms a step on an H100; ~60 s for the 4 modes, estimated from a 98 s run of
+the old default) is longer than a write of the 1.2 GB state (~2.6 s on that box's disk,
+measured); with a shorter one (issue 29's every 50: 1.5 s) each snapshot step waits for the
+previous write, and the figure measures the disk, not the stall. `--every 50 --steps 300`
+still gives that run. The `async` mode's writer process is started before the timed run (a
+tiny write through it): a run pays its start (a new interpreter importing torch) once, at its
+first snapshot, where it made that snapshot's write outlast the interval. The runs' report.png
+is not drawn (matplotlib: seconds per mode, nothing the benchmark reads). Each mode's line and
+JSON say how many saves waited for the previous write (`waited_for_write`: count, of, seconds
+in all): a mode with any is write-bound, not stalled.
 
 On the CPU, training runs on ONE torch thread by default (`--threads 1`): that emulates a GPU
 box, where training is one Python thread feeding the device and the host's other cores are free
@@ -33,7 +45,8 @@ Goals (issue 29): async snapshot steps at most 2 % slower than none's steps (p50
 throughput within 1 % of none with a snapshot every 50 steps; the lines before the JSON say
 for each background mode whether they hold. The last line is JSON: {"device", "params",
 "every", "steps", "rounds", "snapshot_mb", "modes": {mode: {"snapshot_step_ms",
-"other_step_ms" (p50/p95/max/n), "steps_per_s", "save_s_mean"}}, "{mode}_snapshot_step_vs_none",
+"other_step_ms" (p50/p95/max/n), "steps_per_s", "save_s_mean", "waited_for_write": {"n",
+"of", "s"}}}, "{mode}_snapshot_step_vs_none",
 "{mode}_throughput_vs_none", "goals": {mode: {"snapshot_step": bool, "throughput": bool}},
 loadavg}. `save_s_mean` is the time the step spent in a save: the whole save for sync, the
 in-step part of the host copy for the background modes.
@@ -56,7 +69,7 @@ from torch.utils.data import Dataset
 
 SHAPES = {  # per device type: the model (~99 M parameters) and a batch that keeps it busy
     "cuda": {"n_layer": 14, "n_head": 12, "n_embd": 768, "block_size": 512, "batch_size": 8,
-             "steps": 300, "every": 50},
+             "steps": 205, "every": 100},  # an interval longer than a write: see above
     "cpu": {"n_layer": 14, "n_head": 12, "n_embd": 768, "block_size": 64, "batch_size": 2,
             "steps": 160, "every": 50},
     "quick": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 32, "batch_size": 4,
@@ -115,6 +128,12 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
     trainer.on_step = on_step
     if mode in WRITER:
         trainer.snapshots.manager.background_saves.writer = WRITER[mode]
+    waits = count_waits(trainer.snapshots)
+    if mode == "async":  # the writer process started before the timed run (see the docstring)
+        bg = trainer.snapshots.manager.background_saves
+        bg.using = "process"  # what `stage` picks for this mode at the first save
+        run_dir.mkdir(parents=True, exist_ok=True)
+        bg.write_file()(run_dir / "writer-warm-up.pt", {})
     sync(device)
     marks.append(time.perf_counter())
     summary = trainer.fit()
@@ -128,7 +147,27 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
     del trainer
     gc.collect()
     return {"step_s": [b - a for a, b in zip(marks, marks[1:], strict=False)], "params": params,
-            "save_s_mean": summary.get("snapshot_s_mean"), "snapshot_bytes": size}
+            "save_s_mean": summary.get("snapshot_s_mean"), "snapshot_bytes": size,
+            "waits": waits}
+
+
+def count_waits(loop) -> list[float | None]:
+    """Per save of `loop` (the trainer's `LoopSnapshots`): the seconds it waited for the
+    previous write to end, None when none was being written. `LoopSnapshots.save` waits for
+    the save in flight first (and warns once past a second); this wrapper makes the same
+    wait just before it, so it is counted every time (the inner wait then finds nothing)."""
+    waits: list[float | None] = []
+    if loop is None:
+        return waits
+    inner = loop.save
+
+    def save(step: int, reason: str = "periodic") -> None:
+        writing, t0 = loop.manager.writing, time.perf_counter()
+        loop.wait()
+        waits.append(time.perf_counter() - t0 if writing else None)
+        inner(step, reason)
+    loop.save = save
+    return waits
 
 
 def percentiles(ms: list[float]) -> dict | None:
@@ -191,11 +230,18 @@ def main(argv: list[str] | None = None) -> dict:
     defaults = SHAPES["quick" if args.quick else "cuda" if device.type == "cuda" else "cpu"]
     shape = {k: getattr(args, k) or v for k, v in defaults.items()}
     args.steps, args.every = shape["steps"], shape["every"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    # First, so that a run cut off by a time limit still says what it ran.
+    print(f"device {name} (torch {torch.__version__}), shape {shape}, every {args.every}, "
+          f"steps {args.steps}, rounds {args.rounds}, modes {', '.join(MODES)}", flush=True)
+    import ringtrain.training.report as report
+    report.write_report = lambda *a, **k: None  # see the docstring
     if args.every < 2 or args.steps < args.every + 2:
         p.error(f"--every {args.every} --steps {args.steps}: take at least one snapshot whose "
                 "next step is timed (--steps >= --every + 2, --every >= 2)")
     steps: dict[str, list[float]] = {m: [] for m in MODES}
     saves: dict[str, list[float]] = {m: [] for m in MODES}
+    waits: dict[str, list[float | None]] = {m: [] for m in MODES}
     params = size = None
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)  # a folder to make, not a failure
@@ -205,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
                     out = one_run(mode, shape, args, runtime, Path(tmp) / f"{mode}-{r}")
                     steps[mode].append(out["step_s"])  # per run: split knows the step numbers
+                    waits[mode] += out["waits"]
                     if out["save_s_mean"] is not None:
                         saves[mode].append(out["save_s_mean"])
                     params, size = out["params"], out["snapshot_bytes"] or size
@@ -224,7 +271,10 @@ def main(argv: list[str] | None = None) -> dict:
         modes[mode] = {"snapshot_step_ms": percentiles(snap), "other_step_ms": percentiles(other),
                        "steps_per_s": round(1e3 * len(split_ms[mode]) / sum(split_ms[mode]), 4),
                        "save_s_mean": (round(statistics.fmean(saves[mode]), 4)
-                                       if saves[mode] else None)}
+                                       if saves[mode] else None),
+                       "waited_for_write": {
+                           "n": sum(w is not None for w in waits[mode]), "of": len(waits[mode]),
+                           "s": round(sum(w for w in waits[mode] if w is not None), 3)}}
     none = modes["none"]
     ratio = {}
     goals = {}
@@ -242,6 +292,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{mode:5s}  snapshot steps {m['snapshot_step_ms']}  other steps "
               f"{m['other_step_ms']}  {m['steps_per_s']} steps/s  save in step "
               f"{m['save_s_mean']} s")
+        w = m["waited_for_write"]
+        if w["n"]:
+            print(f"{mode:5s}  {w['n']} of {w['of']} saves waited for the previous write "
+                  f"({w['s']} s in all): write-bound, raise --every to measure the stall")
     if device.type == "cpu":
         free = torch.get_num_threads() < (os.cpu_count() or 1)
         print(f"CPU: training on {torch.get_num_threads()} torch thread(s) of {os.cpu_count()} "
@@ -253,7 +307,6 @@ def main(argv: list[str] | None = None) -> dict:
               f"a plain step (<= {GOALS['snapshot_step']}x: {said['snapshot_step']}), "
               f"throughput {ratio[f'{mode}_throughput_vs_none']}x none (>= "
               f"{GOALS['throughput']}x: {said['throughput']})")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {"device": name, "torch": torch.__version__, "params": params, "shape": shape,
               "every": args.every, "steps": args.steps, "rounds": args.rounds,
               "warmup": args.warmup,

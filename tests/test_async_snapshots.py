@@ -341,17 +341,102 @@ def test_host_copy_from_cuda_is_pinned_and_ready_after_the_event():
     assert torch.equal(staged["v"], staged["t"][10:20])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a side stream)")
-def test_host_copy_from_cuda_beside_the_step_is_ordered_before_the_optimizer():
-    """CUDA. The deferred copy runs on a side stream; `fence()` makes the current stream wait
-    for it, so a kernel queued after the fence (the optimizer's) cannot reach the copy."""
+def _cpu_bytes(obj) -> bytes:
+    """What `torch.save` writes for `obj` with every storage on the CPU (as a host copy has it):
+    saved, loaded to the CPU (sharing, views and a state_dict's `_metadata` kept), saved again."""
+    import io
+    return _saved_bytes(torch.load(io.BytesIO(_saved_bytes(obj)), map_location="cpu",
+                                   weights_only=False))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device "
+                                "(device staging, pinned copies, a side stream)")
+
+
+@needs_cuda
+def test_staged_copy_from_cuda_is_the_snapshot_steps_state_byte_for_byte(caplog):
+    """CUDA, room to stage. Parameters and moments are copied on the device in the step, then
+    to the host by `finish`; the next step's optimizer (nothing fenced) and forward (running
+    stats) change the sources in place before `finish` runs: the copy is what `torch.save`
+    wrote at the snapshot's step, byte for byte, and the next save reuses every buffer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(16, 64, device="cuda")).sum().backward()
+        opt.step()
+
+    def later():
+        moments = [t for s in opt.state.values() for t in s.values() if t.is_cuda]
+        return [*model.parameters(), *moments]
+    step()
+    host = HostCopy()
+    saves = []
+    for _ in range(2):
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        expected = _cpu_bytes(state)  # what a synchronous save at this step writes
+        with caplog.at_level(logging.INFO, logger="ringtrain"):
+            staged = host.copy(state, later=later())
+        staged.guard([opt])
+        assert staged.path.startswith("from a copy on cuda"), staged.path
+        assert not staged._side_events  # noqa: SLF001 - nothing for the optimizer to wait for
+        assert staged.later_bytes == sum(t.untyped_storage().nbytes() for t in later())
+        step()  # changes parameters, moments and running stats in place, before `finish`
+        assert _cpu_bytes(state) != expected
+        staged.finish()
+        staged.unguard()
+        assert _saved_bytes(staged.state) == expected
+        assert staged.state["model"]["0.weight"].is_pinned()
+        saves.append(staged)
+    ptr = [s.state["model"]["0.weight"].untyped_storage().data_ptr() for s in saves]
+    assert ptr[0] == ptr[1]  # the host buffers `finish` allocated are the next save's
+    assert host._staging.held_bytes == saves[0].later_bytes  # noqa: SLF001 - kept, once
+    said = [r.getMessage() for r in caplog.records if "staged by a copy" in r.getMessage()]
+    assert len(said) == 1 and "kept from save to save" in said[0], said
+
+
+@needs_cuda
+def test_host_copy_from_cuda_without_room_to_stage_fences_a_side_stream(monkeypatch, caplog):
+    """CUDA, `mem_get_info` patched. One byte short of the margin (twice the deferred bytes +
+    1 GiB), the deferred copy runs on a side stream and `fence()` makes the current stream wait
+    for it, so a kernel queued after the fence (the optimizer's) cannot reach the copy. With the
+    margin it is staged (buffers kept); short again, the buffers are freed."""
+    from ringtrain.checkpoint.device_staging import MARGIN_BYTES
+
     t = torch.arange(1 << 22, dtype=torch.float32, device="cuda")
     buffer = torch.zeros(4, device="cuda")
-    staged = HostCopy().copy({"t": t, "buffer": buffer}, later=[t])
-    buffer.add_(1)  # a forward's in-place change: the buffer was copied before it
-    staged.fence()
-    t.mul_(0)  # the optimizer's step, queued after the fence
-    staged.finish()
-    assert staged.state["t"].is_pinned() and staged.later_bytes == t.numel() * 4
-    assert torch.equal(staged.state["t"], torch.arange(1 << 22, dtype=torch.float32))
-    assert torch.equal(staged.state["buffer"], torch.zeros(4))
+    want = 2 * t.untyped_storage().nbytes() + MARGIN_BYTES
+    free = {"bytes": want - 1}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 1 << 40))
+    host = HostCopy()
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        staged = host.copy({"t": t, "buffer": buffer}, later=[t])
+        assert staged.path.startswith("on a side stream"), staged.path
+        assert staged._side_events  # noqa: SLF001 - the optimizer's fence
+        buffer.add_(1)  # a forward's in-place change: the buffer was copied before it
+        staged.fence()
+        t.mul_(0)  # the optimizer's step, queued after the fence
+        staged.finish()
+        assert staged.state["t"].is_pinned() and staged.later_bytes == t.numel() * 4
+        assert torch.equal(staged.state["t"], torch.arange(1 << 22, dtype=torch.float32))
+        assert torch.equal(staged.state["buffer"], torch.zeros(4))
+        assert host._staging.held_bytes == 0  # noqa: SLF001
+
+        free["bytes"] = want  # the margin exactly: staged
+        t.copy_(torch.arange(1 << 22, dtype=torch.float32, device="cuda"))
+        staged = host.copy({"t": t}, later=[t])
+        assert staged.path.startswith("from a copy on cuda"), staged.path
+        t.mul_(0)  # the next optimizer step, not fenced: the staging copy came before it
+        staged.finish()
+        assert torch.equal(staged.state["t"], torch.arange(1 << 22, dtype=torch.float32))
+        assert host._staging.held_bytes == t.untyped_storage().nbytes()  # noqa: SLF001
+
+        free["bytes"] = want - 1 - t.untyped_storage().nbytes()  # short, counting what it holds
+        staged = host.copy({"t": t}, later=[t])
+        assert staged.path.startswith("on a side stream"), staged.path
+        staged.fence()
+        staged.finish()
+        assert host._staging.held_bytes == 0  # noqa: SLF001 - freed
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("snapshots on")]
+    assert len(said) == 3 and "no device staging" in said[0] and "stopped" in said[2], said

@@ -15,13 +15,19 @@ one a synchronous save writes. `guard` is torch.distributed.checkpoint's
 
 When the copy runs (the rule). A tensor the strategy declares as changed only by its optimizer
 step (`Strategy.updated_state()`: parameters, optimizer moments) is copied *beside* the next
-step's forward and backward, and the optimizer's next `step()` waits for it: on CUDA the copy
-runs on a side stream and the optimizer's stream waits for its event (no host sync); on the
-CPU the writer thread copies it first thing (`copy_` releases the GIL) and the step waits for a
-threading event. Everything else (buffers a forward changes in place: BatchNorm's running
-stats, DDP's broadcast of buffers; state a backward changes: PowerSGD's error feedback) is
-copied at once, in the snapshot's step. A strategy that declares nothing has all its state
-copied in the step, as before. Tests: `.venv/bin/pytest -q tests/test_async_snapshots.py`.
+step's forward and backward. On CUDA with the memory for it (`device_staging.py`'s rule), the
+step copies it on the device into staging buffers kept from save to save, on the current stream
+after the optimizer step (at the device's memory bandwidth: nothing waits), and the writer
+thread copies those to pinned host memory on a side stream, allocating that memory there at the
+first save. Without the memory (or on another accelerator) the copy to the host runs on a side
+stream and the optimizer's next `step()` waits for its event (a stream wait, no host sync); its
+host buffers are allocated in the step at the first save (the side stream copies at once). On
+the CPU the writer thread copies it first thing (`copy_` releases the GIL) and the optimizer's
+next step waits for a threading event. Everything else (buffers a forward changes in place:
+BatchNorm's running stats, DDP's broadcast of buffers; state a backward changes: PowerSGD's
+error feedback) is copied at once, in the snapshot's step. A strategy that declares nothing
+has all its state copied in the step, as before. Tests:
+`.venv/bin/pytest -q tests/test_async_snapshots.py`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ringtrain.checkpoint.device_staging import DeviceStaging
 
 __all__ = ["HostCopy", "StagedCopy", "state_bytes"]
 
@@ -75,12 +83,14 @@ def state_bytes(obj: Any) -> int:
 
 class _Deferred:
     """One source storage whose copy waits for `StagedCopy.finish()`: its host buffer (None
-    until `finish` allocates it, on the CPU: a first allocation of a gigabyte of page-locked or
-    shared memory takes seconds, which the step should not hold) and the staged tensors that
-    view it (`set_` onto the buffer once it exists)."""
+    until `finish` allocates it, on the CPU and from device staging: a first allocation of a
+    gigabyte of page-locked or shared memory takes seconds, which the step should not hold),
+    its device staging buffer (None unless staged: what `finish` copies from) and the staged
+    tensors that view it (`set_` onto the buffer once it exists)."""
 
-    def __init__(self, source: torch.UntypedStorage, host: torch.UntypedStorage | None):
-        self.source, self.host = source, host
+    def __init__(self, source: torch.UntypedStorage, host: torch.UntypedStorage | None,
+                 staging: torch.UntypedStorage | None = None):
+        self.source, self.host, self.staging = source, host, staging
         self.views: list[tuple[torch.Tensor, int, torch.Size, tuple[int, ...]]] = []
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
@@ -103,14 +113,20 @@ class StagedCopy:
         events: device events `finish()` waits for (the copies queued on a stream).
         side_events: the side stream's events `fence()` makes the current stream wait for.
         staged_s: seconds the step spent on the copy (the buffers and the non-deferred tensors).
+        staged: the device-staged storages `finish()` copies to the host (keyed as `later`).
+        sides: per staged device, (its side stream, the event recorded after the step's copies).
+        path: how the deferred state reaches the host, in words (the snapshot's log line).
     """
 
     def __init__(self, state: Any, later: dict[_Key, _Deferred], buffers: dict, new_buffer,
                  events: list, side_events: list, staged_s: float, nbytes: int,
-                 later_bytes: int):
+                 later_bytes: int, staged: dict[_Key, _Deferred] | None = None,
+                 sides: dict | None = None, path: str = ""):
         self.state, self.staged_s, self.bytes = state, staged_s, nbytes
         self.later_bytes = later_bytes  # copied beside the next step (CPU and device)
+        self.path = path
         self._later, self._buffers, self._new_buffer = later, buffers, new_buffer
+        self._staged, self._sides = staged or {}, sides or {}
         self._events, self._side_events = events, side_events
         self._landed = threading.Event()
         if not later:
@@ -124,17 +140,41 @@ class StagedCopy:
         t0 = time.monotonic()
         try:
             for key, d in self._later.items():
-                if d.host is None:
-                    d.host = self._buffers[key] = self._new_buffer(d.source.nbytes(), key[0])
-                    for staged, offset, size, stride in d.views:
-                        staged.set_(d.host, offset, size, stride)
+                self._host(key, d)
                 _copy(d.host, d.source, False)  # the GIL released: the step goes on meanwhile
         finally:
             self._later = {}  # the sources are the live parameters: hold no reference to them
             self._landed.set()  # before the device's wait: the step's fence needs only this
+        try:
+            # Device staging: the staging buffers (which training never touches) go to the host
+            # on the side stream, once the step's copies into them are done; nothing waits here
+            # but this thread, so the host buffers are allocated here, not in the step. This
+            # thread's current device is its own (device 0 when new): the source's, for the
+            # page-locking of a shared buffer (no context made on another GPU).
+            for key, d in self._staged.items():
+                side, ready = self._sides[key[0]]
+                with torch.accelerator.device_index(key[0].index):
+                    self._host(key, d)
+                    side.wait_event(ready)
+                    with side:
+                        _copy(d.host, d.staging, True)
+            for device, (side, _) in self._sides.items():
+                event = torch.Event(device=device)
+                event.record(side)
+                self._events.append(event)
+        finally:
+            self._staged = {}
         for event in self._events:
             event.synchronize()
         self.overlap_s = time.monotonic() - t0
+
+    def _host(self, key: _Key, d: _Deferred) -> None:
+        """Allocate `d`'s host buffer if it has none yet (kept for the next save), and set the
+        staged tensors that view it onto it."""
+        if d.host is None:
+            d.host = self._buffers[key] = self._new_buffer(d.source.nbytes(), key[0])
+            for staged, offset, size, stride in d.views:
+                staged.set_(d.host, offset, size, stride)
 
     def fence(self) -> None:
         """Before anything changes the deferred tensors (the optimizer step): wait for their copy.
@@ -182,40 +222,47 @@ class HostCopy:
         self.shared = shared
         self._buffers: dict[_Key, torch.UntypedStorage] = {}
         self._side: dict[torch.device, Any] = {}  # a side stream per device, made once
+        self._staging = DeviceStaging()  # device buffers kept from save to save, by its rule
         self.bytes = 0  # copied by the last `copy`
 
     def copy(self, obj: Any, later: Iterable[torch.Tensor] = ()) -> StagedCopy:
         """`obj` with every tensor copied to host memory; tensors sharing a storage with one of
         `later` are copied beside the next step instead (see the module's rule)."""
         t0 = time.monotonic()
-        deferred = {_key(t.untyped_storage(), t.device) for t in later}
+        sources = {_key(t.untyped_storage(), t.device): t.untyped_storage() for t in later}
+        deferred = set(sources)
+        on_device = {k: s for k, s in sources.items() if k[0].type != "cpu"}
+        staged = self._staging.plan(on_device) if on_device else set()
         used: dict[_Key, torch.UntypedStorage] = {}
         pending: dict[_Key, _Deferred] = {}
         devices: set[torch.device] = set()
-        state = self._walk(obj, used, devices, (deferred, pending))
+        state = self._walk(obj, used, devices, (deferred, pending, staged))
         self._buffers = used  # storages gone since the last save free their buffers
         self.bytes = sum(s.nbytes() for s in used.values())
         later_bytes = sum(d.source.nbytes() for d in pending.values())
         self.bytes += sum(d.source.nbytes() for d in pending.values() if d.host is None)
-        # From CUDA the copies of now are queued on the current stream (pinned memory,
-        # non_blocking): the step goes on at once, and the stream runs them before the next
-        # step's kernels change the buffers. The writer waits for this event before reading.
-        events, side_events = [], []
+        # From CUDA the copies of now (to pinned memory, and into staging buffers) are queued
+        # on the current stream, non_blocking: the step goes on at once, and the stream runs
+        # them before the next step's kernels change their sources. The writer waits for this
+        # event before reading (and staging's side stream before copying to the host).
+        events, side_events, sides = [], [], {}
         for device in devices:
             event = torch.Event(device=device)
             event.record()
             events.append(event)
+            if device in staged:
+                sides[device] = (self._side_stream(device), event)
         later_cpu = {key: d for key, d in pending.items() if key[0].type == "cpu"}
+        later_staged = {key: d for key, d in pending.items() if d.staging is not None}
         by_device: dict[torch.device, list] = {}
         for key, d in pending.items():
-            if key[0].type != "cpu":
+            if key[0].type != "cpu" and d.staging is None:
                 by_device.setdefault(key[0], []).append((d.host, d.source))
         for device, pairs in by_device.items():
             # The side stream first waits for the work queued so far (the optimizer step that
             # made this state), then copies while the current stream runs the next forward;
             # `fence` makes the current stream wait for it before the optimizer's kernels.
-            side = self._side.get(device) or torch.Stream(device=device)
-            self._side[device] = side
+            side = self._side_stream(device)
             side.wait_stream(torch.accelerator.current_stream(device))
             with side:
                 for host, source in pairs:
@@ -224,8 +271,20 @@ class HostCopy:
             event.record(side)
             events.append(event)
             side_events.append(event)
+        paths = [self._staging.paths[k] for k in sorted(self._staging.paths, key=str)
+                 if k in {key[0] for key in pending}]
+        if later_cpu:
+            paths.append("by the writer thread")
         return StagedCopy(state, later_cpu, used, self._new_buffer, events, side_events,
-                          time.monotonic() - t0, self.bytes, later_bytes)
+                          time.monotonic() - t0, self.bytes, later_bytes, later_staged, sides,
+                          "; ".join(paths) or "none deferred")
+
+    def _side_stream(self, device: torch.device) -> Any:
+        """The device's side stream for copies to the host, made at its first use."""
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.Stream(device=device)
+        return side
 
     def _walk(self, obj: Any, used: dict, devices: set, later: tuple) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -263,14 +322,18 @@ class HostCopy:
             return t.detach().to("cpu", copy=True)  # rare kinds: a plain copy, no buffer reuse
         source = t.untyped_storage()
         key = _key(source, t.device)
-        deferred, pending = later
-        if key in deferred:  # copied by `finish` (CPU) or on the side stream (device)
+        deferred, pending, staged = later
+        if key in deferred:  # copied by `finish` (CPU, staging) or on the side stream (device)
             d = pending.get(key)
             if d is None:
-                host = self._buffers.get(key)
-                if host is None and t.device.type != "cpu":  # the side stream copies at once
+                host, staging = self._buffers.get(key), None
+                if t.device in staged:  # on the device now; `finish` takes it to the host
+                    staging = self._staging.buffer(key, source)
+                    _copy(staging, source, True)
+                    devices.add(t.device)
+                elif host is None and t.device.type != "cpu":  # the side stream copies at once
                     host = self._new_buffer(source.nbytes(), t.device)
-                d = pending[key] = _Deferred(source, host)
+                d = pending[key] = _Deferred(source, host, staging)
                 if host is not None:
                     used[key] = host
             return d.view(t)

@@ -214,10 +214,10 @@ class SnapshotManager:
             staged.finish()  # first: the step's optimizer waits for it (the copies landed)
             result = self._save_now(keys, step, shared, per_rank, metadata)
             log.info("snapshot of step %d (%s): %.1f MB, the step held %.2f s to copy it "
-                     "(%.1f MB more copied beside the next step in %.2f s), written in the "
-                     "background by a %s in %.2f s -> %s", step, reason,
+                     "(%.1f MB more copied beside the next step in %.2f s, %s), written in "
+                     "the background by a %s in %.2f s -> %s", step, reason,
                      result.total_bytes / 1e6, staged_s, staged.later_bytes / 1e6,
-                     staged.overlap_s, bg.using, result.total_s, result.path)
+                     staged.overlap_s, staged.path, bg.using, result.total_s, result.path)
             return result
 
         bg.start(step, write)
