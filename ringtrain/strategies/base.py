@@ -144,6 +144,12 @@ class LiveHooks(ABC):
         (`current()`: this member's place now). Default: its group's collectives."""
         return GenerationAgreement(current)
 
+    def commits_at(self, step: int) -> bool:
+        """Whether the state after `step` steps is a commit point: one every member can be
+        rebuilt from (restored, or healed from a peer), where replacements are let in.
+        Default: every step (replicas that agree after each step, as ddp's)."""
+        return True
+
     @abstractmethod
     def on_members(self, runtime: Runtime) -> None:
         """A new generation: `runtime` says this member's rank, the members' number and their

@@ -1,0 +1,154 @@
+"""`ringtrain train --live` for local SGD and DiLoCo (CLI, gloo, CPU, 3 workers, a tiny GPT).
+
+    RINGTRAIN_FULL=1 .venv/bin/pytest -q tests/test_live_rounds.py   # localsgd too
+
+Their replicas meet every `--sync-every` H = 4 steps; the meetings are the commit points
+(`ringtrain.strategies.live_step.RoundLiveHooks`). One faulted run and its fault-free reference
+per strategy, all started together; both faults hit the second round (steps 5 to 8):
+- after step 5, launcher rank 1 is killed (SIGKILL): the survivors find it in an inner step
+  (step 6's sample-record all-gather), go back to the meeting of step 4, wait for the
+  replacement (`--live-wait 60`) and redo the round's steps 5 and 6 with it;
+- after step 7, launcher rank 2 is killed: found inside step 8's meeting (its all-reduce), the
+  round is redone from step 4 once more, with a second replacement;
+- launcher rank 0's process trains every step; each replacement joins at the commit of step 4
+  and heals from a live peer (model, the last meeting's weights, DiLoCo's anchor and outer
+  momentum, the step count in the period, the sample history);
+- the committed sample history is the fault-free run's: every step the same global batch,
+  each sample once.
+The final weights are not bit-identical: a lost member takes its inner AdamW moments along and
+its replacement heals with its healer's (the warning on `RoundLiveHooks`). Each inner step
+moves a weight by about lr at most (AdamW's normalised step), so a replica trained with another
+member's moments ends a round at most 2 H lr away from its fault-free self; the meeting
+averages W replicas (1/W of that) and DiLoCo's outer step scales the pseudo-gradient by its lr
+and up to (1 + momentum) with Nesterov. The bound asserted is that, and the measured distance
+is printed (about 1.7e-3 for local SGD at lr 1e-3, H 4, W 3: 63 % of its bound).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from support.faults import fault_env
+
+from ringtrain.data.sample_log import SampleLog, check_history
+from ringtrain.live import GlobalBatches
+
+pytestmark = pytest.mark.slow  # four CLI jobs of 3 workers each (two with RINGTRAIN_FULL unset)
+
+STEPS, BATCH, WORLD, H, LR = 8, 8, 3, 4, 1e-3
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's defaults
+FULL = os.environ.get("RINGTRAIN_FULL") == "1"
+STRATEGIES = ["diloco", *(["localsgd"] if FULL else [])]  # diloco's state holds localsgd's
+FAULTS = "kill:1:5,kill:2:7"  # an inner step's fault, then a meeting's, both in round 2
+COMMIT = 4  # the meeting both faults go back to
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT",
+                "RINGTRAIN_STEP_HOOK")
+
+
+def _argv(strategy: str) -> list[str]:
+    return ["--strategy", strategy, "--sync-every", str(H), "--lr", str(LR),
+            "--nproc-per-node", str(WORLD), "--steps", str(STEPS), "--n-layer", "1",
+            "--n-embd", "32", "--batch-size", str(BATCH), "--dropout", "0", "--log-every", "2",
+            "--eval-every", str(STEPS), "--snapshot-every", str(STEPS), "--threads", "1",
+            "--no-progress", "--device", "cpu", "--live", "--live-wait", "60",
+            "--record-samples", "--watchdog-timeout", "6"]
+
+
+def _start(run_dir: Path, strategy: str, fault: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    if fault:
+        env.update(fault_env(fault))
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "ringtrain", "train", *_argv(strategy),
+                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=run_dir.parent, env=env)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live_rounds")
+    procs = {(s, kind): _start(root / f"{s}-{kind}", s, FAULTS if kind == "faulted" else None)
+             for s in STRATEGIES for kind in ("faulted", "clean")}
+    out = {}
+    try:
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=420)
+            assert proc.returncode == 0, f"{key}: {stdout[-2000:]}{stderr[-4000:]}"
+            out[key] = (root / f"{key[0]}-{key[1]}", stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return out
+
+
+def _members(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "live").glob("*.json"))]
+
+
+def _snapshot(run_dir: Path, part: str) -> dict:
+    return torch.load(run_dir / "snapshots" / f"snap-{STEPS:08d}" / part, weights_only=True)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_survivors_redo_the_round_and_each_replacement_heals_at_its_meeting(runs, strategy):
+    run_dir, stderr = runs[strategy, "faulted"]
+    members = _members(run_dir)
+    by_slot = {(m["launcher_rank"], m["joined_at_step"]): m for m in members}
+    assert len(members) == 5, members  # 3 started, 2 replacements
+    survivor = by_slot[0, 0]  # trained every step in its own process, recovered twice
+    assert survivor["status"] == "finished" and survivor["step"] == STEPS
+    assert survivor["recoveries"] == 2
+    assert by_slot[1, 0]["status"] == by_slot[2, 0]["status"] == "training"  # killed
+    # Each replacement healed to the meeting of step 4 (the commit), not to a step mid-round.
+    assert by_slot[1, COMMIT]["status"] == by_slot[2, COMMIT]["status"] == "finished"
+    assert {m["members"] for m in members if m["status"] == "finished"} == {WORLD}
+    for slot in (1, 2):
+        assert f"(pid {by_slot[slot, 0]['pid']}) killed by SIGKILL" in stderr, stderr[-3000:]
+    assert "redoing it from step 4" in stderr, stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == WORLD and summary["steps"] == STEPS
+    assert summary["meetings"] == STEPS // H  # the redone rounds met once each, in the end
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_sample_history_is_the_fault_free_runs(runs, strategy):
+    (faulted, _), (clean, _) = runs[strategy, "faulted"], runs[strategy, "clean"]
+    history = SampleLog.from_state(_snapshot(faulted, "shared.pt")["trainer"]["samples"])
+    reference = SampleLog.from_state(_snapshot(clean, "shared.pt")["trainer"]["samples"])
+    assert history.step_sets() == reference.step_sets()
+    from ringtrain.data.addition import train_size
+
+    n = train_size(2)  # the addition task's default digits
+    report = check_history(history, dataset_len=n, seed=1337, global_batch=BATCH * WORLD,
+                           steps=STEPS)
+    assert report["errors"] == [] and report["samples"] == STEPS * BATCH * WORLD
+    batches = GlobalBatches(n, BATCH * WORLD, seed=1337)
+    assert history.step_sets() == {s + 1: sorted((0, i) for i in batches.batch(s))
+                                   for s in range(STEPS)}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_weights_end_within_the_bound_of_the_fault_free_runs(runs, strategy):
+    (faulted, _), (clean, _) = runs[strategy, "faulted"], runs[strategy, "clean"]
+    got = _snapshot(faulted, "rank0.pt")["strategy"]
+    want = _snapshot(clean, "rank0.pt")["strategy"]
+    assert got["inner_steps"] == want["inner_steps"] == STEPS
+    outer = OUTER_LR * (1 + OUTER_MOMENTUM) if strategy == "diloco" else 1.0
+    bound = 2 * H * LR * outer / WORLD
+    distance = max((got["synced"][k] - want["synced"][k]).abs().max().item()
+                   for k in want["synced"])
+    print(f"{strategy}: the faulted run's weights are {distance:.3g} from the fault-free "
+          f"run's (bound {bound:.3g})")
+    assert 0 < distance <= bound  # 0 would mean the moments were healed: tighten the test
+    if strategy == "diloco":  # the outer optimizer's state was healed, so it is close too
+        for a, b in zip(got["outer"]["anchor"], want["outer"]["anchor"], strict=True):
+            torch.testing.assert_close(a, b, atol=bound, rtol=0)
