@@ -19,16 +19,8 @@ its buckets (their order learnt in the first step), each time a member leaves or
 all-reduce per step is what the wrapper's buckets amount to on a CPU-sized model; a large model
 would want the buckets back (overlap with backward), which is left for later.
 
-`RoundLiveHooks` is the step of local SGD and DiLoCo, whose replicas train alone and meet
-every H (`--sync-every`) steps. Between two meetings the replicas differ, each member's a
-function of its own shares: a lost member takes its part of the round with it, and no survivor
-could rebuild it. So the commit points are the meetings (`commits_at`): a fault anywhere in a
-round, in an inner step or in the meeting itself, sends the survivors back to the state after
-the last meeting, and the whole round is redone over whoever is left, each step's global batch
-re-split over them (a replacement, let in there, takes the lost member's rank and shares). The
-committed state is the model and everything the strategy holds (`round_state_dict`: the inner
-optimizer, the last meeting's weights, the step count in the period, DiLoCo's anchor and outer
-momentum). A fault costs up to H steps trained again, as torchft's LocalSGD discards the round.
+`ringtrain.strategies.localsgd_live.RoundLiveHooks` is local SGD's and DiLoCo's, whose replicas
+meet every H steps: there the meetings are the commit points.
 """
 
 from __future__ import annotations
@@ -47,7 +39,7 @@ from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
 
-__all__ = ["ReplicaLiveHooks", "RoundLiveHooks", "one_replica_view"]
+__all__ = ["ReplicaLiveHooks", "one_replica_view"]
 
 
 class ReplicaLiveHooks(LiveHooks):
@@ -86,42 +78,6 @@ class ReplicaLiveHooks(LiveHooks):
                            self.model.parameters(), max_norm))
         return StepResult(loss_sum=loss_sum, count=count,
                           compute_s=time.perf_counter() - start - comm_s, comm_s=comm_s)
-
-
-class RoundLiveHooks(LiveHooks):
-    """The live step of local SGD and DiLoCo: replicas that train alone and meet every
-    `sync_every` steps (`strategy.module`, `inner_step`, `round_state_dict`, as
-    `LocalSGDStrategy` has them after setup). See the module docstring for the rule.
-
-    .. warning:: The inner optimizer's state is each member's own (AdamW's moments of its own
-        gradients), and a lost member takes it along: its replacement heals with its healer's.
-        With the world size restored the run is then not bit-identical to the fault-free one
-        (docs/fault_tolerance.md has the bound); the samples, the step count and every other
-        piece of state are the fault-free run's.
-    """
-
-    def __init__(self, strategy: Any, sync_every: int):
-        self.strategy, self.sync_every = strategy, sync_every
-        self.model = strategy.module
-        self.optimizer = self  # committed and healed: `state_dict` is the strategy's round state
-
-    def commits_at(self, step: int) -> bool:
-        return step % self.sync_every == 0
-
-    def on_members(self, runtime: Runtime) -> None:
-        self.strategy.runtime = runtime  # its meetings go over the generation's group
-
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
-                   lr: float, grad_clip: float | None, weight: float) -> StepResult:
-        # `weight` is unused: each member steps on its own share's mean gradient, as local
-        # SGD's ranks do; the meeting averages the replicas, one vote each.
-        return self.strategy.inner_step(micro_batches, lr=lr, grad_clip=grad_clip)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.strategy.round_state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.strategy.load_round_state_dict(state)
 
 
 def _sum_gradients(model: nn.Module, group: Any) -> None:

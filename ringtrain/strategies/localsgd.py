@@ -38,7 +38,7 @@ from ringtrain.strategies.base import (
     eval_forward,
 )
 from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
-from ringtrain.strategies.live_step import RoundLiveHooks
+from ringtrain.strategies.localsgd_live import RoundLiveHooks
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -164,7 +164,7 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
 
     def live_hooks(self) -> RoundLiveHooks:
         """A replica per member that meets every `sync_every` steps: the meetings are the
-        commit points (`ringtrain.strategies.live_step.RoundLiveHooks`)."""
+        commit points (`ringtrain.strategies.localsgd_live`)."""
         assert self.module is not None, "setup() first"
         return RoundLiveHooks(self, self.sync_every)
 
