@@ -35,7 +35,7 @@ from support.faults import fault_env
 from ringtrain.data.sample_log import SampleLog, check_history
 from ringtrain.live import GlobalBatches
 
-pytestmark = pytest.mark.slow  # four CLI jobs of 3 workers each (two with RINGTRAIN_FULL unset)
+slow = pytest.mark.slow  # two CLI jobs of 3 workers each (four with RINGTRAIN_FULL=1)
 
 STEPS, BATCH, WORLD, H = 8, 8, 3, 4
 FULL = os.environ.get("RINGTRAIN_FULL") == "1"
@@ -93,6 +93,7 @@ def _snapshot(run_dir: Path, part: str) -> dict:
     return torch.load(run_dir / "snapshots" / f"snap-{STEPS:08d}" / part, weights_only=True)
 
 
+@slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_survivors_redo_the_round_and_each_replacement_heals_at_its_meeting(runs, strategy):
     run_dir, stderr = runs[strategy, "faulted"]
@@ -114,6 +115,7 @@ def test_survivors_redo_the_round_and_each_replacement_heals_at_its_meeting(runs
     assert summary["meetings"] == STEPS // H  # the redone rounds met once each, in the end
 
 
+@slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_sample_history_is_the_fault_free_runs(runs, strategy):
     (faulted, _), (clean, _) = runs[strategy, "faulted"], runs[strategy, "clean"]
@@ -131,6 +133,7 @@ def test_the_sample_history_is_the_fault_free_runs(runs, strategy):
                                    for s in range(STEPS)}
 
 
+@slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_faulted_run_ends_with_the_fault_free_weights(runs, strategy):
     (faulted, _), (clean, _) = runs[strategy, "faulted"], runs[strategy, "clean"]
@@ -146,3 +149,50 @@ def test_the_faulted_run_ends_with_the_fault_free_weights(runs, strategy):
                   (got["outer"]["optimizer"]["state"], want["outer"]["optimizer"]["state"])]
     for a, b in pairs:
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def _hooks(rank: int, world_size: int):
+    """A set-up one-rank local SGD strategy's live hooks, told it is `rank` of `world_size`."""
+    from ringtrain.runtime import Runtime
+    from ringtrain.strategies.localsgd import LocalSGDStrategy
+
+    runtime = Runtime(0, 1, 0, "gloo", torch.device("cpu"), None, None)
+    strategy = LocalSGDStrategy(runtime, sync_every=H)
+    strategy.setup(torch.nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                   torch.nn.functional.mse_loss)
+    hooks = strategy.live_hooks()
+    return hooks, Runtime(rank, world_size, 0, "gloo", torch.device("cpu"), None, None)
+
+
+def _slot(momentum: float) -> torch.Tensor:
+    """A serialized SGD state whose momentum buffers hold `momentum` (a member's slot)."""
+    import io
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1, momentum=0.9)
+    for p in opt.param_groups[0]["params"]:
+        opt.state[p]["momentum_buffer"] = torch.full_like(p, momentum)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("slot_rank, rank, slots, want", [
+    (None, 1, 3, 1.0),   # a replacement at rank 1 of 3, the commit made by 3: rank 1's moments
+    (2, 1, 3, 2.0),      # a survivor, rank 2 at the commit, rank 1 now: its own moments
+    (None, 2, 2, None),  # a replacement let in after the survivors closed ranks: its healer's
+])
+def test_a_member_takes_its_slot_of_the_committed_inner_optimizer_states(slot_rank, rank, slots,
+                                                                          want):
+    """In process, no group: which member's inner optimizer state a loaded commit gives."""
+    hooks, runtime = _hooks(rank, 3)
+    assert [hooks.commits_at(s) for s in (0, 3, 4, 8)] == [True, False, True, True]
+    hooks.slot_rank = slot_rank
+    state = {**hooks.state_dict(), "slots": [_slot(float(r)) for r in range(slots)]}
+    hooks.load_state_dict(state)  # the healer's round state: its own (empty) moments
+    hooks.on_members(runtime)
+    buffers = [s["momentum_buffer"] for s in hooks.strategy.optimizer.state.values()]
+    if want is None:
+        assert buffers == []
+    else:
+        assert buffers and all(torch.equal(b, torch.full_like(b, want)) for b in buffers)
+    assert hooks.strategy.runtime is runtime

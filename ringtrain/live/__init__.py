@@ -16,7 +16,8 @@ Read in this order:
   collective; and `all_reduce_gradients`.
 
 A library layer for `ringtrain run` scripts; `ringtrain train --live` uses it through
-`ringtrain.training.live` (docs/fault_tolerance.md, "Live recovery"). Tests: `.venv/bin/pytest -q tests/test_live*.py`.
+`ringtrain.training.live` (docs/fault_tolerance.md, "Live recovery").
+Tests: `.venv/bin/pytest -q tests/test_live*.py`.
 May import: torch, `ringtrain.data`, `ringtrain.checkpoint` (the RNG state), `ringtrain.store_keys`.
 """
 
