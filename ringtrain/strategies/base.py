@@ -124,7 +124,8 @@ class StrategyConfig:
         Default: refused, for a strategy without live recovery."""
         return ("it has no live recovery yet (survivors would not know how to rebuild its "
                 "state over fewer ranks): drop --live (a failure then restarts every worker "
-                "from the last snapshot, --max-restarts), or use --strategy ddp")
+                "from the last snapshot, --max-restarts), or use --strategy ddp, localsgd or "
+                "diloco")
 
     def figures(self, workload: Workload) -> Figures | None:
         """What a rank holds and sends under these options (`ringtrain.strategies.figures`),
