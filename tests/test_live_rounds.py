@@ -15,13 +15,16 @@ per strategy, all started together; both faults hit the second round (steps 5 to
   momentum, the step count in the period, the sample history);
 - the committed sample history is the fault-free run's: every step the same global batch,
   each sample once.
-- the final `param_sha256` is the fault-free run's: the replacement took the lost member's
-  inner AdamW moments from the commit (every member's, all-gathered at each meeting), its
-  rank and its shares, so the redone round is the fault-free one, bit for bit.
+- the final `param_sha256` is the fault-free run's: each replacement took the lost member's
+  inner AdamW moments from the copy its ring successor received at the meeting of step 4, its
+  rank and its shares, so the redone round is the fault-free one, bit for bit. (Launcher ranks
+  are not the members' ranks: when the two victims are adjacent in the ring, the second one's
+  copy was on the first one's replacement, which rebuilt it from its predecessor in its repair.)
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -165,9 +168,7 @@ def _hooks(rank: int, world_size: int):
 
 
 def _slot(momentum: float) -> torch.Tensor:
-    """A serialized SGD state whose momentum buffers hold `momentum` (a member's slot)."""
-    import io
-
+    """A serialized SGD state whose momentum buffers hold `momentum` (a member's moments)."""
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1, momentum=0.9)
     for p in opt.param_groups[0]["params"]:
         opt.state[p]["momentum_buffer"] = torch.full_like(p, momentum)
@@ -176,23 +177,32 @@ def _slot(momentum: float) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("slot_rank, rank, slots, want", [
-    (None, 1, 3, 1.0),   # a replacement at rank 1 of 3, the commit made by 3: rank 1's moments
-    (2, 1, 3, 2.0),      # a survivor, rank 2 at the commit, rank 1 now: its own moments
-    (None, 2, 2, None),  # a replacement let in after the survivors closed ranks: its healer's
+def _set_moments(hooks, momentum: float) -> None:
+    state = torch.load(io.BytesIO(_slot(momentum).numpy().tobytes()), weights_only=True)
+    hooks.strategy.optimizer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("whose, repaired, want_moments, want_slot", [
+    ("own", False, 2.0, 1),       # a survivor's restore: its moments, rank and copy
+    ("peer", False, 5.0, None),   # a heal: the healer's moments, its own found in a repair
+    ("peer", True, 1.0, 1),       # a heal again in the same round: the moments repaired before
 ])
-def test_a_member_takes_its_slot_of_the_committed_inner_optimizer_states(slot_rank, rank, slots,
-                                                                          want):
-    """In process, no group: which member's inner optimizer state a loaded commit gives."""
-    hooks, runtime = _hooks(rank, 3)
+def test_a_loaded_commit_gives_a_member_its_own_moments_or_marks_them_missing(
+        whose, repaired, want_moments, want_slot):
+    """In process, no group: what `RoundLiveHooks.load_state_dict` keeps of a commit."""
+    hooks, runtime = _hooks(1, 3)
     assert [hooks.commits_at(s) for s in (0, 3, 4, 8)] == [True, False, True, True]
-    hooks.slot_rank = slot_rank
-    state = {**hooks.state_dict(), "slots": [_slot(float(r)) for r in range(slots)]}
-    hooks.load_state_dict(state)  # the healer's round state: its own (empty) moments
+    if repaired:  # moments received in an earlier repair, for this same commit (0 steps)
+        hooks.repaired = (0, 1, _slot(1.0))
+    committer = hooks if whose == "own" else _hooks(0, 3)[0]
+    _set_moments(committer, 2.0 if whose == "own" else 5.0)
+    state = {**committer.state_dict(), "slot_rank": 1, "commit_size": 3, "buddy": _slot(0.0),
+             "buddy_of": 0}
+    _set_moments(hooks, 9.0)  # moved on since the commit
+    hooks.load_state_dict(state)
     hooks.on_members(runtime)
     buffers = [s["momentum_buffer"] for s in hooks.strategy.optimizer.state.values()]
-    if want is None:
-        assert buffers == []
-    else:
-        assert buffers and all(torch.equal(b, torch.full_like(b, want)) for b in buffers)
+    assert buffers and all(torch.equal(b, torch.full_like(b, want_moments)) for b in buffers)
+    assert hooks.slot_rank == want_slot and hooks.commit_size == 3
+    assert (hooks.buddy_of == 0) == (whose == "own")  # a peer's copy is not this member's
     assert hooks.strategy.runtime is runtime

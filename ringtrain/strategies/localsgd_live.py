@@ -15,19 +15,24 @@ everything the strategy holds (`round_state_dict`: the inner optimizer, the last
 weights, the step count in the period, DiLoCo's anchor and outer momentum).
 
 One piece of that is not a replica: each member's inner optimizer state (AdamW's moments of its
-own gradients). So at each meeting the members also all-gather their inner optimizer states
-(`_exchange`), and the commit holds every member's, by rank: a replacement that takes rank r of
-a generation as large as the commit's takes rank r's moments, and the round it redoes is the
-fault-free one, bit for bit. The price, in live mode only: each member holds W inner optimizer
-states (twice the model per member for AdamW) and receives W - 1 of them per meeting (about
-W - 1 times the meeting's own all-reduce). Where the commit was made by fewer members (the
-survivors went on without a replacement), a replacement keeps its healer's moments: no
-fault-free run to match then. A neighbour's copy alone would do at scale (one state, not W).
+own gradients). So at each meeting every member also sends its inner optimizer state to its
+ring successor (rank r + 1 mod W; one send/recv pair, `_exchange`), and a commit holds the
+member's own state and its predecessor's. After the members change, in the first step (inside
+the recovery's retry, `_repair_moments`), a member that took a peer's commit (a replacement) at
+rank r of a generation as large as the commit's receives rank r's moments from the member
+holding the copy, so the round it redoes is the fault-free one, bit for bit; then it takes a
+copy of its predecessor's, so a second loss in the round finds one as well. The price, in live
+mode only: one more inner optimizer state per member (for AdamW, 2 model sizes) and 2 model
+sizes sent and received per member per meeting (the meeting's all-reduce itself sends
+2 (W - 1) / W). Two adjacent ranks lost in one recovery lose a state and its only copy: that
+replacement keeps its healer's moments (close, not bit-identical), as does one let in after the
+survivors went on without it (the commit was made by fewer members: no fault-free run then).
 """
 
 from __future__ import annotations
 
 import io
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,61 +60,148 @@ class RoundLiveHooks(LiveHooks):
         self.strategy, self.sync_every = strategy, sync_every
         self.model = strategy.module
         self.optimizer = self  # committed and healed: `state_dict` is the strategy's round state
-        self.slots: list[torch.Tensor] = []  # every member's inner optimizer state, by rank
-        self.slot_rank: int | None = None  # this member's rank at the last exchange
-        self._reload = False  # a commit was loaded: take this member's slot (`on_members`)
+        self.token = uuid.uuid4().hex  # tells this process's own commits from a peer's
+        # As of the commit loaded last (or about to be made): this member's rank in it (None: a
+        # peer's commit, its own moments not known), the generation's size, and its
+        # predecessor's inner optimizer state (serialized) with that rank.
+        self.slot_rank: int | None = None
+        self.commit_size = 0
+        self.buddy: torch.Tensor | None = None
+        self.buddy_of: int | None = None
+        # (inner steps, rank, state): moments received in a repair, for a peer's commit that a
+        # later fault in the same round restores again
+        self.repaired: tuple[int, int, torch.Tensor] | None = None
+        self.rebuilt: tuple[int, int, torch.Tensor] | None = None  # the same, of the copy
+        self._repair = False  # new members: find missing moments in the next step
 
     def commits_at(self, step: int) -> bool:
         return step % self.sync_every == 0
 
     def on_members(self, runtime: Runtime) -> None:
         self.strategy.runtime = runtime  # its meetings go over the generation's group
-        if not self._reload:
-            return
-        self._reload = False
-        # A survivor's slot is its own state (restored already, or a peer's newer commit); a
-        # replacement takes the slot of the rank it took, where the commit had this many.
-        slot = self.slot_rank
-        if slot is None and len(self.slots) == runtime.world_size:
-            slot = runtime.rank
-        if slot is not None and slot < len(self.slots):
-            self.strategy.optimizer.load_state_dict(
-                torch.load(io.BytesIO(self.slots[slot].numpy().tobytes()), weights_only=True))
+        # Every member, whoever loaded a commit: the repair is a collective of all of them.
+        self._repair = True
 
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
                    lr: float, grad_clip: float | None, weight: float) -> StepResult:
         # `weight` is unused: each member steps on its own share's mean gradient, as local
         # SGD's ranks do; the meeting averages the replicas, one vote each.
+        if self._repair:  # inside the recovery's retry: a fault here redoes the round again
+            self._repair_moments()
         result = self.strategy.inner_step(micro_batches, lr=lr, grad_clip=grad_clip)
-        if self.strategy.inner_steps % self.sync_every == 0:  # it met: the next commit's slots
+        if self.strategy.inner_steps % self.sync_every == 0:  # it met: the next commit's copy
             self._exchange()
         return result
 
     def _exchange(self) -> None:
-        """All-gather every member's inner optimizer state (serialized: a fresh member's may
-        have no moments yet), so the commit can heal any member's."""
+        """Send this member's inner optimizer state to its ring successor, keep its
+        predecessor's (serialized: a member with an empty share may have no moments yet)."""
         rt = self.strategy.runtime
-        buf = io.BytesIO()
-        torch.save(self.strategy.optimizer.state_dict(), buf)
-        mine = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        self.slot_rank = rt.rank
+        mine = _serialize(self.strategy.optimizer.state_dict())
+        self.slot_rank, self.commit_size = rt.rank, rt.world_size
+        self.repaired = self.rebuilt = None
+        self.buddy = self.buddy_of = None
         if rt.world_size == 1:
-            self.slots = [mine]
             return
+        successor, predecessor = (rt.rank + 1) % rt.world_size, (rt.rank - 1) % rt.world_size
         pg = rt.process_group  # a generation's group, outside torch's registry: its own methods
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(rt.world_size)]
-        pg.allgather([sizes], [torch.tensor([mine.numel()])]).wait()
-        width = max(int(n) for n in sizes)
-        padded = torch.zeros(width, dtype=torch.uint8)
-        padded[:mine.numel()] = mine
-        out = [torch.empty_like(padded) for _ in range(rt.world_size)]
-        pg.allgather([out], [padded]).wait()
-        self.slots = [t[:int(n)].clone() for t, n in zip(out, sizes, strict=True)]
+        size = torch.zeros(1, dtype=torch.int64)
+        works = [pg.send([torch.tensor([mine.numel()])], successor, 0),
+                 pg.recv([size], predecessor, 0)]
+        for work in works:
+            work.wait()
+        theirs = torch.empty(int(size), dtype=torch.uint8)
+        works = [pg.send([mine], successor, 1), pg.recv([theirs], predecessor, 1)]
+        for work in works:
+            work.wait()
+        self.buddy, self.buddy_of = theirs, predecessor
+
+    def _repair_moments(self) -> None:
+        """Every member, first step after the members changed (the state is a commit's):
+        1. a member without its own moments at rank r (a replacement) takes rank r's from whoever
+           holds the copy, if the commit was made by as many members as there are now (ranks
+           kept: a replacement takes a lost rank's);
+        2. a member without a valid copy of its predecessor's moments (a replacement again)
+           takes them from the predecessor itself, so a second loss in the round finds a copy.
+        The plan is computed from one all-gather, the same on every member."""
+        self._repair = False
+        rt = self.strategy.runtime
+        if rt.world_size == 1:
+            return
+        mine = torch.tensor([-1 if self.slot_rank is None else self.slot_rank,
+                             -1 if self.buddy is None else self.buddy_of, self.commit_size])
+        views = [torch.zeros(3, dtype=torch.int64) for _ in range(rt.world_size)]
+        rt.process_group.allgather([views], [mine]).wait()
+        slots, buddies, sizes = ([int(v[i]) for v in views] for i in range(3))
+        for rank in range(rt.world_size):
+            holders = [h for h, b in enumerate(buddies) if b == rank]
+            if slots[rank] != -1 or sizes[rank] != rt.world_size or rank in slots or \
+                    not holders:
+                continue  # its own already, ranks moved, or its copy lost: the healer's moments
+            got = self._pass(holders[0], rank, self.buddy)
+            slots[rank] = rank
+            if got is not None:
+                self.strategy.optimizer.load_state_dict(_deserialize(got))
+                self.slot_rank = rank
+                self.repaired = (self.strategy.inner_steps, rank, got)
+        for rank in range(rt.world_size):
+            predecessor = (rank - 1) % rt.world_size
+            if buddies[rank] != -1 or slots[predecessor] == -1:
+                continue
+            own = (_serialize(self.strategy.optimizer.state_dict())
+                   if rt.rank == predecessor else None)
+            got = self._pass(predecessor, rank, own)
+            if got is not None:
+                self.buddy, self.buddy_of = got, predecessor
+                self.rebuilt = (self.strategy.inner_steps, predecessor, got)
+
+    def _pass(self, src: int, dst: int, data: torch.Tensor | None) -> torch.Tensor | None:
+        """`data` from member `src` to member `dst` (a size, then the bytes); what `dst` got."""
+        rt = self.strategy.runtime
+        pg = rt.process_group
+        if rt.rank == src:
+            assert data is not None
+            pg.send([torch.tensor([data.numel()])], dst, 2).wait()
+            pg.send([data], dst, 3).wait()
+        elif rt.rank == dst:
+            n = torch.zeros(1, dtype=torch.int64)
+            pg.recv([n], src, 2).wait()
+            got = torch.empty(int(n), dtype=torch.uint8)
+            pg.recv([got], src, 3).wait()
+            return got
+        return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.strategy.round_state_dict(), "slots": list(self.slots)}
+        return {**self.strategy.round_state_dict(), "owner": self.token,
+                "slot_rank": self.slot_rank, "commit_size": self.commit_size,
+                "buddy": self.buddy, "buddy_of": self.buddy_of}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.strategy.load_round_state_dict(state)
-        self.slots = list(state["slots"])
-        self._reload = True
+        self.commit_size = int(state["commit_size"])
+        if state["owner"] == self.token:  # its own commit, restored
+            self.slot_rank, self.buddy, self.buddy_of = (state["slot_rank"], state["buddy"],
+                                                         state["buddy_of"])
+            if self.buddy is None and self.rebuilt is not None and \
+                    self.rebuilt[0] == self.strategy.inner_steps:
+                self.buddy_of, self.buddy = self.rebuilt[1], self.rebuilt[2]
+            return
+        # A peer's commit (a heal): the peer's moments and copy, not this member's; those it
+        # received for this commit in an earlier repair are its own.
+        self.slot_rank = self.buddy = self.buddy_of = None
+        steps = self.strategy.inner_steps
+        if self.repaired is not None and self.repaired[0] == steps:
+            self.strategy.optimizer.load_state_dict(_deserialize(self.repaired[2]))
+            self.slot_rank = self.repaired[1]
+        if self.rebuilt is not None and self.rebuilt[0] == steps:
+            self.buddy_of, self.buddy = self.rebuilt[1], self.rebuilt[2]
+
+
+def _serialize(state: dict[str, Any]) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _deserialize(data: torch.Tensor) -> dict[str, Any]:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
