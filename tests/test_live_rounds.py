@@ -24,7 +24,6 @@ per strategy, all started together; both faults hit the second round (steps 5 to
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -167,19 +166,16 @@ def _hooks(rank: int, world_size: int):
     return hooks, Runtime(rank, world_size, 0, "gloo", torch.device("cpu"), None, None)
 
 
-def _slot(momentum: float) -> torch.Tensor:
-    """A serialized SGD state whose momentum buffers hold `momentum` (a member's moments)."""
+def _moments(momentum: float) -> dict:
+    """An SGD state whose momentum buffers hold `momentum` (a member's inner moments)."""
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1, momentum=0.9)
     for p in opt.param_groups[0]["params"]:
         opt.state[p]["momentum_buffer"] = torch.full_like(p, momentum)
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return opt.state_dict()
 
 
 def _set_moments(hooks, momentum: float) -> None:
-    state = torch.load(io.BytesIO(_slot(momentum).numpy().tobytes()), weights_only=True)
-    hooks.strategy.optimizer.load_state_dict(state)
+    hooks.strategy.optimizer.load_state_dict(_moments(momentum))
 
 
 @pytest.mark.parametrize("whose, repaired, want_moments, want_slot", [
@@ -193,10 +189,10 @@ def test_a_loaded_commit_gives_a_member_its_own_moments_or_marks_them_missing(
     hooks, runtime = _hooks(1, 3)
     assert [hooks.commits_at(s) for s in (0, 3, 4, 8)] == [True, False, True, True]
     if repaired:  # moments received in an earlier repair, for this same commit (0 steps)
-        hooks.repaired = (0, 1, _slot(1.0))
+        hooks.repaired = (0, 1, _moments(1.0))
     committer = hooks if whose == "own" else _hooks(0, 3)[0]
     _set_moments(committer, 2.0 if whose == "own" else 5.0)
-    state = {**committer.state_dict(), "slot_rank": 1, "commit_size": 3, "buddy": _slot(0.0),
+    state = {**committer.state_dict(), "slot_rank": 1, "commit_size": 3, "buddy": _moments(0.0),
              "buddy_of": 0}
     _set_moments(hooks, 9.0)  # moved on since the commit
     hooks.load_state_dict(state)

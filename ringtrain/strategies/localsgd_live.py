@@ -31,6 +31,7 @@ survivors went on without it (the commit was made by fewer members: no fault-fre
 
 from __future__ import annotations
 
+import copy
 import io
 import uuid
 from collections.abc import Sequence
@@ -63,15 +64,15 @@ class RoundLiveHooks(LiveHooks):
         self.token = uuid.uuid4().hex  # tells this process's own commits from a peer's
         # As of the commit loaded last (or about to be made): this member's rank in it (None: a
         # peer's commit, its own moments not known), the generation's size, and its
-        # predecessor's inner optimizer state (serialized) with that rank.
+        # predecessor's inner optimizer state with that rank.
         self.slot_rank: int | None = None
         self.commit_size = 0
-        self.buddy: torch.Tensor | None = None
+        self.buddy: dict[str, Any] | None = None
         self.buddy_of: int | None = None
         # (inner steps, rank, state): moments received in a repair, for a peer's commit that a
         # later fault in the same round restores again
-        self.repaired: tuple[int, int, torch.Tensor] | None = None
-        self.rebuilt: tuple[int, int, torch.Tensor] | None = None  # the same, of the copy
+        self.repaired: tuple[int, int, dict[str, Any]] | None = None
+        self.rebuilt: tuple[int, int, dict[str, Any]] | None = None  # the same, of the copy
         self._repair = False  # new members: find missing moments in the next step
 
     def commits_at(self, step: int) -> bool:
@@ -95,26 +96,17 @@ class RoundLiveHooks(LiveHooks):
 
     def _exchange(self) -> None:
         """Send this member's inner optimizer state to its ring successor, keep its
-        predecessor's (serialized: a member with an empty share may have no moments yet)."""
+        predecessor's (`_transfer`: the tensors as they are, no serialized copy)."""
         rt = self.strategy.runtime
-        mine = _serialize(self.strategy.optimizer.state_dict())
         self.slot_rank, self.commit_size = rt.rank, rt.world_size
         self.repaired = self.rebuilt = None
         self.buddy = self.buddy_of = None
         if rt.world_size == 1:
             return
-        successor, predecessor = (rt.rank + 1) % rt.world_size, (rt.rank - 1) % rt.world_size
-        pg = rt.process_group  # a generation's group, outside torch's registry: its own methods
-        size = torch.zeros(1, dtype=torch.int64)
-        works = [pg.send([torch.tensor([mine.numel()])], successor, 0),
-                 pg.recv([size], predecessor, 0)]
-        for work in works:
-            work.wait()
-        theirs = torch.empty(int(size), dtype=torch.uint8)
-        works = [pg.send([mine], successor, 1), pg.recv([theirs], predecessor, 1)]
-        for work in works:
-            work.wait()
-        self.buddy, self.buddy_of = theirs, predecessor
+        predecessor = (rt.rank - 1) % rt.world_size
+        self.buddy = _transfer(rt.process_group, self.strategy.optimizer.state_dict(),
+                               dst=(rt.rank + 1) % rt.world_size, src=predecessor)
+        self.buddy_of = predecessor
 
     def _repair_moments(self) -> None:
         """Every member, first step after the members changed (the state is a commit's):
@@ -141,34 +133,26 @@ class RoundLiveHooks(LiveHooks):
             got = self._pass(holders[0], rank, self.buddy)
             slots[rank] = rank
             if got is not None:
-                self.strategy.optimizer.load_state_dict(_deserialize(got))
+                self.strategy.optimizer.load_state_dict(copy.deepcopy(got))
                 self.slot_rank = rank
                 self.repaired = (self.strategy.inner_steps, rank, got)
         for rank in range(rt.world_size):
             predecessor = (rank - 1) % rt.world_size
             if buddies[rank] != -1 or slots[predecessor] == -1:
                 continue
-            own = (_serialize(self.strategy.optimizer.state_dict())
-                   if rt.rank == predecessor else None)
+            own = self.strategy.optimizer.state_dict() if rt.rank == predecessor else None
             got = self._pass(predecessor, rank, own)
             if got is not None:
                 self.buddy, self.buddy_of = got, predecessor
                 self.rebuilt = (self.strategy.inner_steps, predecessor, got)
 
-    def _pass(self, src: int, dst: int, data: torch.Tensor | None) -> torch.Tensor | None:
-        """`data` from member `src` to member `dst` (a size, then the bytes); what `dst` got."""
+    def _pass(self, src: int, dst: int, state: dict[str, Any] | None) -> dict[str, Any] | None:
+        """`state` from member `src` to member `dst`; what `dst` got (None elsewhere)."""
         rt = self.strategy.runtime
-        pg = rt.process_group
         if rt.rank == src:
-            assert data is not None
-            pg.send([torch.tensor([data.numel()])], dst, 2).wait()
-            pg.send([data], dst, 3).wait()
+            _transfer(rt.process_group, state, dst=dst, src=None)
         elif rt.rank == dst:
-            n = torch.zeros(1, dtype=torch.int64)
-            pg.recv([n], src, 2).wait()
-            got = torch.empty(int(n), dtype=torch.uint8)
-            pg.recv([got], src, 3).wait()
-            return got
+            return _transfer(rt.process_group, None, dst=None, src=src)
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -191,10 +175,71 @@ class RoundLiveHooks(LiveHooks):
         self.slot_rank = self.buddy = self.buddy_of = None
         steps = self.strategy.inner_steps
         if self.repaired is not None and self.repaired[0] == steps:
-            self.strategy.optimizer.load_state_dict(_deserialize(self.repaired[2]))
+            # A copy: the optimizer keeps the tensors it is given and would step the cache.
+            self.strategy.optimizer.load_state_dict(copy.deepcopy(self.repaired[2]))
             self.slot_rank = self.repaired[1]
         if self.rebuilt is not None and self.rebuilt[0] == steps:
             self.buddy_of, self.buddy = self.rebuilt[1], self.rebuilt[2]
+
+
+def _transfer(pg: Any, state: dict[str, Any] | None, *, dst: int | None,
+              src: int | None) -> dict[str, Any] | None:
+    """Send `state` to member `dst` and receive one from member `src`, both at once (a ring's
+    members all send before they receive); either may be None. The structure travels pickled
+    with the small tensors; each large tensor as it is, into one the receiver allocates (as
+    `ringtrain.live.heal` does: nothing the size of the moments is pickled or copied)."""
+    large: list[torch.Tensor] = []
+    skeleton = _serialize(_split(state, large)) if dst is not None else None
+    size = torch.zeros(1, dtype=torch.int64)
+    _wait([pg.send([torch.tensor([skeleton.numel()])], dst, 0)] if skeleton is not None else [],
+          [pg.recv([size], src, 0)] if src is not None else [])
+    theirs = torch.empty(int(size), dtype=torch.uint8)
+    _wait([pg.send([skeleton], dst, 1)] if skeleton is not None else [],
+          [pg.recv([theirs], src, 1)] if src is not None else [])
+    into: list[torch.Tensor] = []
+    received = _fill(_deserialize(theirs), into) if src is not None else None
+    _wait([pg.send([t], dst, 2 + i) for i, t in enumerate(large)],
+          [pg.recv([t], src, 2 + i) for i, t in enumerate(into)])
+    return received
+
+
+def _wait(*works: list[Any]) -> None:
+    for group in works:
+        for work in group:
+            work.wait()
+
+
+# `_split` and `_fill` walk a state as `ringtrain.live.heal` does; not imported from there:
+# `ringtrain.live` reads `ringtrain.checkpoint`, which reads the strategies (as `live_step`).
+INLINE_BYTES = 1 << 16  # a tensor smaller than this travels inside the pickled structure
+
+
+def _split(obj: Any, large: list[torch.Tensor]) -> Any:
+    """`obj` with each large tensor replaced by a meta tensor (appended to `large`, in order)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() * obj.element_size() < INLINE_BYTES:
+            return obj
+        large.append(obj.contiguous())
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, dict):
+        return type(obj)((k, _split(v, large)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_split(v, large) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, large: list[torch.Tensor]) -> Any:
+    """`obj` with each meta tensor replaced by a new CPU tensor (appended to `large`)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "meta":
+            return obj
+        large.append(torch.empty(obj.shape, dtype=obj.dtype))
+        return large[-1]
+    if isinstance(obj, dict):
+        return type(obj)((k, _fill(v, large)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_fill(v, large) for v in obj)
+    return obj
 
 
 def _serialize(state: dict[str, Any]) -> torch.Tensor:
