@@ -22,11 +22,12 @@ the recovery's retry, `_repair_moments`), a member that took a peer's commit (a 
 rank r of a generation as large as the commit's receives rank r's moments from the member
 holding the copy, so the round it redoes is the fault-free one, bit for bit; then it takes a
 copy of its predecessor's, so a second loss in the round finds one as well. The price, in live
-mode only: one more inner optimizer state per member (for AdamW, 2 model sizes) and 2 model
-sizes sent and received per member per meeting (the meeting's all-reduce itself sends
-2 (W - 1) / W). Two adjacent ranks lost in one recovery lose a state and its only copy: that
-replacement keeps its healer's moments (close, not bit-identical), as does one let in after the
-survivors went on without it (the commit was made by fewer members: no fault-free run then).
+mode only: the predecessor's inner optimizer state per member, held live and in the commit
+(for AdamW, 4 model sizes), and 2 model sizes sent and received per member per meeting (the
+meeting's all-reduce itself sends 2 (W - 1) / W). Two adjacent ranks lost in one recovery lose
+a state and its only copy: that replacement keeps its healer's moments (close, not
+bit-identical), as does one let in after the survivors went on without it (the commit was made
+by fewer members: no fault-free run then).
 """
 
 from __future__ import annotations
