@@ -15,8 +15,9 @@ Read in this order:
 - `loop.py`: `train_live`, the loop that ties them: share, step, commit; recover on a failed
   collective; and `all_reduce_gradients`.
 
-A library layer for `ringtrain run` scripts; `ringtrain train` does not use it yet
-(docs/fault_tolerance.md, "Live recovery"). Tests: `.venv/bin/pytest -q tests/test_live*.py`.
+A library layer for `ringtrain run` scripts; `ringtrain train --live` uses it through
+`ringtrain.training.live` (docs/fault_tolerance.md, "Live recovery").
+Tests: `.venv/bin/pytest -q tests/test_live*.py`.
 May import: torch, `ringtrain.data`, `ringtrain.checkpoint` (the RNG state), `ringtrain.store_keys`.
 """
 

@@ -3,7 +3,9 @@
     heal(state, process_group, rank)       # every member of a new generation, together
 
 torchft's "heal from a live peer", over the new group instead of from disk. Each member says
-which step it has committed (one all-gather of an int); the first member at the highest step
+which step it has committed and which it trains next (one all-gather of two ints: the second
+is ahead of the first while a local SGD round is redone, and the report's `target` tells a
+replacement where its peers go on from); the first member at the highest step
 is the source. When every member is there already (survivors that all failed in the same step)
 nothing moves. Otherwise the source sends its committed state (model, optimizer, step,
 batches, RNG: `LiveState.state_dict()`) and every member loads it, so the group leaves the call
@@ -44,6 +46,7 @@ class HealReport:
     step: int
     nbytes: int
     seconds: float = 0.0
+    target: int = 0  # the members' newest `LiveState.target`: where they all train next
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> None:
@@ -104,13 +107,15 @@ def heal(state: LiveState, group: dist.ProcessGroup, rank: int,
     """
     start = time.perf_counter()
     mine = state.committed_step if committed_step is None else committed_step
-    steps = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
-    group.allgather([steps], [torch.tensor([mine], dtype=torch.int64)]).wait()
-    by_rank = [int(s) for s in steps]
+    target = -1 if committed_step == -1 else max(state.target, mine)
+    steps = [torch.zeros(2, dtype=torch.int64) for _ in range(group.size())]
+    group.allgather([steps], [torch.tensor([mine, target], dtype=torch.int64)]).wait()
+    by_rank = [int(s[0]) for s in steps]
     newest = max(by_rank)
     source = by_rank.index(newest)
+    target = max(newest, *(int(s[1]) for s in steps))
     if min(by_rank) == newest:
-        return HealReport(source, newest, 0, time.perf_counter() - start)
+        return HealReport(source, newest, 0, time.perf_counter() - start, target)
     large: list[torch.Tensor] = []
     payload = None
     if rank == source:
@@ -126,4 +131,4 @@ def heal(state: LiveState, group: dist.ProcessGroup, rank: int,
     if received is not None and by_rank[rank] != newest:
         state.load_state_dict(received, adopt=True)
     return HealReport(source, newest, len(payload) + sum(t.nbytes for t in large),
-                      time.perf_counter() - start)
+                      time.perf_counter() - start, target)

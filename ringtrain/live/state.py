@@ -56,6 +56,10 @@ class LiveState:
                  batches: GlobalBatches, *, step: int = 0):
         self.model, self.optimizer, self.batches = model, optimizer, batches
         self.step = step
+        # The step this member trains next: `step` but while the steps since the last commit
+        # are being redone (a local SGD round), when it is ahead. A heal takes the members'
+        # newest, so a replacement redoes those steps with them (`heal`).
+        self.target = step
         self._committed: dict[str, Any] | None = None
         self.commit()
 

@@ -124,7 +124,8 @@ class StrategyConfig:
         Default: refused, for a strategy without live recovery."""
         return ("it has no live recovery yet (survivors would not know how to rebuild its "
                 "state over fewer ranks): drop --live (a failure then restarts every worker "
-                "from the last snapshot, --max-restarts), or use --strategy ddp")
+                "from the last snapshot, --max-restarts), or use --strategy ddp, localsgd or "
+                "diloco")
 
     def figures(self, workload: Workload) -> Figures | None:
         """What a rank holds and sends under these options (`ringtrain.strategies.figures`),
@@ -143,6 +144,12 @@ class LiveHooks(ABC):
         """How the loop's sums, votes and digests are agreed over the current generation
         (`current()`: this member's place now). Default: its group's collectives."""
         return GenerationAgreement(current)
+
+    def commits_at(self, step: int) -> bool:
+        """Whether the state after `step` steps is a commit point: one every member can be
+        rebuilt from (restored, or healed from a peer), where replacements are let in.
+        Default: every step (replicas that agree after each step, as ddp's)."""
+        return True
 
     @abstractmethod
     def on_members(self, runtime: Runtime) -> None:

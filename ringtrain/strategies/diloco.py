@@ -93,9 +93,10 @@ class DiLoCoStrategy(LocalSGDStrategy):
         return {**super().stats(), "outer_lr": self.outer_lr,
                 "outer_momentum": self.outer_momentum, "outer_compress": self.outer_compress}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "outer": self.outer.state_dict()}
+    def round_state_dict(self) -> dict[str, Any]:
+        """Local SGD's, and the outer step's anchor and momentum (the same on every rank)."""
+        return {**super().round_state_dict(), "outer": self.outer.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def load_round_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_round_state_dict(state)
         self.outer.load_state_dict(state["outer"])

@@ -18,6 +18,9 @@ its group against; a wrapper per generation would also broadcast the weights aga
 its buckets (their order learnt in the first step), each time a member leaves or joins. One flat
 all-reduce per step is what the wrapper's buckets amount to on a CPU-sized model; a large model
 would want the buckets back (overlap with backward), which is left for later.
+
+`ringtrain.strategies.localsgd_live.RoundLiveHooks` is local SGD's and DiLoCo's, whose replicas
+meet every H steps: there the meetings are the commit points.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from ringtrain.strategies.base import (
     eval_forward,
 )
 from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
+from ringtrain.strategies.localsgd_live import RoundLiveHooks
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -57,6 +58,9 @@ class LocalSGDConfig(StrategyConfig):
 
     sync_every: int = option(50, "optimizer steps between the workers' meetings, H",
                              type=int_at_least(1))
+
+    def live_refusal(self) -> str | None:
+        return None  # `RoundLiveHooks`: the meetings are the commit points
 
     def meeting_bytes(self, params: int, world_size: int) -> float:
         """Bytes a rank sends per meeting: a ring all-reduce of the fp32 parameters, 2(N-1)/N."""
@@ -127,13 +131,23 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
         if not micro_batches:
             raise ValueError(f"rank {self.runtime.rank}: train_step got no micro-batches; every "
                              f"{self.name} rank trains on its own shard")
+        return self.inner_step(micro_batches, lr=lr, grad_clip=grad_clip)
+
+    def inner_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+                   lr: float, grad_clip: float | None) -> StepResult:
+        """One inner step on this rank's micro-batches and, after every `sync_every`-th, the
+        meeting. No micro-batches (a live member whose share of the step is empty): no
+        optimizer step, but the step counts and the meeting is kept with the others."""
         start = time.perf_counter()
         lr_into(self.optimizer, lr)
-        acc = accumulate(micro_batches, self.module, self.loss_fn, device=self.runtime.device,
-                         tracer=self.tracer)
-        optimizer_step(self.optimizer, self.tracer, grad_clip=grad_clip,  # this worker's own norm
-                       clip=lambda max_norm: torch.nn.utils.clip_grad_norm_(self._params(),
-                                                                            max_norm))
+        loss_sum, count = torch.zeros((), dtype=torch.float64), 0
+        if micro_batches:
+            acc = accumulate(micro_batches, self.module, self.loss_fn,
+                             device=self.runtime.device, tracer=self.tracer)
+            loss_sum, count = acc.loss_sum, acc.count
+            optimizer_step(self.optimizer, self.tracer, grad_clip=grad_clip,  # its own norm
+                           clip=lambda max_norm: torch.nn.utils.clip_grad_norm_(self._params(),
+                                                                                max_norm))
         self.inner_steps += 1
         comm_s = 0.0
         if self.inner_steps % self.sync_every == 0:
@@ -145,8 +159,14 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
             comm_s = time.perf_counter() - t0 if self.runtime.world_size > 1 else 0.0
             self.meeting_s += comm_s
         elapsed = time.perf_counter() - start
-        return StepResult(loss_sum=acc.loss_sum, count=acc.count, compute_s=elapsed - comm_s,
+        return StepResult(loss_sum=loss_sum, count=count, compute_s=elapsed - comm_s,
                           comm_s=comm_s)
+
+    def live_hooks(self) -> RoundLiveHooks:
+        """A replica per member that meets every `sync_every` steps: the meetings are the
+        commit points (`ringtrain.strategies.localsgd_live`)."""
+        assert self.module is not None, "setup() first"
+        return RoundLiveHooks(self, self.sync_every)
 
     @torch.no_grad()
     def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -169,9 +189,14 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
     def state_dict(self) -> dict[str, Any]:
         """This rank's replica and optimizer, the last meeting's weights and the step count."""
         assert self.module is not None, "setup() first"
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "synced": self.synced.state_dict(), "inner_steps": self.inner_steps,
-                "world_size": self.runtime.world_size, "sync_every": self.sync_every,
+        return {"model": self.module.state_dict(), **self.round_state_dict(),
+                "world_size": self.runtime.world_size}
+
+    def round_state_dict(self) -> dict[str, Any]:
+        """What this rank holds besides its replica's weights: its inner optimizer, the weights
+        of the last meeting, the step count (so the place in the period) and the figures."""
+        return {"optimizer": self.optimizer.state_dict(), "synced": self.synced.state_dict(),
+                "inner_steps": self.inner_steps, "sync_every": self.sync_every,
                 "meetings": self.meetings, "bytes_sent": self.bytes_sent}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -185,9 +210,14 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
                 f"at a multiple of --sync-every (use --snapshot-every {self.sync_every} or a "
                 "multiple of it)")
         self.module.load_state_dict(state["model"])
+        self.load_round_state_dict(state)
+
+    def load_round_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `round_state_dict` (a live member's restore or heal: no world-size check,
+        its commits are at meetings)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.synced.load_state_dict(state["synced"])
-        self.inner_steps = steps
+        self.inner_steps = int(state["inner_steps"])
         self.meetings, self.bytes_sent = int(state["meetings"]), int(state["bytes_sent"])
 
     def reshard_sources(self, saved_world_size: int) -> list[int] | None:

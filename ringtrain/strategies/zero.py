@@ -56,6 +56,13 @@ class ZeroConfig(StrategyConfig):
 
     zero_stage: int = zero_stage_option(2, STAGES)
 
+    def live_refusal(self) -> str | None:
+        return ("it has no live recovery yet: each rank holds the only copy of its shard of the "
+                "optimizer state (at stage 3 of the parameters too), so a lost rank takes its "
+                "shard with it and nothing left in memory can heal it; drop --live (a failure "
+                "then restarts every worker from the last snapshot, --max-restarts), or use "
+                "--strategy ddp, localsgd or diloco")
+
     def figures(self, workload: Workload) -> ZeroFigures:
         """1/N of what is sharded (`expected_bytes`, the paper's count). Per step, stages 1 and
         2: a reduce-scatter of the gradients and an all-gather of the updated parameters (as

@@ -11,9 +11,13 @@ The library layer (`ringtrain.live`) does the generations (`LiveGroup`), the in-
 - a step's micro-batches are this member's share of the step's global batch (`grad_accum`
   pieces), whatever the number of members; the strategy's `LiveHooks` train it over the
   generation's group; the step is then committed in memory;
+- the strategy's hooks say which steps are commit points (`LiveHooks.commits_at`): every
+  step for ddp, the meetings (every `--sync-every` steps) for local SGD and DiLoCo, whose
+  replicas differ between meetings;
 - a step whose collective fails (a peer died or hangs) is recovered (`LiveGroup.recover`: the
-  next generation, the last commit, a heal) and redone over the same global batch; a
-  replacement waiting is let in at the next step boundary (`admit`);
+  next generation, the last commit, a heal); the steps from the commit to it are redone over
+  the same global batches (one step for ddp, the round so far for local SGD); a replacement
+  waiting is let in at the next commit point (`admit`);
 - `--record-samples`: every member's share of a committed step is all-gathered before the
   commit and kept in the sample history, which is committed and healed with the optimizer,
   so the history is the job's whatever members were lost;
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,7 +43,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.live import GlobalBatches, LiveGroup, LiveState
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import LiveHooks, StepResult, Strategy
-from ringtrain.training.config import TrainerConfig
+from ringtrain.training.config import TrainerConfig, lr_at
 from ringtrain.training.evaluate import collate
 
 __all__ = ["LiveDriver", "LiveSettings", "live_driver"]
@@ -90,10 +95,11 @@ def live_driver(strategy: Strategy, live: LiveSettings, runtime: Runtime, train_
     hooks = strategy.live_hooks()  # asked, never probed: None means it has none
     if hooks is None:
         raise ConfigError(f"--strategy {strategy.name} has no live recovery: drop --live, or use "
-                          "--strategy ddp")
+                          "--strategy ddp, localsgd or diloco")
     return LiveDriver(live, hooks, runtime, train_set, seed=config.seed,
                       global_batch=config.batch_size * config.grad_accum * live.world_size,
-                      grad_accum=config.grad_accum, samples=samples, run_dir=run_dir)
+                      grad_accum=config.grad_accum, lr_of=lambda step: lr_at(step, config),
+                      samples=samples, run_dir=run_dir)
 
 
 class LiveDriver:
@@ -101,8 +107,10 @@ class LiveDriver:
 
     def __init__(self, settings: LiveSettings, hooks: LiveHooks, runtime: Runtime,
                  dataset: Dataset, *, global_batch: int, grad_accum: int, seed: int,
-                 samples: SampleLog | None = None, run_dir: str | None = None):
+                 lr_of: Callable[[int], float], samples: SampleLog | None = None,
+                 run_dir: str | None = None):
         self.settings, self.hooks, self.dataset = settings, hooks, dataset
+        self.lr_of = lr_of  # step -> its learning rate: a round redone after a fault
         self.run_dir = run_dir  # RUN_DIR/live/PID.json: each process's part, at join and close
         self.grad_accum, self.samples = grad_accum, samples
         self.batches = GlobalBatches(len(dataset), global_batch, seed=seed)  # type: ignore[arg-type]
@@ -137,8 +145,11 @@ class LiveDriver:
             return None
         self._members_changed()
         self.joined_at = self.state.step
+        heal = self.group.last_heal
+        if heal is not None:  # a replacement redoes the round so far with its peers
+            self.state.target = max(self.state.step, heal.target)
         self._write_member("training")
-        return self.state.step
+        return self.state.target
 
     def _members_changed(self) -> None:
         g = self.group
@@ -161,17 +172,17 @@ class LiveDriver:
 
         g, state = self.group, self.state
         assert g is not None and state is not None, "join() first"
-        start = state.step
+        start = state.target  # the step to train; the commit may be behind it (mid-round)
         while True:
             try:
-                if g.admit(state):  # a step boundary: replacements waiting are let in
+                # Replacements waiting are let in at a commit point (a step boundary, for ddp;
+                # a meeting, for local SGD): the state a replacement heals to is the live one.
+                if state.step == state.committed_step and g.admit(state):
                     self._members_changed()
-                ids = self.batches.share(start, g.rank, g.size)
-                micro = self._micro(ids)
-                result = self.hooks.train_step(micro, lr=lr, grad_clip=grad_clip,
-                                               weight=len(ids) / self.batches.global_batch_size)
-                if self.samples is not None:
-                    self._record(start, ids)
+                while state.step < start:  # recovered to the round's start: redo it up to here
+                    self._train(state.step, self.lr_of(state.step), grad_clip)
+                    self._advance()
+                result, micro = self._train(start, lr, grad_clip)
             except (LiveMemberLostError, LiveRecoveryError):
                 raise  # this process is out, or the error is the job's own: no retry
             except RuntimeError as error:  # a failed collective: a peer died or hangs
@@ -181,15 +192,38 @@ class LiveDriver:
                 self._members_changed()
                 if g.rank == 0:
                     log.warning("live: step %d failed (%s); generation %d: %d of %d members "
-                                "(was %d), redoing it", start + 1, str(error).splitlines()[0],
-                                g.generation, g.size, self.world_size, len(before))
+                                "(was %d), redoing it from step %d", start + 1,
+                                str(error).splitlines()[0], g.generation, g.size,
+                                self.world_size, len(before), state.step)
                 if state.step > start:  # a peer had committed it: healed to it
                     assert state.step == start + 1, (start, state.step)
+                    state.target = state.step
                     return StepResult(loss_sum=0.0, count=0), []
                 continue
-            state.step += 1
-            state.commit()
+            self._advance()
+            state.target = state.step
             return result, micro
+
+    def _train(self, step: int, lr: float, grad_clip: float | None
+               ) -> tuple[StepResult, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """This member's share of `step` (0-based), trained and recorded."""
+        g = self.group
+        assert g is not None
+        ids = self.batches.share(step, g.rank, g.size)
+        micro = self._micro(ids)
+        result = self.hooks.train_step(micro, lr=lr, grad_clip=grad_clip,
+                                       weight=len(ids) / self.batches.global_batch_size)
+        if self.samples is not None:
+            self._record(step, ids)
+        return result, micro
+
+    def _advance(self) -> None:
+        """One step on; committed where the strategy's hooks say it is a commit point."""
+        state = self.state
+        assert state is not None
+        state.step += 1
+        if self.hooks.commits_at(state.step):
+            state.commit()
 
     def _micro(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`ids` as `grad_accum` micro-batches (sizes differ by at most one)."""

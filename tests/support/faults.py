@@ -56,7 +56,8 @@ def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], No
     (SIGTERM itself), `int` (SIGINT itself, as Ctrl-C), `raise` (an exception out of the loop)
     or `term-launcher` (SIGTERM its parent,
     the launcher, and wait for the signal it forwards, so the job stops at that step). Only in
-    the first attempt of a job (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs through.
+    the first attempt of a job (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs through,
+    and never in a live replacement (which redoes a local SGD round, the fault's step included).
     It prints the wall-clock time first, so a test can time the recovery. Returns `on_step`
     itself when the variable is unset or names another rank. Several faults are separated by
     commas (`kill:1:3,stop:2:7`). `plan:FILE` is a chaos schedule, played in every attempt
@@ -72,6 +73,8 @@ def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], No
 
         return plan_hook(on_step, rank, spec[len("plan:"):])
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return on_step
+    if os.environ.get("RINGTRAIN_LIVE_REPLACEMENT"):  # --live: it may redo the fault's step
         return on_step
     for one in spec.split(",")[:-1]:  # several faults: "kill:1:3,stop:2:7", each its own hook
         on_step = _one_fault(on_step, rank, one)
