@@ -14,10 +14,12 @@ from architecture import PACKAGE, area, area_graph, cycles, graph
 
 # What each area may import (besides torch and the standard library). An area is a package
 # under ringtrain/ or a top-level module. docs/architecture.md draws the same table.
-BOTTOM = {"errors", "types", "ranges", "torch_internals", "store_keys", "trace", "grid"}
+BOTTOM = {"errors", "types", "ranges", "torch_internals", "store_keys", "trace", "grid",
+          "tensor_tree"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(), "types": set(), "ranges": set(), "torch_internals": set(),
     "store_keys": set(),
+    "tensor_tree": set(),  # a state's large tensors out of its structure and back (to send it)
     "grid": set(),  # the dp x pp x tp layout of ranks and its process groups
     "config": set(),  # options defined once: option(), the argparse generator, recipes
     "staging": set(),  # point-to-point calls that also carry CUDA tensors over gloo
@@ -40,10 +42,12 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
                    "collectives"},
     "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps", "localsgd",
-                   "zero", "trace", "collectives", "config", "tensor_parallel", "grid"},
+                   "zero", "trace", "collectives", "config", "tensor_parallel", "grid",
+                   "tensor_tree"},
     "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace",
                  "replicas", "config", "live"},
-    "live": {"data", "checkpoint", "store_keys"},  # survivors go on; replacements heal
+    # survivors go on; replacements heal
+    "live": {"data", "checkpoint", "store_keys", "tensor_tree"},
     "testing": {"runtime", "launch"},  # run_workers; the tests' faults live in tests/support
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
             "models", "trace", "config", "formats", "live",

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.live import GlobalBatches, LiveState, WatchedGroup, heal
-from ringtrain.live.heal import INLINE_BYTES, _split
+from ringtrain.tensor_tree import INLINE_BYTES, split_large
 
 
 class _LazyMoments:
@@ -74,7 +74,7 @@ def test_heal_sends_the_large_tensors_in_place_and_the_receiver_ends_equal():
     assert large >= INLINE_BYTES > 100 * 4
     assert 2 * large < report1.nbytes < 2 * large + 40_000  # plus the structure, RNG states
     in_place: list[torch.Tensor] = []
-    structure = _split(source.state_dict(), in_place)
+    structure = split_large(source.state_dict(), in_place)
     assert [t.shape for t in in_place] == [(100, 200), (100, 200)]  # the weight, its moment
     assert structure["model"]["0.weight"].device.type == "meta"
     assert structure["model"]["0.bias"].device.type == "cpu"  # small: pickled with the rest

@@ -18,7 +18,8 @@ Read in this order:
 A library layer for `ringtrain run` scripts; `ringtrain train --live` uses it through
 `ringtrain.training.live` (docs/fault_tolerance.md, "Live recovery").
 Tests: `.venv/bin/pytest -q tests/test_live*.py`.
-May import: torch, `ringtrain.data`, `ringtrain.checkpoint` (the RNG state), `ringtrain.store_keys`.
+May import: torch, `ringtrain.data`, `ringtrain.checkpoint` (the RNG state), `ringtrain.store_keys`,
+`ringtrain.tensor_tree`.
 """
 
 from ringtrain.live.batches import GlobalBatches

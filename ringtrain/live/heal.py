@@ -27,14 +27,12 @@ from __future__ import annotations
 import io
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ringtrain.live.state import LiveState
-
-INLINE_BYTES = 1 << 16  # a tensor smaller than this travels inside the pickled structure
+from ringtrain.tensor_tree import fill_large, split_large
 
 
 @dataclass(frozen=True)
@@ -55,34 +53,6 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> None
     options = dist.BroadcastOptions()
     options.rootRank = src
     group.broadcast([tensor], options).wait()
-
-
-def _split(obj: Any, large: list[torch.Tensor]) -> Any:
-    """`obj` with each large tensor replaced by a meta tensor (appended to `large`, in order)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.numel() * obj.element_size() < INLINE_BYTES:
-            return obj
-        large.append(obj.contiguous())
-        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
-    if isinstance(obj, dict):
-        return type(obj)((k, _split(v, large)) for k, v in obj.items())
-    if isinstance(obj, list | tuple):
-        return type(obj)(_split(v, large) for v in obj)
-    return obj
-
-
-def _fill(obj: Any, large: list[torch.Tensor]) -> Any:
-    """`obj` with each meta tensor replaced by a new CPU tensor (appended to `large`)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "meta":
-            return obj
-        large.append(torch.empty(obj.shape, dtype=obj.dtype))
-        return large[-1]
-    if isinstance(obj, dict):
-        return type(obj)((k, _fill(v, large)) for k, v in obj.items())
-    if isinstance(obj, list | tuple):
-        return type(obj)(_fill(v, large) for v in obj)
-    return obj
 
 
 def _send_bytes(group: dist.ProcessGroup, payload: bytes | None, src: int) -> bytes:
@@ -120,12 +90,12 @@ def heal(state: LiveState, group: dist.ProcessGroup, rank: int,
     payload = None
     if rank == source:
         buf = io.BytesIO()
-        torch.save(_split(state.state_dict(), large), buf)
+        torch.save(split_large(state.state_dict(), large), buf)
         payload = buf.getvalue()
     payload = _send_bytes(group, payload, source)
     received = None
     if rank != source:
-        received = _fill(torch.load(io.BytesIO(payload), weights_only=True), large)
+        received = fill_large(torch.load(io.BytesIO(payload), weights_only=True), large)
     for tensor in large:  # the same order everywhere: the structure's, as walked by _split
         _broadcast(group, tensor, source)
     if received is not None and by_rank[rank] != newest:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringtrain.strategies.base import LiveHooks, StepResult
+from ringtrain.tensor_tree import fill_large, split_large
 
 if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
@@ -190,7 +191,7 @@ def _transfer(pg: Any, state: dict[str, Any] | None, *, dst: int | None,
     with the small tensors; each large tensor as it is, into one the receiver allocates (as
     `ringtrain.live.heal` does: nothing the size of the moments is pickled or copied)."""
     large: list[torch.Tensor] = []
-    skeleton = _serialize(_split(state, large)) if dst is not None else None
+    skeleton = _serialize(split_large(state, large)) if dst is not None else None
     size = torch.zeros(1, dtype=torch.int64)
     _wait([pg.send([torch.tensor([skeleton.numel()])], dst, 0)] if skeleton is not None else [],
           [pg.recv([size], src, 0)] if src is not None else [])
@@ -198,7 +199,7 @@ def _transfer(pg: Any, state: dict[str, Any] | None, *, dst: int | None,
     _wait([pg.send([skeleton], dst, 1)] if skeleton is not None else [],
           [pg.recv([theirs], src, 1)] if src is not None else [])
     into: list[torch.Tensor] = []
-    received = _fill(_deserialize(theirs), into) if src is not None else None
+    received = fill_large(_deserialize(theirs), into) if src is not None else None
     _wait([pg.send([t], dst, 2 + i) for i, t in enumerate(large)],
           [pg.recv([t], src, 2 + i) for i, t in enumerate(into)])
     return received
@@ -208,39 +209,6 @@ def _wait(*works: list[Any]) -> None:
     for group in works:
         for work in group:
             work.wait()
-
-
-# `_split` and `_fill` walk a state as `ringtrain.live.heal` does; not imported from there:
-# `ringtrain.live` reads `ringtrain.checkpoint`, which reads the strategies (as `live_step`).
-INLINE_BYTES = 1 << 16  # a tensor smaller than this travels inside the pickled structure
-
-
-def _split(obj: Any, large: list[torch.Tensor]) -> Any:
-    """`obj` with each large tensor replaced by a meta tensor (appended to `large`, in order)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.numel() * obj.element_size() < INLINE_BYTES:
-            return obj
-        large.append(obj.contiguous())
-        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
-    if isinstance(obj, dict):
-        return type(obj)((k, _split(v, large)) for k, v in obj.items())
-    if isinstance(obj, list | tuple):
-        return type(obj)(_split(v, large) for v in obj)
-    return obj
-
-
-def _fill(obj: Any, large: list[torch.Tensor]) -> Any:
-    """`obj` with each meta tensor replaced by a new CPU tensor (appended to `large`)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "meta":
-            return obj
-        large.append(torch.empty(obj.shape, dtype=obj.dtype))
-        return large[-1]
-    if isinstance(obj, dict):
-        return type(obj)((k, _fill(v, large)) for k, v in obj.items())
-    if isinstance(obj, list | tuple):
-        return type(obj)(_fill(v, large) for v in obj)
-    return obj
 
 
 def _serialize(state: dict[str, Any]) -> torch.Tensor:
