@@ -12,6 +12,7 @@ matches; ringtrain's used to broadcast before every forward and hung there.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import subprocess
 import sys
@@ -47,6 +48,9 @@ class _Causal(nn.Module):
 
 
 def _evaluate_on_rank0(rank, world_size, port, which):
+    # Hung once in ~14 runs under load (torch's DDP, rank 0 after rank 1 had returned from the
+    # final barrier): if it hangs again, the stack says where (the fixture's bound is 90 s).
+    faulthandler.dump_traceback_later(60, exit=False)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=20))
     torch.manual_seed(0)
@@ -70,6 +74,7 @@ def _evaluate_on_rank0(rank, world_size, port, which):
     # wait for it) by the other rank's first forward of the next epoch.
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
     return {"state": [t.clone() for t in model.state_dict().values()], "evals": evals}
 
 
