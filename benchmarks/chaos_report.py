@@ -114,8 +114,7 @@ ROWS = [  # (label, how to show a report's figure)
     ("faults survived", lambda o: o["faults_survived"]),
     ("by kind (planned, injected)", lambda o: ", ".join(
         f"{k} {v['planned']},{v['injected']}" for k, v in o["by_kind"].items())),
-    ("whole-job restarts (relaunches)", lambda o: f"{o['restarts'] + o['relaunches']} "
-                                                  f"({o['relaunches']})"),
+    ("whole-job restarts (relaunches)", lambda o: f"{o['restarts']} ({o['relaunches']})"),
     ("survivors' pids unchanged", lambda o: o.get("survivor_pids_unchanged", "-")),
     ("replacements started / healed", lambda o: f"{o['replacements_started']} / "
                                                 f"{o['replacements_healed']}"
