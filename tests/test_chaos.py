@@ -191,6 +191,8 @@ def test_chaos_live_survivors_never_stop_and_end_with_the_fault_free_weights(tmp
     assert out["survivor_pids_unchanged"], tail
     replaced = len([k for k in kinds if k != "raise"])
     assert out["replacements_healed"] >= replaced and out["members_at_end"] == [2], tail
+    # None started in vain (the raise: none for the worker torch kills as the job stops).
+    assert out["replacements_started"] == out["replacements_healed"], tail
     assert out["in_flight_snapshots_committed"] == 0  # the kill-in-save's snapshot: never
     assert out["param_sha256_equal"] and out["history_equals_fault_free"], tail
     assert out["history_errors"] == []
