@@ -110,7 +110,8 @@ def parse(argv=None) -> argparse.Namespace:
                    f"{','.join(LIVE_KINDS)})")
     p.add_argument("--hosts", type=int, choices=(1, 2), default=1, help="1 host, or 2 namespaces")
     p.add_argument("--nproc", type=int, help="workers per host (default: 2 on one host, 1 on two)")
-    p.add_argument("--strategy", default="ddp", help="ddp, pipeline, zero (default: ddp)")
+    p.add_argument("--strategy", default="ddp", help="ddp, pipeline, zero (default: ddp); with "
+                   "--live, one that ringtrain train --live accepts")
     p.add_argument("--snapshot-every", type=int, default=5)
     p.add_argument("--slot", type=int, help="steps per fault, a multiple of --snapshot-every "
                    "(default: 2 x --snapshot-every); longer slots: fewer faults per step")
@@ -141,6 +142,9 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     a = parse(argv)
     a.nproc = a.nproc or (2 if a.hosts == 1 else 1)
+    if a.compare and not a.live:
+        raise SystemExit("chaos.py --compare runs the restart path beside --live: add --live "
+                         "(without it, the restart path alone is the run)")
     a.compare = a.live and a.compare is not False
     world = a.nproc * a.hosts
     kinds = [k.strip() for k in (a.kinds or ",".join(LIVE_KINDS if a.live else ALL_KINDS))
