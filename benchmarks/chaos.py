@@ -59,7 +59,9 @@ design: no worker is lost, nothing to replace) and `corrupt` (a snapshot is read
 whole-job resume; a live job heals from a peer). Also reported, live: whole-job restarts (0
 unless a raise), the survivors' pids unchanged (every process of the final job that no fault
 hit trained to the end: RUN_DIR/live/PID.json), replacements started and healed (joined a
-generation), the in-flight snapshots committed (0: a kill-in-save's snapshot never is).
+generation), the in-flight snapshots committed (0: a kill-in-save's snapshot never is), and
+where each stall went (`stall_parts`: the fault to the replacement's exec, its start-up to a
+built trainer, then joining, healing and the next step).
 `--compare` (the default with --live; `--no-compare` to skip) runs the restart path on the same
 plan beside it (its own fault-free anchor): the table has a column each, the JSON line holds
 the restart path's figures under "restart". `--strategy` is passed through (default ddp).
@@ -83,7 +85,7 @@ sys.path.insert(0, str(REPO / "tests"))  # netns.py: the two-host setup the test
 sys.path.insert(0, str(REPO / "benchmarks"))  # chaos_run.py, chaos_report.py
 sys.path.insert(0, str(REPO))
 
-from chaos_report import live_figures, print_table, report, stalls  # noqa: E402
+from chaos_report import live_figures, print_table, report, stall_parts, stalls  # noqa: E402
 from chaos_run import BATCH, SEED, committed_history, left_behind, mount_tmpfs, run  # noqa: E402
 from support.chaos_plan import (  # noqa: E402 - the schedule, test code outside the package
     KINDS_INSIDE,
@@ -266,7 +268,8 @@ def one_path(a, path: str, faults: list[dict], steps: int, world: int, root: Pat
     if not live:
         return out
     out = {"mode": "live", "live_wait_s": a.live_wait, **out,
-           **live_figures(run_dir, log, fired, world, chaos["launched_unix"][-1])}
+           **live_figures(run_dir, log, fired, world, chaos["launched_unix"][-1]),
+           "stall_parts": stall_parts(chaos_dir, fired)}
     raises = sum(f["kind"] == "raise" for f in fired)
     # By design a raise is the job's error (a whole-job restart); every other fault is not.
     out["ok"] = bool(out["ok"] and out["restarts"] == raises  # relaunches included

@@ -72,6 +72,31 @@ def stalls(chaos_dir: Path, fired: list[dict]) -> list[float | None]:
     return out
 
 
+def stall_parts(chaos_dir: Path, fired: list[dict]) -> list[dict | None]:
+    """Where each live stall went, for a fault whose worker was replaced (else None):
+    `to_start` (the fault to the replacement's exec: detection, the agent's poll, its respawn),
+    `start_up` (exec to a built trainer: Python, torch, ringtrain, the model) and `join` (to the
+    next step committed: registering, the survivors' new generation, the heal, the step).
+    From DIR/starts.log and DIR/commits.log (tests/support/chaos_plan.py)."""
+    path = chaos_dir / "starts.log"
+    starts = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = line.split()
+        if len(parts) == 5 and parts[4] != "0":  # replacements only
+            starts.append((float(parts[1]), float(parts[2])))
+    out: list[dict | None] = []
+    for f, stall in zip(fired, stalls(chaos_dir, fired), strict=True):
+        later = sorted(s for s in starts if s[0] > f["unix"])
+        if stall is None or not later or f["kind"] == "raise":
+            out.append(None)
+            continue
+        exec_at, ready = later[0]
+        out.append({"to_start": round(exec_at - f["unix"], 2),
+                    "start_up": round(ready - exec_at, 2),
+                    "join": round(f["unix"] + stall - ready, 2)})
+    return out
+
+
 def live_figures(run_dir: Path, log: Path, fired: list[dict], world: int,
                  last_launch_unix: float) -> dict:
     """What a live run says beyond the common figures (see `live_extra` in chaos.py's doc).
@@ -123,6 +148,9 @@ ROWS = [  # (label, how to show a report's figure)
     ("stall per fault (s)", lambda o: " ".join("-" if s is None else f"{s:.1f}"
                                                for s in o["stall_s"])),
     ("median stall (s)", lambda o: o["stall_s_median"]),
+    ("stall: start / start-up / join", lambda o: " ".join(
+        "-" if p is None else f"{p['to_start']:.1f}/{p['start_up']:.1f}/{p['join']:.1f}"
+        for p in o["stall_parts"]) if "stall_parts" in o else "-"),
     ("wall time: chaos / fault-free", lambda o: f"{o['wall_s']} s / {o['fault_free_wall_s']} s"),
     ("throughput kept (goodput)", lambda o: "-" if o["throughput_kept"] is None
      else f"{o['throughput_kept']:.1%}"),

@@ -32,7 +32,9 @@ fault before it (in live mode a replacement, or any worker of a relaunched job).
 
 Every attempt's rank 0 appends its steps to `DIR/steps.log` (steps recomputed = lines - steps)
 and a line to `DIR/attempts.log` as it starts; every process appends `STEP UNIX PID` to
-`DIR/commits.log` after each step (the stall of a fault: its step to the next step after it).
+`DIR/commits.log` after each step (the stall of a fault: its step to the next step after it)
+and `PID EXEC_UNIX READY_UNIX RANK REPLACEMENT` to `DIR/starts.log` once its trainer is built
+(where a replacement's part of a stall goes: started, then ready to join).
 Also here, for the harness: `make_plan` (the seeded schedule) and the outside faults' actions
 (`fill`, `corrupt_newest`).
 """
@@ -195,6 +197,9 @@ def plan_hook(on_step: Callable[[int], None] | None, rank: int, path: str
     if rank == 0 and not os.environ.get(REPLACEMENT_ENV):  # a live replacement is no attempt
         with open(d / "attempts.log", "a") as f:
             f.write(f"{time.time():.3f} {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}\n")
+    with open(d / "starts.log", "a") as f:  # where a replacement's start-up time goes
+        f.write(f"{os.getpid()} {_exec_unix():.3f} {time.time():.3f} {rank} "
+                f"{os.environ.get(REPLACEMENT_ENV, '0')}\n")
     i = _armed(d, faults)
     if i is not None and faults[i]["kind"] == "kill-at-start" and _mine(faults[i], rank) \
             and i > 0 and _take(d, i, faults[i], rank, None):
@@ -222,6 +227,16 @@ def plan_hook(on_step: Callable[[int], None] | None, rank: int, path: str
         elif _take(d, j, f, rank, step):
             _play(d, j, f, rank)
     return hook
+
+
+def _exec_unix() -> float:
+    """When this process was started (exec'd), in unix time, from /proc (Linux; else now)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _mine(fault: dict[str, Any], rank: int) -> bool:
