@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/chaos.py                                  # 8 faults, one host
     .venv/bin/python benchmarks/chaos.py --hosts 2 --faults 32 --seed 1   # the full run (root)
     .venv/bin/python benchmarks/chaos.py --faults 4 --kinds kill-in-save,raise,corrupt  # the test's
+    .venv/bin/python benchmarks/chaos.py --live --faults 8   # live, and the restart path beside it
 
 Runs the same `ringtrain train` twice: fault-free (the anchor), then under `--max-restarts` with
 `RINGTRAIN_TEST_FAULT=plan:PLAN` (tests/support/chaos_plan.py, played in the workers by
@@ -25,65 +26,94 @@ each fired once and in order, each meeting the job as the previous one left it:
 
 Every run records each step's sample indices (`--record-samples`). Reported: faults injected
 and survived, restarts (attempts - 1, relaunches included), steps recomputed (steps trained -
-steps), wall time against the fault-free run (throughput kept = fault-free wall / chaos wall),
+steps), the stall of each fault (its step to the next step committed after it), wall time
+against the fault-free run (throughput kept, or goodput = fault-free wall / chaos wall),
 processes left behind, whether the final `param_sha256` equals the fault-free run's, and the
 committed sample history checked (`ringtrain.data.sample_log.check_history`): every step one
 global batch, each epoch's order taken once, no index skipped or repeated, step for step the
 fault-free run's. Prints a table, then one JSON line. Needs root for --hosts 2 (network
 namespaces, tests/netns.py) and for disk-full (mount -t tmpfs); without it those are left out.
+
+`--live` plays the same schedule (the same seed draws) against `ringtrain train --live
+--live-wait S` (docs/fault_tolerance.md): a lost worker is replaced in place and heals from a
+live peer, the others never stop. `--live-wait` (default 60) has the survivors wait for the
+replacement, so every step runs on the whole world and the run ends with the fault-free
+`param_sha256`; the stall of a kill or stop is then detection plus a replacement's start.
+Its fault-free anchor is a fault-free live run. The kinds that mean something live:
+
+    kill, stop     the survivors go on after about the detection bound (--watchdog-timeout / 2,
+                   1-3 s); the agent SIGKILLs a stopped worker and starts a replacement
+    kill-in-save   the members' rank 0 (the one process that writes a live job's snapshots,
+                   whoever it is by then) dies inside the save: that snapshot is never
+                   committed, the replacement heals from a peer, never from the disk
+    kill-at-start  the next process to start is killed before it registers: a replacement
+                   dies, the agent starts another (the survivors wait on)
+    raise          an exception is the job's own error, in live mode too (`ringtrain.launch.
+                   live_agent`: only a death by a signal, or a worker left out by its peers, is
+                   replaced): every worker stops and the harness runs the same command again,
+                   which resumes from the last snapshot: one whole-job restart per raise
+
+Left out in live mode: `link` (it needs two hosts, and --live refuses --nnodes > 1: the store
+lives in one agent), `disk-full` (a full disk stops every rank at the same step, exit 74, by
+design: no worker is lost, nothing to replace) and `corrupt` (a snapshot is read only by a
+whole-job resume; a live job heals from a peer). Also reported, live: whole-job restarts (0
+unless a raise), the survivors' pids unchanged (every process of the final job that no fault
+hit trained to the end: RUN_DIR/live/PID.json), replacements started and healed (joined a
+generation), the in-flight snapshots committed (0: a kill-in-save's snapshot never is), and
+where each stall went (`stall_parts`: the fault to the replacement's exec, its start-up to a
+built trainer, then joining, healing and the next step).
+`--compare` (the default with --live; `--no-compare` to skip) runs the restart path on the same
+plan beside it (its own fault-free anchor): the table has a column each, the JSON line holds
+the restart path's figures under "restart". `--strategy` is passed through (default ddp).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
-import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
-
-import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # netns.py: the two-host setup the tests use
+sys.path.insert(0, str(REPO / "benchmarks"))  # chaos_run.py, chaos_report.py
 sys.path.insert(0, str(REPO))
 
+from chaos_report import live_figures, print_table, report, stall_parts, stalls  # noqa: E402
+from chaos_run import BATCH, SEED, committed_history, left_behind, mount_tmpfs, run  # noqa: E402
 from support.chaos_plan import (  # noqa: E402 - the schedule, test code outside the package
     KINDS_INSIDE,
     KINDS_OUTSIDE,
-    corrupt_newest,
-    fill,
     make_plan,
 )
-from support.faults import fault_env  # noqa: E402 - what the workers need to play the plan
 
 from ringtrain.data.addition import train_size  # noqa: E402
-from ringtrain.data.sample_log import SampleLog, check_history  # noqa: E402
-from ringtrain.launch.launcher import has_shutdown_timeout  # noqa: E402
+from ringtrain.data.sample_log import check_history  # noqa: E402
 
-ENV = {k: v for k, v in os.environ.items()
-       if k not in ("LOGLEVEL", "RINGTRAIN_TEST_FAULT", "RINGTRAIN_STEP_HOOK",
-                    "TORCHELASTIC_RESTART_COUNT")} | {
-    "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 ALL_KINDS = KINDS_INSIDE + KINDS_OUTSIDE
-SEED, BATCH = 1337, 16
+LIVE_KINDS = ("kill", "kill-in-save", "kill-at-start", "stop", "raise")
+LIVE_LEFT_OUT = {  # why a kind means nothing against --live (the docstring says more)
+    "link": "it needs two hosts and --live refuses --nnodes > 1",
+    "disk-full": "a full disk stops every rank at the same step by design (exit 74)",
+    "corrupt": "a live job heals from a peer; only a whole-job resume reads a snapshot"}
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--faults", type=int, default=8, help="faults to inject (default: 8)")
     p.add_argument("--seed", type=int, default=0, help="the schedule's seed (default: 0)")
-    p.add_argument("--kinds", default=",".join(ALL_KINDS), help="comma-separated fault kinds")
+    p.add_argument("--kinds", help="comma-separated fault kinds (default: all; with --live: "
+                   f"{','.join(LIVE_KINDS)})")
     p.add_argument("--hosts", type=int, choices=(1, 2), default=1, help="1 host, or 2 namespaces")
     p.add_argument("--nproc", type=int, help="workers per host (default: 2 on one host, 1 on two)")
-    p.add_argument("--strategy", default="ddp", help="ddp, pipeline, zero (default: ddp)")
+    p.add_argument("--strategy", default="ddp", help="ddp, pipeline, zero (default: ddp); with "
+                   "--live, one that ringtrain train --live accepts")
     p.add_argument("--snapshot-every", type=int, default=5)
     p.add_argument("--slot", type=int, help="steps per fault, a multiple of --snapshot-every "
                    "(default: 2 x --snapshot-every); longer slots: fewer faults per step")
@@ -98,222 +128,39 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="directory for the runs (default: a temp dir, removed)")
     p.add_argument("--model", default="--n-layer 1 --n-head 2 --n-embd 32",
                    help="model flags for ringtrain train")
+    p.add_argument("--live", action="store_true",
+                   help="play the plan against ringtrain train --live (see above)")
+    p.add_argument("--live-wait", type=float, default=60.0,
+                   help="with --live: seconds the survivors wait for a replacement (default 60)")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --live: the restart path on the same plan too (default: on)")
+    p.add_argument("--anchor-beside", action="store_true",
+                   help="run the fault-free run at the same time as the chaos run (a test's "
+                   "shortcut: the final sha and history are compared, goodput is not measured)")
     return p.parse_args(argv)
 
-
-# ---- running ringtrain train --------------------------------------------------------------------
-
-class Job:
-    """One `ringtrain train` job (one launcher, or one per host) and its output file."""
-
-    def __init__(self, a: argparse.Namespace, run_dir: Path, steps: int, log: Path,
-                 plan: Path | None, hosts, restarts: int):
-        self.a, self.run_dir, self.steps, self.log, self.plan = a, run_dir, steps, log, plan
-        self.hosts, self.restarts, self.procs = hosts, restarts, []
-
-    def argv(self) -> list[str]:
-        a = self.a
-        return [sys.executable, "-m", "ringtrain", "train", *a.model.split(),
-                "--steps", str(self.steps), "--batch-size", str(BATCH), "--seed", str(SEED),
-                "--eval-every", str(self.steps),
-                "--eval-batch-size", "64", "--log-every", str(a.snapshot_every), "--threads", "1",
-                "--no-progress", "--snapshot-every", str(a.snapshot_every), "--keep", "2",
-                "--watchdog-timeout", str(a.watchdog_timeout), "--record-samples",
-                "--strategy", a.strategy, "--max-restarts", str(self.restarts),
-                # 5 s to save after SIGTERM instead of 30 (torch 2.11's agent has no such option)
-                *(["--shutdown-timeout", "5"] if has_shutdown_timeout() else []),
-                "--run-dir", str(self.run_dir)]
-
-    def start(self) -> None:
-        env = dict(ENV)
-        if self.plan is not None:
-            env.update(fault_env(f"plan:{self.plan}"))
-        out = open(self.log, "a")  # noqa: SIM115 - the children hold it
-        if self.hosts is None:
-            self.procs = [subprocess.Popen([*self.argv(), "--nproc-per-node", str(self.a.nproc)],
-                                           env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                           start_new_session=True)]
-        else:
-            run_id, port = uuid.uuid4().hex[:8], random.Random().randrange(29500, 29900)
-            self.procs = [h.popen([*self.argv(), "--nnodes", "2", "--node-rank", str(i),
-                                   "--nproc-per-node", str(self.a.nproc), "--rdzv-id", run_id,
-                                   "--rdzv-endpoint", f"{self.hosts[0].addr}:{port}"],
-                                  env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-                          for i, h in enumerate(self.hosts)]
-        out.close()
-
-    def poll(self) -> int | None:
-        """None while running; else the job's exit code (the first non-zero one), once every
-        launcher has ended (a failed host's partner is stopped)."""
-        codes = [p.poll() for p in self.procs]
-        if all(c is None for c in codes):
-            return None
-        if any(c not in (None, 0) for c in codes) and any(c is None for c in codes):
-            time.sleep(2)  # its partner notices on its own, usually
-            self.stop()
-            codes = [p.poll() for p in self.procs]
-        if any(c is None for c in codes):
-            return None
-        return next((c for c in codes if c != 0), 0)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
-        if self.hosts is not None:
-            for h in self.hosts:
-                h.kill_all()
-
-
-def mount_tmpfs(where: Path, size: str) -> str | None:
-    where.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return "mount -t tmpfs needs root"
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True, timeout=30)
-    return None if proc.returncode == 0 else proc.stderr.strip()
-
-
-def _full_messages(log: Path) -> int:
-    """How often the job's output says a disk is full (ringtrain's words, or an OSError's)."""
-    return log.read_text(errors="replace").lower().count("no space left on device")
-
-
-def run(a: argparse.Namespace, run_dir: Path, steps: int, log: Path, plan: Path | None, hosts,
-        chaos_dir: Path | None, disk: Path | None, restarts: int) -> dict:
-    """One run to the end: the job, relaunched after a stop as a user would, the outside faults
-    played on request. Returns its figures."""
-    job = Job(a, run_dir, steps, log, plan, hosts, restarts)
-    try:
-        return _drive(a, job, run_dir, log, plan, hosts, chaos_dir, disk)
-    finally:
-        job.stop()  # also when the harness itself fails: nothing of the job outlives it
-
-
-def _drive(a, job, run_dir, log, plan, hosts, chaos_dir, disk) -> dict:
-    started = time.monotonic()
-    job.start()
-    launches, codes, notes, filler, full_seen, filled_at = 1, [], [], None, 0, 0.0
-    handled: set[int] = set()
-    faults = json.loads(plan.read_text())["faults"] if plan is not None else []
-    while True:
-        code = job.poll()
-        if chaos_dir is not None:
-            for req in sorted(chaos_dir.glob("request-*")):
-                i = int(req.name.split("-")[1])
-                if i in handled:
-                    continue
-                handled.add(i)
-                kind = faults[i]["kind"]
-                if kind == "corrupt":
-                    notes.append(f"fault {i}: corrupted {corrupt_newest(run_dir / 'snapshots')}")
-                elif kind == "disk-full" and disk is not None:
-                    full_seen = _full_messages(log)
-                    filler, filled_at = fill(disk), time.monotonic()
-                elif kind == "link" and hosts is not None:
-                    b = hosts[1]
-                    b.unplug()
-                    threading.Timer(a.link_seconds, subprocess.run, args=(
-                        ["ip", "-n", b.netns, "link", "set", b.ifname, "up"],), kwargs={
-                        "capture_output": True, "timeout": 10}).start()
-                (chaos_dir / f"done-{i}").write_text("")
-        # The user frees the space once the run said the disk is full (or stopped, or a minute
-        # went by); a launcher with restarts left goes on by itself, else it is relaunched below.
-        if filler is not None and (code is not None or _full_messages(log) > full_seen
-                                   or time.monotonic() - filled_at > 60):
-            notes.append(f"disk full for {time.monotonic() - filled_at:.1f} s")
-            filler.unlink()
-            filler = None
-        if code is not None:
-            codes.append(code)
-            if code == 0 or launches > a.relaunches or time.monotonic() - started > a.timeout:
-                break
-            launches += 1  # as a scheduler (or the user) would: the same command, it resumes
-            job.start()
-        if time.monotonic() - started > a.timeout:
-            job.stop()
-            codes.append("timeout")
-            break
-        time.sleep(0.05)
-    wall = time.monotonic() - started
-    job.stop()
-    summary_file = run_dir / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    return {"wall_s": wall, "exit_codes": codes, "launches": launches, "summary": summary,
-            "notes": notes}
-
-
-def committed_history(run_dir: Path) -> SampleLog | None:
-    done = sorted(p.parent for p in (run_dir / "snapshots").glob("snap-*/COMMITTED"))
-    if not done:
-        return None
-    shared = torch.load(done[-1] / "shared.pt", weights_only=True)
-    return SampleLog.from_state(shared["trainer"]["samples"])
-
-
-def left_behind(run_dir: Path, plan: Path, hosts) -> list[int]:
-    """Processes still running of the job: a command line naming its run dir, or the plan in
-    their environment (workers, and the helper that wakes a stopped one)."""
-    time.sleep(1.0)
-    found = set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            env = (d / "environ").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if f"--run-dir {run_dir}" in cmd or f"plan:{plan}" in env:
-            found.add(int(d.name))
-    for h in hosts or ():
-        found.update(h.pids())
-    return sorted(found)
-
-
-# ---- the report ---------------------------------------------------------------------------------
-
-def report(a, faults, fired, ref, chaos, steps, check, same_history, left, extra) -> dict:
-    kinds: dict[str, list[int]] = {}
-    for f in faults:
-        k = kinds.setdefault(f["kind"], [0, 0])
-        k[0] += 1
-    for f in fired:
-        kinds[f["kind"]][1] += 1
-    finished = chaos["exit_codes"][-1:] == [0]
-    sha_ref, sha = ref["summary"].get("param_sha256"), chaos["summary"].get("param_sha256")
-    out = {
-        "hosts": a.hosts, "world_size": chaos["summary"].get("world_size"), "strategy": a.strategy,
-        "seed": a.seed, "steps": steps, "faults_planned": len(faults),
-        "faults_injected": len(fired),
-        "faults_survived": len(fired) if finished else max(0, len(fired) - 1),
-        "by_kind": {k: {"planned": v[0], "injected": v[1]} for k, v in kinds.items()},
-        "restarts": extra["attempts"] - 1, "relaunches": chaos["launches"] - 1,
-        "exit_codes": chaos["exit_codes"], "steps_trained": extra["steps_trained"],
-        "steps_recomputed": extra["steps_trained"] - steps if finished else None,
-        "wall_s": round(chaos["wall_s"], 1), "fault_free_wall_s": round(ref["wall_s"], 1),
-        "throughput_kept": round(ref["wall_s"] / chaos["wall_s"], 3),
-        "processes_left": len(left), "param_sha256": sha, "fault_free_param_sha256": sha_ref,
-        "param_sha256_equal": bool(sha and sha == sha_ref),
-        "samples": {k: check[k] for k in ("steps", "samples", "epochs", "skipped", "repeated",
-                                          "out_of_order", "missing_steps")} if check else None,
-        "history_errors": check["errors"] if check else ["no committed history"],
-        "history_equals_fault_free": same_history, "notes": chaos["notes"] + extra["notes"],
-    }
-    out["ok"] = bool(finished and out["param_sha256_equal"] and check and not check["errors"]
-                     and same_history and not left and len(fired) == len(faults))
-    return out
 
 
 def main(argv=None) -> dict:
     a = parse(argv)
     a.nproc = a.nproc or (2 if a.hosts == 1 else 1)
+    if a.compare and not a.live:
+        raise SystemExit("chaos.py --compare runs the restart path beside --live: add --live "
+                         "(without it, the restart path alone is the run)")
+    a.compare = a.live and a.compare is not False
     world = a.nproc * a.hosts
-    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    kinds = [k.strip() for k in (a.kinds or ",".join(LIVE_KINDS if a.live else ALL_KINDS))
+             .split(",") if k.strip()]
     bad = sorted(set(kinds) - set(ALL_KINDS))
     if bad:
         raise SystemExit(f"chaos.py: unknown --kinds {bad}; choose from {', '.join(ALL_KINDS)}")
+    if a.live and set(kinds) - set(LIVE_KINDS):
+        raise SystemExit("chaos.py --live: " + "; ".join(
+            f"--kinds {k} means nothing live: {LIVE_LEFT_OUT[k]}"
+            for k in sorted(set(kinds) - set(LIVE_KINDS))) + f"; choose from {LIVE_KINDS}")
+    if a.live and a.hosts != 1:
+        raise SystemExit(f"chaos.py --live --hosts {a.hosts}: --live refuses --nnodes > 1 "
+                         "(the store lives in one agent); use --hosts 1")
     if a.slot is not None and (a.slot % a.snapshot_every or a.slot < 2 * a.snapshot_every):
         raise SystemExit(f"chaos.py: --slot {a.slot} must be a multiple of --snapshot-every "
                          f"{a.snapshot_every}, at least twice it")
@@ -345,36 +192,18 @@ def main(argv=None) -> dict:
         restart_after = {"kill", "raise", "stop", "kill-in-save"}
         faults, steps = make_plan(kinds, a.faults, a.seed, a.snapshot_every, world,
                                   a.watchdog_timeout + 3, restart_after,
-                                  a.slot or 2 * a.snapshot_every, a.corrupt_then)
-        chaos_dir = root / "chaos"
-        chaos_dir.mkdir(exist_ok=True)
-        plan = root / "plan.json"
-        plan.write_text(json.dumps({"dir": str(chaos_dir), "faults": faults}, indent=1))
+                                  a.slot or 2 * a.snapshot_every, a.corrupt_then, live=a.live)
+        paths = ["live", "restart"] if a.compare else ["live" if a.live else "restart"]
         print(f"chaos: {len(faults)} faults over {steps} steps, world size {world} "
-              f"({a.hosts} host{'s' if a.hosts > 1 else ''}), runs in {root}", flush=True)
-        ref_dir = root / "fault-free"
-        ref = run(a, ref_dir, steps, root / "fault-free.log", None, hosts, None, None, 0)
-        if ref["exit_codes"][-1:] != [0]:
-            raise SystemExit(f"the fault-free run failed: {ref['exit_codes']}; "
-                             f"see {root}/fault-free.log")
-        run_dir = (disk or root) / "run"
-        restarts = 3 * len(faults) + 5
-        chaos = run(a, run_dir, steps, root / "chaos.log", plan, hosts, chaos_dir, disk, restarts)
-        fired = [json.loads(p.read_text()) for p in sorted(chaos_dir.glob("fired-*.json"))]
-        steps_log = chaos_dir / "steps.log"
-        attempts = chaos_dir / "attempts.log"
-        extra = {"steps_trained": len(steps_log.read_text().split()) if steps_log.exists() else 0,
-                 "attempts": len(attempts.read_text().splitlines()) if attempts.exists() else 0,
-                 "notes": notes}
-        # pipeline: fewer data ranks
-        global_batch = ref["summary"].get("global_batch_size", BATCH * world)
-        n = train_size(2)
-        history, ref_history = committed_history(run_dir), committed_history(ref_dir)
-        check = check_history(history, dataset_len=n, seed=SEED, global_batch=global_batch,
-                              steps=steps) if history else None
-        same = bool(history and ref_history and history.step_sets() == ref_history.step_sets())
-        left = left_behind(run_dir, plan, hosts)
-        out = report(a, faults, fired, ref, chaos, steps, check, same, left, extra)
+              f"({a.hosts} host{'s' if a.hosts > 1 else ''}), {' and '.join(paths)}, "
+              f"runs in {root}", flush=True)
+        outs = {}
+        for path in paths:
+            # One directory per path (the plan's markers are per run); the restart path alone
+            # keeps today's layout, which the tests read.
+            where = root if len(paths) == 1 and path == "restart" else root / path
+            where.mkdir(exist_ok=True)
+            outs[path] = one_path(a, path, faults, steps, world, where, hosts, disk, notes)
     finally:
         if hosts_cm is not None:
             hosts_cm.__exit__(None, None, None)
@@ -383,25 +212,87 @@ def main(argv=None) -> dict:
                 subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=60)
         if not a.out:
             shutil.rmtree(root, ignore_errors=True)
-    rows = [("faults injected / planned", f"{out['faults_injected']} / {out['faults_planned']}"),
-            ("faults survived", out["faults_survived"]),
-            ("by kind (planned, injected)", ", ".join(f"{k} {v['planned']},{v['injected']}"
-                                                      for k, v in out["by_kind"].items())),
-            ("restarts (relaunches)", f"{out['restarts']} ({out['relaunches']})"),
-            ("steps recomputed", f"{out['steps_recomputed']} (of {out['steps_trained']} trained)"),
-            ("wall time: chaos / fault-free", f"{out['wall_s']} s / {out['fault_free_wall_s']} s"),
-            ("throughput kept", f"{out['throughput_kept']:.1%}"),
-            ("processes left behind", out["processes_left"]),
-            ("param_sha256 equals fault-free", out["param_sha256_equal"]),
-            ("samples skipped / repeated", f"{(out['samples'] or {}).get('skipped')} / "
-                                           f"{(out['samples'] or {}).get('repeated')}"),
-            ("history equals fault-free", out["history_equals_fault_free"])]
-    for k, v in rows:
-        print(f"{k:32s} {v}")
-    for line in out["notes"] + out["history_errors"]:
-        print("note:", line)
+    print_table(outs)
+    out = outs[paths[0]]
+    if a.compare:
+        out = {**out, "restart": outs["restart"], "ok": out["ok"] and outs["restart"]["ok"]}
     print(json.dumps(out), flush=True)
     return out
+
+
+def one_path(a, path: str, faults: list[dict], steps: int, world: int, root: Path, hosts,
+             disk: Path | None, notes: list[str]) -> dict:
+    """The fault-free anchor, then the plan, on one recovery path ("live" or "restart")."""
+    live = path == "live"
+    chaos_dir = root / "chaos"
+    chaos_dir.mkdir(exist_ok=True)
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"dir": str(chaos_dir), "faults": faults}, indent=1))
+    ref_dir = root / "fault-free"
+    beside: list[dict] = []
+    anchor = threading.Thread(target=lambda: beside.append(run(
+        a, ref_dir, steps, root / "fault-free.log", None, hosts, None, None,
+        None if live else 0)), name="fault-free", daemon=True)
+    anchor.start()
+    if not a.anchor_beside:
+        anchor.join()
+    run_dir = (disk or root) / "run"
+    log = root / "chaos.log"
+    chaos = run(a, run_dir, steps, log, plan, hosts, chaos_dir, disk,
+                None if live else 3 * len(faults) + 5)
+    anchor.join(a.timeout)
+    ref = beside[0] if beside else {"exit_codes": ["timeout"]}
+    if ref["exit_codes"][-1:] != [0]:
+        raise SystemExit(f"the fault-free run ({path}) failed: {ref['exit_codes']}; "
+                         f"see {root}/fault-free.log")
+    if a.anchor_beside:  # both ran on the same cores at once: their walls say nothing
+        chaos["notes"].append("the fault-free run ran beside the chaos run: goodput not measured")
+    fired = [json.loads(p.read_text()) for p in sorted(chaos_dir.glob("fired-*.json"))]
+    attempts = chaos_dir / "attempts.log"
+    extra = {"steps_trained": _steps_trained(chaos_dir, chaos["launched_unix"], live),
+             "attempts": len(attempts.read_text().splitlines()) if attempts.exists() else 0,
+             "notes": list(notes), "stalls": stalls(chaos_dir, fired)}
+    # pipeline: fewer data ranks
+    global_batch = ref["summary"].get("global_batch_size", BATCH * world)
+    n = train_size(2)
+    history, ref_history = committed_history(run_dir), committed_history(ref_dir)
+    check = check_history(history, dataset_len=n, seed=SEED, global_batch=global_batch,
+                          steps=steps) if history else None
+    same = bool(history and ref_history and history.step_sets() == ref_history.step_sets())
+    # A stopped worker's waker (`sleep S; kill -CONT`) outlives a live job that went on without
+    # the worker; it ends by itself, S after the stop: not a process left behind.
+    wakers = [f["unix"] + f["seconds"] for f in fired if f["kind"] == "stop"]
+    time.sleep(max(0.0, max(wakers, default=0.0) + 0.5 - time.time()))
+    left = left_behind(run_dir, plan, hosts)
+    out = report(a, faults, fired, ref, chaos, steps, check, same, left, extra)
+    if not live:
+        return out
+    out = {"mode": "live", "live_wait_s": a.live_wait, **out,
+           **live_figures(run_dir, log, fired, world, chaos["launched_unix"][-1]),
+           "stall_parts": stall_parts(chaos_dir, fired)}
+    raises = sum(f["kind"] == "raise" for f in fired)
+    # By design a raise is the job's error (a whole-job restart); every other fault is not.
+    out["ok"] = bool(out["ok"] and out["restarts"] == raises  # relaunches included
+                     and out["survivor_pids_unchanged"]
+                     and out["in_flight_snapshots_committed"] == 0)
+    return out
+
+
+def _steps_trained(chaos_dir: Path, launched: list[float], live: bool) -> int:
+    """Steps trained, a step trained again counted again. The restart path: rank 0's lines
+    (DIR/steps.log, every attempt). Live: no step is committed twice within one job (a failed
+    step is redone before its commit), so the distinct steps of each (re)launch
+    (DIR/commits.log: every process's lines; rank 0 may be lost while the others go on)."""
+    if not live:
+        path = chaos_dir / "steps.log"
+        return len(path.read_text().split()) if path.exists() else 0
+    path = chaos_dir / "commits.log"
+    seen = set()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = line.split()
+        if len(parts) == 3:
+            seen.add((bisect.bisect_right(launched, float(parts[1])), int(parts[0])))
+    return len(seen)
 
 
 if __name__ == "__main__":

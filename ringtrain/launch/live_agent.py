@@ -14,7 +14,8 @@ mode the survivors recover by themselves (`ringtrain.live.LiveGroup`), so the ag
   a machine swapping) is killed with SIGKILL, then replaced as above: `LiveGroup` writes
   `departed/{uid}` with the uid's `pid/{uid}` under its prefix in the store, read here;
 - any other failure (an exception, a mistake, a stop on SIGTERM) is the job's, as without
-  --live: every worker stops, one report.
+  --live: every worker stops, one report; a worker that dies meanwhile (torch SIGKILLs one
+  that outlives its shutdown timeout) is not replaced.
 
 The store is the one the agent hosts for the rendezvous (its workers get
 TORCHELASTIC_USE_AGENT_STORE), so it outlives every worker. If the agent or its machine dies,
@@ -99,8 +100,19 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS) -> Iterator
     original = CAPTURE_PROCESS_FAILURES.get()
     departed = _Departed()
     count = [0]
+    stopping = [False]  # a failure that is the job's: torch now stops every worker
 
     def capture(self, done_local_ranks: set[int]) -> None:
+        # Once a worker failed in a way that is the job's (an exception), torch stops the rest
+        # (SIGTERM, then SIGKILL after its shutdown timeout) and polls them once more: a death
+        # by its own SIGKILL then is no fault to ride out (seen: a replacement started while
+        # the job stopped on a raise, benchmarks/chaos.py --live).
+        stopping[0] = stopping[0] or any(
+            code is not None and code != 0 and not _replaceable(code)
+            for code in (proc.poll() for _, _, proc in running_workers(self)))
+        if stopping[0]:
+            original(self, done_local_ranks)
+            return
         workers = running_workers(self)
         if workers:
             hung = set(departed.pids(self.envs[workers[0][0]]))

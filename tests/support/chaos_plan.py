@@ -25,9 +25,18 @@ Kinds played by the harness (`outside`): the worker writes `DIR/request-<i>` and
 most 30 s) for `DIR/done-<i>`: `corrupt` (a flipped byte in the newest committed snapshot),
 `disk-full` (the run directory's filesystem filled up), `link` (a host's link down and up).
 
+A fault whose `rank` is null goes to whichever process meets its moment first: `kill-in-save` to
+the process that writes the snapshot of `step` (in live mode the members' rank 0, which moves as
+members are lost and replaced), `kill-at-start` to the first process that starts after the
+fault before it (in live mode a replacement, or any worker of a relaunched job).
+
 Every attempt's rank 0 appends its steps to `DIR/steps.log` (steps recomputed = lines - steps)
-and a line to `DIR/attempts.log` as it starts. Also here, for the harness: `make_plan` (the
-seeded schedule) and the outside faults' actions (`fill`, `corrupt_newest`).
+and a line to `DIR/attempts.log` as it starts; every process appends `STEP UNIX PID` to
+`DIR/commits.log` after each step (the stall of a fault: its step to the next step after it)
+and `PID EXEC_UNIX READY_UNIX RANK REPLACEMENT` to `DIR/starts.log` once its trainer is built
+(where a replacement's part of a stall goes: started, then ready to join).
+Also here, for the harness: `make_plan` (the seeded schedule) and the outside faults' actions
+(`fill`, `corrupt_newest`).
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ringtrain.launch.live_agent import REPLACEMENT_ENV
 
 KINDS_INSIDE = ("kill", "kill-in-save", "kill-at-start", "stop", "raise")
 KINDS_OUTSIDE = ("corrupt", "disk-full", "link")
@@ -84,14 +95,7 @@ def _armed(d: Path, faults: list[dict[str, Any]]) -> int | None:
 
 def _kill_on_next_save(rank: int) -> None:
     """Make this process's next torch.save (a snapshot file) its last: SIGKILL after it."""
-    original = torch.save
-
-    def save_then_die(*args, **kwargs):
-        original(*args, **kwargs)
-        print(f"[rank {rank}] chaos: SIGKILL inside a snapshot write", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    torch.save = save_then_die
+    _die_after_save(rank)
     # Snapshots are written by a thread while the step loop goes on (the default): hold the loop
     # in this save until the write (and the kill) comes, so the kill is inside the save of this
     # step, on the writer's thread, and the steps trained before it do not depend on timing.
@@ -105,6 +109,42 @@ def _kill_on_next_save(rank: int) -> None:
             time.sleep(0.005)
 
     background.BackgroundSave.__init__ = start_and_wait
+
+
+def _kill_in_save_of_writer(d: Path, i: int, fault: dict[str, Any], rank: int,
+                            step: int) -> Callable[[], None]:
+    """Fault i (`kill-in-save` with no rank) goes to the process that starts writing the
+    snapshot of `step` first: the live members' rank 0, which moves as members are lost and
+    replaced. Every process arms it; the returned function disarms it (at the next step)."""
+    from ringtrain.checkpoint import background
+
+    started = background.BackgroundSave.__init__
+
+    def claim_then_die(self, save_step, fn):
+        if save_step != step or not _take(d, i, fault, rank, step):
+            started(self, save_step, fn)
+            return
+        _die_after_save(rank)
+        started(self, save_step, fn)
+        while not self.done():  # held here until the kill, as `_kill_on_next_save`
+            time.sleep(0.005)
+
+    background.BackgroundSave.__init__ = claim_then_die
+
+    def disarm() -> None:
+        background.BackgroundSave.__init__ = started
+    return disarm
+
+
+def _die_after_save(rank: int) -> None:
+    original = torch.save
+
+    def save_then_die(*args, **kwargs):
+        original(*args, **kwargs)
+        print(f"[rank {rank}] chaos: SIGKILL inside a snapshot write", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = save_then_die
 
 
 def _ask_outside(d: Path, i: int, rank: int) -> None:
@@ -154,37 +194,69 @@ def plan_hook(on_step: Callable[[int], None] | None, rank: int, path: str
     plan = json.loads(Path(path).read_text())
     d, faults = Path(plan["dir"]), plan["faults"]
     d.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
+    if rank == 0 and not os.environ.get(REPLACEMENT_ENV):  # a live replacement is no attempt
         with open(d / "attempts.log", "a") as f:
             f.write(f"{time.time():.3f} {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}\n")
+    with open(d / "starts.log", "a") as f:  # where a replacement's start-up time goes
+        f.write(f"{os.getpid()} {_exec_unix():.3f} {time.time():.3f} {rank} "
+                f"{os.environ.get(REPLACEMENT_ENV, '0')}\n")
     i = _armed(d, faults)
-    if i is not None and faults[i]["kind"] == "kill-at-start" and faults[i]["rank"] == rank \
+    if i is not None and faults[i]["kind"] == "kill-at-start" and _mine(faults[i], rank) \
             and i > 0 and _take(d, i, faults[i], rank, None):
         _play(d, i, faults[i], rank)
     steps_log = open(d / "steps.log", "a", buffering=1) if rank == 0 else None  # noqa: SIM115
+    commits = open(d / "commits.log", "a", buffering=1)  # noqa: SIM115 - every process's steps
+    disarm: list[Callable[[], None]] = []
 
     def hook(step: int) -> None:
         if on_step is not None:
             on_step(step)
         if steps_log is not None:
             steps_log.write(f"{step}\n")
+        commits.write(f"{step} {time.time():.3f} {os.getpid()}\n")  # one short line: atomic
+        while disarm:
+            disarm.pop()()
         j = _armed(d, faults)
         if j is None:
             return
         f = faults[j]
-        if f["kind"] == "kill-at-start" or f["rank"] != rank or f["step"] != step:
+        if f["kind"] == "kill-at-start" or not _mine(f, rank) or f["step"] != step:
             return
-        if _take(d, j, f, rank, step):
+        if f["kind"] == "kill-in-save" and f["rank"] is None:
+            disarm.append(_kill_in_save_of_writer(d, j, f, rank, step))
+        elif _take(d, j, f, rank, step):
             _play(d, j, f, rank)
     return hook
+
+
+def _exec_unix() -> float:
+    """When this process was started (exec'd), in unix time, from /proc (Linux; else now)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def _mine(fault: dict[str, Any], rank: int) -> bool:
+    """A fault with no rank is whichever process meets its moment first (live mode: the
+    snapshot's writer, the first replacement to start)."""
+    return fault["rank"] is None or fault["rank"] == rank
 
 
 # ---- the schedule (benchmarks/chaos.py writes it) -----------------------------------------------
 
 def make_plan(kinds: list[str], n: int, seed: int, every: int, world: int, stop_s: float,
-              restart_after: set[str], slot: int, corrupt_then: str = "random"
-              ) -> tuple[list[dict], int]:
-    """Faults in order, one per slot of `slot` steps; returns (faults, steps of the run)."""
+              restart_after: set[str], slot: int, corrupt_then: str = "random",
+              live: bool = False) -> tuple[list[dict], int]:
+    """Faults in order, one per slot of `slot` steps; returns (faults, steps of the run).
+
+    With `live`, the same schedule (the same seed draws) but `kill-in-save` and `kill-at-start`
+    carry no rank: in a live job only the members' rank 0 writes snapshots, and the process
+    that starts after a fault is a replacement in the lost worker's slot (see `_mine`); a
+    restarting job plays such a plan too (the first writer, the first worker to start).
+    """
     rng = random.Random(seed)
     order: list[str] = []
     while len(order) < n:
@@ -219,6 +291,10 @@ def make_plan(kinds: list[str], n: int, seed: int, every: int, world: int, stop_
         else:
             faults.append({"kind": kind, "rank": rank if kind != "link" else 0,
                            "step": base + rng.randrange(1, slot - 1)})
+    if live:
+        for f in faults:
+            if f["kind"] in ("kill-in-save", "kill-at-start"):
+                f["rank"] = None
     steps = every * 2 + len(order) * slot + 2 * every
     return faults, steps
 
