@@ -5,9 +5,9 @@
 `fn(rank, world_size, *args)` must be a module-level function (the ranks import it). Ranks are
 forked from a forkserver that has imported torch (where the platform has one; spawned
 otherwise): a rank starts in ~0.1 s instead of the ~1.4 s of a fresh interpreter importing
-torch, which over the suite's hundreds of worker starts is minutes. The server imports torch
-only (no CUDA, no threads), and each rank takes the caller's environment and working directory
-as they are at the call, as a spawned process would.
+torch, which over the suite's hundreds of worker starts is minutes. The server imports torch,
+ringtrain's trainer and pyplot, nothing else (no CUDA, no threads), and each rank takes the
+caller's environment and working directory as they are at the call, as a spawned process would.
 Each rank runs with `torch.set_num_threads(1)`, an initialised gloo group on the CPU (or a
 shared GPU with `device="cuda"`; unless `init=False`),
 and teardown in `finally`. Results come back per rank, in rank order. The first rank that
@@ -78,7 +78,13 @@ def _context():
     ctx = mp.get_context("forkserver")
     # Read when the server starts (the first call). torch._dynamo too: the first call of an
     # optimizer method imports it (torch._disable_dynamo), ~1.5 s of CPU in every worker.
-    ctx.set_forkserver_preload(["torch", "torch._dynamo"])
+    # ringtrain's trainer, strategies and CLI (155 modules, ~0.3 s of CPU) and pyplot (~0.45 s,
+    # on every rank 0 that writes report.png) are imported by most ranks the suite starts; none
+    # reads the environment or starts a thread at import, so a rank still sees only the
+    # caller's. A module that is not installed is skipped (multiprocessing ignores its
+    # ImportError) and imported, or not, by the rank as before.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "ringtrain.cli.train",
+                                "matplotlib.pyplot"])
     return ctx
 
 
