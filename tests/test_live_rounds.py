@@ -33,9 +33,9 @@ from pathlib import Path
 import pytest
 import torch
 from support.faults import fault_env
+from support.live_history import assert_fault_free_history, live_members, wait_all
 
-from ringtrain.data.sample_log import SampleLog, check_history
-from ringtrain.live import GlobalBatches
+from ringtrain.data.sample_log import SampleLog
 
 slow = pytest.mark.slow  # two CLI jobs of 3 workers each (four with RINGTRAIN_FULL=1)
 
@@ -74,21 +74,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_rounds")
     procs = {(s, kind): _start(root / f"{s}-{kind}", s, FAULTS if kind == "faulted" else None)
              for s in STRATEGIES for kind in ("faulted", "clean")}
-    out = {}
-    try:
-        for key, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=420)
-            assert proc.returncode == 0, f"{key}: {stdout[-2000:]}{stderr[-4000:]}"
-            out[key] = (root / f"{key[0]}-{key[1]}", stderr)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-    return out
-
-
-def _members(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((run_dir / "live").glob("*.json"))]
+    return wait_all(procs, {key: root / f"{key[0]}-{key[1]}" for key in procs})
 
 
 def _snapshot(run_dir: Path, part: str) -> dict:
@@ -99,7 +85,7 @@ def _snapshot(run_dir: Path, part: str) -> dict:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_survivors_redo_the_round_and_each_replacement_heals_at_its_meeting(runs, strategy):
     run_dir, stderr = runs[strategy, "faulted"]
-    members = _members(run_dir)
+    members = live_members(run_dir)
     by_slot = {(m["launcher_rank"], m["joined_at_step"]): m for m in members}
     assert len(members) == 5, members  # 3 started, 2 replacements
     survivor = by_slot[0, 0]  # trained every step in its own process, recovered twice
@@ -123,16 +109,7 @@ def test_the_sample_history_is_the_fault_free_runs(runs, strategy):
     (faulted, _), (clean, _) = runs[strategy, "faulted"], runs[strategy, "clean"]
     history = SampleLog.from_state(_snapshot(faulted, "shared.pt")["trainer"]["samples"])
     reference = SampleLog.from_state(_snapshot(clean, "shared.pt")["trainer"]["samples"])
-    assert history.step_sets() == reference.step_sets()
-    from ringtrain.data.addition import train_size
-
-    n = train_size(2)  # the addition task's default digits
-    report = check_history(history, dataset_len=n, seed=1337, global_batch=BATCH * WORLD,
-                           steps=STEPS)
-    assert report["errors"] == [] and report["samples"] == STEPS * BATCH * WORLD
-    batches = GlobalBatches(n, BATCH * WORLD, seed=1337)
-    assert history.step_sets() == {s + 1: sorted((0, i) for i in batches.batch(s))
-                                   for s in range(STEPS)}
+    assert_fault_free_history(history, reference, steps=STEPS, global_batch=BATCH * WORLD)
 
 
 @slow

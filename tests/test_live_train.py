@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 from support.faults import fault_env
+from support.live_history import assert_fault_free_history, live_members, wait_all
 
-from ringtrain.data.sample_log import SampleLog, check_history
-from ringtrain.live import GlobalBatches
+from ringtrain.data.sample_log import SampleLog
 
 STEPS, BATCH, WORLD = 10, 8, 3
 LIVE = ["--nproc-per-node", str(WORLD), "--steps", str(STEPS), "--n-layer", "1", "--n-embd", "32",
@@ -56,21 +56,7 @@ def _start(run_dir: Path, fault: str | None) -> subprocess.Popen:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live")
     procs = {"faulted": _start(root / "faulted", FAULTS), "clean": _start(root / "clean", None)}
-    out = {}
-    try:
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=420)
-            assert proc.returncode == 0, f"{name}: {stdout[-2000:]}{stderr[-4000:]}"
-            out[name] = (root / name, stderr)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-    return out
-
-
-def _members(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((run_dir / "live").glob("*.json"))]
+    return wait_all(procs, {name: root / name for name in procs})
 
 
 def _history(run_dir: Path) -> SampleLog:
@@ -81,7 +67,7 @@ def _history(run_dir: Path) -> SampleLog:
 
 def test_survivors_keep_their_pids_and_each_lost_worker_is_replaced_and_healed(runs):
     run_dir, stderr = runs["faulted"]
-    members = _members(run_dir)
+    members = live_members(run_dir)
     by_slot = {(m["launcher_rank"], m["joined_at_step"]): m for m in members}
     assert len(members) == 5, members  # 3 started, 2 replacements
     # Rank 0's process trained every step; the killed and the hung ones never finished.
@@ -104,17 +90,7 @@ def test_the_faulted_run_ends_with_the_fault_free_weights_and_samples(runs):
            for name, d in (("faulted", faulted), ("clean", clean))}
     assert sha["faulted"] == sha["clean"]
     history, reference = _history(faulted), _history(clean)
-    assert history.step_sets() == reference.step_sets()
-    from ringtrain.data.addition import train_size
-
-    n = train_size(2)  # the addition task's default digits
-    report = check_history(history, dataset_len=n, seed=1337, global_batch=BATCH * WORLD,
-                           steps=STEPS)
-    assert report["errors"] == [] and report["samples"] == STEPS * BATCH * WORLD
-    # Each step's global batch is torch's DistributedSampler layout over 3 ranks (GlobalBatches).
-    batches = GlobalBatches(n, BATCH * WORLD, seed=1337)
-    assert history.step_sets() == {s + 1: sorted((0, i) for i in batches.batch(s))
-                                   for s in range(STEPS)}
+    assert_fault_free_history(history, reference, steps=STEPS, global_batch=BATCH * WORLD)
 
 
 @pytest.mark.parametrize("argv, said", [
