@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import time
 from collections import Counter
 from datetime import timedelta
@@ -42,45 +43,18 @@ from ringtrain.live import (
     LiveGroup,
     LiveRecoveryError,
     LiveState,
-    all_reduce_gradients,
     train_live,
 )
 from ringtrain.testing import WorkerError, run_workers
 
-N, BATCH, STEPS, FAULT_STEP, WORLD = 60, 12, 8, 3, 3  # 5 steps per epoch: the run crosses one
+# The task, model and optimizer the netns member script trains too (tests/test_live_link.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import live_member  # noqa: E402
+
+N, BATCH, STEPS = live_member.N, live_member.BATCH, live_member.STEPS  # 60, 12, 8
+FAULT_STEP, WORLD = 3, 3  # 5 steps per epoch: the run crosses one
 JOBS = {"clean": (None, 3), "kill_spare": ("kill", 4), "kill": ("kill", 3), "hang": ("stop", 4),
         "bug": ("bug", 2), "slow": ("slow", 2)}
-
-
-def _data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, 8, generator=g)
-    return x, x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(N, 1, generator=g)
-
-
-class _Momentum:
-    """SGD with momentum, by hand: a torch.optim optimizer's construction imports torch._dynamo
-    (~4 s of CPU per process; 14 processes here). Its buffers are state a replacement must heal."""
-
-    def __init__(self, params, lr=0.05, beta=0.9):
-        self.params, self.lr, self.beta = list(params), lr, beta
-        self.buf = [torch.zeros_like(p) for p in self.params]
-
-    @torch.no_grad()
-    def step(self):
-        for p, b in zip(self.params, self.buf, strict=True):
-            p.sub_(self.lr * b.mul_(self.beta).add_(p.grad))
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def state_dict(self):
-        return {"buf": self.buf}
-
-    def load_state_dict(self, state):
-        for b, v in zip(self.buf, state["buf"], strict=True):
-            b.copy_(v)
 
 
 def _sha(model: torch.nn.Module) -> str:
@@ -95,10 +69,11 @@ def _member(rank, world_size, port, records_dir, plan):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     if late:  # a replacement started after the survivors committed a step without the victim
         store.wait([f"{job}/recovered"])
-    x, y = _data()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    optimizer = _Momentum(model.parameters())
+    x, y = live_member.data()
+    model = live_member.model()
+    # SGD with momentum by hand: torch.optim's construction imports torch._dynamo (~4 s of CPU
+    # per process; 14 processes here). Its buffers are state a replacement must heal.
+    optimizer = live_member.Momentum(model.parameters())
     state = LiveState(model, optimizer, GlobalBatches(N, BATCH, seed=1))
     group = LiveGroup(store, 2 if job in ("bug", "slow") else WORLD, name=job, timeout_s=20,
                       heartbeat_s=0.1, dead_after_s=1)
@@ -117,14 +92,7 @@ def _member(rank, world_size, port, records_dir, plan):
                 .encode()):
             store.set(f"{job}/fault_at", str(time.monotonic()))  # one clock for the host
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        loss = (model(x[ids]) - y[ids]).pow(2).sum() / BATCH  # this share's part of the mean
-        loss.backward()
-        all_reduce_gradients(model, process_group)
-        total = loss.detach().reshape(1)
-        dist.all_reduce(total, group=process_group)
-        optimizer.step()
-        optimizer.zero_grad()
-        return float(total), ids
+        return live_member.train_step(model, optimizer, x, y, ids, process_group)
 
     def on_commit(done, result):
         records.write(json.dumps({"step": done, "loss": result[0], "ids": result[1],

@@ -40,7 +40,7 @@ def model() -> torch.nn.Module:
 
 class Momentum:
     """SGD with momentum by hand: torch.optim's import of torch._dynamo costs ~4 s of CPU per
-    process (tests/test_live.py's `_Momentum`)."""
+    process (tests/test_live.py trains with it too)."""
 
     def __init__(self, params, lr=0.05, beta=0.9):
         self.params, self.lr, self.beta = list(params), lr, beta
@@ -63,6 +63,19 @@ class Momentum:
             b.copy_(v)
 
 
+def train_step(net, optimizer, x, y, ids, process_group) -> tuple[float, list[int]]:
+    """One live step on this member's share `ids`: the gradients summed over the generation's
+    group (each share's loss is its part of the global mean), then the optimizer's step."""
+    loss = (net(x[ids]) - y[ids]).pow(2).sum() / BATCH  # this share's part of the mean
+    loss.backward()
+    all_reduce_gradients(net, process_group)
+    total = loss.detach().reshape(1)
+    dist.all_reduce(total, group=process_group)
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(total), ids
+
+
 def main() -> None:
     addr, port, world_size, out_dir, pause_at, pause_file = sys.argv[1:7]
     torch.set_num_threads(1)
@@ -76,14 +89,7 @@ def main() -> None:
     records = open(Path(out_dir) / f"{pid}.jsonl", "a")  # noqa: SIM115
 
     def step(ids, process_group):
-        loss = (net(x[ids]) - y[ids]).pow(2).sum() / BATCH  # this share's part of the mean
-        loss.backward()
-        all_reduce_gradients(net, process_group)
-        total = loss.detach().reshape(1)
-        dist.all_reduce(total, group=process_group)
-        optimizer.step()
-        optimizer.zero_grad()
-        return float(total), ids
+        return train_step(net, optimizer, x, y, ids, process_group)
 
     def on_commit(done, result):
         records.write(json.dumps({"step": done, "loss": result[0], "ids": result[1],
