@@ -107,13 +107,13 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS) -> Iterator
         # (SIGTERM, then SIGKILL after its shutdown timeout) and polls them once more: a death
         # by its own SIGKILL then is no fault to ride out (seen: a replacement started while
         # the job stopped on a raise, benchmarks/chaos.py --live).
+        workers = running_workers(self)
         stopping[0] = stopping[0] or any(
             code is not None and code != 0 and not _replaceable(code)
-            for code in (proc.poll() for _, _, proc in running_workers(self)))
+            for code in (proc.poll() for _, _, proc in workers))
         if stopping[0]:
             original(self, done_local_ranks)
             return
-        workers = running_workers(self)
         if workers:
             hung = set(departed.pids(self.envs[workers[0][0]]))
             for _, rank, proc in workers:
