@@ -340,17 +340,22 @@ class PSStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """A server's shard, optimizer and clocks; a worker's clock. Collective.
 
-        Each rank saves its own part (a snapshot's `per_rank`). The barrier makes it a
-        consistent cut: every worker has finished the same step and nothing is in flight, so
-        the servers' state is the one the workers' step counter says.
+        Each rank saves its own part (a snapshot's `per_rank`). Two barriers make it a
+        consistent cut: after the first, every worker has finished the same step and nothing is
+        in flight; the second holds the workers until the servers have copied their state, so
+        no push of the next step lands in it (the servers' state is the one the workers' step
+        counter says).
         """
         collectives.barrier(group=self.groups.everyone)
         topo = {"servers": self.topology.servers, "workers": self.topology.workers,
                 "mode": self.mode}
         if self.server is not None:
-            return {"topology": topo, "server": self.server.state_dict()}
-        assert self.worker is not None, "setup() first"
-        return {"topology": topo, "clock": self.worker.clock}
+            state = {"topology": topo, "server": self.server.state_dict()}
+        else:
+            assert self.worker is not None, "setup() first"
+            state = {"topology": topo, "clock": self.worker.clock}
+        collectives.barrier(group=self.groups.everyone)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's part, then workers pull the restored parameters. Collective."""
