@@ -28,7 +28,7 @@ from ringtrain.launch.launcher import main as run_main
 from ringtrain.launch.process_group import destroy_distributed, init_distributed
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--batch-size", "8", "--no-progress",
-        "--threads", "1"]
+        "--threads", "1", "--no-report"]
 FAST_S = 10.0  # "within seconds" on a busy 2-core machine
 
 

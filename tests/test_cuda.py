@@ -32,7 +32,7 @@ pytestmark = pytest.mark.cuda
 MODEL = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 B, STEPS, LR = 4, 4, 1e-2
 TINY = ["--steps", "6", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--batch-size", "16",
-        "--eval-every", "6", "--no-progress"]
+        "--eval-every", "6", "--no-progress", "--no-report"]
 
 
 def _batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

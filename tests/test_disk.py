@@ -28,7 +28,8 @@ from ringtrain.testing import run_workers
 from ringtrain.training.progress import MetricsLog
 
 # The command (`--steps 40 --snapshot-every 10`), shortened: the third save fails.
-RUN = ["--steps", "30", "--snapshot-every", "10", "--eval-every", "10", "--no-progress"]
+RUN = ["--steps", "30", "--snapshot-every", "10", "--eval-every", "10", "--no-progress",
+       "--no-report"]
 CLI_TIMEOUT_S = 240
 
 

@@ -28,7 +28,8 @@ from ringtrain.cli.train import main
 from ringtrain.cli.train_args import parse_options
 from ringtrain.launch.process_group import destroy_distributed
 
-TINY = ["--n-layer", "1", "--n-embd", "32", "--batch-size", "16", "--no-progress", "--threads", "1"]
+TINY = ["--n-layer", "1", "--n-embd", "32", "--batch-size", "16", "--no-progress", "--threads", "1",
+        "--no-report"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 SHORT_USAGE = "usage: ringtrain train [options]; `ringtrain train --help` lists them"
 

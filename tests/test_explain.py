@@ -26,7 +26,7 @@ from ringtrain.strategies.figures import Workload
 from ringtrain.strategies.layouts import whole_numel
 
 TINY = ["--steps", "20", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16",
-        "--eval-every", "10", "--no-progress", "--snapshot-every", "10"]
+        "--eval-every", "10", "--no-progress", "--no-report", "--snapshot-every", "10"]
 MODEL = {"vocab_size": 10, "block_size": 6, "n_layer": 1, "n_head": 4, "n_embd": 32,
          "dropout": 0.0, "tie_embeddings": False, "bias": True}
 SAMPLES = train_size(2)  # the addition task's training sums at 2 digits (9,500)

@@ -21,7 +21,8 @@ from ringtrain.training.config import param_sha256
 
 pytestmark = pytest.mark.usefixtures("clean_env")  # in-process runs leave no trace
 TINY = ["--steps", "4", "--n-layer", "1", "--n-embd", "32", "--batch-size", "8",
-        "--eval-every", "2", "--no-progress", "--threads", "1", "--snapshot-every", "2"]
+        "--eval-every", "2", "--no-progress", "--threads", "1", "--snapshot-every", "2",
+        "--no-report"]
 
 
 def _gpt(**kw) -> GPT:

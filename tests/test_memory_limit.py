@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 FULL = os.environ.get("RINGTRAIN_FULL") == "1"
 COMMON = ["--digits", "1", "--n-head", "8", "--batch-size", "8", "--snapshot-every", "0",
           "--eval-batch-size", "16", "--threads", "1", "--no-progress", "--seed", "0",
-          "--lr", "1e-4", "--watchdog-timeout", "60"]
+          "--lr", "1e-4", "--watchdog-timeout", "60", "--no-report"]
 # (flags, limit): the documented run with RINGTRAIN_FULL=1, else a reduced one.
 BIG = ((["--n-layer", "8", "--n-embd", "768", "--steps", "5", "--eval-every", "5"], "1G") if FULL
        else (["--n-layer", "8", "--n-embd", "640", "--steps", "2", "--eval-every", "2"], "800M"))

@@ -41,7 +41,7 @@ EXIT_SLACK_S = 10.0
 STEPS, SNAPSHOT_EVERY = 60, 10
 TINY = ["--steps", str(STEPS), "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "--batch-size", "16", "--eval-every", str(STEPS), "--eval-batch-size", "64",
-        "--threads", "1", "--no-progress", "--snapshot-every", str(SNAPSHOT_EVERY),
+        "--threads", "1", "--no-progress", "--no-report", "--snapshot-every", str(SNAPSHOT_EVERY),
         "--watchdog-timeout", str(WATCHDOG_S)]
 ENV = {k: v for k, v in os.environ.items() if k != "LOGLEVEL"} | {"PYTHONUNBUFFERED": "1"}
 START_S = 90.0  # a launch (two agents, rendezvous, two workers importing torch) on a busy machine

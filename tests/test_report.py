@@ -64,3 +64,22 @@ def test_the_report_says_there_was_no_communication(tmp_path, monkeypatch):
     write_report(records, str(tmp_path / "report.png"))
     assert labels == ["compute", "communication wait: none"]
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_report_writes_summary_json_and_draws_no_report_png(tmp_path, monkeypatch):
+    """`--no-report` (TrainerConfig.report): the run's files less report.png; matplotlib is
+    ~1 s of CPU on rank 0 of every launch the suite starts."""
+    from ringtrain.cli.train_args import parse_options
+    from ringtrain.training.summary import write_run_files
+
+    assert parse_options(["--no-report"]).trainer.report is False
+    assert parse_options([]).trainer.report is True
+    drawn: list[str] = []
+    monkeypatch.setattr("ringtrain.training.report.write_report",
+                        lambda records, path, title="": drawn.append(path))
+    for report, run_dir in ((False, tmp_path / "off"), (True, tmp_path / "on")):
+        run_dir.mkdir()
+        assert write_run_files(str(run_dir), {"steps": 1}, [], title="t", saved_step=None,
+                               report=report) is None
+        assert (run_dir / "summary.json").is_file()
+    assert drawn == [str(tmp_path / "on" / "report.png")]

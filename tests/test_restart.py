@@ -25,7 +25,7 @@ from support.faults import fault_env
 STEPS, EVERY = 24, 4
 TINY = ["--nproc-per-node", "2", "--steps", str(STEPS), "--n-layer", "1", "--n-embd", "32",
         "--batch-size", "16", "--dropout", "0.1", "--eval-every", "12", "--log-every", "1",
-        "--snapshot-every", str(EVERY), "--threads", "1", "--no-progress"]
+        "--snapshot-every", str(EVERY), "--threads", "1", "--no-progress", "--no-report"]
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT",
                 "RINGTRAIN_STEP_HOOK")

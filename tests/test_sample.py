@@ -53,7 +53,7 @@ def run(tmp_path_factory):
             "train", "--data", str(root / "data"), "--block-size", "16", "--steps", "6",
             "--snapshot-every", "3", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4",
             "--beta2", "0.99", "--no-bias", "--tie-embeddings", "--threads", "1", "--no-progress",
-            "--sample-length", "8", "--run-dir", str(run_dir)]) == 0
+            "--sample-length", "8", "--no-report", "--run-dir", str(run_dir)]) == 0
     return run_dir
 
 

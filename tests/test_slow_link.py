@@ -28,7 +28,7 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"
 DILOCO = ["--nproc-per-node", "2", "--steps", "16", "--n-layer", "1", "--n-embd", "32",
           "--batch-size", "16", "--dropout", "0.1", "--eval-every", "8", "--log-every", "2",
           "--snapshot-every", "4", "--threads", "1", "--no-progress", "--strategy", "diloco",
-          "--sync-every", "3", "--outer-compress", "bf16"]
+          "--sync-every", "3", "--outer-compress", "bf16", "--no-report"]
 
 
 def _env(fault: str | None = None) -> dict[str, str]:

@@ -40,10 +40,10 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "sinfo", "squeue", "scancel")
 UP_S, RUN_S = 30.0, 150.0  # cluster start-up; one srun of two workers on a busy machine
 TINY = ["--steps", "20", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16",
-        "--eval-every", "10", "--no-progress", "--threads", "1"]
+        "--eval-every", "10", "--no-progress", "--no-report", "--threads", "1"]
 ENDLESS = ["--steps", "100000", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16",
            "--eval-every", "100000", "--log-every", "1", "--snapshot-every", "100000",
-           "--no-progress", "--threads", "1"]  # runs until a signal stops it
+           "--no-progress", "--no-report", "--threads", "1"]  # runs until a signal stops it
 
 
 def _unavailable() -> str | None:

@@ -19,7 +19,7 @@ from ringtrain.training.tensorboard import TensorBoardLog, tag
 
 TINY = ["--steps", "6", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--batch-size", "16",
         "--log-every", "2", "--eval-every", "3", "--eval-batch-size", "64", "--digits", "1",
-        "--no-progress", "--threads", "1", "--snapshot-every", "0"]
+        "--no-progress", "--no-report", "--threads", "1", "--snapshot-every", "0"]
 
 
 def test_tags_group_the_metrics():

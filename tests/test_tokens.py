@@ -68,7 +68,7 @@ def test_resume_mid_epoch_on_another_number_of_ranks_is_exact(data_dir):
 def test_one_and_two_processes_report_the_same_validation_loss(data_dir, tmp_path, clean_env):
     common = ["--data", str(data_dir), "--block-size", "16", "--steps", "3", "--n-layer", "1",
               "--n-embd", "32", "--sample-length", "10", "--no-progress", "--threads", "1",
-              "--eval-batch-size", "16"]
+              "--eval-batch-size", "16", "--no-report"]
     assert main([*common, "--batch-size", "8", "--run-dir", str(tmp_path / "one")]) == 0
     proc = subprocess.run(
         [sys.executable, "-m", "ringtrain", "train", *common, "--batch-size", "4",

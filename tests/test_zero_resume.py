@@ -32,7 +32,8 @@ from ringtrain.zero import reshard
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--digits", "1", "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--steps", "4",
          "--batch-size", "6", "--snapshot-every", "1", "--keep", "4", "--eval-every", "4",
-         "--eval-batch-size", "16", "--threads", "1", "--no-progress", "--seed", "0"]
+         "--eval-batch-size", "16", "--threads", "1", "--no-progress", "--seed", "0",
+         "--no-report"]
 
 
 def _train(

@@ -52,6 +52,7 @@ class TrainerConfig:
         log_every, eval_every: steps between metric lines and evaluations (the last step does both).
         eval_batch_size: samples per evaluation batch per rank.
         progress: draw the progress bar on rank 0.
+        report: draw report.png in `run_dir` at the end (rank 0; `--no-report`).
         record_samples: record each step's global sample indices in the snapshots
             (`ringtrain.data.sample_log`; `--record-samples`).
         compile: `torch.compile` the model (`nn.Module.compile`: in place, the same parameter
@@ -90,6 +91,10 @@ class TrainerConfig:
     eval_batch_size: int | None = option(None, "samples per evaluation batch per rank",
                                          type=_positive, shown="max(batch size, 256)")
     progress: bool = option(True, "draw the progress bar", flag="--no-progress")
+    # Off in the suite's launches that never open it: matplotlib is ~1 s of CPU on rank 0.
+    report: bool = option(True, "draw RUN_DIR/report.png at the end (matplotlib, ~1 s); redraw "
+                          "it later with python -m ringtrain.training.report RUN_DIR",
+                          flag="--no-report")
     record_samples: bool = option(False, "record each step's sample indices in the snapshots, "
                                   "to check exactly-once data (data/sample_log.py)")
     compile: bool = option(False, "torch.compile the model once the strategy holds it: faster "

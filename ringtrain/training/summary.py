@@ -71,15 +71,17 @@ def run_summary(st: LoopState, s: Strategy, rt: Runtime, config: TrainerConfig,
 
 
 def write_run_files(run_dir: str, summary: dict[str, Any], records: list[dict[str, Any]], *,
-                    title: str, saved_step: int | None) -> str | None:
-    """summary.json and report.png (rank 0); a full disk: the message (`disk_full`), not raised."""
+                    title: str, saved_step: int | None, report: bool = True) -> str | None:
+    """summary.json and report.png (rank 0; not with `report=False`); a full disk: the message
+    (`disk_full`), not raised."""
     try:
         write_json(os.path.join(run_dir, "summary.json"), summary)
-        from ringtrain.training.report import (
-            write_report,  # matplotlib: rank 0 only, at the end
-        )
+        if report:
+            from ringtrain.training.report import (
+                write_report,  # matplotlib: rank 0 only, at the end
+            )
 
-        write_report(records, os.path.join(run_dir, "report.png"), title=title)
+            write_report(records, os.path.join(run_dir, "report.png"), title=title)
     except OSError as e:  # a full disk: said in one message (`disk_full`), not raised
         if not is_no_space(e):
             raise

@@ -391,7 +391,7 @@ class Trainer:
                 summary["run_dir"] = self.run_dir
                 disk_full = write_run_files(
                     self.run_dir, summary, self.metrics.records,
-                    title=f"{s.name}, world_size {rt.world_size}",
+                    title=f"{s.name}, world_size {rt.world_size}", report=self.config.report,
                     saved_step=self.checkpointer.saved_step if self.checkpointer else None)
                 if disk_full is not None:
                     summary["disk_full"] = disk_full
