@@ -9,8 +9,9 @@ torch, which over the suite's hundreds of worker starts is minutes. The server i
 ringtrain's trainer and pyplot, nothing else (no CUDA, no threads), and each rank takes the
 caller's environment and working directory as they are at the call, as a spawned process would.
 Each rank runs with `torch.set_num_threads(1)`, an initialised gloo group on the CPU (or a
-shared GPU with `device="cuda"`; unless `init=False`),
-and teardown in `finally`. Results come back per rank, in rank order. The first rank that
+shared GPU with `device="cuda"`; unless `init=False`) that every rank has joined when `fn`
+starts (one barrier after init: the group's sequence number is 1 there), and teardown in
+`finally`. Results come back per rank, in rank order. The first rank that
 raises stops the rest and its traceback is re-raised with its rank; a run that outlives
 `timeout_s` is killed and the unfinished ranks are named: no test can hang.
 
@@ -61,6 +62,11 @@ def _worker(fn, rank, world_size, port, args, init, env, cwd, threads, device, o
                 "gloo", device=device, rank=rank, world_size=world_size, master_addr="127.0.0.1",
                 master_port=port, rendezvous_timeout_s=30,
             )
+            # gloo connects every pair of ranks inside init_process_group and a rank leaves it
+            # once its own pairs are up: an `fn` that returns at once (no collective) could tear
+            # the group down while a peer was still connecting ("Connection closed by peer").
+            # One barrier: `fn` starts only once the whole group is up.
+            torch.distributed.barrier()
         result = fn(rank, world_size, *args)
         out.put((rank, "ok", _dumps(result)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
