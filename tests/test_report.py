@@ -83,3 +83,8 @@ def test_no_report_writes_summary_json_and_draws_no_report_png(tmp_path, monkeyp
                                report=report) is None
         assert (run_dir / "summary.json").is_file()
     assert drawn == [str(tmp_path / "on" / "report.png")]
+    # The summary's last line names the files that are there, not report.png where none is.
+    from ringtrain.training.progress import format_summary
+
+    off = str(tmp_path / "off")
+    assert format_summary({"run_dir": off}).endswith(f"run directory: {off} (summary.json)")

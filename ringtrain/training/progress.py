@@ -264,6 +264,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append("sample: " + str(summary["sample"]))
     lines.append(f"param_sha256: {summary.get('param_sha256')}")
     if summary.get("run_dir"):
-        lines.append(f"run directory: {summary['run_dir']} (config.json, metrics.jsonl, "
-                     "summary.json, report.png, model.safetensors)")
+        # The files that are there: no report.png with --no-report, no summary.json on a full disk.
+        made = [name for name in ("config.json", "metrics.jsonl", "summary.json", "report.png",
+                                  "model.safetensors")
+                if os.path.exists(os.path.join(summary["run_dir"], name))]
+        lines.append(f"run directory: {summary['run_dir']} ({', '.join(made)})")
     return "\n".join(lines)
