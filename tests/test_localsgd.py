@@ -154,7 +154,7 @@ def test_powersgd_of_full_rank_is_the_average_and_low_rank_sends_less():
 def _fit(rank, world_size, run_dir, name, options):
     """4 steps of 6 samples per rank (2 ranks: a global batch of 12), a snapshot every 2."""
     train, test = AdditionDataset("train", 1), AdditionDataset("test", 1)
-    cfg = TrainerConfig(steps=4, batch_size=6, lr=3e-3, seed=0, progress=False,
+    cfg = TrainerConfig(steps=4, batch_size=6, lr=3e-3, seed=0, progress=False, report=False,
                         log_every=1, eval_every=4, eval_batch_size=4)
     trainer = Trainer(make_strategy(name, runtime=get_runtime(), **options), get_runtime(),
                       lambda: GPT(MODEL), train, Subset(test, range(6)), loss_fn, cfg,

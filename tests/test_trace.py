@@ -72,7 +72,7 @@ def _traced_ddp_worker(rank, world_size, run_dir, zero_stage=None):
     strategy = (DDPStrategy(rt, bucket_cap_mb=1 / 64) if zero_stage is None
                 else ZeroStrategy(rt, zero_stage=zero_stage))
     cfg = TrainerConfig(steps=4, batch_size=16, lr=3e-3, progress=False, eval_batch_size=8,
-                        log_every=4)
+                        log_every=4, report=False)
     trainer = Trainer(strategy, rt, lambda: GPT(model), AdditionDataset("train", 1),
                       Subset(AdditionDataset("test", 1), range(4)), loss_fn, cfg,
                       run_dir=run_dir, trace_steps=(2, 4))
