@@ -7,6 +7,8 @@ Read in this order:
   (model, optimizer, step, batches, RNG), as Horovod elastic's `State`.
 - `heal.py`: the members of a new generation agree on the newest committed step and take it
   from a member that has it, over the new group (torchft's heal from a live peer).
+- `heartbeats.py`: `Heartbeats`, each process's beat in the store (a thread) and how long each
+  member has been silent: how a lost member is found, inside a collective or between steps.
 - `watched.py`: `WatchedGroup`, a gloo group whose collectives wait in short slices and give
   up once a member's heartbeat stops (a hang or a lost link found in ~1 s, not a timeout).
 - `group.py`: `LiveGroup`, the generations: who is a member, agreed through the store; one

@@ -23,17 +23,15 @@ Forming generation g+1 after a failure (every member of g that is still running,
   their ranks; a waiting replacement takes a lost member's rank, so with the world size
   restored each rank trains the fault-free run's share and the sums keep their order;
   without one the survivors close ranks.
-Every member's heartbeat thread also reads the other members' counters, so a decision knows
-how long each has been silent, and so does a collective in flight: the group handed out is a
-`WatchedGroup` (watched.py), whose waits raise `LiveMemberSilentError` once a member has been
-silent for `dead_after_s`. A SIGKILL (gloo raises at once), a SIGSTOP and a lost link are all
-found after about `dead_after_s` (1 s by default), not after the collective timeout; a member
-that is merely slow still beats (its thread does), so only `timeout_s` bounds waiting for it.
+Every member's heartbeat thread (`Heartbeats`, heartbeats.py) also reads the other members'
+counters, so a decision knows how long each has been silent, and so does a collective in
+flight: the group handed out is a `WatchedGroup` (watched.py), whose waits raise
+`LiveMemberSilentError` once a member has been silent for `dead_after_s`. A SIGKILL (gloo
+raises at once), a SIGSTOP and a lost link are all found after about `dead_after_s` (1 s by
+default), not after the collective timeout; a member that is merely slow still beats (its
+thread does), so only `timeout_s` bounds waiting for it.
 Building a generation's group is watched the same way (`_connect`): a replacement lost while
 the group forms (its host's link just went down) costs a second, not the group's timeout.
-
-.. warning:: Each member reads every member's counter each heartbeat: O(members^2) store reads
-    per `heartbeat_s` over the job, fine for tens of members on one store, not for thousands.
 
 .. warning:: The store must outlive every member: host it in the agent, the launcher or a
     separate process (tests host it in the parent). If the store's host dies, the job is lost
@@ -51,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.live.heal import HealReport, heal
+from ringtrain.live.heartbeats import Heartbeats, clone_store
 from ringtrain.live.state import LiveState
 from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
 from ringtrain.store_keys import claim_key
@@ -108,20 +107,16 @@ class LiveGroup:
         # that beat, so it comes after this one (read later, the counter may already have
         # moved past the generation that took it in, and `join` would wait for the next).
         self._first_generation = int(self._store.add("generations", 0))
-        self._store.add(f"hb/{self.uid}", 1)  # beaten once: from here on it may be let in
+        self._beats = Heartbeats(self._store, dist.PrefixStore(prefix, clone_store(store)),
+                                 self.uid, heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
+                                 members=lambda: self.members)
+        self._beats.beat_once()  # beaten once: from here on it may be let in
         self.generation = -1
         self.members: list[int] = []
         self.process_group: dist.ProcessGroup | None = None
         self.last_heal: HealReport | None = None
         self._known: set[int] = set()  # uids seen in a generation or found departed
-        # uid -> (heartbeat count, when it last moved on our clock); both threads write it
-        self._moved: dict[int, tuple[int, float]] = {}
-        self._read_at = time.monotonic()  # when the heartbeat thread last read every counter
         self._abandoned: list[dist.ProcessGroup] = []
-        self._stop = threading.Event()
-        beat_store = dist.PrefixStore(prefix, _clone(store))  # waits here never delay a beat
-        self._beats = threading.Thread(target=self._beat, args=(beat_store,), daemon=True,
-                                       name="ringtrain-live-heartbeat")
         self._beats.start()
 
     # -- where this process stands ----------------------------------------------------------
@@ -133,25 +128,6 @@ class LiveGroup:
     def size(self) -> int:
         return len(self.members)
 
-    def _beat(self, store: dist.Store) -> None:
-        while not self._stop.is_set():
-            try:
-                store.add(f"hb/{self.uid}", 1)
-                for u in self.members:  # watched all along, so a failure finds them timed
-                    self._observe(u, store.add(f"hb/{u}", 0))
-                self._read_at = time.monotonic()
-            except RuntimeError:  # the store is gone: the job is over, nothing to tell
-                return
-            self._stop.wait(self.heartbeat_s)
-
-    def _observe(self, uid: int, count: int) -> float:
-        """Record `uid`'s heartbeat count as read now; how long it has not moved."""
-        now = time.monotonic()
-        last = self._moved.get(uid)
-        if last is None or last[0] != count:
-            self._moved[uid] = last = (count, now)
-        return now - last[1]
-
     def check_members(self) -> None:
         """Raise `LiveMemberSilentError` if a member's heartbeat has not moved for
         `dead_after_s`, as last read by this process's heartbeat thread.
@@ -159,14 +135,13 @@ class LiveGroup:
         Silence is counted up to that thread's last read, not up to now: if this process's own
         thread is starved (a loaded host) or its store link is down, nobody is accused.
         """
-        read_at = self._read_at
-        for u in self.members:
-            moved = self._moved.get(u)
-            if u != self.uid and moved is not None and read_at - moved[1] > self.dead_after_s:
-                raise LiveMemberSilentError(
-                    f"member uid {u} of generation {self.generation} has not beaten for "
-                    f"{read_at - moved[1]:.2f} s (dead_after_s={self.dead_after_s:g}): lost or "
-                    "frozen; this collective is abandoned and the survivors regroup")
+        found = self._beats.silent()
+        if found is not None:
+            u, silent = found
+            raise LiveMemberSilentError(
+                f"member uid {u} of generation {self.generation} has not beaten for "
+                f"{silent:.2f} s (dead_after_s={self.dead_after_s:g}): lost or "
+                "frozen; this collective is abandoned and the survivors regroup")
 
     # -- joining ----------------------------------------------------------------------------
     def join(self, state: LiveState) -> bool:
@@ -256,8 +231,7 @@ class LiveGroup:
         if self.process_group is not None:
             self._store.set("finished", b"1")
         self.process_group = None
-        self._stop.set()
-        self._beats.join(timeout=self.heartbeat_s + 5)
+        self._beats.stop()
 
     # -- generations ------------------------------------------------------------------------
     def _reform(self, state: LiveState) -> None:
@@ -327,7 +301,7 @@ class LiveGroup:
                 if self._store.check([f"gen{g}/here/{u}"]):
                     here.append(u)
                     continue
-                silent = self._observe(u, self._store.add(f"hb/{u}", 0))
+                silent = self._beats.observe(u, self._store.add(f"hb/{u}", 0))
                 late = time.monotonic() > bound
                 (lost if silent > self.dead_after_s or late else pending).append(u)
             if not pending:
@@ -383,16 +357,9 @@ class LiveGroup:
                 self._known.add(u)
                 continue
             count = self._store.add(f"hb/{u}", 0)
-            if count > 0 and self._observe(u, count) <= self.dead_after_s:
+            if count > 0 and self._beats.observe(u, count) <= self.dead_after_s:
                 out.append(u)
         return out
-
-
-def _clone(store: dist.Store) -> dist.Store:
-    try:
-        return store.clone()
-    except (AttributeError, RuntimeError):  # an in-process store: shared is fine
-        return store
 
 
 def _encode(uids) -> str:
