@@ -178,13 +178,15 @@ def _live_settings(opts: TrainOptions, rt):
     --watchdog-timeout), or None."""
     if not opts.launch.live:
         return None
+    from ringtrain.launch.live_agent import SPARE_ENV
     from ringtrain.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S
     from ringtrain.training.live import LiveSettings
 
     timeout = opts.launch.watchdog_timeout or DEFAULT_COLLECTIVE_TIMEOUT_S
     return LiveSettings(rt.store, rt.world_size, timeout_s=timeout,
                         replace_wait_s=opts.launch.live_wait,
-                        dead_after_s=min(3.0, max(1.0, timeout / 2)), launcher_rank=rt.rank)
+                        dead_after_s=min(3.0, max(1.0, timeout / 2)), launcher_rank=rt.rank,
+                        spare=bool(os.environ.get(SPARE_ENV)))
 
 
 def _bf16_supported(device) -> bool:

@@ -83,11 +83,15 @@ class LiveGroup:
             replacement then joins at a later step boundary). Waiting keeps every step's
             world size, so the run ends with the fault-free sums, for a stall of about a
             replacement's start-up (`ringtrain train --live-wait`).
+        spare: a warm spare, started before any fault (`ringtrain train --live-spares`): it
+            registers once generation 0 has formed (so it never takes a place in it) and waits
+            to be let in for as long as the job runs, not `join_timeout_s`.
     """
 
     def __init__(self, store: dist.Store, world_size: int, *, name: str = "live",
                  timeout_s: float = 30.0, heartbeat_s: float = 0.1, dead_after_s: float = 1.0,
-                 join_timeout_s: float = 600.0, retries: int = 1, replace_wait_s: float = 0.0):
+                 join_timeout_s: float = 600.0, retries: int = 1, replace_wait_s: float = 0.0,
+                 spare: bool = False):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: it must be at least 1")
         if not 0 < heartbeat_s < dead_after_s:
@@ -101,6 +105,9 @@ class LiveGroup:
         self.join_timeout_s, self.retries = join_timeout_s, retries
         self.replace_wait_s = replace_wait_s
         self._fruitless = (-1, 0)  # (step, recoveries in a row there that lost no member)
+        self.spare = spare
+        if spare:  # a uid below world_size would be a place in generation 0: take one after
+            self._wait_for("gen0/members", "generation 0 to form")
         self.uid = self._store.add("uids", 1) - 1
         self._store.set(f"pid/{self.uid}", str(os.getpid()))
         # Read before the first beat: a generation that lets this process in is decided after
@@ -144,6 +151,14 @@ class LiveGroup:
                 "frozen; this collective is abandoned and the survivors regroup")
 
     # -- joining ----------------------------------------------------------------------------
+    def _wait_for(self, key: str, what: str) -> None:
+        deadline = time.monotonic() + self.join_timeout_s
+        while not self._store.check([key]) and not self._store.check(["finished"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.join_timeout_s:g} s for {what}: start the "
+                                   "job's workers with the same store")
+            time.sleep(0.05)
+
     def join(self, state: LiveState) -> bool:
         """Become a member (generation 0, or a later one as a replacement) and heal.
 
@@ -165,6 +180,10 @@ class LiveGroup:
             self._enter(0, _decode(value), state, fresh=self.uid != 0)
             return True
         g = self._first_generation
+        if self.spare:  # waits for a fault as long as the job runs; polls less (it is idle)
+            deadline, poll_s = float("inf"), 0.05
+        else:
+            poll_s = 0.01
         while True:
             if self._store.check([f"gen{g}/members"]):
                 members = _decode(self._store.get(f"gen{g}/members"))
@@ -182,7 +201,7 @@ class LiveGroup:
                 raise TimeoutError(f"replacement uid {self.uid} was not let in within "
                                    f"{self.join_timeout_s:g} s (generation {g - 1} is full or "
                                    "its members never reached a step boundary)")
-            time.sleep(0.01)
+            time.sleep(poll_s)
 
     def admit(self, state: LiveState) -> bool:
         """At a step boundary, on every member: let waiting replacements in while short.

@@ -379,16 +379,26 @@ def sync_worker_ids(agent: Any, worker_group: Any) -> None:
             worker.id = pids[worker.local_rank]
 
 
-def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
-    """Start `local_rank`'s command again in its handler, as the agent started it (the same
-    arguments, environment and output files), with `env` on top; the handler's process is then
-    the new one, which the agent's poll and teardown see as that worker."""
+def spawn_like(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """Start `local_rank`'s command once more, as the agent started it (the same arguments,
+    environment and output files, a session of its own), with `env` on top, beside it: the
+    agent does not see the new process until it is `adopt`ed (a live job's warm spare)."""
     if _POPEN is None:
         _TOLERATE.require()
     handler = context.subprocess_handlers[local_rank]
-    handler.proc = handler._popen(handler.proc.args,
-                                  {**os.environ, **context.envs[local_rank], **env})
-    return handler.proc
+    return handler._popen(handler.proc.args, {**os.environ, **context.envs[local_rank], **env})
+
+
+def adopt(context: Any, local_rank: int, proc: subprocess.Popen) -> None:
+    """Make `proc` `local_rank`'s process: the agent's poll and teardown see it as that worker."""
+    context.subprocess_handlers[local_rank].proc = proc
+
+
+def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """Start `local_rank`'s command again in its handler (`spawn_like`, then `adopt`)."""
+    proc = spawn_like(context, local_rank, env)
+    adopt(context, local_rank, proc)
+    return proc
 
 
 # Say once, now, what this torch turns off; backward_tls_free says it when there is something

@@ -61,6 +61,8 @@ class LiveSettings:
         timeout_s: a generation's collective timeout: a hung member is found after it.
         replace_wait_s: how long survivors wait for a replacement before going on without.
         dead_after_s: a member whose heartbeat is this old is lost.
+        spare: this process is a warm spare (`--live-spares`): it waits, built, to take a lost
+            member's place (`LiveGroup`'s `spare`).
     """
 
     store: dist.Store
@@ -70,6 +72,7 @@ class LiveSettings:
     dead_after_s: float = 3.0
     join_timeout_s: float = 600.0
     launcher_rank: int = 0  # the RANK the launcher gave this process (its slot, for the record)
+    spare: bool = False
 
 
 class _Committed:
@@ -132,7 +135,7 @@ class LiveDriver:
         self.group = LiveGroup(s.store, s.world_size, name="train", timeout_s=s.timeout_s,
                                heartbeat_s=min(0.5, s.dead_after_s / 4),
                                dead_after_s=s.dead_after_s, join_timeout_s=s.join_timeout_s,
-                               replace_wait_s=s.replace_wait_s)
+                               replace_wait_s=s.replace_wait_s, spare=s.spare)
         return self.group.uid < s.world_size
 
     def join(self, step: int) -> int | None:
