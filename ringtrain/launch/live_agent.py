@@ -6,10 +6,10 @@
 torch's agent stops every worker when one fails and restarts them all (or gives up). In live
 mode the survivors recover by themselves (`ringtrain.live.LiveGroup`), so the agent's part is:
 - a worker killed by a signal (kill -9, the OOM killer), or one that exited with
-  `LEFT_OUT_EXIT_CODE` (its peers left it out of a generation: it was too slow), is started
-  again in place, with `REPLACEMENT_ENV` set: the new process registers in the store as a
-  replacement, is let in at a step boundary and heals from a live peer (no disk). The others
-  never stop;
+  `LEFT_OUT_EXIT_CODE` (its peers left it out of a generation: it was too slow), is marked
+  `departed/{uid}` in the store (the survivors regroup at once) and started again in place,
+  with `REPLACEMENT_ENV` set: the new process registers in the store as a replacement, is let
+  in at a step boundary and heals from a live peer (no disk). The others never stop;
 - a member the others declared lost while its process still runs (a hang: SIGSTOP, a deadlock,
   a machine swapping) is killed with SIGKILL, then replaced as above: `LiveGroup` writes
   `departed/{uid}` with the uid's `pid/{uid}` under its prefix in the store, read here;
@@ -109,8 +109,8 @@ class _Departed:
             return []  # no store yet (workers starting) or the job is ending: next poll
 
     def mark(self, pid: int) -> None:
-        """Write `departed/{uid}` for the process `pid` (a spare that died while it waited):
-        no generation takes it in and then waits a heartbeat bound for it."""
+        """Write `departed/{uid}` for the process `pid`, which exited: its peers regroup
+        without waiting out its heartbeat (`dead_after_s`), and no generation takes it in."""
         with contextlib.suppress(RuntimeError, OSError, KeyError, ValueError, AttributeError):
             for uid in range(int(self.store.add("uids", 0))):
                 if self.store.check([f"pid/{uid}"]) and int(self.store.get(f"pid/{uid}")) == pid:
@@ -221,6 +221,7 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *,
                 continue
             how = (f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0
                    else f"left out by its peers (exit code {exitcode})")
+            departed.mark(proc.pid)  # the survivors regroup now, not a heartbeat bound later
             spare = warm.take()
             if spare is not None:  # built and waiting: the next generation takes it at once
                 adopt(self, local_rank, spare[0])
@@ -238,6 +239,11 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *,
         if warm.count and not stopping[0]:
             warm.keep_up(self, departed, may_start)
         original(self, done_local_ranks)
+        if warm.procs and not {w[0] for w in running_workers(self)} - done_local_ranks:
+            # Every worker is done: close the spares now, while the agent's store is up (they
+            # read "finished" there and exit 0; past this poll the store goes, and a spare
+            # still starting would fail on it).
+            warm.close(grace_s=5)
 
     monitor = MONITOR_WORKERS.get()
 

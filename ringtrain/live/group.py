@@ -16,8 +16,9 @@ older generation is ever read again.
 
 Forming generation g+1 after a failure (every member of g that is still running, together):
 - each writes `gen{g+1}/here/{uid}`; a member of g is *lost* once its heartbeat has not moved
-  for `dead_after_s` (a SIGKILL, a SIGSTOP, a lost host) or it has not arrived within
-  `timeout_s + dead_after_s` (alive but stuck: the bound on waiting for it);
+  for `dead_after_s` (a SIGKILL, a SIGSTOP, a lost host), once `departed/{uid}` is written (the
+  launcher's agent saw its process exit: a kill costs a poll, not `dead_after_s`), or when it
+  has not arrived within `timeout_s + dead_after_s` (alive but stuck: the bound on waiting);
 - once every member of g is here or lost, one of them proposes the member list and writes it
   with compare-and-set: the first proposal is the generation, for everyone. Survivors keep
   their ranks; a waiting replacement takes a lost member's rank, so with the world size
@@ -322,7 +323,11 @@ class LiveGroup:
                     continue
                 silent = self._beats.observe(u, self._store.add(f"hb/{u}", 0))
                 late = time.monotonic() > bound
-                (lost if silent > self.dead_after_s or late else pending).append(u)
+                # departed: the agent saw its process die (or another member decided): lost
+                # now, not a heartbeat bound later
+                gone = silent > self.dead_after_s or late or \
+                    self._store.check([f"departed/{u}"])
+                (lost if gone else pending).append(u)
             if not pending:
                 for u in lost:
                     self._store.set(f"departed/{u}", b"1")

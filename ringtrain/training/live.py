@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -121,6 +122,11 @@ class LiveDriver:
         self.group: LiveGroup | None = None
         self.state: LiveState | None = None
         self.recoveries = 0
+        # Each recovery's stall: the last commit before the failed step to the first after it
+        # (wall clock; the figure docs/fault_tolerance.md reports), in the member's record.
+        self.stalls_s: list[float] = []
+        self._committed_at: float | None = None
+        self._stalled_since: float | None = None
         self.joined_at: int | None = None
         self.agreement = hooks.agreement(lambda: self.runtime)  # over the current generation
 
@@ -189,6 +195,8 @@ class LiveDriver:
             except (LiveMemberLostError, LiveRecoveryError):
                 raise  # this process is out, or the error is the job's own: no retry
             except RuntimeError as error:  # a failed collective: a peer died or hangs
+                if self._stalled_since is None:
+                    self._stalled_since = self._committed_at
                 before = list(g.members)
                 g.recover(state, error)
                 self.recoveries += 1
@@ -201,6 +209,7 @@ class LiveDriver:
                 if state.step > start:  # a peer had committed it: healed to it
                     assert state.step == start + 1, (start, state.step)
                     state.target = state.step
+                    self._committed()
                     return StepResult(loss_sum=0.0, count=0), []
                 continue
             self._advance()
@@ -227,6 +236,14 @@ class LiveDriver:
         state.step += 1
         if self.hooks.commits_at(state.step):
             state.commit()
+            self._committed()
+
+    def _committed(self) -> None:
+        now = time.time()
+        if self._stalled_since is not None:
+            self.stalls_s.append(round(now - self._stalled_since, 3))
+            self._stalled_since = None
+        self._committed_at = now
 
     def _micro(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`ids` as `grad_accum` micro-batches (sizes differ by at most one)."""
@@ -268,7 +285,7 @@ class LiveDriver:
                   "launcher_rank": self.settings.launcher_rank, "joined_at_step": self.joined_at,
                   "step": self.state.step, "generation": self.group.generation,
                   "rank": self.runtime.rank, "members": self.runtime.world_size,
-                  "recoveries": self.recoveries}
+                  "recoveries": self.recoveries, "stalls_s": self.stalls_s}
         tmp = os.path.join(folder, f".{os.getpid()}.json")
         with open(tmp, "w") as f:
             json.dump(record, f)
