@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -51,6 +52,7 @@ import torch.distributed as dist
 
 from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.heartbeats import Heartbeats, clone_store
+from ringtrain.live.roster import all_gone, decode, encode, propose, waiting_uids
 from ringtrain.live.state import LiveState
 from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
 from ringtrain.store_keys import claim_key
@@ -62,6 +64,11 @@ class LiveMemberLostError(RuntimeError):
 
 class LiveRecoveryError(RuntimeError):
     """A collective failed but no member was lost: the error is this job's own, not a fault."""
+
+
+class LiveJobLostError(RuntimeError):
+    """Every member of the last generation is gone: nobody is left to let a replacement in or
+    to heal it from, so the job fails and restarts from its last snapshot (the restart path)."""
 
 
 class LiveGroup:
@@ -87,12 +94,16 @@ class LiveGroup:
         spare: a warm spare, started before any fault (`ringtrain train --live-spares`): it
             registers once generation 0 has formed (so it never takes a place in it) and waits
             to be let in for as long as the job runs, not `join_timeout_s`.
+        stop_requested: True once this process was asked to stop (SIGTERM: the job is being
+            stopped): the survivors stop waiting for replacements and go on without them, so
+            the step ends and the loop's stop vote runs (else the wait outlasts the agent's
+            shutdown timeout, and the process is SIGKILLed without its snapshot).
     """
 
     def __init__(self, store: dist.Store, world_size: int, *, name: str = "live",
                  timeout_s: float = 30.0, heartbeat_s: float = 0.1, dead_after_s: float = 1.0,
                  join_timeout_s: float = 600.0, retries: int = 1, replace_wait_s: float = 0.0,
-                 spare: bool = False):
+                 spare: bool = False, stop_requested: Callable[[], bool] = lambda: False):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: it must be at least 1")
         if not 0 < heartbeat_s < dead_after_s:
@@ -106,7 +117,7 @@ class LiveGroup:
         self.join_timeout_s, self.retries = join_timeout_s, retries
         self.replace_wait_s = replace_wait_s
         self._fruitless = (-1, 0)  # (step, recoveries in a row there that lost no member)
-        self.spare = spare
+        self.spare, self.stop_requested = spare, stop_requested
         if spare:  # a uid below world_size would be a place in generation 0: take one after
             self._wait_for("gen0/members", "generation 0 to form")
         self.uid = self._store.add("uids", 1) - 1
@@ -177,17 +188,18 @@ class LiveGroup:
                         f"only {registered} of world_size={self.world_size} processes registered "
                         f"within {self.join_timeout_s:g} s; start the others with the same store")
                 time.sleep(0.01)
-            value = self._store.compare_set("gen0/members", "", _encode(range(self.world_size)))
-            self._enter(0, _decode(value), state, fresh=self.uid != 0)
+            value = self._store.compare_set("gen0/members", "", encode(range(self.world_size)))
+            self._enter(0, decode(value), state, fresh=self.uid != 0)
             return True
         g = self._first_generation
         if self.spare:  # waits for a fault as long as the job runs; polls less (it is idle)
             deadline, poll_s = float("inf"), 0.05
         else:
             poll_s = 0.01
+        next_check = 0.0
         while True:
             if self._store.check([f"gen{g}/members"]):
-                members = _decode(self._store.get(f"gen{g}/members"))
+                members = decode(self._store.get(f"gen{g}/members"))
                 if self.uid in members:
                     try:
                         self._enter(g, members, state, fresh=True)
@@ -198,11 +210,26 @@ class LiveGroup:
                 continue
             if self._store.check(["finished"]):
                 return False
+            if g > 0 and time.monotonic() >= next_check:  # anyone left to let this one in?
+                next_check = time.monotonic() + self.heartbeat_s
+                self._raise_if_all_gone(g - 1)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replacement uid {self.uid} was not let in within "
                                    f"{self.join_timeout_s:g} s (generation {g - 1} is full or "
                                    "its members never reached a step boundary)")
             time.sleep(poll_s)
+
+    def _raise_if_all_gone(self, g: int) -> None:
+        """Raise `LiveJobLostError` if every member of generation g (the newest) is departed
+        or silent for `dead_after_s`: no generation will ever let this process in."""
+        members = decode(self._store.get(f"gen{g}/members"))
+        if all_gone(self._store, self._beats, members):
+            raise LiveJobLostError(
+                f"uid {self.uid} waits to be let in, but every member of generation {g} "
+                f"({members}) is gone (departed or silent for over {self.dead_after_s:g} s): "
+                "no survivor holds the job's state. The job fails so that it restarts from its "
+                "last snapshot: run the same command again (with --live-wait S the survivors "
+                "wait for replacements, so one fault cannot take every member)")
 
     def admit(self, state: LiveState) -> bool:
         """At a step boundary, on every member: let waiting replacements in while short.
@@ -332,15 +359,16 @@ class LiveGroup:
                 for u in lost:
                     self._store.set(f"departed/{u}", b"1")
                 self._await_replacements(key, len(lost))
-                proposal = self._proposal(old, here)
-                value = _encode(proposal).encode()
+                proposal = propose(old, here, waiting_uids(self._store, self._beats,
+                                                           self._known), self.world_size)
+                value = encode(proposal).encode()
                 if self._store.compare_set(key, "", value) == value and \
                         self._store.add(f"gen{g}/counted", 1) == 1:
                     # Once per generation: members proposing the same list all see it win.
                     self._store.add("generations", 1)  # replacements look from here on
                 break
             time.sleep(0.01)
-        members = _decode(self._store.get(key))
+        members = decode(self._store.get(key))
         self._known.update(u for u in old if u not in members)
         return members
 
@@ -348,48 +376,14 @@ class LiveGroup:
         """Wait up to `replace_wait_s` for `lost` replacements (or another member's proposal).
 
         `departed/{uid}` is written first: a launcher that watches it kills a hung member and
-        starts its replacement, which this wait then lets in.
+        starts its replacement, which this wait then lets in. A stop requested ends it.
         """
         deadline = time.monotonic() + self.replace_wait_s
-        while lost and time.monotonic() < deadline and not self._store.check([key]):
-            if len(self._waiting_uids()) >= lost:
+        while lost and time.monotonic() < deadline and not self._store.check([key]) and \
+                not self.stop_requested():
+            if len(waiting_uids(self._store, self._beats, self._known)) >= lost:
                 return
             time.sleep(0.05)
 
-    def _proposal(self, old: list[int], here: list[int]) -> list[int]:
-        waiting = self._waiting_uids()
-        slots: list[int | None] = [u if u in here else None for u in old]
-        for i, u in enumerate(slots):  # a replacement takes a lost member's rank
-            if u is None and waiting:
-                slots[i] = waiting.pop(0)
-        members = [u for u in slots if u is not None]
-        while waiting and len(members) < self.world_size:
-            members.append(waiting.pop(0))
-        return members
-
     def _waiting(self) -> bool:
-        return bool(self._waiting_uids())
-
-    def _waiting_uids(self) -> list[int]:
-        """Registered processes never in a generation, not departed, beating now (a spare
-        whose heartbeat stopped, e.g. on a host that lost its link, is not let in)."""
-        out = []
-        for u in range(int(self._store.add("uids", 0))):
-            if u in self._known:
-                continue
-            if self._store.check([f"departed/{u}"]):
-                self._known.add(u)
-                continue
-            count = self._store.add(f"hb/{u}", 0)
-            if count > 0 and self._beats.observe(u, count) <= self.dead_after_s:
-                out.append(u)
-        return out
-
-
-def _encode(uids) -> str:
-    return ",".join(str(u) for u in uids)
-
-
-def _decode(value: bytes | str) -> list[int]:
-    text = value.decode() if isinstance(value, bytes) else value
-    return [int(u) for u in text.split(",") if u]
+        return bool(waiting_uids(self._store, self._beats, self._known))

@@ -129,6 +129,7 @@ class LiveDriver:
         self._stalled_since: float | None = None
         self.joined_at: int | None = None
         self.agreement = hooks.agreement(lambda: self.runtime)  # over the current generation
+        self.stop: Any = None  # the loop's `StopSignal`: a survivor stops waiting once signalled
 
     @property
     def world_size(self) -> int:
@@ -141,8 +142,12 @@ class LiveDriver:
         self.group = LiveGroup(s.store, s.world_size, name="train", timeout_s=s.timeout_s,
                                heartbeat_s=min(0.5, s.dead_after_s / 4),
                                dead_after_s=s.dead_after_s, join_timeout_s=s.join_timeout_s,
-                               replace_wait_s=s.replace_wait_s, spare=s.spare)
+                               replace_wait_s=s.replace_wait_s, spare=s.spare,
+                               stop_requested=self._stop_requested)
         return self.group.uid < s.world_size
+
+    def _stop_requested(self) -> bool:
+        return self.stop is not None and self.stop.received is not None
 
     def join(self, step: int) -> int | None:
         """Become a member (at `step`, this process's committed step); the step the group is
