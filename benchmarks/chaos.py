@@ -132,6 +132,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="play the plan against ringtrain train --live (see above)")
     p.add_argument("--live-wait", type=float, default=60.0,
                    help="with --live: seconds the survivors wait for a replacement (default 60)")
+    p.add_argument("--live-spares", type=int, default=0,
+                   help="with --live: warm spares per node (ringtrain train --live-spares)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="with --live: the restart path on the same plan too (default: on)")
     p.add_argument("--anchor-beside", action="store_true",
@@ -267,9 +269,10 @@ def one_path(a, path: str, faults: list[dict], steps: int, world: int, root: Pat
     out = report(a, faults, fired, ref, chaos, steps, check, same, left, extra)
     if not live:
         return out
-    out = {"mode": "live", "live_wait_s": a.live_wait, **out,
-           **live_figures(run_dir, log, fired, world, chaos["launched_unix"][-1]),
-           "stall_parts": stall_parts(chaos_dir, fired)}
+    out = {"mode": "live", "live_wait_s": a.live_wait, "live_spares": a.live_spares, **out,
+           **live_figures(run_dir, log, fired, world, chaos["launched_unix"][-1])}
+    if not a.live_spares:  # with spares the process let in was started before the fault
+        out["stall_parts"] = stall_parts(chaos_dir, fired)
     raises = sum(f["kind"] == "raise" for f in fired)
     # By design a raise is the job's error (a whole-job restart); every other fault is not.
     out["ok"] = bool(out["ok"] and out["restarts"] == raises  # relaunches included
