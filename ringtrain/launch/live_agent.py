@@ -186,6 +186,7 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *,
             return False
         count[0] += 1
         return True
+
     stopping = [False]  # a failure that is the job's: torch now stops every worker
 
     def capture(self, done_local_ranks: set[int]) -> None:
@@ -255,4 +256,4 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *,
         try:
             yield
         finally:  # the job is over (done, failed or stopped): no spare outlives it
-            warm.close(grace_s=10)
+            warm.close(grace_s=3)

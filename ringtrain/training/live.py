@@ -70,7 +70,7 @@ class LiveSettings:
     world_size: int
     timeout_s: float = 30.0
     replace_wait_s: float = 0.0
-    dead_after_s: float = 3.0
+    dead_after_s: float = 1.0
     join_timeout_s: float = 600.0
     launcher_rank: int = 0  # the RANK the launcher gave this process (its slot, for the record)
     spare: bool = False
@@ -140,7 +140,7 @@ class LiveDriver:
         from a snapshot), False for a replacement (it heals from a live peer instead)."""
         s = self.settings
         self.group = LiveGroup(s.store, s.world_size, name="train", timeout_s=s.timeout_s,
-                               heartbeat_s=min(0.5, s.dead_after_s / 4),
+                               heartbeat_s=min(0.1, s.dead_after_s / 4),
                                dead_after_s=s.dead_after_s, join_timeout_s=s.join_timeout_s,
                                replace_wait_s=s.replace_wait_s, spare=s.spare,
                                stop_requested=self._stop_requested)
