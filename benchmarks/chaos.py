@@ -41,8 +41,9 @@ replacement, so every step runs on the whole world and the run ends with the fau
 `param_sha256`; the stall of a kill or stop is then detection plus a replacement's start.
 Its fault-free anchor is a fault-free live run. The kinds that mean something live:
 
-    kill, stop     the survivors go on after about the detection bound (--watchdog-timeout / 2,
-                   1-3 s); the agent SIGKILLs a stopped worker and starts a replacement
+    kill, stop     the survivors go on at once after a kill, after 1 s of silence after a
+                   stop; the agent SIGKILLs a stopped worker and starts a replacement (or
+                   hands its place to a warm spare: --live-spares N)
     kill-in-save   the members' rank 0 (the one process that writes a live job's snapshots,
                    whoever it is by then) dies inside the save: that snapshot is never
                    committed, the replacement heals from a peer, never from the disk
