@@ -53,7 +53,6 @@ from ringtrain.torch_internals import (
     CAPTURE_PROCESS_FAILURES,
     MONITOR_WORKERS,
     adopt,
-    respawn,
     running_workers,
     spawn_like,
     sync_worker_ids,
@@ -70,6 +69,13 @@ MAX_REPLACEMENTS = 32
 # (`ringtrain.launch.process_group._agent_store`, `ringtrain.live.group`).
 _LIVE_KEYS = "ringtrain/{run}/attempt_{attempt}/ringtrain/live/train"
 _POLL_DEPARTED_S = 0.25
+
+
+def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """Start `local_rank`'s command again in its slot, `env` on top (a replacement)."""
+    proc = spawn_like(context, local_rank, env)
+    adopt(context, local_rank, proc)
+    return proc
 
 
 def _replaceable(exitcode: int) -> bool:
