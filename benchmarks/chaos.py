@@ -41,8 +41,9 @@ replacement, so every step runs on the whole world and the run ends with the fau
 `param_sha256`; the stall of a kill or stop is then detection plus a replacement's start.
 Its fault-free anchor is a fault-free live run. The kinds that mean something live:
 
-    kill, stop     the survivors go on after about the detection bound (--watchdog-timeout / 2,
-                   1-3 s); the agent SIGKILLs a stopped worker and starts a replacement
+    kill, stop     the survivors go on at once after a kill, after 1 s of silence after a
+                   stop; the agent SIGKILLs a stopped worker and starts a replacement (or
+                   hands its place to a warm spare: --live-spares N)
     kill-in-save   the members' rank 0 (the one process that writes a live job's snapshots,
                    whoever it is by then) dies inside the save: that snapshot is never
                    committed, the replacement heals from a peer, never from the disk
@@ -132,6 +133,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="play the plan against ringtrain train --live (see above)")
     p.add_argument("--live-wait", type=float, default=60.0,
                    help="with --live: seconds the survivors wait for a replacement (default 60)")
+    p.add_argument("--live-spares", type=int, default=0,
+                   help="with --live: warm spares per node (ringtrain train --live-spares)")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="with --live: the restart path on the same plan too (default: on)")
     p.add_argument("--anchor-beside", action="store_true",
@@ -267,9 +270,10 @@ def one_path(a, path: str, faults: list[dict], steps: int, world: int, root: Pat
     out = report(a, faults, fired, ref, chaos, steps, check, same, left, extra)
     if not live:
         return out
-    out = {"mode": "live", "live_wait_s": a.live_wait, **out,
-           **live_figures(run_dir, log, fired, world, chaos["launched_unix"][-1]),
-           "stall_parts": stall_parts(chaos_dir, fired)}
+    out = {"mode": "live", "live_wait_s": a.live_wait, "live_spares": a.live_spares, **out,
+           **live_figures(run_dir, log, fired, world, chaos["launched_unix"][-1])}
+    if not a.live_spares:  # with spares the process let in was started before the fault
+        out["stall_parts"] = stall_parts(chaos_dir, fired)
     raises = sum(f["kind"] == "raise" for f in fired)
     # By design a raise is the job's error (a whole-job restart); every other fault is not.
     out["ok"] = bool(out["ok"] and out["restarts"] == raises  # relaunches included

@@ -66,7 +66,8 @@ class Job:
 
     def recovery(self) -> list[str]:
         if self.restarts is None:
-            return ["--live", "--live-wait", str(self.a.live_wait)]
+            return ["--live", "--live-wait", str(self.a.live_wait),
+                    *(["--live-spares", str(self.a.live_spares)] if self.a.live_spares else [])]
         return ["--max-restarts", str(self.restarts)]
 
     def start(self) -> None:

@@ -25,6 +25,14 @@ class _Proc:
     def poll(self) -> int | None:
         return self.code
 
+    @property
+    def returncode(self) -> int | None:
+        return self.code
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        assert self.code is not None, "a stand-in process never waited for running"
+        return self.code
+
 
 def _context(*procs: _Proc) -> SimpleNamespace:
     """What torch's poll reads: running local ranks, handlers, envs, failures, error files."""
@@ -77,3 +85,32 @@ def test_no_replacement_while_the_job_stops_on_an_exception(respawned):
         _poll(context)
     assert respawned == []
     assert {r: f.exitcode for r, f in context._failures.items()} == {0: 1, 1: -signal.SIGKILL}
+
+
+def test_a_killed_worker_gets_a_waiting_spare_and_a_dead_spare_is_started_again(monkeypatch):
+    """--live-spares 1: the spare started on the first poll takes a killed worker's slot (no
+    replacement is started for it) and another spare is started; one that dies waiting is too."""
+    spawned: list[tuple[dict, _Proc]] = []
+
+    def spawn_like(context, local_rank, env):
+        spawned.append((env, _Proc(2000 + len(spawned))))
+        return spawned[-1][1]
+
+    monkeypatch.setattr(live_agent, "spawn_like", spawn_like)
+    monkeypatch.setattr(live_agent, "respawn", lambda *a: pytest.fail("no respawn with a spare"))
+    first, second = _Proc(10), _Proc(11)
+    context = _context(first, second)
+    with live_agent.replacing_lost_workers(spares=1):
+        _poll(context)  # the job started: one spare, marked as one
+        assert [env[live_agent.SPARE_ENV] for env, _ in spawned] == ["1"]
+        second.code = -signal.SIGKILL
+        _poll(context)
+        assert context.subprocess_handlers[1].proc is spawned[0][1]  # the spare is rank 1's
+        assert len(spawned) == 2 and context._failures == {}  # and a new spare waits
+        spawned[1][1].code = -signal.SIGKILL  # that one dies while it waits
+        _poll(context)
+        assert len(spawned) == 3 and context._failures == {}
+        for proc in (first, spawned[0][1], spawned[2][1]):  # the job ends: all exit 0
+            proc.code = 0
+        _poll(context)
+    assert len(spawned) == 3  # none started after the job's end

@@ -11,6 +11,10 @@ for a dead peer's heartbeat, a hung peer's timeout, a replacement's start-up):
 - the final `param_sha256` is the fault-free run's, and the committed sample history (in the
   last snapshot, `--record-samples`) is the fault-free run's: every step the same global batch,
   each sample once.
+A third run, started beside them, has a warm spare (`--live-spares 1`) and loses rank 1 to a
+kill after step 4 alone: the spare, started with the job, takes its place at once (the agent
+says so, naming its pid and how long it had waited), the survivors keep their pids and record
+the stall, and the run ends with the fault-free weights and samples; no process is left.
 Pure parts (the launcher's and the options' refusals) are tested without processes.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,21 +46,22 @@ _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"
                 "RINGTRAIN_STEP_HOOK")
 
 
-def _start(run_dir: Path, fault: str | None) -> subprocess.Popen:
+def _start(run_dir: Path, fault: str | None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["PYTHONUNBUFFERED"] = "1"
     if fault:
         env.update(fault_env(fault))
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "ringtrain", "train", *LIVE, "--run-dir",
-                             str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             str(run_dir), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=run_dir.parent, env=env)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live")
-    procs = {"faulted": _start(root / "faulted", FAULTS), "clean": _start(root / "clean", None)}
+    procs = {"faulted": _start(root / "faulted", FAULTS), "clean": _start(root / "clean", None),
+             "spared": _start(root / "spared", f"kill:1:{AT}", ("--live-spares", "1"))}
     return wait_all(procs, {name: root / name for name in procs})
 
 
@@ -93,6 +99,33 @@ def test_the_faulted_run_ends_with_the_fault_free_weights_and_samples(runs):
     assert_fault_free_history(history, reference, steps=STEPS, global_batch=BATCH * WORLD)
 
 
+def test_a_warm_spare_takes_a_killed_members_place_at_once(runs):
+    (run_dir, stderr), (clean, _) = runs["spared"], runs["clean"]
+    members = live_members(run_dir)
+    survivors = [m for m in members if m["joined_at_step"] == 0 and m["status"] == "finished"]
+    killed = [m for m in members if m["status"] == "training"]
+    spares = [m for m in members if m["joined_at_step"] == AT]
+    assert len(survivors) == WORLD - 1 and len(killed) == 1 and len(spares) == 1, members
+    assert {m["launcher_rank"] for m in survivors} == {0, 2} and killed[0]["launcher_rank"] == 1
+    # The spare was started with the job, before the fault: the agent says how long it waited.
+    said = re.search(rf"\(pid {killed[0]['pid']}\) killed by SIGKILL; the others go on, warm "
+                     rf"spare pid {spares[0]['pid']} \(waiting for ([0-9.]+) s\)", stderr)
+    assert said is not None and float(said.group(1)) > 0, stderr[-3000:]
+    assert spares[0]["status"] == "finished" and spares[0]["step"] == STEPS
+    # One recovery each, its stall recorded (last commit before the kill to the first after).
+    stalls = [m["stalls_s"] for m in survivors]
+    assert all(len(s) == 1 and 0 < s[0] < 60 for s in stalls), stalls
+    print(f"stall with a warm spare (s): {stalls}")
+    sha = [json.loads((d / "summary.json").read_text())["param_sha256"] for d in (run_dir, clean)]
+    assert sha[0] == sha[1]
+    assert_fault_free_history(_history(run_dir), _history(clean), steps=STEPS,
+                              global_batch=BATCH * WORLD)
+    # No process of the job is left: workers, the spare let in, the spare started after it.
+    for pid in {int(p) for p in re.findall(r"pid (\d+)", stderr)}:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.parametrize("argv, said", [
     (["--strategy", "zero"], "a lost rank takes its shard with it"),
     (["--grad-compress", "fp16"], "--grad-compress fp16 is a hook on DDP's wrapper"),
@@ -108,6 +141,8 @@ def test_live_is_refused_before_launch_with_the_reason_and_the_fix(argv, said):
         check_args(parse_options(["--live", "--nproc-per-node", "3", *fine]), world_size=3)
     with pytest.raises(ValueError, match="--live-wait 5 needs --live"):
         check_args(parse_options(["--live-wait", "5"]), world_size=3)
+    with pytest.raises(ValueError, match="--live-spares 1 needs --live"):
+        check_args(parse_options(["--live-spares", "1"]), world_size=3)
 
 
 def test_the_live_launcher_refuses_restarts_and_several_nodes():

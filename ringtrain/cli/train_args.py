@@ -203,6 +203,9 @@ def _check_live(opts: TrainOptions, world_size: int | None) -> None:
     if not launch.live:
         if launch.live_wait:
             raise ValueError(f"--live-wait {launch.live_wait:g} needs --live")
+        if launch.live_spares:
+            raise ValueError(f"--live-spares {launch.live_spares} needs --live (only a live job "
+                             "lets a spare take a lost worker's place); add --live or drop it")
         return
     if world_size is not None and world_size < 2:
         raise ValueError("--live needs workers to lose and replace: --nproc-per-node 2 or more")

@@ -146,11 +146,12 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 
 def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None,
-         tolerate_ranks: Collection[int] = (), live: bool = False) -> int:
+         tolerate_ranks: Collection[int] = (), live: bool = False, live_spares: int = 0) -> int:
     """Launch from parsed torchrun arguments; the entrypoint may be replaced by a function.
 
     `tolerate_ranks`: global ranks whose own death does not stop the others (`tolerating`).
-    `live`: a lost worker is replaced in place (`replacing_lost_workers`).
+    `live`: a lost worker is replaced in place (`replacing_lost_workers`), by one of
+    `live_spares` warm spares where one waits.
     """
     if entrypoint is None and (missing := missing_entrypoint(args.training_script, args.module,
                                                              args.no_python)):
@@ -183,7 +184,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
             stack.enter_context(_quiet_torch_logs())
             stack.enter_context(tolerating(tolerate_ranks))
             if live:
-                stack.enter_context(replacing_lost_workers())
+                stack.enter_context(replacing_lost_workers(spares=live_spares))
             if multi_node:
                 stack.enter_context(_bounded_rendezvous(config.rdzv_endpoint))
                 stack.enter_context(restarts_for_the_job())
@@ -276,6 +277,7 @@ def launch(
     tolerate_ranks: Collection[int] = (),
     shutdown_timeout: int | None = None,
     live: bool = False,
+    live_spares: int = 0,
 ) -> int:
     """Run `entrypoint` on `nproc_per_node` workers here (and join `nnodes` nodes); return the
     exit code.
@@ -299,6 +301,8 @@ def launch(
         live: a worker killed by a signal, or left out by its peers, is started again in place
             while the others run on (`ringtrain.launch.live_agent`); the workers must recover
             without it (`ringtrain train --live`). Single node, no max_restarts.
+        live_spares: with `live`, warm spares started beside the workers: a lost worker's
+            place is taken by one at once (`ringtrain.launch.live_agent`).
     """
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node}: start at least one worker per node")
@@ -329,4 +333,4 @@ def launch(
     if live and (max_restarts or max_nodes > 1):
         raise ValueError(f"live=True with max_restarts={max_restarts}, nnodes={nnodes!r}: live "
                          "mode replaces workers on one node; use max_restarts=0, nnodes='1'")
-    return _run(parsed, tolerate_ranks=tolerate_ranks, live=live)
+    return _run(parsed, tolerate_ranks=tolerate_ranks, live=live, live_spares=live_spares)

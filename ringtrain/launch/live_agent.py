@@ -6,13 +6,24 @@
 torch's agent stops every worker when one fails and restarts them all (or gives up). In live
 mode the survivors recover by themselves (`ringtrain.live.LiveGroup`), so the agent's part is:
 - a worker killed by a signal (kill -9, the OOM killer), or one that exited with
-  `LEFT_OUT_EXIT_CODE` (its peers left it out of a generation: it was too slow), is started
-  again in place, with `REPLACEMENT_ENV` set: the new process registers in the store as a
-  replacement, is let in at a step boundary and heals from a live peer (no disk). The others
-  never stop;
+  `LEFT_OUT_EXIT_CODE` (its peers left it out of a generation: it was too slow), is marked
+  `departed/{uid}` in the store (the survivors regroup at once) and started again in place,
+  with `REPLACEMENT_ENV` set: the new process registers in the store as a replacement, is let
+  in at a step boundary and heals from a live peer (no disk). The others never stop;
 - a member the others declared lost while its process still runs (a hang: SIGSTOP, a deadlock,
   a machine swapping) is killed with SIGKILL, then replaced as above: `LiveGroup` writes
   `departed/{uid}` with the uid's `pid/{uid}` under its prefix in the store, read here;
+- with warm spares (`replacing_lost_workers(spares=N)`, `ringtrain train --live-spares N`),
+  N more processes run the same command from the start with `SPARE_ENV` set: each imports
+  torch, builds its model, optimizer and data, registers as a waiting replacement and waits.
+  A lost member's place in the next generation is then taken by a spare at once
+  (`LiveGroup`'s proposal), not after a ~2.5 s process start; the agent puts that spare in the
+  lost worker's slot (`adopt`: torch polls and tears it down as that worker) and starts a new
+  spare in the background. A spare that dies is started again (each start after the first N
+  counts as a replacement); at the job's end the spares learn it is over and exit 0.
+  Spares are plain subprocesses the agent owns, not workers of torch's group: a worker there
+  has a rank in the rendezvous, a place in WORLD_SIZE and a failure policy that stops the job,
+  none of which a process that may never train should have;
 - any other failure (an exception, a mistake, a stop on SIGTERM) is the job's, as without
   --live: every worker stops, one report; a worker that dies meanwhile (torch SIGKILLs one
   that outlives its shutdown timeout) is not replaced.
@@ -29,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -40,20 +52,30 @@ import torch.distributed as dist
 from ringtrain.torch_internals import (
     CAPTURE_PROCESS_FAILURES,
     MONITOR_WORKERS,
-    respawn,
+    adopt,
     running_workers,
+    spawn_like,
     sync_worker_ids,
 )
 
-__all__ = ["LEFT_OUT_EXIT_CODE", "MAX_REPLACEMENTS", "REPLACEMENT_ENV", "replacing_lost_workers"]
+__all__ = ["LEFT_OUT_EXIT_CODE", "MAX_REPLACEMENTS", "REPLACEMENT_ENV", "SPARE_ENV",
+           "replacing_lost_workers"]
 
 REPLACEMENT_ENV = "RINGTRAIN_LIVE_REPLACEMENT"  # set in a replacement: which one it is (1, 2..)
+SPARE_ENV = "RINGTRAIN_LIVE_SPARE"  # set in a warm spare: it waits, built, for a lost member
 LEFT_OUT_EXIT_CODE = 76  # a worker its peers left out of a generation (LiveMemberLostError)
 MAX_REPLACEMENTS = 32
 # Where `LiveGroup(name="train")` keeps its keys under the worker's store prefix
 # (`ringtrain.launch.process_group._agent_store`, `ringtrain.live.group`).
 _LIVE_KEYS = "ringtrain/{run}/attempt_{attempt}/ringtrain/live/train"
 _POLL_DEPARTED_S = 0.25
+
+
+def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """Start `local_rank`'s command again in its slot, `env` on top (a replacement)."""
+    proc = spawn_like(context, local_rank, env)
+    adopt(context, local_rank, proc)
+    return proc
 
 
 def _replaceable(exitcode: int) -> bool:
@@ -92,14 +114,85 @@ class _Departed:
         except (RuntimeError, OSError, KeyError, ValueError):
             return []  # no store yet (workers starting) or the job is ending: next poll
 
+    def mark(self, pid: int) -> None:
+        """Write `departed/{uid}` for the process `pid`, which exited: its peers regroup
+        without waiting out its heartbeat (`dead_after_s`), and no generation takes it in."""
+        with contextlib.suppress(RuntimeError, OSError, KeyError, ValueError, AttributeError):
+            for uid in range(int(self.store.add("uids", 0))):
+                if self.store.check([f"pid/{uid}"]) and int(self.store.get(f"pid/{uid}")) == pid:
+                    self.store.set(f"departed/{uid}", b"1")
+
+
+class _Spares:
+    """The warm spares this agent owns: plain subprocesses started as a worker is (`spawn_like`:
+    the same command, environment and output), kept at `count` until the job ends."""
+
+    def __init__(self, count: int):
+        self.count, self.started = count, 0
+        self.procs: list[tuple[subprocess.Popen, float]] = []  # (process, started at)
+        self.over = False  # a spare exited 0: the job is done, none is started any more
+
+    def take(self) -> tuple[subprocess.Popen, float] | None:
+        """A running spare, handed over (it goes into a lost worker's slot)."""
+        for item in self.procs:
+            if item[0].poll() is None:
+                self.procs.remove(item)
+                return item
+        return None
+
+    def keep_up(self, context: Any, departed: _Departed, may_start) -> None:
+        """Restart the spares that died; start the missing ones while `may_start()` (it counts
+        every start after the first `count` against the job's replacements)."""
+        for item in [i for i in self.procs if i[0].poll() is not None]:
+            self.procs.remove(item)
+            proc = item[0]
+            if proc.returncode == 0:
+                self.over = True
+                continue
+            departed.mark(proc.pid)
+            print(f"ringtrain run: live: warm spare (pid {proc.pid}) exited with "
+                  f"{proc.returncode} while it waited; starting another", file=sys.stderr,
+                  flush=True)
+        while not self.over and len(self.procs) < self.count and \
+                (self.started < self.count or may_start()):
+            local = self.started % len(context.envs)  # one slot's environment, in turn
+            self.started += 1
+            proc = spawn_like(context, local, {REPLACEMENT_ENV: f"spare-{self.started}",
+                                               SPARE_ENV: "1"})
+            self.procs.append((proc, time.monotonic()))
+
+    def close(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for the spares to exit (a finished job tells them), then kill
+        them: a spare holds nothing to save. No process is left either way."""
+        deadline = time.monotonic() + grace_s
+        for proc, _ in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # its own session (`spawn_like`)
+                proc.wait(timeout=10)
+        self.procs.clear()
+        self.over = True
+
 
 @contextlib.contextmanager
-def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS) -> Iterator[None]:
-    """Inside: the agent replaces a lost worker in place and kills a member found hung (see the
-    module docstring); every other failure stops the job as torch's agent does."""
+def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *,
+                           spares: int = 0) -> Iterator[None]:
+    """Inside: the agent replaces a lost worker in place (by one of `spares` warm spares where
+    one waits) and kills a member found hung (see the module docstring); every other failure
+    stops the job as torch's agent does."""
     original = CAPTURE_PROCESS_FAILURES.get()
     departed = _Departed()
+    warm = _Spares(spares)
     count = [0]
+
+    def may_start() -> bool:
+        if count[0] >= max_replacements:
+            return False
+        count[0] += 1
+        return True
+
     stopping = [False]  # a failure that is the job's: torch now stops every worker
 
     def capture(self, done_local_ranks: set[int]) -> None:
@@ -112,6 +205,7 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS) -> Iterator
             code is not None and code != 0 and not _replaceable(code)
             for code in (proc.poll() for _, _, proc in workers))
         if stopping[0]:
+            warm.close(grace_s=0)
             original(self, done_local_ranks)
             return
         if workers:
@@ -124,18 +218,39 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS) -> Iterator
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=10)
+            for proc, _ in warm.procs:  # a spare let in while another took the slot
+                if proc.pid in hung and proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGKILL)  # keep_up starts another
         for local_rank, rank, proc in running_workers(self):
             exitcode = proc.poll()
-            if exitcode is None or not _replaceable(exitcode) or count[0] >= max_replacements:
+            if exitcode is None or not _replaceable(exitcode):
                 continue
-            count[0] += 1
             how = (f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0
                    else f"left out by its peers (exit code {exitcode})")
+            departed.mark(proc.pid)  # the survivors regroup now, not a heartbeat bound later
+            spare = warm.take()
+            if spare is not None:  # built and waiting: the next generation takes it at once
+                adopt(self, local_rank, spare[0])
+                print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go "
+                      f"on, warm spare pid {spare[0].pid} (waiting for "
+                      f"{time.monotonic() - spare[1]:.1f} s) takes its place", file=sys.stderr,
+                      flush=True)
+                continue
+            if not may_start():
+                continue
             new = respawn(self, local_rank, {REPLACEMENT_ENV: str(count[0])})
             print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go on, "
                   f"replacement {count[0]} of at most {max_replacements} started (pid "
                   f"{new.pid})", file=sys.stderr, flush=True)
+        if warm.count and not stopping[0]:
+            warm.keep_up(self, departed, may_start)
         original(self, done_local_ranks)
+        if warm.procs and not {w[0] for w in running_workers(self)} - done_local_ranks:
+            # Every worker is done: close the spares now, while the agent's store is up (they
+            # read "finished" there and exit 0; past this poll the store goes, and a spare
+            # still starting would fail on it).
+            warm.close(grace_s=5)
 
     monitor = MONITOR_WORKERS.get()
 
@@ -144,4 +259,7 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS) -> Iterator
         return monitor(self, worker_group)
 
     with CAPTURE_PROCESS_FAILURES.replaced(capture), MONITOR_WORKERS.replaced(monitor_workers):
-        yield
+        try:
+            yield
+        finally:  # the job is over (done, failed or stopped): no spare outlives it
+            warm.close(grace_s=3)

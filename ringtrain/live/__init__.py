@@ -7,8 +7,12 @@ Read in this order:
   (model, optimizer, step, batches, RNG), as Horovod elastic's `State`.
 - `heal.py`: the members of a new generation agree on the newest committed step and take it
   from a member that has it, over the new group (torchft's heal from a live peer).
+- `heartbeats.py`: `Heartbeats`, each process's beat in the store (a thread) and how long each
+  member has been silent: how a lost member is found, inside a collective or between steps.
 - `watched.py`: `WatchedGroup`, a gloo group whose collectives wait in short slices and give
   up once a member's heartbeat stops (a hang or a lost link found in ~1 s, not a timeout).
+- `roster.py`: who is in the job as the store says: the processes waiting to be let in, the
+  members gone, the member list a new generation proposes (survivors keep their ranks).
 - `group.py`: `LiveGroup`, the generations: who is a member, agreed through the store; one
   watched gloo group per generation on its own store prefix; replacements let in at step
   boundaries.
@@ -23,12 +27,17 @@ May import: torch, `ringtrain.data`, `ringtrain.checkpoint` (the RNG state), `ri
 """
 
 from ringtrain.live.batches import GlobalBatches
-from ringtrain.live.group import LiveGroup, LiveMemberLostError, LiveRecoveryError
+from ringtrain.live.group import (
+    LiveGroup,
+    LiveJobLostError,
+    LiveMemberLostError,
+    LiveRecoveryError,
+)
 from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.loop import all_reduce_gradients, train_live
 from ringtrain.live.state import LiveState
 from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
 
-__all__ = ["GlobalBatches", "HealReport", "LiveGroup", "LiveMemberLostError",
+__all__ = ["GlobalBatches", "HealReport", "LiveGroup", "LiveJobLostError", "LiveMemberLostError",
            "LiveMemberSilentError", "LiveRecoveryError", "LiveState", "WatchedGroup",
            "all_reduce_gradients", "heal", "train_live"]

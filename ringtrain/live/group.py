@@ -16,24 +16,23 @@ older generation is ever read again.
 
 Forming generation g+1 after a failure (every member of g that is still running, together):
 - each writes `gen{g+1}/here/{uid}`; a member of g is *lost* once its heartbeat has not moved
-  for `dead_after_s` (a SIGKILL, a SIGSTOP, a lost host) or it has not arrived within
-  `timeout_s + dead_after_s` (alive but stuck: the bound on waiting for it);
+  for `dead_after_s` (a SIGKILL, a SIGSTOP, a lost host), once `departed/{uid}` is written (the
+  launcher's agent saw its process exit: a kill costs a poll, not `dead_after_s`), or when it
+  has not arrived within `timeout_s + dead_after_s` (alive but stuck: the bound on waiting);
 - once every member of g is here or lost, one of them proposes the member list and writes it
   with compare-and-set: the first proposal is the generation, for everyone. Survivors keep
   their ranks; a waiting replacement takes a lost member's rank, so with the world size
   restored each rank trains the fault-free run's share and the sums keep their order;
   without one the survivors close ranks.
-Every member's heartbeat thread also reads the other members' counters, so a decision knows
-how long each has been silent, and so does a collective in flight: the group handed out is a
-`WatchedGroup` (watched.py), whose waits raise `LiveMemberSilentError` once a member has been
-silent for `dead_after_s`. A SIGKILL (gloo raises at once), a SIGSTOP and a lost link are all
-found after about `dead_after_s` (1 s by default), not after the collective timeout; a member
-that is merely slow still beats (its thread does), so only `timeout_s` bounds waiting for it.
+Every member's heartbeat thread (`Heartbeats`, heartbeats.py) also reads the other members'
+counters, so a decision knows how long each has been silent, and so does a collective in
+flight: the group handed out is a `WatchedGroup` (watched.py), whose waits raise
+`LiveMemberSilentError` once a member has been silent for `dead_after_s`. A SIGKILL (gloo
+raises at once), a SIGSTOP and a lost link are all found after about `dead_after_s` (1 s by
+default), not after the collective timeout; a member that is merely slow still beats (its
+thread does), so only `timeout_s` bounds waiting for it.
 Building a generation's group is watched the same way (`_connect`): a replacement lost while
 the group forms (its host's link just went down) costs a second, not the group's timeout.
-
-.. warning:: Each member reads every member's counter each heartbeat: O(members^2) store reads
-    per `heartbeat_s` over the job, fine for tens of members on one store, not for thousands.
 
 .. warning:: The store must outlive every member: host it in the agent, the launcher or a
     separate process (tests host it in the parent). If the store's host dies, the job is lost
@@ -45,12 +44,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ringtrain.live.heal import HealReport, heal
+from ringtrain.live.heartbeats import Heartbeats, clone_store
+from ringtrain.live.roster import all_gone, decode, encode, propose, waiting_uids
 from ringtrain.live.state import LiveState
 from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
 from ringtrain.store_keys import claim_key
@@ -62,6 +64,11 @@ class LiveMemberLostError(RuntimeError):
 
 class LiveRecoveryError(RuntimeError):
     """A collective failed but no member was lost: the error is this job's own, not a fault."""
+
+
+class LiveJobLostError(RuntimeError):
+    """Every member of the last generation is gone: nobody is left to let a replacement in or
+    to heal it from, so the job fails and restarts from its last snapshot (the restart path)."""
 
 
 class LiveGroup:
@@ -84,11 +91,19 @@ class LiveGroup:
             replacement then joins at a later step boundary). Waiting keeps every step's
             world size, so the run ends with the fault-free sums, for a stall of about a
             replacement's start-up (`ringtrain train --live-wait`).
+        spare: a warm spare, started before any fault (`ringtrain train --live-spares`): it
+            registers once generation 0 has formed (so it never takes a place in it) and waits
+            to be let in for as long as the job runs, not `join_timeout_s`.
+        stop_requested: True once this process was asked to stop (SIGTERM: the job is being
+            stopped): the survivors stop waiting for replacements and go on without them, so
+            the step ends and the loop's stop vote runs (else the wait outlasts the agent's
+            shutdown timeout, and the process is SIGKILLed without its snapshot).
     """
 
     def __init__(self, store: dist.Store, world_size: int, *, name: str = "live",
                  timeout_s: float = 30.0, heartbeat_s: float = 0.1, dead_after_s: float = 1.0,
-                 join_timeout_s: float = 600.0, retries: int = 1, replace_wait_s: float = 0.0):
+                 join_timeout_s: float = 600.0, retries: int = 1, replace_wait_s: float = 0.0,
+                 spare: bool = False, stop_requested: Callable[[], bool] = lambda: False):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: it must be at least 1")
         if not 0 < heartbeat_s < dead_after_s:
@@ -102,26 +117,25 @@ class LiveGroup:
         self.join_timeout_s, self.retries = join_timeout_s, retries
         self.replace_wait_s = replace_wait_s
         self._fruitless = (-1, 0)  # (step, recoveries in a row there that lost no member)
+        self.spare, self.stop_requested = spare, stop_requested
+        if spare:  # a uid below world_size would be a place in generation 0: take one after
+            self._wait_for("gen0/members", "generation 0 to form")
         self.uid = self._store.add("uids", 1) - 1
         self._store.set(f"pid/{self.uid}", str(os.getpid()))
         # Read before the first beat: a generation that lets this process in is decided after
         # that beat, so it comes after this one (read later, the counter may already have
         # moved past the generation that took it in, and `join` would wait for the next).
         self._first_generation = int(self._store.add("generations", 0))
-        self._store.add(f"hb/{self.uid}", 1)  # beaten once: from here on it may be let in
+        self._beats = Heartbeats(self._store, dist.PrefixStore(prefix, clone_store(store)),
+                                 self.uid, heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
+                                 members=lambda: self.members)
+        self._beats.beat_once()  # beaten once: from here on it may be let in
         self.generation = -1
         self.members: list[int] = []
         self.process_group: dist.ProcessGroup | None = None
         self.last_heal: HealReport | None = None
         self._known: set[int] = set()  # uids seen in a generation or found departed
-        # uid -> (heartbeat count, when it last moved on our clock); both threads write it
-        self._moved: dict[int, tuple[int, float]] = {}
-        self._read_at = time.monotonic()  # when the heartbeat thread last read every counter
         self._abandoned: list[dist.ProcessGroup] = []
-        self._stop = threading.Event()
-        beat_store = dist.PrefixStore(prefix, _clone(store))  # waits here never delay a beat
-        self._beats = threading.Thread(target=self._beat, args=(beat_store,), daemon=True,
-                                       name="ringtrain-live-heartbeat")
         self._beats.start()
 
     # -- where this process stands ----------------------------------------------------------
@@ -133,25 +147,6 @@ class LiveGroup:
     def size(self) -> int:
         return len(self.members)
 
-    def _beat(self, store: dist.Store) -> None:
-        while not self._stop.is_set():
-            try:
-                store.add(f"hb/{self.uid}", 1)
-                for u in self.members:  # watched all along, so a failure finds them timed
-                    self._observe(u, store.add(f"hb/{u}", 0))
-                self._read_at = time.monotonic()
-            except RuntimeError:  # the store is gone: the job is over, nothing to tell
-                return
-            self._stop.wait(self.heartbeat_s)
-
-    def _observe(self, uid: int, count: int) -> float:
-        """Record `uid`'s heartbeat count as read now; how long it has not moved."""
-        now = time.monotonic()
-        last = self._moved.get(uid)
-        if last is None or last[0] != count:
-            self._moved[uid] = last = (count, now)
-        return now - last[1]
-
     def check_members(self) -> None:
         """Raise `LiveMemberSilentError` if a member's heartbeat has not moved for
         `dead_after_s`, as last read by this process's heartbeat thread.
@@ -159,16 +154,23 @@ class LiveGroup:
         Silence is counted up to that thread's last read, not up to now: if this process's own
         thread is starved (a loaded host) or its store link is down, nobody is accused.
         """
-        read_at = self._read_at
-        for u in self.members:
-            moved = self._moved.get(u)
-            if u != self.uid and moved is not None and read_at - moved[1] > self.dead_after_s:
-                raise LiveMemberSilentError(
-                    f"member uid {u} of generation {self.generation} has not beaten for "
-                    f"{read_at - moved[1]:.2f} s (dead_after_s={self.dead_after_s:g}): lost or "
-                    "frozen; this collective is abandoned and the survivors regroup")
+        found = self._beats.silent()
+        if found is not None:
+            u, silent = found
+            raise LiveMemberSilentError(
+                f"member uid {u} of generation {self.generation} has not beaten for "
+                f"{silent:.2f} s (dead_after_s={self.dead_after_s:g}): lost or "
+                "frozen; this collective is abandoned and the survivors regroup")
 
     # -- joining ----------------------------------------------------------------------------
+    def _wait_for(self, key: str, what: str) -> None:
+        deadline = time.monotonic() + self.join_timeout_s
+        while not self._store.check([key]) and not self._store.check(["finished"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.join_timeout_s:g} s for {what}: start the "
+                                   "job's workers with the same store")
+            time.sleep(0.05)
+
     def join(self, state: LiveState) -> bool:
         """Become a member (generation 0, or a later one as a replacement) and heal.
 
@@ -186,13 +188,18 @@ class LiveGroup:
                         f"only {registered} of world_size={self.world_size} processes registered "
                         f"within {self.join_timeout_s:g} s; start the others with the same store")
                 time.sleep(0.01)
-            value = self._store.compare_set("gen0/members", "", _encode(range(self.world_size)))
-            self._enter(0, _decode(value), state, fresh=self.uid != 0)
+            value = self._store.compare_set("gen0/members", "", encode(range(self.world_size)))
+            self._enter(0, decode(value), state, fresh=self.uid != 0)
             return True
         g = self._first_generation
+        if self.spare:  # waits for a fault as long as the job runs; polls less (it is idle)
+            deadline, poll_s = float("inf"), 0.05
+        else:
+            poll_s = 0.01
+        next_check = 0.0
         while True:
             if self._store.check([f"gen{g}/members"]):
-                members = _decode(self._store.get(f"gen{g}/members"))
+                members = decode(self._store.get(f"gen{g}/members"))
                 if self.uid in members:
                     try:
                         self._enter(g, members, state, fresh=True)
@@ -203,11 +210,26 @@ class LiveGroup:
                 continue
             if self._store.check(["finished"]):
                 return False
+            if g > 0 and time.monotonic() >= next_check:  # anyone left to let this one in?
+                next_check = time.monotonic() + self.heartbeat_s
+                self._raise_if_all_gone(g - 1)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replacement uid {self.uid} was not let in within "
                                    f"{self.join_timeout_s:g} s (generation {g - 1} is full or "
                                    "its members never reached a step boundary)")
-            time.sleep(0.01)
+            time.sleep(poll_s)
+
+    def _raise_if_all_gone(self, g: int) -> None:
+        """Raise `LiveJobLostError` if every member of generation g (the newest) is departed
+        or silent for `dead_after_s`: no generation will ever let this process in."""
+        members = decode(self._store.get(f"gen{g}/members"))
+        if all_gone(self._store, self._beats, members):
+            raise LiveJobLostError(
+                f"uid {self.uid} waits to be let in, but every member of generation {g} "
+                f"({members}) is gone (departed or silent for over {self.dead_after_s:g} s): "
+                "no survivor holds the job's state. The job fails so that it restarts from its "
+                "last snapshot: run the same command again (with --live-wait S the survivors "
+                "wait for replacements, so one fault cannot take every member)")
 
     def admit(self, state: LiveState) -> bool:
         """At a step boundary, on every member: let waiting replacements in while short.
@@ -256,8 +278,7 @@ class LiveGroup:
         if self.process_group is not None:
             self._store.set("finished", b"1")
         self.process_group = None
-        self._stop.set()
-        self._beats.join(timeout=self.heartbeat_s + 5)
+        self._beats.stop()
 
     # -- generations ------------------------------------------------------------------------
     def _reform(self, state: LiveState) -> None:
@@ -327,22 +348,27 @@ class LiveGroup:
                 if self._store.check([f"gen{g}/here/{u}"]):
                     here.append(u)
                     continue
-                silent = self._observe(u, self._store.add(f"hb/{u}", 0))
+                silent = self._beats.observe(u, self._store.add(f"hb/{u}", 0))
                 late = time.monotonic() > bound
-                (lost if silent > self.dead_after_s or late else pending).append(u)
+                # departed: the agent saw its process die (or another member decided): lost
+                # now, not a heartbeat bound later
+                gone = silent > self.dead_after_s or late or \
+                    self._store.check([f"departed/{u}"])
+                (lost if gone else pending).append(u)
             if not pending:
                 for u in lost:
                     self._store.set(f"departed/{u}", b"1")
                 self._await_replacements(key, len(lost))
-                proposal = self._proposal(old, here)
-                value = _encode(proposal).encode()
+                proposal = propose(old, here, waiting_uids(self._store, self._beats,
+                                                           self._known), self.world_size)
+                value = encode(proposal).encode()
                 if self._store.compare_set(key, "", value) == value and \
                         self._store.add(f"gen{g}/counted", 1) == 1:
                     # Once per generation: members proposing the same list all see it win.
                     self._store.add("generations", 1)  # replacements look from here on
                 break
             time.sleep(0.01)
-        members = _decode(self._store.get(key))
+        members = decode(self._store.get(key))
         self._known.update(u for u in old if u not in members)
         return members
 
@@ -350,55 +376,14 @@ class LiveGroup:
         """Wait up to `replace_wait_s` for `lost` replacements (or another member's proposal).
 
         `departed/{uid}` is written first: a launcher that watches it kills a hung member and
-        starts its replacement, which this wait then lets in.
+        starts its replacement, which this wait then lets in. A stop requested ends it.
         """
         deadline = time.monotonic() + self.replace_wait_s
-        while lost and time.monotonic() < deadline and not self._store.check([key]):
-            if len(self._waiting_uids()) >= lost:
+        while lost and time.monotonic() < deadline and not self._store.check([key]) and \
+                not self.stop_requested():
+            if len(waiting_uids(self._store, self._beats, self._known)) >= lost:
                 return
             time.sleep(0.05)
 
-    def _proposal(self, old: list[int], here: list[int]) -> list[int]:
-        waiting = self._waiting_uids()
-        slots: list[int | None] = [u if u in here else None for u in old]
-        for i, u in enumerate(slots):  # a replacement takes a lost member's rank
-            if u is None and waiting:
-                slots[i] = waiting.pop(0)
-        members = [u for u in slots if u is not None]
-        while waiting and len(members) < self.world_size:
-            members.append(waiting.pop(0))
-        return members
-
     def _waiting(self) -> bool:
-        return bool(self._waiting_uids())
-
-    def _waiting_uids(self) -> list[int]:
-        """Registered processes never in a generation, not departed, beating now (a spare
-        whose heartbeat stopped, e.g. on a host that lost its link, is not let in)."""
-        out = []
-        for u in range(int(self._store.add("uids", 0))):
-            if u in self._known:
-                continue
-            if self._store.check([f"departed/{u}"]):
-                self._known.add(u)
-                continue
-            count = self._store.add(f"hb/{u}", 0)
-            if count > 0 and self._observe(u, count) <= self.dead_after_s:
-                out.append(u)
-        return out
-
-
-def _clone(store: dist.Store) -> dist.Store:
-    try:
-        return store.clone()
-    except (AttributeError, RuntimeError):  # an in-process store: shared is fine
-        return store
-
-
-def _encode(uids) -> str:
-    return ",".join(str(u) for u in uids)
-
-
-def _decode(value: bytes | str) -> list[int]:
-    text = value.decode() if isinstance(value, bytes) else value
-    return [int(u) for u in text.split(",") if u]
+        return bool(waiting_uids(self._store, self._beats, self._known))

@@ -358,8 +358,7 @@ BatchNorm: type | tuple[type, ...] = lookup("torch.nn.modules.batchnorm._BatchNo
 
 # Its process-context half is the tolerated ranks' feature (the same classes), its agent half
 # the job's restarts' (the same agent); --live raises where either is off.
-#: `SubprocessHandler._popen(self, args, env)`: how the handler started its worker (its own
-#: stdout/stderr files, a new session).
+#: `SubprocessHandler._popen(self, args, env)`: how the handler started its worker (`spawn_like`).
 _POPEN = lookup("torch.distributed.elastic.multiprocessing.subprocess_handler."
                 "subprocess_handler.SubprocessHandler._popen", _TOLERATE)
 
@@ -372,23 +371,25 @@ set_by_init(MONITOR_WORKERS.owner, "_pcontext", _RESTARTS)
 
 
 def sync_worker_ids(agent: Any, worker_group: Any) -> None:
-    """Give `worker_group`'s workers the pids of `agent`'s processes now (after a `respawn`)."""
+    """Give `worker_group`'s workers the pids of `agent`'s processes now (after an `adopt`)."""
     pids = agent._pcontext.pids() if agent._pcontext is not None else {}
     for worker in worker_group.workers:
         if worker.local_rank in pids:
             worker.id = pids[worker.local_rank]
 
 
-def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
-    """Start `local_rank`'s command again in its handler, as the agent started it (the same
-    arguments, environment and output files), with `env` on top; the handler's process is then
-    the new one, which the agent's poll and teardown see as that worker."""
+def spawn_like(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """`local_rank`'s command started once more as the agent started it (arguments, environment,
+    output files, a session of its own), `env` on top; the agent sees it once `adopt`ed."""
     if _POPEN is None:
         _TOLERATE.require()
     handler = context.subprocess_handlers[local_rank]
-    handler.proc = handler._popen(handler.proc.args,
-                                  {**os.environ, **context.envs[local_rank], **env})
-    return handler.proc
+    return handler._popen(handler.proc.args, {**os.environ, **context.envs[local_rank], **env})
+
+
+def adopt(context: Any, local_rank: int, proc: subprocess.Popen) -> None:
+    """Make `proc` `local_rank`'s process: the agent's poll and teardown see it as that worker."""
+    context.subprocess_handlers[local_rank].proc = proc
 
 
 # Say once, now, what this torch turns off; backward_tls_free says it when there is something

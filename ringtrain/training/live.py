@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -61,15 +62,18 @@ class LiveSettings:
         timeout_s: a generation's collective timeout: a hung member is found after it.
         replace_wait_s: how long survivors wait for a replacement before going on without.
         dead_after_s: a member whose heartbeat is this old is lost.
+        spare: this process is a warm spare (`--live-spares`): it waits, built, to take a lost
+            member's place (`LiveGroup`'s `spare`).
     """
 
     store: dist.Store
     world_size: int
     timeout_s: float = 30.0
     replace_wait_s: float = 0.0
-    dead_after_s: float = 3.0
+    dead_after_s: float = 1.0
     join_timeout_s: float = 600.0
     launcher_rank: int = 0  # the RANK the launcher gave this process (its slot, for the record)
+    spare: bool = False
 
 
 class _Committed:
@@ -118,8 +122,14 @@ class LiveDriver:
         self.group: LiveGroup | None = None
         self.state: LiveState | None = None
         self.recoveries = 0
+        # Each recovery's stall: the last commit before the failed step to the first after it
+        # (wall clock; the figure docs/fault_tolerance.md reports), in the member's record.
+        self.stalls_s: list[float] = []
+        self._committed_at: float | None = None
+        self._stalled_since: float | None = None
         self.joined_at: int | None = None
         self.agreement = hooks.agreement(lambda: self.runtime)  # over the current generation
+        self.stop: Any = None  # the loop's `StopSignal`: a survivor stops waiting once signalled
 
     @property
     def world_size(self) -> int:
@@ -130,10 +140,14 @@ class LiveDriver:
         from a snapshot), False for a replacement (it heals from a live peer instead)."""
         s = self.settings
         self.group = LiveGroup(s.store, s.world_size, name="train", timeout_s=s.timeout_s,
-                               heartbeat_s=min(0.5, s.dead_after_s / 4),
+                               heartbeat_s=min(0.1, s.dead_after_s / 4),
                                dead_after_s=s.dead_after_s, join_timeout_s=s.join_timeout_s,
-                               replace_wait_s=s.replace_wait_s)
+                               replace_wait_s=s.replace_wait_s, spare=s.spare,
+                               stop_requested=self._stop_requested)
         return self.group.uid < s.world_size
+
+    def _stop_requested(self) -> bool:
+        return self.stop is not None and self.stop.received is not None
 
     def join(self, step: int) -> int | None:
         """Become a member (at `step`, this process's committed step); the step the group is
@@ -186,6 +200,8 @@ class LiveDriver:
             except (LiveMemberLostError, LiveRecoveryError):
                 raise  # this process is out, or the error is the job's own: no retry
             except RuntimeError as error:  # a failed collective: a peer died or hangs
+                if self._stalled_since is None:
+                    self._stalled_since = self._committed_at
                 before = list(g.members)
                 g.recover(state, error)
                 self.recoveries += 1
@@ -198,6 +214,7 @@ class LiveDriver:
                 if state.step > start:  # a peer had committed it: healed to it
                     assert state.step == start + 1, (start, state.step)
                     state.target = state.step
+                    self._committed()
                     return StepResult(loss_sum=0.0, count=0), []
                 continue
             self._advance()
@@ -224,6 +241,14 @@ class LiveDriver:
         state.step += 1
         if self.hooks.commits_at(state.step):
             state.commit()
+            self._committed()
+
+    def _committed(self) -> None:
+        now = time.time()
+        if self._stalled_since is not None:
+            self.stalls_s.append(round(now - self._stalled_since, 3))
+            self._stalled_since = None
+        self._committed_at = now
 
     def _micro(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`ids` as `grad_accum` micro-batches (sizes differ by at most one)."""
@@ -265,7 +290,7 @@ class LiveDriver:
                   "launcher_rank": self.settings.launcher_rank, "joined_at_step": self.joined_at,
                   "step": self.state.step, "generation": self.group.generation,
                   "rank": self.runtime.rank, "members": self.runtime.world_size,
-                  "recoveries": self.recoveries}
+                  "recoveries": self.recoveries, "stalls_s": self.stalls_s}
         tmp = os.path.join(folder, f".{os.getpid()}.json")
         with open(tmp, "w") as f:
             json.dump(record, f)

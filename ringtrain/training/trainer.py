@@ -303,6 +303,8 @@ class Trainer:
               resumed: bool = False) -> str | None:
         """The steps; returns the signal it stopped early on ("SIGTERM", "SIGINT"), else None."""
         c, s, cp, snaps = self.config, self.strategy, self.checkpointer, self.snapshots
+        if self.live is not None:  # a survivor waiting for a replacement stops waiting on it
+            self.live.stop = stop
         while self.step < c.steps:
             lr = lr_at(self.step, c)
             micro = [self.batches.next() for _ in range(c.grad_accum)] if self.batches else []

@@ -1,0 +1,102 @@
+"""`Heartbeats`: this process's beat in the store, and how long each other member has been silent.
+
+    beats = Heartbeats(store, beat_store, uid, heartbeat_s=0.1, dead_after_s=1.0,
+                       members=lambda: [0, 1])
+    beats.start()                        # a thread: beat, then read every member's counter
+    beats.observe(uid, count)            # a counter read elsewhere: how long it has not moved
+    beats.silent()                       # (uid, seconds) of a member silent too long, or None
+    beats.stop()
+
+Every process of a live job beats `hb/{uid}` (a store counter) from a thread, whatever its step
+is doing, and reads its generation's members' counters after each beat. A counter that has not
+moved for `dead_after_s` on this process's clock is a member lost (a SIGKILL, a SIGSTOP, a lost
+host); one that is merely slow still beats, since its thread does. `LiveGroup` (group.py) asks
+this to decide who is left, and its `WatchedGroup` asks it between the slices of every wait.
+
+.. warning:: Each member reads every member's counter each heartbeat: O(members^2) store reads
+    per `heartbeat_s` over the job, fine for tens of members on one store, not for thousands.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+
+class Heartbeats:
+    """This process's heartbeat thread and its record of when each counter last moved.
+
+    Args:
+        store: the live group's (prefixed) store, for the caller's reads.
+        beat_store: the same keys over a connection of the thread's own (`clone_store`), so a
+            wait on the caller's connection never delays a beat.
+        uid: this process's uid: its counter is `hb/{uid}`.
+        heartbeat_s: how often the thread beats and reads the members' counters.
+        dead_after_s: a member whose counter has not moved this long is silent.
+        members: the uids to watch now (the current generation's), read at every beat.
+    """
+
+    def __init__(self, store: dist.Store, beat_store: dist.Store, uid: int, *,
+                 heartbeat_s: float, dead_after_s: float, members: Callable[[], list[int]]):
+        self.uid, self.heartbeat_s, self.dead_after_s = uid, heartbeat_s, dead_after_s
+        self._store, self._members = store, members
+        # uid -> (heartbeat count, when it last moved on our clock); both threads write it
+        self._moved: dict[int, tuple[int, float]] = {}
+        self._read_at = time.monotonic()  # when the thread last read every counter
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(beat_store,), daemon=True,
+                                        name="ringtrain-live-heartbeat")
+
+    def beat_once(self) -> None:
+        """One beat now, from the caller (before the thread runs: see `LiveGroup`)."""
+        self._store.add(f"hb/{self.uid}", 1)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.heartbeat_s + 5)
+
+    def _beat(self, store: dist.Store) -> None:
+        while not self._stop.is_set():
+            try:
+                store.add(f"hb/{self.uid}", 1)
+                for u in self._members():  # watched all along, so a failure finds them timed
+                    self.observe(u, store.add(f"hb/{u}", 0))
+                self._read_at = time.monotonic()
+            except RuntimeError:  # the store is gone: the job is over, nothing to tell
+                return
+            self._stop.wait(self.heartbeat_s)
+
+    def observe(self, uid: int, count: int) -> float:
+        """Record `uid`'s heartbeat count as read now; how long it has not moved."""
+        now = time.monotonic()
+        last = self._moved.get(uid)
+        if last is None or last[0] != count:
+            self._moved[uid] = last = (count, now)
+        return now - last[1]
+
+    def silent(self) -> tuple[int, float] | None:
+        """A member (not this process) silent for over `dead_after_s`, and for how long.
+
+        Silence is counted up to the thread's last read, not up to now: if this process's own
+        thread is starved (a loaded host) or its store link is down, nobody is accused.
+        """
+        read_at = self._read_at
+        for u in self._members():
+            moved = self._moved.get(u)
+            if u != self.uid and moved is not None and read_at - moved[1] > self.dead_after_s:
+                return u, read_at - moved[1]
+        return None
+
+
+def clone_store(store: dist.Store) -> dist.Store:
+    """A second connection to `store` where it has one (a TCP store), else `store` itself."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError):  # an in-process store: shared is fine
+        return store

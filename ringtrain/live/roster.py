@@ -1,0 +1,64 @@
+"""Who is in a live job, as the store says: the processes waiting to be let in, the members
+gone, and the member list a new generation proposes (`LiveGroup`, group.py, asks these).
+
+Keys, under the live group's prefix: `uids` (a counter: each process's uid), `hb/{uid}` (its
+heartbeat counter, `Heartbeats`), `departed/{uid}` (found lost, by the members or by the
+agent that saw its process exit), `gen{g}/members` (generation g's uids in rank order, written
+once, `encode`d).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ringtrain.live.heartbeats import Heartbeats
+
+
+def encode(uids) -> str:
+    return ",".join(str(u) for u in uids)
+
+
+def decode(value: bytes | str) -> list[int]:
+    text = value.decode() if isinstance(value, bytes) else value
+    return [int(u) for u in text.split(",") if u]
+
+
+def propose(old: list[int], here: list[int], waiting: list[int], world_size: int) -> list[int]:
+    """The next generation's members: the members of `old` that are `here` keep their ranks, a
+    `waiting` process takes a lost member's rank (with the world size restored each rank trains
+    the fault-free run's share and the sums keep their order), more join at the end up to
+    `world_size`; without replacements the survivors close ranks."""
+    waiting = list(waiting)
+    slots: list[int | None] = [u if u in here else None for u in old]
+    for i, u in enumerate(slots):
+        if u is None and waiting:
+            slots[i] = waiting.pop(0)
+    members = [u for u in slots if u is not None]
+    while waiting and len(members) < world_size:
+        members.append(waiting.pop(0))
+    return members
+
+
+def waiting_uids(store: dist.Store, beats: Heartbeats, known: set[int]) -> list[int]:
+    """Registered processes never in a generation (not in `known`), not departed, beating now
+    (a spare whose heartbeat stopped, e.g. on a host that lost its link, is not let in).
+    Departed ones are added to `known`."""
+    out = []
+    for u in range(int(store.add("uids", 0))):
+        if u in known:
+            continue
+        if store.check([f"departed/{u}"]):
+            known.add(u)
+            continue
+        count = store.add(f"hb/{u}", 0)
+        if count > 0 and beats.observe(u, count) <= beats.dead_after_s:
+            out.append(u)
+    return out
+
+
+def all_gone(store: dist.Store, beats: Heartbeats, members: list[int]) -> bool:
+    """Whether every one of `members` is departed or silent for over `dead_after_s` (every
+    counter is read each call: silence is timed across calls)."""
+    gone = [store.check([f"departed/{u}"]) or
+            beats.observe(u, store.add(f"hb/{u}", 0)) > beats.dead_after_s for u in members]
+    return all(gone)

@@ -1,0 +1,89 @@
+"""`LiveGroup`'s decisions that need no process group, in this process (gloo, CPU, no workers):
+
+- a replacement waiting to be let in fails fast (`LiveJobLostError`) once every member of the
+  newest generation is gone, instead of waiting out its join bound (600 s in `ringtrain train`);
+- a survivor waiting for replacements (`replace_wait_s`, `--live-wait`) stops waiting once a
+  stop is requested (SIGTERM), so the job's usual stop path runs before the agent's shutdown
+  timeout; and a member the agent marked departed (its process exited) is lost at once, not
+  after `dead_after_s`;
+- `propose`: survivors keep their ranks, a waiting process takes a lost member's.
+
+The store is a `HashStore` here; the keys written by hand are the ones a member would write
+(ringtrain/live/roster.py names them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ringtrain.live import LiveGroup, LiveJobLostError
+from ringtrain.live.roster import propose
+
+PREFIX = "ringtrain/live/live"  # LiveGroup(name="live")
+
+
+def _job_of_one_member_gone() -> dist.Store:
+    """A job whose generation 0 was uid 0 alone; uid 0 beat once and then never again."""
+    store = dist.HashStore()
+    keys = dist.PrefixStore(PREFIX, store)
+    keys.add("uids", 1)
+    keys.add("hb/0", 1)
+    keys.set("gen0/members", "0")
+    return store
+
+
+def test_a_replacement_fails_fast_once_every_member_is_gone():
+    group = LiveGroup(_job_of_one_member_gone(), 1, heartbeat_s=0.05, dead_after_s=0.3,
+                      join_timeout_s=60)
+    try:
+        started = time.monotonic()
+        with pytest.raises(LiveJobLostError, match=r"every member of generation 0 \(\[0\]\) is "
+                                                   "gone.*restarts from its last snapshot"):
+            group.join(state=None)  # type: ignore[arg-type]  # never let in: no state used
+        assert time.monotonic() - started < 10  # the silence bound and a poll, not 60 s
+    finally:
+        group.close()
+
+
+def test_a_survivor_waiting_for_a_replacement_stops_waiting_on_a_stop_request():
+    store = dist.HashStore()
+    stop = threading.Event()
+    group = LiveGroup(store, 2, heartbeat_s=0.05, dead_after_s=30, replace_wait_s=120,
+                      stop_requested=stop.is_set)
+    keys = dist.PrefixStore(PREFIX, store)
+    keys.add("uids", 1)  # uid 1, the other member: its agent saw it exit
+    keys.add("hb/1", 1)
+    keys.set("departed/1", b"1")
+    out: dict = {}
+
+    # As after generation 0 formed with uids 0 and 1 (its group is never built here).
+    group.generation, group.members = 0, [0, 1]
+    group._known.update(group.members)
+
+    def decide() -> None:  # what `recover` does after a failed step: the next generation
+        keys.set("gen1/here/0", b"1")
+        out["members"] = group._decide(1, [0, 1])
+
+    thread = threading.Thread(target=decide, daemon=True)
+    try:
+        started = time.monotonic()
+        thread.start()
+        time.sleep(0.5)  # departed, not silent for 30 s: lost at once, waiting for a replacement
+        assert thread.is_alive() and "members" not in out
+        stop.set()  # SIGTERM: the loop's StopSignal
+        thread.join(timeout=10)
+        assert out.get("members") == [0]  # went on alone, well before replace_wait_s
+        assert time.monotonic() - started < 10
+    finally:
+        stop.set()
+        group.close()
+
+
+def test_survivors_keep_their_ranks_and_a_waiting_process_takes_a_lost_ones():
+    assert propose([0, 1, 2], here=[0, 2], waiting=[5], world_size=3) == [0, 5, 2]
+    assert propose([0, 1, 2], here=[0, 2], waiting=[], world_size=3) == [0, 2]
+    assert propose([0, 1], here=[0, 1], waiting=[4, 5], world_size=3) == [0, 1, 4]
