@@ -12,6 +12,10 @@ host a; the same GPT, data and global batches in every mode (benchmarks/live_rec
   go on; once they have committed a step without the lost ones, the benchmark does what an
   agent would: reaps what is left of them (SIGKILL; the link back up) and starts as many spares
   with the same command, which join at a step boundary and heal from a peer;
+- `spare@N`: live, with one warm spare per host started beside the workers (what
+  `ringtrain train --live --live-spares 1` does): a lost member's place is taken at once by a
+  spare that is already built and waiting, and the benchmark starts a new spare for each
+  process the fault took (a spare on a host whose link went down is lost with it);
 - `restart@N`: today's path, the same faults: the agent kills every worker and starts them all
   again, and they resume from the newest snapshot (every --snapshot-every steps). The agent
   is told of each fault at once, which favours it (a real one waits out its watchdog for a
@@ -32,6 +36,7 @@ training was thrown away (restart: steps redone), processes left. A table, then 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -73,8 +78,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int)
     p.add_argument("--global-batch", type=int)
     p.add_argument("--snapshot-every", type=int, default=10, help="the restart path's snapshots")
-    p.add_argument("--modes", default="live,restart")
+    p.add_argument("--modes", default="live,spare,restart")
+    p.add_argument("--kinds", default=",".join(KINDS), help="the faults, fired in turns")
+    p.add_argument("--keep", help="keep the workers' logs and records in this directory")
     a = p.parse_args(argv)
+    a.kinds = a.kinds.split(",")
+    if set(a.kinds) - set(KINDS):
+        p.error(f"--kinds {','.join(a.kinds)}: choose from {','.join(KINDS)}")
     for key, value in (QUICK if a.quick else FULL).items():
         if getattr(a, key) is None:  # given on the command line: kept
             setattr(a, key, value)
@@ -84,18 +94,19 @@ def parse(argv=None) -> argparse.Namespace:
 class Job:
     """One run's workers on the two hosts, their records and their processes."""
 
-    def __init__(self, a, hosts, out: Path, mode: str, name: str):
+    def __init__(self, a, hosts, out: Path, mode: str, name: str, spares: int = 0):
         self.a, self.hosts, self.out, self.mode, self.name = a, hosts, out, mode, name
+        self.spares = spares  # warm spares per host (live mode)
         self.procs: list[tuple[object, subprocess.Popen]] = []  # (host, process)
         self.attempt = 0
 
-    def start(self, host, rank: int = -1) -> subprocess.Popen:
+    def start(self, host, rank: int = -1, spare: bool = False) -> subprocess.Popen:
         config = {"mode": self.mode, "store": [self.hosts[0].addr, PORT], "job": self.name,
                   "world_size": 4, "steps": self.a.steps, "out_dir": str(self.out),
                   "model": {"n_layer": self.a.n_layer, "n_embd": self.a.n_embd,
                             "block_size": self.a.block_size},
                   "global_batch": self.a.global_batch, "rank": rank, "attempt": self.attempt,
-                  "snapshot_every": self.a.snapshot_every}
+                  "snapshot_every": self.a.snapshot_every, "spare": spare}
         env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
         log = open(self.out / f"{self.name}.log", "a")  # noqa: SIM115 - the child holds it
         proc = host.popen([sys.executable, str(WORKER), json.dumps(config)], env=env,
@@ -107,6 +118,9 @@ class Job:
         a, b = self.hosts
         for rank, host in enumerate((a, a, b, b)):
             self.start(host, rank)
+        for host in (a, b):
+            for _ in range(self.spares):
+                self.start(host, spare=True)
 
     def records(self) -> list[dict]:
         out = []
@@ -166,7 +180,8 @@ def _reap(job: Job, lost: list[subprocess.Popen]) -> None:
 
 def run_job(a, hosts, out: Path, mode: str, interval: float | None) -> dict:
     name = f"{mode}@{interval:g}" if interval else "clean"
-    job = Job(a, hosts, out, "live" if mode in ("live", "clean") else "restart", name)
+    job = Job(a, hosts, out, "restart" if mode == "restart" else "live", name,
+              spares=1 if mode == "spare" else 0)
     job.start_all()
     if not _wait(lambda: job.committed(), 300):
         raise RuntimeError(f"{name}: no step committed within 300 s; see {out / name}.log")
@@ -183,14 +198,16 @@ def run_job(a, hosts, out: Path, mode: str, interval: float | None) -> dict:
         if next_at is None and whole:  # the clock runs while the job is whole and training
             next_at = now + interval
         if interval and next_at and now >= next_at and newest < a.steps - 3 and whole:
-            kind = KINDS[len(faults) % len(KINDS)]
+            kind = a.kinds[len(faults) % len(a.kinds)]
             lost = _inject(kind, job)
             faults.append({"kind": kind, "t": now, "before": newest})
-            if job.mode == "live":  # the survivors go on alone first, then spares join
-                _wait(lambda t=now: any(r["t"] > t and r["size"] < 4 for r in job.committed()), 120)
+            if job.mode == "live":  # the survivors regroup (with a warm spare if one waits)
+                gen = max(r["gen"] for r in committed)
+                _wait(lambda t=now, g=gen: any(r["t"] > t and r["gen"] > g
+                                               for r in job.committed()), 120)
                 _reap(job, lost)
-                for p in lost:
-                    job.start(next(h for h, q in job.procs if q is p))
+                for p in lost:  # replacements join at a step boundary; or new warm spares
+                    job.start(next(h for h, q in job.procs if q is p), spare=job.spares > 0)
             else:  # restart: everything stops, everything starts again
                 for _, p in job.procs:
                     if p.poll() is None:
@@ -270,8 +287,11 @@ def main(argv=None) -> dict:
     intervals = [float(i) for i in a.intervals.split(",") if i]
     modes = [m for m in a.modes.split(",") if m]
     results = {}
-    with tempfile.TemporaryDirectory(prefix="live_recovery-") as tmp, two_hosts() as hosts:
+    keep = contextlib.nullcontext(a.keep) if a.keep else tempfile.TemporaryDirectory(
+        prefix="live_recovery-")
+    with keep as tmp, two_hosts() as hosts:
         out = Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
         store = hosts[0].popen([sys.executable, "-c", (
             "import time, torch.distributed as d; "
             f"s = d.TCPStore('{hosts[0].addr}', {PORT}, is_master=True, wait_for_workers=False);"

@@ -7,7 +7,9 @@ model (n_layer, n_embd, block_size), global_batch; for "restart" also rank, atte
 snapshot_every. Both modes train the same GPT on the same synthetic tokens, each step on
 `GlobalBatches`' global batch (the loss summed over the shares, the gradients summed):
 - "live": `train_live` (heartbeat 0.1 s, lost after 1 s of silence); a worker started after
-  the job began is a spare and joins as a replacement, healing from a peer;
+  the job began joins as a replacement, healing from a peer; with "spare" true it is a warm
+  spare (`LiveGroup(spare=True)`): built and registered before any fault, it waits to take a
+  lost member's place;
 - "restart": today's path, a fixed gloo group of world_size ranks; it loads the newest
   snapshot (written by rank 0 every snapshot_every steps: weights, AdamW, step) and trains on
   from it; on any fault the benchmark kills every worker and starts them all again.
@@ -73,7 +75,7 @@ def live(c: dict, store: dist.Store, records) -> None:
     model, optimizer, tokens, batches = build(c)
     state = LiveState(model, optimizer, batches)
     group = LiveGroup(store, c["world_size"], name=c["job"], timeout_s=30, heartbeat_s=0.1,
-                      dead_after_s=1.0)
+                      dead_after_s=1.0, spare=bool(c.get("spare")))
     step = make_step(model, optimizer, tokens, c["global_batch"])
     first = True
 
