@@ -10,9 +10,9 @@ written by the long-lived writer process, and either side dies while it writes:
   (the previous snapshot stays the newest), and the next save starts a new process and commits.
 
 The writer process is held inside its write by `_held_serve` (the process's loop, with a
-`write_durably` that waits while a file named HOLD exists beside the snapshots directory and
-says it entered by creating ENTERED): files, because the process is another interpreter, and
-no sleep is the synchronisation (every wait is bounded by GATE_S).
+`write_durably` that holds the write of step N while a file named HOLD, holding N, exists
+beside the snapshots directory, and says it entered by creating ENTERED): files, because the
+process is another interpreter, and no sleep is the synchronisation (each wait bounded by GATE_S).
 """
 
 from __future__ import annotations
@@ -25,24 +25,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_async_snapshots import _reference_sha, _trainer, one_rank  # noqa: F401 - a fixture
 
 import ringtrain.checkpoint.writer as writer
 from ringtrain.checkpoint.snapshot import SnapshotError, SnapshotManager
+from ringtrain.testing import WorkerError, run_workers
 
 GATE_S = 60  # a bound on every wait: nothing here should come near it
 HOLD, ENTERED = "HOLD", "ENTERED"
 
 
 def _held_serve(conn) -> None:
-    """`writer._serve` in the writer process, its writes held while `<run dir>/HOLD` exists
-    (run dir: the parent of the snapshots directory, two levels above the file)."""
+    """`writer._serve` in the writer process, its writes of step N held while `<run dir>/HOLD`
+    (holding N) exists (run dir: the parent of the snapshots directory)."""
     import ringtrain.checkpoint.files as files
 
     real = files.write_durably
 
     def write(path: Path, obj):
         run_dir = Path(path).parent.parent.parent
-        if (run_dir / HOLD).exists():
+        hold = run_dir / HOLD
+        if hold.exists() and f"-{int(hold.read_text()):08d}-" in Path(path).parent.name:
             (run_dir / ENTERED).touch()
             deadline = time.monotonic() + GATE_S
             while (run_dir / HOLD).exists() and time.monotonic() < deadline:
@@ -72,7 +75,7 @@ def test_a_writer_process_killed_alone_fails_that_save_and_the_next_commits(tmp_
     try:
         manager.save(1, shared=state, per_rank={"step": 1})
         assert manager.wait().committed
-        (tmp_path / HOLD).touch()
+        (tmp_path / HOLD).write_text("2")
         manager.save(2, shared={"w": state["w"] + 1}, per_rank={"step": 2})
         _wait_for(tmp_path / ENTERED)
         os.kill(manager.background_saves._process._process.pid, signal.SIGKILL)  # noqa: SLF001
@@ -88,6 +91,46 @@ def test_a_writer_process_killed_alone_fails_that_save_and_the_next_commits(tmp_
     finally:
         (tmp_path / HOLD).unlink(missing_ok=True)
         manager.close()
+
+
+def _killed_while_the_process_writes(rank, world_size, run_dir):
+    """Snapshots every 2 steps, written by the writer process; its write of step 4 is held;
+    the trainer SIGKILLs itself after step 5 (the process is still inside that write)."""
+    import ringtrain.training.report
+
+    ringtrain.training.report.write_report = lambda *a, **k: None
+    # run_workers' workers are multiprocessing daemons, which may start no process (the
+    # manager would fall back to the thread); the launcher's workers are plain processes.
+    import multiprocessing
+
+    multiprocessing.current_process().daemon = False
+    writer._serve = _held_serve
+    run_dir = Path(run_dir)
+
+    def on_step(step):
+        if step == 3:
+            (run_dir / HOLD).write_text("4")  # before step 4's save: its write is held
+        if step == 5:
+            _wait_for(run_dir / ENTERED)
+            os.kill(os.getpid(), signal.SIGKILL)
+    trainer = _trainer(run_dir, on_step=on_step)
+    trainer.snapshots.manager.background_saves.writer = "process"
+    trainer.fit()
+
+
+def test_a_kill_during_the_writer_process_write_leaves_the_previous_snapshot(tmp_path,
+                                                                            one_rank):  # noqa: F811
+    run_dir = tmp_path / "killed"
+    with pytest.raises(WorkerError, match="exited with code -9"):
+        run_workers(_killed_while_the_process_writes, 1, args=(str(run_dir),), timeout_s=90)
+    left = sorted(p.name for p in (run_dir / "snapshots").iterdir())
+    assert left[0].startswith(".tmp-snap-00000004-") and left[1:] == ["snap-00000002"], left
+    assert SnapshotManager(run_dir / "snapshots", rank=0, world_size=1).latest().step == 2
+    (run_dir / HOLD).unlink()  # the orphaned process may end its file, in the temp directory
+    resumed = _trainer(run_dir).fit()
+    assert resumed["param_sha256"] == _reference_sha(tmp_path / "reference")
+    assert sorted(p.name for p in (run_dir / "snapshots").iterdir()) == ["snap-00000004",
+                                                                        "snap-00000006"]
 
 
 def test_where_no_writer_process_can_start_the_thread_writes(tmp_path, monkeypatch, caplog):
