@@ -15,14 +15,17 @@ then a background writer, a thread or a process (`writer.py`). Tests:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from ringtrain.checkpoint.host_copy import HostCopy, StagedCopy, state_bytes
-from ringtrain.checkpoint.writer import WriterProcess
+from ringtrain.checkpoint.writer import CannotStartWriter, WriterProcess
 
 __all__ = ["BackgroundSave", "BackgroundSaves"]
+
+log = logging.getLogger("ringtrain")
 
 WRITERS = ("auto", "process", "thread")  # BackgroundSaves.writer
 PROCESS_MIN_BYTES = 64 << 20  # "auto" has a writer process write a state at least this large
@@ -89,6 +92,7 @@ class BackgroundSaves:
         self._process: WriterProcess | None = None
         self._in_flight: BackgroundSave | None = None
         self._staged: StagedCopy | None = None
+        self._no_process = False  # a process could not start here: the thread writes
 
     def stage(self, state: Any, updated: Any) -> StagedCopy:
         """Copy `state` (deferring `updated.tensors`, guarding `updated.optimizers`, see the
@@ -110,9 +114,24 @@ class BackgroundSaves:
 
     def write_file(self) -> Callable[[Any, Any], dict[str, Any]] | None:
         """The writer process's `write` for the save in flight, or None: the thread writes."""
+        if self.using == "process" and self._no_process:
+            self.using = "thread"
         if self.using != "process":
             return None
-        self._process = self._process or WriterProcess()
+        if self._process is None:
+            process = WriterProcess()
+            try:
+                process.start()
+            except CannotStartWriter as e:
+                # The thread writes instead: the same files (it reads the shared buffers as
+                # any), slower beside training (the GIL), but a save that fails every time
+                # would leave the run with no snapshot at all. Said once, not tried again.
+                log.warning("warning: %s; the writer thread writes this manager's snapshots "
+                            "instead", e)
+                self._no_process = True
+                self.using = "thread"
+                return None
+            self._process = process
         return self._process.write
 
     def wait(self) -> Any:

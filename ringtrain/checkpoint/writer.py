@@ -31,7 +31,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WriterProcess"]
+__all__ = ["CannotStartWriter", "WriterProcess"]
+
+
+class CannotStartWriter(RuntimeError):
+    """No writer process can start in this process (it is a multiprocessing daemon)."""
 
 
 def _serve(conn) -> None:
@@ -81,11 +85,24 @@ class WriterProcess:
         ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods()
                              else "spawn")
         mine, theirs = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(theirs,), daemon=True,
-                                    name="ringtrain-snapshot-writer")
-        self._process.start()
+        process = ctx.Process(target=_serve, args=(theirs,), daemon=True,
+                              name="ringtrain-snapshot-writer")
+        try:
+            process.start()
+        except AssertionError as e:  # multiprocessing's words for "a daemon has no children"
+            mine.close()
+            theirs.close()
+            raise CannotStartWriter(f"the snapshot writer process cannot start here ({e}: "
+                                    "this process is a multiprocessing daemon)") from None
+        self._process = process  # only once started: `close` joins it
         theirs.close()
         self._conn = mine
+
+    def start(self) -> None:
+        """Start the process now (`write` does at its first call); raises `CannotStartWriter`
+        where none can start (a multiprocessing daemon, as `ringtrain.testing`'s workers)."""
+        with self._lock:
+            self._start()
 
     def write(self, path: Path, obj: Any) -> dict[str, Any]:
         """`files.write_durably(path, obj)` in the process: its checksum and size, or its error.
