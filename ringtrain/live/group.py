@@ -128,7 +128,7 @@ class LiveGroup:
         self._first_generation = int(self._store.add("generations", 0))
         self._beats = Heartbeats(self._store, dist.PrefixStore(prefix, clone_store(store)),
                                  self.uid, heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
-                                 members=lambda: self.members)
+                                 members=lambda: self.members, known=lambda: self._known)
         self._beats.beat_once()  # beaten once: from here on it may be let in
         self.generation = -1
         self.members: list[int] = []
