@@ -6,7 +6,9 @@
   stop is requested (SIGTERM), so the job's usual stop path runs before the agent's shutdown
   timeout; and a member the agent marked departed (its process exited) is lost at once, not
   after `dead_after_s`;
-- `propose`: survivors keep their ranks, a waiting process takes a lost member's.
+- `propose`: survivors keep their ranks, a waiting process takes a lost member's;
+- a waiting spare cut off with the members it would replace (its counter stopped before the
+  fault) is not let in: its silence is timed from before the fault (issue 26).
 
 The store is a `HashStore` here; the keys written by hand are the ones a member would write
 (ringtrain/live/roster.py names them).
@@ -21,7 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from ringtrain.live import LiveGroup, LiveJobLostError
-from ringtrain.live.roster import propose
+from ringtrain.live.roster import propose, waiting_uids
 
 PREFIX = "ringtrain/live/live"  # LiveGroup(name="live")
 
@@ -87,3 +89,23 @@ def test_survivors_keep_their_ranks_and_a_waiting_process_takes_a_lost_ones():
     assert propose([0, 1, 2], here=[0, 2], waiting=[5], world_size=3) == [0, 5, 2]
     assert propose([0, 1, 2], here=[0, 2], waiting=[], world_size=3) == [0, 2]
     assert propose([0, 1], here=[0, 1], waiting=[4, 5], world_size=3) == [0, 1, 4]
+
+
+def test_a_waiting_spare_silent_since_before_the_fault_is_not_let_in():
+    # Issue 26: host b's link went down with its warm spare; the survivors first read the
+    # spare's counter when proposing the next generation, so it looked fresh and was let in.
+    store = dist.HashStore()
+    group = LiveGroup(store, 2, heartbeat_s=0.05, dead_after_s=0.3)  # uid 0
+    keys = dist.PrefixStore(PREFIX, store)
+    keys.add("uids", 2)  # uid 1: the spare cut off; uid 2: a spare still beating
+    keys.add("hb/1", 1)
+    group.generation, group.members = 0, [0]  # as after generation 0 formed (no group built)
+    group._known.update(group.members)
+    try:
+        deadline = time.monotonic() + 1.0  # well past dead_after_s: uid 1 silent since start
+        while time.monotonic() < deadline:
+            keys.add("hb/2", 1)
+            time.sleep(0.05)
+        assert waiting_uids(keys, group._beats, group._known) == [2]
+    finally:
+        group.close()

@@ -128,7 +128,7 @@ class LiveGroup:
         self._first_generation = int(self._store.add("generations", 0))
         self._beats = Heartbeats(self._store, dist.PrefixStore(prefix, clone_store(store)),
                                  self.uid, heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
-                                 members=lambda: self.members)
+                                 members=lambda: self.members, known=lambda: self._known)
         self._beats.beat_once()  # beaten once: from here on it may be let in
         self.generation = -1
         self.members: list[int] = []
@@ -203,9 +203,11 @@ class LiveGroup:
                 if self.uid in members:
                     try:
                         self._enter(g, members, state, fresh=True)
-                        return True
                     except RuntimeError:  # a member was lost while it formed: the next one
-                        self.process_group = None
+                        # This process is a member of g now: the others wait for it to arrive
+                        # in g+1 (else for `timeout_s`), so it forms g+1 with them.
+                        self._reform(state, fresh=True)
+                    return True
                 g += 1
                 continue
             if self._store.check(["finished"]):
@@ -281,7 +283,8 @@ class LiveGroup:
         self._beats.stop()
 
     # -- generations ------------------------------------------------------------------------
-    def _reform(self, state: LiveState) -> None:
+    def _reform(self, state: LiveState, *, fresh: bool = False) -> None:
+        # fresh: no committed state yet (a replacement whose first generation failed to form)
         old, g = list(self.members), self.generation + 1
         if self.process_group is not None:
             # A collective may still be in flight in it (abandoned on a silent member): dropping
@@ -298,7 +301,7 @@ class LiveGroup:
                     f"({members}): the others found it silent for over {self.dead_after_s:g} s "
                     "or late by over the join bound; restart it as a replacement")
             try:
-                self._enter(g, members, state, fresh=False)
+                self._enter(g, members, state, fresh=fresh)
                 return
             except RuntimeError:  # a member died while the group formed: one more generation
                 old, g = members, g + 1
@@ -317,14 +320,20 @@ class LiveGroup:
         `timeout_s`: a member lost meanwhile (a replacement on a host whose link just went
         down) would cost the whole timeout. The build runs in a thread (it releases the GIL)
         and is abandoned, still blocked, once `check_members` finds a member silent.
+        It reads the store over a connection of its own: an abandoned build stays blocked in a
+        store wait for the lost member's address until `timeout_s`, and a TCP store client
+        runs one request at a time, so on the shared connection every store call forming the
+        next generation would queue behind it (a lost link cost 30 s, issue 26).
         """
         built: dict[str, object] = {}
+        # Read now: an abandoned build outlives this call, and `members` moves on.
+        rank, size = self.rank, self.size
+        store = dist.PrefixStore(f"gen{g}/pg", clone_store(self._store))
 
         def build() -> None:
             try:
                 built["group"] = dist.ProcessGroupGloo(
-                    dist.PrefixStore(f"gen{g}/pg", self._store), self.rank, self.size,
-                    timedelta(seconds=self.timeout_s))
+                    store, rank, size, timedelta(seconds=self.timeout_s))
             except RuntimeError as error:
                 built["error"] = error
 

@@ -13,8 +13,9 @@ moved for `dead_after_s` on this process's clock is a member lost (a SIGKILL, a 
 host); one that is merely slow still beats, since its thread does. `LiveGroup` (group.py) asks
 this to decide who is left, and its `WatchedGroup` asks it between the slices of every wait.
 
-.. warning:: Each member reads every member's counter each heartbeat: O(members^2) store reads
-    per `heartbeat_s` over the job, fine for tens of members on one store, not for thousands.
+.. warning:: Each process reads every member's and every waiting process's counter each
+    heartbeat: O(processes^2) store reads per `heartbeat_s` over the job, fine for tens of
+    processes on one store, not for thousands.
 """
 
 from __future__ import annotations
@@ -37,12 +38,18 @@ class Heartbeats:
         heartbeat_s: how often the thread beats and reads the members' counters.
         dead_after_s: a member whose counter has not moved this long is silent.
         members: the uids to watch now (the current generation's), read at every beat.
+        known: uids never to be let in again (members past or present, departed), read at
+            every beat: every other registered uid (a process waiting to be let in) is
+            watched too, but never accused by `silent`. Its silence is then timed before a
+            fault, not from the read that proposes it (a warm spare on a host whose link
+            went down with the members it would replace looked fresh; issue 26).
     """
 
     def __init__(self, store: dist.Store, beat_store: dist.Store, uid: int, *,
-                 heartbeat_s: float, dead_after_s: float, members: Callable[[], list[int]]):
+                 heartbeat_s: float, dead_after_s: float, members: Callable[[], list[int]],
+                 known: Callable[[], set[int]] = set):
         self.uid, self.heartbeat_s, self.dead_after_s = uid, heartbeat_s, dead_after_s
-        self._store, self._members = store, members
+        self._store, self._members, self._known = store, members, known
         # uid -> (heartbeat count, when it last moved on our clock); both threads write it
         self._moved: dict[int, tuple[int, float]] = {}
         self._read_at = time.monotonic()  # when the thread last read every counter
@@ -65,8 +72,13 @@ class Heartbeats:
         while not self._stop.is_set():
             try:
                 store.add(f"hb/{self.uid}", 1)
-                for u in self._members():  # watched all along, so a failure finds them timed
+                members = self._members()
+                for u in members:  # watched all along, so a failure finds them timed
                     self.observe(u, store.add(f"hb/{u}", 0))
+                skip = set(self._known()) | set(members)  # copied: the caller adds to it
+                for u in range(int(store.add("uids", 0))):
+                    if u not in skip:
+                        self.observe(u, store.add(f"hb/{u}", 0))
                 self._read_at = time.monotonic()
             except RuntimeError:  # the store is gone: the job is over, nothing to tell
                 return
