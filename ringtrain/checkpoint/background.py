@@ -101,6 +101,8 @@ class BackgroundSaves:
             raise ValueError(f"writer={self.writer!r}: use one of {', '.join(WRITERS)}")
         self.using = self.writer if self.writer != "auto" else (
             "process" if state_bytes(state) >= PROCESS_MIN_BYTES else "thread")
+        if self._no_process:  # no process can start here (found at an earlier save)
+            self.using = "thread"
         if self._host.shared != (self.using == "process"):  # a process reads shared memory
             self._host = HostCopy(shared=self.using == "process")
         staged = self._host.copy(state, later=updated.tensors if updated is not None else ())
@@ -114,8 +116,6 @@ class BackgroundSaves:
 
     def write_file(self) -> Callable[[Any, Any], dict[str, Any]] | None:
         """The writer process's `write` for the save in flight, or None: the thread writes."""
-        if self.using == "process" and self._no_process:
-            self.using = "thread"
         if self.using != "process":
             return None
         if self._process is None:
