@@ -54,7 +54,7 @@ from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.heartbeats import Heartbeats, clone_store
 from ringtrain.live.roster import all_gone, decode, encode, propose, waiting_uids
 from ringtrain.live.state import LiveState
-from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
+from ringtrain.live.watched import LiveMemberSilentError, RetiredGroups, WatchedGroup
 from ringtrain.store_keys import claim_key
 
 
@@ -132,10 +132,10 @@ class LiveGroup:
         self._beats.beat_once()  # beaten once: from here on it may be let in
         self.generation = -1
         self.members: list[int] = []
-        self.process_group: dist.ProcessGroup | None = None
+        self.process_group: WatchedGroup | None = None
         self.last_heal: HealReport | None = None
         self._known: set[int] = set()  # uids seen in a generation or found departed
-        self._abandoned: list[dist.ProcessGroup] = []
+        self._retired = RetiredGroups()
         self._beats.start()
 
     # -- where this process stands ----------------------------------------------------------
@@ -287,10 +287,9 @@ class LiveGroup:
         # fresh: no committed state yet (a replacement whose first generation failed to form)
         old, g = list(self.members), self.generation + 1
         if self.process_group is not None:
-            # A collective may still be in flight in it (abandoned on a silent member): dropping
-            # the group would wait for it in gloo's destructor, up to timeout_s. It ends on its
-            # own timeout; the list keeps the few a job loses.
-            self._abandoned.append(self.process_group)
+            # Released once no collective is in flight in it (`RetiredGroups`: kept, a broken
+            # group spins gloo's event loop; dropped now, its destructor could block).
+            self._retired.add(self.process_group)
         self.process_group = None
         while True:
             self._store.set(f"gen{g}/here/{self.uid}", b"1")
