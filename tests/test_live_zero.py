@@ -1,6 +1,6 @@
 """`ringtrain train --strategy zero --live` end to end (CLI, gloo, CPU, 2 workers, a tiny GPT).
 
-    .venv/bin/pytest -q tests/test_live_zero.py
+    .venv/bin/pytest -q -m slow tests/test_live_zero.py     # slow: ~85 s on 2 loaded cores
 
 Three jobs of ZeRO stage 2, started together (they mostly wait: for a dead peer, for a
 replacement's start-up):
@@ -14,8 +14,8 @@ replacement's start-up):
 - "alone": the same kill without `--live-wait`: the survivor re-shards the whole optimizer
   state onto itself (its own part and the copy, 2 ranks -> 1) and trains on alone, each step's
   global batch the clean run's, its loss within 1e-4 of the clean run's (one member sums the
-  gradients in another order); the replacement is let in at a later step and re-sharded into
-  (1 -> 2).
+  gradients in another order); a replacement that starts before the run ends is let in at a
+  later step and re-sharded into (1 -> 2), one that starts later leaves.
 The re-shard itself, without processes: tests/test_zero_live.py.
 """
 
@@ -40,8 +40,9 @@ ARGV = ["--strategy", "zero", "--zero-stage", "2", "--nproc-per-node", str(WORLD
         "0", "--log-every", "1", "--eval-every", str(STEPS), "--snapshot-every", str(STEPS),
         "--threads", "1", "--no-progress", "--no-report", "--device", "cpu", "--live",
         "--record-samples", "--watchdog-timeout", "6"]
+FULL = os.environ.get("RINGTRAIN_FULL") == "1"
 JOBS = {"clean": (None, ["--live-wait", "60"]), "replaced": (f"kill:1:{AT}", ["--live-wait", "60"]),
-        "alone": (f"kill:1:{AT}", [])}
+        **({"alone": (f"kill:1:{AT}", [])} if FULL else {})}  # the re-shards 2 -> 1 -> 2
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT",
                 "RINGTRAIN_STEP_HOOK")
@@ -56,6 +57,9 @@ def _start(run_dir: Path, fault: str | None, extra: list[str]) -> subprocess.Pop
     return subprocess.Popen([sys.executable, "-m", "ringtrain", "train", *ARGV, *extra,
                              "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=run_dir.parent, env=env)
+
+
+pytestmark = pytest.mark.slow  # CLI jobs of 2 workers and a replacement; "alone" under FULL
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +101,22 @@ def test_the_survivor_keeps_its_pid_and_the_replacement_gets_the_lost_shard(runs
 def test_with_the_world_size_restored_the_run_is_the_fault_free_one(runs):
     (replaced, _), (clean, _) = runs["replaced"], runs["clean"]
     assert _summary(replaced)["param_sha256"] == _summary(clean)["param_sha256"]
-    assert _losses(replaced) == _losses(clean)
+    got, want = _losses(replaced), _losses(clean)
+    # Step 3's line was reduced as the member died after it: answered by the survivor alone
+    # (`agreement.generations`); every other step's loss is the clean run's, exactly.
+    assert {s: v for s, v in got.items() if s != AT} == {s: v for s, v in want.items() if s != AT}
     assert_fault_free_history(_history(replaced), _history(clean), steps=STEPS,
                               global_batch=BATCH * WORLD)
 
 
+@pytest.mark.skipif(not FULL, reason="RINGTRAIN_FULL=1: a third job (suite time)")
 def test_a_survivor_alone_trains_the_same_batches_with_the_whole_state(runs):
     (alone, stderr), (clean, _) = runs["alone"], runs["clean"]
-    members = live_members(alone)
-    assert any(m["joined_at_step"] > AT and m["status"] == "finished" for m in members), members
+    survivor = next(m for m in live_members(alone) if m["launcher_rank"] == 0)
+    assert survivor["status"] == "finished" and survivor["recoveries"] >= 1
     assert "1 of 2 members" in stderr, stderr[-3000:]
     got, want = _losses(alone), _losses(clean)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
-    assert all(abs(got[s] - want[s]) < 1e-4 for s in want), (got, want)
+    assert all(abs(got[s] - want[s]) < 1e-4 for s in want if s != AT), (got, want)
     assert_fault_free_history(_history(alone), _history(clean), steps=STEPS,
                               global_batch=BATCH * WORLD)
