@@ -127,7 +127,7 @@ def test_a_warm_spare_takes_a_killed_members_place_at_once(runs):
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--strategy", "zero"], "a lost rank takes its shard with it"),
+    (["--strategy", "zero", "--zero-stage", "3"], "--zero-stage 3 shards the parameters too"),
     (["--grad-compress", "fp16"], "--grad-compress fp16 is a hook on DDP's wrapper"),
     (["--max-restarts", "2"], "replaces a lost worker instead of restarting the job"),
 ])
@@ -137,7 +137,8 @@ def test_live_is_refused_before_launch_with_the_reason_and_the_fix(argv, said):
     with pytest.raises(ValueError, match="drop") as e:
         check_args(parse_options(["--live", "--nproc-per-node", "3", *argv]), world_size=3)
     assert said in str(e.value)
-    for fine in ([], ["--strategy", "localsgd"], ["--strategy", "diloco"]):  # ddp and the rounds
+    for fine in ([], ["--strategy", "localsgd"], ["--strategy", "diloco"],  # ddp, the rounds,
+                 ["--strategy", "zero", "--zero-stage", "1"], ["--strategy", "zero"]):  # ZeRO 1, 2
         check_args(parse_options(["--live", "--nproc-per-node", "3", *fine]), world_size=3)
     with pytest.raises(ValueError, match="--live-wait 5 needs --live"):
         check_args(parse_options(["--live-wait", "5"]), world_size=3)
