@@ -147,7 +147,7 @@ class LiveDriver:
                                heartbeat_s=min(0.1, s.dead_after_s / 4),
                                dead_after_s=s.dead_after_s, join_timeout_s=s.join_timeout_s,
                                replace_wait_s=s.replace_wait_s, spare=s.spare,
-                               stop_requested=self._stop_requested)
+                               stop_requested=self._stop_requested, slot=s.launcher_rank)
         return self.group.uid < s.world_size
 
     def _stop_requested(self) -> bool:
@@ -224,6 +224,28 @@ class LiveDriver:
             self._advance()
             state.target = state.step
             return result, micro
+
+    def settle(self, agreed: Callable[[], bool]) -> Runtime:
+        """After the last step: ask `agreed()` (a question over the members: True once they
+        agree) until they do, recovering in between, and return this member's place then.
+
+        A member lost after the last step has no step left to be recovered in: without this,
+        if it was rank 0 nobody would write the run's files. The next generation (a spare or
+        replacement waiting let in, else the survivors closing ranks) ends the run instead; a
+        replacement let in here joins at the last step and asks `agreed()` once, with them.
+        """
+        g, state = self.group, self.state
+        assert g is not None and state is not None, "join() first"
+        while not agreed():
+            if state.step != state.committed_step:  # mid-round: restoring would undo steps
+                log.warning("live: a member was lost after the last step, %d steps past the "
+                            "last commit: the run ends without it", state.step -
+                            state.committed_step)
+                break
+            g.recover(state, RuntimeError("a member was lost after the last step"))
+            self.recoveries += 1
+            self._members_changed()
+        return self.runtime
 
     def _train(self, step: int, lr: float, grad_clip: float | None
                ) -> tuple[StepResult, list[tuple[torch.Tensor, torch.Tensor]]]:
