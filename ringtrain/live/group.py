@@ -183,8 +183,7 @@ class LiveGroup:
         """
         deadline = time.monotonic() + self.join_timeout_s
         if self.uid < self.world_size:  # the first world_size processes: generation 0
-            # All registered first: their group's rendezvous then starts within milliseconds
-            # everywhere, so a slow start (imports on a loaded host) never times it out.
+            # All registered first: the rendezvous starts everywhere at once (slow imports).
             while (registered := self._store.add("uids", 0)) < self.world_size:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -291,8 +290,7 @@ class LiveGroup:
         # fresh: no committed state yet (a replacement whose first generation failed to form)
         old, g = list(self.members), self.generation + 1
         if self.process_group is not None:
-            # Released once no collective is in flight in it (`RetiredGroups`: kept, a broken
-            # group spins gloo's event loop; dropped now, its destructor could block).
+            # Released once idle (`RetiredGroups`): kept, a broken group spins gloo's loop.
             self._retired.add(self.process_group)
         self.process_group = None
         while True:

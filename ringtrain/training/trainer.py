@@ -194,8 +194,7 @@ class Trainer:
                                            rank=runtime.rank, background=not sync_snapshots)
 
     def _join_live(self) -> bool:
-        """Become a member of the live job at this step (a replacement: at its healer's);
-        False when the job ended before this replacement was let in."""
+        """Join the live job (a replacement: at its healer's step); False: the job ended first."""
         assert self.live is not None
         try:
             at = self.live.join(self.step)
