@@ -7,7 +7,8 @@
 Two hosts (tests/netns.py), 2 workers each (world size 4), the store in its own process on
 host a; the same GPT, data and global batches in every mode (benchmarks/live_recovery_worker.py):
 - `clean`: the fault-free run, the anchor (live mode, no fault);
-- `live@N`: a fault every N s, in turns: SIGKILL of a worker on b, SIGSTOP of a worker on a,
+- `live@N`: a fault every N s, in turns: SIGKILL of a worker on b (marked departed in the store
+  0.1 s later, as `ringtrain train --live`'s agent does on its poll), SIGSTOP of a worker on a,
   host b's link down (`ip link set ... down`, both its workers lost). The survivors regroup and
   go on; once they have committed a step without the lost ones, the benchmark does what an
   agent would: reaps what is left of them (SIGKILL; the link back up) and starts as many spares
@@ -61,6 +62,20 @@ from ringtrain.live import GlobalBatches  # noqa: E402
 WORKER = REPO / "benchmarks" / "live_recovery_worker.py"
 PORT = 29571
 KINDS = ("kill", "stop", "link")
+AGENT_POLL_S = 0.1  # `ringtrain run`'s monitor_interval: how soon an agent sees a worker exit
+# The store's process, on host a; it also does the agent's part for a killed worker: each
+# line "JOB PID" on its stdin marks the live member of that pid departed.
+STORE = """
+import sys, time, torch.distributed as d
+store = d.TCPStore('{addr}', {port}, is_master=True, wait_for_workers=False)
+for line in sys.stdin:
+    job, pid = line.split()
+    keys = d.PrefixStore('ringtrain/live/' + job, store)
+    for uid in range(keys.add('uids', 0)):
+        if keys.check(['pid/%d' % uid]) and keys.get('pid/%d' % uid).decode() == pid:
+            keys.set('departed/%d' % uid, b'1')
+time.sleep(24 * 3600)
+"""
 
 
 FULL = {"steps": 300, "intervals": "60,10", "n_layer": 4, "n_embd": 256, "block_size": 128,
@@ -82,6 +97,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--snapshot-every", type=int, default=10, help="the restart path's snapshots")
     p.add_argument("--modes", default="live,spare,restart")
     p.add_argument("--kinds", default=",".join(KINDS), help="the faults, fired in turns")
+    p.add_argument("--dead-after", type=float, default=1.0,
+                   help="seconds of heartbeat silence after which a live member is lost "
+                   "(ringtrain train --live: 1 s)")
     p.add_argument("--keep", help="keep the workers' logs and records in this directory")
     a = p.parse_args(argv)
     a.kinds = a.kinds.split(",")
@@ -101,6 +119,7 @@ class Job:
         self.spares = spares  # warm spares per host (live mode)
         self.procs: list[tuple[object, subprocess.Popen]] = []  # (host, process)
         self.attempt = 0
+        self.store = None  # the store process's stdin: "JOB PID" marks a killed member departed
 
     def start(self, host, rank: int = -1, spare: bool = False) -> subprocess.Popen:
         config = {"mode": self.mode, "store": [self.hosts[0].addr, PORT], "job": self.name,
@@ -108,7 +127,8 @@ class Job:
                   "model": {"n_layer": self.a.n_layer, "n_embd": self.a.n_embd,
                             "block_size": self.a.block_size},
                   "global_batch": self.a.global_batch, "rank": rank, "attempt": self.attempt,
-                  "snapshot_every": self.a.snapshot_every, "spare": spare}
+                  "snapshot_every": self.a.snapshot_every, "spare": spare,
+                  "dead_after_s": self.a.dead_after}
         env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
         log = open(self.out / f"{self.name}.log", "a")  # noqa: SIM115 - the child holds it
         proc = host.popen([sys.executable, str(WORKER), json.dumps(config)], env=env,
@@ -174,6 +194,12 @@ def _inject(kind: str, job: Job) -> list[subprocess.Popen]:
     if kind == "kill":
         victim = job.members(b)[0]
         victim.send_signal(signal.SIGKILL)
+        if job.mode == "live":  # as `ringtrain train --live`'s agent: it polls its workers
+            # (monitor_interval 0.1 s) and marks one that died `departed/{uid}` (live_agent's
+            # `_Departed.mark`): the survivors regroup then, not a heartbeat bound later
+            time.sleep(AGENT_POLL_S)
+            job.store.write(f"{job.name} {victim.pid}\n")
+            job.store.flush()
         return [victim]
     if kind == "stop":
         victim = job.members(a)[-1]
@@ -194,10 +220,11 @@ def _reap(job: Job, lost: list[subprocess.Popen]) -> None:
                    capture_output=True, timeout=10)
 
 
-def run_job(a, hosts, out: Path, mode: str, interval: float | None) -> dict:
+def run_job(a, hosts, out: Path, mode: str, interval: float | None, store) -> dict:
     name = f"{mode}@{interval:g}" if interval else "clean"
     job = Job(a, hosts, out, "restart" if mode == "restart" else "live", name,
               spares=1 if mode == "spare" else 0)
+    job.store = store
     job.start_all()
     if not _wait(lambda: job.committed(), 300):
         raise RuntimeError(f"{name}: no step committed within 300 s; see {out / name}.log")
@@ -315,14 +342,13 @@ def main(argv=None) -> dict:
     with keep as tmp, two_hosts() as hosts:
         out = Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
-        store = hosts[0].popen([sys.executable, "-c", (
-            "import time, torch.distributed as d; "
-            f"s = d.TCPStore('{hosts[0].addr}', {PORT}, is_master=True, wait_for_workers=False);"
-            " time.sleep(24 * 3600)")])
+        store = hosts[0].popen([sys.executable, "-c", STORE.format(addr=hosts[0].addr,
+                                                                  port=PORT)],
+                               stdin=subprocess.PIPE, text=True)
         try:
             runs = [("clean", None)] + [(m, i) for i in intervals for m in modes]
             for mode, interval in runs:
-                r = run_job(a, hosts, out, mode, interval)
+                r = run_job(a, hosts, out, mode, interval, store.stdin)
                 results[r["name"]] = r
                 print(json.dumps(r), file=sys.stderr, flush=True)
         finally:

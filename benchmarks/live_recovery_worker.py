@@ -6,7 +6,7 @@ CONFIG_JSON: mode ("live" or "restart"), store (addr, port), job, world_size, st
 model (n_layer, n_embd, block_size), global_batch; for "restart" also rank, attempt and
 snapshot_every. Both modes train the same GPT on the same synthetic tokens, each step on
 `GlobalBatches`' global batch (the loss summed over the shares, the gradients summed):
-- "live": `train_live` (heartbeat 0.1 s, lost after 1 s of silence); a worker started after
+- "live": `train_live` (heartbeat 0.1 s, lost after dead_after_s of silence); a worker started after
   the job began joins as a replacement, healing from a peer; with "spare" true it is a warm
   spare (`LiveGroup(spare=True)`): built and registered before any fault, it waits to take a
   lost member's place;
@@ -75,7 +75,7 @@ def live(c: dict, store: dist.Store, records) -> None:
     model, optimizer, tokens, batches = build(c)
     state = LiveState(model, optimizer, batches)
     group = LiveGroup(store, c["world_size"], name=c["job"], timeout_s=30, heartbeat_s=0.1,
-                      dead_after_s=1.0, spare=bool(c.get("spare")))
+                      dead_after_s=c["dead_after_s"], spare=bool(c.get("spare")))
     step = make_step(model, optimizer, tokens, c["global_batch"])
     first = True
 
