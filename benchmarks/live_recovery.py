@@ -21,6 +21,9 @@ host a; the same GPT, data and global batches in every mode (benchmarks/live_rec
   again, and they resume from the newest snapshot (every --snapshot-every steps). The agent
   is told of each fault at once, which favours it (a real one waits out its watchdog for a
   hang or a lost link).
+All "hosts" share this machine's cores, so a replacement's start (importing torch, building
+its model: ~4 s of CPU) takes the survivors' cores, as it would not on a cluster; with
+`--niced-start` a process started after the job began builds at nice 19 and trains at 0.
 The fault clock runs while the job is whole and training: the next fault comes N s after the
 spares are in (live) or after the restarted job's first step (restart), so each fault meets a
 job of 4 workers and the restart path is not faulted again before it has trained at all.
@@ -100,6 +103,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dead-after", type=float, default=1.0,
                    help="seconds of heartbeat silence after which a live member is lost "
                    "(ringtrain train --live: 1 s)")
+    p.add_argument("--niced-start", action="store_true",
+                   help="a process started after the job began (a replacement, a new spare) "
+                   "imports torch and builds its model at nice 19, then trains at nice 0: on a "
+                   "cluster it starts on cores of its own, here its start takes the survivors'")
     p.add_argument("--keep", help="keep the workers' logs and records in this directory")
     a = p.parse_args(argv)
     a.kinds = a.kinds.split(",")
@@ -120,6 +127,7 @@ class Job:
         self.procs: list[tuple[object, subprocess.Popen]] = []  # (host, process)
         self.attempt = 0
         self.store = None  # the store process's stdin: "JOB PID" marks a killed member departed
+        self.started = False  # whether the job's first processes are all started
 
     def start(self, host, rank: int = -1, spare: bool = False) -> subprocess.Popen:
         config = {"mode": self.mode, "store": [self.hosts[0].addr, PORT], "job": self.name,
@@ -128,10 +136,12 @@ class Job:
                             "block_size": self.a.block_size},
                   "global_batch": self.a.global_batch, "rank": rank, "attempt": self.attempt,
                   "snapshot_every": self.a.snapshot_every, "spare": spare,
-                  "dead_after_s": self.a.dead_after}
+                  "dead_after_s": self.a.dead_after,
+                  "renice": bool(self.a.niced_start and self.started)}
         env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
         log = open(self.out / f"{self.name}.log", "a")  # noqa: SIM115 - the child holds it
-        proc = host.popen([sys.executable, str(WORKER), json.dumps(config)], env=env,
+        nice = ["nice", "-n", "19"] if config["renice"] else []  # exec'd: the same pid
+        proc = host.popen([*nice, sys.executable, str(WORKER), json.dumps(config)], env=env,
                           stdout=log, stderr=subprocess.STDOUT)
         self.procs.append((host, proc))
         return proc
@@ -143,6 +153,7 @@ class Job:
         for host in (a, b):
             for _ in range(self.spares):
                 self.start(host, spare=True)
+        self.started = self.mode == "live"  # from now on a start is a replacement or new spare
 
     def records(self) -> list[dict]:
         out = []

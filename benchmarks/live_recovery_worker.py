@@ -7,7 +7,8 @@ model (n_layer, n_embd, block_size), global_batch; for "restart" also rank, atte
 snapshot_every. Both modes train the same GPT on the same synthetic tokens, each step on
 `GlobalBatches`' global batch (the loss summed over the shares, the gradients summed):
 - "live": `train_live` (heartbeat 0.1 s, lost after dead_after_s of silence); a worker started after
-  the job began joins as a replacement, healing from a peer; with "spare" true it is a warm
+  the job began joins as a replacement, healing from a peer (with "renice", started at nice 19,
+  it returns to 0 once its model is built); with "spare" true it is a warm
   spare (`LiveGroup(spare=True)`): built and registered before any fault, it waits to take a
   lost member's place;
 - "restart": today's path, a fixed gloo group of world_size ranks; it loads the newest
@@ -71,8 +72,17 @@ def make_step(model, optimizer, tokens, global_batch):
     return step
 
 
+def renice() -> None:
+    """Back to nice 0, every thread (Linux keeps a nice value per thread): the process was
+    started at nice 19 to build (`--niced-start`) and trains, or heals a peer, at 0."""
+    for task in os.listdir("/proc/self/task"):
+        os.setpriority(os.PRIO_PROCESS, int(task), 0)
+
+
 def live(c: dict, store: dist.Store, records) -> None:
     model, optimizer, tokens, batches = build(c)
+    if c.get("renice"):
+        renice()
     state = LiveState(model, optimizer, batches)
     group = LiveGroup(store, c["world_size"], name=c["job"], timeout_s=30, heartbeat_s=0.1,
                       dead_after_s=c["dead_after_s"], spare=bool(c.get("spare")))
