@@ -6,7 +6,10 @@
 
 Two hosts (tests/netns.py), 2 workers each (world size 4), the store in its own process on
 host a; the same GPT, data and global batches in every mode (benchmarks/live_recovery_worker.py):
-- `clean`: the fault-free run, the anchor (live mode, no fault);
+- `plain`: the fault-free run of today's path (the restart mode's loop: a fixed gloo group, a
+  snapshot every --snapshot-every steps), the anchor of `goodput`;
+- `clean`: the fault-free run in live mode (heartbeats, a commit in memory every step, watched
+  collectives): `goodput_vs_clean` leaves out what live mode costs without a fault;
 - `live@N`: a fault every N s, in turns: SIGKILL of a worker on b (marked departed in the store
   0.1 s later, as `ringtrain train --live`'s agent does on its poll), SIGSTOP of a worker on a,
   host b's link down (`ip link set ... down`, both its workers lost). The survivors regroup and
@@ -27,16 +30,16 @@ its model: ~4 s of CPU) takes the survivors' cores, as it would not on a cluster
 The fault clock runs while the job is whole and training: the next fault comes N s after the
 spares are in (live) or after the restarted job's first step (restart), so each fault meets a
 job of 4 workers and the restart path is not faulted again before it has trained at all.
-Reported per mode: goodput (samples committed per second from the first commit to the last,
-over the clean run's), each fault's stall (the longest wait for a new step from the last step
-committed before it to the first step committed by the regrouped or restarted job: a redone
-step does not count, and neither does a step that was in flight when the link went down),
-heals (seconds, bytes), the committed history checked against `GlobalBatches` (samples
-skipped or repeated; a share whose member was killed or stopped between its commit and its
-record's flush is counted from the step's size and rank as `unlogged_shares`), samples whose
-training was thrown away (restart: steps redone; live: a step that members lost just after
-committing it had committed, which the survivors redid), processes left. A table, then one
-JSON line.
+Reported per mode: goodput (samples committed per second from the first commit to the last, over
+the plain run's; `goodput_vs_clean`: over the clean run's), each fault's stall (the longest wait
+for a new step from the last step committed before it to the first step committed by the
+regrouped or restarted job: a redone step does not count, and neither does a step that was in
+flight when the link went down), heals (seconds, bytes), the committed history checked against
+`GlobalBatches` (samples skipped or repeated; a share whose member was killed or stopped between
+its commit and its record's flush is counted from the step's size and rank as
+`unlogged_shares`), samples whose training was thrown away (restart: steps redone; live: a step
+that members lost just after committing it had committed, which the survivors redid), processes
+left. A table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -232,8 +235,8 @@ def _reap(job: Job, lost: list[subprocess.Popen]) -> None:
 
 
 def run_job(a, hosts, out: Path, mode: str, interval: float | None, store) -> dict:
-    name = f"{mode}@{interval:g}" if interval else "clean"
-    job = Job(a, hosts, out, "restart" if mode == "restart" else "live", name,
+    name = f"{mode}@{interval:g}" if interval else mode
+    job = Job(a, hosts, out, "restart" if mode in ("restart", "plain") else "live", name,
               spares=1 if mode == "spare" else 0)
     job.store = store
     job.start_all()
@@ -357,23 +360,27 @@ def main(argv=None) -> dict:
                                                                   port=PORT)],
                                stdin=subprocess.PIPE, text=True)
         try:
-            runs = [("clean", None)] + [(m, i) for i in intervals for m in modes]
+            runs = [("plain", None), ("clean", None)] + [(m, i) for i in intervals
+                                                         for m in modes]
             for mode, interval in runs:
                 r = run_job(a, hosts, out, mode, interval, store.stdin)
                 results[r["name"]] = r
                 print(json.dumps(r), file=sys.stderr, flush=True)
         finally:
             store.kill()
-    clean = results["clean"]["samples_per_s"]
+    plain, clean = results["plain"]["samples_per_s"], results["clean"]["samples_per_s"]
     for r in results.values():
-        r["goodput"] = round(r["samples_per_s"] / clean, 3)
-    print(f"{'run':<12}{'faults':>7}{'goodput':>9}{'stall med':>10}  {'stalls (s)':<28}"
+        r["goodput"] = round(r["samples_per_s"] / plain, 3)
+        r["goodput_vs_clean"] = round(r["samples_per_s"] / clean, 3)
+    print(f"{'run':<12}{'faults':>7}{'goodput':>9}{'vs clean':>9}{'stall med':>10}  "
+          f"{'stalls (s)':<28}"
           f"{'heal s':>8}{'heal MB':>9}{'skip':>5}{'rep':>5}{'redone':>7}{'left':>5}")
     for r in results.values():
         heal_s = f"{statistics.median(r['heal_s']):.2f}" if r["heal_s"] else "-"
         heal_mb = f"{statistics.median(r['heal_bytes']) / 1e6:.1f}" if r["heal_bytes"] else "-"
         med = f"{r['median_stall_s']:.2f}" if r["median_stall_s"] is not None else "-"
-        print(f"{r['name']:<12}{len(r['faults']):>7}{r['goodput']:>9.3f}{med:>10}  "
+        print(f"{r['name']:<12}{len(r['faults']):>7}{r['goodput']:>9.3f}"
+              f"{r['goodput_vs_clean']:>9.3f}{med:>10}  "
               f"{str(r['stalls_s'])[:27]:<28}{heal_s:>8}{heal_mb:>9}{r['skipped']:>5}"
               f"{r['repeated']:>5}{r['samples_redone']:>7}{r['processes_left']:>5}")
     summary = {"benchmark": "live_recovery", "steps": a.steps, "global_batch": a.global_batch,
