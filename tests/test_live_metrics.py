@@ -169,3 +169,20 @@ def test_without_a_held_line_a_metrics_log_gets_every_agreed_line(tmp_path: Path
     log.close()
     assert [x["step"] for x in log.records] == [2, 4]
     assert [x["loss"] for x in log.records] == [1.0, 2.0]
+
+
+def test_a_live_summary_takes_its_speed_from_the_member_that_trained_longest():
+    # Rank 0 here is a replacement: 2 000 tokens in 4 s since it joined; the survivor that
+    # trained from the start counted 30 000 tokens in 10 s. The job's speed is the survivor's.
+    from types import SimpleNamespace
+
+    from ringtrain.training.summary import run_summary
+
+    st = LoopState(None)
+    st.tokens, st.train_time_s = 2000, 4.0
+    views = {0: f"{2000!r} {4.0!r}", 1: f"{30000!r} {10.0!r}"}
+    kw = dict(steps=10, started=0.0, sha="0" * 64)
+    args = (st, SimpleNamespace(name="ddp"), SimpleNamespace(world_size=2),
+            SimpleNamespace(seed=0, dtype="fp32", batch_size=4, grad_accum=1), 2, [])
+    assert run_summary(*args, **kw, gather=lambda text: views)["tokens_per_s"] == 3000.0
+    assert run_summary(*args, **kw)["tokens_per_s"] == 500.0  # not live: rank 0's own figure

@@ -49,15 +49,25 @@ def agreed_sha256(state: dict[str, Any], runtime: Runtime, agreement: Any) -> st
 
 def run_summary(st: LoopState, s: Strategy, rt: Runtime, config: TrainerConfig,
                 data_world_size: int, eval_names: list[str], *, steps: int, started: float,
-                sha: str) -> dict[str, Any]:
-    """The loop's part of summary.json: results, speed, resumes, the digest, the batch."""
+                sha: str, gather: Callable[[str], dict[int, str]] | None = None
+                ) -> dict[str, Any]:
+    """The loop's part of summary.json: results, speed, resumes, the digest, the batch.
+
+    `gather` (a live job's, over the members at the end): the speed is that of the member
+    that trained longest. Rank 0 may be a replacement, whose tokens and time count only the
+    steps since it joined: not the job's figure.
+    """
+    tokens, seconds = st.tokens, st.train_time_s
+    if gather is not None:
+        views = gather(f"{tokens!r} {seconds!r}").values()
+        tokens, seconds = max((tuple(map(float, v.split())) for v in views), key=lambda v: v[1])
     summary: dict[str, Any] = {
         "steps": steps, "world_size": rt.world_size, "strategy": s.name,
         "train_loss": st.last.get("loss"), "eval_loss": st.last.get("eval_loss"),
     }
     summary.update({f"eval_{n}": st.last.get(f"eval_{n}") for n in eval_names})
     summary.update({
-        "tokens_per_s": st.tokens / st.train_time_s if st.train_time_s else 0.0,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
         "wall_s": time.time() - started,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from_step": [r["step"] for r in st.resumes], "resumes": st.resumes,

@@ -379,7 +379,8 @@ class Trainer:
         self._final_state = state  # for `final_model`: `self.model` may hold slices (tp)
         sha = agreed_sha256(state, rt, self.agreement)
         summary = run_summary(self.state, s, rt, self.config, self.data_world_size,
-                              list(self.eval_metrics), steps=self.step, started=started, sha=sha)
+                              list(self.eval_metrics), steps=self.step, started=started, sha=sha,
+                              gather=self.agreement.gather if self.live is not None else None)
         if self.checkpointer is not None:
             summary.update(self.checkpointer.summary())
         summary.update(s.stats())  # the strategy's own figures (a parameter server's staleness)
