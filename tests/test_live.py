@@ -10,6 +10,9 @@ in the test's process (never in a member, which may die):
   rank before the step is redone, so the run ends with the clean run's parameters, bit for bit;
 - "kill": the same kill, no spare: two members finish the run, each step on the same global
   batch, the loss within 1e-4 of the clean run's;
+- "kill_marked" (4 members, dead_after_s 8): the same kill, marked `departed/{uid}` as an agent
+  does when it sees its worker exit: every survivor gives up the step's all-reduce at once,
+  also one waiting on a live peer, not a heartbeat bound later;
 - "hang": member 1 SIGSTOPs itself at step 3 (found by its silent heartbeat within ~1 s, inside
   the all-reduce, not by the group's 20 s collective timeout); a replacement started once the
   survivors have moved on is let in at a later step boundary;
@@ -54,7 +57,9 @@ import live_member  # noqa: E402
 N, BATCH, STEPS = live_member.N, live_member.BATCH, live_member.STEPS  # 60, 12, 8
 FAULT_STEP, WORLD = 3, 3  # 5 steps per epoch: the run crosses one
 JOBS = {"clean": (None, 3), "kill_spare": ("kill", 4), "kill": ("kill", 3), "hang": ("stop", 4),
-        "bug": ("bug", 2), "slow": ("slow", 2)}
+        "bug": ("bug", 2), "slow": ("slow", 2), "kill_marked": ("kill_marked", 4)}
+MARKED_DEAD_AFTER_S = 8.0  # kill_marked's heartbeat bound: far past what its stall may take
+FAULTS = ("kill", "stop", "kill_marked")  # the member faulting dies or freezes
 
 
 def _sha(model: torch.nn.Module) -> str:
@@ -75,8 +80,9 @@ def _member(rank, world_size, port, records_dir, plan):
     # per process; 14 processes here). Its buffers are state a replacement must heal.
     optimizer = live_member.Momentum(model.parameters())
     state = LiveState(model, optimizer, GlobalBatches(N, BATCH, seed=1))
-    group = LiveGroup(store, 2 if job in ("bug", "slow") else WORLD, name=job, timeout_s=20,
-                      heartbeat_s=0.1, dead_after_s=1)
+    group = LiveGroup(store, {"bug": 2, "slow": 2, "kill_marked": 4}.get(job, WORLD), name=job,
+                      timeout_s=20, heartbeat_s=0.1,
+                      dead_after_s=MARKED_DEAD_AFTER_S if job == "kill_marked" else 1)
     if late:
         store.set(f"{job}/spare_ready", b"1")  # registered: let in at the next step boundary
     records = open(Path(records_dir) / f"{job}-{group.uid}.jsonl", "a")  # noqa: SIM115
@@ -87,11 +93,14 @@ def _member(rank, world_size, port, records_dir, plan):
             raise RuntimeError("a bug in the step, not a lost peer")
         if fault == "slow" and state.step == FAULT_STEP and group.rank == 1:
             time.sleep(2.5)  # the other member waits in the all-reduce meanwhile
-        if (fault in ("kill", "stop") and state.step == FAULT_STEP and group.rank == 1
+        if (fault in FAULTS and state.step == FAULT_STEP and group.rank == 1
                 and store.compare_set(f"{job}/fault", "", str(os.getpid())) == str(os.getpid())
                 .encode()):
             store.set(f"{job}/fault_at", str(time.monotonic()))  # one clock for the host
-            os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            if fault == "kill_marked":  # what the agent writes once it sees this process exit
+                dist.PrefixStore(f"ringtrain/live/{job}", store).set(f"departed/{group.uid}",
+                                                                     b"1")
+            os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
         return live_member.train_step(model, optimizer, x, y, ids, process_group)
 
     def on_commit(done, result):
@@ -146,7 +155,7 @@ def run(tmp_path_factory):
             for job, (fault, n) in JOBS.items() for i in range(n)]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
-    faulty = [r for r, (job, fault, _) in enumerate(plan) if fault in ("kill", "stop")]
+    faulty = [r for r, (job, fault, _) in enumerate(plan) if fault in FAULTS]
     try:
         results = run_workers(_member, len(plan), args=(store.port, str(records_dir), plan),
                               init=False, timeout_s=90, tolerate=faulty)
@@ -162,7 +171,7 @@ def run(tmp_path_factory):
             record = json.loads(line)
             steps[job].setdefault(record["step"], []).append(record)
     fault_at = {job: float(store.get(f"{job}/fault_at")) for job, (fault, _) in JOBS.items()
-                if fault in ("kill", "stop")}
+                if fault in FAULTS}
     return by_job, steps, fault_at
 
 
@@ -261,3 +270,22 @@ def test_the_stall_is_the_detection_bound_not_a_restart(run, job):
     stall = min(r["at"] for r in steps[job][FAULT_STEP]) - fault_at[job]
     print(f"{job}: {stall:.2f} s from the fault to step {FAULT_STEP} committed again")
     assert 0 < stall < 15
+
+
+def test_a_kill_its_agent_marked_departed_is_given_up_at_once_by_every_survivor(run):
+    # 4 members, heartbeat bound 8 s: a survivor whose all-reduce waits on a live peer, not on
+    # the dead one, used to learn of the kill only at that bound, and the regroup waited for it
+    # (benchmarks/live_recovery.py: 0.7 s of a kill's 2 s stall at a 1 s bound). A departed
+    # member now fails every survivor's collective within a heartbeat period.
+    by_job, steps, fault_at = run
+    finished = _finished(by_job["kill_marked"])
+    assert len(finished) == 3 and all(r["pid_now"] == r["pid"] for r in finished)
+    assert {r["step"] for r in finished} == {STEPS} and len({r["sha"] for r in finished}) == 1
+    for s in range(STEPS):
+        ids = sorted(i for record in steps["kill_marked"][s] for i in record["ids"])
+        assert ids == sorted(GlobalBatches(N, BATCH, seed=1).batch(s)), f"step {s}"
+    stall = min(r["at"] for r in steps["kill_marked"][FAULT_STEP]) - fault_at["kill_marked"]
+    print(f"kill_marked: {stall:.2f} s from the kill to step {FAULT_STEP} committed again")
+    assert 0 < stall < MARKED_DEAD_AFTER_S / 2, (
+        f"{stall:.2f} s: a survivor waited out the heartbeat bound ({MARKED_DEAD_AFTER_S} s) "
+        "instead of reading departed/")

@@ -52,7 +52,15 @@ import torch.distributed as dist
 
 from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.heartbeats import Heartbeats, clone_store
-from ringtrain.live.roster import all_gone, decode, encode, generation0, propose, waiting_uids
+from ringtrain.live.roster import (
+    all_gone,
+    decode,
+    encode,
+    first_departed,
+    generation0,
+    propose,
+    waiting_uids,
+)
 from ringtrain.live.state import LiveState
 from ringtrain.live.watched import LiveMemberSilentError, RetiredGroups, WatchedGroup
 from ringtrain.store_keys import claim_key
@@ -139,6 +147,7 @@ class LiveGroup:
         self.last_heal: HealReport | None = None
         self._known: set[int] = set()  # uids seen in a generation or found departed
         self._retired = RetiredGroups()
+        self._departed_read_at = 0.0  # when `check_members` last read the members' departed/
         self._beats.start()
 
     # -- where this process stands ----------------------------------------------------------
@@ -152,7 +161,8 @@ class LiveGroup:
 
     def check_members(self) -> None:
         """Raise `LiveMemberSilentError` if a member's heartbeat has not moved for
-        `dead_after_s`, as last read by this process's heartbeat thread.
+        `dead_after_s`, as last read by this process's heartbeat thread, or if one is
+        departed (`first_departed`, read at most every `heartbeat_s`).
 
         Silence is counted up to that thread's last read, not up to now: if this process's own
         thread is starved (a loaded host) or its store link is down, nobody is accused.
@@ -164,6 +174,15 @@ class LiveGroup:
                 f"member uid {u} of generation {self.generation} has not beaten for "
                 f"{silent:.2f} s (dead_after_s={self.dead_after_s:g}): lost or "
                 "frozen; this collective is abandoned and the survivors regroup")
+        if time.monotonic() < self._departed_read_at + self.heartbeat_s:
+            return
+        self._departed_read_at = time.monotonic()
+        u = first_departed(self._store, self.members, self.uid)
+        if u is not None:
+            raise LiveMemberSilentError(
+                f"member uid {u} of generation {self.generation} departed (its agent saw its "
+                "process exit, or the others left it out): this collective is abandoned and "
+                "the survivors regroup")
 
     # -- joining ----------------------------------------------------------------------------
     def _wait_for(self, key: str, what: str) -> None:
