@@ -99,3 +99,31 @@ def test_a_state_loaded_from_a_peer_continues_as_the_peer_does():
     assert peer.step == 3
     pairs = zip(model.parameters(), peer_model.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_commit_fills_the_previous_commits_tensors_and_equals_a_deep_copy():
+    import copy
+
+    from ringtrain.live.state import copy_reusing
+
+    model, optimizer, state = _adam_state()
+    _train(model, optimizer, 1)
+    state.step = 1
+    state.commit()  # the first with moments: they are new, so copied as deepcopy does
+    before = [t.data_ptr() for t in state.state_dict()["model"].values()]
+    moments = [s["exp_avg"].data_ptr() for s in state.state_dict()["optimizer"]["state"].values()]
+    _train(model, optimizer, 2)
+    state.step = 3
+    state.commit()
+    committed = state.state_dict()
+    assert [t.data_ptr() for t in committed["model"].values()] == before  # filled, not new
+    assert [s["exp_avg"].data_ptr() for s in committed["optimizer"]["state"].values()] == moments
+    reference = copy.deepcopy(optimizer.state_dict())
+    assert all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(
+        committed["optimizer"]["state"].values(), reference["state"].values(), strict=True))
+    assert all(torch.equal(committed["model"][k], v) for k, v in model.state_dict().items())
+    assert committed["optimizer"]["param_groups"] == reference["param_groups"]
+    # Tied tensors stay one copy (deepcopy's memo); a changed shape gets a new tensor.
+    tied = torch.ones(3)
+    out = copy_reusing({"a": tied, "b": tied, "c": torch.ones(2)}, {"c": torch.zeros(5)})
+    assert out["a"] is out["b"] and out["a"] is not tied and out["c"].shape == (2,)
