@@ -27,6 +27,7 @@ from ringtrain.strategies.base import (
     StepResult,
     Strategy,
     StrategyConfig,
+    UpdatedState,
     eval_forward,
 )
 from ringtrain.strategies.figures import Figures, Workload, gather_share
@@ -150,6 +151,17 @@ class ZeroStrategy(ShardPerRank, Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         return {"zero": self._zero().shard_state_dict()}
+
+    def updated_state(self) -> UpdatedState:
+        # What `state_dict()` returns as is, which only the optimizer step changes in place: the
+        # flat moment buffers (the optimizer's state is views into them once a state_dict was
+        # taken) and stage 3's shard (its own storage). Stages 1/2's shard is a view of `full`,
+        # which the next forward's all-gather writes: `state_dict()` clones it in the step.
+        zero = self._zero()
+        moments = [flat for per_key in zero_state.flat_moments(zero.units, zero.optimizer)
+                   for flat in per_key.values()]
+        shards = [u.shard for u in zero.units] if zero.stage == 3 else []
+        return UpdatedState([*shards, *moments], [zero.optimizer.optimizer])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._zero().load_shard_state_dict(state["zero"])
