@@ -30,7 +30,9 @@ step does not count, and neither does a step that was in flight when the link we
 heals (seconds, bytes), the committed history checked against `GlobalBatches` (samples
 skipped or repeated; a share whose member was killed or stopped between its commit and its
 record's flush is counted from the step's size and rank as `unlogged_shares`), samples whose
-training was thrown away (restart: steps redone), processes left. A table, then one JSON line.
+training was thrown away (restart: steps redone; live: a step that members lost just after
+committing it had committed, which the survivors redid), processes left. A table, then one
+JSON line.
 """
 
 from __future__ import annotations
@@ -127,9 +129,10 @@ class Job:
         for path in self.out.glob(f"{self.name}-*.jsonl"):
             for line in path.read_text().splitlines():
                 try:
-                    out.append(json.loads(line))
+                    record = json.loads(line)
                 except json.JSONDecodeError:  # a line being written
-                    pass
+                    continue
+                out.append({**record, "pid": int(path.stem.rsplit("-", 1)[1])})
         return out
 
     def committed(self) -> list[dict]:
@@ -137,6 +140,19 @@ class Job:
 
     def alive(self, host=None) -> list[subprocess.Popen]:
         return [p for h, p in self.procs if p.poll() is None and (host is None or h is host)]
+
+    def members(self, host) -> list[subprocess.Popen]:
+        """The processes on `host` training in the job now. In live mode: those that committed
+        a step of the newest generation; a warm spare waiting to be let in is not one (a fault
+        on it stops nothing, and the fault clock would then wait for a regroup that never
+        comes: session 13's first spare@10 run fired 4 faults in 280 s)."""
+        alive = self.alive(host)
+        committed = self.committed()
+        if self.mode != "live" or not committed:
+            return alive
+        gen = max(r["gen"] for r in committed)
+        pids = {r["pid"] for r in committed if r["gen"] == gen}
+        return [p for p in alive if p.pid in pids]
 
     def done(self) -> bool:
         last = self.a.steps - 1
@@ -156,11 +172,11 @@ def _inject(kind: str, job: Job) -> list[subprocess.Popen]:
     """Fire one fault; the processes it took out of the job."""
     a, b = job.hosts
     if kind == "kill":
-        victim = job.alive(b)[0]
+        victim = job.members(b)[0]
         victim.send_signal(signal.SIGKILL)
         return [victim]
     if kind == "stop":
-        victim = job.alive(a)[-1]
+        victim = job.members(a)[-1]
         victim.send_signal(signal.SIGSTOP)
         return [victim]
     b.unplug()
@@ -238,9 +254,16 @@ def analyse(a, name: str, records: list[dict], faults: list[dict], left: int,
     skipped = repeated = redone = unlogged = 0
     for s in range(a.steps):
         rs = by_step.get(s, [])
-        final = max((r.get("attempt", 0) for r in rs), default=0)
-        kept = [r for r in rs if r.get("attempt", 0) == final]
-        redone += sum(len(r["ids"]) for r in rs if r.get("attempt", 0) != final)
+        # The step as the job finally committed it: the newest restart's (attempt), or the
+        # newest generation's (gen). Members lost just after committing it in an older
+        # generation took their commit with them, and the survivors redid the step: that
+        # training was thrown away (redone), not repeated, unless a process committed it twice.
+        final = max(((r.get("attempt", 0), r.get("gen", 0)) for r in rs), default=(0, 0))
+        kept = [r for r in rs if (r.get("attempt", 0), r.get("gen", 0)) == final]
+        thrown = [r for r in rs if (r.get("attempt", 0), r.get("gen", 0)) != final]
+        redone += sum(len(r["ids"]) for r in thrown)
+        twice = {r["pid"] for r in kept} & {r["pid"] for r in thrown if "gen" in r}
+        repeated += sum(len(r["ids"]) for r in thrown if r["pid"] in twice)
         ids = Counter(i for r in kept for i in r["ids"])
         if kept:  # a member stopped or killed between its commit and its record's flush
             size = kept[0]["size"]

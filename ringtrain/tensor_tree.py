@@ -6,18 +6,22 @@
     into = []
     state = fill_large(skeleton, into)     # placeholders -> new CPU tensors; receive into `into`
 
-Used by a live replacement's heal from a peer (`ringtrain.live.heal`) and by local SGD's copy
-of a member's inner optimizer state to its ring successor (`strategies/localsgd_live.py`): a
+    state = send_recv_state(group, mine, dst=1, src=2)   # both at once, over a process group
+
+Used by a live replacement's heal from a peer (`ringtrain.live.heal`), by local SGD's copy
+of a member's inner optimizer state to its ring successor (`strategies/localsgd_live.py`) and
+by live ZeRO's copy of a member's optimizer shard to its buddy (`strategies/zero_live.py`): a
 pickle of a gigabyte of tensors costs seconds, a broadcast of the tensors themselves does not.
 """
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
 
-__all__ = ["INLINE_BYTES", "fill_large", "split_large"]
+__all__ = ["INLINE_BYTES", "fill_large", "send_recv_state", "split_large"]
 
 INLINE_BYTES = 1 << 16  # a tensor smaller than this travels inside the pickled structure
 
@@ -48,3 +52,40 @@ def fill_large(obj: Any, large: list[torch.Tensor]) -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(fill_large(v, large) for v in obj)
     return obj
+
+
+def send_recv_state(pg: Any, state: Any, *, dst: int | None, src: int | None) -> Any:
+    """Send `state` to rank `dst` of `pg` and receive one from rank `src`, both at once (a
+    ring's members all send before they receive); either may be None (then it returns None).
+    The structure travels pickled with the small tensors; each large tensor as it is, into one
+    the receiver allocates (nothing the size of the moments is pickled or copied). `pg`'s own
+    methods: a live generation's group is outside torch's registry."""
+    large: list[torch.Tensor] = []
+    skeleton = _serialize(split_large(state, large)) if dst is not None else None
+    size = torch.zeros(1, dtype=torch.int64)
+    _wait([pg.send([torch.tensor([skeleton.numel()])], dst, 0)] if skeleton is not None else [],
+          [pg.recv([size], src, 0)] if src is not None else [])
+    theirs = torch.empty(int(size), dtype=torch.uint8)
+    _wait([pg.send([skeleton], dst, 1)] if skeleton is not None else [],
+          [pg.recv([theirs], src, 1)] if src is not None else [])
+    into: list[torch.Tensor] = []
+    received = fill_large(_deserialize(theirs), into) if src is not None else None
+    _wait([pg.send([t], dst, 2 + i) for i, t in enumerate(large)],
+          [pg.recv([t], src, 2 + i) for i, t in enumerate(into)])
+    return received
+
+
+def _wait(*works: list[Any]) -> None:
+    for group in works:
+        for work in group:
+            work.wait()
+
+
+def _serialize(state: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _deserialize(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)

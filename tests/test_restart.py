@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.faults import fault_env
+from support.train_ranks import train_ranks
 
 STEPS, EVERY = 24, 4
 TINY = ["--nproc-per-node", "2", "--steps", str(STEPS), "--n-layer", "1", "--n-embd", "32",
@@ -54,9 +55,10 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The uninterrupted run, as `srun -n 2` runs it (no launcher: only its weights and losses
+    are read; tests/support/train_ranks.py)."""
     run_dir = tmp_path_factory.mktemp("restart") / "reference"
-    proc = _train(run_dir)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    train_ranks([*TINY, "--run-dir", str(run_dir)], nproc=2)
     return _summary(run_dir), _losses(run_dir)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from netns import unavailable
 from support.faults import fault_env
+from support.train_ranks import train_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
@@ -48,7 +49,9 @@ def _train(run_dir: Path, *extra: str, fault: str | None = None) -> dict:
 
 
 def test_diloco_restarts_after_kill_and_ends_where_an_unbroken_run_ends(tmp_path):
-    reference = _train(tmp_path / "reference")
+    # The unbroken run as `srun -n 2` runs it: no launcher, its weights are all that is read.
+    train_ranks([*DILOCO, "--run-dir", str(tmp_path / "reference")], nproc=2)
+    reference = json.loads((tmp_path / "reference" / "summary.json").read_text())
     # Killed after step 6 (between the snapshots of steps 4 and 8, mid outer step 3..6..9):
     # the restarted workers resume from step 4 and redo steps 5..6.
     faulty = _train(tmp_path / "faulty", "--max-restarts", "1", fault="kill:1:6")

@@ -11,43 +11,34 @@ gradients in another order). The exact equality of the state right after loading
 is `tests/test_zero.py -k reshard`; the bit-identical resume on the same number of ranks is the
 contract test (`tests/test_strategy_contract.py -k zero`). `--strategy ddp` on one rank
 resumes the ZeRO-3 snapshot too, through the layout-free form (every pair of strategies and
-world sizes: `tests/test_portable_resume.py`).
+world sizes: `tests/test_portable_resume.py`). Each run is the CLI's `main` on every rank, as
+`srun -n N ringtrain train` runs it (tests/support/train_ranks.py): the resume is the workers'
+business, and the launcher's restarts are tests/test_restart.py's.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.train_ranks import train_ranks
 
 from ringtrain.checkpoint.snapshot import SnapshotManager
 from ringtrain.zero import reshard
 
-REPO = Path(__file__).resolve().parent.parent
 FLAGS = ["--digits", "1", "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--steps", "4",
          "--batch-size", "6", "--snapshot-every", "1", "--keep", "4", "--eval-every", "4",
          "--eval-batch-size", "16", "--threads", "1", "--no-progress", "--seed", "0",
          "--no-report"]
 
 
-def _train(
-    run_dir: Path, nproc: int, *extra: str, check: bool = True
-) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        env.pop(v, None)
-    cmd = [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", str(nproc),
-           "--run-dir", str(run_dir), *FLAGS, *extra]
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
-    if check:
-        assert out.returncode == 0, out.stderr[-3000:]
-    return out
+def _train(run_dir: Path, nproc: int, *extra: str) -> None:
+    """`ringtrain train` on `nproc` ranks, each one task as under `srun -n N` (no launcher:
+    what is tested is the workers' resume; tests/support/train_ranks.py says what it saves)."""
+    train_ranks(["--run-dir", str(run_dir), *FLAGS, *extra], nproc)
 
 
 def _full_state(run_dir: Path, step: int) -> dict:

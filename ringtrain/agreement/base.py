@@ -28,6 +28,12 @@ class Agreement(ABC):
     def sum(self, values: list[float]) -> list[float]:
         """`values` summed over the ranks, bit-identical on every rank (float64)."""
 
+    def try_sum(self, values: list[float]) -> list[float] | None:
+        """`sum`, or None where the ranks could not agree: a live job's member was lost in the
+        middle of the question (`GenerationAgreement`). Every other agreement either answers
+        or raises, so by default it is `sum`."""
+        return self.sum(values)
+
     @abstractmethod
     def vote(self, flag: bool, *, at_shared_step: bool) -> bool:
         """True on every rank when any rank's `flag` is True (a stop signal).

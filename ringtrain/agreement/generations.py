@@ -5,9 +5,10 @@
 A live job (`ringtrain train --live`) changes its process group whenever a member is lost or
 let in (`ringtrain.live.LiveGroup`); its groups are built directly on the store, outside torch's
 registry, so each question calls the group's own methods. A question whose collective fails (a
-member lost after the step committed) is answered locally: one metrics line then misses the
-lost member's sums, a stop vote counts this member's flag. The next step's collective fails the
-same way and recovers, so a recovery happens at one place, the step.
+member lost after the step committed) is answered locally: a stop vote counts this member's
+flag, a digest is this member's; a sum says it failed (`try_sum`), and the trainer holds that
+metrics line until the next generation agrees on it (the survivors' sums). The next step's
+collective fails the same way and recovers, so a recovery happens at one place, the step.
 """
 
 from __future__ import annotations
@@ -53,8 +54,14 @@ class GenerationAgreement(Agreement):
         return t
 
     def sum(self, values: list[float]) -> list[float]:
+        out = self.try_sum(values)
+        return list(values) if out is None else out
+
+    def try_sum(self, values: list[float]) -> list[float] | None:
+        """The sum over the generation; None where it failed (the trainer then holds that
+        metrics line for the next generation's reduction: `ringtrain.training.record`)."""
         t = self._reduce(torch.tensor(values, dtype=torch.float64), dist.ReduceOp.SUM)
-        return list(values) if t is None else t.tolist()
+        return None if t is None else t.tolist()
 
     def vote(self, flag: bool, *, at_shared_step: bool) -> bool:
         t = self._reduce(torch.tensor([1 if flag else 0], dtype=torch.int32), dist.ReduceOp.MAX)

@@ -189,7 +189,8 @@ def _live_settings(opts: TrainOptions, rt):
     return LiveSettings(rt.store, rt.world_size, timeout_s=timeout,
                         replace_wait_s=opts.launch.live_wait,
                         dead_after_s=min(1.0, timeout / 2), launcher_rank=rt.rank,
-                        spare=bool(os.environ.get(SPARE_ENV)))
+                        spare=bool(os.environ.get(SPARE_ENV)),
+                        snapshot_every=opts.run.snapshot_every)
 
 
 def _bf16_supported(device) -> bool:

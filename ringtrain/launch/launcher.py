@@ -47,6 +47,7 @@ from torch.distributed.run import get_args_parser as _torch_args_parser
 
 from ringtrain.errors import DISK_FULL_EXIT_CODE, REQUEUE_EXIT_CODE, USAGE_EXIT_CODE
 from ringtrain.launch.agent_patches import restarts_for_the_job, tolerating
+from ringtrain.launch.cgroup import MemoryCgroups
 from ringtrain.launch.entrypoint import missing_entrypoint
 from ringtrain.launch.environments import LAUNCHER_PID_ENV
 from ringtrain.launch.failure_report import (
@@ -146,12 +147,13 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 
 def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None = None,
-         tolerate_ranks: Collection[int] = (), live: bool = False, live_spares: int = 0) -> int:
+         tolerate_ranks: Collection[int] = (), live: bool = False, live_spares: int = 0,
+         memory: MemoryCgroups | None = None) -> int:
     """Launch from parsed torchrun arguments; the entrypoint may be replaced by a function.
 
     `tolerate_ranks`: global ranks whose own death does not stop the others (`tolerating`).
     `live`: a lost worker is replaced in place (`replacing_lost_workers`), by one of
-    `live_spares` warm spares where one waits.
+    `live_spares` warm spares where one waits (each in a cgroup of its own beside `memory`'s).
     """
     if entrypoint is None and (missing := missing_entrypoint(args.training_script, args.module,
                                                              args.no_python)):
@@ -184,7 +186,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
             stack.enter_context(_quiet_torch_logs())
             stack.enter_context(tolerating(tolerate_ranks))
             if live:
-                stack.enter_context(replacing_lost_workers(spares=live_spares))
+                stack.enter_context(replacing_lost_workers(spares=live_spares, memory=memory))
             if multi_node:
                 stack.enter_context(_bounded_rendezvous(config.rdzv_endpoint))
                 stack.enter_context(restarts_for_the_job())
@@ -278,6 +280,7 @@ def launch(
     shutdown_timeout: int | None = None,
     live: bool = False,
     live_spares: int = 0,
+    memory: MemoryCgroups | None = None,
 ) -> int:
     """Run `entrypoint` on `nproc_per_node` workers here (and join `nnodes` nodes); return the
     exit code.
@@ -303,6 +306,8 @@ def launch(
             without it (`ringtrain train --live`). Single node, no max_restarts.
         live_spares: with `live`, warm spares started beside the workers: a lost worker's
             place is taken by one at once (`ringtrain.launch.live_agent`).
+        memory: the workers' memory cgroups, when `entrypoint` joins them (`--memory-limit`,
+            `ringtrain.launch.cgroup`): each live spare gets one of its own beside them.
     """
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node}: start at least one worker per node")
@@ -333,4 +338,5 @@ def launch(
     if live and (max_restarts or max_nodes > 1):
         raise ValueError(f"live=True with max_restarts={max_restarts}, nnodes={nnodes!r}: live "
                          "mode replaces workers on one node; use max_restarts=0, nnodes='1'")
-    return _run(parsed, tolerate_ranks=tolerate_ranks, live=live, live_spares=live_spares)
+    return _run(parsed, tolerate_ranks=tolerate_ranks, live=live, live_spares=live_spares,
+                memory=memory)

@@ -23,7 +23,9 @@ mode the survivors recover by themselves (`ringtrain.live.LiveGroup`), so the ag
   counts as a replacement); at the job's end the spares learn it is over and exit 0.
   Spares are plain subprocesses the agent owns, not workers of torch's group: a worker there
   has a rank in the rendezvous, a place in WORLD_SIZE and a failure policy that stops the job,
-  none of which a process that may never train should have;
+  none of which a process that may never train should have. Under `--memory-limit` each spare
+  gets a memory cgroup of its own with the workers' limit, and keeps it when it takes a place
+  (`ringtrain.launch.cgroup` says why);
 - any other failure (an exception, a mistake, a stop on SIGTERM) is the job's, as without
   --live: every worker stops, one report; a worker that dies meanwhile (torch SIGKILLs one
   that outlives its shutdown timeout) is not replaced.
@@ -49,6 +51,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ringtrain.launch.cgroup import SLOT_ENV, CgroupUnavailable, MemoryCgroups
 from ringtrain.torch_internals import (
     CAPTURE_PROCESS_FAILURES,
     MONITOR_WORKERS,
@@ -125,14 +128,16 @@ class _Departed:
 
 class _Spares:
     """The warm spares this agent owns: plain subprocesses started as a worker is (`spawn_like`:
-    the same command, environment and output), kept at `count` until the job ends."""
+    the same command, environment and output), kept at `count` until the job ends; under
+    `memory` (`--memory-limit`), each in a memory cgroup of its own (`MemoryCgroups.add_spare`)."""
 
-    def __init__(self, count: int):
-        self.count, self.started = count, 0
-        self.procs: list[tuple[subprocess.Popen, float]] = []  # (process, started at)
+    def __init__(self, count: int, memory: MemoryCgroups | None = None):
+        self.count, self.started, self.memory = count, 0, memory
+        # (process, started at, its memory cgroup's name or None)
+        self.procs: list[tuple[subprocess.Popen, float, str | None]] = []
         self.over = False  # a spare exited 0: the job is done, none is started any more
 
-    def take(self) -> tuple[subprocess.Popen, float] | None:
+    def take(self) -> tuple[subprocess.Popen, float, str | None] | None:
         """A running spare, handed over (it goes into a lost worker's slot)."""
         for item in self.procs:
             if item[0].poll() is None:
@@ -157,15 +162,23 @@ class _Spares:
                 (self.started < self.count or may_start()):
             local = self.started % len(context.envs)  # one slot's environment, in turn
             self.started += 1
-            proc = spawn_like(context, local, {REPLACEMENT_ENV: f"spare-{self.started}",
-                                               SPARE_ENV: "1"})
-            self.procs.append((proc, time.monotonic()))
+            env = {REPLACEMENT_ENV: f"spare-{self.started}", SPARE_ENV: "1"}
+            cgroup = None
+            if self.memory is not None:  # never a running worker's: its own, the same limit
+                try:
+                    cgroup = env[SLOT_ENV] = self.memory.add_spare(self.started)
+                except CgroupUnavailable as e:  # a spare outside the limit is what it bounds
+                    print(f"ringtrain run: live: no warm spare is started: {e}",
+                          file=sys.stderr, flush=True)
+                    self.over = True
+                    return
+            self.procs.append((spawn_like(context, local, env), time.monotonic(), cgroup))
 
     def close(self, grace_s: float) -> None:
         """Wait up to `grace_s` for the spares to exit (a finished job tells them), then kill
         them: a spare holds nothing to save. No process is left either way."""
         deadline = time.monotonic() + grace_s
-        for proc, _ in self.procs:
+        for proc, *_ in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             if proc.poll() is None:
@@ -177,14 +190,15 @@ class _Spares:
 
 
 @contextlib.contextmanager
-def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *,
-                           spares: int = 0) -> Iterator[None]:
+def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: int = 0,
+                           memory: MemoryCgroups | None = None) -> Iterator[None]:
     """Inside: the agent replaces a lost worker in place (by one of `spares` warm spares where
     one waits) and kills a member found hung (see the module docstring); every other failure
-    stops the job as torch's agent does."""
+    stops the job as torch's agent does. `memory`: the workers' cgroups (`--memory-limit`),
+    beside which each spare gets its own."""
     original = CAPTURE_PROCESS_FAILURES.get()
     departed = _Departed()
-    warm = _Spares(spares)
+    warm = _Spares(spares, memory)
     count = [0]
 
     def may_start() -> bool:
@@ -218,7 +232,7 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *,
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=10)
-            for proc, _ in warm.procs:  # a spare let in while another took the slot
+            for proc, *_ in warm.procs:  # a spare let in while another took the slot
                 if proc.pid in hung and proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(proc.pid, signal.SIGKILL)  # keep_up starts another
@@ -232,10 +246,11 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *,
             spare = warm.take()
             if spare is not None:  # built and waiting: the next generation takes it at once
                 adopt(self, local_rank, spare[0])
+                where = f", memory cgroup {spare[2]}" if spare[2] else ""
                 print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go "
                       f"on, warm spare pid {spare[0].pid} (waiting for "
-                      f"{time.monotonic() - spare[1]:.1f} s) takes its place", file=sys.stderr,
-                      flush=True)
+                      f"{time.monotonic() - spare[1]:.1f} s{where}) takes its place",
+                      file=sys.stderr, flush=True)
                 continue
             if not may_start():
                 continue

@@ -4,7 +4,8 @@
 
 Run as a script, before anything is imported: memory a process allocated before it joined a
 cgroup stays charged where it was, so the worker joins `$RINGTRAIN_MEMORY_CGROUP/rank{LOCAL_RANK}`
-first and only then execs `python -u -m ringtrain ARGS` (same pid, same cgroup). Only the
+first and only then execs `python -u -m ringtrain ARGS` (same pid, same cgroup); a live job's
+warm spare joins the cgroup of its own that `$RINGTRAIN_MEMORY_SLOT` names instead. Only the
 standard library here: this file is not imported as part of ringtrain. See `cgroup.py`.
 """
 
@@ -13,7 +14,8 @@ import sys
 
 
 def main() -> None:
-    target = os.path.join(os.environ["RINGTRAIN_MEMORY_CGROUP"], f"rank{os.environ['LOCAL_RANK']}")
+    slot = os.environ.get("RINGTRAIN_MEMORY_SLOT") or f"rank{os.environ['LOCAL_RANK']}"
+    target = os.path.join(os.environ["RINGTRAIN_MEMORY_CGROUP"], slot)
     with open(os.path.join(target, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
     # glibc raises its mmap threshold as large blocks are freed, after which freed tensors stay

@@ -8,11 +8,11 @@
 
 torchft's quorum, smaller. Every process that runs the job function registers in the store and
 gets a `uid` (a counter, never reused) and a heartbeat thread. A *generation* is a list of
-uids, its members in rank order; the first `world_size` uids form generation 0, later ones wait
-as replacements. Generation g's process group is a gloo group built directly on
-`PrefixStore(f"gen{g}/pg", store)`: the default group is never destroyed or re-initialised
-(a dead peer's group cannot be torn down collectively), and a new prefix means no key of an
-older generation is ever read again.
+uids, its members in rank order; the first `world_size` uids form generation 0 (in launcher
+`slot` order where given), later ones wait as replacements. Generation g's process group is a
+gloo group built directly on `PrefixStore(f"gen{g}/pg", store)`: the default group is never
+destroyed or re-initialised (a dead peer's group cannot be torn down collectively), and a new
+prefix means no key of an older generation is ever read again.
 
 Forming generation g+1 after a failure (every member of g that is still running, together):
 - each writes `gen{g+1}/here/{uid}`; a member of g is *lost* once its heartbeat has not moved
@@ -52,9 +52,9 @@ import torch.distributed as dist
 
 from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.heartbeats import Heartbeats, clone_store
-from ringtrain.live.roster import all_gone, decode, encode, propose, waiting_uids
+from ringtrain.live.roster import all_gone, decode, encode, generation0, propose, waiting_uids
 from ringtrain.live.state import LiveState
-from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
+from ringtrain.live.watched import LiveMemberSilentError, RetiredGroups, WatchedGroup
 from ringtrain.store_keys import claim_key
 
 
@@ -94,6 +94,7 @@ class LiveGroup:
         spare: a warm spare, started before any fault (`ringtrain train --live-spares`): it
             registers once generation 0 has formed (so it never takes a place in it) and waits
             to be let in for as long as the job runs, not `join_timeout_s`.
+        slot: this process's launcher RANK: generation 0's ranks follow it (None: the uid).
         stop_requested: True once this process was asked to stop (SIGTERM: the job is being
             stopped): the survivors stop waiting for replacements and go on without them, so
             the step ends and the loop's stop vote runs (else the wait outlasts the agent's
@@ -103,7 +104,8 @@ class LiveGroup:
     def __init__(self, store: dist.Store, world_size: int, *, name: str = "live",
                  timeout_s: float = 30.0, heartbeat_s: float = 0.1, dead_after_s: float = 1.0,
                  join_timeout_s: float = 600.0, retries: int = 1, replace_wait_s: float = 0.0,
-                 spare: bool = False, stop_requested: Callable[[], bool] = lambda: False):
+                 spare: bool = False, stop_requested: Callable[[], bool] = lambda: False,
+                 slot: int | None = None):
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: it must be at least 1")
         if not 0 < heartbeat_s < dead_after_s:
@@ -122,6 +124,7 @@ class LiveGroup:
             self._wait_for("gen0/members", "generation 0 to form")
         self.uid = self._store.add("uids", 1) - 1
         self._store.set(f"pid/{self.uid}", str(os.getpid()))
+        self._store.set(f"slot/{self.uid}", str(self.uid if slot is None else slot))
         # Read before the first beat: a generation that lets this process in is decided after
         # that beat, so it comes after this one (read later, the counter may already have
         # moved past the generation that took it in, and `join` would wait for the next).
@@ -132,10 +135,10 @@ class LiveGroup:
         self._beats.beat_once()  # beaten once: from here on it may be let in
         self.generation = -1
         self.members: list[int] = []
-        self.process_group: dist.ProcessGroup | None = None
+        self.process_group: WatchedGroup | None = None
         self.last_heal: HealReport | None = None
         self._known: set[int] = set()  # uids seen in a generation or found departed
-        self._abandoned: list[dist.ProcessGroup] = []
+        self._retired = RetiredGroups()
         self._beats.start()
 
     # -- where this process stands ----------------------------------------------------------
@@ -180,16 +183,16 @@ class LiveGroup:
         """
         deadline = time.monotonic() + self.join_timeout_s
         if self.uid < self.world_size:  # the first world_size processes: generation 0
-            # All registered first: their group's rendezvous then starts within milliseconds
-            # everywhere, so a slow start (imports on a loaded host) never times it out.
+            # All registered first: the rendezvous starts everywhere at once (slow imports).
             while (registered := self._store.add("uids", 0)) < self.world_size:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"only {registered} of world_size={self.world_size} processes registered "
                         f"within {self.join_timeout_s:g} s; start the others with the same store")
                 time.sleep(0.01)
-            value = self._store.compare_set("gen0/members", "", encode(range(self.world_size)))
-            self._enter(0, decode(value), state, fresh=self.uid != 0)
+            first = generation0(self._store, self.world_size, self.join_timeout_s)
+            members = decode(self._store.compare_set("gen0/members", "", encode(first)))
+            self._enter(0, members, state, fresh=members.index(self.uid) != 0)
             return True
         g = self._first_generation
         if self.spare:  # waits for a fault as long as the job runs; polls less (it is idle)
@@ -287,10 +290,8 @@ class LiveGroup:
         # fresh: no committed state yet (a replacement whose first generation failed to form)
         old, g = list(self.members), self.generation + 1
         if self.process_group is not None:
-            # A collective may still be in flight in it (abandoned on a silent member): dropping
-            # the group would wait for it in gloo's destructor, up to timeout_s. It ends on its
-            # own timeout; the list keeps the few a job loses.
-            self._abandoned.append(self.process_group)
+            # Released once idle (`RetiredGroups`): kept, a broken group spins gloo's loop.
+            self._retired.add(self.process_group)
         self.process_group = None
         while True:
             self._store.set(f"gen{g}/here/{self.uid}", b"1")

@@ -2,12 +2,14 @@
 gone, and the member list a new generation proposes (`LiveGroup`, group.py, asks these).
 
 Keys, under the live group's prefix: `uids` (a counter: each process's uid), `hb/{uid}` (its
-heartbeat counter, `Heartbeats`), `departed/{uid}` (found lost, by the members or by the
-agent that saw its process exit), `gen{g}/members` (generation g's uids in rank order, written
-once, `encode`d).
+heartbeat counter, `Heartbeats`), `slot/{uid}` (its launcher rank, or uid), `departed/{uid}`
+(found lost, by the members or by the agent that saw its process exit), `gen{g}/members`
+(generation g's uids in rank order, written once, `encode`d).
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -21,6 +23,15 @@ def encode(uids) -> str:
 def decode(value: bytes | str) -> list[int]:
     text = value.decode() if isinstance(value, bytes) else value
     return [int(u) for u in text.split(",") if u]
+
+
+def generation0(store: dist.Store, world_size: int, timeout_s: float) -> list[int]:
+    """Generation 0's uids in rank order: by each one's launcher slot (`slot/{uid}`, written at
+    registration, its uid where none was given), so the launcher's rank 0 is the members'."""
+    uids = list(range(world_size))
+    store.wait([f"slot/{u}" for u in uids], timedelta(seconds=timeout_s))
+    slots = {u: int(store.get(f"slot/{u}")) for u in uids}
+    return sorted(uids, key=lambda u: (slots[u], u))
 
 
 def propose(old: list[int], here: list[int], waiting: list[int], world_size: int) -> list[int]:

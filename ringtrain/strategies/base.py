@@ -151,6 +151,13 @@ class LiveHooks(ABC):
         Default: every step (replicas that agree after each step, as ddp's)."""
         return True
 
+    def will_save(self, step: int) -> None:
+        """Told before `step` (0-based) is trained when the trainer saves a snapshot after it,
+        on the members' rank 0 alone (`Strategy.state_dict`). A strategy whose state is spread
+        over the members gathers it there inside that step, where a fault is recovered.
+        Default: nothing (each member holds all of it)."""
+        return None
+
     @abstractmethod
     def on_members(self, runtime: Runtime) -> None:
         """A new generation: `runtime` says this member's rank, the members' number and their

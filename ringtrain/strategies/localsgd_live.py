@@ -33,7 +33,6 @@ by fewer members: no fault-free run then).
 from __future__ import annotations
 
 import copy
-import io
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringtrain.strategies.base import LiveHooks, StepResult
-from ringtrain.tensor_tree import fill_large, split_large
+from ringtrain.tensor_tree import send_recv_state
 
 if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
@@ -98,7 +97,7 @@ class RoundLiveHooks(LiveHooks):
 
     def _exchange(self) -> None:
         """Send this member's inner optimizer state to its ring successor, keep its
-        predecessor's (`_transfer`: the tensors as they are, no serialized copy)."""
+        predecessor's (`send_recv_state`: the tensors as they are, no serialized copy)."""
         rt = self.strategy.runtime
         self.slot_rank, self.commit_size = rt.rank, rt.world_size
         self.repaired = self.rebuilt = None
@@ -106,7 +105,7 @@ class RoundLiveHooks(LiveHooks):
         if rt.world_size == 1:
             return
         predecessor = (rt.rank - 1) % rt.world_size
-        self.buddy = _transfer(rt.process_group, self.strategy.optimizer.state_dict(),
+        self.buddy = send_recv_state(rt.process_group, self.strategy.optimizer.state_dict(),
                                dst=(rt.rank + 1) % rt.world_size, src=predecessor)
         self.buddy_of = predecessor
 
@@ -152,9 +151,9 @@ class RoundLiveHooks(LiveHooks):
         """`state` from member `src` to member `dst`; what `dst` got (None elsewhere)."""
         rt = self.strategy.runtime
         if rt.rank == src:
-            _transfer(rt.process_group, state, dst=dst, src=None)
+            send_recv_state(rt.process_group, state, dst=dst, src=None)
         elif rt.rank == dst:
-            return _transfer(rt.process_group, None, dst=None, src=src)
+            return send_recv_state(rt.process_group, None, dst=None, src=src)
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -182,40 +181,3 @@ class RoundLiveHooks(LiveHooks):
             self.slot_rank = self.repaired[1]
         if self.rebuilt is not None and self.rebuilt[0] == steps:
             self.buddy_of, self.buddy = self.rebuilt[1], self.rebuilt[2]
-
-
-def _transfer(pg: Any, state: dict[str, Any] | None, *, dst: int | None,
-              src: int | None) -> dict[str, Any] | None:
-    """Send `state` to member `dst` and receive one from member `src`, both at once (a ring's
-    members all send before they receive); either may be None. The structure travels pickled
-    with the small tensors; each large tensor as it is, into one the receiver allocates (as
-    `ringtrain.live.heal` does: nothing the size of the moments is pickled or copied)."""
-    large: list[torch.Tensor] = []
-    skeleton = _serialize(split_large(state, large)) if dst is not None else None
-    size = torch.zeros(1, dtype=torch.int64)
-    _wait([pg.send([torch.tensor([skeleton.numel()])], dst, 0)] if skeleton is not None else [],
-          [pg.recv([size], src, 0)] if src is not None else [])
-    theirs = torch.empty(int(size), dtype=torch.uint8)
-    _wait([pg.send([skeleton], dst, 1)] if skeleton is not None else [],
-          [pg.recv([theirs], src, 1)] if src is not None else [])
-    into: list[torch.Tensor] = []
-    received = fill_large(_deserialize(theirs), into) if src is not None else None
-    _wait([pg.send([t], dst, 2 + i) for i, t in enumerate(large)],
-          [pg.recv([t], src, 2 + i) for i, t in enumerate(into)])
-    return received
-
-
-def _wait(*works: list[Any]) -> None:
-    for group in works:
-        for work in group:
-            work.wait()
-
-
-def _serialize(state: dict[str, Any]) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _deserialize(data: torch.Tensor) -> dict[str, Any]:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)

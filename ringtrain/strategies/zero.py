@@ -6,17 +6,22 @@ Every rank reads its own data shard, as with `ddp`; `ringtrain.zero.ZeroDataPara
 1/N of the AdamW moments (stage 1), of the gradients (2) and of the parameters (3) on each rank.
 Gradient accumulation runs every micro-batch but the last under `no_sync()`. State is per rank
 (each rank's shard, in a flat layout that resumes on any number of ranks: a snapshot of 2
-ranks resumes on 3); `model_state_dict()` gathers the full model on every rank.
+ranks resumes on 3); `model_state_dict()` gathers the full model on every rank. With `--live`
+(stages 1 and 2) the step is `zero_live.ZeroLiveHooks`'s: the wrapper is built again over each
+generation of members, and each shard is copied to a buddy after every step.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ringtrain.errors import ConfigError
@@ -33,6 +38,7 @@ from ringtrain.strategies.base import (
 from ringtrain.strategies.figures import Figures, Workload, gather_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.strategies.tp_options import zero_stage_option
+from ringtrain.strategies.zero_live import ZeroLiveHooks
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import reshard
 from ringtrain.zero import state as zero_state
@@ -58,11 +64,13 @@ class ZeroConfig(StrategyConfig):
     zero_stage: int = zero_stage_option(2, STAGES)
 
     def live_refusal(self) -> str | None:
-        return ("it has no live recovery yet: each rank holds the only copy of its shard of the "
-                "optimizer state (at stage 3 of the parameters too), so a lost rank takes its "
-                "shard with it and nothing left in memory can heal it; drop --live (a failure "
-                "then restarts every worker from the last snapshot, --max-restarts), or use "
-                "--strategy ddp, localsgd or diloco")
+        if int(self.zero_stage) < 3:
+            return None  # `ZeroLiveHooks`: each shard copied to a buddy, re-sharded on a change
+        return ("--zero-stage 3 shards the parameters too, so a member holds only its slice of "
+                "the model and the live heal (a whole replica from a peer) has nothing to send; "
+                "use --zero-stage 1 or 2 with --live (the parameters replicated, the optimizer "
+                "state sharded and copied to a buddy), or drop --live (a failure then restarts "
+                "every worker from the last snapshot)")
 
     def figures(self, workload: Workload) -> ZeroFigures:
         """1/N of what is sharded (`expected_bytes`, the paper's count). Per step, stages 1 and
@@ -105,6 +113,7 @@ class ZeroStrategy(ShardPerRank, Strategy):
         self.runtime, self.zero_stage = runtime, stage
         self.model: ZeroDataParallel | None = None
         self._memory: dict[str, Any] = {}
+        self._live: ZeroLiveHooks | None = None
 
     @staticmethod
     def bytes_per_rank(numel: int, world_size: int, stage: int) -> dict[str, float]:
@@ -113,12 +122,26 @@ class ZeroStrategy(ShardPerRank, Strategy):
         return expected_bytes(numel, world_size, stage)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
-        self.model = ZeroDataParallel(model.to(self.runtime.device), optimizer_fn,
-                                      stage=self.zero_stage,
-                                      process_group=self.runtime.process_group)
+        self.module, self._optimizer_fn = model.to(self.runtime.device), optimizer_fn
+        self.loss_fn = loss_fn
+        if self.runtime.process_group is None:  # --live: one replica until the first generation
+            self._build(ZeroDataParallel, _one_rank_group())
+        else:
+            self._build(ZeroDataParallel, self.runtime.process_group)
+
+    def _build(self, wrapper: type[ZeroDataParallel], group: Any, **kwargs: Any) -> None:
+        self.model = wrapper(self.module, self._optimizer_fn, stage=self.zero_stage,
+                             process_group=group, **kwargs)
         self.model.trace(self.tracer)
         self.optimizer = self.model.optimizer
-        self.loss_fn = loss_fn
+
+    def rebuild(self, group: Any) -> None:
+        """--live: the wrapper built again over a new generation's `group` (its units' layout
+        depends on the number of members); the caller loads the optimizer state into it."""
+        self._zero().remove_hooks()
+        # One lane: lanes are extra groups made through torch's registry, which a generation's
+        # group (built on the store, `ringtrain.live.group`) is not in.
+        self._build(_MembersZero, group, comm_lanes=1)
 
     def _zero(self) -> ZeroDataParallel:
         assert self.model is not None, "setup() first"
@@ -150,6 +173,8 @@ class ZeroStrategy(ShardPerRank, Strategy):
         return self._zero().full_state_dict(keep_gathered=True)
 
     def state_dict(self) -> dict[str, Any]:
+        if self._live is not None:  # the members' rank 0 saves alone: the whole state
+            return {"zero": self._live.snapshot_state()}
         return {"zero": self._zero().shard_state_dict()}
 
     def updated_state(self) -> UpdatedState:
@@ -162,6 +187,16 @@ class ZeroStrategy(ShardPerRank, Strategy):
                    for flat in per_key.values()]
         shards = [u.shard for u in zero.units] if zero.stage == 3 else []
         return UpdatedState([*shards, *moments], [zero.optimizer.optimizer])
+
+    def live_hooks(self) -> ZeroLiveHooks:
+        """Stages 1 and 2: the model replicated, each optimizer shard copied to a buddy
+        (built with a one-rank runtime: `setup` then wraps over a group of one)."""
+        assert self.model is not None, "setup() first"
+        if self._live is None:
+            # The launcher's word for members per host: a buddy on another host where it can.
+            self._live = ZeroLiveHooks(self, local_world_size=int(
+                os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        return self._live
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._zero().load_shard_state_dict(state["zero"])
@@ -195,8 +230,26 @@ class ZeroStrategy(ShardPerRank, Strategy):
 
     def stats(self) -> dict[str, Any]:
         memory = self._memory or self._zero().memory()
-        return {"zero_stage": self.zero_stage, **{f"zero_{k}": v for k, v in memory.items()}}
+        out = {"zero_stage": self.zero_stage, **{f"zero_{k}": v for k, v in memory.items()}}
+        if self._live is not None:  # --live: what the copy of each shard to a buddy cost
+            out.update(self._live.figures())
+        return out
 
     def close(self) -> None:
         if self.model is not None:
             self.model.remove_hooks()
+
+
+class _MembersZero(ZeroDataParallel):
+    """The wrapper over a live generation's group: no broadcast of rank 0's weights at
+    construction (the members' models are equal already, healed; and the broadcast names its
+    source by global rank, which a group outside torch's registry does not have)."""
+
+    def _broadcast_from_rank0(self, module: nn.Module) -> None:
+        return None
+
+
+def _one_rank_group() -> dist.ProcessGroup:
+    """A gloo group of this process alone (no default group in a live job): the wrapper of
+    one replica before the first generation, whose collectives are then no-ops."""
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))

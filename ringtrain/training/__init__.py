@@ -5,7 +5,9 @@ Read in this order:
 - `state.py`: `LoopState`, the loop's own state (step, metrics window, tokens, sampler cursor).
 - `trainer.py`: `Trainer.fit()`: the step loop; it calls the three modules below at its edges.
 - `record.py`: a logged step's record: the window's and eval sums reduced in one call, the
-  NaN check, the metrics line.
+  NaN check, the metrics line (a live job's line whose sum failed, held for the next: `HeldLine`).
+- `metrics_file.py`: `RankZeroMetrics`, metrics.jsonl on whichever process is rank 0 now (a
+  live job's rank 0 may be lost: the next one takes the file over).
 - `snapshots.py`: when the loop saves (none once a rank has left) and how it stops on a signal
   (`STOP_SIGNALS`, the save and the line that end a stopped run).
 - `summary.py`: the end of the run: the replicas' digests compared, summary.json, report.png.

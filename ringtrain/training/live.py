@@ -12,8 +12,9 @@ The library layer (`ringtrain.live`) does the generations (`LiveGroup`), the in-
   pieces), whatever the number of members; the strategy's `LiveHooks` train it over the
   generation's group; the step is then committed in memory;
 - the strategy's hooks say which steps are commit points (`LiveHooks.commits_at`): every
-  step for ddp, the meetings (every `--sync-every` steps) for local SGD and DiLoCo, whose
-  replicas differ between meetings;
+  step for ddp and ZeRO, the meetings (every `--sync-every` steps) for local SGD and DiLoCo,
+  whose replicas differ between meetings; they are told which steps a snapshot follows
+  (`LiveHooks.will_save`: ZeRO gathers its shards to the member that saves);
 - a step whose collective fails (a peer died or hangs) is recovered (`LiveGroup.recover`: the
   next generation, the last commit, a heal); the steps from the commit to it are redone over
   the same global batches (one step for ddp, the round so far for local SGD); a replacement
@@ -64,6 +65,8 @@ class LiveSettings:
         dead_after_s: a member whose heartbeat is this old is lost.
         spare: this process is a warm spare (`--live-spares`): it waits, built, to take a lost
             member's place (`LiveGroup`'s `spare`).
+        snapshot_every: steps between the trainer's snapshots (0: none), so the strategy's
+            hooks gather spread state before a save (`LiveHooks.will_save`).
     """
 
     store: dist.Store
@@ -74,6 +77,7 @@ class LiveSettings:
     join_timeout_s: float = 600.0
     launcher_rank: int = 0  # the RANK the launcher gave this process (its slot, for the record)
     spare: bool = False
+    snapshot_every: int = 0  # the trainer's --snapshot-every: the hooks are told those steps
 
 
 class _Committed:
@@ -99,7 +103,7 @@ def live_driver(strategy: Strategy, live: LiveSettings, runtime: Runtime, train_
     hooks = strategy.live_hooks()  # asked, never probed: None means it has none
     if hooks is None:
         raise ConfigError(f"--strategy {strategy.name} has no live recovery: drop --live, or use "
-                          "--strategy ddp, localsgd or diloco")
+                          "--strategy ddp, zero, localsgd or diloco")
     return LiveDriver(live, hooks, runtime, train_set, seed=config.seed,
                       global_batch=config.batch_size * config.grad_accum * live.world_size,
                       grad_accum=config.grad_accum, lr_of=lambda step: lr_at(step, config),
@@ -143,7 +147,7 @@ class LiveDriver:
                                heartbeat_s=min(0.1, s.dead_after_s / 4),
                                dead_after_s=s.dead_after_s, join_timeout_s=s.join_timeout_s,
                                replace_wait_s=s.replace_wait_s, spare=s.spare,
-                               stop_requested=self._stop_requested)
+                               stop_requested=self._stop_requested, slot=s.launcher_rank)
         return self.group.uid < s.world_size
 
     def _stop_requested(self) -> bool:
@@ -221,6 +225,28 @@ class LiveDriver:
             state.target = state.step
             return result, micro
 
+    def settle(self, agreed: Callable[[], bool]) -> Runtime:
+        """After the last step: ask `agreed()` (a question over the members: True once they
+        agree) until they do, recovering in between, and return this member's place then.
+
+        A member lost after the last step has no step left to be recovered in: without this,
+        if it was rank 0 nobody would write the run's files. The next generation (a spare or
+        replacement waiting let in, else the survivors closing ranks) ends the run instead; a
+        replacement let in here joins at the last step and asks `agreed()` once, with them.
+        """
+        g, state = self.group, self.state
+        assert g is not None and state is not None, "join() first"
+        while not agreed():
+            if state.step != state.committed_step:  # mid-round: restoring would undo steps
+                log.warning("live: a member was lost after the last step, %d steps past the "
+                            "last commit: the run ends without it", state.step -
+                            state.committed_step)
+                break
+            g.recover(state, RuntimeError("a member was lost after the last step"))
+            self.recoveries += 1
+            self._members_changed()
+        return self.runtime
+
     def _train(self, step: int, lr: float, grad_clip: float | None
                ) -> tuple[StepResult, list[tuple[torch.Tensor, torch.Tensor]]]:
         """This member's share of `step` (0-based), trained and recorded."""
@@ -228,6 +254,9 @@ class LiveDriver:
         assert g is not None
         ids = self.batches.share(step, g.rank, g.size)
         micro = self._micro(ids)
+        every = self.settings.snapshot_every
+        if every > 0 and (step + 1) % every == 0:  # the trainer saves after it (`due`)
+            self.hooks.will_save(step)
         result = self.hooks.train_step(micro, lr=lr, grad_clip=grad_clip,
                                        weight=len(ids) / self.batches.global_batch_size)
         if self.samples is not None:

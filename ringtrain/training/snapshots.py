@@ -136,6 +136,12 @@ class LoopSnapshots:
         self._committed = self.checkpointer.saved_step  # all written: the newest on disk
         self.checkpointer.save(step, reason=reason)
 
+    def save_once(self, step: int) -> None:
+        """`save`, unless this process saved `step` already (a live job's new rank 0 saves the
+        last step's snapshot that the rank 0 lost after that step never wrote)."""
+        if self.checkpointer.saved_step != step:
+            self.save(step)
+
     def stop(self, step: int, stop: StopSignal) -> str:
         """Every rank voted to stop at `step`: save it (if not saved yet); the signal's name."""
         cp = self.checkpointer

@@ -33,7 +33,7 @@ This file is the step loop; what it calls at the edges lives beside it: a logged
 reduced record (`record.py`), when to save and how to stop on a signal (`snapshots.py`), the
 end of the run (`summary.py`), and the live mode's steps (`live.py`: with `live`, each step is
 the fault-free run's global batch over whoever is left, recovered in memory when a member is
-lost; snapshots are then written by the members' rank 0 alone, as one replica).
+lost; snapshots, metrics lines and the end's files are then the current members' rank 0's).
 """
 
 from __future__ import annotations
@@ -63,12 +63,12 @@ from ringtrain.training.batches import MicroBatches
 from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
 from ringtrain.training.evaluate import eval_sums
 from ringtrain.training.live import LiveDriver, LiveSettings, live_driver
-from ringtrain.training.progress import MetricsLog, Progress
-from ringtrain.training.record import eval_text, log_step
+from ringtrain.training.metrics_file import RankZeroMetrics
+from ringtrain.training.progress import Progress
+from ringtrain.training.record import HeldLine, eval_text, flush_held, log_step
 from ringtrain.training.snapshots import STOP_SIGNALS, LoopSnapshots
 from ringtrain.training.state import LoopState, WindowSums
 from ringtrain.training.summary import agreed_sha256, eager_copy, run_summary, write_run_files
-from ringtrain.training.tensorboard import TensorBoardLog
 from ringtrain.types import LossFn, MetricFn, OptimizerFn
 
 __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
@@ -88,7 +88,7 @@ class Trainer:
         config: loop settings.
         eval_metrics: name -> fn(logits, targets) giving a per-sample value; reported as the
             mean over the whole eval set under `eval_<name>`.
-        run_dir: where rank 0 writes metrics.jsonl, summary.json and report.png (None: nowhere).
+        run_dir: where rank 0 (live: of now) writes metrics.jsonl, summary.json, report.png.
         optimizer_fn: builds the optimizer from parameters (default: AdamW, `adamw`).
         sample_fn: given the final model on rank 0, a short text for the summary (a generated
             sample, a few answers).
@@ -178,7 +178,8 @@ class Trainer:
             self.batches = MicroBatches(train_set, self.train_sampler, batch_size=c.batch_size,
                                         samples=self.state.samples,
                                         pin=runtime.device.type == "cuda")
-        self.metrics = MetricsLog(None)
+        self.metrics = RankZeroMetrics(run_dir, rank=lambda: self.runtime.rank)  # live: moves
+        self.held = HeldLine(list(self.eval_metrics)) if live is not None else None  # record.py
         self.resume = resume
         self.checkpointer: Checkpointer | None = None
         self.snapshots: LoopSnapshots | None = None
@@ -193,8 +194,7 @@ class Trainer:
                                            rank=runtime.rank, background=not sync_snapshots)
 
     def _join_live(self) -> bool:
-        """Become a member of the live job at this step (a replacement: at its healer's);
-        False when the job ended before this replacement was let in."""
+        """Join the live job (a replacement: at its healer's step); False: the job ended first."""
         assert self.live is not None
         try:
             at = self.live.join(self.step)
@@ -230,7 +230,7 @@ class Trainer:
                                       self._autocast)) if evaluated else None
         return log_step(self.state, self.agreement, self.metrics, step, lr,
                         started=self._started, evaluate=evaluate,
-                        eval_names=list(self.eval_metrics))
+                        eval_names=list(self.eval_metrics), held=self.held)
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, and write the run directory; returns the summary (on every rank).
@@ -256,14 +256,9 @@ class Trainer:
                 self.batches.restart(self.config.batch_size)
         c = self.config
         progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0,
-                            initial=self.step,
-                            log_every=c.log_every)  # not a terminal: a plain line per log_every
-        if self.run_dir and self.runtime.rank == 0:
-            os.makedirs(self.run_dir, exist_ok=True)
-            # A resumed run drops the lines written after its snapshot (they are trained again).
-            self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
-                                      resume_at=self.step if self.step > 0 else None)
-            self.metrics = TensorBoardLog(self.metrics, self.run_dir, self.step)  # if installed
+                            initial=self.step, log_every=c.log_every)  # a line per log_every
+        if original:  # resumed: lines after the snapshot go (trained again); live: metrics_file
+            self.metrics.open(resume_at=self.step if self.step > 0 else None)
         catch = cp is not None and cp.every > 0
         disk_full = None
         try:
@@ -283,12 +278,11 @@ class Trainer:
             self.metrics.close()
             if self.snapshots is not None:
                 self.snapshots.close()  # the writer process of background snapshots
-        if self.live is not None:
-            try:
-                return self._stopped_or_finished(stopped, disk_full, started)
-            finally:
-                self.live.close()  # after the final digest: waiting replacements may exit
-        return self._stopped_or_finished(stopped, disk_full, started)
+        try:
+            return self._stopped_or_finished(stopped, disk_full, started)
+        finally:
+            if self.live is not None:  # after the final digest: waiting replacements may exit
+                self.live.close()
 
     def _stopped_or_finished(self, stopped: str | None, disk_full: str | None,
                              started: float) -> dict[str, Any]:
@@ -361,6 +355,11 @@ class Trainer:
                     return "SIGTERM" if stop.received is None else signal.Signals(
                         stop.received).name
                 return snaps.stop(self.step, stop)
+        if self.live is not None:  # a member lost after the last step: the next generation ends
+            self.runtime = self.live.settle(lambda: flush_held(self.held, self.agreement,
+                                                               self.metrics, self.state))
+            if cp is not None and cp.due(self.step) and self._writes_snapshots():
+                snaps.save_once(self.step)  # rank 0 now: the lost one's last save, if it was due
         if snaps is not None:  # the last snapshot, written in the background, is committed
             snaps.wait()
         return None
