@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/snapshot_stall.py                 # ~100 M parameter GPT
     .venv/bin/python benchmarks/snapshot_stall.py --quick         # a small model, seconds
     .venv/bin/python benchmarks/snapshot_stall.py --every 50 --steps 300   # issue 29's shape
+    .venv/bin/python benchmarks/snapshot_stall.py --strategy zero --zero-stage 3 \
+        --modes none,async,async_clone      # what ZeroStrategy.updated_state() saves the step
 
 One process (CUDA if present, else the CPU), `ringtrain.Trainer` with the `ddp` strategy on one
 rank, a GPT of about 100 M parameters (14 layers, 768 wide, 12 heads: 99 M with a 65-token
@@ -14,8 +16,13 @@ times per round, with a snapshot every --every steps into a temporary run direct
   forward/backward (`ringtrain.checkpoint.host_copy`), the files written by a writer process
   reading shared memory (`ringtrain.checkpoint.writer`: what the default writer "auto" picks
   for a state of 64 MB or more);
-- `async_thread`: the same, the files written by the writer thread (`writer = "thread"`).
-The order rotates from round to round (drift hits each alike).
+- `async_thread`: the same, the files written by the writer thread (`writer = "thread"`);
+- `async_clone` (not run unless --modes names it): `async` with the strategy's
+  `updated_state()` ignored, so every tensor is copied in the snapshot's step: the reference
+  that the copy beside the next step is measured against.
+The order rotates from round to round (drift hits each alike). `--strategy zero --zero-stage N`
+trains `ZeroStrategy` instead of `ddp`, still on one rank (its shard is the whole model, so
+the state and its copies are those of one rank of N, times N).
 
 On CUDA the default snapshot interval (every 100 steps of 205: two timed snapshots per mode,
 ~2.9 s apart at ~29 ms a step on an H100; ~60 s for the 4 modes, estimated from a 98 s run of
@@ -44,9 +51,9 @@ the counted steps). The last step's snapshot (the run's end waits for it) is in 
 Goals (issue 29): async snapshot steps at most 2 % slower than none's steps (p50), async
 throughput within 1 % of none with a snapshot every 50 steps; the lines before the JSON say
 for each background mode whether they hold. The last line is JSON: {"device", "params",
-"every", "steps", "rounds", "snapshot_mb", "modes": {mode: {"snapshot_step_ms",
-"other_step_ms" (p50/p95/max/n), "steps_per_s", "save_s_mean", "waited_for_write": {"n",
-"of", "s"}}}, "{mode}_snapshot_step_vs_none",
+"strategy", "zero_stage", "every", "steps", "rounds", "snapshot_mb", "modes": {mode:
+{"snapshot_step_ms", "other_step_ms" (p50/p95/max/n), "steps_per_s", "save_s_mean",
+"waited_for_write": {"n", "of", "s"}}}, "{mode}_snapshot_step_vs_none",
 "{mode}_throughput_vs_none", "goals": {mode: {"snapshot_step": bool, "throughput": bool}},
 loadavg}. `save_s_mean` is the time the step spent in a save: the whole save for sync, the
 in-step part of the host copy for the background modes.
@@ -76,8 +83,10 @@ SHAPES = {  # per device type: the model (~99 M parameters) and a batch that kee
               "steps": 40, "every": 10},
 }
 VOCAB = 65
-MODES = ("none", "sync", "async", "async_thread")
-WRITER = {"async": "process", "async_thread": "thread"}  # BackgroundSaves.writer per mode
+MODES = ("none", "sync", "async", "async_thread", "async_clone")
+DEFAULT_MODES = MODES[:4]
+# BackgroundSaves.writer per mode
+WRITER = {"async": "process", "async_thread": "thread", "async_clone": "process"}
 GOALS = {"snapshot_step": 1.02, "throughput": 0.99}  # issue 29: async vs none
 
 
@@ -116,7 +125,11 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
                            dtype="bf16" if device.type == "cuda" else "fp32",
                            log_every=args.every, eval_every=args.steps, progress=False)
     data = RandomTokens(max(1024, 2 * shape["batch_size"]), shape["block_size"])
-    trainer = Trainer(make_strategy("ddp", runtime=runtime), runtime, lambda: GPT(model), data,
+    options = {"zero_stage": args.zero_stage} if args.strategy == "zero" else {}
+    strategy = make_strategy(args.strategy, runtime=runtime, **options)
+    if mode == "async_clone":  # nothing declared: the whole state copied in the step
+        strategy.updated_state = lambda: None
+    trainer = Trainer(strategy, runtime, lambda: GPT(model), data,
                       None, loss_fn, config, run_dir=str(run_dir),
                       snapshot_every=0 if mode == "none" else args.every,
                       sync_snapshots=mode == "sync", resume=False, name=f"stall-{mode}")
@@ -129,7 +142,7 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
     if mode in WRITER:
         trainer.snapshots.manager.background_saves.writer = WRITER[mode]
     waits = count_waits(trainer.snapshots)
-    if mode == "async":  # the writer process started before the timed run (see the docstring)
+    if WRITER.get(mode) == "process":  # started before the timed run (see the docstring)
         bg = trainer.snapshots.manager.background_saves
         bg.using = "process"  # what `stage` picks for this mode at the first save
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -220,7 +233,17 @@ def main(argv: list[str] | None = None) -> dict:
                    help="torch threads for training on the CPU (default 1: a GPU box's layout, "
                    "the other cores left to the writer; 0: torch's default)")
     p.add_argument("--dir", help="where the snapshots go (default: a temporary directory)")
+    p.add_argument("--strategy", choices=("ddp", "zero"), default="ddp",
+                   help="the strategy trained (one rank either way)")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2,
+                   help="with --strategy zero: its stage")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated, 'none' first (of {', '.join(MODES)})")
     args = p.parse_args(argv)
+    modes_run = tuple(args.modes.split(","))
+    if modes_run[0] != "none" or not set(modes_run) <= set(MODES) or len(set(modes_run)) < 2:
+        p.error(f"--modes {args.modes}: 'none' first (the reference), then one or more of "
+                f"{', '.join(MODES[1:])}")
     before = os.getloadavg()
     runtime = init_distributed(rank=0, world_size=1, master_addr="127.0.0.1",
                                master_port=free_port())
@@ -233,22 +256,25 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     # First, so that a run cut off by a time limit still says what it ran.
     print(f"device {name} (torch {torch.__version__}), shape {shape}, every {args.every}, "
-          f"steps {args.steps}, rounds {args.rounds}, modes {', '.join(MODES)}", flush=True)
+          f"steps {args.steps}, rounds {args.rounds}, strategy {args.strategy}"
+          f"{f' stage {args.zero_stage}' if args.strategy == 'zero' else ''}, "
+          f"modes {', '.join(modes_run)}", flush=True)
     import ringtrain.training.report as report
     report.write_report = lambda *a, **k: None  # see the docstring
     if args.every < 2 or args.steps < args.every + 2:
         p.error(f"--every {args.every} --steps {args.steps}: take at least one snapshot whose "
                 "next step is timed (--steps >= --every + 2, --every >= 2)")
-    steps: dict[str, list[float]] = {m: [] for m in MODES}
-    saves: dict[str, list[float]] = {m: [] for m in MODES}
-    waits: dict[str, list[float | None]] = {m: [] for m in MODES}
+    steps: dict[str, list[float]] = {m: [] for m in modes_run}
+    saves: dict[str, list[float]] = {m: [] for m in modes_run}
+    waits: dict[str, list[float | None]] = {m: [] for m in modes_run}
     params = size = None
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)  # a folder to make, not a failure
     try:
         with tempfile.TemporaryDirectory(prefix="snapshot_stall_", dir=args.dir) as tmp:
             for r in range(args.rounds):
-                for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+                turn = r % len(modes_run)
+                for mode in modes_run[turn:] + modes_run[:turn]:
                     out = one_run(mode, shape, args, runtime, Path(tmp) / f"{mode}-{r}")
                     steps[mode].append(out["step_s"])  # per run: split knows the step numbers
                     waits[mode] += out["waits"]
@@ -260,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         destroy_distributed()
     modes, split_ms = {}, {}
-    for mode in MODES:
+    for mode in modes_run:
         snap, other = [], []
         for run in steps[mode]:
             a, b = split(run, args.every, args.warmup)
@@ -278,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     none = modes["none"]
     ratio = {}
     goals = {}
-    for mode in MODES[1:]:
+    for mode in modes_run[1:]:
         ratio[f"{mode}_snapshot_step_vs_none"] = round(
             modes[mode]["snapshot_step_ms"]["p50"] / none["other_step_ms"]["p50"], 4)
         ratio[f"{mode}_throughput_vs_none"] = round(
@@ -287,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
                        <= GOALS["snapshot_step"],
                        "throughput": ratio[f"{mode}_throughput_vs_none"] >= GOALS["throughput"]}
     print("\n".join(histogram(split_ms)))
-    for mode in MODES:
+    for mode in modes_run:
         m = modes[mode]
         print(f"{mode:5s}  snapshot steps {m['snapshot_step_ms']}  other steps "
               f"{m['other_step_ms']}  {m['steps_per_s']} steps/s  save in step "
@@ -301,13 +327,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"CPU: training on {torch.get_num_threads()} torch thread(s) of {os.cpu_count()} "
               "cores; the writer " + ("runs on the others (a GPU box emulated)" if free
                                       else "competes with training for them (none left)"))
-    for mode in MODES[1:]:
+    for mode in modes_run[1:]:
         said = {k: "met" if v else "NOT met" for k, v in goals[mode].items()}
         print(f"goals, {mode:12s}: snapshot step p50 {ratio[f'{mode}_snapshot_step_vs_none']}x "
               f"a plain step (<= {GOALS['snapshot_step']}x: {said['snapshot_step']}), "
               f"throughput {ratio[f'{mode}_throughput_vs_none']}x none (>= "
               f"{GOALS['throughput']}x: {said['throughput']})")
     result = {"device": name, "torch": torch.__version__, "params": params, "shape": shape,
+              "strategy": args.strategy,
+              "zero_stage": args.zero_stage if args.strategy == "zero" else None,
               "every": args.every, "steps": args.steps, "rounds": args.rounds,
               "warmup": args.warmup,
               "threads": torch.get_num_threads() if device.type == "cpu" else None,

@@ -63,9 +63,7 @@ def _trained_one_rank_strategy(steps: int = 2) -> ZeroStrategy:
     strategy = ZeroStrategy(Runtime(0, 1, 0, "gloo", CPU, None, None), zero_stage=2)
     strategy.setup(GPT(MODEL), adamw(0.1), loss_fn)
     for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randint(0, MODEL.vocab_size, (4, MODEL.block_size), generator=g)
-        strategy.train_step([(x, x.roll(1, dims=1))], lr=1e-2, grad_clip=1.0)
+        _train(strategy, step)
     return strategy
 
 
@@ -139,3 +137,29 @@ def test_a_member_keeps_the_parts_of_the_commit_it_is_at_over_a_restore_and_a_he
     assert hooks.held is not None and hooks.held.steps == 5 and sorted(hooks.held.parts) == [0, 1]
     hooks.load_state_dict({"owner": "peer", "steps": 6})  # behind with nothing of step 6
     assert hooks.held is None and hooks.steps == 6
+
+
+def _train(strategy: ZeroStrategy, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, MODEL.vocab_size, (4, MODEL.block_size), generator=g)
+    strategy.train_step([(x, x.roll(1, dims=1))], lr=1e-2, grad_clip=1.0)
+
+
+def test_a_members_commit_is_a_copy_that_the_next_step_leaves_alone():
+    # `shard_state_dict()` returns the optimizer's own moment buffers (`flat_moments`, for
+    # `updated_state`): a commit that aliased them (`.cpu()` on a CPU tensor is the tensor
+    # itself) would change with the next step, and a restore after a failed step would load
+    # that failed step's moments.
+    strategy = _trained_one_rank_strategy()
+    assert strategy.updated_state() is not None  # not live: its buffers are copied beside
+    hooks = strategy.live_hooks()
+    assert strategy.updated_state() is None  # live: rank 0's snapshot is gathered copies
+    hooks.state_dict()  # the first commit: this member's own part, moments only
+    kept = hooks.held.parts[0]["moments"]
+    before = [{k: v.clone() for k, v in m.items()} for m in kept]
+    _train(strategy, 7)
+    live = strategy.model.shard_state_dict()["moments"]
+    assert any(not torch.equal(m[k], b[k]) for m, b in zip(live, before, strict=True) for k in m)
+    for m, b in zip(kept, before, strict=True):
+        assert m.keys() == b.keys() and m  # AdamW's moments, after the 2 steps
+        assert all(torch.equal(m[k], b[k]) for k in m), "the commit changed with the next step"

@@ -236,7 +236,7 @@ class HostCopy:
         used: dict[_Key, torch.UntypedStorage] = {}
         pending: dict[_Key, _Deferred] = {}
         devices: set[torch.device] = set()
-        state = self._walk(obj, used, devices, (deferred, pending, staged))
+        state = self._walk(obj, used, devices, (deferred, pending, staged, {}))
         self._buffers = used  # storages gone since the last save free their buffers
         self.bytes = sum(s.nbytes() for s in used.values())
         later_bytes = sum(d.source.nbytes() for d in pending.values())
@@ -289,15 +289,29 @@ class HostCopy:
     def _walk(self, obj: Any, used: dict, devices: set, later: tuple) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, used, devices, later)
+        if not isinstance(obj, dict | list | tuple):
+            return self._leaf(obj)
+        # A container met twice (optimizer param_groups sharing one `betas` tuple) is copied
+        # once, as deepcopy's memo does: pickle then writes a reference to the first, as it does
+        # for the original, and the file is byte for byte a synchronous save's.
+        memo = later[-1]
+        if id(obj) in memo:
+            return memo[id(obj)]
         if isinstance(obj, dict):
             out = copy.copy(obj)  # the same type and attributes (a state_dict's `_metadata`)
             for k, v in obj.items():
                 out[k] = self._walk(v, used, devices, later)
-            return out
-        if type(obj) is list:
-            return [self._walk(v, used, devices, later) for v in obj]
-        if type(obj) is tuple:
-            return tuple(self._walk(v, used, devices, later) for v in obj)
+        elif type(obj) is list:
+            out = [self._walk(v, used, devices, later) for v in obj]
+        elif type(obj) is tuple:
+            out = tuple(self._walk(v, used, devices, later) for v in obj)
+        else:
+            out = obj
+        memo[id(obj)] = out
+        return out
+
+    @staticmethod
+    def _leaf(obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
             return obj.copy()
         return obj
@@ -322,7 +336,7 @@ class HostCopy:
             return t.detach().to("cpu", copy=True)  # rare kinds: a plain copy, no buffer reuse
         source = t.untyped_storage()
         key = _key(source, t.device)
-        deferred, pending, staged = later
+        deferred, pending, staged, _ = later
         if key in deferred:  # copied by `finish` (CPU, staging) or on the side stream (device)
             d = pending.get(key)
             if d is None:

@@ -32,6 +32,7 @@ from ringtrain.strategies.base import (
     StepResult,
     Strategy,
     StrategyConfig,
+    UpdatedState,
     eval_forward,
 )
 from ringtrain.strategies.figures import Figures, Workload, gather_share
@@ -175,6 +176,21 @@ class ZeroStrategy(ShardPerRank, Strategy):
         if self._live is not None:  # the members' rank 0 saves alone: the whole state
             return {"zero": self._live.snapshot_state()}
         return {"zero": self._zero().shard_state_dict()}
+
+    def updated_state(self) -> UpdatedState | None:
+        # What `state_dict()` returns as is, which only the optimizer step changes in place: the
+        # flat moment buffers (the optimizer's state is views into them once a state_dict was
+        # taken) and stage 3's shard (its own storage). Stages 1/2's shard is a view of `full`,
+        # which the next forward's all-gather writes: `state_dict()` clones it in the step.
+        if self._live is not None:
+            # Live: `state_dict()` is the members' snapshot, gathered to rank 0 as fresh copies
+            # that no step touches; the optimizer's buffers are not what it returns.
+            return None
+        zero = self._zero()
+        moments = [flat for per_key in zero_state.flat_moments(zero.units, zero.optimizer)
+                   for flat in per_key.values()]
+        shards = [u.shard for u in zero.units] if zero.stage == 3 else []
+        return UpdatedState([*shards, *moments], [zero.optimizer.optimizer])
 
     def live_hooks(self) -> ZeroLiveHooks:
         """Stages 1 and 2: the model replicated, each optimizer shard copied to a buddy

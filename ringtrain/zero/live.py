@@ -88,13 +88,17 @@ def moments_only(part: Mapping[str, Any]) -> dict[str, Any]:
     """A part (`ZeroDataParallel.shard_state_dict`) without its parameter slices, in host
     memory: what a buddy is sent at stages 1 and 2 (the parameters are on every member
     already), and what a member keeps of its own (gloo's send/recv take host tensors; a
-    commit in host memory costs no accelerator memory)."""
+    commit in host memory costs no accelerator memory). Its tensors are copies: the part's
+    moments are the optimizer's live buffers, and a commit must not change with the next step."""
     return _to_host({k: v for k, v in part.items() if k != "shards"})
 
 
 def _to_host(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.cpu()
+        # A copy, never `.cpu()`: on the CPU that returns the same tensor, and a part's moments
+        # are the optimizer's own buffers (`zero.state.flat_moments`), which the next step
+        # changes in place: a commit that aliased them would restore the failed step's state.
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _to_host(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

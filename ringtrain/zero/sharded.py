@@ -283,8 +283,12 @@ class ZeroDataParallel(UnitHooks, nn.Module):
         for u in self.units:
             held = u.held_bytes()
             params, grads = params + held["params"], grads + held["grads"]
-        opt = sum(t.untyped_storage().nbytes() for st in self.optimizer.state.values()
-                  for t in st.values() if isinstance(t, torch.Tensor))
+        # Each storage once: after a state_dict the moments are views of one flat buffer per
+        # unit and key (`state.flat_moments`), which every part's view would count again.
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for st in self.optimizer.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor)}
+        opt = sum(storages.values())
         want = expected_bytes(self.numel, self.world_size, self.stage)
         return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": opt,
                 "expected_param_bytes": want["params"], "expected_grad_bytes": want["grads"],

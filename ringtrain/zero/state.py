@@ -40,24 +40,70 @@ def shard_state(units: Sequence[FlatUnit], optimizer: ZeroOptimizer, *, stage: i
     `step`) is a scalar, the same for every part: kept once.
     """
     opt = optimizer.optimizer
-    moments: list[dict[str, torch.Tensor]] = [{} for _ in units]
+    moments = flat_moments(units, optimizer)
     scal: dict[str, Any] = {}
-    for part, k, start, n in optimizer.locations:
+    for part, _k, _start, _n in optimizer.locations:
         for key, v in opt.state.get(part, {}).items():
-            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape == part.shape:
-                flat = moments[k].get(key)
-                if flat is None:
-                    flat = moments[k][key] = v.new_zeros(units[k].plan.shard_numel)
-                flat[start:start + n] = v.detach().reshape(-1)
-            elif key not in scal:
+            if not _per_element(v, part) and key not in scal:
                 scal[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
     return {"format": FORMAT, "stage": stage, "world_size": world_size, "rank": rank,
             "numels": [u.plan.numel for u in units], "names": unit_names(units),
             "shapes": [[list(s.shape) for s in u.plan.slots] for u in units],
-            "shards": [u.shard.detach().clone() for u in units], "moments": moments,
+            "shards": [u.shard.detach() if own_storage(u.shard) else u.shard.detach().clone()
+                       for u in units],
+            "moments": moments,
             "scalars": scal,
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in opt.param_groups]}
+
+
+def own_storage(t: torch.Tensor) -> bool:
+    """`t` is the whole of its storage (stage 3's shard, a flat moment buffer): saved as is,
+    `torch.save` writes exactly its bytes, as it would a clone's. A view of a larger storage
+    (stages 1/2's shard in `full`) would write all of `full`: that one is cloned."""
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _per_element(v: Any, part: torch.Tensor) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape == part.shape
+
+
+def flat_moments(units: Sequence[FlatUnit],
+                 optimizer: ZeroOptimizer) -> list[dict[str, torch.Tensor]]:
+    """Per unit and key, the flat vector of a per-element optimizer state (AdamW's moments),
+    laid out like the unit's shard with zeros where this rank holds padding.
+
+    The optimizer's per-part tensors become views into it, the first time only (`_adopt`), so
+    later calls return the live flat buffers without a copy: a background snapshot copies them
+    beside the next step (`ZeroStrategy.updated_state`) and their bytes are a clone's.
+    """
+    opt = optimizer.optimizer
+    moments: list[dict[str, torch.Tensor]] = [{} for _ in units]
+    for part, k, start, n in optimizer.locations:
+        for key, v in opt.state.get(part, {}).items():
+            if not _per_element(v, part):
+                continue
+            flat = moments[k].get(key)
+            if flat is None:
+                base = torch.empty(0, dtype=v.dtype, device=v.device).set_(v.untyped_storage())
+                if base.numel() == units[k].plan.shard_numel and own_storage(base):
+                    flat = base  # adopted at an earlier call (or this unit's first part)
+                else:
+                    flat = v.new_zeros(units[k].plan.shard_numel)
+                moments[k][key] = flat
+            if not _is_view_at(v, flat, start, n):
+                with torch.no_grad():
+                    flat[start:start + n].copy_(v.detach().reshape(-1))
+                # The optimizer changes its state in place (AdamW's foreach and fused paths
+                # alike), so from now on it writes into `flat`.
+                opt.state[part][key] = flat[start:start + n].view(part.shape)
+    return moments
+
+
+def _is_view_at(v: torch.Tensor, flat: torch.Tensor, start: int, n: int) -> bool:
+    return (v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            and v.storage_offset() == start and v.numel() == n and v.is_contiguous())
 
 
 def load_parts(units: Sequence[FlatUnit], optimizer: ZeroOptimizer,
