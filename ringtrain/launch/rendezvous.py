@@ -119,11 +119,17 @@ class _BoundedRendezvous:
     so the launcher would hang long after its workers' watchdogs stopped them. Here the query
     runs on a helper thread: while one is pending the agent gets the last answer and goes on
     watching its workers; one pending for `silent_s` raises; `shutdown` gives up after `close_s`.
+
+    `live` (`ringtrain train --live`): the query still runs (it is how the agent finds its store
+    host gone) but its answer is 0. torch's agent restarts every worker of every node when a
+    node waits to join (`_invoke_run`), which would undo a live job's point: the members already
+    replace what they lose, and a node that arrives late waits outside until the job ends.
     """
 
-    def __init__(self, inner, endpoint: str, silent_s: float, close_s: float):
+    def __init__(self, inner, endpoint: str, silent_s: float, close_s: float,
+                 live: bool = False):
         self._inner, self._endpoint = inner, endpoint
-        self._silent_s, self._close_s = silent_s, close_s
+        self._silent_s, self._close_s, self._live = silent_s, close_s, live
         self._waiting = 0
         self._pending: tuple[threading.Thread, float, list] | None = None
 
@@ -147,7 +153,7 @@ class _BoundedRendezvous:
         if error is not None:
             raise error
         self._waiting = value
-        return value
+        return 0 if self._live else value
 
     def shutdown(self) -> bool:
         out: list = []
@@ -161,11 +167,12 @@ class _BoundedRendezvous:
 
 
 @contextlib.contextmanager
-def _bounded_rendezvous(endpoint: str) -> Iterator[None]:
-    """Have `elastic_launch` (only it) wrap its rendezvous handler in `_BoundedRendezvous`."""
+def _bounded_rendezvous(endpoint: str, live: bool = False) -> Iterator[None]:
+    """Have `elastic_launch` (only it) wrap its rendezvous handler in `_BoundedRendezvous`
+    (`live`: no node is ever let in after the start)."""
     registry = RDZV_REGISTRY.get()
     with RDZV_REGISTRY.replaced(types.SimpleNamespace(
             get_rendezvous_handler=lambda params: _BoundedRendezvous(
                 registry.get_rendezvous_handler(params), endpoint, RENDEZVOUS_SILENT_S,
-                RENDEZVOUS_CLOSE_S))):
+                RENDEZVOUS_CLOSE_S, live=live))):
         yield
