@@ -306,7 +306,7 @@ def launch(
             workers must be able to go on without them (async parameter-server workers).
         live: a worker killed by a signal, or left out by its peers, is started again in place
             while the others run on (`ringtrain.launch.live_agent`); the workers must recover
-            without it (`ringtrain train --live`). Single node, no max_restarts.
+            without it (`ringtrain train --live`). A fixed number of nodes, no max_restarts.
         live_spares: with `live`, warm spares started beside the workers: a lost worker's
             place is taken by one at once (`ringtrain.launch.live_agent`).
         memory: the workers' memory cgroups, when `entrypoint` joins them (`--memory-limit`,

@@ -35,6 +35,19 @@ TORCHELASTIC_USE_AGENT_STORE), so it outlives every worker. If the agent or its 
 the job is lost: run the same command again and it resumes from its last snapshot. At most
 `MAX_REPLACEMENTS` replacements per job: a worker that dies every time it starts is a bug to
 report, not a fault to ride out.
+
+Across nodes (`--nnodes N`, a fixed N) each node's agent does the above for its own workers;
+the store is node 0's agent's, and every agent reads it from a thread (`StoreWatch`,
+live_store.py: a call to a host whose link is down blocks for minutes). A worker that exited
+is judged only once the store has answered since (a lost store fails every worker of a node
+within a second: neither the job's failure nor a fault a replacement could mend). An agent
+whose store has not answered for `STORE_SILENT_S` (10 s) SIGKILLs its workers and spares and
+raises `LiveStoreLostError`: its link is down (the other nodes trained on without its members
+after about a second) or node 0 is gone (the job is lost: a restart from the last snapshot),
+and it cannot tell which, so the error says both. torch's re-rendezvous is off
+(`ringtrain.launch.rendezvous._BoundedRendezvous`): a node that arrives late waits outside and
+never restarts the others' workers. The agents' exit barrier waits only for agents still
+beating in the store, not torch's 300 s for a node that is gone.
 """
 
 from __future__ import annotations
@@ -67,10 +80,6 @@ REPLACEMENT_ENV = "RINGTRAIN_LIVE_REPLACEMENT"  # set in a replacement: which on
 SPARE_ENV = "RINGTRAIN_LIVE_SPARE"  # set in a warm spare: it waits, built, for a lost member
 LEFT_OUT_EXIT_CODE = 76  # a worker its peers left out of a generation (LiveMemberLostError)
 MAX_REPLACEMENTS = 32
-# The store silent this long (a poll normally takes milliseconds): nothing is decided until it
-# answers again, since a replacement started now could not reach it.
-_STORE_LATE_S = 2.0
-
 
 class LiveStoreLostError(RuntimeError):
     """This node's agent lost the job's store (node 0's agent) and stopped its workers."""
@@ -177,6 +186,17 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
         # by its own SIGKILL then is no fault to ride out (seen: a replacement started while
         # the job stopped on a raise, benchmarks/chaos.py --live).
         workers = running_workers(self)
+        if workers and not stopping[0]:
+            departed.start(self.envs)
+            silent = departed.silent_s()
+            if silent > departed.silent_after_s:
+                _stop_node(self, warm, departed, silent)
+            # A worker that exited is judged once the store has answered since: across nodes a
+            # lost store fails every worker here within a second, which is neither the job's
+            # failure nor a fault a replacement (that could not reach the store) would mend.
+            if not departed.answered_since(
+                    [proc.pid for _, _, proc in workers if proc.poll() not in (None, 0)]):
+                return
         stopping[0] = stopping[0] or any(
             code is not None and code != 0 and not _replaceable(code)
             for code in (proc.poll() for _, _, proc in workers))
@@ -185,12 +205,6 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             original(self, done_local_ranks)
             return
         if workers:
-            departed.start(self.envs)
-            silent = departed.silent_s()
-            if silent > departed.silent_after_s:
-                _stop_node(self, warm, departed, silent)
-            if silent > _STORE_LATE_S:
-                return  # this poll decides nothing: the next one, or the stop above, will
             hung = set(departed.pids())
             for _, rank, proc in workers:
                 if proc.pid in hung and proc.poll() is None:
@@ -268,8 +282,8 @@ def _stop_node(context: Any, warm: _Spares, watch: StoreWatch, silent_s: float) 
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
-            ranks.append(rank)
         proc.wait(timeout=10)
+        ranks.append(rank)
     warm.close(grace_s=0)
     raise LiveStoreLostError(
         f"node {watch.node} lost the job's store at {watch.endpoint} (node 0's agent): no "

@@ -61,7 +61,8 @@ class StoreWatch:
         self._to_mark: list[int] = []
         self._done = self._done_written = False  # this node's workers are done; said so
         self._others: dict[int, tuple[int, float, bool]] = {}  # node -> (beat, moved at, done)
-        self._contact = time.monotonic()
+        self._contact = self._contact_began = time.monotonic()  # the last whole poll: end, start
+        self._asked: dict[int, float] = {}  # pid -> when `answered_since` first saw it
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -73,7 +74,7 @@ class StoreWatch:
         self.ranks = frozenset(int(e.get("RANK", -1)) for e in envs.values())
         self.node, self.nodes = int(env.get("GROUP_RANK", 0)), int(env.get("GROUP_WORLD_SIZE", 1))
         self.endpoint = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-        self._contact = time.monotonic()
+        self._contact = self._contact_began = time.monotonic()
         self._thread = threading.Thread(target=self._run, args=(env,), daemon=True,
                                         name="ringtrain-live-store")
         self._thread.start()
@@ -89,6 +90,16 @@ class StoreWatch:
     def silent_s(self) -> float:
         """Seconds since the store last answered a whole poll (0 before `start`)."""
         return 0.0 if self._thread is None else time.monotonic() - self._contact
+
+    def answered_since(self, pids: list[int]) -> bool:
+        """Whether a whole poll of the store began after each of `pids` was first asked about
+        (exited workers): until then, asks for one at once and says False."""
+        now = time.monotonic()
+        seen = [self._asked.setdefault(pid, now) for pid in pids]
+        if not seen or self._contact_began > max(seen):
+            return True
+        self._wake.set()
+        return False
 
     def pids(self) -> list[int]:
         """Pids of this node's members that the live group declared lost, each once."""
@@ -127,6 +138,7 @@ class StoreWatch:
     # -- the thread -------------------------------------------------------------------------
     def _run(self, env: dict[str, str]) -> None:
         while not self._stop.is_set():
+            began = time.monotonic()
             with contextlib.suppress(*_ERRORS):
                 if self._store is None:  # the agent's own store, as a client (the workers' address)
                     client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
@@ -135,7 +147,7 @@ class StoreWatch:
                         run=env.get("TORCHELASTIC_RUN_ID", "none"),
                         attempt=env.get("TORCHELASTIC_RESTART_COUNT", "0")), client)
                 self._poll(self._store)
-                self._contact = time.monotonic()
+                self._contact, self._contact_began = time.monotonic(), began
             self._wake.wait(self.poll_s)
             self._wake.clear()
 

@@ -120,10 +120,13 @@ class _BoundedRendezvous:
     runs on a helper thread: while one is pending the agent gets the last answer and goes on
     watching its workers; one pending for `silent_s` raises; `shutdown` gives up after `close_s`.
 
-    `live` (`ringtrain train --live`): the query still runs (it is how the agent finds its store
-    host gone) but its answer is 0. torch's agent restarts every worker of every node when a
-    node waits to join (`_invoke_run`), which would undo a live job's point: the members already
-    replace what they lose, and a node that arrives late waits outside until the job ends.
+    `live` (`ringtrain train --live`): the answer is 0, and a failed query is not raised.
+    torch's agent restarts every worker of every node when a node waits to join
+    (`_invoke_run`), which would undo a live job's point: the members replace what they lose,
+    and a node that arrives late waits outside until the job ends. A lost store host is the
+    live agent's to find and say (`ringtrain.launch.live_store`, 10 s), with its workers
+    stopped at once, not torch's SIGTERM and shutdown timeout; only a query hung for
+    `silent_s` still raises, as a last bound.
     """
 
     def __init__(self, inner, endpoint: str, silent_s: float, close_s: float,
@@ -150,7 +153,7 @@ class _BoundedRendezvous:
             return self._waiting
         self._pending = None
         value, error = out[0]
-        if error is not None:
+        if error is not None and not self._live:  # live: the agent's own watch says it
             raise error
         self._waiting = value
         return 0 if self._live else value
