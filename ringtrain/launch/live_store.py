@@ -17,9 +17,10 @@ Across nodes (`ringtrain train --live --nnodes N`):
   rank (`slot/{uid}`, written by `LiveGroup`) is one of this node's ranks: another node's
   member with the same pid is never killed or marked here;
 - each agent beats `agents/{node}/beat` in the store, and says `agents/{node}/done` once its
-  workers are done. torch's exit barrier waits for every node's agent (300 s) and would hold a
-  finished job that long after a node was lost; `finish` waits only for agents that still beat:
-  one silent for `STORE_SILENT_S` has stopped itself (it lost the store that long), or is dead.
+  workers are done (then `left`, see `finish`). torch's exit barrier waits for every node's
+  agent (300 s) and would hold a finished job that long after a node was lost; `finish` waits
+  only for agents that still beat: one silent for `STORE_SILENT_S` has stopped itself (it lost
+  the store that long), or is dead.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ _POLL_S = 0.25
 # a working link, and short enough that a cut-off node is gone before anyone looks for it.
 STORE_SILENT_S = 10.0
 _ERRORS = (RuntimeError, OSError, KeyError, ValueError)
+_PHASES = {1: "done", 2: "left"}  # `finish`'s two rounds, as written in the store
 
 
 class StoreWatch:
@@ -59,8 +61,11 @@ class StoreWatch:
         self._seen: set[int] = set()
         self._found: list[int] = []  # departed pids not yet handed out
         self._to_mark: list[int] = []
-        self._done = self._done_written = False  # this node's workers are done; said so
-        self._others: dict[int, tuple[int, float, bool]] = {}  # node -> (beat, moved at, done)
+        self._members: list[tuple[int, int]] = []  # uid -> (slot, pid), as registered
+        self._phase = self._written = 0  # of `finish`: 1 done, 2 left; the one said in the store
+        self._host_gone = False  # the store stopped answering once this agent said `left`
+        # node -> (beat, when it last moved on our clock, done, left)
+        self._others: dict[int, tuple[int, float, bool, bool]] = {}
         self._contact = self._contact_began = time.monotonic()  # the last whole poll: end, start
         self._asked: dict[int, float] = {}  # pid -> when `answered_since` first saw it
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -116,22 +121,35 @@ class StoreWatch:
 
     def finish(self, bound_s: float | None = None) -> list[int]:
         """Say this node is done; wait until every other node's agent is done too, or silent
-        for `bound_s` (default `silent_after_s`). Returns the nodes given up on."""
+        for `bound_s` (default `silent_after_s`). Returns the nodes given up on.
+
+        Two rounds, as the store's host must be the last to go: each agent says `done` and
+        waits for the others' (or their silence), then says `left` and waits for the others'
+        `left`; an agent whose store stops answering once it said `left` is done waiting (the
+        host, the only one that may not miss a `left`, has gone).
+        """
         if self._thread is None:  # no worker ever ran here
             return []
         bound_s = self.silent_after_s if bound_s is None else bound_s
-        self._done = True
+        self._phase = 1
+        gone = self._wait_for(bound_s, phase=1, ignore=())
+        self._phase = 2
+        self._wait_for(bound_s, phase=2, ignore=gone)
+        return gone
+
+    def _wait_for(self, bound_s: float, phase: int, ignore) -> list[int]:
+        """Until every other agent but `ignore` is past `phase` (1 done, 2 left) or silent."""
         self._wake.set()
         while True:
             now = time.monotonic()
-            if now - self._contact > bound_s:  # this node lost the store: nobody to wait for
+            if now - self._contact > bound_s or (phase == 2 and self._host_gone):
                 return sorted(set(range(self.nodes)) - {self.node})
             with self._lock:
                 others = dict(self._others)
-            waiting = [n for n in range(self.nodes) if n != self.node
-                       and not (n in others and others[n][2])]
+            waiting = [n for n in range(self.nodes) if n != self.node and n not in ignore
+                       and not (n in others and others[n][1 + phase])]
             gone = [n for n in waiting if n in others and now - others[n][1] > bound_s]
-            if len(gone) == len(waiting) and self._done_written:
+            if len(gone) == len(waiting) and self._written >= phase:
                 return gone
             time.sleep(self.poll_s)
 
@@ -146,7 +164,11 @@ class StoreWatch:
                     self._store = dist.PrefixStore(_LIVE_KEYS.format(
                         run=env.get("TORCHELASTIC_RUN_ID", "none"),
                         attempt=env.get("TORCHELASTIC_RESTART_COUNT", "0")), client)
-                self._poll(self._store)
+                try:
+                    self._poll(self._store)
+                except _ERRORS:
+                    self._host_gone = self._written == 2  # it goes last (`finish`)
+                    raise
                 self._contact, self._contact_began = time.monotonic(), began
             self._wake.wait(self.poll_s)
             self._wake.clear()
@@ -154,10 +176,11 @@ class StoreWatch:
     def _poll(self, store: Any) -> None:
         with self._lock:
             to_mark, self._to_mark = self._to_mark, []
-        uids = int(store.add("uids", 0))
-        mine = {u: int(store.get(f"pid/{u}")) for u in range(uids)
-                if store.check([f"slot/{u}", f"pid/{u}"])
-                and int(store.get(f"slot/{u}")) in self.ranks}
+        for uid in range(len(self._members), int(store.add("uids", 0))):
+            if not store.check([f"slot/{uid}", f"pid/{uid}"]):
+                break  # registering now: read it whole next time
+            self._members.append((int(store.get(f"slot/{uid}")), int(store.get(f"pid/{uid}"))))
+        mine = {uid: pid for uid, (slot, pid) in enumerate(self._members) if slot in self.ranks}
         for uid, pid in mine.items():
             if pid in to_mark:
                 store.set(f"departed/{uid}", b"1")
@@ -167,16 +190,17 @@ class StoreWatch:
                 with self._lock:
                     self._found.append(pid)
         store.add(f"agents/{self.node}/beat", 1)
-        if self._done:
-            store.set(f"agents/{self.node}/done", b"1")
-            self._done_written = True
+        phase = self._phase
+        for p in range(self._written + 1, phase + 1):
+            store.set(f"agents/{self.node}/{_PHASES[p]}", b"1")
+        self._written = max(self._written, phase)
         now = time.monotonic()
         for n in range(self.nodes):
             if n == self.node:
                 continue
             beat = int(store.add(f"agents/{n}/beat", 0))
-            done = store.check([f"agents/{n}/done"])
+            done, left = (store.check([f"agents/{n}/{_PHASES[p]}"]) for p in (1, 2))
             with self._lock:
                 last = self._others.get(n)
                 moved = now if last is None or last[0] != beat else last[1]
-                self._others[n] = (beat, moved, done)
+                self._others[n] = (beat, moved, done, left)
