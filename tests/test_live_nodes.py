@@ -286,8 +286,17 @@ LINK_STEPS, CUT_AFTER = 40, 8
 STOP_SLACK_S = 15.0  # over the store's silence bound: a poll, the kill, the rendezvous's close
 
 
-def _cut(hosts: tuple[Host, Host], run_dir: Path, port: int, cut) -> dict:
-    """A run (--live-wait 0) in which `cut(hosts)` happens once step CUT_AFTER is logged."""
+def _cut(run_dir: Path, port: int, cut) -> dict:
+    """A run (--live-wait 0) on two fresh hosts in which `cut(hosts)` happens once step
+    CUT_AFTER is logged (fresh: a link taken down stays down)."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"two-host live tests need network namespaces: {reason}")
+    with two_hosts() as hosts:
+        return _cut_on(hosts, run_dir, port, cut)
+
+
+def _cut_on(hosts: tuple[Host, Host], run_dir: Path, port: int, cut) -> dict:
     procs = _launch(hosts, run_dir, port, ["--live-wait", "0", "--steps", str(LINK_STEPS),
                                            "--eval-every", str(LINK_STEPS), "--snapshot-every",
                                            str(LINK_STEPS)], ENV)
@@ -316,12 +325,12 @@ def _cut(hosts: tuple[Host, Host], run_dir: Path, port: int, cut) -> dict:
 
 @pytest.mark.multinode
 @pytest.mark.slow
-def test_a_node_that_loses_its_link_stops_and_the_others_train_on(hosts, tmp_path):
+def test_a_node_that_loses_its_link_stops_and_the_others_train_on(tmp_path):
     if not FULL:
         pytest.skip("RINGTRAIN_FULL=1 runs the lost-link case (~45 s); the kill case covers "
                     "the multi-node launcher by default")
     run_dir = tmp_path / "run"
-    out = _cut(hosts, run_dir, 29471, lambda h: h[1].unplug())
+    out = _cut(run_dir, 29471, lambda h: h[1].unplug())
     node_a, node_b = out["logs"]
     assert out["codes"] == [0, 1], "\n".join(out["logs"])
     print(f"\nlink down after step {CUT_AFTER}: node 1 stopped after {out['exit_s'][1]:.1f} s, "
@@ -350,10 +359,10 @@ def test_a_node_that_loses_its_link_stops_and_the_others_train_on(hosts, tmp_pat
 
 @pytest.mark.multinode
 @pytest.mark.slow
-def test_a_lost_node_0_is_a_job_restart_and_node_1_says_so(hosts, tmp_path):
+def test_a_lost_node_0_is_a_job_restart_and_node_1_says_so(tmp_path):
     if not FULL:
         pytest.skip("RINGTRAIN_FULL=1 runs the lost-node-0 case (~40 s)")
-    out = _cut(hosts, tmp_path / "run", 29472, lambda h: h[0].kill_all())
+    out = _cut(tmp_path / "run", 29472, lambda h: h[0].kill_all())
     node_b = out["logs"][1]
     assert out["codes"][1] == 1, node_b[-3000:]
     assert out["exit_s"][1] < STORE_SILENT_S + STOP_SLACK_S

@@ -73,12 +73,12 @@ class StoreWatch:
 
     def start(self, envs: dict[int, dict[str, str]]) -> None:
         """Start polling, with the workers' environments (`SubprocessContext.envs`)."""
-        if self._thread is not None or not envs:
+        env = next(iter(envs.values()), {})
+        if self._thread is not None or "MASTER_PORT" not in env:  # no store: nothing to watch
             return
-        env = next(iter(envs.values()))
         self.ranks = frozenset(int(e.get("RANK", -1)) for e in envs.values())
         self.node, self.nodes = int(env.get("GROUP_RANK", 0)), int(env.get("GROUP_WORLD_SIZE", 1))
-        self.endpoint = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        self.endpoint = f"{env.get('MASTER_ADDR', 'localhost')}:{env['MASTER_PORT']}"
         self._contact = self._contact_began = time.monotonic()
         self._thread = threading.Thread(target=self._run, args=(env,), daemon=True,
                                         name="ringtrain-live-store")
@@ -101,7 +101,7 @@ class StoreWatch:
         (exited workers): until then, asks for one at once and says False."""
         now = time.monotonic()
         seen = [self._asked.setdefault(pid, now) for pid in pids]
-        if not seen or self._contact_began > max(seen):
+        if not seen or self._thread is None or self._contact_began > max(seen):
             return True
         self._wake.set()
         return False
@@ -159,7 +159,8 @@ class StoreWatch:
             began = time.monotonic()
             with contextlib.suppress(*_ERRORS):
                 if self._store is None:  # the agent's own store, as a client (the workers' address)
-                    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                    client = dist.TCPStore(self.endpoint.rpartition(":")[0],
+                                           int(env["MASTER_PORT"]),
                                            is_master=False, timeout=timedelta(seconds=5))
                     self._store = dist.PrefixStore(_LIVE_KEYS.format(
                         run=env.get("TORCHELASTIC_RUN_ID", "none"),
