@@ -211,8 +211,8 @@ def test_live_is_refused_before_launch_with_the_reason_and_the_fix(argv, said):
         check_args(parse_options(["--live-spares", "1"]), world_size=3)
 
 
-def test_the_live_launcher_refuses_restarts_and_several_nodes():
+def test_the_live_launcher_refuses_restarts():
     from ringtrain.launch.launcher import launch
 
-    with pytest.raises(ValueError, match="live mode replaces workers on one node"):
+    with pytest.raises(ValueError, match="live mode replaces workers in place"):
         launch("x.py", [], nproc_per_node=2, max_restarts=1, live=True)

@@ -217,9 +217,13 @@ def _check_live(opts: TrainOptions, world_size: int | None) -> None:
                          "replaces a lost worker instead of restarting the job; drop "
                          "--max-restarts (a whole-job failure resumes from the snapshots when "
                          "the same command is run again)")
-    if launch.nnodes != "1":
-        raise ValueError(f"--live with --nnodes {launch.nnodes}: live recovery runs on one "
-                         "machine for now (the store lives in its agent); drop --live")
+    if not launch.nnodes.isdigit():
+        # Torch's agents would restart every worker when a node joins or leaves the range;
+        # live mode replaces workers in place on the nodes the job started with.
+        raise ValueError(f"--live with --nnodes {launch.nnodes}: live recovery keeps a fixed "
+                         "set of nodes (a lost worker is replaced on its own node, a lost node "
+                         "is trained on without); give one number, e.g. --nnodes "
+                         f"{launch.nnodes.split(':')[-1]}, or drop --live")
 
 
 def _check_layout(opts: TrainOptions, world_size: int, train_samples: int) -> None:

@@ -57,7 +57,7 @@ from ringtrain.launch.failure_report import (
     format_failure,
     root_cause,
 )
-from ringtrain.launch.live_agent import replacing_lost_workers
+from ringtrain.launch.live_agent import LiveStoreLostError, replacing_lost_workers
 from ringtrain.launch.process_group import WATCHDOG_ENV
 from ringtrain.launch.rendezvous import (
     _bounded_rendezvous,
@@ -188,7 +188,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
             if live:
                 stack.enter_context(replacing_lost_workers(spares=live_spares, memory=memory))
             if multi_node:
-                stack.enter_context(_bounded_rendezvous(config.rdzv_endpoint))
+                stack.enter_context(_bounded_rendezvous(config.rdzv_endpoint, live=live))
                 stack.enter_context(restarts_for_the_job())
             elastic_launch(config, cmd)(*cmd_args)
         return 0
@@ -213,6 +213,9 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     except KeyboardInterrupt:  # Ctrl-C before the agent's handler was in place; it stopped them
         print("ringtrain run: got SIGINT; stopped all workers", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
+    except LiveStoreLostError as e:  # this node's workers are stopped; the message says why
+        print(f"ringtrain run: live: {e}", file=sys.stderr, flush=True)
+        return 1
     except RendezvousConnectionError as e:
         cause = e.__cause__ or e
         print(f"ringtrain run: cannot reach the rendezvous store at {config.rdzv_endpoint} "
@@ -303,7 +306,7 @@ def launch(
             workers must be able to go on without them (async parameter-server workers).
         live: a worker killed by a signal, or left out by its peers, is started again in place
             while the others run on (`ringtrain.launch.live_agent`); the workers must recover
-            without it (`ringtrain train --live`). Single node, no max_restarts.
+            without it (`ringtrain train --live`). A fixed number of nodes, no max_restarts.
         live_spares: with `live`, warm spares started beside the workers: a lost worker's
             place is taken by one at once (`ringtrain.launch.live_agent`).
         memory: the workers' memory cgroups, when `entrypoint` joins them (`--memory-limit`,
@@ -335,8 +338,9 @@ def launch(
         parsed = get_args_parser().parse_args([*argv, "<function>"])
         return _run(parsed, entrypoint, args)
     parsed = get_args_parser().parse_args([*argv, *(["-m"] if module else []), entrypoint, *args])
-    if live and (max_restarts or max_nodes > 1):
+    if live and (max_restarts or not str(nnodes).isdigit()):
         raise ValueError(f"live=True with max_restarts={max_restarts}, nnodes={nnodes!r}: live "
-                         "mode replaces workers on one node; use max_restarts=0, nnodes='1'")
+                         "mode replaces workers in place on a fixed set of nodes; use "
+                         f"max_restarts=0 and nnodes='{max_nodes}'")
     return _run(parsed, tolerate_ranks=tolerate_ranks, live=live, live_spares=live_spares,
                 memory=memory)

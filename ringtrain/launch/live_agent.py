@@ -35,6 +35,19 @@ TORCHELASTIC_USE_AGENT_STORE), so it outlives every worker. If the agent or its 
 the job is lost: run the same command again and it resumes from its last snapshot. At most
 `MAX_REPLACEMENTS` replacements per job: a worker that dies every time it starts is a bug to
 report, not a fault to ride out.
+
+Across nodes (`--nnodes N`, a fixed N) each node's agent does the above for its own workers;
+the store is node 0's agent's, and every agent reads it from a thread (`StoreWatch`,
+live_store.py: a call to a host whose link is down blocks for minutes). A worker that exited
+is judged only once the store has answered since (a lost store fails every worker of a node
+within a second: neither the job's failure nor a fault a replacement could mend). An agent
+whose store has not answered for `STORE_SILENT_S` (10 s) SIGKILLs its workers and spares and
+raises `LiveStoreLostError`: its link is down (the other nodes trained on without its members
+after about a second) or node 0 is gone (the job is lost: a restart from the last snapshot),
+and it cannot tell which, so the error says both. torch's re-rendezvous is off
+(`ringtrain.launch.rendezvous._BoundedRendezvous`): a node that arrives late waits outside and
+never restarts the others' workers. The agents' exit barrier waits only for agents still
+beating in the store, not torch's 300 s for a node that is gone.
 """
 
 from __future__ import annotations
@@ -46,14 +59,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from ringtrain.launch.cgroup import SLOT_ENV, CgroupUnavailable, MemoryCgroups
+from ringtrain.launch.live_store import StoreWatch
 from ringtrain.torch_internals import (
     CAPTURE_PROCESS_FAILURES,
+    EXIT_BARRIER,
     MONITOR_WORKERS,
     adopt,
     running_workers,
@@ -62,16 +74,15 @@ from ringtrain.torch_internals import (
 )
 
 __all__ = ["LEFT_OUT_EXIT_CODE", "MAX_REPLACEMENTS", "REPLACEMENT_ENV", "SPARE_ENV",
-           "replacing_lost_workers"]
+           "LiveStoreLostError", "replacing_lost_workers"]
 
 REPLACEMENT_ENV = "RINGTRAIN_LIVE_REPLACEMENT"  # set in a replacement: which one it is (1, 2..)
 SPARE_ENV = "RINGTRAIN_LIVE_SPARE"  # set in a warm spare: it waits, built, for a lost member
 LEFT_OUT_EXIT_CODE = 76  # a worker its peers left out of a generation (LiveMemberLostError)
 MAX_REPLACEMENTS = 32
-# Where `LiveGroup(name="train")` keeps its keys under the worker's store prefix
-# (`ringtrain.launch.process_group._agent_store`, `ringtrain.live.group`).
-_LIVE_KEYS = "ringtrain/{run}/attempt_{attempt}/ringtrain/live/train"
-_POLL_DEPARTED_S = 0.25
+
+class LiveStoreLostError(RuntimeError):
+    """This node's agent lost the job's store (node 0's agent) and stopped its workers."""
 
 
 def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
@@ -84,46 +95,6 @@ def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Po
 def _replaceable(exitcode: int) -> bool:
     """A death the survivors ride out: a signal other than a stop the job asked for, or left out."""
     return exitcode == LEFT_OUT_EXIT_CODE or (exitcode < 0 and exitcode != -signal.SIGTERM)
-
-
-class _Departed:
-    """Reads the pids of members the live group declared lost (`departed/{uid}`, `pid/{uid}`)."""
-
-    def __init__(self) -> None:
-        self.store: Any = None
-        self.seen: set[int] = set()
-        self.next_poll = 0.0
-
-    def pids(self, env: dict[str, str]) -> list[int]:
-        now = time.monotonic()
-        if now < self.next_poll:
-            return []
-        self.next_poll = now + _POLL_DEPARTED_S
-        try:
-            if self.store is None:  # the agent's own store, as a client (the workers' address)
-                client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                                       is_master=False, timeout=timedelta(seconds=5))
-                self.store = dist.PrefixStore(_LIVE_KEYS.format(
-                    run=env.get("TORCHELASTIC_RUN_ID", "none"),
-                    attempt=env.get("TORCHELASTIC_RESTART_COUNT", "0")), client)
-            out = []
-            for uid in range(int(self.store.add("uids", 0))):
-                if uid in self.seen or not self.store.check([f"departed/{uid}"]):
-                    continue
-                self.seen.add(uid)
-                if self.store.check([f"pid/{uid}"]):
-                    out.append(int(self.store.get(f"pid/{uid}")))
-            return out
-        except (RuntimeError, OSError, KeyError, ValueError):
-            return []  # no store yet (workers starting) or the job is ending: next poll
-
-    def mark(self, pid: int) -> None:
-        """Write `departed/{uid}` for the process `pid`, which exited: its peers regroup
-        without waiting out its heartbeat (`dead_after_s`), and no generation takes it in."""
-        with contextlib.suppress(RuntimeError, OSError, KeyError, ValueError, AttributeError):
-            for uid in range(int(self.store.add("uids", 0))):
-                if self.store.check([f"pid/{uid}"]) and int(self.store.get(f"pid/{uid}")) == pid:
-                    self.store.set(f"departed/{uid}", b"1")
 
 
 class _Spares:
@@ -145,7 +116,7 @@ class _Spares:
                 return item
         return None
 
-    def keep_up(self, context: Any, departed: _Departed, may_start) -> None:
+    def keep_up(self, context: Any, departed: StoreWatch, may_start) -> None:
         """Restart the spares that died; start the missing ones while `may_start()` (it counts
         every start after the first `count` against the job's replacements)."""
         for item in [i for i in self.procs if i[0].poll() is not None]:
@@ -197,7 +168,7 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
     stops the job as torch's agent does. `memory`: the workers' cgroups (`--memory-limit`),
     beside which each spare gets its own."""
     original = CAPTURE_PROCESS_FAILURES.get()
-    departed = _Departed()
+    departed = StoreWatch()
     warm = _Spares(spares, memory)
     count = [0]
 
@@ -215,6 +186,17 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
         # by its own SIGKILL then is no fault to ride out (seen: a replacement started while
         # the job stopped on a raise, benchmarks/chaos.py --live).
         workers = running_workers(self)
+        if workers and not stopping[0]:
+            departed.start(self.envs)
+            silent = departed.silent_s()
+            if silent > departed.silent_after_s:
+                _stop_node(self, warm, departed, silent)
+            # A worker that exited is judged once the store has answered since: across nodes a
+            # lost store fails every worker here within a second, which is neither the job's
+            # failure nor a fault a replacement (that could not reach the store) would mend.
+            if not departed.answered_since(
+                    [proc.pid for _, _, proc in workers if proc.poll() not in (None, 0)]):
+                return
         stopping[0] = stopping[0] or any(
             code is not None and code != 0 and not _replaceable(code)
             for code in (proc.poll() for _, _, proc in workers))
@@ -223,7 +205,7 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             original(self, done_local_ranks)
             return
         if workers:
-            hung = set(departed.pids(self.envs[workers[0][0]]))
+            hung = set(departed.pids())
             for _, rank, proc in workers:
                 if proc.pid in hung and proc.poll() is None:
                     print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) was left out by "
@@ -273,8 +255,39 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
         sync_worker_ids(self, worker_group)  # a replacement is that worker now
         return monitor(self, worker_group)
 
-    with CAPTURE_PROCESS_FAILURES.replaced(capture), MONITOR_WORKERS.replaced(monitor_workers):
+    def exit_barrier(self) -> None:  # torch's waits 300 s for every node's agent, even a lost one
+        gone = departed.finish()
+        departed.close()  # before torch closes the store under its reads
+        if gone:
+            print(f"ringtrain run: live: node {departed.node} done; not waiting for node"
+                  f"{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))}, whose agent "
+                  f"stopped answering the store over {departed.silent_after_s:g} s ago (lost "
+                  "or cut off; the job went on without it)", file=sys.stderr, flush=True)
+
+    with CAPTURE_PROCESS_FAILURES.replaced(capture), MONITOR_WORKERS.replaced(monitor_workers), \
+            EXIT_BARRIER.replaced(exit_barrier):
         try:
             yield
         finally:  # the job is over (done, failed or stopped): no spare outlives it
             warm.close(grace_s=3)
+            departed.close()
+
+
+def _stop_node(context: Any, warm: _Spares, watch: StoreWatch, silent_s: float) -> None:
+    """The store has not answered for `silent_s`: stop this node's workers and spares (SIGKILL:
+    the job's state lives with the members the store still reaches, or in its snapshots) and
+    raise `LiveStoreLostError`, which says what happened and what to do."""
+    ranks = []
+    for _, rank, proc in running_workers(context):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        ranks.append(rank)
+    warm.close(grace_s=0)
+    raise LiveStoreLostError(
+        f"node {watch.node} lost the job's store at {watch.endpoint} (node 0's agent): no "
+        f"answer for {silent_s:.0f} s. Stopped this node's workers (ranks {ranks}). If only "
+        "this node's link went down, the other nodes go on without it (nothing to do here). If "
+        "node 0 or its agent is gone, the job is lost: run the same command again on every "
+        "node; it resumes from the last snapshot")

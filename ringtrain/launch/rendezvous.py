@@ -119,11 +119,20 @@ class _BoundedRendezvous:
     so the launcher would hang long after its workers' watchdogs stopped them. Here the query
     runs on a helper thread: while one is pending the agent gets the last answer and goes on
     watching its workers; one pending for `silent_s` raises; `shutdown` gives up after `close_s`.
+
+    `live` (`ringtrain train --live`): the answer is 0, and a failed query is not raised.
+    torch's agent restarts every worker of every node when a node waits to join
+    (`_invoke_run`), which would undo a live job's point: the members replace what they lose,
+    and a node that arrives late waits outside until the job ends. A lost store host is the
+    live agent's to find and say (`ringtrain.launch.live_store`, 10 s), with its workers
+    stopped at once, not torch's SIGTERM and shutdown timeout; only a query hung for
+    `silent_s` still raises, as a last bound.
     """
 
-    def __init__(self, inner, endpoint: str, silent_s: float, close_s: float):
+    def __init__(self, inner, endpoint: str, silent_s: float, close_s: float,
+                 live: bool = False):
         self._inner, self._endpoint = inner, endpoint
-        self._silent_s, self._close_s = silent_s, close_s
+        self._silent_s, self._close_s, self._live = silent_s, close_s, live
         self._waiting = 0
         self._pending: tuple[threading.Thread, float, list] | None = None
 
@@ -144,10 +153,10 @@ class _BoundedRendezvous:
             return self._waiting
         self._pending = None
         value, error = out[0]
-        if error is not None:
+        if error is not None and not self._live:  # live: the agent's own watch says it
             raise error
         self._waiting = value
-        return value
+        return 0 if self._live else value
 
     def shutdown(self) -> bool:
         out: list = []
@@ -161,11 +170,12 @@ class _BoundedRendezvous:
 
 
 @contextlib.contextmanager
-def _bounded_rendezvous(endpoint: str) -> Iterator[None]:
-    """Have `elastic_launch` (only it) wrap its rendezvous handler in `_BoundedRendezvous`."""
+def _bounded_rendezvous(endpoint: str, live: bool = False) -> Iterator[None]:
+    """Have `elastic_launch` (only it) wrap its rendezvous handler in `_BoundedRendezvous`
+    (`live`: no node is ever let in after the start)."""
     registry = RDZV_REGISTRY.get()
     with RDZV_REGISTRY.replaced(types.SimpleNamespace(
             get_rendezvous_handler=lambda params: _BoundedRendezvous(
                 registry.get_rendezvous_handler(params), endpoint, RENDEZVOUS_SILENT_S,
-                RENDEZVOUS_CLOSE_S))):
+                RENDEZVOUS_CLOSE_S, live=live))):
         yield

@@ -368,6 +368,9 @@ MONITOR_WORKERS = patch_point("torch.distributed.elastic.agent.server.local_elas
                               "LocalElasticAgent._monitor_workers", _RESTARTS,
                               raise_when_off=True)
 set_by_init(MONITOR_WORKERS.owner, "_pcontext", _RESTARTS)
+#: `SimpleElasticAgent._exit_barrier(self)`: once its workers succeeded, waits for every node's
+#: agent (300 s); a live job waits only for those still up (`ringtrain.launch.live_store`).
+EXIT_BARRIER = patch_point(f"{_AGENT}.api.SimpleElasticAgent._exit_barrier", _RESTARTS)
 
 
 def sync_worker_ids(agent: Any, worker_group: Any) -> None:
