@@ -129,11 +129,11 @@ def test_a_lost_ranks_buddy_copy_rebuilds_the_state_it_was_cut_from():
 
 
 def _rebuilt(hooks, held: Held | None, steps: int, rank: int, group) -> dict:
-    """`hooks` re-sharded as the first step of a generation does it (`_rebuild_shards`): this
+    """`hooks` re-sharded over a new generation (as its first step, or `settle`, does it): this
     member holding `held` of the commit after `steps` steps, rank `rank` of `group`."""
     hooks.held, hooks.steps = held, steps
     hooks.on_members(Runtime(rank, group.size(), 0, "gloo", CPU, group, None))
-    hooks._rebuild_shards()
+    hooks.settle()
     return hooks.strategy.model.shard_state_dict()
 
 

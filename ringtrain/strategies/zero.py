@@ -142,6 +142,14 @@ class ZeroStrategy(ShardPerRank, Strategy):
         assert self.model is not None, "setup() first"
         return self.model
 
+    def _gathering(self) -> ZeroDataParallel:
+        """The wrapper, for a use that gathers the parameters through it (stage 3); under
+        --live first re-sharded over members that changed since the last step trained (healed
+        to a step a peer had committed, or lost after the last step: `ZeroLiveHooks.settle`)."""
+        if self._live is not None and self.zero_stage == 3:
+            self._live.settle()
+        return self._zero()
+
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
                    grad_clip: float | None) -> StepResult:
         model = self._zero()
@@ -160,12 +168,12 @@ class ZeroStrategy(ShardPerRank, Strategy):
     @torch.no_grad()
     def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:
         # The wrapper, not the plain module: stage 3 gathers each unit as it runs.
-        return eval_forward(self._zero(), x, self.runtime.device)
+        return eval_forward(self._gathering(), x, self.runtime.device)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         # The end of a run: the trainer may use the plain module afterwards (rank 0 samples from
         # it), so stage 3 leaves it gathered; `stats()` reports the bytes of the last step.
-        return self._zero().full_state_dict(keep_gathered=True)
+        return self._gathering().full_state_dict(keep_gathered=True)
 
     def state_dict(self) -> dict[str, Any]:
         if self._live is not None:  # the members' rank 0 saves alone: the whole state

@@ -189,15 +189,20 @@ class ZeroLiveHooks(LiveHooks):
     def gather_for_stop(self) -> None:
         """Every member, once the stop vote said stop: the shards of the step committed last to
         rank 0, for the stop's snapshot (`snapshot_state`); nothing where they are there
-        already (a snapshot step) or a member holds everything. A generation that has not
-        re-sharded yet (healed to a step a peer had committed) does that first."""
-        rt = self.strategy.runtime
-        if rt.world_size == 1 or (self.snapshot is not None and self.snapshot[0] == self.steps):
+        already (a snapshot step) or a member holds everything (after `settle`)."""
+        self.settle()
+        if self.strategy.runtime.world_size == 1 or (self.snapshot is not None
+                                                     and self.snapshot[0] == self.steps):
             return
-        if self._rebuild:
-            self._rebuild_shards()
         own = buddy_part(self.strategy.model.shard_state_dict())
         self._gather_for_snapshot(own, self.steps)
+
+    def settle(self) -> None:
+        """Every member, outside a step: a generation that has not re-sharded yet (healed to a
+        step a peer had committed, or formed after the last step, `LiveDriver.settle`) does it
+        now, so the wrapper is the members' (stage 3 gathers the final model through it)."""
+        if self._rebuild:
+            self._rebuild_shards()
 
     def _with_params(self, part: dict[str, Any]) -> dict[str, Any]:
         """A kept part as it loads: stages 1 and 2 cut its parameters from this member's model
