@@ -53,8 +53,8 @@ ALONE = {"alone": STAGE2, "alone3": STAGE3} if FULL else {}  # the re-shards 2 -
 JOBS = {"clean": (None, [*STAGE2, *WAITS, *EVERY_STEPS]),
         "replaced": (f"kill:1:{AT}", [*STAGE2, *WAITS, *EVERY_STEPS]),
         # The members' collectives wait up to --watchdog-timeout for a slow one (a kill is found
-        # at once): stage 3 gathers the model at the end, where rank 0 may be still waiting for
-        # its snapshot's writer process to start, seconds on a loaded machine.
+        # at once): stage 3 gathers the model at the end, which rank 0 joins once its last
+        # snapshot is written, by a writer process started at its first save (seconds here).
         "stage3": (f"kill:1:{AT},term-launcher:0:{STOP_AT}",
                    [*STAGE3, *WAITS, "--snapshot-every", "4", "--watchdog-timeout", "30"]),
         **{name: (f"kill:1:{AT}", [*stage, *EVERY_STEPS]) for name, stage in ALONE.items()}}
@@ -76,7 +76,7 @@ def _start(run_dir: Path, fault: str | None, extra: list[str]) -> subprocess.Pop
                             stderr=subprocess.PIPE, text=True, cwd=run_dir.parent, env=env)
 
 
-pytestmark = pytest.mark.slow  # CLI jobs of 2 workers and a replacement; "alone" under FULL
+pytestmark = pytest.mark.slow  # CLI jobs of 2 workers and a replacement; "alone*" under FULL
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +155,10 @@ def test_stage_3_the_replacement_gets_its_parameter_shard_from_the_survivors_cop
     # sample history; stage 2's, at the same step, sends the whole model besides.
     heal3, heal2 = _healed_bytes(stderr), _healed_bytes(runs["replaced"][1])
     assert heal2 - heal3 >= _summary(runs["clean"][0])["zero_expected_param_bytes"] > 0
+    # Instead, each member's buddy copy carries its parameter shard besides the two moments.
+    sent3, sent2 = (_summary(runs[name][0])["zero_buddy_bytes_per_step"]
+                    for name in ("stage3", "replaced"))
+    assert abs(sent3 / sent2 - 1.5) < 0.01, (sent3, sent2)
 
 
 def _healed_bytes(stderr: str) -> int:
