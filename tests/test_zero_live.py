@@ -148,7 +148,11 @@ def test_stage_3_parts_carry_the_parameter_shards_and_rebuild_3_ranks_on_one():
     assert hooks.model.state_dict() == {}  # a GPT has no buffers: the loop commits nothing
     held = Held(2, 3, {r: buddy_part(parts[r]) for r in range(3)})
     one = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
+    module = hooks.strategy.module
+    weight = next(module.parameters())
+    weight.grad = torch.ones(weight.shape)  # left by a failed backward
     _same_state(_rebuilt(hooks, held, 2, 0, one), full)
+    assert all(p.grad is None for p in module.parameters())  # not added to the redone step's
 
 
 def _member_of_two(rank: int, full: dict, store: dist.Store, out: dict) -> None:

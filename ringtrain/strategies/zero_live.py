@@ -327,16 +327,23 @@ class BuffersOnly(nn.Module):
                              f"{unexpected[:3]}: it was taken from another stage")
         return self._module.load_state_dict(state_dict, strict=False, assign=assign)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # A restore after a step that failed in backward: gradients autograd accumulated into
+        # `.grad` before their unit was reduced would be added to the redone step's.
+        self._module.zero_grad(set_to_none=set_to_none)
+
 
 def _give_storage(zero: Any) -> None:
     """Stage 3, before the wrapper is built again over a new group: the old one's parameters
     have no storage (freed between uses; the group that would gather them is gone), and the
     new one copies them at construction. Zeros for the copy (one model, as at setup, dropped
-    once the new wrapper has its units); the load that follows sets each shard."""
+    once the new wrapper has its units); the load that follows sets each shard. Gradients a
+    failed backward left go too (the redone step's would be added to them)."""
     with torch.no_grad():
         for unit in zero.units:
             for p in unit.params:
                 p.data = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                p.grad = None
 
 
 class StopVoteAgreement(GenerationAgreement):
