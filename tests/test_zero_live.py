@@ -6,14 +6,21 @@ The plan (`ringtrain.zero.live`: buddies, who sends which part, a double loss na
 re-shard itself: a state of 3 ranks, with rank 1's own part lost and its buddy's copy (moments
 only, parameters from the replicated model) standing in, loads into a fresh ZeRO wrapper as
 the state it was cut from, bit for bit. The same parts as one rank's part (a live snapshot)
-equal it too. `LiveHooks` bookkeeping of `ZeroLiveHooks`: which commit's parts a member keeps
-over a restore and a heal. The step over real members: tests/test_live_zero.py.
+equal it too. Stage 3 (the parameter shards in the parts): `ZeroLiveHooks`' own re-shard of
+3 parts onto one member, and of one member's onto two (a replacement with other weights and
+nothing held; two gloo ranks on threads, an in-memory store). `LiveHooks` bookkeeping of
+`ZeroLiveHooks`: which commit's parts a member keeps over a restore and a heal. The step over
+real members: tests/test_live_zero.py.
 """
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from ringtrain.models import GPT, GPTConfig, loss_fn
 from ringtrain.runtime import Runtime
@@ -24,6 +31,7 @@ from ringtrain.zero import reshard
 from ringtrain.zero.live import (
     ZeroShardsLostError,
     buddy_offset,
+    buddy_part,
     moments_only,
     rebuild_plan,
     with_params,
@@ -57,10 +65,10 @@ def test_the_plan_moves_only_what_a_member_lacks_and_names_a_double_loss():
         rebuild_plan([[0, 2], [2]], 3, numels, 2, step=5)
 
 
-def _trained_one_rank_strategy(steps: int = 2) -> ZeroStrategy:
+def _trained_one_rank_strategy(steps: int = 2, stage: int = 2, seed: int = 0) -> ZeroStrategy:
     """A live-mode ZeRO strategy (one rank, no group: it wraps over a group of one), trained."""
-    torch.manual_seed(0)
-    strategy = ZeroStrategy(Runtime(0, 1, 0, "gloo", CPU, None, None), zero_stage=2)
+    torch.manual_seed(seed)
+    strategy = ZeroStrategy(Runtime(0, 1, 0, "gloo", CPU, None, None), zero_stage=stage)
     strategy.setup(GPT(MODEL), adamw(0.1), loss_fn)
     for step in range(steps):
         _train(strategy, step)
@@ -83,7 +91,8 @@ def _cut(full: dict, world_size: int) -> list[dict]:
 
 
 def _same_state(a: dict, b: dict) -> None:
-    assert a["world_size"] == b["world_size"] == 1 and a["scalars"].keys() == b["scalars"].keys()
+    assert a["world_size"] == b["world_size"] and a["rank"] == b["rank"]
+    assert a["scalars"].keys() == b["scalars"].keys()
     for x, y in zip(a["shards"], b["shards"], strict=True):
         assert torch.equal(x, y)
     for x, y in zip(a["moments"], b["moments"], strict=True):
@@ -115,6 +124,57 @@ def test_a_lost_ranks_buddy_copy_rebuilds_the_state_it_was_cut_from():
     # The snapshot a live ZeRO strategy of one member writes is its whole state.
     strategy.live_hooks()
     _same_state(strategy.state_dict()["zero"], full)
+
+
+def _rebuilt(hooks, held: Held | None, steps: int, rank: int, group) -> dict:
+    """`hooks` re-sharded over a new generation (as its first step, or `settle`, does it): this
+    member holding `held` of the commit after `steps` steps, rank `rank` of `group`."""
+    hooks.held, hooks.steps = held, steps
+    hooks.on_members(Runtime(rank, group.size(), 0, "gloo", CPU, group, None))
+    hooks.settle()
+    return hooks.strategy.model.shard_state_dict()
+
+
+def test_stage_3_parts_carry_the_parameter_shards_and_rebuild_3_ranks_on_one():
+    full = _trained_one_rank_strategy(stage=3).model.shard_state_dict()
+    parts = _cut(full, 3)
+    kept = buddy_part(parts[1])  # what rank 1 sends its buddy at stage 3: its parameters too
+    assert all(torch.equal(a, b) for a, b in zip(kept["shards"], parts[1]["shards"], strict=True))
+    # The survivor (other weights, a group of one) holds its own part and the copies of ranks 1
+    # and 2: it loads all three, parameters and moments together, as the state they were cut from.
+    hooks = _trained_one_rank_strategy(0, stage=3, seed=1).live_hooks()
+    assert hooks.model.state_dict() == {}  # a GPT has no buffers: the loop commits nothing
+    held = Held(2, 3, {r: buddy_part(parts[r]) for r in range(3)})
+    one = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
+    module = hooks.strategy.module
+    weight = next(module.parameters())
+    weight.grad = torch.ones(weight.shape)  # left by a failed backward
+    _same_state(_rebuilt(hooks, held, 2, 0, one), full)
+    assert all(p.grad is None for p in module.parameters())  # not added to the redone step's
+
+
+def _member_of_two(rank: int, full: dict, store: dist.Store, out: dict) -> None:
+    # Rank 0 held the whole state alone (a layout of 1); rank 1 is a replacement: other
+    # weights, nothing held (its heal sent no parameters at stage 3).
+    hooks = _trained_one_rank_strategy(0, stage=3, seed=1 + rank).live_hooks()
+    held = Held(2, 1, {0: buddy_part(full)}) if rank == 0 else None
+    group = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+    out[rank] = (_rebuilt(hooks, held, 2, rank, group), hooks.held)
+
+
+def test_stage_3_rebuilds_one_members_state_on_two_with_a_replacement():
+    full = _trained_one_rank_strategy(stage=3).model.shard_state_dict()
+    store, out = dist.HashStore(), {}
+    threads = [threading.Thread(target=_member_of_two, args=(r, full, store, out))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert set(out) == {0, 1}, "a member raised or hung: see the thread's traceback above"
+    for r, want in enumerate(_cut(full, 2)):  # each member's shard of the 1-rank state, exact
+        _same_state(out[r][0], want)
+        assert out[r][1].size == 1 and sorted(out[r][1].parts) == [0]  # the part it now holds
 
 
 def test_a_member_keeps_the_parts_of_the_commit_it_is_at_over_a_restore_and_a_heal():

@@ -7,8 +7,8 @@ Every rank reads its own data shard, as with `ddp`; `ringtrain.zero.ZeroDataPara
 Gradient accumulation runs every micro-batch but the last under `no_sync()`. State is per rank
 (each rank's shard, in a flat layout that resumes on any number of ranks: a snapshot of 2
 ranks resumes on 3); `model_state_dict()` gathers the full model on every rank. With `--live`
-(stages 1 and 2) the step is `zero_live.ZeroLiveHooks`'s: the wrapper is built again over each
-generation of members, and each shard is copied to a buddy after every step.
+the step is `zero_live.ZeroLiveHooks`'s: the wrapper is built again over each generation of
+members, and each shard (stage 3: its parameters too) is copied to a buddy after every step.
 """
 
 from __future__ import annotations
@@ -64,13 +64,9 @@ class ZeroConfig(StrategyConfig):
     zero_stage: int = zero_stage_option(2, STAGES)
 
     def live_refusal(self) -> str | None:
-        if int(self.zero_stage) < 3:
-            return None  # `ZeroLiveHooks`: each shard copied to a buddy, re-sharded on a change
-        return ("--zero-stage 3 shards the parameters too, so a member holds only its slice of "
-                "the model and the live heal (a whole replica from a peer) has nothing to send; "
-                "use --zero-stage 1 or 2 with --live (the parameters replicated, the optimizer "
-                "state sharded and copied to a buddy), or drop --live (a failure then restarts "
-                "every worker from the last snapshot)")
+        # Every stage: `ZeroLiveHooks` copies each shard (stage 3: parameters too) to a buddy
+        # and re-shards the last commit over each new generation.
+        return None
 
     def figures(self, workload: Workload) -> ZeroFigures:
         """1/N of what is sharded (`expected_bytes`, the paper's count). Per step, stages 1 and
@@ -147,6 +143,14 @@ class ZeroStrategy(ShardPerRank, Strategy):
         assert self.model is not None, "setup() first"
         return self.model
 
+    def _gathering(self) -> ZeroDataParallel:
+        """The wrapper, for a use that gathers the parameters through it (stage 3); under
+        --live first re-sharded over members that changed since the last step trained (healed
+        to a step a peer had committed, or lost after the last step: `ZeroLiveHooks.settle`)."""
+        if self._live is not None and self.zero_stage == 3:
+            self._live.settle()
+        return self._zero()
+
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
                    grad_clip: float | None) -> StepResult:
         model = self._zero()
@@ -165,12 +169,12 @@ class ZeroStrategy(ShardPerRank, Strategy):
     @torch.no_grad()
     def eval_logits(self, x: torch.Tensor) -> torch.Tensor | None:
         # The wrapper, not the plain module: stage 3 gathers each unit as it runs.
-        return eval_forward(self._zero(), x, self.runtime.device)
+        return eval_forward(self._gathering(), x, self.runtime.device)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         # The end of a run: the trainer may use the plain module afterwards (rank 0 samples from
         # it), so stage 3 leaves it gathered; `stats()` reports the bytes of the last step.
-        return self._zero().full_state_dict(keep_gathered=True)
+        return self._gathering().full_state_dict(keep_gathered=True)
 
     def state_dict(self) -> dict[str, Any]:
         if self._live is not None:  # the members' rank 0 saves alone: the whole state
@@ -193,7 +197,7 @@ class ZeroStrategy(ShardPerRank, Strategy):
         return UpdatedState([*shards, *moments], [zero.optimizer.optimizer])
 
     def live_hooks(self) -> ZeroLiveHooks:
-        """Stages 1 and 2: the model replicated, each optimizer shard copied to a buddy
+        """Each shard copied to a buddy after every step, re-sharded over each generation
         (built with a one-rank runtime: `setup` then wraps over a group of one)."""
         assert self.model is not None, "setup() first"
         if self._live is None:

@@ -4,21 +4,25 @@
     hooks.on_members(runtime)           # a new generation: the shards are rebuilt in its 1st step
     result = hooks.train_step(micro, lr=lr, grad_clip=1.0, weight=len(ids) / global_batch)
 
-The rule. At stages 1 and 2 every member holds the whole model (replicated, healed as ddp's
-is) but only its shard of the optimizer state (AdamW's moments): a lost member would take its
-shard with it. So after every step each member also sends its shard to its *buddy*
+The rule. Each member holds only its shard of the optimizer state (AdamW's moments), and at
+stage 3 only its shard of the parameters too: a lost member would take its shard with it. So
+after every step each member also sends its shard to its *buddy*
 (`ringtrain.zero.live.buddy_offset`: the next rank, or one a host away), and a commit holds the
-member's own shard and its copy of one peer's, moments only (the buddy has the parameters; the
-step count is one scalar): 2/N of the model's bytes at fp32 AdamW sent and received per member
-per step, as much held. A new generation (members lost, or let in) rebuilds the sharded state
-in its first step, inside the recovery's retry: every member says which parts of the last
-commit it holds (`rebuild_plan`), each member receives from one holder the parts the new
-layout's rank needs of it (`reshard.sources`: the index math of resuming a snapshot on another
-number of ranks) and loads them into a ZeRO wrapper built over the new group
-(`ZeroDataParallel.load_shard_state_dicts`). A replacement gets the model by the heal and its
-shard by that re-shard. A member and its buddy lost in one recovery take a shard and its only
-copy: `ZeroShardsLostError`, and the job restarts from its last snapshot (never a silent
-wrong state).
+member's own shard and its copy of one peer's (`buddy_part`). At stages 1 and 2 that is the
+moments only (every member holds the whole model, replicated, committed and healed as ddp's
+is; the step count is one scalar): 2/N of the model's bytes at fp32 AdamW sent and received
+per member per step, as much held. At stage 3 it is the fp32 parameter shard too (3/N), and
+the model the live loop commits and heals is its buffers alone (`BuffersOnly`): the
+parameters have no storage between uses, and their only copies are the shards. A new
+generation (members lost, or let in) rebuilds the sharded state in its first step, inside the
+recovery's retry: every member says which parts of the last commit it holds (`rebuild_plan`),
+each member receives from one holder the parts the new layout's rank needs of it
+(`reshard.sources`: the index math of resuming a snapshot on another number of ranks) and
+loads them, parameters and moments together, into a ZeRO wrapper built over the new group
+(`ZeroDataParallel.load_shard_state_dicts`). A replacement gets its shard by that re-shard
+(and, at stages 1 and 2, the model by the heal). A member and its buddy lost in one recovery
+take a shard and its only copy: `ZeroShardsLostError`, and the job restarts from its last
+snapshot (never a silent wrong state).
 
 Two details make it exact. The step's gradients are reduce-scattered inside backward, scaled by
 1/N, so each member's loss is scaled by `weight` x N first: the sum over the generation is the
@@ -30,19 +34,26 @@ kept over the restore as `stash`) and the re-shard finds them.
 
 Snapshots: the members' rank 0 writes them alone; in a step after which the trainer saves
 (`LiveHooks.will_save`), every member sends it its shard and it keeps the whole state as one
-part of one rank, the form any number of ranks resumes (`ringtrain.zero.reshard`).
+part of one rank, the form any number of ranks resumes (`ringtrain.zero.reshard`). A stop
+signal between two such steps is agreed by every member in the loop's stop vote
+(`StopVoteAgreement`): when it says stop, the shards go to rank 0 there, so the stop's
+snapshot is of the step it stops at, as without --live.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
+from ringtrain.agreement.base import Agreement
+from ringtrain.agreement.generations import GenerationAgreement
 from ringtrain.strategies.base import LiveHooks, StepResult
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.tensor_tree import send_recv_state
@@ -50,7 +61,7 @@ from ringtrain.zero import reshard
 from ringtrain.zero.live import (
     ZeroShardsLostError,
     buddy_offset,
-    moments_only,
+    buddy_part,
     rebuild_plan,
     with_params,
 )
@@ -60,12 +71,14 @@ if TYPE_CHECKING:
 
 __all__ = ["ZeroLiveHooks", "ZeroShardsLostError"]
 
+log = logging.getLogger("ringtrain")
+
 
 @dataclass(frozen=True)
 class Held:
     """Parts of one commit a member holds: after `steps` steps, of a layout of `size` ranks,
-    saved rank -> its part without parameters (`moments_only`). `initial`: the layout a
-    process starts from before any generation (its own, not the job's: dropped by a heal)."""
+    saved rank -> its part as `buddy_part` keeps it. `initial`: the layout a process starts
+    from before any generation (its own, not the job's: dropped by a heal)."""
 
     steps: int
     size: int
@@ -74,9 +87,9 @@ class Held:
 
 
 class ZeroLiveHooks(LiveHooks):
-    """The live step of ZeRO stages 1 and 2 (`strategy.module`, `model` (the wrapper),
-    `optimizer`, `loss_fn`, `runtime`, `tracer`, `rebuild`, as `ZeroStrategy` has them after
-    setup). See the module docstring for the rule.
+    """The live step of ZeRO (`strategy.module`, `model` (the wrapper), `optimizer`, `loss_fn`,
+    `runtime`, `tracer`, `rebuild`, `zero_stage`, as `ZeroStrategy` has them after setup).
+    See the module docstring for the rule.
 
     Args:
         strategy: a set-up `ZeroStrategy` (built on a one-rank runtime).
@@ -85,7 +98,10 @@ class ZeroLiveHooks(LiveHooks):
 
     def __init__(self, strategy: Any, *, local_world_size: int = 1):
         self.strategy, self.local_world_size = strategy, local_world_size
-        self.model = strategy.module
+        self.stage = int(strategy.zero_stage)
+        # What the loop commits and heals of the model: all of it where it is replicated; at
+        # stage 3 its buffers (the parameters are in the shards this class keeps).
+        self.model = strategy.module if self.stage < 3 else BuffersOnly(strategy.module)
         self.optimizer = self  # committed and healed: `state_dict` is a marker, parts kept here
         self.token = uuid.uuid4().hex  # tells this process's own commits from a peer's
         self.steps = 0  # steps trained, as of the commit loaded or made last
@@ -104,6 +120,9 @@ class ZeroLiveHooks(LiveHooks):
 
     def will_save(self, step: int) -> None:
         self._save_next = True
+
+    def agreement(self, current: Callable[[], Runtime]) -> Agreement:
+        return StopVoteAgreement(current, self)
 
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
                    lr: float, grad_clip: float | None, weight: float) -> StepResult:
@@ -137,7 +156,7 @@ class ZeroLiveHooks(LiveHooks):
         commit); on a snapshot step, every shard to rank 0; then the commit vote."""
         rt, zero = self.strategy.runtime, self.strategy.model
         t0 = time.perf_counter()
-        own = moments_only(zero.shard_state_dict())  # waits for the parameters' all-gather
+        own = buddy_part(zero.shard_state_dict())  # waits for the parameters' all-gather
         parts = {rt.rank: own}
         offset = buddy_offset(rt.world_size, self.local_world_size)
         if offset:
@@ -148,24 +167,49 @@ class ZeroLiveHooks(LiveHooks):
         self.copy_s += time.perf_counter() - t0
         self.copied_steps += 1
         if self._save_next:
-            self._gather_for_snapshot(own)
+            self._save_next = False
+            self._gather_for_snapshot(own, self.steps + 1)
         self.pending = Held(self.steps + 1, rt.world_size, parts)  # before the vote: see above
         rt.process_group.allreduce([torch.ones(1)]).wait()
         self.steps += 1
 
-    def _gather_for_snapshot(self, own: dict[str, Any]) -> None:
-        """Every member's shard to rank 0, which keeps the whole state as one rank's part."""
-        self._save_next = False
-        rt, zero = self.strategy.runtime, self.strategy.model
+    def _gather_for_snapshot(self, own: dict[str, Any], steps: int) -> None:
+        """Every member's shard (`own`, after `steps` steps) to rank 0, which keeps the whole
+        state as one rank's part."""
+        rt = self.strategy.runtime
         if rt.rank != 0:
             send_recv_state(rt.process_group, own, dst=0, src=None)
             return
         parts = {0: own}
         for r in range(1, rt.world_size):
             parts[r] = send_recv_state(rt.process_group, None, dst=None, src=r)
-        flats = [u.full[:u.plan.numel] for u in zero.units]
-        whole = [with_params(p, flats) for _, p in sorted(parts.items())]
-        self.snapshot = (self.steps + 1, one_rank_part(whole))
+        whole = [self._with_params(p) for _, p in sorted(parts.items())]
+        self.snapshot = (steps, one_rank_part(whole))
+
+    def gather_for_stop(self) -> None:
+        """Every member, once the stop vote said stop: the shards of the step committed last to
+        rank 0, for the stop's snapshot (`snapshot_state`); nothing where they are there
+        already (a snapshot step) or a member holds everything (after `settle`)."""
+        self.settle()
+        if self.strategy.runtime.world_size == 1 or (self.snapshot is not None
+                                                     and self.snapshot[0] == self.steps):
+            return
+        own = buddy_part(self.strategy.model.shard_state_dict())
+        self._gather_for_snapshot(own, self.steps)
+
+    def settle(self) -> None:
+        """Every member, outside a step: a generation that has not re-sharded yet (healed to a
+        step a peer had committed, or formed after the last step, `LiveDriver.settle`) does it
+        now, so the wrapper is the members' (stage 3 gathers the final model through it)."""
+        if self._rebuild:
+            self._rebuild_shards()
+
+    def _with_params(self, part: dict[str, Any]) -> dict[str, Any]:
+        """A kept part as it loads: stages 1 and 2 cut its parameters from this member's model
+        (replicated, at the same commit); stage 3's has them."""
+        if self.stage == 3:
+            return part
+        return with_params(part, [u.full[:u.plan.numel] for u in self.strategy.model.units])
 
     def snapshot_state(self) -> dict[str, Any]:
         """The whole ZeRO state of the last step as one rank's part (`ZeroStrategy.state_dict`
@@ -176,8 +220,9 @@ class ZeroLiveHooks(LiveHooks):
         if self.snapshot is None or self.snapshot[0] != self.steps:
             raise RuntimeError(
                 f"live ZeRO gathers its shards for a snapshot in the steps after which one is "
-                f"due (--snapshot-every); step {self.steps} of this process is not one of them "
-                "(a stop signal between two): the last snapshot resumes the run")
+                f"due (--snapshot-every) and when the members vote to stop; step {self.steps} "
+                "of this process is neither, or a member was lost in the gather: the last "
+                "snapshot resumes the run")
         return self.snapshot[1]
 
     def figures(self) -> dict[str, float]:
@@ -193,7 +238,7 @@ class ZeroLiveHooks(LiveHooks):
         if self.pending is not None and self.pending.steps == self.steps:
             self.held, self.pending, self.stash = self.pending, None, None
         elif self.held is None:  # the first commit: the state this process starts from
-            part = moments_only(self.strategy.model.shard_state_dict())
+            part = buddy_part(self.strategy.model.shard_state_dict())
             self.held = Held(self.steps, int(part["world_size"]), {int(part["rank"]): part},
                              initial=True)
         return {"owner": self.token, "steps": self.steps}
@@ -238,6 +283,8 @@ class ZeroLiveHooks(LiveHooks):
         masks = [torch.zeros(size, dtype=torch.int64) for _ in range(rt.world_size)]
         pg.allgather([masks], [mask]).wait()
         held_by = [[r for r in range(size) if int(m[r])] for m in masks]
+        if self.stage == 3:
+            _give_storage(s.model)
         s.rebuild(pg)
         zero = s.model
         needs, moves = rebuild_plan(held_by, size, [u.plan.numel for u in zero.units],
@@ -250,8 +297,77 @@ class ZeroLiveHooks(LiveHooks):
                 parts[r] = send_recv_state(pg, None, dst=None, src=src)
         # What it received is the commit's too: a second fault before the next commit finds it.
         self.held = Held(self.steps, size, parts)
-        flats = [u.full[:u.plan.numel] for u in zero.units]
-        zero.load_shard_state_dicts({r: with_params(parts[r], flats) for r in needs[rt.rank]})
+        zero.load_shard_state_dicts({r: self._with_params(parts[r]) for r in needs[rt.rank]})
+
+
+class BuffersOnly(nn.Module):
+    """A stage-3 model as the live loop commits, restores and heals it (`LiveState`): its
+    buffers alone, replicated as a stage-2 model is. Never its parameters: between uses they
+    have no storage (reading one crashes the process), and each member's slice of them is in
+    the commit's parts `ZeroLiveHooks` keeps (a heal would send a whole replica nobody holds).
+
+    Args:
+        module: the plain module `ZeroDataParallel` wraps (not a submodule of this one, so its
+            parameters stay out of `parameters()` and `zero_grad()`).
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.__dict__["_module"] = module
+        self._params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return {k: v for k, v in self._module.state_dict().items() if k not in self._params}
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True,
+                        assign: bool = False) -> Any:
+        unexpected = sorted(set(state_dict) & self._params)
+        if unexpected:
+            raise ValueError(f"a stage-3 live commit holds buffers only, got parameters "
+                             f"{unexpected[:3]}: it was taken from another stage")
+        return self._module.load_state_dict(state_dict, strict=False, assign=assign)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # A restore after a step that failed in backward: gradients autograd accumulated into
+        # `.grad` before their unit was reduced would be added to the redone step's.
+        self._module.zero_grad(set_to_none=set_to_none)
+
+
+def _give_storage(zero: Any) -> None:
+    """Stage 3, before the wrapper is built again over a new group: the old one's parameters
+    have no storage (freed between uses; the group that would gather them is gone), and the
+    new one copies them at construction. Zeros for the copy (one model, as at setup, dropped
+    once the new wrapper has its units); the load that follows sets each shard. Gradients a
+    failed backward left go too (the redone step's would be added to them)."""
+    with torch.no_grad():
+        for unit in zero.units:
+            for p in unit.params:
+                p.data = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                p.grad = None
+
+
+class StopVoteAgreement(GenerationAgreement):
+    """The live loop's agreement over the current generation (`GenerationAgreement`), whose
+    stop vote, when it says stop, also gathers the shards to the members' rank 0: the vote is
+    the last question every member answers before a stop, and a stop saves a snapshot on rank
+    0 alone, which must hold the whole state (`ZeroLiveHooks.gather_for_stop`).
+
+    A member lost inside that gather leaves rank 0 without the state: its save then fails
+    loudly and the last periodic snapshot resumes the run (`snapshot_state`)."""
+
+    def __init__(self, current: Callable[[], Runtime], hooks: ZeroLiveHooks):
+        super().__init__(current)
+        self.hooks = hooks
+
+    def vote(self, flag: bool, *, at_shared_step: bool) -> bool:
+        stop = super().vote(flag, at_shared_step=at_shared_step)
+        if stop:
+            try:
+                self.hooks.gather_for_stop()
+            except RuntimeError as e:  # a member lost: the stop goes on, without the state
+                log.warning("live: the ZeRO shards could not be gathered for the stop's "
+                            "snapshot (%s)", str(e).splitlines()[0])
+        return stop
 
 
 def one_rank_part(parts: list[dict[str, Any]]) -> dict[str, Any]:

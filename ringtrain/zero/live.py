@@ -11,10 +11,11 @@ The live step itself is `ringtrain.strategies.zero_live`; this module is its ind
   comes from one member holding it (its own or a buddy copy); each new rank of W' needs the
   saved ranks `reshard.sources` names. A shard nobody holds (a member and its buddy both lost
   in one recovery) cannot be rebuilt from memory: `ZeroShardsLostError` names them.
-- `with_params`: a copy holds the moments only (stages 1 and 2 replicate the parameters on
-  every member, so the buddy rebuilds that part from its own model); this puts the parameter
-  slice back, so the part loads as a snapshot's part does (`ZeroDataParallel.
-  load_shard_state_dicts`).
+- `buddy_part`: what a member keeps of its shard and sends its buddy. Stages 1 and 2: the
+  moments only (the parameters are replicated on every member, so the buddy rebuilds that part
+  from its own model: `with_params` puts the slice back, so the part loads as a snapshot's part
+  does, `ZeroDataParallel.load_shard_state_dicts`). Stage 3: the fp32 parameter shard too, as
+  it is saved (no member holds the parameters whole: the shard and its copy are all there is).
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ def rebuild_plan(held: Sequence[Sequence[int]], size: int, numels: Sequence[int]
     return needs, moves
 
 
+def buddy_part(part: Mapping[str, Any]) -> dict[str, Any]:
+    """A part (`ZeroDataParallel.shard_state_dict`) as a member keeps it and sends its buddy, in
+    host memory: without its parameter slices at stages 1 and 2 (`moments_only`), whole at
+    stage 3 (its parameter shard is the only copy of that slice of the model)."""
+    if int(part["stage"]) == 3:
+        return _to_host(dict(part))
+    return moments_only(part)
+
+
 def moments_only(part: Mapping[str, Any]) -> dict[str, Any]:
     """A part (`ZeroDataParallel.shard_state_dict`) without its parameter slices, in host
     memory: what a buddy is sent at stages 1 and 2 (the parameters are on every member
@@ -109,7 +119,9 @@ def _to_host(obj: Any) -> Any:
 def with_params(part: Mapping[str, Any], flats: Sequence[torch.Tensor]) -> dict[str, Any]:
     """`part` (of saved rank r of `part["world_size"]`) with its parameter slices cut from each
     unit's flat parameters `flats` (unpadded, in the unit's layout): zeros past the end, as the
-    padding of a saved shard is."""
+    padding of a saved shard is. A part that has them (stage 3's) is itself."""
+    if "shards" in part:
+        return dict(part)
     size, rank = int(part["world_size"]), int(part["rank"])
     shards = []
     for flat, numel in zip(flats, part["numels"], strict=True):
