@@ -80,6 +80,17 @@ class Host:
                 pass
 
 
+def reap(procs: list, hosts) -> None:
+    """Nothing left of a test's launchers: every process inside `hosts` killed, `procs`
+    (their `Popen`s, started with `Host.popen`) killed if still running and waited for."""
+    for h in hosts:
+        h.kill_all()
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+
+
 def can_delay() -> str | None:
     """None when tc's netem (link delay) works here, else the reason (then `two_hosts` relays
     frames through a third namespace instead, which needs ethtool)."""

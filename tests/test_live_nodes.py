@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from netns import Host, two_hosts, unavailable
+from netns import Host, reap, two_hosts, unavailable
 from support.faults import fault_env
 from support.live_history import assert_fault_free_history, live_members
 
@@ -220,15 +220,6 @@ def _logs(run_dir: Path) -> list[str]:
     return [(run_dir.parent / f"node{i}.log").read_text() for i in range(2)]
 
 
-def _reap(procs: list[subprocess.Popen], hosts: tuple[Host, Host]) -> None:
-    for h in hosts:
-        h.kill_all()
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=10)
-
-
 def _history(run_dir: Path) -> SampleLog:
     shared = torch.load(run_dir / "snapshots" / f"snap-{STEPS:08d}" / "shared.pt",
                         weights_only=True)
@@ -253,7 +244,7 @@ def test_a_worker_killed_on_node_b_is_replaced_there_and_the_run_is_the_fault_fr
         clean_out = clean.communicate(timeout=RUN_S)[0]
         left = a.pids() + b.pids()
     finally:
-        _reap([*procs, clean], hosts)
+        reap([*procs, clean], hosts)
     node_a, node_b = logs = _logs(run_dir)
     assert codes == [0, 0], "\n".join(logs)
     assert clean.returncode == 0, clean_out[-3000:]
@@ -320,7 +311,7 @@ def _cut_on(hosts: tuple[Host, Host], run_dir: Path, port: int, cut) -> dict:
         return {"codes": [p.poll() for p in procs], "exit_s": exited, "logs": _logs(run_dir),
                 "left_b": left_b if 1 in exited else None}
     finally:
-        _reap(procs, hosts)
+        reap(procs, hosts)
 
 
 @pytest.mark.multinode

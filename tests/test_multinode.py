@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from netns import Host, two_hosts, unavailable
+from netns import Host, reap, two_hosts, unavailable
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ringtrain.launch.failure_report import ChildFailedError, ProcessFailure, format_failure
@@ -188,12 +188,7 @@ def _finish(
                 pass
         return [p.poll() for p in procs]
     finally:
-        for h in hosts:
-            h.kill_all()
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
+        reap(procs, hosts)
 
 
 def _logs(log_dir: Path) -> str:
