@@ -147,10 +147,10 @@ def copy_reusing(obj: Any, previous: Any, memo: dict[int, Any] | None = None) ->
         out = type(obj)((k, copy_reusing(v, before.get(k), memo)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):  # a module's state_dict: load_state_dict reads it
             out._metadata = copy.deepcopy(obj._metadata)
-    elif isinstance(obj, list | tuple) and type(obj) in (list, tuple):
-        before = previous if isinstance(previous, list | tuple) and \
-            len(previous) == len(obj) else [None] * len(obj)
-        out = type(obj)(copy_reusing(v, p, memo) for v, p in zip(obj, before, strict=True))
+    elif type(obj) in (list, tuple):  # not a namedtuple: deepcopy below rebuilds those
+        same = type(previous) is type(obj) and len(previous) == len(obj)
+        out = type(obj)(copy_reusing(v, previous[i] if same else None, memo)
+                        for i, v in enumerate(obj))
     else:
         out = copy.deepcopy(obj)
     memo[id(obj)] = out
