@@ -74,9 +74,14 @@ def make_step(model, optimizer, tokens, global_batch):
 
 def renice() -> None:
     """Back to nice 0, every thread (Linux keeps a nice value per thread): the process was
-    started at nice 19 to build (`--niced-start`) and trains, or heals a peer, at 0."""
+    started at nice 19 to build (`--niced-start`) and trains, or heals a peer, at 0. Its
+    session's autogroup too (the benchmark set it to 19): between sessions the kernel shares
+    the CPU by the autogroups' nice, not the processes'."""
     for task in os.listdir("/proc/self/task"):
         os.setpriority(os.PRIO_PROCESS, int(task), 0)
+    if os.access("/proc/self/autogroup", os.W_OK):
+        with open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write("0")
 
 
 def live(c: dict, store: dist.Store, records) -> None:
