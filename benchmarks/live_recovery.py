@@ -106,9 +106,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--snapshot-every", type=int, default=10, help="the restart path's snapshots")
     p.add_argument("--modes", default="live,spare,restart")
     p.add_argument("--kinds", default=",".join(KINDS), help="the faults, fired in turns")
-    p.add_argument("--dead-after", type=float, default=1.0,
+    p.add_argument("--dead-after", type=float, default=0.5,
                    help="seconds of heartbeat silence after which a live member is lost "
-                   "(ringtrain train --live: 1 s)")
+                   "(ringtrain train --live's default --live-dead-after: 0.5 s)")
     p.add_argument("--niced-start", action="store_true",
                    help="a process started after the job began (a replacement, a new spare) "
                    "imports torch and builds its model at nice 19, then trains at nice 0: on a "

@@ -208,6 +208,11 @@ def test_live_is_refused_before_launch_with_the_reason_and_the_fix(argv, said):
         check_args(parse_options(["--live-wait", "5"]), world_size=3)
     with pytest.raises(ValueError, match="--live-spares 1 needs --live"):
         check_args(parse_options(["--live-spares", "1"]), world_size=3)
+    with pytest.raises(ValueError, match="--live-dead-after 2 needs --live"):
+        check_args(parse_options(["--live-dead-after", "2"]), world_size=3)
+    with pytest.raises(ValueError, match="--live-dead-after 0: .* more than 0"):
+        check_args(parse_options(["--live", "--nproc-per-node", "3", "--live-dead-after", "0"]),
+                   world_size=3)
 
 
 def test_the_live_launcher_refuses_restarts():

@@ -92,6 +92,11 @@ class LaunchOptions:
                               "before going on without it (0: at once; waiting keeps every "
                               "step's sums those of the fault-free run)", type=non_negative_float,
                               metavar="S")
+    live_dead_after: float | None = option(
+        None, "with --live: a worker whose heartbeat (every 0.1 s, from a thread) has not moved "
+        "for S seconds is lost (a SIGSTOP, a lost link): the others regroup without it. Raise it "
+        "where a worker may stop its threads that long (long garbage collections)",
+        type=non_negative_float, metavar="S", shown="0.5, at most --watchdog-timeout / 2")
     live_spares: int = option(0, "with --live: warm spares per node, started with the workers "
                               "(imported, built, waiting): a lost worker's place is taken by one "
                               "at once instead of after a process start (~2.5 s here); each "

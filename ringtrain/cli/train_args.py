@@ -206,7 +206,15 @@ def _check_live(opts: TrainOptions, world_size: int | None) -> None:
         if launch.live_spares:
             raise ValueError(f"--live-spares {launch.live_spares} needs --live (only a live job "
                              "lets a spare take a lost worker's place); add --live or drop it")
+        if launch.live_dead_after is not None:
+            raise ValueError(f"--live-dead-after {launch.live_dead_after:g} needs --live (it is "
+                             "how soon a live job's members find a silent one lost)")
         return
+    if launch.live_dead_after == 0:
+        raise ValueError("--live-dead-after 0: a worker is lost after that many seconds of "
+                         "silence, so it must be more than 0 (its heartbeat comes every "
+                         "0.1 s: several beats, e.g. 0.5, keep a busy worker from being taken "
+                         "for a lost one)")
     if world_size is not None and world_size < 2:
         raise ValueError("--live needs workers to lose and replace: --nproc-per-node 2 or more")
     refusal = opts.strategy.live_refusal()

@@ -48,7 +48,10 @@ from ringtrain.strategies.base import LiveHooks, StepResult, Strategy
 from ringtrain.training.config import TrainerConfig, lr_at
 from ringtrain.training.evaluate import collate
 
-__all__ = ["LiveDriver", "LiveSettings", "live_driver"]
+__all__ = ["DEFAULT_DEAD_AFTER_S", "LiveDriver", "LiveSettings", "live_driver"]
+
+# --live-dead-after's default: five missed heartbeats (`ringtrain.cli.worker._live_settings`).
+DEFAULT_DEAD_AFTER_S = 0.5
 
 log = logging.getLogger("ringtrain")
 
@@ -73,7 +76,7 @@ class LiveSettings:
     world_size: int
     timeout_s: float = 30.0
     replace_wait_s: float = 0.0
-    dead_after_s: float = 1.0
+    dead_after_s: float = DEFAULT_DEAD_AFTER_S
     join_timeout_s: float = 600.0
     launcher_rank: int = 0  # the RANK the launcher gave this process (its slot, for the record)
     spare: bool = False
