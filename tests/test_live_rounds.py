@@ -90,7 +90,7 @@ def test_survivors_redo_the_round_and_each_replacement_heals_at_its_meeting(runs
     assert len(members) == 5, members  # 3 started, 2 replacements
     survivor = by_slot[0, 0]  # trained every step in its own process, recovered twice
     assert survivor["status"] == "finished" and survivor["step"] == STEPS
-    assert survivor["recoveries"] == 2
+    assert survivor["recoveries"] == 2, stderr[-4000:]
     assert by_slot[1, 0]["status"] == by_slot[2, 0]["status"] == "training"  # killed
     # Each replacement healed to the meeting of step 4 (the commit), not to a step mid-round.
     assert by_slot[1, COMMIT]["status"] == by_slot[2, COMMIT]["status"] == "finished"
