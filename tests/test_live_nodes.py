@@ -162,6 +162,44 @@ def test_the_exit_barrier_waits_for_live_agents_and_gives_up_on_a_silent_one(sto
             watch.close()
 
 
+def test_a_nodes_failure_is_written_once_and_read_by_every_other_agent(store):
+    watches = [StoreWatch(poll_s=0.02) for _ in range(3)]
+    try:
+        for node, watch in enumerate(watches):
+            watch.start(_envs(store.port, node, [node], nodes=3))
+        _until(lambda: all(_live_keys(store).check([f"agents/{n}/beat"]) for n in range(3)))
+        assert [w.failure() for w in watches] == [None] * 3
+        record = {"host": "b", "rank": 1, "exitcode": 1, "error": "RuntimeError: bug"}
+        started = time.monotonic()
+        # Node 1 returns once nodes 0 and 2 have read it (before it stops its own workers).
+        assert watches[1].fail(record) == record | {"node": 1}
+        assert time.monotonic() - started < 3
+        assert all(_live_keys(store).check([f"agents/{n}/seen_failed"]) for n in (0, 2))
+        assert watches[0].failure() == watches[2].failure() == record | {"node": 1}
+        assert [w.failure() for w in watches] == [None] * 3  # once each; never its own
+        # A second failure (node 2's worker, stopped meanwhile) does not replace the first.
+        assert watches[2].fail(record | {"rank": 2}) == record | {"node": 1}
+        assert json.loads(_live_keys(store).get("failed")) == record | {"node": 1}
+    finally:
+        for watch in watches:
+            watch.close()
+
+
+def test_a_failed_node_stops_its_workers_without_waiting_for_a_silent_agent(store):
+    watches = [StoreWatch(poll_s=0.02) for _ in range(2)]
+    try:
+        for node, watch in enumerate(watches):
+            watch.start(_envs(store.port, node, [node]))
+        _until(lambda: _live_keys(store).check(["agents/0/beat", "agents/1/beat"]))
+        watches[0].close()  # node 0's agent never reads the record (cut off)
+        started = time.monotonic()
+        assert watches[1].fail({"rank": 1}, bound_s=0.5) == {"rank": 1, "node": 1}
+        assert 0.4 < time.monotonic() - started < 3  # about bound_s, then it stops anyway
+    finally:
+        for watch in watches:
+            watch.close()
+
+
 def test_a_silent_store_holds_every_decision_and_is_timed():
     watch = StoreWatch(poll_s=0.02)
     with socket_without_server() as port:

@@ -55,11 +55,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ringtrain.launch.cgroup import SLOT_ENV, CgroupUnavailable, MemoryCgroups
 from ringtrain.launch.live_store import StoreWatch
@@ -74,7 +77,7 @@ from ringtrain.torch_internals import (
 )
 
 __all__ = ["LEFT_OUT_EXIT_CODE", "MAX_REPLACEMENTS", "REPLACEMENT_ENV", "SPARE_ENV",
-           "LiveStoreLostError", "replacing_lost_workers"]
+           "LiveJobFailedError", "LiveStoreLostError", "replacing_lost_workers"]
 
 REPLACEMENT_ENV = "RINGTRAIN_LIVE_REPLACEMENT"  # set in a replacement: which one it is (1, 2..)
 SPARE_ENV = "RINGTRAIN_LIVE_SPARE"  # set in a warm spare: it waits, built, for a lost member
@@ -83,6 +86,10 @@ MAX_REPLACEMENTS = 32
 
 class LiveStoreLostError(RuntimeError):
     """This node's agent lost the job's store (node 0's agent) and stopped its workers."""
+
+
+class LiveJobFailedError(RuntimeError):
+    """Another node's worker failed (an exception): this node's agent stopped its workers."""
 
 
 def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
@@ -191,15 +198,25 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             silent = departed.silent_s()
             if silent > departed.silent_after_s:
                 _stop_node(self, warm, departed, silent)
+            record = departed.failure()
+            if record is not None:  # another node's worker failed: the job is over
+                stopping[0] = True
+                warm.close(grace_s=0)
+                raise LiveJobFailedError(_failed_elsewhere(self, departed, record))
             # A worker that exited is judged once the store has answered since: across nodes a
             # lost store fails every worker here within a second, which is neither the job's
             # failure nor a fault a replacement (that could not reach the store) would mend.
             if not departed.answered_since(
                     [proc.pid for _, _, proc in workers if proc.poll() not in (None, 0)]):
                 return
-        stopping[0] = stopping[0] or any(
-            code is not None and code != 0 and not _replaceable(code)
-            for code in (proc.poll() for _, _, proc in workers))
+        failed = [(local, rank, proc) for local, rank, proc in workers
+                  if proc.poll() not in (None, 0) and not _replaceable(proc.returncode)]
+        if failed and not stopping[0]:
+            stopping[0] = True
+            # Every node's failure, not this one's alone (an exception is the same bug on any
+            # replacement): the record goes in the store, and the other agents have read it,
+            # before this node's workers stop and its members vanish from the others' group.
+            departed.fail(_failure_record(self, *failed[0]))
         if stopping[0]:
             warm.close(grace_s=0)
             original(self, done_local_ranks)
@@ -291,3 +308,33 @@ def _stop_node(context: Any, warm: _Spares, watch: StoreWatch, silent_s: float) 
         "this node's link went down, the other nodes go on without it (nothing to do here). If "
         "node 0 or its agent is gone, the job is lost: run the same command again on every "
         "node; it resumes from the last snapshot")
+
+
+def _failure_record(context: Any, local_rank: int, rank: int, proc: subprocess.Popen) -> dict:
+    """What the other nodes' agents say about this node's failed worker (`StoreWatch.fail`):
+    where it ran, its exit code and the first line of what it raised, if its error file (a
+    worker under `@record`, as `ringtrain train`'s) has it."""
+    error_file = context.envs[local_rank].get("TORCHELASTIC_ERROR_FILE", "")
+    error = ""
+    if error_file and os.path.isfile(error_file):
+        message = ProcessFailure(local_rank=local_rank, pid=proc.pid, exitcode=proc.returncode,
+                                 error_file=error_file).message
+        if isinstance(message, dict):  # {"message": ..., "extraInfo": {"py_callstack": ...}}
+            message = message.get("message", "")
+        error = str(message).strip().splitlines()[0] if str(message).strip() else ""
+    return {"host": socket.gethostname(), "rank": rank, "local_rank": local_rank,
+            "pid": proc.pid, "exitcode": proc.returncode, "error": error}
+
+
+def _failed_elsewhere(context: Any, watch: StoreWatch, record: dict) -> str:
+    """`LiveJobFailedError`'s message: which node's worker failed, how, and what to do."""
+    ranks = [rank for _, rank, _ in running_workers(context)]
+    code = record["exitcode"]
+    how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+           else f"exited with exit code {code}")
+    error = f": {record['error']}" if record.get("error") else ""
+    return (f"node {record['node']} (host {record['host']}): rank {record['rank']} (local_rank "
+            f"{record['local_rank']}, pid {record['pid']}) {how}{error}. A worker's failure is "
+            f"the job's on every node (the same error would end any replacement): stopped this "
+            f"node's workers (node {watch.node}, ranks {ranks}). Fix the cause and run the same "
+            "command again on every node; it resumes from the last snapshot")
