@@ -1,7 +1,8 @@
 """`ringtrain train --live --nnodes 2` on two network-namespace hosts (gloo, CPU, a tiny GPT).
 
     .venv/bin/pytest -q tests/test_live_nodes.py                    # root and iproute2, else skips
-    RINGTRAIN_FULL=1 .venv/bin/pytest -q tests/test_live_nodes.py   # + a lost link, a lost node 0
+    RINGTRAIN_FULL=1 .venv/bin/pytest -q tests/test_live_nodes.py   # + a lost link, a lost node 0,
+                                                                    # an exception on node 1
 
 Host a (198.18.0.1, node 0: its agent hosts the store) and host b (198.18.0.2, node 1) each run
 `ringtrain train --live --nnodes 2 --nproc-per-node 1`, world size 2.
@@ -15,14 +16,18 @@ Host a (198.18.0.1, node 0: its agent hosts the store) and host b (198.18.0.2, n
   store's silence bound with one error, no process of host b is left, host a ends with exit 0
   and summary.json without waiting out torch's 300 s exit barrier. And host a vanishes (every
   process killed): host b stops within the same bound, its error saying that a lost node 0 is a
-  job restart and how to run it.
-Pure parts (the refusals, the rendezvous answer, the agent's store watch) run in-process.
+  job restart and how to run it. And rank 1 on host b raises after step 4 (an exception, a
+  bug): both launchers exit 1 within seconds, host b with its own failure report, host a with
+  one line naming host b's rank, exit code and error; no process is left.
+Pure parts (the refusals, the rendezvous answer, the agent's store watch, the failure record
+written by one agent and read by the others) run in-process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -200,6 +205,44 @@ def test_a_failed_node_stops_its_workers_without_waiting_for_a_silent_agent(stor
             watch.close()
 
 
+def test_a_failed_workers_record_names_it_and_what_it_raised(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from ringtrain.launch.live_agent import _failed_elsewhere, _failure_record
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:  # written as a worker under @record writes it
+        raise RuntimeError("bad shape (4, 3)\nsecond line")
+    except RuntimeError as e:
+        ErrorHandler().record_exception(e)
+
+    class Exited:  # a worker process that exited with 1
+        pid, returncode = 4242, 1
+
+        def poll(self) -> int:
+            return self.returncode
+
+    class Context:  # torch's SubprocessContext, as running_workers reads it
+        envs = {0: {"RANK": "3", "TORCHELASTIC_ERROR_FILE": str(error_file)}}
+        _running_local_ranks = {0}
+        subprocess_handlers = {0: type("Handler", (), {"proc": Exited()})()}
+
+    record = _failure_record(Context(), 0, 3, Exited())
+    assert record | {"host": "h"} == {"host": "h", "rank": 3, "local_rank": 0, "pid": 4242,
+                                      "exitcode": 1, "error": "RuntimeError: bad shape (4, 3)"}
+    Context.envs[0]["TORCHELASTIC_ERROR_FILE"] = str(tmp_path / "none.json")  # none written
+    assert _failure_record(Context(), 0, 3, Exited())["error"] == ""
+    watch = StoreWatch()
+    watch.node = 0
+    said = _failed_elsewhere(Context(), watch, record | {"node": 1, "host": "b"})
+    assert said == (
+        "node 1 (host b): rank 3 (local_rank 0, pid 4242) exited with exit code 1: RuntimeError: "
+        "bad shape (4, 3). A worker's failure is the job's on every node (the same error would "
+        "end any replacement): stopped this node's workers (node 0, ranks [3]). Fix the cause "
+        "and run the same command again on every node; it resumes from the last snapshot")
+
+
 def test_a_silent_store_holds_every_decision_and_is_timed():
     watch = StoreWatch(poll_s=0.02)
     with socket_without_server() as port:
@@ -307,6 +350,57 @@ def test_a_worker_killed_on_node_b_is_replaced_there_and_the_run_is_the_fault_fr
     assert summary["param_sha256"] == reference["param_sha256"]
     assert_fault_free_history(_history(run_dir), _history(clean_dir), steps=STEPS,
                               global_batch=BATCH * 2)
+
+
+RAISE_STEPS = 40  # host a, alone, would train these to the end and exit 0 were it not stopped
+RAISE_STOP_S = 10.0  # the failure read within a poll, then torch's SIGTERM shutdown
+
+
+@pytest.mark.multinode
+@pytest.mark.slow
+def test_an_exception_on_node_b_stops_the_job_on_every_node(hosts, tmp_path):
+    if not FULL:
+        pytest.skip("RINGTRAIN_FULL=1 runs the exception case (~20 s); the in-process tests "
+                    "cover the failure record and its reading")
+    a, b = hosts
+    run_dir = tmp_path / "run"
+    # --live-wait 0: host a's member regroups without rank 1 at once, and would train on alone.
+    procs = _launch(hosts, run_dir, 29473, ["--live-wait", "0", "--steps", str(RAISE_STEPS),
+                                            "--eval-every", str(RAISE_STEPS)],
+                    ENV | fault_env(f"raise:1:{AT}"))
+    try:
+        exited: dict[int, float] = {}
+        deadline = time.monotonic() + RUN_S
+        while len(exited) < 2 and time.monotonic() < deadline:
+            for i, p in enumerate(procs):
+                if i not in exited and p.poll() is not None:
+                    exited[i] = time.time()  # unix time: the fault prints the raise's
+            time.sleep(0.05)
+        left = a.pids() + b.pids()
+    finally:
+        reap(procs, hosts)
+    node_a, node_b = logs = _logs(run_dir)
+    assert [p.returncode for p in procs] == [1, 1], "\n".join(logs)
+    assert left == [], f"left behind: {left}"
+    error = f"RuntimeError: RINGTRAIN_TEST_FAULT: an exception raised on rank 1 after step {AT}"
+    # Host b reports its own worker's failure, as on one node; host a names it, once.
+    assert "ringtrain run: rank 1 failed (local_rank 0, host " in node_b, node_b[-3000:]
+    assert "ringtrain run: live:" not in node_b, node_b[-3000:]
+    said = re.findall(r"ringtrain run: live: node 1 \(host [^)]+\): rank 1 \(local_rank 0, "
+                      r"pid \d+\) exited with exit code 1: (.*)\. A worker's failure is the "
+                      r"job's on every node", node_a)
+    assert said == [error], node_a[-3000:]
+    assert "stopped this node's workers (node 0, ranks [0]). Fix the cause and run the same " \
+           "command again on every node; it resumes from the last snapshot" in node_a, node_a
+    raised = float(re.search(r"test fault: raise after step \d+ at unix time ([\d.]+)",
+                             node_b)[1])
+    print(f"\nan exception on host b: host b's launcher exited after "
+          f"{exited[1] - raised:.1f} s, host a's after {exited[0] - raised:.1f} s", flush=True)
+    assert max(exited.values()) - raised < RAISE_STOP_S
+    # Host a's member stopped at about the failed step, not after training on alone.
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text()
+             .splitlines() if line.strip()]
+    assert max(steps, default=0) < RAISE_STEPS, steps
 
 
 # -- two hosts, RINGTRAIN_FULL=1: a lost link, a lost node 0 --------------------------------------

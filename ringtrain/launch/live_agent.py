@@ -315,13 +315,14 @@ def _failure_record(context: Any, local_rank: int, rank: int, proc: subprocess.P
     where it ran, its exit code and the first line of what it raised, if its error file (a
     worker under `@record`, as `ringtrain train`'s) has it."""
     error_file = context.envs[local_rank].get("TORCHELASTIC_ERROR_FILE", "")
-    error = ""
-    if error_file and os.path.isfile(error_file):
-        message = ProcessFailure(local_rank=local_rank, pid=proc.pid, exitcode=proc.returncode,
-                                 error_file=error_file).message
-        if isinstance(message, dict):  # {"message": ..., "extraInfo": {"py_callstack": ...}}
-            message = message.get("message", "")
-        error = str(message).strip().splitlines()[0] if str(message).strip() else ""
+    message: Any = ""
+    if error_file and os.path.isfile(error_file):  # else torch makes up a line that says nothing
+        with contextlib.suppress(ValueError, KeyError, TypeError, OSError):  # cut short: none
+            message = ProcessFailure(local_rank=local_rank, pid=proc.pid,
+                                     exitcode=proc.returncode, error_file=error_file).message
+    if isinstance(message, dict):  # {"message": ..., "extraInfo": {"py_callstack": ...}}
+        message = message.get("message", "")
+    error = next(iter(str(message).strip().splitlines()), "")
     return {"host": socket.gethostname(), "rank": rank, "local_rank": local_rank,
             "pid": proc.pid, "exitcode": proc.returncode, "error": error}
 
