@@ -358,16 +358,19 @@ RAISE_STOP_S = 10.0  # the failure read within a poll, then torch's SIGTERM shut
 
 @pytest.mark.multinode
 @pytest.mark.slow
-def test_an_exception_on_node_b_stops_the_job_on_every_node(hosts, tmp_path):
+@pytest.mark.parametrize("node", [1, 0], ids=["on_node_1", "on_node_0_the_stores_host"])
+def test_an_exception_on_one_node_stops_the_job_on_every_node(hosts, tmp_path, node):
     if not FULL:
         pytest.skip("RINGTRAIN_FULL=1 runs the exception case (~20 s); the in-process tests "
                     "cover the failure record and its reading")
-    a, b = hosts
+    other = 1 - node  # one worker per node: the failed rank is the node's number
     run_dir = tmp_path / "run"
-    # --live-wait 0: host a's member regroups without rank 1 at once, and would train on alone.
-    procs = _launch(hosts, run_dir, 29473, ["--live-wait", "0", "--steps", str(RAISE_STEPS),
-                                            "--eval-every", str(RAISE_STEPS)],
-                    ENV | fault_env(f"raise:1:{AT}"))
+    # --live-wait 0: the other node's member regroups without the failed one at once, and
+    # would train on alone.
+    procs = _launch(hosts, run_dir, 29473 + node, ["--live-wait", "0", "--steps",
+                                                   str(RAISE_STEPS), "--eval-every",
+                                                   str(RAISE_STEPS)],
+                    ENV | fault_env(f"raise:{node}:{AT}"))
     try:
         exited: dict[int, float] = {}
         deadline = time.monotonic() + RUN_S
@@ -376,28 +379,32 @@ def test_an_exception_on_node_b_stops_the_job_on_every_node(hosts, tmp_path):
                 if i not in exited and p.poll() is not None:
                     exited[i] = time.time()  # unix time: the fault prints the raise's
             time.sleep(0.05)
-        left = a.pids() + b.pids()
+        left = hosts[0].pids() + hosts[1].pids()
     finally:
         reap(procs, hosts)
-    node_a, node_b = logs = _logs(run_dir)
+    logs = _logs(run_dir)
+    failed, stopped = logs[node], logs[other]
     assert [p.returncode for p in procs] == [1, 1], "\n".join(logs)
     assert left == [], f"left behind: {left}"
-    error = f"RuntimeError: RINGTRAIN_TEST_FAULT: an exception raised on rank 1 after step {AT}"
-    # Host b reports its own worker's failure, as on one node; host a names it, once.
-    assert "ringtrain run: rank 1 failed (local_rank 0, host " in node_b, node_b[-3000:]
-    assert "ringtrain run: live:" not in node_b, node_b[-3000:]
-    said = re.findall(r"ringtrain run: live: node 1 \(host [^)]+\): rank 1 \(local_rank 0, "
-                      r"pid \d+\) exited with exit code 1: (.*)\. A worker's failure is the "
-                      r"job's on every node", node_a)
-    assert said == [error], node_a[-3000:]
-    assert "stopped this node's workers (node 0, ranks [0]). Fix the cause and run the same " \
-           "command again on every node; it resumes from the last snapshot" in node_a, node_a
+    error = f"RuntimeError: RINGTRAIN_TEST_FAULT: an exception raised on rank {node} after " \
+            f"step {AT}"
+    # The failed node reports its own worker's failure, as on one node; the other names it, once.
+    assert f"ringtrain run: rank {node} failed (local_rank 0, host " in failed, failed[-3000:]
+    assert "ringtrain run: live:" not in failed, failed[-3000:]
+    said = re.findall(rf"ringtrain run: live: node {node} \(host [^)]+\): rank {node} "
+                      r"\(local_rank 0, pid \d+\) exited with exit code 1: (.*)\. A worker's "
+                      r"failure is the job's on every node", stopped)
+    assert said == [error], stopped[-3000:]
+    assert f"stopped this node's workers (node {other}, ranks [{other}]). Fix the cause and run " \
+           "the same command again on every node; it resumes from the last snapshot" in stopped
     raised = float(re.search(r"test fault: raise after step \d+ at unix time ([\d.]+)",
-                             node_b)[1])
-    print(f"\nan exception on host b: host b's launcher exited after "
-          f"{exited[1] - raised:.1f} s, host a's after {exited[0] - raised:.1f} s", flush=True)
+                             failed)[1])
+    print(f"\nan exception on node {node}: its launcher exited after "
+          f"{exited[node] - raised:.1f} s, node {other}'s after {exited[other] - raised:.1f} s",
+          flush=True)
     assert max(exited.values()) - raised < RAISE_STOP_S
-    # Host a's member stopped at about the failed step, not after training on alone.
+    # The other node's member stopped at about the failed step, not after training on alone.
+    assert not (run_dir / "summary.json").exists()
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text()
              .splitlines() if line.strip()]
     assert max(steps, default=0) < RAISE_STEPS, steps
