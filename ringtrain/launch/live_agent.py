@@ -44,7 +44,14 @@ within a second: neither the job's failure nor a fault a replacement could mend)
 whose store has not answered for `STORE_SILENT_S` (10 s) SIGKILLs its workers and spares and
 raises `LiveStoreLostError`: its link is down (the other nodes trained on without its members
 after about a second) or node 0 is gone (the job is lost: a restart from the last snapshot),
-and it cannot tell which, so the error says both. torch's re-rendezvous is off
+and it cannot tell which, so the error says both. A failure that is the job's (an exception:
+the same bug on any replacement) is every node's, not only the failed worker's node's: its
+agent writes `failed` in the store (node, rank, exit code, error line; the first failure
+wins) and waits until the other agents have read it (`StoreWatch.fail`) before torch stops
+its workers and it reports the failure as on one node; every other agent, on reading it,
+stops its workers and spares (`LiveJobFailedError`: torch's SIGTERM shutdown, no replacement)
+and its launcher exits 1 naming the failed node, rank and error. Only a kill, a hang or a lost
+link is a fault the other nodes ride out. torch's re-rendezvous is off
 (`ringtrain.launch.rendezvous._BoundedRendezvous`): a node that arrives late waits outside and
 never restarts the others' workers. The agents' exit barrier waits only for agents still
 beating in the store, not torch's 300 s for a node that is gone.
