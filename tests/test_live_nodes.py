@@ -243,6 +243,78 @@ def test_a_failed_workers_record_names_it_and_what_it_raised(tmp_path, monkeypat
         "and run the same command again on every node; it resumes from the last snapshot")
 
 
+class _Worker:  # a worker process as the agent's poll reads it: running (None) or exited
+    def __init__(self, pid: int, code: int | None = None):
+        self.pid, self.returncode = pid, code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.returncode
+
+
+def _agent_poll(port: int, node: int, worker: _Worker):
+    """A stand-in for torch's SubprocessContext on `node` (one worker, rank = node), and one
+    poll of torch's agent on it: the capture `replacing_lost_workers` patched in, as torch's."""
+    from types import SimpleNamespace
+
+    from ringtrain.torch_internals import CAPTURE_PROCESS_FAILURES
+
+    context = SimpleNamespace(_running_local_ranks={0}, _failures={},
+                              subprocess_handlers={0: SimpleNamespace(proc=worker)},
+                              envs=_envs(port, node, [node]),
+                              error_files={0: "/nonexistent/error.json"})
+
+    def poll() -> bool:
+        done: set[int] = set()
+        CAPTURE_PROCESS_FAILURES.get()(context, done)
+        context._running_local_ranks.difference_update(done)
+        return bool(context._failures)
+    return context, poll
+
+
+def test_a_failed_nodes_agent_has_its_record_read_before_torch_stops_its_workers(store):
+    from ringtrain.launch.live_agent import replacing_lost_workers
+
+    other = StoreWatch(poll_s=0.02)  # node 0's agent
+    raised = _Worker(4242)
+    context, poll = _agent_poll(store.port, 1, raised)
+    try:
+        other.start(_envs(store.port, 0, [0]))
+        with replacing_lost_workers():
+            poll()  # the watch starts
+            _until(lambda: _live_keys(store).check(["agents/0/beat", "agents/1/beat"]))
+            raised.returncode = 1  # an exception
+            _until(poll)  # judged once the store answered since; then torch's failure
+            # By then node 0's agent has read the record (node 1's agent waited for it).
+            assert _live_keys(store).check(["agents/0/seen_failed"])
+        assert set(context._failures) == {0}
+        record = other.failure()
+        assert record is not None and record | {"host": "h"} == {
+            "node": 1, "host": "h", "rank": 1, "local_rank": 0, "pid": 4242, "exitcode": 1,
+            "error": ""}  # no error file here
+    finally:
+        other.close()
+
+
+def test_an_agent_stops_its_workers_on_another_nodes_failure(store):
+    from ringtrain.launch.live_agent import LiveJobFailedError, replacing_lost_workers
+
+    context, poll = _agent_poll(store.port, 0, _Worker(4343))
+    with replacing_lost_workers():
+        poll()
+        _live_keys(store).set("failed", json.dumps({
+            "node": 1, "host": "b", "rank": 1, "local_rank": 0, "pid": 4242, "exitcode": 1,
+            "error": "RuntimeError: bug"}))
+        with pytest.raises(LiveJobFailedError) as e:  # torch's agent then stops the workers
+            _until(poll)
+    assert context._failures == {}  # none of its own: the message is the report
+    assert str(e.value).startswith("node 1 (host b): rank 1 (local_rank 0, pid 4242) exited "
+                                   "with exit code 1: RuntimeError: bug. ")
+    assert "stopped this node's workers (node 0, ranks [0])" in str(e.value)
+
+
 def test_a_silent_store_holds_every_decision_and_is_timed():
     watch = StoreWatch(poll_s=0.02)
     with socket_without_server() as port:
