@@ -24,7 +24,7 @@ Across nodes (`ringtrain train --live --nnodes N`):
   only for agents that still beat: one silent for `STORE_SILENT_S` has stopped itself (it lost
   the store that long), or is dead;
 - a worker failure that is the job's (an exception: the same bug on any replacement) is every
-  node's: the agent that sees it writes `failed` (JSON: node, host, ranks, exit code, error
+  node's: the agent that sees it writes `failed` (JSON: node, host, rank, pid, exit code, error
   line) with compare-and-set, so the first failure wins, and waits until every other agent that
   still beats has read it (`agents/{node}/seen_failed`) before it stops its own workers: the
   store's host would take the store with it, and the others would then lose a second to
@@ -54,7 +54,8 @@ _POLL_S = 0.25
 # a working link, and short enough that a cut-off node is gone before anyone looks for it.
 STORE_SILENT_S = 10.0
 _ERRORS = (RuntimeError, OSError, KeyError, ValueError)
-_PHASES = {1: "done", 2: "left", 3: "seen_failed"}  # `finish`'s two rounds; a failure read
+_PHASES = {1: "done", 2: "left"}  # `finish`'s two rounds, as written in the store
+_SEEN_FAILED = "seen_failed"  # `agents/{node}/seen_failed`: it read another node's `failed`
 # How long a failed node's agent waits for the others to read its record before it stops its
 # workers anyway: each reads it within a poll (`_POLL_S`); one that has not in this long is
 # cut off, and learns the job is over from its store's silence or its members' absence.
@@ -251,7 +252,8 @@ class StoreWatch:
             if n == self.node:
                 continue
             beat = int(store.add(f"agents/{n}/beat", 0))
-            said = (store.check([f"agents/{n}/{_PHASES[p]}"]) for p in (1, 2, 3))
+            said = (store.check([f"agents/{n}/{key}"]) for key in (*_PHASES.values(),
+                                                                   _SEEN_FAILED))
             with self._lock:
                 last = self._others.get(n)
                 moved = now if last is None or last[0] != beat else last[1]
@@ -271,5 +273,5 @@ class StoreWatch:
             return
         record = json.loads(value)
         if record["node"] != self.node:
-            store.set(f"agents/{self.node}/{_PHASES[3]}", b"1")
+            store.set(f"agents/{self.node}/{_SEEN_FAILED}", b"1")
         self._failed = record
