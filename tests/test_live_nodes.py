@@ -223,19 +223,15 @@ def test_a_failed_workers_record_names_it_and_what_it_raised(tmp_path, monkeypat
         def poll(self) -> int:
             return self.returncode
 
-    class Context:  # torch's SubprocessContext, as running_workers reads it
+    class Context:  # torch's SubprocessContext: the workers' environments
         envs = {0: {"RANK": "3", "TORCHELASTIC_ERROR_FILE": str(error_file)}}
-        _running_local_ranks = {0}
-        subprocess_handlers = {0: type("Handler", (), {"proc": Exited()})()}
 
     record = _failure_record(Context(), 0, 3, Exited())
     assert record | {"host": "h"} == {"host": "h", "rank": 3, "local_rank": 0, "pid": 4242,
                                       "exitcode": 1, "error": "RuntimeError: bad shape (4, 3)"}
     Context.envs[0]["TORCHELASTIC_ERROR_FILE"] = str(tmp_path / "none.json")  # none written
     assert _failure_record(Context(), 0, 3, Exited())["error"] == ""
-    watch = StoreWatch()
-    watch.node = 0
-    said = _failed_elsewhere(Context(), watch, record | {"node": 1, "host": "b"})
+    said = _failed_elsewhere(0, record | {"node": 1, "host": "b"}, [3])
     assert said == (
         "node 1 (host b): rank 3 (local_rank 0, pid 4242) exited with exit code 1: RuntimeError: "
         "bad shape (4, 3). A worker's failure is the job's on every node (the same error would "
@@ -313,6 +309,27 @@ def test_an_agent_stops_its_workers_on_another_nodes_failure(store):
     assert str(e.value).startswith("node 1 (host b): rank 1 (local_rank 0, pid 4242) exited "
                                    "with exit code 1: RuntimeError: bug. ")
     assert "stopped this node's workers (node 0, ranks [0])" in str(e.value)
+
+
+def test_a_node_that_finished_exits_with_another_nodes_failure_not_waiting_for_it(store):
+    from ringtrain.launch.live_agent import LiveJobFailedError, replacing_lost_workers
+    from ringtrain.torch_internals import EXIT_BARRIER
+
+    keys = _live_keys(store)
+    worker = _Worker(4343)
+    _, poll = _agent_poll(store.port, 0, worker)
+    with replacing_lost_workers():
+        poll()
+        worker.returncode = 0  # node 0's workers finished; node 1's rank 1 then raised
+        poll()
+        keys.set("failed", json.dumps({"node": 1, "host": "b", "rank": 1, "local_rank": 0,
+                                       "pid": 4242, "exitcode": 1, "error": ""}))
+        _until(lambda: keys.check(["agents/0/seen_failed"]))
+        started = time.monotonic()
+        with pytest.raises(LiveJobFailedError, match=r"node 1 \(host b\): rank 1 .* this "
+                                                     r"node's workers \(node 0\) had finished"):
+            EXIT_BARRIER.get()(None)  # node 1 never says done: not waited for
+        assert time.monotonic() - started < 3
 
 
 def test_a_silent_store_holds_every_decision_and_is_timed():

@@ -209,7 +209,8 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             if record is not None:  # another node's worker failed: the job is over
                 stopping[0] = True
                 warm.close(grace_s=0)
-                raise LiveJobFailedError(_failed_elsewhere(self, departed, record))
+                raise LiveJobFailedError(_failed_elsewhere(
+                    departed.node, record, [rank for _, rank, _ in running_workers(self)]))
             # A worker that exited is judged once the store has answered since: across nodes a
             # lost store fails every worker here within a second, which is neither the job's
             # failure nor a fault a replacement (that could not reach the store) would mend.
@@ -287,6 +288,9 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
                   f"{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))}, whose agent "
                   f"stopped answering the store over {departed.silent_after_s:g} s ago (lost "
                   "or cut off; the job went on without it)", file=sys.stderr, flush=True)
+        record = departed.failure()
+        if record is not None:  # a worker failed on another node after this node's finished
+            raise LiveJobFailedError(_failed_elsewhere(departed.node, record, None))
 
     with CAPTURE_PROCESS_FAILURES.replaced(capture), MONITOR_WORKERS.replaced(monitor_workers), \
             EXIT_BARRIER.replaced(exit_barrier):
@@ -334,15 +338,17 @@ def _failure_record(context: Any, local_rank: int, rank: int, proc: subprocess.P
             "pid": proc.pid, "exitcode": proc.returncode, "error": error}
 
 
-def _failed_elsewhere(context: Any, watch: StoreWatch, record: dict) -> str:
-    """`LiveJobFailedError`'s message: which node's worker failed, how, and what to do."""
-    ranks = [rank for _, rank, _ in running_workers(context)]
+def _failed_elsewhere(node: int, record: dict, stopped: list[int] | None) -> str:
+    """`LiveJobFailedError`'s message: which node's worker failed, how, and what to do; this
+    node's ranks `stopped` (None: its workers had finished)."""
     code = record["exitcode"]
     how = (f"was killed by {signal.Signals(-code).name}" if code < 0
            else f"exited with exit code {code}")
     error = f": {record['error']}" if record.get("error") else ""
+    here = (f"this node's workers (node {node}) had finished, the job had not" if stopped is None
+            else f"stopped this node's workers (node {node}, ranks {stopped})")
     return (f"node {record['node']} (host {record['host']}): rank {record['rank']} (local_rank "
             f"{record['local_rank']}, pid {record['pid']}) {how}{error}. A worker's failure is "
-            f"the job's on every node (the same error would end any replacement): stopped this "
-            f"node's workers (node {watch.node}, ranks {ranks}). Fix the cause and run the same "
-            "command again on every node; it resumes from the last snapshot")
+            f"the job's on every node (the same error would end any replacement): {here}. Fix "
+            "the cause and run the same command again on every node; it resumes from the last "
+            "snapshot")

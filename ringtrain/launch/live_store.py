@@ -189,7 +189,8 @@ class StoreWatch:
         return record
 
     def _wait_for(self, bound_s: float, phase: int, ignore) -> list[int]:
-        """Until every other agent but `ignore` is past `phase` (1 done, 2 left) or silent."""
+        """Until every other agent but `ignore` is past `phase` (1 done, 2 left) or silent; a
+        node whose worker failed (`fail`) is never done, and its agent leaves on its own."""
         self._wake.set()
         while True:
             now = time.monotonic()
@@ -197,8 +198,9 @@ class StoreWatch:
                 return sorted(set(range(self.nodes)) - {self.node})
             with self._lock:
                 others = dict(self._others)
-            waiting = [n for n in range(self.nodes) if n != self.node and n not in ignore
-                       and not (n in others and others[n][1 + phase])]
+            failed = self._failed["node"] if self._failed is not None else None
+            waiting = [n for n in range(self.nodes) if n not in (self.node, failed)
+                       and n not in ignore and not (n in others and others[n][1 + phase])]
             gone = [n for n in waiting if n in others and now - others[n][1] > bound_s]
             if len(gone) == len(waiting) and self._written >= phase:
                 return gone
