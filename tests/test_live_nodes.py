@@ -1,7 +1,8 @@
 """`ringtrain train --live --nnodes 2` on two network-namespace hosts (gloo, CPU, a tiny GPT).
 
     .venv/bin/pytest -q tests/test_live_nodes.py                    # root and iproute2, else skips
-    RINGTRAIN_FULL=1 .venv/bin/pytest -q tests/test_live_nodes.py   # + a lost link, a lost node 0
+    RINGTRAIN_FULL=1 .venv/bin/pytest -q tests/test_live_nodes.py   # + a lost link, a lost node 0,
+                                                                    # an exception on node 1
 
 Host a (198.18.0.1, node 0: its agent hosts the store) and host b (198.18.0.2, node 1) each run
 `ringtrain train --live --nnodes 2 --nproc-per-node 1`, world size 2.
@@ -15,32 +16,33 @@ Host a (198.18.0.1, node 0: its agent hosts the store) and host b (198.18.0.2, n
   store's silence bound with one error, no process of host b is left, host a ends with exit 0
   and summary.json without waiting out torch's 300 s exit barrier. And host a vanishes (every
   process killed): host b stops within the same bound, its error saying that a lost node 0 is a
-  job restart and how to run it.
-Pure parts (the refusals, the rendezvous answer, the agent's store watch) run in-process.
+  job restart and how to run it. And rank 1 on host b raises after step 4 (an exception, a
+  bug): both launchers exit 1 within seconds, host b with its own failure report, host a with
+  one line naming host b's rank, exit code and error; no process is left.
+Pure parts (the refusals, the rendezvous answer) run in-process; the agents' store watch and
+their poll on a failure: tests/test_live_store.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from netns import Host, reap, two_hosts, unavailable
 from support.faults import fault_env
 from support.live_history import assert_fault_free_history, live_members
 
 from ringtrain.data.addition import train_size
 from ringtrain.data.sample_log import SampleLog, check_history
-from ringtrain.launch.live_store import STORE_SILENT_S, StoreWatch
+from ringtrain.launch.live_store import STORE_SILENT_S
 from ringtrain.launch.rendezvous import _BoundedRendezvous
 from ringtrain.live import GlobalBatches
 
@@ -58,7 +60,7 @@ ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS} | {"PYTHONU
 RUN_S = 240.0  # a whole faulted run (two agents, workers and a replacement importing torch)
 
 
-# -- in-process: the refusals, the rendezvous answer, the agent's store watch ---------------------
+# -- in-process: the refusals, the rendezvous answer ---------------------------------------------
 
 def test_live_takes_a_fixed_number_of_nodes_and_refuses_a_range():
     from ringtrain.cli.train_args import check_args, parse_options
@@ -92,107 +94,13 @@ def test_a_live_agent_never_restarts_the_workers_for_a_waiting_node():
     assert live.num_nodes_waiting() == 0
 
 
-@pytest.fixture
-def store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=10))
-    yield server
-
-
-def _envs(port: int, node: int, ranks: list[int], nodes: int = 2) -> dict[int, dict[str, str]]:
-    return {local: {"RANK": str(r), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nodes),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0"}
-            for local, r in enumerate(ranks)}
-
-
-def _live_keys(server) -> dist.Store:
-    return dist.PrefixStore("ringtrain/job/attempt_0/ringtrain/live/train", server)
-
-
-def _until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout_s:g} s"
-        time.sleep(0.02)
-
-
-def test_each_agent_reads_and_marks_only_its_own_nodes_members_by_pid(store):
-    keys = _live_keys(store)
-    # The same pid on both machines: rank 0's process on node 0, rank 1's on node 1.
-    for uid, slot in ((0, 0), (1, 1)):
-        keys.add("uids", 1)
-        keys.set(f"pid/{uid}", "4242")
-        keys.set(f"slot/{uid}", str(slot))
-    watches = [StoreWatch(poll_s=0.02), StoreWatch(poll_s=0.02)]
-    try:
-        for node, watch in enumerate(watches):
-            watch.start(_envs(store.port, node, [node]))
-        keys.set("departed/1", b"1")  # node 1's member declared lost by its peers
-        found: list[int] = []
-        _until(lambda: bool(found.extend(watches[1].pids()) or found))
-        assert found == [4242] and watches[0].pids() == []  # node 0 kills nothing of its own
-        watches[0].mark(4242)  # node 0's process 4242 exited: its uid, not node 1's
-        _until(lambda: keys.check(["departed/0"]))
-        assert watches[1].pids() == []
-    finally:
-        for watch in watches:
-            watch.close()
-
-
-def test_the_exit_barrier_waits_for_live_agents_and_gives_up_on_a_silent_one(store):
-    watches = [StoreWatch(poll_s=0.02, silent_after_s=1.0) for _ in range(3)]
-    try:
-        for node, watch in enumerate(watches):
-            watch.start(_envs(store.port, node, [node], nodes=3))
-        _until(lambda: all(_live_keys(store).check([f"agents/{n}/beat"]) for n in range(3)))
-        watches[2].close()  # node 2's agent stops beating (stopped itself, or its host is gone)
-        out: dict[int, list[int]] = {}
-        threads = [threading.Thread(target=lambda n=n: out.setdefault(n, watches[n].finish()))
-                   for n in (0, 1)]
-        started = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=10)
-        assert out == {0: [2], 1: [2]}
-        assert 0.5 < time.monotonic() - started < 5  # about silent_after_s, not torch's 300 s
-    finally:
-        for watch in watches:
-            watch.close()
-
-
-def test_a_silent_store_holds_every_decision_and_is_timed():
-    watch = StoreWatch(poll_s=0.02)
-    with socket_without_server() as port:
-        try:
-            watch.start(_envs(port, 1, [1]))
-            time.sleep(0.5)
-            assert watch.silent_s() >= 0.5
-            # An exited worker is judged only once the store answered after it exited.
-            assert not watch.answered_since([1234])
-        finally:
-            watch.close()
-
-
-class socket_without_server:  # noqa: N801 (a context manager read as a noun)
-    """A local port nobody listens on, held bound so no one else takes it meanwhile."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        return self.sock.getsockname()[1]
-
-    def __exit__(self, *exc) -> None:
-        self.sock.close()
-
-
 # -- two hosts ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def hosts():
+    # One pair per test (~0.2 s): the namespaces' names are the test process's (netns.py), so
+    # a module-wide pair still up made the lost-link case's own pair fail to start, and its
+    # clean-up removed the shared one (RINGTRAIN_FULL=1 runs both).
     reason = unavailable()
     if reason:
         pytest.skip(f"two-host live tests need network namespaces: {reason}")
@@ -269,6 +177,64 @@ def test_a_worker_killed_on_node_b_is_replaced_there_and_the_run_is_the_fault_fr
     assert summary["param_sha256"] == reference["param_sha256"]
     assert_fault_free_history(_history(run_dir), _history(clean_dir), steps=STEPS,
                               global_batch=BATCH * 2)
+
+
+RAISE_STEPS = 40  # host a, alone, would train these to the end and exit 0 were it not stopped
+RAISE_STOP_S = 10.0  # the failure read within a poll, then torch's SIGTERM shutdown
+
+
+@pytest.mark.multinode
+@pytest.mark.slow
+@pytest.mark.parametrize("node", [1, 0], ids=["on_node_1", "on_node_0_the_stores_host"])
+def test_an_exception_on_one_node_stops_the_job_on_every_node(hosts, tmp_path, node):
+    if not FULL:
+        pytest.skip("RINGTRAIN_FULL=1 runs the exception case (~20 s); the in-process tests "
+                    "cover the failure record and its reading")
+    other = 1 - node  # one worker per node: the failed rank is the node's number
+    run_dir = tmp_path / "run"
+    # --live-wait 0: the other node's member regroups without the failed one at once, and
+    # would train on alone.
+    procs = _launch(hosts, run_dir, 29473 + node, ["--live-wait", "0", "--steps",
+                                                   str(RAISE_STEPS), "--eval-every",
+                                                   str(RAISE_STEPS)],
+                    ENV | fault_env(f"raise:{node}:{AT}"))
+    try:
+        exited: dict[int, float] = {}
+        deadline = time.monotonic() + RUN_S
+        while len(exited) < 2 and time.monotonic() < deadline:
+            for i, p in enumerate(procs):
+                if i not in exited and p.poll() is not None:
+                    exited[i] = time.time()  # unix time: the fault prints the raise's
+            time.sleep(0.05)
+        left = hosts[0].pids() + hosts[1].pids()
+    finally:
+        reap(procs, hosts)
+    logs = _logs(run_dir)
+    failed, stopped = logs[node], logs[other]
+    assert [p.returncode for p in procs] == [1, 1], "\n".join(logs)
+    assert left == [], f"left behind: {left}"
+    error = f"RuntimeError: RINGTRAIN_TEST_FAULT: an exception raised on rank {node} after " \
+            f"step {AT}"
+    # The failed node reports its own worker's failure, as on one node; the other names it, once.
+    assert f"ringtrain run: rank {node} failed (local_rank 0, host " in failed, failed[-3000:]
+    assert "ringtrain run: live:" not in failed, failed[-3000:]
+    said = re.findall(rf"ringtrain run: live: node {node} \(host [^)]+\): rank {node} "
+                      r"\(local_rank 0, pid \d+\) exited with exit code 1: (.*)\. A worker's "
+                      r"failure is the job's on every node", stopped)
+    assert said == [error], stopped[-3000:]
+    assert f"stopped this node's workers (node {other}, ranks [{other}]). Fix the cause and run " \
+           "the same command again on every node; it resumes from the last snapshot" in stopped
+    raised = float(re.search(r"test fault: raise after step \d+ at unix time ([\d.]+)",
+                             failed)[1])
+    print(f"\nan exception on node {node}: its launcher exited after "
+          f"{exited[node] - raised:.1f} s, node {other}'s after {exited[other] - raised:.1f} s",
+          flush=True)
+    assert max(exited.values()) - raised < RAISE_STOP_S
+    # The other node's member stopped at about the failed step, not after training on alone.
+    assert not (run_dir / "summary.json").exists()
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text()
+             .splitlines() if line.strip()]
+    assert max(steps, default=0) < RAISE_STEPS, steps
 
 
 # -- two hosts, RINGTRAIN_FULL=1: a lost link, a lost node 0 --------------------------------------

@@ -57,7 +57,11 @@ from ringtrain.launch.failure_report import (
     format_failure,
     root_cause,
 )
-from ringtrain.launch.live_agent import LiveStoreLostError, replacing_lost_workers
+from ringtrain.launch.live_agent import (
+    LiveJobFailedError,
+    LiveStoreLostError,
+    replacing_lost_workers,
+)
 from ringtrain.launch.process_group import WATCHDOG_ENV
 from ringtrain.launch.rendezvous import (
     _bounded_rendezvous,
@@ -213,7 +217,8 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     except KeyboardInterrupt:  # Ctrl-C before the agent's handler was in place; it stopped them
         print("ringtrain run: got SIGINT; stopped all workers", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
-    except LiveStoreLostError as e:  # this node's workers are stopped; the message says why
+    except (LiveStoreLostError, LiveJobFailedError) as e:  # this node's workers are stopped
+        # (another node's failure, or the store's silence); the message says why and what to do
         print(f"ringtrain run: live: {e}", file=sys.stderr, flush=True)
         return 1
     except RendezvousConnectionError as e:

@@ -44,7 +44,14 @@ within a second: neither the job's failure nor a fault a replacement could mend)
 whose store has not answered for `STORE_SILENT_S` (10 s) SIGKILLs its workers and spares and
 raises `LiveStoreLostError`: its link is down (the other nodes trained on without its members
 after about a second) or node 0 is gone (the job is lost: a restart from the last snapshot),
-and it cannot tell which, so the error says both. torch's re-rendezvous is off
+and it cannot tell which, so the error says both. A failure that is the job's (an exception:
+the same bug on any replacement) is every node's, not only the failed worker's node's: its
+agent writes `failed` in the store (node, rank, exit code, error line; the first failure
+wins) and waits until the other agents have read it (`StoreWatch.fail`) before torch stops
+its workers and it reports the failure as on one node; every other agent, on reading it,
+stops its workers and spares (`LiveJobFailedError`: torch's SIGTERM shutdown, no replacement)
+and its launcher exits 1 naming the failed node, rank and error. Only a kill, a hang or a lost
+link is a fault the other nodes ride out. torch's re-rendezvous is off
 (`ringtrain.launch.rendezvous._BoundedRendezvous`): a node that arrives late waits outside and
 never restarts the others' workers. The agents' exit barrier waits only for agents still
 beating in the store, not torch's 300 s for a node that is gone.
@@ -55,11 +62,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ringtrain.launch.cgroup import SLOT_ENV, CgroupUnavailable, MemoryCgroups
 from ringtrain.launch.live_store import StoreWatch
@@ -74,7 +84,7 @@ from ringtrain.torch_internals import (
 )
 
 __all__ = ["LEFT_OUT_EXIT_CODE", "MAX_REPLACEMENTS", "REPLACEMENT_ENV", "SPARE_ENV",
-           "LiveStoreLostError", "replacing_lost_workers"]
+           "LiveJobFailedError", "LiveStoreLostError", "replacing_lost_workers"]
 
 REPLACEMENT_ENV = "RINGTRAIN_LIVE_REPLACEMENT"  # set in a replacement: which one it is (1, 2..)
 SPARE_ENV = "RINGTRAIN_LIVE_SPARE"  # set in a warm spare: it waits, built, for a lost member
@@ -83,6 +93,10 @@ MAX_REPLACEMENTS = 32
 
 class LiveStoreLostError(RuntimeError):
     """This node's agent lost the job's store (node 0's agent) and stopped its workers."""
+
+
+class LiveJobFailedError(RuntimeError):
+    """Another node's worker failed (an exception): this node's agent stopped its workers."""
 
 
 def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
@@ -191,15 +205,26 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             silent = departed.silent_s()
             if silent > departed.silent_after_s:
                 _stop_node(self, warm, departed, silent)
+            record = departed.failure()
+            if record is not None:  # another node's worker failed: the job is over
+                stopping[0] = True
+                warm.close(grace_s=0)
+                raise LiveJobFailedError(_failed_elsewhere(
+                    departed.node, record, [rank for _, rank, _ in running_workers(self)]))
             # A worker that exited is judged once the store has answered since: across nodes a
             # lost store fails every worker here within a second, which is neither the job's
             # failure nor a fault a replacement (that could not reach the store) would mend.
             if not departed.answered_since(
                     [proc.pid for _, _, proc in workers if proc.poll() not in (None, 0)]):
                 return
-        stopping[0] = stopping[0] or any(
-            code is not None and code != 0 and not _replaceable(code)
-            for code in (proc.poll() for _, _, proc in workers))
+        failed = [(local, rank, proc) for local, rank, proc in workers
+                  if proc.poll() not in (None, 0) and not _replaceable(proc.returncode)]
+        if failed and not stopping[0]:
+            stopping[0] = True
+            # Every node's failure, not this one's alone (an exception is the same bug on any
+            # replacement): the record goes in the store, and the other agents have read it,
+            # before this node's workers stop and its members vanish from the others' group.
+            departed.fail(_failure_record(self, *failed[0]))
         if stopping[0]:
             warm.close(grace_s=0)
             original(self, done_local_ranks)
@@ -263,6 +288,9 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
                   f"{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))}, whose agent "
                   f"stopped answering the store over {departed.silent_after_s:g} s ago (lost "
                   "or cut off; the job went on without it)", file=sys.stderr, flush=True)
+        record = departed.failure()
+        if record is not None:  # a worker failed on another node after this node's finished
+            raise LiveJobFailedError(_failed_elsewhere(departed.node, record, None))
 
     with CAPTURE_PROCESS_FAILURES.replaced(capture), MONITOR_WORKERS.replaced(monitor_workers), \
             EXIT_BARRIER.replaced(exit_barrier):
@@ -291,3 +319,36 @@ def _stop_node(context: Any, warm: _Spares, watch: StoreWatch, silent_s: float) 
         "this node's link went down, the other nodes go on without it (nothing to do here). If "
         "node 0 or its agent is gone, the job is lost: run the same command again on every "
         "node; it resumes from the last snapshot")
+
+
+def _failure_record(context: Any, local_rank: int, rank: int, proc: subprocess.Popen) -> dict:
+    """What the other nodes' agents say about this node's failed worker (`StoreWatch.fail`):
+    where it ran, its exit code and the first line of what it raised, if its error file (a
+    worker under `@record`, as `ringtrain train`'s) has it."""
+    error_file = context.envs[local_rank].get("TORCHELASTIC_ERROR_FILE", "")
+    message: Any = ""
+    if error_file and os.path.isfile(error_file):  # else torch makes up a line that says nothing
+        with contextlib.suppress(ValueError, KeyError, TypeError, OSError):  # cut short: none
+            message = ProcessFailure(local_rank=local_rank, pid=proc.pid,
+                                     exitcode=proc.returncode, error_file=error_file).message
+    if isinstance(message, dict):  # {"message": ..., "extraInfo": {"py_callstack": ...}}
+        message = message.get("message", "")
+    error = next(iter(str(message).strip().splitlines()), "")
+    return {"host": socket.gethostname(), "rank": rank, "local_rank": local_rank,
+            "pid": proc.pid, "exitcode": proc.returncode, "error": error}
+
+
+def _failed_elsewhere(node: int, record: dict, stopped: list[int] | None) -> str:
+    """`LiveJobFailedError`'s message: which node's worker failed, how, and what to do; this
+    node's ranks `stopped` (None: its workers had finished)."""
+    code = record["exitcode"]
+    how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+           else f"exited with exit code {code}")
+    error = f": {record['error']}" if record.get("error") else ""
+    here = (f"this node's workers (node {node}) had finished, the job had not" if stopped is None
+            else f"stopped this node's workers (node {node}, ranks {stopped})")
+    return (f"node {record['node']} (host {record['host']}): rank {record['rank']} (local_rank "
+            f"{record['local_rank']}, pid {record['pid']}) {how}{error}. A worker's failure is "
+            f"the job's on every node (the same error would end any replacement): {here}. Fix "
+            "the cause and run the same command again on every node; it resumes from the last "
+            "snapshot")

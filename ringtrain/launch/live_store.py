@@ -6,6 +6,8 @@
     watch.mark(pid)                 # `departed/{uid}` for this node's process `pid`, which exited
     watch.silent_s()                # how long the store has not answered
     watch.finish(bound_s)           # this node is done: wait for the other nodes' agents
+    watch.fail(record, bound_s)     # this node's worker failed: say so to every node, first wins
+    watch.failure()                 # another node's failure record, once one is in the store
 
 `ringtrain.launch.live_agent` asks it from torch's agent poll. Every store call runs on the
 thread, never on the agent's own: across nodes the store is node 0's agent, and a call to a host
@@ -20,12 +22,19 @@ Across nodes (`ringtrain train --live --nnodes N`):
   workers are done (then `left`, see `finish`). torch's exit barrier waits for every node's
   agent (300 s) and would hold a finished job that long after a node was lost; `finish` waits
   only for agents that still beat: one silent for `STORE_SILENT_S` has stopped itself (it lost
-  the store that long), or is dead.
+  the store that long), or is dead;
+- a worker failure that is the job's (an exception: the same bug on any replacement) is every
+  node's: the agent that sees it writes `failed` (JSON: node, host, rank, pid, exit code, error
+  line) with compare-and-set, so the first failure wins, and waits until every other agent that
+  still beats has read it (`agents/{node}/seen_failed`) before it stops its own workers: the
+  store's host would take the store with it, and the others would then lose a second to
+  regrouping and ten to the store's silence. Every other agent's `failure()` then returns it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from datetime import timedelta
@@ -46,6 +55,11 @@ _POLL_S = 0.25
 STORE_SILENT_S = 10.0
 _ERRORS = (RuntimeError, OSError, KeyError, ValueError)
 _PHASES = {1: "done", 2: "left"}  # `finish`'s two rounds, as written in the store
+_SEEN_FAILED = "seen_failed"  # `agents/{node}/seen_failed`: it read another node's `failed`
+# How long a failed node's agent waits for the others to read its record before it stops its
+# workers anyway: each reads it within a poll (`_POLL_S`); one that has not in this long is
+# cut off, and learns the job is over from its store's silence or its members' absence.
+FAILURE_SEEN_S = 5.0
 
 
 class StoreWatch:
@@ -64,8 +78,11 @@ class StoreWatch:
         self._members: list[tuple[int, int]] = []  # uid -> (slot, pid), as registered
         self._phase = self._written = 0  # of `finish`: 1 done, 2 left; the one said in the store
         self._host_gone = False  # the store stopped answering once this agent said `left`
-        # node -> (beat, when it last moved on our clock, done, left)
-        self._others: dict[int, tuple[int, float, bool, bool]] = {}
+        # node -> (beat, when it last moved on our clock, done, left, seen_failed)
+        self._others: dict[int, tuple[int, float, bool, bool, bool]] = {}
+        self._failing: str | None = None  # this node's failure record, to write (`fail`)
+        self._failed: dict | None = None  # the job's failure record, once read (any node's)
+        self._failure_told = False  # another node's record, handed out by `failure()`
         self._contact = self._contact_began = time.monotonic()  # the last whole poll: end, start
         self._asked: dict[int, float] = {}  # pid -> when `answered_since` first saw it
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -137,8 +154,43 @@ class StoreWatch:
         self._wait_for(bound_s, phase=2, ignore=gone)
         return gone
 
+    def fail(self, record: dict, bound_s: float = FAILURE_SEEN_S) -> dict | None:
+        """Write `record` as the job's failure unless another node's came first; wait until
+        every other agent that still beats has read it, up to `bound_s`. Returns the record
+        that won (this one, or another node's: the job's failure either way), or None if the
+        store did not answer in `bound_s`."""
+        if self._thread is None:  # one node without a store: torch's stop is the job's
+            return None
+        self._failing = json.dumps({**record, "node": self.node})
+        self._wake.set()
+        deadline = time.monotonic() + bound_s
+        while self._failed is None:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(self.poll_s / 5)
+        # Ours: every agent that beats has read it, or bound_s. Another node's (it failed first):
+        # its agent waits for the readers.
+        while self._failed["node"] == self.node and time.monotonic() < deadline:
+            now = time.monotonic()
+            with self._lock:
+                others = dict(self._others)
+            if all(n in others and (others[n][4] or now - others[n][1] > bound_s)
+                   for n in range(self.nodes) if n != self.node):
+                break
+            time.sleep(self.poll_s / 5)
+        return self._failed
+
+    def failure(self) -> dict | None:
+        """Another node's failure record (`fail`), once: the job is over."""
+        record = self._failed
+        if record is None or self._failure_told or record["node"] == self.node:
+            return None
+        self._failure_told = True
+        return record
+
     def _wait_for(self, bound_s: float, phase: int, ignore) -> list[int]:
-        """Until every other agent but `ignore` is past `phase` (1 done, 2 left) or silent."""
+        """Until every other agent but `ignore` is past `phase` (1 done, 2 left) or silent; a
+        node whose worker failed (`fail`) is never done, and its agent leaves on its own."""
         self._wake.set()
         while True:
             now = time.monotonic()
@@ -146,8 +198,9 @@ class StoreWatch:
                 return sorted(set(range(self.nodes)) - {self.node})
             with self._lock:
                 others = dict(self._others)
-            waiting = [n for n in range(self.nodes) if n != self.node and n not in ignore
-                       and not (n in others and others[n][1 + phase])]
+            failed = self._failed["node"] if self._failed is not None else None
+            waiting = [n for n in range(self.nodes) if n not in (self.node, failed)
+                       and n not in ignore and not (n in others and others[n][1 + phase])]
             gone = [n for n in waiting if n in others and now - others[n][1] > bound_s]
             if len(gone) == len(waiting) and self._written >= phase:
                 return gone
@@ -175,6 +228,7 @@ class StoreWatch:
             self._wake.clear()
 
     def _poll(self, store: Any) -> None:
+        self._poll_failure(store)
         with self._lock:
             to_mark, self._to_mark = self._to_mark, []
         for uid in range(len(self._members), int(store.add("uids", 0))):
@@ -200,8 +254,26 @@ class StoreWatch:
             if n == self.node:
                 continue
             beat = int(store.add(f"agents/{n}/beat", 0))
-            done, left = (store.check([f"agents/{n}/{_PHASES[p]}"]) for p in (1, 2))
+            said = (store.check([f"agents/{n}/{key}"]) for key in (*_PHASES.values(),
+                                                                   _SEEN_FAILED))
             with self._lock:
                 last = self._others.get(n)
                 moved = now if last is None or last[0] != beat else last[1]
-                self._others[n] = (beat, moved, done, left)
+                self._others[n] = (beat, moved, *said)
+
+    def _poll_failure(self, store: Any) -> None:
+        """Write this node's failure record (the first one wins), or read another's; say it was
+        read. First in the poll: the other nodes stop as soon as the store knows."""
+        if self._failed is not None:
+            return
+        if self._failing is not None:
+            # Sets the key where it is absent; returns what it holds now, ours or the first's.
+            value = store.compare_set("failed", "", self._failing)
+        elif store.check(["failed"]):
+            value = store.get("failed")
+        else:
+            return
+        record = json.loads(value)
+        if record["node"] != self.node:
+            store.set(f"agents/{self.node}/{_SEEN_FAILED}", b"1")
+        self._failed = record
