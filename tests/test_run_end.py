@@ -33,8 +33,9 @@ from ringtrain.training.trainer import Trainer, TrainerConfig
 STEPS, WORLD = 2, 2
 MODEL = GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
 # The group's collective timeout (--watchdog-timeout): the old order failed after it; the new
-# one never waits for it, so it is generous (a loaded machine's steps stay far below it).
-TIMEOUT_S = 10.0
+# one never waits for it, so it is generous (a loaded machine's steps stay far below it). So is
+# the heartbeat bound: both members' heartbeat threads share this process's GIL with pytest.
+TIMEOUT_S, DEAD_AFTER_S = 20.0, 10.0
 BOUND_S = 60.0  # how long rank 0's write waits for the other member at most
 
 
@@ -47,7 +48,7 @@ def _member(rank: int, port: int, run_dir: Path, others_done: threading.Event,
         placed = one_replica_view(rt)  # as the CLI's --live: each generation gives the rest
         config = TrainerConfig(steps=STEPS, batch_size=4, seed=0, progress=False, report=False,
                                log_every=1, eval_every=STEPS)
-        live = LiveSettings(store, WORLD, timeout_s=TIMEOUT_S, dead_after_s=2.0,
+        live = LiveSettings(store, WORLD, timeout_s=TIMEOUT_S, dead_after_s=DEAD_AFTER_S,
                             launcher_rank=rank, snapshot_every=STEPS)
         trainer = Trainer(make_strategy("zero", runtime=placed, zero_stage=3), placed,
                           lambda: GPT(MODEL), AdditionDataset("train", 1), None, loss_fn, config,
