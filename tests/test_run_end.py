@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ringtrain.checkpoint.background import BackgroundSave
+from ringtrain.checkpoint.snapshot import SnapshotManager
 from ringtrain.data.addition import AdditionDataset
 from ringtrain.models import GPT, GPTConfig, loss_fn
 from ringtrain.runtime import Runtime
@@ -63,15 +63,13 @@ def _member(rank: int, port: int, run_dir: Path, others_done: threading.Event,
 
 def test_rank_0s_last_write_ends_after_the_others_have_finished_the_run(tmp_path, monkeypatch):
     others_done, waited, out = threading.Event(), [], {}
-    run = BackgroundSave._run
+    save_now = SnapshotManager._save_now
 
-    def slow_write(self, fn):  # rank 0's write: the only one (--snapshot-every STEPS)
-        def write():
-            waited.append(others_done.wait(BOUND_S))
-            return fn()
-        run(self, write)
+    def slow_write(self, *args):  # on the writer thread, once the state's host copy landed
+        waited.append(others_done.wait(BOUND_S))  # rank 0's only save (--snapshot-every STEPS)
+        return save_now(self, *args)
 
-    monkeypatch.setattr(BackgroundSave, "_run", slow_write)
+    monkeypatch.setattr(SnapshotManager, "_save_now", slow_write)
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=30))  # outlives both members
     threads = [threading.Thread(target=_member, args=(r, host.port, tmp_path, others_done, out),

@@ -19,6 +19,7 @@ write's end sets, and rank 0's files (`summary.py`: summary.json, report.png, a 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ class Agreed:
 
     summary: dict[str, Any]  # the loop's part of summary.json (`run_summary`)
     figures: dict[str, Any]  # the strategy's own and the trace's: after the snapshot's
+    started: float  # `time.time()` when the run began: `wall_s` counts the last write too
 
 
 class RunEnd:
@@ -77,13 +79,14 @@ class RunEnd:
                               gather=agreement.gather if live else None)
         figures = dict(s.stats())  # the strategy's own figures (a parameter server's staleness)
         figures.update(self.tracer.finish(agreement.gather, self.run_dir))  # --trace-steps
-        return Agreed(summary, figures)
+        return Agreed(summary, figures, started)
 
     def write(self, agreed: Agreed, runtime: Runtime, checkpointer: Checkpointer | None,
               records: list[dict[str, Any]], *, report: bool) -> dict[str, Any]:
         """After the last snapshot's write was joined: the summary (on every rank), and on
         rank 0 the sample and the run's files. The keys in summary.json's order."""
         summary = dict(agreed.summary)
+        summary["wall_s"] = time.time() - agreed.started  # the whole run, its last write too
         if checkpointer is not None:
             summary.update(checkpointer.summary())
         summary.update(agreed.figures)
