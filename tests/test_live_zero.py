@@ -54,8 +54,9 @@ ALONE = {"alone": STAGE2, "alone3": STAGE3} if FULL else {}  # the re-shards 2 -
 JOBS = {"clean": (None, [*STAGE2, *WAITS, *EVERY_STEPS]),
         **({"replaced": (f"kill:1:{AT}", [*STAGE2, *WAITS, *EVERY_STEPS])} if FULL else {}),
         # The members' collectives wait up to --watchdog-timeout for a slow one (a kill is found
-        # at once): stage 3 gathers the model at the end, which rank 0 joins once its last
-        # snapshot is written, by a writer process started at its first save (seconds here).
+        # at once): rank 0 alone saves, and its save waits for the write before it (seconds on
+        # a loaded machine) while the others wait in the stop vote. The end's gather no longer
+        # waits for the last write (tests/test_run_end.py, issue 26).
         "stage3": (f"kill:1:{AT},term-launcher:0:{STOP_AT}",
                    [*STAGE3, *WAITS, "--snapshot-every", "4", "--watchdog-timeout", "30"]),
         **{name: (f"kill:1:{AT}", [*stage, *EVERY_STEPS]) for name, stage in ALONE.items()}}

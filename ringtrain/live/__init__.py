@@ -13,6 +13,8 @@ Read in this order:
   up once a member's heartbeat stops (a hang or a lost link found in ~1 s, not a timeout).
 - `roster.py`: who is in the job as the store says: the processes waiting to be let in, the
   members gone, the member list a new generation proposes (survivors keep their ranks).
+- `joining.py`: how a process becomes a member: it registers, then generation 0 forms once
+  all its processes have, or a replacement (or a warm spare) waits until a generation lists it.
 - `group.py`: `LiveGroup`, the generations: who is a member, agreed through the store; one
   watched gloo group per generation on its own store prefix; replacements let in at step
   boundaries.
@@ -27,13 +29,9 @@ May import: torch, `ringtrain.data`, `ringtrain.checkpoint` (the RNG state), `ri
 """
 
 from ringtrain.live.batches import GlobalBatches
-from ringtrain.live.group import (
-    LiveGroup,
-    LiveJobLostError,
-    LiveMemberLostError,
-    LiveRecoveryError,
-)
+from ringtrain.live.group import LiveGroup, LiveMemberLostError, LiveRecoveryError
 from ringtrain.live.heal import HealReport, heal
+from ringtrain.live.joining import LiveJobLostError
 from ringtrain.live.loop import all_reduce_gradients, train_live
 from ringtrain.live.state import LiveState
 from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup

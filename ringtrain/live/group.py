@@ -9,10 +9,11 @@
 torchft's quorum, smaller. Every process that runs the job function registers in the store and
 gets a `uid` (a counter, never reused) and a heartbeat thread. A *generation* is a list of
 uids, its members in rank order; the first `world_size` uids form generation 0 (in launcher
-`slot` order where given), later ones wait as replacements. Generation g's process group is a
-gloo group built directly on `PrefixStore(f"gen{g}/pg", store)`: the default group is never
-destroyed or re-initialised (a dead peer's group cannot be torn down collectively), and a new
-prefix means no key of an older generation is ever read again.
+`slot` order where given), later ones wait as replacements (`joining.py`: how a process becomes
+a member). Generation g's process group is a gloo group built directly on
+`PrefixStore(f"gen{g}/pg", store)`: the default group is never destroyed or re-initialised (a
+dead peer's group cannot be torn down collectively), and a new prefix means no key of an older
+generation is ever read again.
 
 Forming generation g+1 after a failure (every member of g that is still running, together):
 - each writes `gen{g+1}/here/{uid}`; a member of g is *lost* once its heartbeat has not moved
@@ -52,15 +53,8 @@ import torch.distributed as dist
 
 from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.heartbeats import Heartbeats, clone_store
-from ringtrain.live.roster import (
-    all_gone,
-    decode,
-    encode,
-    first_departed,
-    generation0,
-    propose,
-    waiting_uids,
-)
+from ringtrain.live.joining import generation0_members, register, wait_for, wait_to_be_let_in
+from ringtrain.live.roster import decode, encode, first_departed, propose, waiting_uids
 from ringtrain.live.state import LiveState
 from ringtrain.live.watched import LiveMemberSilentError, RetiredGroups, WatchedGroup
 from ringtrain.store_keys import claim_key
@@ -72,11 +66,6 @@ class LiveMemberLostError(RuntimeError):
 
 class LiveRecoveryError(RuntimeError):
     """A collective failed but no member was lost: the error is this job's own, not a fault."""
-
-
-class LiveJobLostError(RuntimeError):
-    """Every member of the last generation is gone: nobody is left to let a replacement in or
-    to heal it from, so the job fails and restarts from its last snapshot (the restart path)."""
 
 
 class LiveGroup:
@@ -129,14 +118,9 @@ class LiveGroup:
         self._fruitless = (-1, 0)  # (step, recoveries in a row there that lost no member)
         self.spare, self.stop_requested = spare, stop_requested
         if spare:  # a uid below world_size would be a place in generation 0: take one after
-            self._wait_for("gen0/members", "generation 0 to form")
-        self.uid = self._store.add("uids", 1) - 1
-        self._store.set(f"pid/{self.uid}", str(os.getpid()))
-        self._store.set(f"slot/{self.uid}", str(self.uid if slot is None else slot))
-        # Read before the first beat: a generation that lets this process in is decided after
-        # that beat, so it comes after this one (read later, the counter may already have
-        # moved past the generation that took it in, and `join` would wait for the next).
-        self._first_generation = int(self._store.add("generations", 0))
+            wait_for(self._store, "gen0/members", "generation 0 to form", join_timeout_s)
+        # Before the first beat (joining.py says why).
+        self.uid, self._first_generation = register(self._store, slot)
         self._beats = Heartbeats(self._store, dist.PrefixStore(prefix, clone_store(store)),
                                  self.uid, heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
                                  members=lambda: self.members, known=lambda: self._known)
@@ -184,15 +168,7 @@ class LiveGroup:
                 "process exit, or the others left it out): this collective is abandoned and "
                 "the survivors regroup")
 
-    # -- joining ----------------------------------------------------------------------------
-    def _wait_for(self, key: str, what: str) -> None:
-        deadline = time.monotonic() + self.join_timeout_s
-        while not self._store.check([key]) and not self._store.check(["finished"]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {self.join_timeout_s:g} s for {what}: start the "
-                                   "job's workers with the same store")
-            time.sleep(0.05)
-
+    # -- joining (joining.py: the waits before a process is a member) -----------------------
     def join(self, state: LiveState) -> bool:
         """Become a member (generation 0, or a later one as a replacement) and heal.
 
@@ -200,60 +176,22 @@ class LiveGroup:
         from its rank 0's state (as DDP's broadcast at construction); a replacement takes the
         newest committed state of the members (`heal`).
         """
-        deadline = time.monotonic() + self.join_timeout_s
         if self.uid < self.world_size:  # the first world_size processes: generation 0
-            # All registered first: the rendezvous starts everywhere at once (slow imports).
-            while (registered := self._store.add("uids", 0)) < self.world_size:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"only {registered} of world_size={self.world_size} processes registered "
-                        f"within {self.join_timeout_s:g} s; start the others with the same store")
-                time.sleep(0.01)
-            first = generation0(self._store, self.world_size, self.join_timeout_s)
-            members = decode(self._store.compare_set("gen0/members", "", encode(first)))
+            members = generation0_members(self._store, self.world_size, self.join_timeout_s)
             self._enter(0, members, state, fresh=members.index(self.uid) != 0)
             return True
-        g = self._first_generation
-        if self.spare:  # waits for a fault as long as the job runs; polls less (it is idle)
-            deadline, poll_s = float("inf"), 0.05
-        else:
-            poll_s = 0.01
-        next_check = 0.0
-        while True:
-            if self._store.check([f"gen{g}/members"]):
-                members = decode(self._store.get(f"gen{g}/members"))
-                if self.uid in members:
-                    try:
-                        self._enter(g, members, state, fresh=True)
-                    except RuntimeError:  # a member was lost while it formed: the next one
-                        # This process is a member of g now: the others wait for it to arrive
-                        # in g+1 (else for `timeout_s`), so it forms g+1 with them.
-                        self._reform(state, fresh=True)
-                    return True
-                g += 1
-                continue
-            if self._store.check(["finished"]):
-                return False
-            if g > 0 and time.monotonic() >= next_check:  # anyone left to let this one in?
-                next_check = time.monotonic() + self.heartbeat_s
-                self._raise_if_all_gone(g - 1)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replacement uid {self.uid} was not let in within "
-                                   f"{self.join_timeout_s:g} s (generation {g - 1} is full or "
-                                   "its members never reached a step boundary)")
-            time.sleep(poll_s)
-
-    def _raise_if_all_gone(self, g: int) -> None:
-        """Raise `LiveJobLostError` if every member of generation g (the newest) is departed
-        or silent for `dead_after_s`: no generation will ever let this process in."""
-        members = decode(self._store.get(f"gen{g}/members"))
-        if all_gone(self._store, self._beats, members):
-            raise LiveJobLostError(
-                f"uid {self.uid} waits to be let in, but every member of generation {g} "
-                f"({members}) is gone (departed or silent for over {self.dead_after_s:g} s): "
-                "no survivor holds the job's state. The job fails so that it restarts from its "
-                "last snapshot: run the same command again (with --live-wait S the survivors "
-                "wait for replacements, so one fault cannot take every member)")
+        found = wait_to_be_let_in(self._store, self._beats, self.uid, self._first_generation,
+                                  spare=self.spare, timeout_s=self.join_timeout_s,
+                                  heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
+        if found is None:
+            return False
+        try:
+            self._enter(*found, state, fresh=True)
+        except RuntimeError:  # a member was lost while it formed: the next one
+            # This process is a member of that generation now: the others wait for it to
+            # arrive in the next one (else for `timeout_s`), so it forms that one with them.
+            self._reform(state, fresh=True)
+        return True
 
     def admit(self, state: LiveState) -> bool:
         """At a step boundary, on every member: let waiting replacements in while short.

@@ -12,8 +12,9 @@ member's own shard and its copy of one peer's (`buddy_part`). At stages 1 and 2 
 moments only (every member holds the whole model, replicated, committed and healed as ddp's
 is; the step count is one scalar): 2/N of the model's bytes at fp32 AdamW sent and received
 per member per step, as much held. At stage 3 it is the fp32 parameter shard too (3/N), and
-the model the live loop commits and heals is its buffers alone (`BuffersOnly`): the
-parameters have no storage between uses, and their only copies are the shards. A new
+the model the live loop commits and heals is its buffers alone (`BuffersOnly`,
+`zero_live_stage3.py`): the parameters have no storage between uses, and their only copies are
+the shards. A new
 generation (members lost, or let in) rebuilds the sharded state in its first step, inside the
 recovery's retry: every member says which parts of the last commit it holds (`rebuild_plan`),
 each member receives from one holder the parts the new layout's rank needs of it
@@ -37,12 +38,11 @@ Snapshots: the members' rank 0 writes them alone; in a step after which the trai
 part of one rank, the form any number of ranks resumes (`ringtrain.zero.reshard`). A stop
 signal between two such steps is agreed by every member in the loop's stop vote
 (`StopVoteAgreement`): when it says stop, the shards go to rank 0 there, so the stop's
-snapshot is of the step it stops at, as without --live.
+snapshot is of the step it stops at, as without --live (`zero_live_snapshot.py`).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -50,14 +50,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from ringtrain.agreement.base import Agreement
-from ringtrain.agreement.generations import GenerationAgreement
 from ringtrain.strategies.base import LiveHooks, StepResult
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
+from ringtrain.strategies.zero_live_snapshot import StopVoteAgreement, one_rank_part
+from ringtrain.strategies.zero_live_stage3 import BuffersOnly, give_storage
 from ringtrain.tensor_tree import send_recv_state
-from ringtrain.zero import reshard
 from ringtrain.zero.live import (
     ZeroShardsLostError,
     buddy_offset,
@@ -70,8 +69,6 @@ if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
 
 __all__ = ["ZeroLiveHooks", "ZeroShardsLostError"]
-
-log = logging.getLogger("ringtrain")
 
 
 @dataclass(frozen=True)
@@ -122,7 +119,7 @@ class ZeroLiveHooks(LiveHooks):
         self._save_next = True
 
     def agreement(self, current: Callable[[], Runtime]) -> Agreement:
-        return StopVoteAgreement(current, self)
+        return StopVoteAgreement(current, self.gather_for_stop)
 
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
                    lr: float, grad_clip: float | None, weight: float) -> StepResult:
@@ -284,7 +281,7 @@ class ZeroLiveHooks(LiveHooks):
         pg.allgather([masks], [mask]).wait()
         held_by = [[r for r in range(size) if int(m[r])] for m in masks]
         if self.stage == 3:
-            _give_storage(s.model)
+            give_storage(s.model)
         s.rebuild(pg)
         zero = s.model
         needs, moves = rebuild_plan(held_by, size, [u.plan.numel for u in zero.units],
@@ -298,87 +295,6 @@ class ZeroLiveHooks(LiveHooks):
         # What it received is the commit's too: a second fault before the next commit finds it.
         self.held = Held(self.steps, size, parts)
         zero.load_shard_state_dicts({r: self._with_params(parts[r]) for r in needs[rt.rank]})
-
-
-class BuffersOnly(nn.Module):
-    """A stage-3 model as the live loop commits, restores and heals it (`LiveState`): its
-    buffers alone, replicated as a stage-2 model is. Never its parameters: between uses they
-    have no storage (reading one crashes the process), and each member's slice of them is in
-    the commit's parts `ZeroLiveHooks` keeps (a heal would send a whole replica nobody holds).
-
-    Args:
-        module: the plain module `ZeroDataParallel` wraps (not a submodule of this one, so its
-            parameters stay out of `parameters()` and `zero_grad()`).
-    """
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.__dict__["_module"] = module
-        self._params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return {k: v for k, v in self._module.state_dict().items() if k not in self._params}
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True,
-                        assign: bool = False) -> Any:
-        unexpected = sorted(set(state_dict) & self._params)
-        if unexpected:
-            raise ValueError(f"a stage-3 live commit holds buffers only, got parameters "
-                             f"{unexpected[:3]}: it was taken from another stage")
-        return self._module.load_state_dict(state_dict, strict=False, assign=assign)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # A restore after a step that failed in backward: gradients autograd accumulated into
-        # `.grad` before their unit was reduced would be added to the redone step's.
-        self._module.zero_grad(set_to_none=set_to_none)
-
-
-def _give_storage(zero: Any) -> None:
-    """Stage 3, before the wrapper is built again over a new group: the old one's parameters
-    have no storage (freed between uses; the group that would gather them is gone), and the
-    new one copies them at construction. Zeros for the copy (one model, as at setup, dropped
-    once the new wrapper has its units); the load that follows sets each shard. Gradients a
-    failed backward left go too (the redone step's would be added to them)."""
-    with torch.no_grad():
-        for unit in zero.units:
-            for p in unit.params:
-                p.data = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-                p.grad = None
-
-
-class StopVoteAgreement(GenerationAgreement):
-    """The live loop's agreement over the current generation (`GenerationAgreement`), whose
-    stop vote, when it says stop, also gathers the shards to the members' rank 0: the vote is
-    the last question every member answers before a stop, and a stop saves a snapshot on rank
-    0 alone, which must hold the whole state (`ZeroLiveHooks.gather_for_stop`).
-
-    A member lost inside that gather leaves rank 0 without the state: its save then fails
-    loudly and the last periodic snapshot resumes the run (`snapshot_state`)."""
-
-    def __init__(self, current: Callable[[], Runtime], hooks: ZeroLiveHooks):
-        super().__init__(current)
-        self.hooks = hooks
-
-    def vote(self, flag: bool, *, at_shared_step: bool) -> bool:
-        stop = super().vote(flag, at_shared_step=at_shared_step)
-        if stop:
-            try:
-                self.hooks.gather_for_stop()
-            except RuntimeError as e:  # a member lost: the stop goes on, without the state
-                log.warning("live: the ZeRO shards could not be gathered for the stop's "
-                            "snapshot (%s)", str(e).splitlines()[0])
-        return stop
-
-
-def one_rank_part(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every saved rank's part (with parameters) -> the same state as one rank's part, the form
-    a snapshot of any number of ranks resumes from (`reshard.consolidate`)."""
-    full = reshard.consolidate(parts)
-    some = parts[0]
-    return {**{k: some[k] for k in ("format", "stage", "numels", "names", "shapes",
-                                    "param_groups")},
-            "world_size": 1, "rank": 0, "shards": full["params"], "moments": full["moments"],
-            "scalars": full["scalars"]}
 
 
 def _nbytes(obj: Any) -> int:

@@ -12,7 +12,7 @@ rank has set that logger up (`setup_logging` routes warnings through it afterwar
 rank), and a warning category can be filtered, or made an error by a CI job that wants to
 hear of a feature lost on a new torch.
 
-No private torch name appears in this file: they are all in the package's `__init__`.
+No private torch name appears in this file: they are all in the modules beside it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ directory's newest committed snapshot by itself (`resume=False` starts afresh).
 
 This file is the step loop; what it calls at the edges lives beside it: a logged step's
 reduced record (`record.py`), when to save and how to stop on a signal (`snapshots.py`), the
-end of the run (`summary.py`), and the live mode's steps (`live.py`: with `live`, each step is
+end of the run (`ending.py`: every rank's collectives first, then the last snapshot's write,
+then the files), and the live mode's steps (`live.py`: with `live`, each step is
 the fault-free run's global batch over whoever is left, recovered in memory when a member is
 lost; snapshots, metrics lines and the end's files are then the current members' rank 0's).
 """
@@ -61,6 +62,7 @@ from ringtrain.strategies.base import StepResult, Strategy
 from ringtrain.trace import Tracer
 from ringtrain.training.batches import MicroBatches
 from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
+from ringtrain.training.ending import RunEnd
 from ringtrain.training.evaluate import eval_sums
 from ringtrain.training.live import LiveDriver, LiveSettings, live_driver
 from ringtrain.training.metrics_file import RankZeroMetrics
@@ -68,7 +70,6 @@ from ringtrain.training.progress import Progress
 from ringtrain.training.record import HeldLine, eval_text, flush_held, log_step
 from ringtrain.training.snapshots import STOP_SIGNALS, LoopSnapshots
 from ringtrain.training.state import LoopState, WindowSums
-from ringtrain.training.summary import agreed_sha256, eager_copy, run_summary, write_run_files
 from ringtrain.types import LossFn, MetricFn, OptimizerFn
 
 __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
@@ -141,8 +142,6 @@ class Trainer:
         strategy.trace(self.tracer)  # before setup, which hands it to the engines
         strategy.setup(self.model, optimizer_fn or adamw(c.weight_decay, betas=(c.beta1, c.beta2)),
                        loss_fn)
-        self._model_fn = model_fn
-        self._final_state: dict[str, Any] | None = None  # model_state_dict() at the end of fit()
         if c.compile:
             # From outside the model, after setup: a copy the strategy made in setup (local
             # SGD's weights of the last meeting) stays eager, rather than sharing a compiled
@@ -181,6 +180,8 @@ class Trainer:
         self.metrics = RankZeroMetrics(run_dir, rank=lambda: self.runtime.rank)  # live: moves
         self.held = HeldLine(list(self.eval_metrics)) if live is not None else None  # record.py
         self.resume = resume
+        self.end = RunEnd(strategy, self.tracer, list(self.eval_metrics), run_dir=run_dir,
+                          sample_fn=sample_fn, model=self.model, model_fn=model_fn)
         self.checkpointer: Checkpointer | None = None
         self.snapshots: LoopSnapshots | None = None
         if run_dir is not None:
@@ -260,12 +261,21 @@ class Trainer:
         if original:  # resumed: lines after the snapshot go (trained again); live: metrics_file
             self.metrics.open(resume_at=self.step if self.step > 0 else None)
         catch = cp is not None and cp.every > 0
-        disk_full = None
+        disk_full = agreed = None
         try:
             with StopSignal(STOP_SIGNALS) if catch else nullcontext() as stop:
                 try:
                     stopped = self._loop(progress, stop, resumed=resumed_at is not None)
                 except DiskFullError as e:  # raised by the same save on every rank: all stop
+                    stopped, disk_full = "disk full", str(e)
+            if not stopped:  # every rank's end collectives, then the last write (`ending.py`)
+                agreed = self.end.agree(self.runtime, self.agreement, self.state, self.config,
+                                        self.data_world_size, started=started,
+                                        live=self.live is not None)
+                try:
+                    if self.snapshots is not None:  # the last snapshot, written meanwhile
+                        self.snapshots.wait()
+                except DiskFullError as e:
                     stopped, disk_full = "disk full", str(e)
         except BaseException:
             if self.snapshots is not None:  # a snapshot in the background: committed, or none
@@ -279,19 +289,15 @@ class Trainer:
             if self.snapshots is not None:
                 self.snapshots.close()  # the writer process of background snapshots
         try:
-            return self._stopped_or_finished(stopped, disk_full, started)
+            if stopped or agreed is None:
+                return {"steps": self.step, "stopped_by": stopped, "run_dir": self.run_dir,
+                        "snapshot_step": cp.saved_step if cp is not None else None,
+                        "disk_full": disk_full}
+            return self.end.write(agreed, self.runtime, cp, self.metrics.records,
+                                  report=self.config.report)
         finally:
             if self.live is not None:  # after the final digest: waiting replacements may exit
                 self.live.close()
-
-    def _stopped_or_finished(self, stopped: str | None, disk_full: str | None,
-                             started: float) -> dict[str, Any]:
-        cp = self.checkpointer
-        if stopped:
-            return {"steps": self.step, "stopped_by": stopped, "run_dir": self.run_dir,
-                    "snapshot_step": cp.saved_step if cp is not None else None,
-                    "disk_full": disk_full}
-        return self._finish(started)
 
     def _loop(self, progress: Progress, stop: StopSignal | None = None,
               resumed: bool = False) -> str | None:
@@ -360,41 +366,12 @@ class Trainer:
                                                                self.metrics, self.state))
             if cp is not None and cp.due(self.step) and self._writes_snapshots():
                 snaps.save_once(self.step)  # rank 0 now: the lost one's last save, if it was due
-        if snaps is not None:  # the last snapshot, written in the background, is committed
-            snaps.wait()
+        # The last snapshot may still be being written: `fit` joins it after the end's
+        # collectives, which rank 0 would otherwise keep the others waiting in (issue 26).
         return None
 
     def final_model(self) -> nn.Module:
         """The whole model after `fit()`, as a plain module (to export): the one given to the
         strategy may no longer be it (tp replaced its layers by this rank's slices; ZeRO 3
         frees its parameters between uses)."""
-        if self._final_state is None:
-            raise RuntimeError("Trainer.final_model() is the model after fit(): call fit() first")
-        return eager_copy(self.model, self._final_state, model_fn=self._model_fn)
-
-    def _finish(self, started: float) -> dict[str, Any]:
-        """Final state: hash checked across ranks, summary and report on rank 0."""
-        rt, s = self.runtime, self.strategy
-        state = s.model_state_dict()
-        self._final_state = state  # for `final_model`: `self.model` may hold slices (tp)
-        sha = agreed_sha256(state, rt, self.agreement)
-        summary = run_summary(self.state, s, rt, self.config, self.data_world_size,
-                              list(self.eval_metrics), steps=self.step, started=started, sha=sha,
-                              gather=self.agreement.gather if self.live is not None else None)
-        if self.checkpointer is not None:
-            summary.update(self.checkpointer.summary())
-        summary.update(s.stats())  # the strategy's own figures (a parameter server's staleness)
-        summary.update(self.tracer.finish(self.agreement.gather, self.run_dir))  # --trace-steps
-        if rt.rank == 0:
-            if self.sample_fn is not None:
-                summary["sample"] = self.sample_fn(eager_copy(self.model, state,
-                                                              model_fn=self._model_fn))
-            if self.run_dir:
-                summary["run_dir"] = self.run_dir
-                disk_full = write_run_files(
-                    self.run_dir, summary, self.metrics.records,
-                    title=f"{s.name}, world_size {rt.world_size}", report=self.config.report,
-                    saved_step=self.checkpointer.saved_step if self.checkpointer else None)
-                if disk_full is not None:
-                    summary["disk_full"] = disk_full
-        return summary
+        return self.end.final_model()
