@@ -31,12 +31,16 @@ class LiveMemberSilentError(RuntimeError):
 
 
 class _WatchedWork(dist.Work):
-    def __init__(self, work: dist.Work, check: Callable[[], None], slice_s: float):
+    def __init__(self, work: dist.Work, check: Callable[[], None], slice_s: float,
+                 point_to_point: bool = False):
         super().__init__()
         self._work, self._check, self._slice = work, check, timedelta(seconds=slice_s)
+        self._point_to_point = point_to_point
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         # `timeout` is ignored: the group's own timeout bounds the collective, `check` a peer.
+        if self._point_to_point:
+            return self._wait_in_thread()
         while True:
             try:
                 return self._work.wait(self._slice)
@@ -44,6 +48,35 @@ class _WatchedWork(dist.Work):
                 if self._work.is_completed():  # done meanwhile, or failed by itself (a reset
                     return self._work.wait()   # peer): its own result or error
             self._check()  # a slice ran out with the collective still in flight
+
+    def _wait_in_thread(self) -> bool:
+        """A send's or recv's wait, unbounded, on a thread; `check` between slices here.
+
+        gloo waits for a send or recv on its buffer, and a wait there that times out closes
+        every connection of the group ("Application timeout caused pair closure", gloo's
+        UnboundBuffer::waitRecv): a sliced wait broke the group whenever a peer sent more than
+        a slice late (ZeRO's ring under load). A collective's wait does not (it waits on its
+        work's future), so only these take a thread, left blocked if `check` raises (it ends
+        with the group's timeout or its failure).
+        """
+        done: dict[str, object] = {}
+
+        def wait() -> None:
+            try:
+                done["result"] = self._work.wait()
+            except RuntimeError as error:
+                done["error"] = error
+
+        thread = threading.Thread(target=wait, daemon=True, name="ringtrain-live-p2p-wait")
+        thread.start()
+        while True:
+            thread.join(self._slice.total_seconds())
+            if not thread.is_alive():
+                break
+            self._check()
+        if "error" in done:
+            raise done["error"]  # type: ignore[misc]
+        return bool(done["result"])
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -126,10 +159,13 @@ class RetiredGroups:
                     return
 
 
+_POINT_TO_POINT = ("send", "recv", "recv_anysource")
+
+
 def _forward(name: str):
     def collective(self: WatchedGroup, *args, **kwargs) -> dist.Work:
         work = _WatchedWork(getattr(self.process_group, name)(*args, **kwargs), self._check,
-                            self._slice_s)
+                            self._slice_s, point_to_point=name in _POINT_TO_POINT)
         self._works = [w for w in self._works if not w.is_completed()]
         self._works.append(work)
         return work
@@ -142,6 +178,5 @@ def _forward(name: str):
 # `dist.ProcessGroup`'s own methods of these names would run with no backend: each is replaced.
 for _name in ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
               "allgather_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base",
-              "gather", "scatter", "alltoall", "alltoall_base", "barrier", "send", "recv",
-              "recv_anysource"):
+              "gather", "scatter", "alltoall", "alltoall_base", "barrier", *_POINT_TO_POINT):
     setattr(WatchedGroup, _name, _forward(_name))
