@@ -31,12 +31,14 @@ The fault clock runs while the job is whole and training: the next fault comes N
 spares are in (live) or after the restarted job's first step (restart), so each fault meets a
 job of 4 workers and the restart path is not faulted again before it has trained at all.
 Reported per mode: goodput (samples committed per second from the first commit to the last, over
-the plain run's; `goodput_vs_clean`: over the clean run's), each fault's stall (the longest wait
-for a new step from the last step committed before it to the first step committed by the
-regrouped or restarted job: a redone step does not count, and neither does a step that was in
-flight when the link went down), heals (seconds, bytes), the committed history checked against
-`GlobalBatches` (samples skipped or repeated; a share whose member was killed or stopped between
-its commit and its record's flush is counted from the step's size and rank as
+the plain run's; `goodput_vs_clean`: over the clean run's), the faults a minute and what each
+cost (`cost_per_fault_s`: the run's wall time over the plain run's, per fault; the fault clock
+pauses while the job is short, so the fault count depends on the mode), each fault's stall (the
+longest wait for a new step from the last step committed before it to the first step committed
+by the regrouped or restarted job: a redone step does not count, and neither does a step that
+was in flight when the link went down), heals (seconds, bytes), the committed history checked
+against `GlobalBatches` (samples skipped or repeated; a share whose member was killed or stopped
+between its commit and its record's flush is counted from the step's size and rank as
 `unlogged_shares`), samples whose training was thrown away (restart: steps redone; live: a step
 that members lost just after committing it had committed, which the survivors redid), processes
 left. A table, then one JSON line.
@@ -380,14 +382,23 @@ def main(argv=None) -> dict:
     for r in results.values():
         r["goodput"] = round(r["samples_per_s"] / plain, 3)
         r["goodput_vs_clean"] = round(r["samples_per_s"] / clean, 3)
-    print(f"{'run':<12}{'faults':>7}{'goodput':>9}{'vs clean':>9}{'stall med':>10}  "
+        # The fault clock runs only while the job is whole, so how many faults a run meets
+        # depends on how soon it is whole again: the time each fault cost is the figure that
+        # does not (the run's wall time over the plain run's, per fault).
+        r["cost_per_fault_s"] = (round((r["wall_s"] - results["plain"]["wall_s"])
+                                       / len(r["faults"]), 2) if r["faults"] else None)
+        r["faults_per_min"] = round(len(r["faults"]) / r["wall_s"] * 60, 2)
+    print(f"{'run':<12}{'faults':>7}{'/min':>6}{'s/fault':>8}{'goodput':>9}{'vs clean':>9}"
+          f"{'stall med':>10}  "
           f"{'stalls (s)':<28}"
           f"{'heal s':>8}{'heal MB':>9}{'skip':>5}{'rep':>5}{'redone':>7}{'left':>5}")
     for r in results.values():
         heal_s = f"{statistics.median(r['heal_s']):.2f}" if r["heal_s"] else "-"
         heal_mb = f"{statistics.median(r['heal_bytes']) / 1e6:.1f}" if r["heal_bytes"] else "-"
         med = f"{r['median_stall_s']:.2f}" if r["median_stall_s"] is not None else "-"
-        print(f"{r['name']:<12}{len(r['faults']):>7}{r['goodput']:>9.3f}"
+        cost = f"{r['cost_per_fault_s']:.2f}" if r["cost_per_fault_s"] is not None else "-"
+        print(f"{r['name']:<12}{len(r['faults']):>7}{r['faults_per_min']:>6.1f}{cost:>8}"
+              f"{r['goodput']:>9.3f}"
               f"{r['goodput_vs_clean']:>9.3f}{med:>10}  "
               f"{str(r['stalls_s'])[:27]:<28}{heal_s:>8}{heal_mb:>9}{r['skipped']:>5}"
               f"{r['repeated']:>5}{r['samples_redone']:>7}{r['processes_left']:>5}")
