@@ -136,6 +136,8 @@ class Job:
         self.attempt = 0
         self.store = None  # the store process's stdin: "JOB PID" marks a killed member departed
         self.started = False  # whether the job's first processes are all started
+        self._records: list[dict] = []  # parsed so far (`records`)
+        self._read_to: dict[Path, int] = {}  # per file: bytes parsed
 
     def start(self, host, rank: int = -1, spare: bool = False) -> subprocess.Popen:
         config = {"mode": self.mode, "store": [self.hosts[0].addr, PORT], "job": self.name,
@@ -169,15 +171,24 @@ class Job:
         self.started = self.mode == "live"  # from now on a start is a replacement or new spare
 
     def records(self) -> list[dict]:
-        out = []
+        """Every record so far, each file read from where the last call stopped: the run's loop
+        asks every 50 ms, and parsing every file whole each time grew with the run (~20 x 1200
+        lines a second by its end) and took the workers' CPU (the steps drifted 8-11 % slower
+        over a 260-step run, the fault-free plain loop's too)."""
         for path in self.out.glob(f"{self.name}-*.jsonl"):
-            for line in path.read_text().splitlines():
+            pid = int(path.stem.rsplit("-", 1)[1])
+            with open(path, "rb") as f:
+                f.seek(self._read_to.get(path, 0))
+                data = f.read()
+            whole = data[:data.rfind(b"\n") + 1]  # a line being written: read it next time
+            self._read_to[path] = self._read_to.get(path, 0) + len(whole)
+            for line in whole.splitlines():
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:  # a line being written
+                except json.JSONDecodeError:  # a line cut by a kill: never completed
                     continue
-                out.append({**record, "pid": int(path.stem.rsplit("-", 1)[1])})
-        return out
+                self._records.append({**record, "pid": pid})
+        return list(self._records)
 
     def committed(self) -> list[dict]:
         return [r for r in self.records() if "step" in r]
