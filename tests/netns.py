@@ -172,3 +172,14 @@ def two_hosts(rate: str | None = None, delay: str | None = None):
             relay.wait(timeout=10)
         if relay_ns is not None:
             _ip("netns", "del", relay_ns, check=False)
+
+
+def two_hosts_or_skip(what: str):
+    """`two_hosts()` for a pytest fixture to yield from; the test skips, saying why, where this
+    machine cannot make network namespaces. `what` names the tests in the message."""
+    import pytest
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"{what} need network namespaces: {reason}")
+    return two_hosts()

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from netns import Host, two_hosts, unavailable
+from netns import Host, two_hosts_or_skip
 
 from ringtrain.launch.network import free_port
 
@@ -32,10 +32,7 @@ RUN_S = 150.0  # two launches, up to two restarts, on a busy 2-core machine
 
 @pytest.fixture(scope="module")
 def hosts():
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"two-host tests need network namespaces: {reason}")
-    with two_hosts() as pair:  # removed on exit, also after a failure
+    with two_hosts_or_skip("two-host tests") as pair:  # removed on exit, also after a failure
         yield pair
 
 

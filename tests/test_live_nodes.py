@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from netns import Host, reap, two_hosts, unavailable
+from netns import Host, reap, two_hosts, two_hosts_or_skip, unavailable
 from support.faults import fault_env
 from support.live_history import assert_fault_free_history, live_members
 
@@ -101,10 +101,7 @@ def hosts():
     # One pair per test (~0.2 s): the namespaces' names are the test process's (netns.py), so
     # a module-wide pair still up made the lost-link case's own pair fail to start, and its
     # clean-up removed the shared one (RINGTRAIN_FULL=1 runs both).
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"two-host live tests need network namespaces: {reason}")
-    with two_hosts() as pair:  # removed on exit, also after a failure
+    with two_hosts_or_skip("two-host live tests") as pair:  # removed on exit, also after a failure
         yield pair
 
 

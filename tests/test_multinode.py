@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from netns import Host, reap, two_hosts, unavailable
+from netns import Host, reap, two_hosts_or_skip
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ringtrain.launch.failure_report import ChildFailedError, ProcessFailure, format_failure
@@ -134,10 +134,7 @@ def test_errors_of_the_rendezvous_query_reach_the_agent():
 
 @pytest.fixture(scope="module")
 def hosts():
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"two-host tests need network namespaces: {reason}")
-    with two_hosts() as pair:  # removed on exit, also after a failure
+    with two_hosts_or_skip("two-host tests") as pair:  # removed on exit, also after a failure
         yield pair
 
 
