@@ -46,8 +46,13 @@ def run_pair(scenario: str, out: Path) -> list[dict]:
     """Both ranks of the worker on `scenario`; their reports, after both exited 0."""
     base = {k: v for k, v in os.environ.items()
             if k not in DROPPED and not k.startswith(("SLURM_", "OMPI_", "PMI_", "ACCELERATE_"))}
-    base |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # What `ringtrain run` (torch's elastic agent) gives each worker. Without TORCHELASTIC_RUN_ID
+    # Lightning asks MPI next, where mpi4py is installed: on a GPU image with mpi4py and no
+    # ssh, MPI_Init aborted the worker ("plm_rsh_agent: ssh : rsh" not found).
+    base |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+             "TORCHELASTIC_RUN_ID": "test-frameworks", "OMP_NUM_THREADS": "1",
+             "PYTHONUNBUFFERED": "1"}
     logs = [out / f"rank{r}.log" for r in range(2)]
     procs = []
     for r in range(2):

@@ -82,6 +82,9 @@ def _fresh_shim() -> tuple[types.ModuleType, list[warnings.WarningMessage]]:
     return module, [w for w in caught if issubclass(w.category, ti.TorchFeatureWarning)]
 
 
+Py_TPFLAGS_IMMUTABLETYPE = 1 << 8  # CPython's flag (3.10+): its attributes cannot be set
+
+
 def _take_away(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make `path` missing from torch until the test ends, as a torch without it would be."""
     parent, name = path.rsplit(".", 1)
@@ -93,11 +96,14 @@ def _take_away(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     holders = [owner] if isinstance(owner, types.ModuleType) else (
         owner if isinstance(owner, type) else type(owner)).__mro__
     holder = next(h for h in holders if name in vars(h))
-    try:
-        monkeypatch.delattr(holder, name)
-    except TypeError:  # an immutable C type: replace its owner with one that lacks it
+    # An immutable C type cannot lose an attribute: replace its owner with one that lacks it.
+    # Asked before trying, not caught after: pytest before 9.2 records the undo before it
+    # deletes, so a failed delattr left a teardown that tried to set the attribute back.
+    if isinstance(holder, type) and holder.__flags__ & Py_TPFLAGS_IMMUTABLETYPE:
         grand, owner_name = parent.rsplit(".", 1)
         monkeypatch.setattr(resolve(grand), owner_name, types.SimpleNamespace())
+    else:
+        monkeypatch.delattr(holder, name)
 
 
 def test_the_shim_imports_on_a_tested_torch_with_only_the_known_features_off():
