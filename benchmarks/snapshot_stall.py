@@ -159,7 +159,8 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
     size = newest_snapshot_bytes(run_dir / "snapshots")
     del trainer
     gc.collect()
-    return {"step_s": [b - a for a, b in zip(marks, marks[1:], strict=False)], "params": params,
+    return {"step_s": [b - a for a, b in zip(marks, marks[1:], strict=False)], "marks": marks,
+            "params": params,
             "save_s_mean": summary.get("snapshot_s_mean"), "snapshot_bytes": size,
             "waits": waits}
 
@@ -237,6 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the strategy trained (one rank either way)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2,
                    help="with --strategy zero: its stage")
+    p.add_argument("--phases", action="store_true",
+                   help="print where each snapshot step's time went (snapshot_phases.py)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated, 'none' first (of {', '.join(MODES)})")
     args = p.parse_args(argv)
@@ -268,6 +271,11 @@ def main(argv: list[str] | None = None) -> dict:
     saves: dict[str, list[float]] = {m: [] for m in modes_run}
     waits: dict[str, list[float | None]] = {m: [] for m in modes_run}
     params = size = None
+    phases = None
+    if args.phases:
+        from snapshot_phases import Phases
+        phases = Phases()
+        phases.install()
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)  # a folder to make, not a failure
     try:
@@ -283,6 +291,9 @@ def main(argv: list[str] | None = None) -> dict:
                     params, size = out["params"], out["snapshot_bytes"] or size
                     mean = statistics.fmean(out["step_s"][args.warmup:])
                     print(f"round {r} {mode:5s}: {1e3 * mean:9.2f} ms/step mean", flush=True)
+                    if phases is not None:
+                        lines = phases.lines(mode, out["marks"], phases.take(), args.every)
+                        print("\n".join(lines), flush=True)
     finally:
         destroy_distributed()
     modes, split_ms = {}, {}
@@ -295,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
             snap, other = [], snap + other
         split_ms[mode] = snap + other
         modes[mode] = {"snapshot_step_ms": percentiles(snap), "other_step_ms": percentiles(other),
+                       "snapshot_steps_ms": [round(x, 1) for x in snap],  # each, in order
                        "steps_per_s": round(1e3 * len(split_ms[mode]) / sum(split_ms[mode]), 4),
                        "save_s_mean": (round(statistics.fmean(saves[mode]), 4)
                                        if saves[mode] else None),
