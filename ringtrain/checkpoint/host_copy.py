@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ringtrain.checkpoint.device_staging import DeviceStaging
+from ringtrain.checkpoint.kept_views import ByteViews, HostViews
 
 __all__ = ["HostCopy", "StagedCopy", "state_bytes"]
 
@@ -51,15 +52,6 @@ _Key = tuple[Any, ...]  # a storage: (device, address, bytes)
 
 def _key(storage: torch.UntypedStorage, device: torch.device) -> _Key:
     return (device, storage.data_ptr(), storage.nbytes())
-
-
-def _copy(host: torch.UntypedStorage, source: torch.UntypedStorage, non_blocking: bool) -> None:
-    """`host.copy_(source)` through byte tensors: a tensor's `copy_` releases the GIL, a
-    storage's does not (measured: a Python thread beside a 400 MB storage copy ran 4x slower),
-    and the training thread must go on while the writer thread copies."""
-    def as_bytes(s: torch.UntypedStorage) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
-    as_bytes(host).copy_(as_bytes(source), non_blocking=non_blocking)
 
 
 def state_bytes(obj: Any) -> int:
@@ -93,10 +85,10 @@ class _Deferred:
         self.source, self.host, self.staging = source, host, staging
         self.views: list[tuple[torch.Tensor, int, torch.Size, tuple[int, ...]]] = []
 
-    def view(self, t: torch.Tensor) -> torch.Tensor:
-        staged = torch.empty(0, dtype=t.dtype)
+    def view(self, t: torch.Tensor, views: HostViews, key: _Key) -> torch.Tensor:
         if self.host is not None:
-            return staged.set_(self.host, t.storage_offset(), t.size(), t.stride())
+            return views.view(self.host, key, t)
+        staged = torch.empty(0, dtype=t.dtype)
         self.views.append((staged, t.storage_offset(), t.size(), t.stride()))
         return staged
 
@@ -121,8 +113,9 @@ class StagedCopy:
     def __init__(self, state: Any, later: dict[_Key, _Deferred], buffers: dict, new_buffer,
                  events: list, side_events: list, staged_s: float, nbytes: int,
                  later_bytes: int, staged: dict[_Key, _Deferred] | None = None,
-                 sides: dict | None = None, path: str = ""):
+                 sides: dict | None = None, path: str = "", copies: ByteViews | None = None):
         self.state, self.staged_s, self.bytes = state, staged_s, nbytes
+        self._copies = copies if copies is not None else ByteViews()
         self.later_bytes = later_bytes  # copied beside the next step (CPU and device)
         self.path = path
         self._later, self._buffers, self._new_buffer = later, buffers, new_buffer
@@ -141,7 +134,8 @@ class StagedCopy:
         try:
             for key, d in self._later.items():
                 self._host(key, d)
-                _copy(d.host, d.source, False)  # the GIL released: the step goes on meanwhile
+                # The GIL released: the step goes on meanwhile.
+                self._copies.copy(d.host, d.source, False)
         finally:
             self._later = {}  # the sources are the live parameters: hold no reference to them
             self._landed.set()  # before the device's wait: the step's fence needs only this
@@ -157,7 +151,7 @@ class StagedCopy:
                     self._host(key, d)
                     side.wait_event(ready)
                     with side:
-                        _copy(d.host, d.staging, True)
+                        self._copies.copy(d.host, d.staging, True, ours=True)
             for device, (side, _) in self._sides.items():
                 event = torch.Event(device=device)
                 event.record(side)
@@ -223,12 +217,16 @@ class HostCopy:
         self._buffers: dict[_Key, torch.UntypedStorage] = {}
         self._side: dict[torch.device, Any] = {}  # a side stream per device, made once
         self._staging = DeviceStaging()  # device buffers kept from save to save, by its rule
+        self._views = HostViews()  # host tensors kept from save to save
+        self._bytes = ByteViews()  # the byte tensors copies go through, likewise
         self.bytes = 0  # copied by the last `copy`
 
     def copy(self, obj: Any, later: Iterable[torch.Tensor] = ()) -> StagedCopy:
         """`obj` with every tensor copied to host memory; tensors sharing a storage with one of
         `later` are copied beside the next step instead (see the module's rule)."""
         t0 = time.monotonic()
+        self._views.start()
+        self._bytes.start()
         sources = {_key(t.untyped_storage(), t.device): t.untyped_storage() for t in later}
         deferred = set(sources)
         on_device = {k: s for k, s in sources.items() if k[0].type != "cpu"}
@@ -266,7 +264,7 @@ class HostCopy:
             side.wait_stream(torch.accelerator.current_stream(device))
             with side:
                 for host, source in pairs:
-                    _copy(host, source, True)
+                    self._bytes.copy(host, source, True)
             event = torch.Event(device=device)
             event.record(side)
             events.append(event)
@@ -277,7 +275,7 @@ class HostCopy:
             paths.append("by the writer thread")
         return StagedCopy(state, later_cpu, used, self._new_buffer, events, side_events,
                           time.monotonic() - t0, self.bytes, later_bytes, later_staged, sides,
-                          "; ".join(paths) or "none deferred")
+                          "; ".join(paths) or "none deferred", self._bytes)
 
     def _side_stream(self, device: torch.device) -> Any:
         """The device's side stream for copies to the host, made at its first use."""
@@ -343,22 +341,22 @@ class HostCopy:
                 host, staging = self._buffers.get(key), None
                 if t.device in staged:  # on the device now; `finish` takes it to the host
                     staging = self._staging.buffer(key, source)
-                    _copy(staging, source, True)
+                    self._bytes.copy(staging, source, True)
                     devices.add(t.device)
                 elif host is None and t.device.type != "cpu":  # the side stream copies at once
                     host = self._new_buffer(source.nbytes(), t.device)
                 d = pending[key] = _Deferred(source, host, staging)
                 if host is not None:
                     used[key] = host
-            return d.view(t)
+            return d.view(t, self._views, key)
         host = used.get(key)
         if host is None:  # the first tensor on this storage copies all of it, as torch.save
             host = self._buffers.get(key)
             if host is None:
                 host = self._new_buffer(source.nbytes(), t.device)
             on_device = t.device.type != "cpu"
-            _copy(host, source, on_device)
+            self._bytes.copy(host, source, on_device)
             if on_device:
                 devices.add(t.device)
             used[key] = host
-        return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+        return self._views.view(host, key, t)
