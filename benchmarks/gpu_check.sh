@@ -2,17 +2,17 @@
 # The GPU session's checks in one run (issues 23 and 29): a lent GPU machine has its own python3
 # with torch and no network, and minutes of device time, so everything goes in one command:
 #
-#     bash benchmarks/gpu_check.sh "$OUT" 480     # OUT: where the logs go; 480: seconds in all
+#     bash benchmarks/gpu_check.sh "$OUT" 560     # OUT: where the logs go; 560: seconds in all
 #
 # In order, each bounded by `timeout` so that a hang cannot eat the rest: the environment,
 # ringtrain installed without dependencies, the CUDA tests, benchmarks/gpu_gpt.py (eager and
-# compiled, trainer against nanoGPT's loop, MFU), benchmarks/snapshot_stall.py on CUDA (the
-# side-stream copy and pinned buffers), then the whole suite with the GPU visible, one xdist
+# compiled, trainer against nanoGPT's loop, MFU), benchmarks/snapshot_stall.py on CUDA (five
+# snapshots a mode, each step's parts with --phases: session 16's H200 figures to compare), then the whole suite with the GPU visible, one xdist
 # worker per file (`-v`, so a cut-off run still says which tests passed). Benchmarks first:
 # they need a quiet machine. Each part's log is OUT/NAME.log.
 set -u
 OUT=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
-BUDGET=${2:-480}
+BUDGET=${2:-560}
 START=$(date +%s)
 mkdir -p "$OUT"
 left() { echo $((BUDGET - ($(date +%s) - START))); }
@@ -34,6 +34,6 @@ part cuda_tests 120 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_
 part cuda_named 90 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_async_snapshots.py \
     tests/test_checkpoint.py tests/test_step_loop.py tests/test_device.py
 part gpu_gpt 200 python3 benchmarks/gpu_gpt.py --compile --batch-size 16
-part snapshot_stall 120 python3 benchmarks/snapshot_stall.py
+part snapshot_stall 180 python3 benchmarks/snapshot_stall.py --phases --every 100 --steps 505
 part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 120
 echo "== done in $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.log"
