@@ -7,7 +7,8 @@
 # In order, each bounded by `timeout` so that a hang cannot eat the rest: the environment,
 # ringtrain installed without dependencies, the CUDA tests, benchmarks/gpu_gpt.py (eager and
 # compiled, trainer against nanoGPT's loop, MFU), benchmarks/snapshot_stall.py on CUDA (five
-# snapshots a mode, each step's parts with --phases: session 16's H200 figures to compare), then the whole suite with the GPU visible, one xdist
+# snapshots a mode, each step's parts with --phases: session 16's H200 figures to compare), then
+# the whole suite with the GPU visible, one xdist
 # worker per file (`-v`, so a cut-off run still says which tests passed). Benchmarks first:
 # they need a quiet machine. Each part's log is OUT/NAME.log.
 set -u
