@@ -27,9 +27,11 @@ host a; the same GPT, data and global batches in every mode (benchmarks/live_rec
 All "hosts" share this machine's cores, so a replacement's start (importing torch, building
 its model: ~4 s of CPU) takes the survivors' cores, as it would not on a cluster; with
 `--niced-start` a process started after the job began builds at nice 19 and trains at 0.
-The fault clock runs while the job is whole and training: the next fault comes N s after the
-spares are in (live) or after the restarted job's first step (restart), so each fault meets a
-job of 4 workers and the restart path is not faulted again before it has trained at all.
+Each fault meets a job of 4 workers, training (the restart path is not faulted again before it
+has trained at all). `--fault-clock wall` (the default): the next fault is due N s of wall time
+after the last, and waits, if due earlier, until the job is whole again. `--fault-clock whole`
+(sessions 13-15): the clock runs only while the job is whole: the next fault comes N s after
+the spares are in (live) or after the restarted job's first step (restart).
 Reported per mode: goodput (samples committed per second from the first commit to the last, over
 the plain run's; `goodput_vs_clean`: over the clean run's), the faults a minute and what each
 cost (`cost_per_fault_s`: the run's wall time over the plain run's, per fault; the fault clock
@@ -108,6 +110,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--snapshot-every", type=int, default=10, help="the restart path's snapshots")
     p.add_argument("--modes", default="live,spare,restart")
     p.add_argument("--kinds", default=",".join(KINDS), help="the faults, fired in turns")
+    p.add_argument("--fault-clock", choices=("wall", "whole"), default="wall",
+                   help="the N s between faults: of wall time, or of time the job is whole")
     p.add_argument("--dead-after", type=float, default=0.5,
                    help="seconds of heartbeat silence after which a live member is lost "
                    "(ringtrain train --live's default --live-dead-after: 0.5 s)")
@@ -296,7 +300,7 @@ def run_job(a, hosts, out: Path, mode: str, interval: float | None, store) -> di
                 job.start_all()
                 restarted = time.time()
                 _wait(lambda t=restarted: any(r["t"] > t for r in job.committed()), 300)
-            next_at = None
+            next_at = None if a.fault_clock == "whole" else now + interval
         time.sleep(0.05)
     time.sleep(1)
     left = len(job.alive())
@@ -415,6 +419,7 @@ def main(argv=None) -> dict:
               f"{r['repeated']:>5}{r['samples_redone']:>7}{r['processes_left']:>5}")
     summary = {"benchmark": "live_recovery", "steps": a.steps, "global_batch": a.global_batch,
                "model": {"n_layer": a.n_layer, "n_embd": a.n_embd, "block_size": a.block_size},
+               "fault_clock": a.fault_clock,
                "results": results}
     print(json.dumps(summary))
     return summary
