@@ -230,8 +230,10 @@ def _wait(predicate, timeout_s: float) -> bool:
 def _inject(kind: str, job: Job) -> list[subprocess.Popen]:
     """Fire one fault; the processes it took out of the job."""
     a, b = job.hosts
+    # A kill takes a member on host b, a stop one on host a; where that host has none left (the
+    # spares that took a lost link's places ran on the other), the other host's.
     if kind == "kill":
-        victim = job.members(b)[0]
+        victim = (job.members(b) or job.members(a))[0]
         victim.send_signal(signal.SIGKILL)
         if job.mode == "live":  # as `ringtrain train --live`'s agent: it polls its workers
             # (monitor_interval 0.1 s) and marks one that died `departed/{uid}` (live_agent's
@@ -241,7 +243,7 @@ def _inject(kind: str, job: Job) -> list[subprocess.Popen]:
             job.store.flush()
         return [victim]
     if kind == "stop":
-        victim = job.members(a)[-1]
+        victim = (job.members(a) or job.members(b))[-1]
         victim.send_signal(signal.SIGSTOP)
         return [victim]
     b.unplug()
@@ -281,6 +283,8 @@ def run_job(a, hosts, out: Path, mode: str, interval: float | None, store) -> di
             next_at = now + interval
         if interval and next_at and now >= next_at and newest < a.steps - 3 and whole:
             kind = a.kinds[len(faults) % len(a.kinds)]
+            if kind == "link" and not job.members(hosts[1]):  # b's link holds no member now
+                kind = "kill"  # (a's holds the store: the job's, not a member's, fault)
             lost = _inject(kind, job)
             faults.append({"kind": kind, "t": now, "before": newest})
             if job.mode == "live":  # the survivors regroup (with a warm spare if one waits)
