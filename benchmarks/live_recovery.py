@@ -36,8 +36,8 @@ Reported per mode: goodput (samples committed per second from the first commit t
 the plain run's; `goodput_vs_clean`: over the clean run's; `goodput_own_devices`: an estimate
 for a device per worker, where a step of 3 members takes 4/3 of a plain step, as it does not on
 these shared cores), the faults a minute and what each
-cost (`cost_per_fault_s`: the run's wall time over the plain run's, per fault; the fault clock
-pauses while the job is short, so the fault count depends on the mode), each fault's stall (the
+cost (`cost_per_fault_s`: the run's wall time over the plain run's, per fault; a fault waits
+for a whole job, so the fault count depends on the mode), each fault's stall (the
 longest wait for a new step from the last step committed before it to the first step committed
 by the regrouped or restarted job: a redone step does not count, and neither does a step that
 was in flight when the link went down), heals (seconds, bytes), the committed history checked
@@ -74,6 +74,7 @@ from ringtrain.live import GlobalBatches  # noqa: E402
 WORKER = REPO / "benchmarks" / "live_recovery_worker.py"
 PORT = 29571
 KINDS = ("kill", "stop", "link")
+WORLD_SIZE = 4  # 2 hosts x 2 workers: a job of fewer members is short
 # Builds at nice 19, the process and its session's autogroup (where the kernel has them).
 NICED_EXEC = ('[ -w /proc/self/autogroup ] && echo 19 > /proc/self/autogroup; '
               'exec nice -n 19 "$@"')
@@ -147,7 +148,7 @@ class Job:
 
     def start(self, host, rank: int = -1, spare: bool = False) -> subprocess.Popen:
         config = {"mode": self.mode, "store": [self.hosts[0].addr, PORT], "job": self.name,
-                  "world_size": 4, "steps": self.a.steps, "out_dir": str(self.out),
+                  "world_size": WORLD_SIZE, "steps": self.a.steps, "out_dir": str(self.out),
                   "model": {"n_layer": self.a.n_layer, "n_embd": self.a.n_embd,
                             "block_size": self.a.block_size},
                   "global_batch": self.a.global_batch, "rank": rank, "attempt": self.attempt,
@@ -280,7 +281,8 @@ def run_job(a, hosts, out: Path, mode: str, interval: float | None, store) -> di
         now = time.time()
         committed = job.committed()
         newest = max(r["step"] for r in committed)
-        whole = max(committed, key=lambda r: r["t"])["size"] == 4  # spares in: a fault each
+        # spares in: a fault each
+        whole = max(committed, key=lambda r: r["t"])["size"] == WORLD_SIZE
         if next_at is None and whole:  # the clock runs while the job is whole and training
             next_at = now + interval
         if interval and next_at and now >= next_at and newest < a.steps - 3 and whole:
@@ -340,7 +342,7 @@ def analyse(a, name: str, records: list[dict], faults: list[dict], left: int,
         ids = Counter(i for r in kept for i in r["ids"])
         if kept:  # a member stopped or killed between its commit and its record's flush
             size = kept[0]["size"]
-            short += 4 / size - 1
+            short += WORLD_SIZE / size - 1
             for rank in set(range(size)) - {r["rank"] for r in kept}:
                 unlogged += 1
                 ids.update(batches.share(s, rank, size))
@@ -405,9 +407,9 @@ def main(argv=None) -> dict:
     for r in results.values():
         r["goodput"] = round(r["samples_per_s"] / plain, 3)
         r["goodput_vs_clean"] = round(r["samples_per_s"] / clean, 3)
-        # The fault clock runs only while the job is whole, so how many faults a run meets
-        # depends on how soon it is whole again: the time each fault cost is the figure that
-        # does not (the run's wall time over the plain run's, per fault).
+        # A fault waits for a whole job (and, under `--fault-clock whole`, its clock too), so
+        # how many faults a run meets depends on how soon it is whole again: the time each
+        # fault cost is the figure that does not (the run's wall time over the plain run's).
         r["cost_per_fault_s"] = (round((r["wall_s"] - results["plain"]["wall_s"])
                                        / len(r["faults"]), 2) if r["faults"] else None)
         r["faults_per_min"] = round(len(r["faults"]) / r["wall_s"] * 60, 2)

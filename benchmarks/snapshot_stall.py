@@ -296,6 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
                         print("\n".join(lines), flush=True)
     finally:
         destroy_distributed()
+        if phases is not None:
+            phases.remove()
     modes, split_ms = {}, {}
     for mode in modes_run:
         snap, other = [], []

@@ -63,7 +63,7 @@ def test_a_storage_resized_in_place_is_not_copied_through_a_stale_view():
     first = views.of(buf)
     views.start()
     assert views.of(buf) is first  # the same storage, the same bytes: kept
-    buf.resize_(0)  # freed in place (ZeRO stage 3 frees a gathered parameter so)
+    buf.resize_(0)  # freed in place (the buffers kept are ours, never resized: a guard)
     buf.resize_(16)
     torch.empty(0, dtype=torch.uint8).set_(buf).copy_(torch.full((16,), 7, dtype=torch.uint8))
     views.start()

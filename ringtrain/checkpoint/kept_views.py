@@ -29,7 +29,8 @@ class ByteViews:
     a kept one would hold the live parameters' storages from one save to the next.
 
     A kept tensor is handed out again only while its storage still holds the same bytes at the
-    same address; one not asked for at a save is dropped at the next.
+    same address (a guard: our buffers are never resized); one not asked for at a save is
+    dropped at the next.
     """
 
     def __init__(self) -> None:
