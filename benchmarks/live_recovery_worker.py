@@ -35,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from ringtrain.live import (  # noqa: E402
     GlobalBatches,
+    LiveGradients,
     LiveGroup,
     LiveState,
     all_reduce_gradients,
@@ -57,7 +58,10 @@ def build(c: dict):
     return model, optimizer, tokens, GlobalBatches(DATASET, c["global_batch"], seed=2)
 
 
-def make_step(model, optimizer, tokens, global_batch):
+def make_step(model, optimizer, tokens, global_batch, gradients=None):
+    """One step on a share; with `gradients` (live mode's `LiveGradients`) the loss rides in
+    the gradients' all-reduce (the global mean comes back) and a redo after a fault trains
+    only the samples nobody holds."""
     def step(ids: list[int], process_group: dist.ProcessGroup) -> float:
         x, y = tokens[ids, :-1], tokens[ids, 1:]
         logits = model(x)  # (b, T, vocab)
@@ -65,7 +69,10 @@ def make_step(model, optimizer, tokens, global_batch):
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
         loss = loss / (global_batch * y.size(1))
         loss.backward()
-        all_reduce_gradients(model, process_group)
+        if gradients is not None:
+            loss = gradients.all_reduce(process_group, loss)
+        else:
+            all_reduce_gradients(model, process_group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
@@ -91,7 +98,8 @@ def live(c: dict, store: dist.Store, records) -> None:
     state = LiveState(model, optimizer, batches)
     group = LiveGroup(store, c["world_size"], name=c["job"], timeout_s=30, heartbeat_s=0.1,
                       dead_after_s=c["dead_after_s"], spare=bool(c.get("spare")))
-    step = make_step(model, optimizer, tokens, c["global_batch"])
+    gradients = LiveGradients(model)
+    step = make_step(model, optimizer, tokens, c["global_batch"], gradients)
     first = True
 
     def on_commit(done: int, loss: float) -> None:
@@ -101,13 +109,14 @@ def live(c: dict, store: dist.Store, records) -> None:
             records.write(json.dumps({"heal_s": group.last_heal.seconds,
                                       "heal_bytes": group.last_heal.nbytes}) + "\n")
         first = False
-        ids = state.batches.share(done, group.rank, group.size)
+        ids = gradients.ids  # its share, or after a fault: what it held and what it trained again
         records.write(json.dumps({"step": done, "t": time.time(), "ids": ids, "loss": loss,
                                   "rank": group.rank, "size": group.size,
                                   "gen": group.generation}) + "\n")
         records.flush()
 
-    train_live(group, state, lambda ids, pg: step(ids, pg), c["steps"], on_commit=on_commit)
+    train_live(group, state, lambda ids, pg: step(ids, pg), c["steps"], on_commit=on_commit,
+               gradients=gradients)
 
 
 def restart(c: dict, store: dist.Store, records) -> None:

@@ -20,6 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(), "types": set(), "ranges": set(), "torch_internals": set(),
     "store_keys": set(),
     "tensor_tree": set(),  # a state's large tensors out of its structure and back (to send it)
+    "flat_sum": set(),  # many tensors summed in one flat all-reduce, the parts left as they were
     "grid": set(),  # the dp x pp x tp layout of ranks and its process groups
     "config": set(),  # options defined once: option(), the argparse generator, recipes
     "staging": set(),  # point-to-point calls that also carry CUDA tensors over gloo
@@ -43,11 +44,11 @@ ALLOWED: dict[str, set[str]] = {
                    "collectives"},
     "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps", "localsgd",
                    "zero", "trace", "collectives", "config", "tensor_parallel", "grid",
-                   "tensor_tree"},
+                   "tensor_tree", "flat_sum"},
     "training": {"runtime", "errors", "types", "strategies", "checkpoint", "data", "trace",
                  "replicas", "config", "live"},
     # survivors go on; replacements heal
-    "live": {"data", "checkpoint", "store_keys", "tensor_tree"},
+    "live": {"data", "checkpoint", "store_keys", "tensor_tree", "flat_sum"},
     "testing": {"runtime", "launch"},  # run_workers; the tests' faults live in tests/support
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
             "models", "trace", "config", "formats", "live",

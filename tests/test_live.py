@@ -22,7 +22,9 @@ in the test's process (never in a member, which may die):
   error comes out of `train_live` on both, as `LiveRecoveryError`.
 Every member appends each committed step's sample ids and loss to its own file, so the ids of
 a member that was killed are counted too: every job's steps hold the clean run's samples, each
-once. The records, not the members' word, prove exactly-once.
+once. The records, not the members' word, prove exactly-once. The members sum their gradients
+with `LiveGradients`: the redo of the faulted step trains only the lost member's share (the
+spare alone, or split over the two survivors), each record saying how many samples it trained.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch.distributed as dist
 
 from ringtrain.live import (
     GlobalBatches,
+    LiveGradients,
     LiveGroup,
     LiveRecoveryError,
     LiveState,
@@ -87,6 +90,8 @@ def _member(rank, world_size, port, records_dir, plan):
         store.set(f"{job}/spare_ready", b"1")  # registered: let in at the next step boundary
     records = open(Path(records_dir) / f"{job}-{group.uid}.jsonl", "a")  # noqa: SIM115
     generations = []
+    gradients = LiveGradients(model)
+    trained = {}  # step -> samples the last attempt at it trained (a redo: the unheld ones)
 
     def step(ids, process_group):
         if fault == "bug" and state.step == 2:  # the job's own error, on every member
@@ -101,11 +106,14 @@ def _member(rank, world_size, port, records_dir, plan):
                 dist.PrefixStore(f"ringtrain/live/{job}", store).set(f"departed/{group.uid}",
                                                                      b"1")
             os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
-        return live_member.train_step(model, optimizer, x, y, ids, process_group)
+        trained[state.step] = len(ids)
+        return live_member.train_step(model, optimizer, x, y, ids, process_group, gradients)
 
     def on_commit(done, result):
-        records.write(json.dumps({"step": done, "loss": result[0], "ids": result[1],
-                                  "at": time.monotonic()}) + "\n")
+        # The samples this member's part of the step covers: after a fault, those it held
+        # from before it and those it trained again (`trained`).
+        records.write(json.dumps({"step": done, "loss": result[0], "ids": gradients.ids,
+                                  "trained": trained[done], "at": time.monotonic()}) + "\n")
         records.flush()
         generations.append((group.generation, group.size))
         if done == FAULT_STEP and fault:  # the interrupted step, redone and committed
@@ -115,7 +123,7 @@ def _member(rank, world_size, port, records_dir, plan):
 
     pid = os.getpid()
     try:
-        joined = train_live(group, state, step, STEPS, on_commit=on_commit)
+        joined = train_live(group, state, step, STEPS, on_commit=on_commit, gradients=gradients)
     except LiveRecoveryError as e:
         return {"job": job, "error": str(e), "step": state.step}
     if fault == "stop" and joined and group.rank == 0:  # the agent would reap the frozen one
@@ -240,6 +248,17 @@ def test_every_step_trains_the_fault_free_samples_once_with_its_loss(run, job):
             assert record["loss"] == pytest.approx(clean_loss, abs=1e-4), f"step {s}"
     fewer = [s for s in range(STEPS) if len(steps[job][s]) == 2]
     assert FAULT_STEP in fewer if job != "kill_spare" else fewer == []
+
+
+@pytest.mark.parametrize("job, trained", [("kill_spare", [0, 0, BATCH // WORLD]),
+                                          ("kill", [BATCH // WORLD // 2] * 2)])
+def test_the_redo_of_the_faulted_step_trains_only_the_lost_share(run, job, trained):
+    # The survivors hold their shares of the step from before the kill (`LiveGradients`): the
+    # spare in the lost member's place trains its share alone, or the two survivors split it.
+    _, steps, _ = run
+    assert sorted(r["trained"] for r in steps[job][FAULT_STEP]) == trained
+    for s in set(range(STEPS)) - {FAULT_STEP}:
+        assert {r["trained"] for r in steps[job][s]} == {len(steps[job][s][0]["ids"])}
 
 
 def test_a_member_that_is_slow_but_beats_is_not_taken_for_a_lost_one(run):

@@ -43,6 +43,29 @@ def test_any_number_of_members_trains_each_sample_of_a_step_once(members):
     assert len(set(epoch0)) == 36
 
 
+def test_a_redo_trains_only_what_nobody_holds_and_a_spare_takes_the_lost_share():
+    batches = GlobalBatches(48, 12, seed=3)
+    step, world = 5, 4
+    shares = [batches.share(step, r, world) for r in range(world)]
+    # A spare (holding nothing) in lost rank 2's place: exactly rank 2's share, in its order.
+    spare = [shares[0], shares[1], [], shares[3]]
+    assert batches.redo_shares(step, spare) == [[], [], shares[2], []]
+    # The survivors closing ranks: the lost share split over them, nothing else trained again.
+    closed = batches.redo_shares(step, [shares[0], shares[1], shares[3]])
+    assert sorted(i for part in closed for i in part) == sorted(shares[2])
+    assert [len(part) for part in closed] == [1, 1, 1]
+    # Two lost and one spare: more than a share for it alone, so everyone takes a part.
+    split = batches.redo_shares(step, [shares[0], [], shares[3]])
+    assert all(split) and sorted(i for part in split for i in part) == \
+        sorted(shares[1] + shares[2])
+    # Nobody holding anything (a regroup at a step boundary): the plain shares.
+    assert batches.redo_shares(step, [[], [], []]) == [batches.share(step, r, 3) for r in range(3)]
+    with pytest.raises(ValueError, match=r"held by one member only"):
+        batches.redo_shares(step, [shares[0], shares[0]])
+    with pytest.raises(ValueError, match=r"must be in the step's global batch"):
+        batches.redo_shares(step, [[10_000]])
+
+
 def test_errors_carry_the_values():
     with pytest.raises(ValueError, match="global_batch_size=20 with dataset_len=10"):
         GlobalBatches(10, 20)

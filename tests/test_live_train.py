@@ -16,13 +16,15 @@ for a dead peer's heartbeat, a hung peer's timeout, a replacement's start-up):
   last snapshot, `--record-samples`) is the fault-free run's: every step the same global batch,
   each sample once.
 A third run, started beside them, has a warm spare (`--live-spares 1`) and loses its rank 0 (the
-process that writes metrics.jsonl) to a kill after step 4, between the step's commit and its
-metrics sum: the spare, started with the job, takes its place (and rank 0) at once (the agent
-says so, naming its pid and how long it had waited), the survivors keep their pids and record
-the stall, and the run ends with the fault-free weights and samples; no process is left. The
-spare, rank 0 now, writes metrics.jsonl on: every logged step once, in order (step 4's line,
-whose sum failed, agreed by the next generation), and the end's files (summary.json with the
-fault-free `param_sha256`, report.png, the exported model). Where memory cgroups can be made
+process that writes metrics.jsonl) to a kill after step 5: the survivors find it in step 6's
+all-reduce, having computed their shares of it, and keep them (`LiveHooks.contribution`); the
+spare, started with the job, takes its place (and rank 0) at once (the agent says so, naming its
+pid and how long it had waited) and trains exactly the lost member's share of step 6 (the
+members' records say what each redo held and trained again), the survivors keep their pids and
+record the stall, and the run ends with the fault-free weights bit for bit and its samples; no
+process is left. The spare, rank 0 now, writes metrics.jsonl on: every logged step once, in
+order, and the end's files (summary.json with the fault-free `param_sha256`, report.png, the
+exported model). Where memory cgroups can be made
 (root, or a delegated cgroup) that run also has `--memory-limit`: each spare waits, and trains
 once let in, in a memory cgroup of its own with the workers' limit.
 Pure parts (the launcher's and the options' refusals) are tested without processes.
@@ -52,6 +54,7 @@ LIVE = ["--nproc-per-node", str(WORLD), "--steps", str(STEPS), "--n-layer", "1",
         "--device", "cpu", "--live", "--live-wait", "60", "--record-samples",
         "--watchdog-timeout", "6"]
 FAULTS, AT = "kill:1:4,stop:2:4,kill:0:10", 4
+SPARE_AT = 5  # the spared run's kill: after step 5, found in step 6's all-reduce
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT",
                 "RINGTRAIN_STEP_HOOK")
@@ -84,7 +87,8 @@ def _start(run_dir: Path, fault: str | None, extra: tuple[str, ...] = ()) -> sub
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live")
     procs = {"faulted": _start(root / "faulted", FAULTS), "clean": _start(root / "clean", None),
-             "spared": _start(root / "spared", f"kill:0:{AT}", ("--live-spares", "1", *MEMORY))}
+             "spared": _start(root / "spared", f"kill:0:{SPARE_AT}",
+                              ("--live-spares", "1", *MEMORY))}
     return wait_all(procs, {name: root / name for name in procs})
 
 
@@ -144,7 +148,7 @@ def test_a_warm_spare_takes_a_killed_members_place_at_once(runs):
     members = live_members(run_dir)
     survivors = [m for m in members if m["joined_at_step"] == 0 and m["status"] == "finished"]
     killed = [m for m in members if m["status"] == "training"]
-    spares = [m for m in members if m["joined_at_step"] == AT]
+    spares = [m for m in members if m["joined_at_step"] == SPARE_AT]
     assert len(survivors) == WORLD - 1 and len(killed) == 1 and len(spares) == 1, members
     assert {m["launcher_rank"] for m in survivors} == {1, 2} and killed[0]["launcher_rank"] == 0
     # The spare was started with the job, before the fault: the agent says how long it waited.
@@ -156,13 +160,17 @@ def test_a_warm_spare_takes_a_killed_members_place_at_once(runs):
     stalls = [m["stalls_s"] for m in survivors]
     assert all(len(s) == 1 and 0 < s[0] < 60 for s in stalls), stalls
     print(f"stall with a warm spare (s): {stalls}")
+    # Step 6 redone: the survivors' two shares held from before the fault, the lost one's
+    # share (a third of the global batch) trained again, by the spare alone.
+    redo = [{"step": SPARE_AT + 1, "held": 2 * BATCH, "trained": BATCH}]
+    assert [m["redone"] for m in survivors + spares] == [redo] * WORLD, members
     sha = [json.loads((d / "summary.json").read_text())["param_sha256"] for d in (run_dir, clean)]
     assert sha[0] == sha[1]
-    # The lost rank 0 wrote metrics.jsonl up to step 2; the spare, rank 0 since, took it over
-    # at step 4 (the line whose sum failed) and wrote the end's files.
+    # The lost rank 0 wrote metrics.jsonl up to step 4; the spare, rank 0 since, took it over
+    # at step 6 and wrote the end's files.
     assert spares[0]["rank"] == 0 and killed[0]["rank"] == 0
     assert _logged_steps(run_dir) == [2, 4, 6, 8, 10], (run_dir / "metrics.jsonl").read_text()
-    took_over = f"rank 0 now (pid {spares[0]['pid']}): writes metrics.jsonl from step {AT} on"
+    took_over = f"rank 0 now (pid {spares[0]['pid']}): writes metrics.jsonl from step 6 on"
     assert took_over in stderr, stderr[-3000:]
     assert (run_dir / "report.png").exists() and (run_dir / "model.safetensors").exists()
     assert_fault_free_history(_history(run_dir), _history(clean), steps=STEPS,
@@ -177,7 +185,7 @@ def test_a_spare_waits_and_trains_in_a_memory_cgroup_of_its_own(runs):
     if not MEMORY:
         pytest.skip(f"cannot make a memory cgroup here: {NO_MEMORY_WHY}")
     run_dir, stderr = runs["spared"]
-    spare = next(m for m in live_members(run_dir) if m["joined_at_step"] == AT)
+    spare = next(m for m in live_members(run_dir) if m["joined_at_step"] == SPARE_AT)
     taken = rf"warm spare pid {spare['pid']} \(waiting for [0-9.]+ s, memory cgroup spare1\)"
     assert re.search(taken, stderr), stderr[-3000:]
     # The launcher's report: each cgroup's peak. Spare 1's holds torch, the model and the steps

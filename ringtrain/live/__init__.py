@@ -18,6 +18,8 @@ Read in this order:
 - `group.py`: `LiveGroup`, the generations: who is a member, agreed through the store; one
   watched gloo group per generation on its own store prefix; replacements let in at step
   boundaries.
+- `redo.py`: after a fault, the members keep what they computed of the failed step
+  (`LiveGradients`) and redo only the samples nobody holds (`agree_shares`).
 - `loop.py`: `train_live`, the loop that ties them: share, step, commit; recover on a failed
   collective; and `all_reduce_gradients`.
 
@@ -25,7 +27,7 @@ A library layer for `ringtrain run` scripts; `ringtrain train --live` uses it th
 `ringtrain.training.live` (docs/fault_tolerance.md, "Live recovery").
 Tests: `.venv/bin/pytest -q tests/test_live*.py`.
 May import: torch, `ringtrain.data`, `ringtrain.checkpoint` (the RNG state), `ringtrain.store_keys`,
-`ringtrain.tensor_tree`.
+`ringtrain.tensor_tree`, `ringtrain.flat_sum`.
 """
 
 from ringtrain.live.batches import GlobalBatches
@@ -33,9 +35,10 @@ from ringtrain.live.group import LiveGroup, LiveMemberLostError, LiveRecoveryErr
 from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.joining import LiveJobLostError
 from ringtrain.live.loop import all_reduce_gradients, train_live
+from ringtrain.live.redo import LiveGradients, agree_shares
 from ringtrain.live.state import LiveState
 from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
 
-__all__ = ["GlobalBatches", "HealReport", "LiveGroup", "LiveJobLostError", "LiveMemberLostError",
-           "LiveMemberSilentError", "LiveRecoveryError", "LiveState", "WatchedGroup",
-           "all_reduce_gradients", "heal", "train_live"]
+__all__ = ["GlobalBatches", "HealReport", "LiveGradients", "LiveGroup", "LiveJobLostError",
+           "LiveMemberLostError", "LiveMemberSilentError", "LiveRecoveryError", "LiveState",
+           "WatchedGroup", "agree_shares", "all_reduce_gradients", "heal", "train_live"]

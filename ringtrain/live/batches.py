@@ -76,6 +76,32 @@ class GlobalBatches:
                              f"[0, {world_size - 1}]")
         return self.batch(step)[rank::world_size]
 
+    def redo_shares(self, step: int, held: list[list[int]]) -> list[list[int]]:
+        """Each member's ids to train when `step` is redone and member r holds `held[r]`.
+
+        After a fault the survivors still hold what they computed of the failed step (their
+        gradients before the all-reduce, `LiveHooks.contribution`): only the ids nobody holds
+        (the lost members' shares) are trained again, in the batch's order. Members holding
+        nothing (a spare or a replacement let in) take them when they fit in one share each:
+        a spare in a lost member's place then trains exactly that member's share, so with the
+        world size restored the sums are the fault-free run's bit for bit. Otherwise every
+        member takes a part (the survivors closing ranks: a third of a share each, for 4 -> 3).
+        """
+        batch = self.batch(step)
+        taken = [i for ids in held for i in ids]
+        if len(set(taken)) != len(taken) or not set(taken) <= set(batch):
+            raise ValueError(f"held ids {held} of step {step}: each must be in the step's "
+                             f"global batch {batch} and held by one member only")
+        missing = [i for i in batch if i not in set(taken)]
+        empty = [r for r, ids in enumerate(held) if not ids]
+        one_share = -(-len(batch) // len(held))
+        takers = empty if empty and len(missing) <= len(empty) * one_share else \
+            list(range(len(held)))
+        out: list[list[int]] = [[] for _ in held]
+        for k, r in enumerate(takers):
+            out[r] = missing[k::len(takers)]
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """What fixes the order; the position is the step, which the `LiveState` holds."""
         return {"dataset_len": self.dataset_len, "global_batch_size": self.global_batch_size,

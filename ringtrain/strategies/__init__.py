@@ -11,8 +11,8 @@ snapshot of one strategy or layout resume in any other: each strategy converts t
 May import: `ringtrain.config`, `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrain.ps`,
 `ringtrain.localsgd`, `ringtrain.zero`, `ringtrain.tensor_parallel` (the engines),
 `ringtrain.agreement`, `ringtrain.runtime`, `ringtrain.errors`, `ringtrain.types`,
-`ringtrain.trace`, `ringtrain.collectives`, `ringtrain.grid`, `ringtrain.tensor_tree`. Never the
-trainer or the command line.
+`ringtrain.trace`, `ringtrain.collectives`, `ringtrain.grid`, `ringtrain.tensor_tree`,
+`ringtrain.flat_sum`. Never the trainer or the command line.
 """
 
 from __future__ import annotations

@@ -163,11 +163,23 @@ class LiveHooks(ABC):
         """A new generation: `runtime` says this member's rank, the members' number and their
         process group (outside torch's registry: call its methods, or dist ops without src)."""
 
+    def contribution(self) -> Any:
+        """What this member's last `train_step` computed before the step's collective (its
+        summands, e.g. gradients weighted by its share), kept through a failed collective; None
+        (the default): after a fault the step is trained again whole. The caller hands it back
+        as `held` when the same step is redone, and trains only the samples nobody holds
+        (`ringtrain.live.GlobalBatches.redo_shares`): a stall then redoes a lost member's share,
+        not the whole step."""
+        return None
+
     @abstractmethod
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
-                   lr: float, grad_clip: float | None, weight: float) -> StepResult:
-        """This member's share of one step (`weight`: its samples / the global batch's); raise
-        the collective's RuntimeError if a peer is lost (the caller recovers and redoes it)."""
+                   lr: float, grad_clip: float | None, weight: float,
+                   held: Any = None) -> StepResult:
+        """This member's share of one step (`weight`: its samples / the global batch's), added
+        to `held` (this member's `contribution()` of the same step, from before a fault; given
+        only by hooks that make one); raise the collective's RuntimeError if a peer is lost
+        (the caller recovers and redoes it)."""
 
 
 class Strategy(ABC):

@@ -19,6 +19,14 @@ its buckets (their order learnt in the first step), each time a member leaves or
 all-reduce per step is what the wrapper's buckets amount to on a CPU-sized model; a large model
 would want the buckets back (overlap with backward), which is left for later.
 
+A fault in the all-reduce: each member keeps what it computed (`Contribution`: the gradients the
+flat buffer was cut from, so no copy) and the redo of the step trains only the samples nobody
+holds, the lost members' shares, split over the members (`GlobalBatches.redo_shares`): a stall
+costs a third of a share's compute for 4 -> 3 members, not the whole step again over 3. A spare
+in the lost member's place trains exactly its share, and the all-reduce over the same ranks then
+gives the fault-free sums bit for bit. Kept until the next step starts: one gradient's worth of
+memory more between steps.
+
 `ringtrain.strategies.localsgd_live.RoundLiveHooks` is local SGD's and DiLoCo's, whose replicas
 meet every H steps: there the meetings are the commit points.
 """
@@ -27,19 +35,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ringtrain.flat_sum import flat_all_reduce
 from ringtrain.strategies.base import LiveHooks, StepResult
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 
 if TYPE_CHECKING:
     from ringtrain.runtime import Runtime
 
-__all__ = ["ReplicaLiveHooks", "one_replica_view"]
+__all__ = ["Contribution", "ReplicaLiveHooks", "one_replica_view"]
+
+
+@dataclass
+class Contribution:
+    """A member's summands of one step as they were before its all-reduce: per parameter the
+    gradient of its samples weighted by their share of the global batch (None: none), their
+    loss sum and their number. Gloo reduces in place, so these are the tensors the flat
+    buffer was cut from, not it: keeping them costs no copy."""
+
+    grads: list[torch.Tensor | None]
+    loss_sum: torch.Tensor
+    count: int
 
 
 class ReplicaLiveHooks(LiveHooks):
@@ -49,28 +70,43 @@ class ReplicaLiveHooks(LiveHooks):
     def __init__(self, strategy: Any):
         self.strategy = strategy
         self.model, self.optimizer = strategy.module, strategy.optimizer
+        self._made: Contribution | None = None  # the last step's, until the next one starts
 
     def on_members(self, runtime: Runtime) -> None:
         # The strategy's rank and world size are its data shard and eval shard: the members'.
         self.strategy.runtime = runtime
 
+    def contribution(self) -> Contribution | None:
+        return self._made
+
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
-                   lr: float, grad_clip: float | None, weight: float) -> StepResult:
+                   lr: float, grad_clip: float | None, weight: float,
+                   held: Contribution | None = None) -> StepResult:
         s = self.strategy
         start = time.perf_counter()
+        self._made = None  # dropped before the backward: at most one step's gradients kept
         lr_into(self.optimizer, lr)
+        params = [p for p in self.model.parameters() if p.requires_grad]
         if micro_batches:
             acc = accumulate(micro_batches, self.model, s.loss_fn, device=s.runtime.device,
                              tracer=s.tracer)
             loss_sum, count = acc.loss_sum, acc.count
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(weight)
+            grads = [p.grad.mul_(weight) if p.grad is not None else None for p in params]
+        elif held is not None:  # nothing new: exactly what was held (a spare trains the rest)
+            loss_sum, count, grads = held.loss_sum, 0, [None] * len(params)
         else:  # more members than samples in the step: a zero contribution, same collectives
             loss_sum, count = torch.zeros((), dtype=torch.float64), 0
+            grads = [None] * len(params)
+        if held is not None:  # the same step from before a fault: its summands, added once
+            grads = [k if g is None else g if k is None else g.add_(k)
+                     for g, k in zip(grads, held.grads, strict=True)]
+            if micro_batches:
+                loss_sum = loss_sum + held.loss_sum
+            count += held.count
+        self._made = Contribution(grads, loss_sum, count)
         t0 = time.perf_counter()
         with s.tracer.span("all-reduce"):
-            _sum_gradients(self.model, s.runtime.process_group)
+            _sum_gradients(params, grads, s.runtime.process_group)
         comm_s = time.perf_counter() - t0
         # Every member holds the same summed gradients: the same clip factor everywhere.
         optimizer_step(self.optimizer, s.tracer, grad_clip=grad_clip,
@@ -80,21 +116,13 @@ class ReplicaLiveHooks(LiveHooks):
                           compute_s=time.perf_counter() - start - comm_s, comm_s=comm_s)
 
 
-def _sum_gradients(model: nn.Module, group: Any) -> None:
-    """Sum every parameter's gradient over `group` in one flat all-reduce (None: zeros).
-
-    `ringtrain.live.all_reduce_gradients` for `ringtrain run` scripts does the same; not imported
-    from there because `ringtrain.live` reads `ringtrain.checkpoint`, which reads the strategies.
-    The group's own method: a generation's group is outside torch's registry.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
-    group.allreduce([flat]).wait()
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-        offset += p.numel()
+def _sum_gradients(params: list[nn.Parameter], grads: list[torch.Tensor | None],
+                   group: Any) -> None:
+    """Sum `grads` (None: zeros) over `group` in one flat all-reduce; each parameter's
+    gradient becomes its view of the sum, and `grads` stay as they were (the step's
+    `Contribution`, should the all-reduce fail)."""
+    for p, g in zip(params, flat_all_reduce(group, grads, params), strict=True):
+        p.grad = g
 
 
 def one_replica_view(runtime: Runtime) -> Runtime:

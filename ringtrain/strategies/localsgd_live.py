@@ -85,7 +85,9 @@ class RoundLiveHooks(LiveHooks):
         self._repair = True
 
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
-                   lr: float, grad_clip: float | None, weight: float) -> StepResult:
+                   lr: float, grad_clip: float | None, weight: float,
+                   held: Any = None) -> StepResult:
+        # `held` never comes: `contribution()` is None, a faulted step is redone whole.
         # `weight` is unused: each member steps on its own share's mean gradient, as local
         # SGD's ranks do; the meeting averages the replicas, one vote each.
         if self._repair:  # inside the recovery's retry: a fault here redoes the round again

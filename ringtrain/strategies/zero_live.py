@@ -122,7 +122,9 @@ class ZeroLiveHooks(LiveHooks):
         return StopVoteAgreement(current, self.gather_for_stop)
 
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
-                   lr: float, grad_clip: float | None, weight: float) -> StepResult:
+                   lr: float, grad_clip: float | None, weight: float,
+                   held: Any = None) -> StepResult:
+        # `held` never comes: `contribution()` is None, a faulted step is redone whole.
         s = self.strategy
         if self._rebuild:  # inside the recovery's retry: a fault here redoes the step again
             self._rebuild_shards()

@@ -18,7 +18,9 @@ The library layer (`ringtrain.live`) does the generations (`LiveGroup`), the in-
 - a step whose collective fails (a peer died or hangs) is recovered (`LiveGroup.recover`: the
   next generation, the last commit, a heal); the steps from the commit to it are redone over
   the same global batches (one step for ddp, the round so far for local SGD); a replacement
-  waiting is let in at the next commit point (`admit`);
+  waiting is let in at the next commit point (`admit`). Where the hooks keep what a member
+  computed of the failed step (`LiveHooks.contribution`: ddp), the new generation first agrees
+  on who holds which samples (one all-gather) and trains only the rest (`_shares`);
 - `--record-samples`: every member's share of a committed step is all-gathered before the
   commit and kept in the sample history, which is committed and healed with the optimizer,
   so the history is the job's whatever members were lost;
@@ -42,7 +44,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.data.sample_log import SampleLog
 from ringtrain.errors import ConfigError
-from ringtrain.live import GlobalBatches, LiveGroup, LiveState
+from ringtrain.live import GlobalBatches, LiveGroup, LiveState, agree_shares
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import LiveHooks, StepResult, Strategy
 from ringtrain.training.config import TrainerConfig, lr_at
@@ -81,6 +83,17 @@ class LiveSettings:
     launcher_rank: int = 0  # the RANK the launcher gave this process (its slot, for the record)
     spare: bool = False
     snapshot_every: int = 0  # the trainer's --snapshot-every: the hooks are told those steps
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A step's samples this member trained (ids, micro-batches) and, once a fault kept it,
+    what it computed of them (`LiveHooks.contribution`)."""
+
+    step: int
+    ids: list[int]
+    micro: list[tuple[torch.Tensor, torch.Tensor]]
+    made: Any = None
 
 
 class _Committed:
@@ -136,6 +149,13 @@ class LiveDriver:
         self._stalled_since: float | None = None
         self.joined_at: int | None = None
         self.agreement = hooks.agreement(lambda: self.runtime)  # over the current generation
+        # What this member computed of a step not yet committed (`LiveHooks.contribution`),
+        # kept through a fault: the redo trains only the samples nobody holds (`_shares`).
+        self._held: _Held | None = None
+        self._pending: _Held | None = None  # the step being trained, its contribution unknown
+        self._regrouped = False  # the members changed: the next step's shares are agreed
+        # Per step redone after a fault: samples the members held, and samples trained again.
+        self.redone: list[dict[str, int]] = []
         self.stop: Any = None  # the loop's `StopSignal`: a survivor stops waiting once signalled
 
     @property
@@ -177,6 +197,7 @@ class LiveDriver:
         assert g is not None
         self.runtime = replace(self.runtime, rank=g.rank, world_size=g.size,
                                process_group=g.process_group)
+        self._regrouped = True
         self.hooks.on_members(self.runtime)
         if g.last_heal is not None and g.last_heal.nbytes and g.rank == 0:
             log.info("live: generation %d, %d members; healed to step %d (%d bytes)",
@@ -209,6 +230,9 @@ class LiveDriver:
             except RuntimeError as error:  # a failed collective: a peer died or hangs
                 if self._stalled_since is None:
                     self._stalled_since = self._committed_at
+                made = self.hooks.contribution()
+                if made is not None and self._pending is not None:
+                    self._held = replace(self._pending, made=made)
                 before = list(g.members)
                 g.recover(state, error)
                 self.recoveries += 1
@@ -220,6 +244,7 @@ class LiveDriver:
                                 self.world_size, len(before), state.step)
                 if state.step > start:  # a peer had committed it: healed to it
                     assert state.step == start + 1, (start, state.step)
+                    self._held = None
                     state.target = state.step
                     self._committed()
                     return StepResult(loss_sum=0.0, count=0), []
@@ -255,22 +280,47 @@ class LiveDriver:
         """This member's share of `step` (0-based), trained and recorded."""
         g = self.group
         assert g is not None
-        ids = self.batches.share(step, g.rank, g.size)
-        micro = self._micro(ids)
+        held = self._held if self._held is not None and self._held.step == step else None
+        if self._regrouped:  # after a fault the members may hold parts of this step
+            new = self._shares(step, held)
+            self._regrouped = False
+        else:
+            held, new = None, self.batches.share(step, g.rank, g.size)
+        self._held = held
+        micro = self._micro(new)
+        ids, trained = (held.ids + new, held.micro + micro) if held is not None else (new, micro)
+        self._pending = _Held(step, ids, trained)
         every = self.settings.snapshot_every
         if every > 0 and (step + 1) % every == 0:  # the trainer saves after it (`due`)
             self.hooks.will_save(step)
         result = self.hooks.train_step(micro, lr=lr, grad_clip=grad_clip,
-                                       weight=len(ids) / self.batches.global_batch_size)
+                                       weight=len(new) / self.batches.global_batch_size,
+                                       held=held.made if held is not None else None)
         if self.samples is not None:
             self._record(step, ids)
-        return result, micro
+        return result, trained
+
+    def _shares(self, step: int, held: _Held | None) -> list[int]:
+        """This member's ids to train of `step` in a new generation: what nobody holds from
+        before a fault (`ringtrain.live.agree_shares`; without a fault, the plain shares)."""
+        g = self.group
+        assert g is not None and g.process_group is not None
+        b = self.batches.global_batch_size
+        new, kept = agree_shares(g.process_group, g.rank, self.batches, step,
+                                 held.ids if held is not None else [])
+        if kept:
+            self.redone.append({"step": step + 1, "held": kept, "trained": b - kept})
+            if g.rank == 0:
+                log.info("live: step %d redone over %d members: %d of its %d samples held from "
+                         "before the fault, %d trained again", step + 1, g.size, kept, b, b - kept)
+        return new
 
     def _advance(self) -> None:
         """One step on; committed where the strategy's hooks say it is a commit point."""
         state = self.state
         assert state is not None
         state.step += 1
+        self._held = self._pending = None
         if self.hooks.commits_at(state.step):
             state.commit()
             self._committed()
@@ -292,7 +342,7 @@ class LiveDriver:
         """Every member's share of `step` (0-based) into the history, as step `step + 1`."""
         assert self.group is not None and self.samples is not None
         pg, size = self.group.process_group, self.group.size
-        width = -(-self.batches.global_batch_size // size) + 1
+        width = self.batches.global_batch_size + 1  # a redo's shares are uneven
         mine = torch.full((width,), -1, dtype=torch.int64)
         mine[0] = len(ids)
         mine[1:1 + len(ids)] = torch.tensor(ids, dtype=torch.int64)
@@ -322,7 +372,8 @@ class LiveDriver:
                   "launcher_rank": self.settings.launcher_rank, "joined_at_step": self.joined_at,
                   "step": self.state.step, "generation": self.group.generation,
                   "rank": self.runtime.rank, "members": self.runtime.world_size,
-                  "recoveries": self.recoveries, "stalls_s": self.stalls_s}
+                  "recoveries": self.recoveries, "stalls_s": self.stalls_s,
+                  "redone": self.redone}
         tmp = os.path.join(folder, f".{os.getpid()}.json")
         with open(tmp, "w") as f:
             json.dump(record, f)

@@ -63,14 +63,20 @@ class Momentum:
             b.copy_(v)
 
 
-def train_step(net, optimizer, x, y, ids, process_group) -> tuple[float, list[int]]:
+def train_step(net, optimizer, x, y, ids, process_group, gradients=None
+               ) -> tuple[float, list[int]]:
     """One live step on this member's share `ids`: the gradients summed over the generation's
-    group (each share's loss is its part of the global mean), then the optimizer's step."""
+    group (each share's loss is its part of the global mean), then the optimizer's step.
+    With `gradients` (a `LiveGradients`), the loss rides in the gradients' all-reduce and a
+    redone step adds what this member held of it from before the fault."""
     loss = (net(x[ids]) - y[ids]).pow(2).sum() / BATCH  # this share's part of the mean
     loss.backward()
-    all_reduce_gradients(net, process_group)
-    total = loss.detach().reshape(1)
-    dist.all_reduce(total, group=process_group)
+    if gradients is not None:
+        total = gradients.all_reduce(process_group, loss)
+    else:
+        all_reduce_gradients(net, process_group)
+        total = loss.detach().reshape(1)
+        dist.all_reduce(total, group=process_group)
     optimizer.step()
     optimizer.zero_grad()
     return float(total), ids
