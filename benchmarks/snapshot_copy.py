@@ -1,7 +1,7 @@
 """A snapshot's host copy with its storage copies batched (torch's foreach copy) against one
 Python call per storage, alternated in one process.
 
-    .venv/bin/python benchmarks/snapshot_copy.py                # CPU, ~1 min
+    .venv/bin/python benchmarks/snapshot_copy.py                # CPU, ~1.5 min
     python3 benchmarks/snapshot_copy.py --device cuda           # in benchmarks/gpu_check.sh
 
 The state: snapshot_stall.py's GPT (14 layers, 768 wide, 99 M parameters) and its AdamW state
@@ -17,9 +17,12 @@ that alternates, and times the two halves of a save:
 Then `calls_ms` isolates the per-call cost: the same number of storages as the state defers,
 64 bytes each (so that the bytes cost nothing, as an asynchronous device copy costs the host
 nothing), copied on the device into kept buffers (as the step's staging copies) through
-`ByteViews.copy_all`, batched and not, alternated. Medians over --saves rounds (the first
-save of each, which allocates the buffers, not counted). The last line is JSON; `*_ratio` is
-batched / per-tensor.
+`ByteViews.copy_all`, batched and not, alternated; `copies_ms` is the copy calls alone (the
+byte tensors made once: `torch_internals.copy_tensors`, one foreach call against a loop of
+`copy_`). Medians over --saves rounds (the first round, which allocates the buffers, not
+counted). The last line is JSON; `*_ratio` is batched / per-tensor, of the medians of the wall
+time; `*_cpu_ratio` of the thread's CPU time (`time.thread_time`), the figure that holds on a
+loaded machine (on CUDA it leaves out the driver's own threads).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from ringtrain.checkpoint.host_copy import HostCopy
 from ringtrain.checkpoint.kept_views import ByteViews
 from ringtrain.models import GPT, GPTConfig
+from ringtrain.torch_internals import copy_tensors
 
 
 def _sync(device: torch.device) -> None:
@@ -42,8 +46,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_ms(xs: list[float]) -> float:
-    return round(1e3 * statistics.median(xs), 3)
+def _now() -> tuple[float, float]:
+    """(wall, this thread's CPU) seconds: the CPU time is the figure a loaded machine keeps."""
+    return time.perf_counter(), time.thread_time()
+
+
+def _since(t0: tuple[float, float]) -> tuple[float, float]:
+    t1 = _now()
+    return t1[0] - t0[0], t1[1] - t0[1]
+
+
+def _alternated(rounds: int, times: list, fn) -> dict[bool, list[tuple[float, float]]]:
+    """`fn(batched, times)` batched and not, in an order that alternates, `rounds` + 1 times;
+    what `fn` appended to `times` from the second round on, by mode."""
+    by: dict[bool, list] = {True: [], False: []}
+    for i in range(rounds + 1):
+        for batched in ((True, False) if i % 2 else (False, True)):
+            times.clear()
+            fn(batched, times)
+            if i:
+                by[batched] += times
+    return by
 
 
 def main() -> None:
@@ -63,25 +86,24 @@ def main() -> None:
     later = list(model.parameters()) + [v for s in opt.state.values() for v in s.values()
                                         if torch.is_tensor(v) and v.dim()]
     hosts = {True: HostCopy(batched=True), False: HostCopy(batched=False)}
-    times: dict[str, dict[bool, list[float]]] = {"step": {True: [], False: []},
-                                                 "finish": {True: [], False: []}}
     calls = {}
-    for i in range(args.saves + 1):
-        for batched in ((True, False) if i % 2 else (False, True)):
-            state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-            _sync(device)
-            before = hosts[batched].copy_calls
-            t0 = time.perf_counter()
-            staged = hosts[batched].copy(state, later=later)
-            t1 = time.perf_counter()
-            staged.finish()
-            t2 = time.perf_counter()
-            _sync(device)
-            calls[batched] = hosts[batched].copy_calls - before
-            if i:
-                times["step"][batched].append(t1 - t0)
-                times["finish"][batched].append(t2 - t1)
-            del staged, state
+
+    def save(batched: bool, times: list) -> None:  # the in-step part, then the writer's
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        _sync(device)
+        before = hosts[batched].copy_calls
+        t0 = _now()
+        staged = hosts[batched].copy(state, later=later)
+        times.append(("step", _since(t0)))
+        t0 = _now()
+        staged.finish()
+        times.append(("finish", _since(t0)))
+        _sync(device)
+        calls[batched] = hosts[batched].copy_calls - before
+
+    saves = _alternated(args.saves, [], save)
+    parts = {part: {b: [t for p, t in saves[b] if p == part] for b in saves}
+             for part in ("step", "finish")}
     # The per-call cost alone: as many storages as the state defers, 64 bytes each, on the
     # device (the step's staging copies: device to device).
     n = len({t.untyped_storage().data_ptr() for t in later})
@@ -89,27 +111,44 @@ def main() -> None:
               torch.full((64,), i % 251, dtype=torch.uint8, device=device).untyped_storage())
              for i in range(n)]
     views = {True: ByteViews(batched=True), False: ByteViews(batched=False)}
-    times["calls"] = {True: [], False: []}
-    for i in range(args.saves + 1):
-        for batched in ((True, False) if i % 2 else (False, True)):
-            views[batched].start()
-            _sync(device)
-            t0 = time.perf_counter()
-            views[batched].copy_all(pairs, device.type != "cpu")
-            t1 = time.perf_counter()
-            _sync(device)
-            if i:
-                times["calls"][batched].append(t1 - t0)
+
+    def calls_through_views(batched: bool, times: list) -> None:
+        views[batched].start()
+        _sync(device)
+        t0 = _now()
+        views[batched].copy_all(pairs, device.type != "cpu")
+        times.append(_since(t0))
+        _sync(device)
+
+    parts["calls"] = _alternated(args.saves, [], calls_through_views)
+    # The copy calls alone, on tensors made once: what the foreach call replaces, nothing else.
+    dsts = [torch.empty(0, dtype=torch.uint8, device=device).set_(h) for h, _ in pairs]
+    srcs = [torch.empty(0, dtype=torch.uint8, device=device).set_(s) for _, s in pairs]
+
+    def copies(batched: bool, times: list) -> None:
+        _sync(device)
+        t0 = _now()
+        copy_tensors(dsts, srcs, device.type != "cpu", batched)
+        times.append(_since(t0))
+        _sync(device)
+
+    parts["copies"] = _alternated(args.saves, [], copies)
     out = {"device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else device),
            "torch": torch.__version__, "params": sum(p.numel() for p in model.parameters()),
            "deferred_storages": n, "saves": args.saves,
            "copy_calls_per_save": {"batched": calls[True], "per_tensor": calls[False]}}
-    for part, by in times.items():
-        b, t = _median_ms(by[True]), _median_ms(by[False])
-        out[f"{part}_ms"] = {"batched": b, "per_tensor": t}
-        out[f"{part}_ratio"] = round(b / t, 3) if t else None
-        print(f"{part:7s} batched {b:9.3f} ms   per tensor {t:9.3f} ms   "
-              f"ratio {out[part + '_ratio']}")
+    for part, by in parts.items():
+        # Medians (ms) of the wall time and of the thread's CPU time, batched and per tensor.
+        ms = {f"{mode}{kind}": round(1e3 * statistics.median(t[k] for t in by[batched]), 3)
+              for mode, batched in (("batched", True), ("per_tensor", False))
+              for k, kind in ((0, ""), (1, "_cpu"))}
+        out[f"{part}_ms"] = ms
+        out[f"{part}_ratio"] = round(ms["batched"] / ms["per_tensor"], 3)
+        out[f"{part}_cpu_ratio"] = round(ms["batched_cpu"] / ms["per_tensor_cpu"], 3)
+        print(f"{part:7s} wall: batched {ms['batched']:9.3f} ms, per tensor "
+              f"{ms['per_tensor']:9.3f} ms ({out[part + '_ratio']}x); CPU: "
+              f"{ms['batched_cpu']:9.3f} against {ms['per_tensor_cpu']:9.3f} ms "
+              f"({out[part + '_cpu_ratio']}x)")
     out["loadavg"] = os.getloadavg()
     print(json.dumps(out))
 
