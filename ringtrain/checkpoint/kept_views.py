@@ -4,6 +4,8 @@ A save of a 14-layer GPT and its AdamW state hands the writer ~700 host tensors 
 copies; each tensor made afresh (`torch.empty(0).set_(...)`) costs 5-10 us of Python, in the
 step or on the writer's thread (where it holds the GIL the step needs). The buffers are kept
 from save to save, and so are the storages, offsets and shapes of what they hold: so are these.
+The copies themselves go one call per pair of devices (`ByteViews.copy_all`: torch's foreach
+copy through `ringtrain.torch_internals.copy_tensors`), not one per storage.
 """
 
 from __future__ import annotations
