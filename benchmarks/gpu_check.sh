@@ -6,7 +6,8 @@
 #
 # In order, each bounded by `timeout` so that a hang cannot eat the rest: the environment,
 # ringtrain installed without dependencies, the CUDA tests, benchmarks/gpu_gpt.py (eager and
-# compiled, trainer against nanoGPT's loop, MFU), benchmarks/snapshot_stall.py on CUDA (five
+# compiled, trainer against nanoGPT's loop, MFU), benchmarks/snapshot_copy.py (a save's copies
+# batched against one call per storage, session 17), benchmarks/snapshot_stall.py on CUDA (five
 # snapshots a mode, each step's parts with --phases: session 16's H200 figures to compare), then
 # the whole suite with the GPU visible, one xdist
 # worker per file (`-v`, so a cut-off run still says which tests passed). Benchmarks first:
@@ -35,6 +36,7 @@ part cuda_tests 120 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_
 part cuda_named 90 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_async_snapshots.py \
     tests/test_checkpoint.py tests/test_step_loop.py tests/test_device.py
 part gpu_gpt 200 python3 benchmarks/gpu_gpt.py --compile --batch-size 16
+part snapshot_copy 60 python3 benchmarks/snapshot_copy.py --device cuda
 part snapshot_stall 180 python3 benchmarks/snapshot_stall.py --phases --every 100 --steps 505
 part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 120
 echo "== done in $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.log"

@@ -354,11 +354,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-def test_staged_copy_from_cuda_is_the_snapshot_steps_state_byte_for_byte(caplog):
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "per_tensor"])
+def test_staged_copy_from_cuda_is_the_snapshot_steps_state_byte_for_byte(caplog, batched):
     """CUDA, room to stage. Parameters and moments are copied on the device in the step, then
     to the host by `finish`; the next step's optimizer (nothing fenced) and forward (running
     stats) change the sources in place before `finish` runs: the copy is what `torch.save`
-    wrote at the snapshot's step, byte for byte, and the next save reuses every buffer."""
+    wrote at the snapshot's step, byte for byte, and the next save reuses every buffer. Batched
+    (torch's foreach copy: a call per pair of devices) or one copy call per storage alike."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -371,7 +373,7 @@ def test_staged_copy_from_cuda_is_the_snapshot_steps_state_byte_for_byte(caplog)
         moments = [t for s in opt.state.values() for t in s.values() if t.is_cuda]
         return [*model.parameters(), *moments]
     step()
-    host = HostCopy()
+    host = HostCopy(batched=batched)
     saves = []
     for _ in range(2):
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
@@ -389,6 +391,9 @@ def test_staged_copy_from_cuda_is_the_snapshot_steps_state_byte_for_byte(caplog)
         assert _saved_bytes(staged.state) == expected
         assert staged.state["model"]["0.weight"].is_pinned()
         saves.append(staged)
+    # 12 deferred storages (4 parameters, 8 moments), each copied in the step and in `finish`;
+    # batched, at most a call per pair of devices in the step (3) and one in `finish`.
+    assert host.copy_calls <= 2 * 4 if batched else host.copy_calls >= 2 * 2 * 12
     ptr = [s.state["model"]["0.weight"].untyped_storage().data_ptr() for s in saves]
     assert ptr[0] == ptr[1]  # the host buffers `finish` allocated are the next save's
     assert host._staging.held_bytes == saves[0].later_bytes  # noqa: SLF001 - kept, once

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 
 from ringtrain.checkpoint.host_copy import HostCopy
@@ -73,3 +74,61 @@ def test_a_storage_resized_in_place_is_not_copied_through_a_stale_view():
     host = torch.zeros(16, dtype=torch.uint8).untyped_storage()
     views.copy(host, buf, non_blocking=False)
     assert bytes(host) == bytes([7] * 16)
+
+
+def _saves(host: HostCopy, model, opt, n: int = 3) -> list[tuple[bytes, bytes]]:
+    """`n` saves through `host`, each (the synchronous bytes, the background copy's bytes)."""
+    later = list(model.parameters()) + [v for s in opt.state.values() for v in s.values()
+                                        if v.dim()]
+    out = []
+    for _ in range(n):
+        _train_step(model, opt)
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        expected = _saved(state)
+        staged = host.copy(state, later=later)
+        staged.finish()
+        out.append((expected, _saved(staged.state)))
+    return out
+
+
+def test_batched_copies_write_the_per_tensor_files_in_a_few_calls():
+    # CPU: the non-deferred copies in the step, the deferred ones in `finish`: one call each.
+    files, calls = {}, {}
+    for batched in (True, False):
+        model, opt = _tied_model_and_adamw()
+        _train_step(model, opt)
+        host = HostCopy(batched=batched)
+        files[batched] = _saves(host, model, opt)
+        calls[batched] = host.copy_calls
+    assert files[True] == files[False]  # the same training, the same bytes either way
+    assert all(expected == got for expected, got in files[True])  # and a synchronous save's
+    # A save's storages: AdamW's 3 step counts (0-dim, copied in the step) and 9 deferred (the
+    # 3 parameters, the embedding tied to the head, and their 6 moments).
+    assert calls[True] == 3 * 2, calls  # one call in the step, one in `finish`, per save
+    assert calls[False] == 3 * (3 + 9), calls
+
+
+def test_a_torch_that_refuses_the_batch_or_lacks_it_falls_back_to_one_call_per_tensor(
+        monkeypatch):
+    from ringtrain.torch_internals import TorchFeatureWarning, foreach
+
+    def refuse(dsts, srcs, non_blocking=False):
+        raise RuntimeError("foreach copy: this torch refuses these inputs")
+
+    monkeypatch.setattr(foreach, "_refused", [])  # said once per process: hear it here
+    monkeypatch.setattr(foreach, "_foreach_copy", refuse)
+    model, opt = _tied_model_and_adamw()
+    _train_step(model, opt)
+    host = HostCopy()
+    with pytest.warns(TorchFeatureWarning, match="refuses these inputs.*one call per tensor"):
+        saves = _saves(host, model, opt, n=2)
+    assert all(expected == got for expected, got in saves)
+    refused_calls = host.copy_calls
+    monkeypatch.setattr(foreach, "_foreach_copy", None)  # a torch without the name
+    model, opt = _tied_model_and_adamw()
+    _train_step(model, opt)
+    host = HostCopy()
+    assert all(expected == got for expected, got in _saves(host, model, opt, n=2))
+    assert host.copy_calls == refused_calls == 2 * (3 + 9)  # one per storage, both ways
+    with pytest.raises(ValueError, match="2 destinations for 1 sources"):
+        foreach.copy_tensors([torch.zeros(1)] * 2, [torch.ones(1)])

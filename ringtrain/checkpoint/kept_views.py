@@ -4,6 +4,8 @@ A save of a 14-layer GPT and its AdamW state hands the writer ~700 host tensors 
 copies; each tensor made afresh (`torch.empty(0).set_(...)`) costs 5-10 us of Python, in the
 step or on the writer's thread (where it holds the GIL the step needs). The buffers are kept
 from save to save, and so are the storages, offsets and shapes of what they hold: so are these.
+The copies themselves go one call per pair of devices (`ByteViews.copy_all`: torch's foreach
+copy through `ringtrain.torch_internals.copy_tensors`), not one per storage.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ringtrain.torch_internals import copy_tensors
 
 __all__ = ["ByteViews", "HostViews"]
 
@@ -31,9 +35,16 @@ class ByteViews:
     A kept tensor is handed out again only while its storage still holds the same bytes at the
     same address (a guard: our buffers are never resized); one not asked for at a save is
     dropped at the next.
+
+    Args:
+        batched: `copy_all` queues its copies in one call (`torch_internals.copy_tensors`:
+            torch's foreach copy) rather than one Python call per storage, the per-tensor
+            reference (False) that tests compare it with.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, batched: bool = True) -> None:
+        self.batched = batched
+        self.calls = 0  # copy calls Python made (a batch is one): what `batched` saves
         self._kept: dict[_Key, torch.Tensor] = {}
         self._now: dict[_Key, torch.Tensor] = {}
 
@@ -56,9 +67,19 @@ class ByteViews:
              non_blocking: bool, ours: bool = False) -> None:
         """`host.copy_(source)` (`host`: a buffer of ours; `source` too where `ours`), the GIL
         released."""
-        source_bytes = self.of(source) if ours else torch.empty(
-            0, dtype=torch.uint8, device=source.device).set_(source)
-        self.of(host).copy_(source_bytes, non_blocking=non_blocking)
+        self.copy_all([(host, source)], non_blocking, ours)
+
+    def copy_all(self, pairs: list[tuple[torch.UntypedStorage, torch.UntypedStorage]],
+                 non_blocking: bool, ours: bool = False) -> None:
+        """`copy` of each (host, source) pair: one call for all where `batched` (one hand-over
+        of the GIL on the writer's thread, one launch of the copies from the step), queued in
+        the pairs' order on the current stream."""
+        if not pairs:
+            return
+        dsts = [self.of(host) for host, _ in pairs]
+        srcs = [self.of(source) if ours else torch.empty(
+            0, dtype=torch.uint8, device=source.device).set_(source) for _, source in pairs]
+        self.calls += 1 if copy_tensors(dsts, srcs, non_blocking, self.batched) else len(pairs)
 
 
 class HostViews:

@@ -17,6 +17,7 @@ reach into:
 - `distributed.py`: a process group's internals (its sequence number, the default store, its
   timeout; flat chunks to broadcast);
 - `elastic.py`: torch.distributed.elastic's agent and rendezvous, which ringtrain.launch changes;
+- `foreach.py`: torch's foreach ops (a snapshot's copies in one call);
 - `modules.py`: torch.nn's BatchNorm base class.
 Callers import every name from this package. `TESTED_TORCH` lists the torch versions the suite
 passed on (`make test-torch TORCH_VERSION=...`), `TORCH_RANGE` is pyproject.toml's range, and
@@ -32,7 +33,7 @@ No other module of ringtrain touches these names (`tests/test_torch_internals.py
 from __future__ import annotations
 
 # Re-exported (`X as X`): callers and tests import them from the package.
-from ringtrain.torch_internals import autograd, distributed, elastic, modules
+from ringtrain.torch_internals import autograd, distributed, elastic, foreach, modules
 from ringtrain.torch_internals.autograd import _TLS
 from ringtrain.torch_internals.autograd import backward_tls_free as backward_tls_free
 from ringtrain.torch_internals.autograd import current_autograd_node as current_autograd_node
@@ -67,11 +68,12 @@ from ringtrain.torch_internals.features import Feature as Feature
 from ringtrain.torch_internals.features import PatchPoint as PatchPoint
 from ringtrain.torch_internals.features import TorchFeatureWarning as TorchFeatureWarning
 from ringtrain.torch_internals.features import TorchInternalsError as TorchInternalsError
+from ringtrain.torch_internals.foreach import copy_tensors as copy_tensors
 from ringtrain.torch_internals.modules import BatchNorm as BatchNorm
 
 #: Every feature, module by module; `[f for f in FEATURES if not f.on]` are off on this torch.
 FEATURES: list[Feature] = [*autograd.FEATURES, *distributed.FEATURES, *elastic.FEATURES,
-                           *modules.FEATURES]
+                           *foreach.FEATURES, *modules.FEATURES]
 
 # Say once, now, what this torch turns off; backward_tls_free says it when there is something
 # to lift, which a torch whose backward stashes nothing (2.11) never has.
