@@ -43,9 +43,10 @@ by the regrouped or restarted job: a redone step does not count, and neither doe
 was in flight when the link went down), heals (seconds, bytes), the committed history checked
 against `GlobalBatches` (samples skipped or repeated; a share whose member was killed or stopped
 between its commit and its record's flush is counted from the step's size and rank as
-`unlogged_shares`), samples whose training was thrown away (restart: steps redone; live: a step
-that members lost just after committing it had committed, which the survivors redid), processes
-left. A table, then one JSON line.
+`unlogged_shares`), samples held through a fault (`samples_held`: a redo after a fault trains
+only what nobody holds, `ringtrain.live.redo`), samples whose training was thrown away
+(restart: steps redone; live: a step that members lost just after committing it had committed,
+which the survivors redid), processes left. A table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int)
     p.add_argument("--snapshot-every", type=int, default=10, help="the restart path's snapshots")
     p.add_argument("--modes", default="live,spare,restart")
+    p.add_argument("--skip", default="", help="runs left out, e.g. restart@10 (under the wall "
+                   "clock a restart every 10 s trains about one step per fault: it never ends)")
     p.add_argument("--kinds", default=",".join(KINDS), help="the faults, fired in turns")
     p.add_argument("--fault-clock", choices=("wall", "whole"), default="wall",
                    help="the N s between faults: of wall time, or of time the job is whole")
@@ -325,7 +328,7 @@ def analyse(a, name: str, records: list[dict], faults: list[dict], left: int,
     for r in steps:
         by_step.setdefault(r["step"], []).append(r)
     batches = GlobalBatches(4096, a.global_batch, seed=2)
-    skipped = repeated = redone = unlogged = 0
+    skipped = repeated = redone = unlogged = held = 0
     short = 0.0  # steps' worth a job of one device per worker loses to steps of fewer members
     for s in range(a.steps):
         rs = by_step.get(s, [])
@@ -340,6 +343,8 @@ def analyse(a, name: str, records: list[dict], faults: list[dict], left: int,
         twice = {r["pid"] for r in kept} & {r["pid"] for r in thrown if "gen" in r}
         repeated += sum(len(r["ids"]) for r in thrown if r["pid"] in twice)
         ids = Counter(i for r in kept for i in r["ids"])
+        # Samples a member held through a fault (computed before it, not trained again).
+        held += sum(len(r["ids"]) - r["trained"] for r in kept if "trained" in r)
         if kept:  # a member stopped or killed between its commit and its record's flush
             size = kept[0]["size"]
             short += WORLD_SIZE / size - 1
@@ -374,7 +379,7 @@ def analyse(a, name: str, records: list[dict], faults: list[dict], left: int,
             "heal_s": [round(r["heal_s"], 3) for r in heals],
             "heal_bytes": [r["heal_bytes"] for r in heals],
             "skipped": skipped, "repeated": repeated, "samples_redone": redone,
-            "unlogged_shares": unlogged, "short_steps": round(short, 2),
+            "unlogged_shares": unlogged, "samples_held": held, "short_steps": round(short, 2),
             "processes_started": started, "processes_left": left}
 
 
@@ -395,8 +400,9 @@ def main(argv=None) -> dict:
                                                                   port=PORT)],
                                stdin=subprocess.PIPE, text=True)
         try:
-            runs = [("plain", None), ("clean", None)] + [(m, i) for i in intervals
-                                                         for m in modes]
+            skip = set(a.skip.split(","))
+            runs = [("plain", None), ("clean", None)] + [
+                (m, i) for i in intervals for m in modes if f"{m}@{i:g}" not in skip]
             for mode, interval in runs:
                 r = run_job(a, hosts, out, mode, interval, store.stdin)
                 results[r["name"]] = r

@@ -99,7 +99,12 @@ def live(c: dict, store: dist.Store, records) -> None:
     group = LiveGroup(store, c["world_size"], name=c["job"], timeout_s=30, heartbeat_s=0.1,
                       dead_after_s=c["dead_after_s"], spare=bool(c.get("spare")))
     gradients = LiveGradients(model)
-    step = make_step(model, optimizer, tokens, c["global_batch"], gradients)
+    inner = make_step(model, optimizer, tokens, c["global_batch"], gradients)
+    trained = [0]  # samples the last attempt trained (a redo: only what nobody held)
+
+    def step(ids: list[int], process_group: dist.ProcessGroup) -> float:
+        trained[0] = len(ids)
+        return inner(ids, process_group)
     first = True
 
     def on_commit(done: int, loss: float) -> None:
@@ -111,8 +116,8 @@ def live(c: dict, store: dist.Store, records) -> None:
         first = False
         ids = gradients.ids  # its share, or after a fault: what it held and what it trained again
         records.write(json.dumps({"step": done, "t": time.time(), "ids": ids, "loss": loss,
-                                  "rank": group.rank, "size": group.size,
-                                  "gen": group.generation}) + "\n")
+                                  "trained": trained[0], "rank": group.rank,
+                                  "size": group.size, "gen": group.generation}) + "\n")
         records.flush()
 
     train_live(group, state, lambda ids, pg: step(ids, pg), c["steps"], on_commit=on_commit,
