@@ -147,7 +147,7 @@ def test_chaos_reduced_ends_with_the_fault_free_weights_and_every_sample_once(tm
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--faults", "1",
          "--kinds", "corrupt", "--corrupt-then", "kill-in-save", "--seed", "0",
-         "--out", str(tmp_path),
+         "--anchor-beside", "--out", str(tmp_path),
          "--model", "--n-layer 1 --n-head 2 --n-embd 16", "--timeout", "240"],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     out = json.loads(proc.stdout.strip().splitlines()[-1])

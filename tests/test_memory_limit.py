@@ -68,13 +68,27 @@ def cgroups_usable():
         pytest.skip(f"cannot enforce a memory limit here: {e}")
 
 
-def _train(run_dir: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+def _start(run_dir: Path, nproc: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(v, None)
     cmd = [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", str(nproc),
            "--run-dir", str(run_dir), *COMMON, *extra]
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=600)
+    except BaseException:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _train(run_dir: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    return _wait(_start(run_dir, nproc, *extra))
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -103,18 +117,25 @@ def test_a_worker_over_the_limit_is_reported_naming_it(cgroups_usable, tmp_path)
 @pytest.mark.slow
 def test_zero3_trains_where_ddp_is_killed_with_ddps_losses(cgroups_usable, tmp_path):
     flags, limit = BIG[0], _limit(BIG[1])
+    # The three jobs are independent (each worker in a cgroup of its own, or none), so they
+    # start together: one job's interpreter starts and model builds fill another's waits.
     # DDP holds the whole model, its gradients and AdamW's moments on every rank whatever the
     # number of ranks: 2 are killed as 4 are, for two fewer interpreters and model builds.
-    ddp = _train(tmp_path / "ddp", 2, "--strategy", "ddp", "--memory-limit", limit, *flags)
+    jobs = [_start(tmp_path / "ddp", 2, "--strategy", "ddp", "--memory-limit", limit, *flags),
+            _start(tmp_path / "zero3", 4, "--strategy", "zero", "--zero-stage", "3",
+                   "--memory-limit", limit, *flags),
+            # The reference without a limit: one process on the same global batch (4 x 8),
+            # which ZeRO's contract says it matches; four more workers would only cost time.
+            _start(tmp_path / "free", 1, "--strategy", "ddp", *flags, "--batch-size", "32")]
+    try:
+        ddp, zero, free = (_wait(job) for job in jobs)
+    finally:
+        for job in jobs:
+            job.kill()  # a no-op for a job that ended; a failed wait leaves none running
     assert ddp.returncode != 0, ddp.stderr[-2000:]
     assert "out of memory: the kernel's OOM killer ended worker" in ddp.stderr, ddp.stderr[-3000:]
-    zero = _train(tmp_path / "zero3", 4, "--strategy", "zero", "--zero-stage", "3",
-                  "--memory-limit", limit, *flags)
     assert zero.returncode == 0, zero.stderr[-3000:]
     assert "peak memory per worker under --memory-limit" in zero.stderr
-    # The reference without a limit: one process on the same global batch (4 x 8), which ZeRO's
-    # contract says it matches; four more workers of this model would only cost the suite time.
-    free = _train(tmp_path / "free", 1, "--strategy", "ddp", *flags, "--batch-size", "32")
     assert free.returncode == 0, free.stderr[-3000:]
     ours, reference = _losses(tmp_path / "zero3"), _losses(tmp_path / "free")
     assert len(ours) == len(reference) == int(flags[flags.index("--steps") + 1])
