@@ -390,6 +390,14 @@ def main(argv=None) -> dict:
         sys.exit(f"live_recovery needs two network-namespace hosts: {reason}")
     intervals = [float(i) for i in a.intervals.split(",") if i]
     modes = [m for m in a.modes.split(",") if m]
+    planned = [(m, i) for i in intervals for m in modes]
+    skip = set(filter(None, a.skip.split(",")))
+    unknown = skip - {f"{m}@{i:g}" for m, i in planned}
+    if unknown:  # before any host is made
+        sys.exit(f"--skip {a.skip}: {sorted(unknown)} is not a planned run; the runs are "
+                 f"{[f'{m}@{i:g}' for m, i in planned]}")
+    runs = [("plain", None), ("clean", None)] + [
+        (m, i) for m, i in planned if f"{m}@{i:g}" not in skip]
     results = {}
     keep = contextlib.nullcontext(a.keep) if a.keep else tempfile.TemporaryDirectory(
         prefix="live_recovery-")
@@ -400,9 +408,6 @@ def main(argv=None) -> dict:
                                                                   port=PORT)],
                                stdin=subprocess.PIPE, text=True)
         try:
-            skip = set(a.skip.split(","))
-            runs = [("plain", None), ("clean", None)] + [
-                (m, i) for i in intervals for m in modes if f"{m}@{i:g}" not in skip]
             for mode, interval in runs:
                 r = run_job(a, hosts, out, mode, interval, store.stdin)
                 results[r["name"]] = r

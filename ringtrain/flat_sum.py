@@ -17,7 +17,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["flat_all_reduce"]
+__all__ = ["add_held", "flat_all_reduce"]
+
+
+def add_held(parts: Sequence[torch.Tensor | None], held: Sequence[torch.Tensor | None]
+             ) -> list[torch.Tensor | None]:
+    """Each part plus the held one at its place (None: nothing there), in place in the part:
+    a redone step's new summands and those kept from before a fault, added once."""
+    return [k if g is None else g if k is None else g.add_(k)
+            for g, k in zip(parts, held, strict=True)]
 
 
 def flat_all_reduce(group: Any, parts: Sequence[torch.Tensor | None],

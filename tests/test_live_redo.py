@@ -91,3 +91,13 @@ def test_a_member_whose_share_was_all_held_sends_the_same_sums_bit_for_bit(setup
     assert result.count == B and torch.equal(result.loss_sum, whole.loss_sum)
     for a, b in zip(redone.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_ids_gathered_round_trip_and_too_many_are_refused_with_the_values():
+    from ringtrain.live import gather_ids
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    assert gather_ids(group, [5, 1, 9], B) == [[5, 1, 9]]
+    assert gather_ids(group, [], B) == [[]]
+    with pytest.raises(ValueError, match=r"13 ids .* at most 12"):
+        gather_ids(group, list(range(B + 1)), B)

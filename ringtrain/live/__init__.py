@@ -35,10 +35,11 @@ from ringtrain.live.group import LiveGroup, LiveMemberLostError, LiveRecoveryErr
 from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.joining import LiveJobLostError
 from ringtrain.live.loop import all_reduce_gradients, train_live
-from ringtrain.live.redo import LiveGradients, agree_shares
+from ringtrain.live.redo import LiveGradients, agree_shares, gather_ids
 from ringtrain.live.state import LiveState
 from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
 
 __all__ = ["GlobalBatches", "HealReport", "LiveGradients", "LiveGroup", "LiveJobLostError",
            "LiveMemberLostError", "LiveMemberSilentError", "LiveRecoveryError", "LiveState",
-           "WatchedGroup", "agree_shares", "all_reduce_gradients", "heal", "train_live"]
+           "WatchedGroup", "agree_shares", "all_reduce_gradients", "gather_ids", "heal",
+           "train_live"]

@@ -40,16 +40,10 @@ def all_reduce_gradients(model: nn.Module, process_group: dist.ProcessGroup) -> 
     """Sum every parameter's gradient over the group, in one flat all-reduce.
 
     A parameter without a gradient (a member with an empty share) contributes zeros.
+    `LiveGradients.all_reduce` with nothing held; None: the default group.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
-    dist.all_reduce(flat, group=process_group)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
-        offset += n
+    LiveGradients(model).all_reduce(process_group if process_group is not None
+                                    else dist.group.WORLD)
 
 
 def train_live(group: LiveGroup, state: LiveState, step: StepFn, num_steps: int, *,

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.flat_sum import flat_all_reduce
+from ringtrain.flat_sum import add_held, flat_all_reduce
 from ringtrain.live.batches import GlobalBatches
 
-__all__ = ["LiveGradients", "agree_shares"]
+__all__ = ["LiveGradients", "agree_shares", "gather_ids"]
 
 
 def agree_shares(process_group: dist.ProcessGroup, rank: int, batches: GlobalBatches,
@@ -46,14 +46,22 @@ def agree_shares(process_group: dist.ProcessGroup, rank: int, batches: GlobalBat
         step: the step about to be trained (0-based).
         held: the ids whose summands this member holds of `step` (empty: none).
     """
-    b = batches.global_batch_size
-    mine = torch.full((b + 1,), -1, dtype=torch.int64)
-    mine[0] = len(held)
-    mine[1:1 + len(held)] = torch.tensor(held, dtype=torch.int64)
+    holding = gather_ids(process_group, held, batches.global_batch_size)
+    return batches.redo_shares(step, holding)[rank], sum(len(h) for h in holding)
+
+
+def gather_ids(process_group: dist.ProcessGroup, ids: list[int], most: int) -> list[list[int]]:
+    """Every member's list of sample ids (at most `most` each), by rank: one all-gather of a
+    length and the ids, padded to one width (the group's own method)."""
+    if len(ids) > most:
+        raise ValueError(f"{len(ids)} ids ({ids[:8]}...) to gather, at most {most}: a member "
+                         "holds at most one global batch of a step")
+    mine = torch.full((most + 1,), -1, dtype=torch.int64)
+    mine[0] = len(ids)
+    mine[1:1 + len(ids)] = torch.tensor(ids, dtype=torch.int64)
     out = [torch.empty_like(mine) for _ in range(process_group.size())]
     process_group.allgather([out], [mine]).wait()
-    holding = [t[1:1 + int(t[0])].tolist() for t in out]
-    return batches.redo_shares(step, holding)[rank], sum(len(h) for h in holding)
+    return [t[1:1 + int(t[0])].tolist() for t in out]
 
 
 class LiveGradients:
@@ -84,9 +92,7 @@ class LiveGradients:
         parts = [p.grad for p in params] + [loss.detach().reshape(1) if loss is not None
                                             else None]
         if self.held is not None:  # the same step from before a fault: added once
-            parts = [k if g is None else g if k is None else g.add_(k)
-                     for g, k in zip(parts, self.held, strict=True)]
-            self.held = None
+            parts, self.held = add_held(parts, self.held), None
         self.made = parts
         like = [*params, torch.zeros(1, dtype=params[0].dtype, device=params[0].device)]
         *grads, total = flat_all_reduce(process_group, parts, like)

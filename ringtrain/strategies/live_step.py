@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ringtrain.flat_sum import flat_all_reduce
+from ringtrain.flat_sum import add_held, flat_all_reduce
 from ringtrain.strategies.base import LiveHooks, StepResult
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 
@@ -92,16 +92,13 @@ class ReplicaLiveHooks(LiveHooks):
                              tracer=s.tracer)
             loss_sum, count = acc.loss_sum, acc.count
             grads = [p.grad.mul_(weight) if p.grad is not None else None for p in params]
-        elif held is not None:  # nothing new: exactly what was held (a spare trains the rest)
-            loss_sum, count, grads = held.loss_sum, 0, [None] * len(params)
         else:  # more members than samples in the step: a zero contribution, same collectives
             loss_sum, count = torch.zeros((), dtype=torch.float64), 0
             grads = [None] * len(params)
         if held is not None:  # the same step from before a fault: its summands, added once
-            grads = [k if g is None else g if k is None else g.add_(k)
-                     for g, k in zip(grads, held.grads, strict=True)]
-            if micro_batches:
-                loss_sum = loss_sum + held.loss_sum
+            grads = add_held(grads, held.grads)
+            # Nothing new: exactly what was held (a spare trains the rest: bit for bit).
+            loss_sum = loss_sum + held.loss_sum if micro_batches else held.loss_sum
             count += held.count
         self._made = Contribution(grads, loss_sum, count)
         t0 = time.perf_counter()

@@ -44,7 +44,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.data.sample_log import SampleLog
 from ringtrain.errors import ConfigError
-from ringtrain.live import GlobalBatches, LiveGroup, LiveState, agree_shares
+from ringtrain.live import GlobalBatches, LiveGroup, LiveState, agree_shares, gather_ids
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import LiveHooks, StepResult, Strategy
 from ringtrain.training.config import TrainerConfig, lr_at
@@ -341,17 +341,13 @@ class LiveDriver:
     def _record(self, step: int, ids: list[int]) -> None:
         """Every member's share of `step` (0-based) into the history, as step `step + 1`."""
         assert self.group is not None and self.samples is not None
-        pg, size = self.group.process_group, self.group.size
-        width = self.batches.global_batch_size + 1  # a redo's shares are uneven
-        mine = torch.full((width,), -1, dtype=torch.int64)
-        mine[0] = len(ids)
-        mine[1:1 + len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        out = [torch.empty_like(mine) for _ in range(size)]
+        pg = self.group.process_group
         assert pg is not None
-        pg.allgather([out], [mine]).wait()
+        # Up to the whole batch each: a redo's shares are uneven.
+        shares = gather_ids(pg, ids, self.batches.global_batch_size)
         epoch = step // self.batches.steps_per_epoch
         self.samples.steps.append(step + 1)
-        self.samples.entries.append([(epoch, t[1:1 + int(t[0])].tolist()) for t in out])
+        self.samples.entries.append([(epoch, share) for share in shares])
 
     def close(self, status: str = "finished") -> None:
         """Leave the job: waiting replacements learn it is done."""
