@@ -8,18 +8,22 @@
 # ringtrain installed without dependencies, the CUDA tests, benchmarks/gpu_gpt.py (eager and
 # compiled, trainer against nanoGPT's loop, MFU), benchmarks/snapshot_copy.py (a save's copies
 # batched against one call per storage, session 17), benchmarks/snapshot_stall.py on CUDA (five
-# snapshots a mode, each step's parts with --phases: session 16's H200 figures to compare), then
+# snapshots a mode, each step's parts with --phases; steps timed by CUDA events since session
+# 18), the same at issue 29's snapshot every 50 steps, then
 # the whole suite with the GPU visible, one xdist
 # worker per file (`-v`, so a cut-off run still says which tests passed). Benchmarks first:
-# they need a quiet machine. Each part's log is OUT/NAME.log.
+# they need a quiet machine. Each part's log is OUT/NAME.log; GPU_CHECK_SKIP="a b" leaves parts
+# out (a session that measured them already).
 set -u
 OUT=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
 BUDGET=${2:-560}
 START=$(date +%s)
 mkdir -p "$OUT"
 left() { echo $((BUDGET - ($(date +%s) - START))); }
+SKIP=${GPU_CHECK_SKIP:-}  # parts left out, e.g. GPU_CHECK_SKIP="gpu_gpt suite"
 part() {  # part NAME SECONDS CMD...: at most SECONDS, and never past the budget
     local name=$1 limit=$2; shift 2
+    case " $SKIP " in *" $name "*) echo "== $name: left out (GPU_CHECK_SKIP)" | tee -a "$OUT/summary.log"; return;; esac
     local l; l=$(left)
     if [ "$l" -lt "$limit" ]; then limit=$l; fi
     if [ "$limit" -le 5 ]; then echo "== $name: skipped, budget spent" | tee -a "$OUT/summary.log"; return; fi
@@ -38,5 +42,6 @@ part cuda_named 90 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_a
 part gpu_gpt 200 python3 benchmarks/gpu_gpt.py --compile --batch-size 16
 part snapshot_copy 60 python3 benchmarks/snapshot_copy.py --device cuda
 part snapshot_stall 180 python3 benchmarks/snapshot_stall.py --phases --every 100 --steps 505
+part snapshot_stall_50 150 python3 benchmarks/snapshot_stall.py --every 50 --steps 305
 part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 120
 echo "== done in $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.log"

@@ -1,10 +1,11 @@
 """Where a snapshot step's time goes: `snapshot_stall.py --phases`.
 
-Wraps the save's parts (the loop's save, the host copy, device staging's plan, buffer
-allocation, the optimizer's fence, the writer thread's `finish` and write) to record each call's
-wall-clock interval and thread, and prints, for every snapshot step and the steps after it, how
-much of the step's window each part covered. A diagnosis, not a figure: the wrappers cost
-microseconds a call, and only the benchmark's own process is seen (not the writer process).
+Wraps the save's parts (the loop's two halves around the metrics line, the host copy, device
+staging's plan, buffer allocation, the optimizer's fence, the writer thread's `finish` and
+write) to record each call's wall-clock interval and thread, and prints, for every snapshot
+step and the steps after it, how much of the step's window (the host's) each part covered.
+A diagnosis, not a figure: the wrappers cost microseconds a call, and only the benchmark's own
+process is seen (not the writer process).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import threading
 import time
 
 PARTS = {  # name: (module, class, method)
-    "loop.save": ("ringtrain.training.snapshots", "LoopSnapshots", "save"),
-    "manager.save": ("ringtrain.checkpoint.snapshot", "SnapshotManager", "save"),
+    "loop.stage": ("ringtrain.training.snapshots", "LoopSnapshots", "stage"),
+    "metrics.line": ("ringtrain.training.trainer", "Trainer", "_log"),  # waits for the device
+    "loop.save": ("ringtrain.checkpoint.loop_save", "LoopSave", "save"),
+    "manager.stage": ("ringtrain.checkpoint.snapshot", "SnapshotManager", "stage"),
     "host.copy": ("ringtrain.checkpoint.host_copy", "HostCopy", "copy"),
     "staging.plan": ("ringtrain.checkpoint.device_staging", "DeviceStaging", "plan"),
     "new_buffer": ("ringtrain.checkpoint.host_copy", "HostCopy", "_new_buffer"),

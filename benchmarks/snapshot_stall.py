@@ -41,9 +41,12 @@ box, where training is one Python thread feeding the device and the host's other
 for the writer. With every core given to training (`--threads 2` on 2 cores), the writer can
 only take time from it, whatever it is.
 
-A step's time is the wall time between the trainer's `on_step` calls (after a device
-synchronisation on CUDA), so the snapshot of step k, taken after `on_step(k)`, lands in the time
-of step k+1: that step is a "snapshot step", the others are "other steps"; the first --warmup
+A step's time on CUDA is the device's, between events recorded at the trainer's `on_step`
+calls (`--timing events`: the host queues ahead of the device as in any run, and a save's host
+work costs a step only what the device waits for it; `--timing sync`, sessions 15-17's figures:
+the wall time after a device synchronisation at each call); on the CPU the wall time between
+the calls. The snapshot of step k, taken after `on_step(k)`, lands in the time of step k+1: that
+step is a "snapshot step", the others are "other steps"; the first --warmup
 steps of each run are not counted. In the background the writer shares the CPU with the steps
 that follow a snapshot: they are in "other steps", and in the throughput (steps per second over
 the counted steps). The last step's snapshot (the run's end waits for it) is in no step.
@@ -134,10 +137,18 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
                       snapshot_every=0 if mode == "none" else args.every,
                       sync_snapshots=mode == "sync", resume=False, name=f"stall-{mode}")
     marks: list[float] = []
+    events: list = []  # --timing events: one CUDA event a step, read after the run
+
+    def mark() -> None:
+        if device.type == "cuda" and args.timing == "events":
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
+        else:
+            sync(device)
+        marks.append(time.perf_counter())
 
     def on_step(step: int) -> None:
-        sync(device)
-        marks.append(time.perf_counter())
+        mark()
     trainer.on_step = on_step
     if mode in WRITER:
         trainer.snapshots.manager.background_saves.writer = WRITER[mode]
@@ -148,8 +159,11 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         bg.write_file()(run_dir / "writer-warm-up.pt", {})
     sync(device)
-    marks.append(time.perf_counter())
+    mark()
     summary = trainer.fit()
+    sync(device)
+    step_s = ([a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:], strict=False)]
+              if events else [b - a for a, b in zip(marks, marks[1:], strict=False)])
     trainer.strategy.close()
     if trainer.snapshots is not None:
         trainer.snapshots.manager.close()  # the writer process, if one was started
@@ -159,7 +173,7 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
     size = newest_snapshot_bytes(run_dir / "snapshots")
     del trainer
     gc.collect()
-    return {"step_s": [b - a for a, b in zip(marks, marks[1:], strict=False)], "marks": marks,
+    return {"step_s": step_s, "marks": marks,
             "params": params,
             "save_s_mean": summary.get("snapshot_s_mean"), "snapshot_bytes": size,
             "waits": waits}
@@ -167,20 +181,20 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
 
 def count_waits(loop) -> list[float | None]:
     """Per save of `loop` (the trainer's `LoopSnapshots`): the seconds it waited for the
-    previous write to end, None when none was being written. `LoopSnapshots.save` waits for
+    previous write to end, None when none was being written. `LoopSnapshots.stage` waits for
     the save in flight first (and warns once past a second); this wrapper makes the same
     wait just before it, so it is counted every time (the inner wait then finds nothing)."""
     waits: list[float | None] = []
     if loop is None:
         return waits
-    inner = loop.save
+    inner = loop.stage  # the trainer's save: `stage` before the metrics line, then `save`
 
-    def save(step: int, reason: str = "periodic") -> None:
+    def stage(step: int):
         writing, t0 = loop.manager.writing, time.perf_counter()
         loop.wait()
         waits.append(time.perf_counter() - t0 if writing else None)
-        inner(step, reason)
-    loop.save = save
+        return inner(step)
+    loop.stage = stage
     return waits
 
 
@@ -238,6 +252,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the strategy trained (one rank either way)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2,
                    help="with --strategy zero: its stage")
+    p.add_argument("--timing", choices=("events", "sync"), default="events",
+                   help="CUDA: a step's time between events recorded at each step's end (the "
+                        "device's timeline; the host runs ahead as in a real run), or the wall "
+                        "time after a device synchronisation each step (sessions 15-17: the "
+                        "host never runs ahead, so a save's host work is never hidden)")
     p.add_argument("--phases", action="store_true",
                    help="print where each snapshot step's time went (snapshot_phases.py)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
@@ -351,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
               "strategy": args.strategy,
               "zero_stage": args.zero_stage if args.strategy == "zero" else None,
               "every": args.every, "steps": args.steps, "rounds": args.rounds,
-              "warmup": args.warmup,
+              "warmup": args.warmup, "timing": args.timing if device.type == "cuda" else "wall",
               "threads": torch.get_num_threads() if device.type == "cpu" else None,
               "snapshot_mb": round(size / 1e6, 1) if size else None, "modes": modes, **ratio,
               "goals": goals,

@@ -12,6 +12,7 @@ the default, the background.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -201,6 +202,56 @@ def test_at_most_one_save_in_flight_and_a_failure_raised_once(tmp_path, gate):
     assert manager.wait() is None and manager.latest().step == 2
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_a_save_in_halves_writes_what_one_call_writes(tmp_path, background):
+    """`stage` then `StagedSave.save` (the trainer's order around its metrics line): the same
+    files as one `save` of the merged state; a key in both halves, or a second save, refused."""
+    from ringtrain.strategies.base import UpdatedState
+
+    model, opt = _model_and_optimizer()
+    one = SnapshotManager(tmp_path / "one", rank=0, world_size=1)
+    halves = SnapshotManager(tmp_path / "halves", rank=0, world_size=1)
+    one.background = halves.background = background
+    loop = {"step": 1, "window": {"loss_sum": 2.5}}
+    one.save(1, shared={"strategy": {"model": model.state_dict()}, "trainer": loop},
+             per_rank={"rng": torch.arange(3), "step": 1}, metadata={"reason": "x"})
+    updated = UpdatedState(list(model.parameters()), [opt])
+    staged = halves.stage(1, {"strategy": {"model": model.state_dict()}},
+                          {"rng": torch.arange(3)}, updated=updated)
+    staged.save({"reason": "x"}, shared={"trainer": loop}, per_rank={"step": 1})
+    loop["step"] = 2  # the caller's dicts are its own again once `save` returned
+    one.wait(), halves.wait()
+    files = {n: f["sha256"] for n, f in halves.latest().manifest["files"].items()}
+    assert files == {n: f["sha256"] for n, f in one.latest().manifest["files"].items()}
+    with pytest.raises(RuntimeError, match="step 1 was saved or dropped already"):
+        staged.save()
+    twice = halves.stage(2, {"trainer": {}})
+    with pytest.raises(ValueError, match=r"shared keys \['trainer'\] given in both halves"):
+        twice.save(shared={"trainer": loop})
+
+
+def test_a_dropped_staged_save_lets_the_optimizer_step(tmp_path):
+    """A save staged and then dropped (the loop stopped early at its step): nothing is
+    written, and the optimizer, which the copy's guard held, steps at once."""
+    from ringtrain.strategies.base import UpdatedState
+
+    model, opt = _model_and_optimizer()
+    manager = SnapshotManager(tmp_path, rank=0, world_size=1)
+    manager.background = True
+    staged = manager.stage(1, {"model": model.state_dict()},
+                           updated=UpdatedState(list(model.parameters()), [opt]))
+    assert opt._optimizer_step_pre_hooks  # noqa: SLF001 - guarded until the copy lands
+    staged.drop()
+    assert not opt._optimizer_step_pre_hooks  # noqa: SLF001
+    stepped = threading.Thread(target=opt.step)
+    stepped.start()
+    stepped.join(GATE_S)
+    assert not stepped.is_alive(), "the optimizer waited for a copy that was dropped"
+    assert manager.wait() is None and manager.latest() is None
+    manager.save(2, shared={"model": model.state_dict()})  # the next save as any
+    assert manager.wait().step == 2
+
+
 class _Unpicklable:
     def __reduce__(self):
         raise OSError(5, "Input/output error")
@@ -291,6 +342,44 @@ def test_background_and_sync_snapshots_write_the_same_files(tmp_path, one_rank, 
     waited = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
     assert len(waited) == 1 and waited[0].startswith(
         "warning: the snapshot of step 4 waited"), waited
+
+
+def test_the_trainer_stages_a_snapshot_before_its_metrics_line(tmp_path, one_rank,
+                                                               monkeypatch):
+    """At a step that logs and saves, the save's copies come before the metrics line (which
+    waits for the device: the host copies while a GPU trains); the loop's state saved is the
+    one the line left (its window emptied). An early stop at a snapshot step saves nothing of
+    it, as before the halves, and leaves the optimizer unguarded."""
+    from ringtrain.checkpoint.loop_save import LoopSave
+    from ringtrain.training.snapshots import LoopSnapshots
+    from ringtrain.training.trainer import Trainer
+
+    calls = []
+
+    def recorded(name, real):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return call
+    for cls, name in ((LoopSnapshots, "stage"), (Trainer, "_log"), (LoopSave, "save")):
+        monkeypatch.setattr(cls, name, recorded(name, getattr(cls, name)))
+    trainer = _trainer(tmp_path / "run", steps=4, every=2)
+    trainer.fit()
+    assert calls == ["_log", "stage", "_log", "save"] * 2, calls
+    saved = SnapshotManager(tmp_path / "run" / "snapshots", rank=0, world_size=1)
+    shared, per_rank, _ = saved.load(saved.latest())
+    assert per_rank["window_steps"] == 0 and per_rank["window"]["count"] == 0
+    assert shared["trainer"]["last"]["step"] == 4  # the line of the snapshot's own step
+
+    calls.clear()
+    early = _trainer(tmp_path / "early", steps=6, every=2)
+    early.config = dataclasses.replace(early.config, eval_every=2)
+    early.stop_when = lambda rec: rec["step"] == 4
+    assert early.fit()["steps"] == 4
+    assert calls == ["_log", "stage", "_log", "save", "_log", "stage", "_log"], calls
+    assert [s.step for s in SnapshotManager(tmp_path / "early" / "snapshots", rank=0,
+                                            world_size=1).snapshots()] == [2]
+    assert not early.strategy.optimizer._optimizer_step_pre_hooks  # noqa: SLF001
 
 
 def _killed_while_writing(rank, world_size, run_dir):

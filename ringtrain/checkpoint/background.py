@@ -134,6 +134,13 @@ class BackgroundSaves:
             self._process = process
         return self._process.write
 
+    def drop(self) -> None:
+        """The staged copy will not be written (the caller stopped at its step): the
+        optimizers step freely again; the buffers stay for the next save."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.unguard()
+
     def wait(self) -> Any:
         """Join the save in flight: its result, or raise its error; None when none was."""
         save, self._in_flight = self._in_flight, None

@@ -41,6 +41,8 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import collectives
-from ringtrain.checkpoint.rng import get_rng_state, set_rng_state
+from ringtrain.checkpoint.loop_save import LoopSave
+from ringtrain.checkpoint.rng import set_rng_state
 from ringtrain.checkpoint.rules import config_differences, elastic_batch, reseed
 from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
 from ringtrain.checkpoint.sharded import load_strategy_parts
@@ -162,22 +165,32 @@ class Checkpointer:
         A full disk raises `DiskFullError` on every rank instead: training on would only lose
         the steps since the last snapshot, and every later save would fail the same way.
         """
-        st, rt, s = self.state, self.runtime, self.strategy
+        staged = self.stage(step)
+        return staged.save(reason) if staged is not None else None
+
+    def stage(self, step: int) -> LoopSave | None:
+        """`save`'s first half (every rank): the strategy's state copied (in the background:
+        its device copies queued), nothing read of the loop's state yet, which the metrics
+        line may still change; `.save(reason)` reads it and writes (`staged_save.py` says
+        why). None where it failed as `save` fails (logged, or `DiskFullError` raised)."""
+        s = self.strategy
         start = time.perf_counter()
-        window_sum = self.agreement.sum(list(st.window))  # every rank: for a resume on other ranks
-        per_rank: dict[str, Any] = {"step": step, "rng": get_rng_state(), **st.window_state()}
-        if not self.replicated:
-            per_rank["strategy"] = s.state_dict()  # may be collective (parameter servers)
-        shared = meta = None
-        if rt.rank == 0:
-            shared = {"trainer": st.state_dict(), "window_sum": window_sum, "scaler": None,
-                      "strategy": s.state_dict() if self.replicated else None}
-            meta = {"config": self.config, "topology": self._topology(), "reason": reason,
-                    "global_batch": self.global_batch, "batch_size": self.batch_size,
-                    "grad_accum": self.grad_accum, "replicated": self.replicated}
+        strategy = s.state_dict()  # may be collective (parameter servers)
+        shared = ({"strategy": strategy if self.replicated else None, "scaler": None}
+                  if self.runtime.rank == 0 else None)
+        with self._failures(step):
+            staged = self.manager.stage(step, shared,
+                                        None if self.replicated else {"strategy": strategy},
+                                        updated=s.updated_state())
+            return LoopSave(self, staged, start)
+        return None
+
+    @contextmanager
+    def _failures(self, step: int) -> Iterator[None]:
+        """A save's failures as `save` says: a full disk raises `DiskFullError`, any other
+        `SnapshotError` is logged (the block is left, and the caller goes on)."""
         try:
-            result = self.manager.save(step, shared, per_rank, meta,
-                                       updated=s.updated_state())
+            yield
         except SnapshotNoSpaceError as e:
             log.debug("snapshot of step %d not saved: %s", step, e)
             need = self.saves[-1][1] if self.saves else newest_snapshot_bytes(self.manager.root)
@@ -185,15 +198,6 @@ class Checkpointer:
                                                  self.saved_step, need)) from None
         except SnapshotError as e:
             log.warning("warning: snapshot of step %d not saved, training goes on: %s", step, e)
-            return None
-        self.saved_step = step
-        self.saves.append((time.perf_counter() - start, result.total_bytes))
-        # A save in the background says its one line when it commits (the writer's); here it
-        # has only been copied to host memory.
-        log.log(logging.INFO if result.committed else logging.DEBUG,
-                "snapshot of step %d (%s): %.1f MB in %.2f s -> %s", step, reason,
-                result.total_bytes / 1e6, self.saves[-1][0], result.path)
-        return result
 
     def summary(self) -> dict[str, Any]:
         """Figures for summary.json: saves by this process, their time and size (all ranks)."""

@@ -43,7 +43,6 @@ the store. `wait()` (or the next `save`) joins it and raises what it raised.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import os
@@ -89,6 +88,7 @@ from ringtrain.checkpoint.handshake import (
     save_error,
     wait_one,
 )
+from ringtrain.checkpoint.staged_save import StagedSave
 from ringtrain.store_keys import claim_key
 from ringtrain.torch_internals import default_store
 
@@ -198,31 +198,24 @@ class SnapshotManager:
         outcome (and any of the errors above) comes from `wait()`, or from the next `save`,
         which waits for it first: at most one save is in flight.
         """
+        return self.stage(step, shared, per_rank, updated).save(metadata)
+
+    def stage(self, step: int, shared: dict[str, Any] | None = None,
+              per_rank: dict[str, Any] | None = None,
+              updated: UpdatedState | None = None) -> StagedSave:
+        """The first half of `save` (every rank, in the same order): waits for the save in
+        flight, then in the background copies `shared` (rank 0's) and `per_rank` to host
+        memory as `save` does; the returned `StagedSave.save(metadata, shared=, per_rank=)`
+        adds the caller's small state and writes, or `.drop()` saves nothing
+        (`ringtrain.checkpoint.staged_save`: why the loop reads its own state in between)."""
         self.wait()  # at most one save in flight; raises the failure of the one before
         keys = f"{self._prefix}/{self._saves}"
         self._saves += 1
         if not self.background:
-            return self._save_now(keys, step, shared, per_rank, metadata)
-        bg = self.background_saves
-        staged = bg.stage((shared if self.rank == 0 else None, per_rank), updated)
-        (shared, per_rank), staged_s = staged.state, staged.staged_s
-        metadata = copy.deepcopy(metadata)  # small; the caller may change its dicts meanwhile
-
-        reason = (metadata or {}).get("reason", "periodic")  # metadata is rank 0's alone
-
-        def write() -> SaveResult:
-            staged.finish()  # first: the step's optimizer waits for it (the copies landed)
-            result = self._save_now(keys, step, shared, per_rank, metadata)
-            log.info("snapshot of step %d (%s): %.1f MB, the step held %.2f s to copy it "
-                     "(%.1f MB more copied beside the next step in %.2f s, %s), written in "
-                     "the background by a %s in %.2f s -> %s", step, reason,
-                     result.total_bytes / 1e6, staged_s, staged.later_bytes / 1e6,
-                     staged.overlap_s, staged.path, bg.using, result.total_s, result.path)
-            return result
-
-        bg.start(step, write)
-        return SaveResult(step, self.root / f"snap-{step:08d}", staged.bytes, staged.bytes, 0.0,
-                          staged_s, committed=False)
+            return StagedSave(self, step, keys, shared, per_rank)
+        staged = self.background_saves.stage((shared if self.rank == 0 else None, per_rank),
+                                             updated)
+        return StagedSave(self, step, keys, *staged.state, staged=staged)
 
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight, if any (`background` on): its result, or its error.

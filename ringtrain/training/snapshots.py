@@ -3,7 +3,9 @@
     snapshots = LoopSnapshots(checkpointer, agreement, state, rank=runtime.rank, background=True)
     with StopSignal(STOP_SIGNALS) as stop:
         ...
-        snapshots.save(step)                               # at a snapshot step
+        snapshots.save(step)                               # at a snapshot step, or in halves:
+        staged = snapshots.stage(step)                     # before the metrics line
+        staged.save()                                      # after it (or .drop())
         if agreement.vote(stop.received is not None, at_shared_step=logged):
             return snapshots.stop(step, stop)              # every rank at the same step
     snapshots.wait()                                       # the run's end: the last one written
@@ -24,6 +26,7 @@ import signal
 import time
 from typing import Any
 
+from ringtrain.checkpoint.loop_save import LoopSave
 from ringtrain.checkpoint.resume import Checkpointer
 from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
 from ringtrain.checkpoint.snapshot import (
@@ -110,6 +113,14 @@ class LoopSnapshots:
 
     def save(self, step: int, reason: str = "periodic") -> None:
         """`Checkpointer.save`, unless a rank has left the job: its part would be missing."""
+        staged = self.stage(step)
+        if staged is not None:
+            staged.save(reason)
+
+    def stage(self, step: int) -> LoopSave | None:
+        """`save`'s first half, before the step's metrics line (`Checkpointer.stage`: the
+        device trains on while the host copies): the returned `LoopSave.save(reason)` writes
+        the loop's state as the line left it, `.drop()` nothing. None: no save (a rank left)."""
         if not self.off:
             # One agreement decides it, so every rank skips (or saves) the same step.
             gone = self.agreement.absent_ranks()
@@ -120,7 +131,7 @@ class LoopSnapshots:
                                 "and a snapshot needs every rank's part; training goes on",
                                 step, gone)
         if self.off:
-            return
+            return None
         writing, started = self.manager.writing, time.monotonic()
         self.wait()  # at most one in flight: every rank waits alike, on rank 0's word
         waited = time.monotonic() - started
@@ -134,7 +145,7 @@ class LoopSnapshots:
         if self.state.samples is not None:  # every rank's steps since the last snapshot, merged
             self.state.samples.sync(self.agreement.gather)
         self._committed = self.checkpointer.saved_step  # all written: the newest on disk
-        self.checkpointer.save(step, reason=reason)
+        return self.checkpointer.stage(step)
 
     def save_once(self, step: int) -> None:
         """`save`, unless this process saved `step` already (a live job's new rank 0 saves the

@@ -336,6 +336,10 @@ class Trainer:
             last = self.step == c.steps
             evaluated = self.eval_set is not None and (self.step % c.eval_every == 0 or last)
             logged = self.step % c.log_every == 0 or evaluated or last
+            # A snapshot's copies first, the metrics line (which waits for the device) after:
+            # the host copies while the device trains (`ringtrain.checkpoint.staged_save`).
+            staged = (snaps.stage(self.step) if snaps is not None and cp is not None
+                      and cp.due(self.step) and self._writes_snapshots() else None)
             if logged:
                 rec = self._log(self.step, lr, evaluated)
                 last = self.state.last
@@ -346,12 +350,13 @@ class Trainer:
                           if k in ("step", "loss", "lr") or k.startswith("eval_")}
                 if evaluated and self.stop_when is not None and self.stop_when(agreed):
                     log.info("stopping early at step %d: %s", self.step, eval_text(rec))
+                    if staged is not None:  # as before the halves: no snapshot of this step
+                        staged.drop()
                     break
                 if evaluated:
                     log.info("step %d: %s", self.step, eval_text(rec))
-            if cp is not None and cp.due(self.step) and self._writes_snapshots():
-                assert snaps is not None
-                snaps.save(self.step)
+            if staged is not None:
+                staged.save()
             # Every step, every rank: did any rank get a stop signal? (An agreement whose ranks
             # drift apart answers at metric steps only, which every rank shares.)
             if stop is not None and self.agreement.vote(stop.received is not None,
