@@ -36,12 +36,14 @@ part() {  # part NAME SECONDS CMD...: at most SECONDS, and never past the budget
 }
 { nvidia-smi -L; python3 -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'; nproc; } >"$OUT/summary.log" 2>&1
 part install 120 python3 -m pip install -q --no-deps --no-build-isolation -e .
-part cuda_tests 120 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_cuda.py
-part cuda_named 90 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_async_snapshots.py \
+part cuda_tests 100 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_cuda.py
+part cuda_named 80 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_async_snapshots.py \
     tests/test_checkpoint.py tests/test_step_loop.py tests/test_device.py
 part gpu_gpt 200 python3 benchmarks/gpu_gpt.py --compile --batch-size 16
 part snapshot_copy 60 python3 benchmarks/snapshot_copy.py --device cuda
-part snapshot_stall 180 python3 benchmarks/snapshot_stall.py --phases --every 100 --steps 505
-part snapshot_stall_50 150 python3 benchmarks/snapshot_stall.py --every 50 --steps 305
+part snapshot_stall 180 python3 benchmarks/snapshot_stall.py --phases --every 100 --steps 505 \
+    --modes none,async,async_thread,async_line_first
+part snapshot_stall_50 120 python3 benchmarks/snapshot_stall.py --every 50 --steps 305 \
+    --modes none,sync,async
 part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 120
 echo "== done in $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.log"

@@ -20,6 +20,9 @@ times per round, with a snapshot every --every steps into a temporary run direct
 - `async_clone` (not run unless --modes names it): `async` with the strategy's
   `updated_state()` ignored, so every tensor is copied in the snapshot's step: the reference
   that the copy beside the next step is measured against.
+- `async_line_first` (not run unless --modes names it): `async` with the whole save after the
+  metrics line, as before session 18 (the line's read of the loss waits for the device, and
+  the device then idles through the save's host work); the default stages the copies first.
 The order rotates from round to round (drift hits each alike). `--strategy zero --zero-stage N`
 trains `ZeroStrategy` instead of `ddp`, still on one rank (its shard is the whole model, so
 the state and its copies are those of one rank of N, times N).
@@ -86,10 +89,11 @@ SHAPES = {  # per device type: the model (~99 M parameters) and a batch that kee
               "steps": 40, "every": 10},
 }
 VOCAB = 65
-MODES = ("none", "sync", "async", "async_thread", "async_clone")
+MODES = ("none", "sync", "async", "async_thread", "async_clone", "async_line_first")
 DEFAULT_MODES = MODES[:4]
 # BackgroundSaves.writer per mode
-WRITER = {"async": "process", "async_thread": "thread", "async_clone": "process"}
+WRITER = {"async": "process", "async_thread": "thread", "async_clone": "process",
+          "async_line_first": "process"}
 GOALS = {"snapshot_step": 1.02, "throughput": 0.99}  # issue 29: async vs none
 
 
@@ -152,6 +156,8 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
     trainer.on_step = on_step
     if mode in WRITER:
         trainer.snapshots.manager.background_saves.writer = WRITER[mode]
+    if mode == "async_line_first":
+        line_first(trainer.snapshots)
     waits = count_waits(trainer.snapshots)
     if WRITER.get(mode) == "process":  # started before the timed run (see the docstring)
         bg = trainer.snapshots.manager.background_saves
@@ -177,6 +183,25 @@ def one_run(mode: str, shape: dict, args, runtime, run_dir: Path) -> dict:
             "params": params,
             "save_s_mean": summary.get("snapshot_s_mean"), "snapshot_bytes": size,
             "waits": waits}
+
+
+def line_first(loop) -> None:
+    """The order before session 18 in `loop` (the trainer's `LoopSnapshots`): the whole save
+    after the metrics line, whose read of the loss has waited for the device by then."""
+    stage = loop.stage
+
+    class After:
+        def __init__(self, step: int):
+            self.step = step
+
+        def save(self, reason: str = "periodic") -> None:
+            staged = stage(self.step)
+            if staged is not None:
+                staged.save(reason)
+
+        def drop(self) -> None:
+            pass
+    loop.stage = After
 
 
 def count_waits(loop) -> list[float | None]:
