@@ -86,6 +86,31 @@ def test_save_load_round_trip(tmp_path):
     json.dumps(shared["sampler"])
 
 
+def test_a_file_hashed_beside_its_write_and_written_back_early_is_the_reference(tmp_path,
+                                                                              monkeypatch):
+    """`write_durably`'s parallel hash and early writeback (the defaults) write the same bytes
+    and digest as the reference (in line, all flushed by the fsync): large tensors go through
+    the hashing thread, the writeback starts every 1 MB here."""
+    import ringtrain.checkpoint.files as files
+
+    monkeypatch.setattr(files, "WRITEBACK_BYTES", 1 << 20)
+    torch.manual_seed(0)
+    state = {"big": [torch.randn(1 << 17) for _ in range(6)], "small": torch.arange(5),
+             "meta": {"step": 3}}  # 512 KB tensors: past PARALLEL_HASH_MIN_BYTES
+    out = {}
+    for parallel in (False, True):
+        for writeback in (False, True):
+            path = tmp_path / f"{parallel}-{writeback}.pt"
+            out[parallel, writeback] = (files.write_durably(path, state, parallel=parallel,
+                                                            writeback=writeback),
+                                        path.read_bytes())
+    ref_info, ref_bytes = out[False, False]
+    assert ref_info["sha256"] == files.sha256_file(tmp_path / "False-False.pt")
+    assert ref_info["bytes"] == len(ref_bytes) > 6 * (1 << 19)
+    for info, raw in out.values():
+        assert info == ref_info and raw == ref_bytes
+
+
 def test_uncommitted_and_partial_snapshots_are_ignored(tmp_path):
     mgr = SnapshotManager(tmp_path, rank=0, world_size=1)
     _save(mgr, 10)
