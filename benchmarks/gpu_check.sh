@@ -7,7 +7,8 @@
 # In order, each bounded by `timeout` so that a hang cannot eat the rest: the environment,
 # ringtrain installed without dependencies, the CUDA tests, benchmarks/gpu_gpt.py (eager and
 # compiled, trainer against nanoGPT's loop, MFU), benchmarks/snapshot_copy.py (a save's copies
-# batched against one call per storage, session 17), benchmarks/snapshot_stall.py on CUDA (five
+# batched against one call per storage, session 17), benchmarks/snapshot_write.py (the file's
+# write against the reference, session 18), benchmarks/snapshot_stall.py on CUDA (five
 # snapshots a mode, each step's parts with --phases; steps timed by CUDA events since session
 # 18), the same at issue 29's snapshot every 50 steps, then
 # the whole suite with the GPU visible, one xdist
@@ -41,9 +42,10 @@ part cuda_named 80 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_a
     tests/test_checkpoint.py tests/test_step_loop.py tests/test_device.py
 part gpu_gpt 200 python3 benchmarks/gpu_gpt.py --compile --batch-size 16
 part snapshot_copy 60 python3 benchmarks/snapshot_copy.py --device cuda
-part snapshot_stall 180 python3 benchmarks/snapshot_stall.py --phases --every 100 --steps 505 \
-    --modes none,async,async_thread,async_line_first
+part snapshot_write 60 python3 benchmarks/snapshot_write.py --rounds 2
+part snapshot_stall 200 python3 benchmarks/snapshot_stall.py --phases --every 100 --steps 505 \
+    --rounds 2 --modes none,async,async_line_first
 part snapshot_stall_50 120 python3 benchmarks/snapshot_stall.py --every 50 --steps 305 \
-    --modes none,sync,async
+    --rounds 2 --modes none,async
 part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 120
 echo "== done in $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.log"
