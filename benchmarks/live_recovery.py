@@ -8,8 +8,9 @@ Two hosts (tests/netns.py), 2 workers each (world size 4), the store in its own 
 host a; the same GPT, data and global batches in every mode (benchmarks/live_recovery_worker.py):
 - `plain`: the fault-free run of today's path (the restart mode's loop: a fixed gloo group, a
   snapshot every --snapshot-every steps), the anchor of `goodput`;
-- `clean`: the fault-free run in live mode (heartbeats, a commit in memory every step, watched
-  collectives): `goodput_vs_clean` leaves out what live mode costs without a fault;
+- `clean`: the fault-free run in live mode (heartbeats, a commit in memory every step, in place
+  as ddp's, watched collectives): `goodput_vs_clean` leaves out what live mode costs without a
+  fault;
 - `live@N`: a fault every N s, in turns: SIGKILL of a worker on b (marked departed in the store
   0.1 s later, as `ringtrain train --live`'s agent does on its poll), SIGSTOP of a worker on a,
   host b's link down (`ip link set ... down`, both its workers lost). The survivors regroup and

@@ -6,7 +6,8 @@ CONFIG_JSON: mode ("live" or "restart"), store (addr, port), job, world_size, st
 model (n_layer, n_embd, block_size), global_batch; for "restart" also rank, attempt and
 snapshot_every. Both modes train the same GPT on the same synthetic tokens, each step on
 `GlobalBatches`' global batch (the loss summed over the shares, the gradients summed):
-- "live": `train_live` (heartbeat 0.1 s, lost after dead_after_s of silence); a worker started after
+- "live": `train_live` (heartbeat 0.1 s, lost after dead_after_s of silence; commits in place, as
+  `ringtrain train --live` does for ddp); a worker started after
   the job began joins as a replacement, healing from a peer (with "renice", started at nice 19,
   it returns to 0 once its model is built); with "spare" true it is a warm
   spare (`LiveGroup(spare=True)`): built and registered before any fault, it waits to take a
@@ -95,7 +96,9 @@ def live(c: dict, store: dist.Store, records) -> None:
     model, optimizer, tokens, batches = build(c)
     if c.get("renice"):
         renice()
-    state = LiveState(model, optimizer, batches)
+    # In place: the step's all-reduce is its last collective, the optimizer steps after it
+    # (make_step), so a commit keeps the live tensors rather than a copy (`LiveState`).
+    state = LiveState(model, optimizer, batches, in_place=True)
     group = LiveGroup(store, c["world_size"], name=c["job"], timeout_s=30, heartbeat_s=0.1,
                       dead_after_s=c["dead_after_s"], spare=bool(c.get("spare")))
     gradients = LiveGradients(model)

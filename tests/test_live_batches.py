@@ -6,6 +6,7 @@ committed state. No process, no group.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -124,9 +125,59 @@ def test_a_state_loaded_from_a_peer_continues_as_the_peer_does():
     assert all(torch.equal(a, b) for a, b in pairs)
 
 
-def test_a_commit_fills_the_previous_commits_tensors_and_equals_a_deep_copy():
-    import copy
+@pytest.mark.parametrize("in_place", [False, True])
+def test_commits_in_place_or_copied_train_the_same_and_restore_alike(in_place):
+    # A step that fails before the optimizer steps (as ddp's all-reduce does) is restored;
+    # in place the commit is the live tensors, copied it is a copy: the same run either way.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = LiveState(model, optimizer, GlobalBatches(8, 4), in_place=in_place)
+    ref_model = copy.deepcopy(model)
+    ref_optimizer = torch.optim.AdamW(ref_model.parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.full((3, 4), float(step))).sum().backward()  # the step fails here
+        first = torch.rand(1)
+        state.restore()
+        assert torch.equal(torch.rand(1), first) and model.weight.grad is None
+        _train(model, optimizer, 1)
+        _train(ref_model, ref_optimizer, 1)
+        state.step = step + 1
+        state.commit()
+        committed = state.state_dict()
+        live = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+        held = [s["exp_avg"] for s in committed["optimizer"]["state"].values()]
+        assert all((a is b) == in_place and torch.equal(a, b)
+                   for a, b in zip(held, live, strict=True))
+        assert all((t.data_ptr() == model.state_dict()[k].data_ptr()) == in_place
+                   for k, t in committed["model"].items())
+    pairs = zip(model.parameters(), ref_model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)  # bit for bit
 
+
+def test_a_state_healed_in_place_commits_the_tensors_it_was_given():
+    model, optimizer, state = _adam_state()
+    _train(model, optimizer, 3)
+    state.step = 3
+    state.commit()
+    torch.manual_seed(1)
+    peer_model = torch.nn.Linear(4, 2)
+    peer_optimizer = torch.optim.Adam(peer_model.parameters(), lr=0.1)
+    peer = LiveState(peer_model, peer_optimizer, GlobalBatches(8, 4), in_place=True)
+    given = copy.deepcopy(state.state_dict())  # what a heal receives: nothing else holds it
+    peer.load_state_dict(given, adopt=True)
+    moments = [s["exp_avg"] for s in given["optimizer"]["state"].values()]
+    assert all(peer_optimizer.state[p]["exp_avg"] is m  # taken, not copied again
+               for p, m in zip(peer_model.parameters(), moments, strict=True))
+    assert all(t.data_ptr() == peer_model.state_dict()[k].data_ptr()
+               for k, t in peer.state_dict()["model"].items())
+    _train(model, optimizer, 2)
+    _train(peer_model, peer_optimizer, 2)
+    pairs = zip(model.parameters(), peer_model.parameters(), strict=True)
+    assert peer.step == 3 and all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_commit_fills_the_previous_commits_tensors_and_equals_a_deep_copy():
     from ringtrain.live.state import copy_reusing
 
     model, optimizer, state = _adam_state()

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtrain.strategies.live_step import ReplicaLiveHooks
+from ringtrain.live import GlobalBatches, LiveState
+from ringtrain.strategies.live_step import LiveStepError, ReplicaLiveHooks
 from ringtrain.trace import NO_TRACE
 
 B = 12
@@ -101,3 +102,37 @@ def test_ids_gathered_round_trip_and_too_many_are_refused_with_the_values():
     assert gather_ids(group, [], B) == [[]]
     with pytest.raises(ValueError, match=r"13 ids .* at most 12"):
         gather_ids(group, list(range(B + 1)), B)
+
+
+def test_ddp_commits_in_place_a_failed_all_reduce_restores_nothing_and_an_optimizer_error_ends(
+        setup):
+    # The commit holds the live tensors (`commits_in_place`): the all-reduce fails before the
+    # optimizer steps, so restoring loads nothing and the redo is the whole step bit for bit.
+    model, x, y, whole_model, _ = setup
+    hooks = _hooks(copy.deepcopy(model))
+    assert hooks.commits_in_place
+    state = LiveState(hooks.model, hooks.optimizer, GlobalBatches(B, B), in_place=True)
+    weights = [p.data_ptr() for p in hooks.model.parameters()]
+    assert [t.data_ptr() for t in state.state_dict()["model"].values()] == weights
+    before = copy.deepcopy(hooks.model.state_dict())
+    runtime = hooks.strategy.runtime
+    group, runtime.process_group = runtime.process_group, _DeadPeer()
+    with pytest.raises(RuntimeError, match="reset by peer"):
+        hooks.train_step(_micro(x, y, list(range(B))), lr=1e-2, grad_clip=1.0, weight=1.0)
+    state.restore()
+    assert all(torch.equal(v, before[k]) for k, v in hooks.model.state_dict().items())
+    assert all(p.grad is None for p in hooks.model.parameters())
+    runtime.process_group = group
+    hooks.train_step(_micro(x, y, list(range(B))), lr=1e-2, grad_clip=1.0, weight=1.0)
+    pairs = zip(hooks.model.parameters(), whole_model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    state.step = 1
+    state.commit()
+    # After the all-reduce the optimizer changes what the commit holds: an error there is not
+    # a lost peer, and redoing the step from half a step on would be wrong: not recovered.
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    hooks.optimizer.step = fails
+    with pytest.raises(LiveStepError, match="out of memory") as caught:
+        hooks.train_step(_micro(x, y, list(range(B))), lr=1e-2, grad_clip=1.0, weight=1.0)
+    assert not isinstance(caught.value, RuntimeError)  # the live loop recovers RuntimeErrors

@@ -8,7 +8,9 @@
   after `dead_after_s`;
 - `propose`: survivors keep their ranks, a waiting process takes a lost member's;
 - a waiting spare cut off with the members it would replace (its counter stopped before the
-  fault) is not let in: its silence is timed from before the fault (issue 26).
+  fault) is not let in: its silence is timed from before the fault (issue 26);
+- a beat's reads (one `multi_get`) see what one request per counter sees, and a process
+  registered but not yet beating does not stall them.
 
 The store is a `HashStore` here; the keys written by hand are the ones a member would write
 (ringtrain/live/roster.py names them).
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from ringtrain.live import LiveGroup, LiveJobLostError
+from ringtrain.live.heartbeats import Heartbeats
 from ringtrain.live.roster import propose, waiting_uids
 
 PREFIX = "ringtrain/live/live"  # LiveGroup(name="live")
@@ -109,3 +113,24 @@ def test_a_waiting_spare_silent_since_before_the_fault_is_not_let_in():
         assert waiting_uids(keys, group._beats, group._known) == [2]
     finally:
         group.close()
+
+
+def test_a_beats_batched_reads_see_what_one_read_per_counter_sees():
+    store = dist.PrefixStore(PREFIX, dist.HashStore())
+    store.set_timeout(timedelta(seconds=30))  # a `multi_get` of a missing key would wait this
+    members, known = [0, 1, 2], {3}  # uid 3: departed; uids 4, 5: waiting (5 not beating yet)
+    for u in range(5):
+        store.add("uids", 1)
+        store.add(f"hb/{u}", 1)
+    store.add("uids", 1)
+    beats = [Heartbeats(store, store, 0, heartbeat_s=0.1, dead_after_s=0.5,
+                        members=lambda: members, known=lambda: known) for _ in range(2)]
+    started = time.monotonic()
+    for count in range(1, 4):
+        for u in (1, 4):
+            store.add(f"hb/{u}", 1)  # uids 1 and 4 beat; 0, 2 and 5 do not
+        beats[0]._read_counters(store)
+        beats[1]._read_counters_naive(store)
+        counts = [{u: c for u, (c, _) in b._moved.items()} for b in beats]
+        assert counts[0] == counts[1] == {0: 1, 1: 1 + count, 2: 1, 4: 1 + count, 5: 0}
+    assert time.monotonic() - started < 5  # uid 5's counter was created, not waited for

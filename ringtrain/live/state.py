@@ -17,7 +17,16 @@ did it. `state_dict()` is the committed state: what a member that heals a replac
 The committed copy costs one model and one optimizer state of memory, and a copy per commit:
 into the previous commit's tensors (`copy_reusing`), not into new ones. `copy.deepcopy` of the
 state at every step (the reference, still taken where the structure changed) was 3.4 % of a
-~0.7 s step in benchmarks/live_recovery.py (py-spy): allocating, faulting in and filling 40 MB.
+~0.7 s step in benchmarks/live_recovery.py (py-spy): allocating, faulting in and filling 40 MB;
+the copy alone is ~10 ms a step there (1 % of the job's CPU, 2.3 % with 4 members on 2 cores).
+
+`in_place=True` keeps no copy: the commit holds the live tensors themselves (and copies of the
+rest: structure, plain values, RNG), so committing costs ~1 ms. That is exact for a step whose
+failures all come before it changes the model and optimizer: ddp's (forward, backward and the
+gradients' all-reduce, where a lost peer is found; then the optimizer's step, local; then the
+commit, `LiveHooks.commits_in_place`). A step that fails finds them as committed, so
+restoring them loads nothing; a heal sends them, as committed, from a member at a step
+boundary.
 """
 
 from __future__ import annotations
@@ -48,6 +57,13 @@ class LiveState:
         optimizer: its optimizer (or any `Stateful`), or None.
         batches: the step -> global batch layout (its position is `step`).
         step: the number of steps committed so far (0 for a fresh run).
+        in_place: commit the live tensors, not a copy (see the module docstring).
+
+    .. warning:: With `in_place`, nothing may change the model or the optimizer between a
+        commit and a failure that restores it: the steps' collectives (which is where a lost
+        peer fails them) come first, then the optimizer's step, and an error after that must
+        not be recovered (ddp's hooks raise `LiveStepError`). Restoring after the optimizer
+        stepped would go on from half a step, without a word.
 
     .. warning:: RNG state (Python, NumPy, torch) is committed and healed as one state for the
         whole group: a replacement takes its healer's generators. Randomness that must differ
@@ -56,8 +72,9 @@ class LiveState:
     """
 
     def __init__(self, model: nn.Module, optimizer: Stateful | None,
-                 batches: GlobalBatches, *, step: int = 0):
+                 batches: GlobalBatches, *, step: int = 0, in_place: bool = False):
         self.model, self.optimizer, self.batches = model, optimizer, batches
+        self.in_place = in_place
         self.step = step
         # The step this member trains next: `step` but while the steps since the last commit
         # are being redone (a local SGD round), when it is ahead. A heal takes the members'
@@ -67,15 +84,13 @@ class LiveState:
         self.commit()
 
     def _capture(self) -> dict[str, Any]:
+        live = {"model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
         previous = self._committed or {}
-        return {
-            "step": self.step,
-            "model": copy_reusing(self.model.state_dict(), previous.get("model")),
-            "optimizer": (copy_reusing(self.optimizer.state_dict(), previous.get("optimizer"))
-                          if self.optimizer is not None else None),
-            "batches": self.batches.state_dict(),
-            "rng": get_rng_state(),
-        }
+        taken = {k: copy_reusing(v, previous.get(k), keep_tensors=self.in_place)
+                 for k, v in live.items()}
+        return {"step": self.step, **taken, "batches": self.batches.state_dict(),
+                "rng": get_rng_state()}
 
     def commit(self) -> None:
         """Remember the state as it is now (call it at a step boundary, after `step` moved)."""
@@ -89,7 +104,7 @@ class LiveState:
     def restore(self) -> None:
         """Go back to the last commit: model, optimizer, step, RNG; gradients dropped."""
         assert self._committed is not None
-        self._load(self._committed)
+        self._load(self._committed, own=True)
         self.model.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
@@ -107,50 +122,70 @@ class LiveState:
                 copy of the model and optimizer state fewer).
         """
         self.batches.load_state_dict(state["batches"])
-        self._load(state)
+        self._load(state, own=adopt)
         self.model.zero_grad(set_to_none=True)
-        if adopt:
+        if adopt and not self.in_place:
             self._committed = state
-        else:
+        else:  # in place: the commit holds the tensors just loaded (no copy either way)
             self.commit()
 
-    def _load(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+    def _load(self, state: dict[str, Any], *, own: bool = False) -> None:
+        # own: nothing but this object holds `state`'s tensors (its commit, or a heal's)
+        given_back = self.in_place and own
+        # In place, the commit's model tensors are the live ones: nothing to load, unless one
+        # was swapped for another (`p.data = ...`) since.
+        if not (given_back and _same_tensors(state["model"], self.model.state_dict())):
+            self.model.load_state_dict(state["model"])
         if self.optimizer is not None and state["optimizer"] is not None:
             # A copy: the optimizer keeps the tensors it is given (`.to()` of a tensor already
             # on its device and dtype is the tensor itself), and would then step the commit.
-            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+            # In place that is the point: the commit's tensors are the optimizer's own.
+            self.optimizer.load_state_dict(state["optimizer"] if given_back
+                                           else copy.deepcopy(state["optimizer"]))
         set_rng_state(state["rng"])
         self.step = int(state["step"])
 
 
-def copy_reusing(obj: Any, previous: Any, memo: dict[int, Any] | None = None) -> Any:
+def _same_tensors(committed: dict[str, Any], live: dict[str, Any]) -> bool:
+    """Whether a module's committed state dict holds its live tensors (same keys, storages)."""
+    return committed.keys() == live.keys() and all(
+        committed[k].data_ptr() == t.data_ptr() for k, t in live.items()
+        if isinstance(t, torch.Tensor))
+
+
+def copy_reusing(obj: Any, previous: Any, memo: dict[int, Any] | None = None, *,
+                 keep_tensors: bool = False) -> Any:
     """`copy.deepcopy(obj)` (a state dict: dicts, lists, tuples, tensors, plain values) that
     fills `previous`'s tensors where one at the same place matches (a plain tensor of the same
     shape, dtype and device, not `obj`'s storage): no allocation once the structure is stable.
 
     A tensor met twice (tied weights) is copied once, as deepcopy's memo does. `previous` must
     be a copy nothing else uses (a `LiveState` commit: its model and optimizer load copies).
+    `keep_tensors`: the tensors themselves, not copies (a commit in place): only the
+    containers and the plain values are copied (~0.3 ms for a GPT's 212 tensors with AdamW).
     """
     memo = {} if memo is None else memo
     if id(obj) in memo:
         return memo[id(obj)]
-    if type(obj) is torch.Tensor:
+    if keep_tensors and isinstance(obj, torch.Tensor):
+        out: Any = obj
+    elif type(obj) is torch.Tensor:
         if (type(previous) is torch.Tensor and previous.shape == obj.shape
                 and previous.dtype == obj.dtype and previous.device == obj.device
                 and previous.data_ptr() != obj.data_ptr()):
-            out: Any = previous.copy_(obj)
+            out = previous.copy_(obj)
         else:
             out = copy.deepcopy(obj)
     elif isinstance(obj, dict):
         before = previous if isinstance(previous, dict) else {}
-        out = type(obj)((k, copy_reusing(v, before.get(k), memo)) for k, v in obj.items())
+        out = type(obj)((k, copy_reusing(v, before.get(k), memo, keep_tensors=keep_tensors))
+                        for k, v in obj.items())
         if hasattr(obj, "_metadata"):  # a module's state_dict: load_state_dict reads it
             out._metadata = copy.deepcopy(obj._metadata)
     elif type(obj) in (list, tuple):  # not a namedtuple: deepcopy below rebuilds those
         same = type(previous) is type(obj) and len(previous) == len(obj)
-        out = type(obj)(copy_reusing(v, previous[i] if same else None, memo)
-                        for i, v in enumerate(obj))
+        out = type(obj)(copy_reusing(v, previous[i] if same else None, memo,
+                                     keep_tensors=keep_tensors) for i, v in enumerate(obj))
     else:
         out = copy.deepcopy(obj)
     memo[id(obj)] = out

@@ -139,6 +139,11 @@ class LiveHooks(ABC):
 
     model: nn.Module  # the plain module every member replicates (committed and healed)
     optimizer: Any  # its optimizer (committed and healed with it)
+    # True where `train_step` changes the model and optimizer only after its last collective
+    # (ddp: the gradients' all-reduce, then the optimizer's step): a step that fails leaves
+    # them as committed, so a commit keeps the live tensors, not a copy of them
+    # (`LiveState(in_place=True)`). False (the default): a copy per commit.
+    commits_in_place: bool = False
 
     def agreement(self, current: Callable[[], Runtime]) -> Agreement:
         """How the loop's sums, votes and digests are agreed over the current generation

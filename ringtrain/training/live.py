@@ -180,8 +180,12 @@ class LiveDriver:
         """Become a member (at `step`, this process's committed step); the step the group is
         at (a replacement's is its healer's), or None if the job ended before it was let in."""
         assert self.group is not None, "register() first"
+        # In place where the hooks' step changes the state after its last collective; with
+        # --record-samples every step ends with the shares' all-gather (`_record`), after the
+        # state changed: a copy then.
+        in_place = self.hooks.commits_in_place and self.samples is None
         self.state = LiveState(self.hooks.model, _Committed(self.hooks.optimizer, self.samples),
-                               self.batches, step=step)
+                               self.batches, step=step, in_place=in_place)
         if not self.group.join(self.state):
             return None
         self._members_changed()
