@@ -58,13 +58,15 @@ def _argv(strategy: str) -> list[str]:
             "--record-samples", "--watchdog-timeout", "6"]
 
 
-def _start(run_dir: Path, strategy: str, fault: str | None) -> subprocess.Popen:
+def _start(run_dir: Path, strategy: str, fault: str | None,
+           record: bool = True) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["PYTHONUNBUFFERED"] = "1"
     if fault:
         env.update(fault_env(fault))
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "ringtrain", "train", *_argv(strategy),
+    argv = [a for a in _argv(strategy) if record or a != "--record-samples"]
+    return subprocess.Popen([sys.executable, "-m", "ringtrain", "train", *argv,
                              "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=run_dir.parent, env=env)
 
@@ -72,8 +74,9 @@ def _start(run_dir: Path, strategy: str, fault: str | None) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live_rounds")
-    procs = {(s, kind): _start(root / f"{s}-{kind}", s, FAULTS if kind == "faulted" else None)
-             for s in STRATEGIES for kind in ("faulted", "clean")}
+    procs = {(s, kind): _start(root / f"{s}-{kind}", s, None if kind == "clean" else FAULTS,
+                               record=kind != "unrecorded")
+             for s in STRATEGIES for kind in ("faulted", "clean", "unrecorded")}
     return wait_all(procs, {key: root / f"{key[0]}-{key[1]}" for key in procs})
 
 
@@ -128,6 +131,23 @@ def test_the_faulted_run_ends_with_the_fault_free_weights(runs, strategy):
                   (got["outer"]["optimizer"]["state"], want["outer"]["optimizer"]["state"])]
     for a, b in pairs:
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_without_a_per_step_collective_each_loss_is_found_at_the_next_step(runs, strategy):
+    """No --record-samples: an inner step has no collective until the meeting, and a lost
+    member is found by the loop's stop vote after the step it died in; the next step recovers
+    at once (`GenerationAgreement.take_failure`), not at the meeting, where both losses would
+    be found together, ranks 1 and 2: a member and the only copy of its moments."""
+    run_dir, stderr = runs[strategy, "unrecorded"]
+    survivor = next(m for m in live_members(run_dir)
+                    if m["launcher_rank"] == 0 and m["joined_at_step"] == 0)
+    assert survivor["recoveries"] == 2, stderr[-4000:]
+    assert "a member was lost after step" in stderr, stderr[-3000:]
+    sha = {name: json.loads((runs[strategy, name][0] / "summary.json").read_text())[
+        "param_sha256"] for name in ("unrecorded", "clean")}
+    assert sha["unrecorded"] == sha["clean"]
 
 
 def _hooks(rank: int, world_size: int):

@@ -54,7 +54,7 @@ LIVE = ["--nproc-per-node", str(WORLD), "--steps", str(STEPS), "--n-layer", "1",
         "--device", "cpu", "--live", "--live-wait", "60", "--record-samples",
         "--watchdog-timeout", "6"]
 FAULTS, AT = "kill:1:4,stop:2:4,kill:0:10", 4
-SPARE_AT = 5  # the spared run's kill: after step 5, found in step 6's all-reduce
+SPARE_AT = 5  # the spared run's kill: in step 6's forward (kill-next), found in its all-reduce
 _LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RINGTRAIN_TEST_FAULT",
                 "RINGTRAIN_STEP_HOOK")
@@ -87,7 +87,7 @@ def _start(run_dir: Path, fault: str | None, extra: tuple[str, ...] = ()) -> sub
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("live")
     procs = {"faulted": _start(root / "faulted", FAULTS), "clean": _start(root / "clean", None),
-             "spared": _start(root / "spared", f"kill:0:{SPARE_AT}",
+             "spared": _start(root / "spared", f"kill-next:0:{SPARE_AT}",
                               ("--live-spares", "1", *MEMORY))}
     return wait_all(procs, {name: root / name for name in procs})
 

@@ -7,8 +7,11 @@ let in (`ringtrain.live.LiveGroup`); its groups are built directly on the store,
 registry, so each question calls the group's own methods. A question whose collective fails (a
 member lost after the step committed) is answered locally: a stop vote counts this member's
 flag, a digest is this member's; a sum says it failed (`try_sum`), and the trainer holds that
-metrics line until the next generation agrees on it (the survivors' sums). The next step's
-collective fails the same way and recovers, so a recovery happens at one place, the step.
+metrics line until the next generation agrees on it (the survivors' sums). The failure is kept
+(`take_failure`) for the live driver, which recovers at the start of the next step, so a
+recovery happens at one place, the step, and at once: a round of local SGD or DiLoCo has no
+collective of its own until its meeting, and two members lost in one round would otherwise be
+found together there, a member and the only copy of its moments with it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,17 @@ class GenerationAgreement(Agreement):
 
     def __init__(self, current: Callable[[], Runtime]):
         self.current = current
+        self._failed: str | None = None  # the first failure since `take_failure`
+
+    def take_failure(self) -> str | None:
+        """The first question that failed since the last call (a member lost), or None."""
+        failed, self._failed = self._failed, None
+        return failed
+
+    def _lost(self, what: str, e: RuntimeError) -> None:
+        reason = str(e).splitlines()[0]
+        log.warning("live: %s failed (%s); answered locally", what, reason)
+        self._failed = self._failed or reason
 
     def _group(self) -> Any | None:
         rt = self.current()
@@ -48,8 +62,7 @@ class GenerationAgreement(Agreement):
         try:
             pg.allreduce([t], options).wait()
         except RuntimeError as e:  # a member lost: the next step recovers (module docstring)
-            log.warning("live: a sum or vote failed (%s); answered locally",
-                        str(e).splitlines()[0])
+            self._lost("a sum or vote", e)
             return None
         return t
 
@@ -82,6 +95,6 @@ class GenerationAgreement(Agreement):
             out = [torch.empty_like(padded) for _ in range(size)]
             pg.allgather([out], [padded]).wait()
         except RuntimeError as e:
-            log.warning("live: a gather failed (%s); answered locally", str(e).splitlines()[0])
+            self._lost("a gather", e)
             return {rank: text}
         return {r: bytes(out[r][:int(lengths[r])].tolist()).decode() for r in range(size)}

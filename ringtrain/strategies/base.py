@@ -145,9 +145,10 @@ class LiveHooks(ABC):
     # (`LiveState(in_place=True)`). False (the default): a copy per commit.
     commits_in_place: bool = False
 
-    def agreement(self, current: Callable[[], Runtime]) -> Agreement:
+    def agreement(self, current: Callable[[], Runtime]) -> GenerationAgreement:
         """How the loop's sums, votes and digests are agreed over the current generation
-        (`current()`: this member's place now). Default: its group's collectives."""
+        (`current()`: this member's place now), keeping a failed question for the driver
+        (`take_failure`). Default: its group's collectives."""
         return GenerationAgreement(current)
 
     def commits_at(self, step: int) -> bool:

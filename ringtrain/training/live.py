@@ -202,6 +202,7 @@ class LiveDriver:
         self.runtime = replace(self.runtime, rank=g.rank, world_size=g.size,
                                process_group=g.process_group)
         self._regrouped = True
+        self.agreement.take_failure()  # a question of the group before this one: answered
         self.hooks.on_members(self.runtime)
         if g.last_heal is not None and g.last_heal.nbytes and g.rank == 0:
             log.info("live: generation %d, %d members; healed to step %d (%d bytes)",
@@ -221,6 +222,10 @@ class LiveDriver:
         start = state.target  # the step to train; the commit may be behind it (mid-round)
         while True:
             try:
+                lost = self.agreement.take_failure()
+                if lost is not None:  # a sum or vote since the last step: recover now, not at
+                    # the next collective (a round's is its meeting: generations.py says why)
+                    raise RuntimeError(f"a member was lost after step {state.step} ({lost})")
                 # Replacements waiting are let in at a commit point (a step boundary, for ddp;
                 # a meeting, for local SGD): the state a replacement heals to is the live one.
                 if state.step == state.committed_step and g.admit(state):

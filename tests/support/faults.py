@@ -23,7 +23,7 @@ from pathlib import Path
 SUPPORT = Path(__file__).resolve().parent  # tests/support
 REPO = SUPPORT.parent.parent
 FAULT_ENV = "RINGTRAIN_TEST_FAULT"
-FAULT_ACTIONS = ("kill", "stop", "term", "term-launcher", "int", "raise")
+FAULT_ACTIONS = ("kill", "kill-next", "stop", "term", "term-launcher", "int", "raise")
 
 
 def fault_env(spec: str) -> dict[str, str]:
@@ -51,7 +51,9 @@ def snapshot_written(timeout_s: float = 60.0) -> None:
 def hook(on_step: Callable[[int], None] | None, rank: int) -> Callable[[int], None] | None:
     """Wrap a trainer's `on_step` with the fault RINGTRAIN_TEST_FAULT=ACTION:RANK:STEP asks for.
 
-    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `stop`
+    After step STEP, rank RANK does ACTION: `kill` (SIGKILL itself, as `kill -9`), `kill-next`
+    (SIGKILL itself in the next step's first forward: mid-step, after the step's agreement
+    questions were answered, so the others find it in that step's collectives), `stop`
     (SIGSTOP itself: a hang, alive but silent, until someone kills it), `term`
     (SIGTERM itself), `int` (SIGINT itself, as Ctrl-C), `raise` (an exception out of the loop)
     or `term-launcher` (SIGTERM its parent,
@@ -99,12 +101,17 @@ def _one_fault(on_step: Callable[[int], None] | None, rank: int,
             on_step(step)
         if step != at_step:
             return
-        if action == "kill":
+        if action in ("kill", "kill-next"):
             snapshot_written()
         print(f"[rank {rank}] test fault: {action} after step {step} at unix time "
               f"{time.time():.3f}", file=sys.stderr, flush=True)
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "kill-next":
+            import torch  # the workers have it imported: ringtrain train's
+
+            torch.nn.modules.module.register_module_forward_pre_hook(
+                lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         elif action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "term":
