@@ -27,8 +27,10 @@ from ringtrain.cli.train import main
 from ringtrain.testing import run_workers
 from ringtrain.training.progress import MetricsLog
 
-# The command (`--steps 40 --snapshot-every 10`), shortened: the third save fails.
-RUN = ["--steps", "30", "--snapshot-every", "10", "--eval-every", "10", "--no-progress",
+# The command (`--steps 40 --snapshot-every 10`), shortened: the third save fails. Two
+# steps between saves prove what ten did (two snapshots fit, the third does not; the rerun
+# resumes from the last one and trains on) in a fifth of the steps, over four runs.
+RUN = ["--steps", "6", "--snapshot-every", "2", "--eval-every", "2", "--no-progress",
        "--no-report"]
 CLI_TIMEOUT_S = 240
 
@@ -211,24 +213,24 @@ def test_cli_full_disk_stops_at_the_last_snapshot_then_resumes_once_there_is_roo
     errors = [x for x in lines if x.startswith("ringtrain")]
     assert len(errors) == 1, "\n".join(lines)
     assert errors[0].startswith(
-        f"ringtrain train: error: no space left on device writing the snapshot of step 30 in "
+        f"ringtrain train: error: no space left on device writing the snapshot of step 6 in "
         f"{run_dir}/snapshots ("), errors
     for part in (" MB free of 3.1 MB; a snapshot needs about 1.3 MB)",
-                 "the last committed snapshot is step 20", "choose --run-dir elsewhere",
+                 "the last committed snapshot is step 4", "choose --run-dir elsewhere",
                  "run the same command again to resume"):
         assert part in errors[0], errors[0]
-    assert _snapshots(run_dir) == ["snap-00000010", "snap-00000020"]  # no .tmp-snap-* left
+    assert _snapshots(run_dir) == ["snap-00000002", "snap-00000004"]  # no .tmp-snap-* left
     # The same command again: refused at once, naming the space the next snapshot needs.
     code, lines = _cli(*RUN, "--run-dir", str(run_dir), cwd=tmp_path)
     assert code == 2 and len(lines) == 1, "\n".join(lines)
     assert "MB free of 3.1 MB; its next snapshot needs about 1.3 MB" in lines[0], lines
-    # Room made (the tmpfs grown): the same command resumes from step 20 and finishes.
+    # Room made (the tmpfs grown): the same command resumes from step 4 and finishes.
     subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True, timeout=30)
     code, lines = _cli(*RUN, "--run-dir", str(run_dir), cwd=tmp_path)
     assert code == 0, "\n".join(lines)
-    assert any("resumed from" in x and "step 20 of 30" in x for x in lines), "\n".join(lines)
+    assert any("resumed from" in x and "step 4 of 6" in x for x in lines), "\n".join(lines)
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(set(steps)) and steps[-1] == 30
+    assert steps == sorted(set(steps)) and steps[-1] == 6
 
 
 def test_cli_two_processes_full_disk_stop_together_with_one_message(tmpfs, tmp_path):
@@ -238,9 +240,9 @@ def test_cli_two_processes_full_disk_stop_together_with_one_message(tmpfs, tmp_p
     _no_traceback(lines)
     errors = [x for x in lines if x.startswith("ringtrain")]  # no launcher report besides
     assert len(errors) == 1, "\n".join(lines)
-    assert "no space left on device writing the snapshot of step 30" in errors[0], errors
-    assert "the last committed snapshot is step 20" in errors[0], errors
-    assert _snapshots(run_dir) == ["snap-00000010", "snap-00000020"]
+    assert "no space left on device writing the snapshot of step 6" in errors[0], errors
+    assert "the last committed snapshot is step 4" in errors[0], errors
+    assert _snapshots(run_dir) == ["snap-00000002", "snap-00000004"]
 
 
 # ---- every rank learns the save failed, and why ------------------------------------------------

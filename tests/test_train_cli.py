@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from test_exit import ABORTED
 
 from ringtrain.cli.train import main
 from ringtrain.cli.train_args import check_args, options_from, parse_options
@@ -31,6 +32,8 @@ def test_two_processes_end_to_end(tmp_path):
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Exits cleanly too: test_exit.py repeats this run under load only at full size.
+    assert not any(s in proc.stdout + proc.stderr for s in ABORTED), proc.stderr[-3000:]
     files = set(os.listdir(run_dir)) - {"tensorboard"}  # there when the package is installed
     assert sorted(files) == ["config.json", "metrics.jsonl", "model.safetensors",
                              "model_config.json", "report.png", "summary.json"]
