@@ -50,7 +50,7 @@ def test_a_wrong_spec_names_the_variable_and_the_choices(set_fault):
         hook(None, 1)
     set_fault("explode:1:2")
     with pytest.raises(ValueError,
-                       match="ACTION is one of kill, stop, term, term-launcher, int, raise"):
+                       match="ACTION is one of kill, kill-next, stop, term, term-launcher, int, raise"):
         hook(None, 1)
 
 
