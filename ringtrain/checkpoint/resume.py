@@ -175,9 +175,12 @@ class Checkpointer:
         why). None where it failed as `save` fails (logged, or `DiskFullError` raised)."""
         s = self.strategy
         start = time.perf_counter()
-        strategy = s.state_dict()  # may be collective (parameter servers)
-        shared = ({"strategy": strategy if self.replicated else None, "scaler": None}
-                  if self.runtime.rank == 0 else None)
+        rank0 = self.runtime.rank == 0
+        # Replicated state: rank 0's alone is written, the others make none. Per rank: every
+        # rank's (may be collective: parameter servers).
+        strategy = s.state_dict() if rank0 or not self.replicated else None
+        shared = {"strategy": strategy if self.replicated else None, "scaler": None} if rank0 \
+            else None
         with self._failures(step):
             staged = self.manager.stage(step, shared,
                                         None if self.replicated else {"strategy": strategy},
