@@ -17,10 +17,12 @@ host a; the same GPT, data and global batches in every mode (benchmarks/live_rec
   go on; once they have committed a step without the lost ones, the benchmark does what an
   agent would: reaps what is left of them (SIGKILL; the link back up) and starts as many spares
   with the same command, which join at a step boundary and heal from a peer;
-- `spare@N`: live, with one warm spare per host started beside the workers (what
-  `ringtrain train --live --live-spares 1` does): a lost member's place is taken at once by a
-  spare that is already built and waiting, and the benchmark starts a new spare for each
-  process the fault took (a spare on a host whose link went down is lost with it);
+- `spare@N`: live, with `--spares` warm spares per host (default 1) started beside the workers
+  (what `ringtrain train --live --live-spares 1` does): a lost member's place is taken at once
+  by a spare that is already built and waiting, and the benchmark starts a new spare for each
+  process the fault took (a spare on a host whose link went down is lost with it: with one
+  spare per host, a lost link's second member is replaced only once a new spare is built;
+  with `--spares 2`, host a's two spares take both places at once);
 - `restart@N`: today's path, the same faults: the agent kills every worker and starts them all
   again, and they resume from the newest snapshot (every --snapshot-every steps). The agent
   is told of each fault at once, which favours it (a real one waits out its watchdog for a
@@ -114,6 +116,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int)
     p.add_argument("--snapshot-every", type=int, default=10, help="the restart path's snapshots")
     p.add_argument("--modes", default="live,spare,restart")
+    p.add_argument("--spares", type=int, default=1,
+                   help="warm spares per host in the spare runs (ringtrain train --live-spares)")
     p.add_argument("--skip", default="", help="runs left out, e.g. restart@10 (under the wall "
                    "clock a restart every 10 s trains about one step per fault: it never ends)")
     p.add_argument("--kinds", default=",".join(KINDS), help="the faults, fired in turns")
@@ -129,6 +133,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--keep", help="keep the workers' logs and records in this directory")
     a = p.parse_args(argv)
     a.kinds = a.kinds.split(",")
+    if a.spares < 1:
+        p.error(f"--spares {a.spares}: a spare run needs at least one warm spare per host "
+                "(the live runs have none)")
     if set(a.kinds) - set(KINDS):
         p.error(f"--kinds {','.join(a.kinds)}: choose from {','.join(KINDS)}")
     for key, value in (QUICK if a.quick else FULL).items():
@@ -271,7 +278,7 @@ def _reap(job: Job, lost: list[subprocess.Popen]) -> None:
 def run_job(a, hosts, out: Path, mode: str, interval: float | None, store) -> dict:
     name = f"{mode}@{interval:g}" if interval else mode
     job = Job(a, hosts, out, "restart" if mode in ("restart", "plain") else "live", name,
-              spares=1 if mode == "spare" else 0)
+              spares=a.spares if mode == "spare" else 0)
     job.store = store
     job.start_all()
     if not _wait(lambda: job.committed(), 300):
@@ -448,7 +455,7 @@ def main(argv=None) -> dict:
               f"{r['repeated']:>5}{r['samples_redone']:>7}{r['processes_left']:>5}")
     summary = {"benchmark": "live_recovery", "steps": a.steps, "global_batch": a.global_batch,
                "model": {"n_layer": a.n_layer, "n_embd": a.n_embd, "block_size": a.block_size},
-               "fault_clock": a.fault_clock,
+               "fault_clock": a.fault_clock, "spares_per_host": a.spares,
                "results": results}
     print(json.dumps(summary))
     return summary
