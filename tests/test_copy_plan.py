@@ -54,12 +54,14 @@ class _Saves:
         is the synchronous save's bytes (read after `finish`, as the writer does)."""
         expected = _saved(state)
         before = self.planned.replays
-        copies = []
+        copies, figures = [], []
         for host in (self.planned, self.walk):
             staged = host.copy(state, later=later)
             staged.finish()
             copies.append(_saved(staged.state))
+            figures.append((staged.bytes, staged.later_bytes, host.bytes))
         assert copies[0] == expected and copies[1] == expected
+        assert figures[0] == figures[1]  # the snapshot's log line says the same
         assert self.walk.replays == 0
         return self.planned.replays > before
 

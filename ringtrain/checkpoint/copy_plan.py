@@ -110,6 +110,7 @@ class CopyPlan:
         self.signatures, self.views = signatures, views
         self.now, self.deferred, self.used = now, deferred, used
         self.devices, self.groups = devices, groups
+        self.bytes: tuple[int, int] | None = None  # (copied, deferred): `HostCopy.copy` sets it
 
     @classmethod
     def record(cls, walked: list[tuple | None], later_keys: Any, staged: set[torch.device],

@@ -270,9 +270,14 @@ class HostCopy:
             # stream: the events below are recorded after them.
             self._bytes.copy_all(pairs, source_device.type != "cpu")
         self._buffers = used  # storages gone since the last save free their buffers
-        self.bytes = sum(s.nbytes() for s in used.values())
-        later_bytes = sum(d.source.nbytes() for d in pending.values())
-        self.bytes += sum(d.source.nbytes() for d in pending.values() if d.host is None)
+        if self._plan is not None and self._plan.bytes is not None:  # replayed: the same sizes
+            self.bytes, later_bytes = self._plan.bytes
+        else:
+            self.bytes = sum(s.nbytes() for s in used.values())
+            later_bytes = sum(d.source.nbytes() for d in pending.values())
+            self.bytes += sum(d.source.nbytes() for d in pending.values() if d.host is None)
+            if self._plan is not None:  # recorded by this walk
+                self._plan.bytes = (self.bytes, later_bytes)
         # From CUDA the copies of now (to pinned memory, and into staging buffers) are queued
         # on the current stream, non_blocking: the step goes on at once, and the stream runs
         # them before the next step's kernels change their sources. The writer waits for this
