@@ -5,29 +5,16 @@ byte."""
 
 from __future__ import annotations
 
-import io
-
 import torch
+from test_kept_views import _saved, _tied_model_and_adamw
 
 from ringtrain.checkpoint.host_copy import HostCopy
 
 
-def _saved(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
 def _model_and_adamw():
-    torch.manual_seed(0)
-    emb = torch.nn.Embedding(11, 8)
-    head = torch.nn.Linear(8, 11, bias=False)
-    head.weight = emb.weight  # tied, as the GPT's embedding and head
-    norm = torch.nn.BatchNorm1d(8)  # buffers: copied in the step, not deferred
-    model = torch.nn.ModuleDict({"emb": emb, "mid": torch.nn.Linear(8, 8), "norm": norm,
-                                 "head": head})
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    return model, opt
+    model, _ = _tied_model_and_adamw()
+    model["norm"] = torch.nn.BatchNorm1d(8)  # buffers: copied in the step, not deferred
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
 def _train_step(model, opt) -> None:
