@@ -9,6 +9,8 @@ Read in this order:
 - `host_copy.py`: a save's state copied to host memory (`HostCopy`): the parameters and moments
   a strategy declares in `Strategy.updated_state()` beside the next step, fenced before its
   optimizer step, the rest in the step.
+- `copy_plan.py`: that copy's walk of the state kept from save to save (`CopyPlan`), replayed
+  after a cheap check while the state's tensors are the same; the full walk is the reference.
 - `device_staging.py`: on CUDA with room, those go through device buffers kept from save to
   save (a copy on the device in the step, to the host by the writer), so nothing is fenced.
 - `background.py`: a save in the background: that copy, the rest of `SnapshotManager.save` on

@@ -87,6 +87,7 @@ class BackgroundSaves:
 
     def __init__(self) -> None:
         self.writer = "auto"
+        self.planned = True  # HostCopy's `planned`: False walks every save's state in full (A/B)
         self.using = "thread"  # the writer of the save in flight (or the last one)
         self._host = HostCopy()
         self._process: WriterProcess | None = None
@@ -105,6 +106,7 @@ class BackgroundSaves:
             self.using = "thread"
         if self._host.shared != (self.using == "process"):  # a process reads shared memory
             self._host = HostCopy(shared=self.using == "process")
+        self._host.planned = self.planned
         staged = self._host.copy(state, later=updated.tensors if updated is not None else ())
         staged.guard(updated.optimizers if updated is not None else ())
         self._staged = staged

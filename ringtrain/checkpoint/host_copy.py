@@ -32,16 +32,15 @@ has all its state copied in the step, as before. Tests:
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 
+from ringtrain.checkpoint.copy_plan import CopyPlan, Stale, rebuild
 from ringtrain.checkpoint.device_staging import DeviceStaging
 from ringtrain.checkpoint.kept_views import ByteViews, HostViews
 
@@ -79,11 +78,12 @@ class _Deferred:
     until `finish` allocates it, on the CPU and from device staging: a first allocation of a
     gigabyte of page-locked or shared memory takes seconds, which the step should not hold),
     its device staging buffer (None unless staged: what `finish` copies from) and the staged
-    tensors that view it (`set_` onto the buffer once it exists)."""
+    tensors that view it (`set_` onto the buffer once it exists). `pair`: what the copy to the
+    host copies instead of (host, source), where a plan has tensors covering both (a replay)."""
 
     def __init__(self, source: torch.UntypedStorage, host: torch.UntypedStorage | None,
-                 staging: torch.UntypedStorage | None = None):
-        self.source, self.host, self.staging = source, host, staging
+                 staging: torch.UntypedStorage | None = None, pair: tuple | None = None):
+        self.source, self.host, self.staging, self.pair = source, host, staging, pair
         self.views: list[tuple[torch.Tensor, int, torch.Size, tuple[int, ...]]] = []
 
     def view(self, t: torch.Tensor, views: HostViews, key: _Key) -> torch.Tensor:
@@ -136,7 +136,8 @@ class StagedCopy:
             for key, d in self._later.items():
                 self._host(key, d)
             # One call for all (the GIL released once): the step goes on meanwhile.
-            self._copies.copy_all([(d.host, d.source) for d in self._later.values()], False)
+            self._copies.copy_all([d.pair or (d.host, d.source) for d in self._later.values()],
+                                  False)
         finally:
             self._later = {}  # the sources are the live parameters: hold no reference to them
             self._landed.set()  # before the device's wait: the step's fence needs only this
@@ -210,6 +211,9 @@ class HostCopy:
         batched: queue the storages' copies a few calls at a time (torch's foreach copy: one
             per device pair and stream, in the step and on the writer's thread); False: one
             call per storage, the reference. The files are the same, byte for byte.
+        planned: replay the last save's walk where the state is the same (`copy_plan.py`: the
+            step's Python per tensor cut to a check); False: walk in full at every save, the
+            reference. The files are the same, byte for byte.
 
     The buffers are keyed by the source's storage (device, address, size): parameters and
     optimizer moments keep their storage across steps, so from the second save on nothing is
@@ -221,8 +225,11 @@ class HostCopy:
        would pickle them once more in the step.
     """
 
-    def __init__(self, shared: bool = False, batched: bool = True) -> None:
+    def __init__(self, shared: bool = False, batched: bool = True, planned: bool = True) -> None:
         self.shared = shared
+        self.planned = planned
+        self._plan: CopyPlan | None = None  # the last full walk's, for the next save's replay
+        self.replays = 0  # saves copied by replaying a plan rather than by the full walk
         self._buffers: dict[_Key, torch.UntypedStorage] = {}
         self._side: dict[torch.device, Any] = {}  # a side stream per device, made once
         self._staging = DeviceStaging()  # device buffers kept from save to save, by its rule
@@ -243,23 +250,34 @@ class HostCopy:
         self._views.start()
         self._bytes.start()
         sources = {_key(t.untyped_storage(), t.device): t.untyped_storage() for t in later}
-        deferred = set(sources)
         on_device = {k: s for k, s in sources.items() if k[0].type != "cpu"}
         staged = self._staging.plan(on_device) if on_device else set()
-        used: dict[_Key, torch.UntypedStorage] = {}
-        pending: dict[_Key, _Deferred] = {}
-        devices: set[torch.device] = set()
-        queued: dict[tuple[torch.device, torch.device], list] = {}  # (to, from): the copies
-        state = self._walk(obj, used, devices, (deferred, pending, staged, queued, {}))
+        body = None
+        plan, self._plan = self._plan, None
+        if plan is not None and self.planned and plan.fits(sources.keys(), staged):
+            try:
+                body = plan.replay(obj, sources, self._staging.buffer, _Deferred)
+                self._plan = plan
+                self.replays += 1
+            except Stale:
+                pass  # walked in full below, and a new plan recorded
+        if body is None:
+            body = self._walk_all(obj, sources, staged)
+        state, used, pending, devices, queued = body
         for (_, source_device), pairs in queued.items():
             # Queued now, in one call per pair of devices (the staging copies on one device
             # apart from those to the host: torch's fast path takes one device), on the current
             # stream: the events below are recorded after them.
             self._bytes.copy_all(pairs, source_device.type != "cpu")
         self._buffers = used  # storages gone since the last save free their buffers
-        self.bytes = sum(s.nbytes() for s in used.values())
-        later_bytes = sum(d.source.nbytes() for d in pending.values())
-        self.bytes += sum(d.source.nbytes() for d in pending.values() if d.host is None)
+        if self._plan is not None and self._plan.bytes is not None:  # replayed: the same sizes
+            self.bytes, later_bytes = self._plan.bytes
+        else:
+            self.bytes = sum(s.nbytes() for s in used.values())
+            later_bytes = sum(d.source.nbytes() for d in pending.values())
+            self.bytes += sum(d.source.nbytes() for d in pending.values() if d.host is None)
+            if self._plan is not None:  # recorded by this walk
+                self._plan.bytes = (self.bytes, later_bytes)
         # From CUDA the copies of now (to pinned memory, and into staging buffers) are queued
         # on the current stream, non_blocking: the step goes on at once, and the stream runs
         # them before the next step's kernels change their sources. The writer waits for this
@@ -276,7 +294,7 @@ class HostCopy:
         by_device: dict[torch.device, list] = {}
         for key, d in pending.items():
             if key[0].type != "cpu" and d.staging is None:
-                by_device.setdefault(key[0], []).append((d.host, d.source))
+                by_device.setdefault(key[0], []).append(d.pair or (d.host, d.source))
         for device, pairs in by_device.items():
             # The side stream first waits for the work queued so far (the optimizer step that
             # made this state), then copies while the current stream runs the next forward;
@@ -304,35 +322,20 @@ class HostCopy:
             side = self._side[device] = torch.Stream(device=device)
         return side
 
-    def _walk(self, obj: Any, used: dict, devices: set, later: tuple) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self._tensor(obj, used, devices, later)
-        if not isinstance(obj, dict | list | tuple):
-            return self._leaf(obj)
-        # A container met twice (optimizer param_groups sharing one `betas` tuple) is copied
-        # once, as deepcopy's memo does: pickle then writes a reference to the first, as it does
-        # for the original, and the file is byte for byte a synchronous save's.
-        memo = later[-1]
-        if id(obj) in memo:
-            return memo[id(obj)]
-        if isinstance(obj, dict):
-            out = copy.copy(obj)  # the same type and attributes (a state_dict's `_metadata`)
-            for k, v in obj.items():
-                out[k] = self._walk(v, used, devices, later)
-        elif type(obj) is list:
-            out = [self._walk(v, used, devices, later) for v in obj]
-        elif type(obj) is tuple:
-            out = tuple(self._walk(v, used, devices, later) for v in obj)
-        else:
-            out = obj
-        memo[id(obj)] = out
-        return out
-
-    @staticmethod
-    def _leaf(obj: Any) -> Any:
-        if isinstance(obj, np.ndarray):
-            return obj.copy()
-        return obj
+    def _walk_all(self, obj: Any, sources: dict, staged: set) -> tuple:
+        """The full walk (the reference): every tensor keyed, deferred or copied now, given its
+        host view; records the plan the next save may replay (`copy_plan.py`)."""
+        used: dict[_Key, torch.UntypedStorage] = {}
+        pending: dict[_Key, _Deferred] = {}
+        devices: set[torch.device] = set()
+        queued: dict[tuple[torch.device, torch.device], list] = {}  # (to, from): the copies
+        walked: list = []  # per tensor, what the plan records (`CopyPlan.record`)
+        bag = (set(sources), pending, staged, queued, walked)
+        state = rebuild(obj, lambda t: self._tensor(t, used, devices, bag), {})
+        if self.planned:
+            self._plan = CopyPlan.record(walked, sources.keys(), staged, pending, used, devices,
+                                         list(queued))
+        return state, used, pending, devices, queued
 
     def _new_buffer(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         if not self.shared:
@@ -349,12 +352,13 @@ class HostCopy:
         return host
 
     def _tensor(self, t: torch.Tensor, used: dict, devices: set, later: tuple) -> torch.Tensor:
+        deferred, pending, staged, queued, walked = later
         if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided
                 or t.is_quantized or t.device.type == "meta"):
+            walked.append(None)  # no plan: copied afresh at every save
             return t.detach().to("cpu", copy=True)  # rare kinds: a plain copy, no buffer reuse
         source = t.untyped_storage()
         key = _key(source, t.device)
-        deferred, pending, staged, queued, _ = later
         if key in deferred:  # copied by `finish` (CPU, staging) or on the side stream (device)
             d = pending.get(key)
             if d is None:
@@ -368,14 +372,21 @@ class HostCopy:
                 d = pending[key] = _Deferred(source, host, staging)
                 if host is not None:
                     used[key] = host
-            return d.view(t, self._views, key)
+            view = d.view(t, self._views, key)
+            # A view made before its buffer (`finish` sets it) is this save's alone: no plan.
+            walked.append((t, view, None, key) if d.host is not None else None)
+            return view
         host = used.get(key)
+        first = None
         if host is None:  # the first tensor on this storage copies all of it, as torch.save
             host = self._buffers.get(key)
             if host is None:
                 host = self._new_buffer(source.nbytes(), t.device)
-            queued.setdefault((_CPU, t.device), []).append((host, source))
+            first = ((_CPU, t.device), host)
+            queued.setdefault(first[0], []).append((host, source))
             if t.device.type != "cpu":
                 devices.add(t.device)
             used[key] = host
-        return self._views.view(host, key, t)
+        view = self._views.view(host, key, t)
+        walked.append((t, view, first, key))
+        return view

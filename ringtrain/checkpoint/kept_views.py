@@ -73,12 +73,15 @@ class ByteViews:
                  non_blocking: bool, ours: bool = False) -> None:
         """`copy` of each (host, source) pair: one call for all where `batched` (one hand-over
         of the GIL on the writer's thread, one launch of the copies from the step), queued in
-        the pairs' order on the current stream."""
+        the pairs' order on the current stream. A pair may be two tensors alike instead (a host
+        view and a source covering its storage: `copy_plan.py`), copied as they are."""
         if not pairs:
             return
-        dsts = [self.of(host) for host, _ in pairs]
-        srcs = [self.of(source) if ours else torch.empty(
-            0, dtype=torch.uint8, device=source.device).set_(source) for _, source in pairs]
+        tensor = torch.Tensor
+        dsts = [host if isinstance(host, tensor) else self.of(host) for host, _ in pairs]
+        srcs = [source if isinstance(source, tensor) else self.of(source) if ours else
+                torch.empty(0, dtype=torch.uint8, device=source.device).set_(source)
+                for _, source in pairs]
         self.calls += 1 if copy_tensors(dsts, srcs, non_blocking, self.batched) else len(pairs)
 
 
