@@ -3,10 +3,13 @@
     pip install -e '.[frameworks]'                  # or `make frameworks`
     .venv/bin/pytest -q tests/test_frameworks.py    # skips with the reason when they are absent
 
-Each test starts two ranks of tests/scripts/framework_worker.py (gloo, CPU, torchrun's
-variables), which train one scenario twice in the same processes on the same seed and data:
-with torch's `DistributedDataParallel`, then with ringtrain's put in torch.nn.parallel's name and
-the framework's own, as a user would. Both runs must exit 0 (Lightning's teardown calls
+One pair of ranks of tests/scripts/framework_worker.py (gloo, CPU, torchrun's variables) runs
+every installed framework's scenarios, one after another (a module fixture: a pair per test cost
+~10 s of CPU each in imports of torch and the framework); each test checks its scenario's
+reports. A scenario trains twice in the same processes on the same seed and data: with torch's
+`DistributedDataParallel`, then with ringtrain's put in torch.nn.parallel's name and the
+framework's own, as a user would. Both runs must end without error, and the ranks exit 0
+after the last scenario (Lightning's teardown calls
 `_get_ddp_logging_data()`; its manual optimization and accelerate's trigger_sync_in_backward
 call the reducer's `_rebuild_buckets()` / `prepare_for_backward(outputs)`: see
 ringtrain/ddp/framework_members.py) and give bit-identical parameters and buffers on both ranks
@@ -29,21 +32,30 @@ import pytest
 from ringtrain.launch.network import free_port
 
 WORKER = Path(__file__).parent / "scripts" / "framework_worker.py"
-# Lightning's import (~5 s on a busy 2-core machine), two trainings and teardown, per rank.
-RUN_S = 300.0
+# Lightning's and accelerate's imports (~5 s each on a busy 2-core machine), the four scenarios'
+# two trainings each and teardown, per rank: ~60 s quiet, ~180 s measured under load. The
+# test that runs first runs the pair (in its setup): pytest's 300 s would not bound it.
+RUN_S = 500.0
+pytestmark = pytest.mark.timeout(RUN_S + 60)
+HAVE_LIGHTNING = importlib.util.find_spec("lightning") is not None
+HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None
 LIGHTNING = pytest.mark.skipif(
-    importlib.util.find_spec("lightning") is None,
+    not HAVE_LIGHTNING,
     reason="lightning is not installed: pip install -e '.[frameworks]' (or `make frameworks`)")
 ACCELERATE = pytest.mark.skipif(
-    importlib.util.find_spec("accelerate") is None,
+    not HAVE_ACCELERATE,
     reason="accelerate is not installed: pip install -e '.[frameworks]' (or `make frameworks`)")
+# Every scenario of an installed framework, in the order the pair runs them.
+SCENARIOS = ["fabric", "trainer", "manual"] * HAVE_LIGHTNING + ["accelerate"] * HAVE_ACCELERATE
 # What another launcher (or the test's own environment) would tell the frameworks otherwise.
 DROPPED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "RINGTRAIN_LAUNCHER_PID")
 
 
-def run_pair(scenario: str, out: Path) -> list[dict]:
-    """Both ranks of the worker on `scenario`; their reports, after both exited 0."""
+def run_pair(scenarios: list[str], out: Path) -> tuple[dict[str, list[dict]], str]:
+    """Both ranks of the worker on `scenarios`, in order; the reports of each scenario both
+    ranks finished (a scenario that failed has none, nor have the ones after it), and the ranks'
+    output."""
     base = {k: v for k, v in os.environ.items()
             if k not in DROPPED and not k.startswith(("SLURM_", "OMPI_", "PMI_", "ACCELERATE_"))}
     # What `ringtrain run` (torch's elastic agent) gives each worker. Without TORCHELASTIC_RUN_ID
@@ -58,7 +70,7 @@ def run_pair(scenario: str, out: Path) -> list[dict]:
     for r in range(2):
         with logs[r].open("w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, "--out", str(out)],
+                [sys.executable, str(WORKER), *scenarios, "--out", str(out)],
                 env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=out, stdout=log,
                 stderr=subprocess.STDOUT))
     deadline = time.monotonic() + RUN_S
@@ -75,8 +87,23 @@ def run_pair(scenario: str, out: Path) -> list[dict]:
             p.wait(timeout=30)
     output = "\n".join(f"---- rank {r} (exit {p.returncode}) ----\n{logs[r].read_text()[-6000:]}"
                        for r, p in enumerate(procs))
-    assert all(p.returncode == 0 for p in procs), output
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    reports = {s: [json.loads((out / f"{s}-rank{r}.json").read_text()) for r in range(2)]
+               for s in scenarios if all((out / f"{s}-rank{r}.json").exists() for r in range(2))}
+    if any(p.returncode != 0 for p in procs) and scenarios[-1] in reports:
+        del reports[scenarios[-1]]  # every scenario ran, then a rank failed on its way out
+    return reports, output
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> tuple[dict[str, list[dict]], str]:
+    return run_pair(SCENARIOS, tmp_path_factory.mktemp("frameworks"))
+
+
+def scenario_reports(reports: tuple[dict[str, list[dict]], str], scenario: str) -> list[dict]:
+    """Both ranks' reports of `scenario`; a failure shows both ranks' output."""
+    done, output = reports
+    assert scenario in done, f"the ranks did not finish scenario {scenario!r}:\n{output}"
+    return done[scenario]
 
 
 def check_equal_weights(reports: list[dict], checkpoints: list[str]) -> None:
@@ -93,22 +120,22 @@ def check_equal_weights(reports: list[dict], checkpoints: list[str]) -> None:
 
 
 @LIGHTNING
-def test_lightning_fabric_automatic_loop_with_no_backward_sync(tmp_path):
-    check_equal_weights(run_pair("fabric", tmp_path), ["epoch 0", "epoch 1"])
+def test_lightning_fabric_automatic_loop_with_no_backward_sync(reports):
+    check_equal_weights(scenario_reports(reports, "fabric"), ["epoch 0", "epoch 1"])
 
 
 @LIGHTNING
-def test_lightning_trainer_fit_checkpoint_and_resume(tmp_path):
-    check_equal_weights(run_pair("trainer", tmp_path), ["fit 1 epoch", "resumed to epoch 2"])
+def test_lightning_trainer_fit_checkpoint_and_resume(reports):
+    check_equal_weights(scenario_reports(reports, "trainer"), ["fit 1 epoch", "resumed to epoch 2"])
 
 
 @LIGHTNING
-def test_lightning_trainer_manual_optimization(tmp_path):
-    check_equal_weights(run_pair("manual", tmp_path), [
+def test_lightning_trainer_manual_optimization(reports):
+    check_equal_weights(scenario_reports(reports, "manual"), [
         "manual", "manual, find_unused_parameters", "manual, static_graph"])
 
 
 @ACCELERATE
-def test_accelerate_prepare_accumulate_state_and_trigger_sync(tmp_path):
-    check_equal_weights(run_pair("accelerate", tmp_path), [
+def test_accelerate_prepare_accumulate_state_and_trigger_sync(reports):
+    check_equal_weights(scenario_reports(reports, "accelerate"), [
         "accumulate, epoch 1", "accumulate, epoch 2", "load_state", "trigger_sync_in_backward"])

@@ -5,10 +5,11 @@
 
 The DDP tests of the installed torch's distributed_test.py run on CPU and gloo (world size 2)
 through tests/support/torch_ddp_suite (the retargeting, the runner). In `make test`: a
-representative SUBSET of them with ringtrain's DDP, in one runner, each test its own pytest
-item (TORCH_PASSING records which tests torch's DDP passes); the slow test runs both classes,
-on REDUCED in `make test` or on every DDP test with RINGTRAIN_FULL=1: a test that passes with
+representative SUBSET of them with ringtrain's DDP, each test its own pytest item
+(TORCH_PASSING records which tests torch's DDP passes); the slow test runs both classes, on
+REDUCED in `make test` or on every DDP test with RINGTRAIN_FULL=1: a test that passes with
 torch's DDP and not with ringtrain's fails it unless expected.EXPECTED_FAILURES gives its reason.
+In `make test` both run in one runner (a module fixture), not one each.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from support.torch_ddp_suite.__main__ import categorize
 from support.torch_ddp_suite.expected import EXPECTED_FAILURES, NOT_RUN
 from support.torch_ddp_suite.names import ddp_test_names
 from support.torch_ddp_suite.retarget import CudaToCpu
-from support.torch_ddp_suite.runner import Verdict, run_tests, summarize
+from support.torch_ddp_suite.runner import Verdict, run_pairs, run_tests, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 FULL = os.environ.get("RINGTRAIN_FULL") == "1"
@@ -133,9 +134,15 @@ REDUCED = ("test_ddp_namedtuple", "test_ddp_create_graph", "test_ddp_logging_dat
 
 
 @pytest.fixture(scope="module")
-def subset_verdicts(tmp_path_factory) -> dict[str, Verdict]:
+def verdicts(tmp_path_factory) -> dict[tuple[str, str], Verdict]:
+    """One runner for SUBSET with ringtrain's DDP and, unless RINGTRAIN_FULL=1, the reduced
+    comparison's REDUCED under both classes: a runner's start (torch's test suite imported in
+    it and its forkserver) cost the reduced comparison as much as its six tests."""
+    todo = [(n, "ringtrain") for n in SUBSET]
+    if not FULL:
+        todo += [(n, d) for n in REDUCED for d in ("torch", "ringtrain") if (n, d) not in todo]
     log = tmp_path_factory.mktemp("torch_ddp_suite") / "ranks.log"
-    return {v.name: v for v in run_tests(list(SUBSET), ("ringtrain",), timeout_s=120, log=log)}
+    return {(v.name, v.ddp): v for v in run_pairs(todo, timeout_s=120, log=log)}
 
 
 # --- the harness itself, no process ---------------------------------------------------------
@@ -234,18 +241,23 @@ def test_a_runner_that_cannot_start_fails_every_test_once_with_its_error(monkeyp
 # --- torch's tests, run -----------------------------------------------------------------------
 @needs_expecttest
 @pytest.mark.parametrize("name", SUBSET)
-def test_torch_ddp_test_passes_with_ringtrain(name, subset_verdicts):
-    v = subset_verdicts[name]
+def test_torch_ddp_test_passes_with_ringtrain(name, verdicts):
+    v = verdicts[name, "ringtrain"]
     assert v.verdict == "pass", f"{name} with ringtrain's DDP: {v.verdict}: {v.error}"
 
 
 @needs_expecttest
 @pytest.mark.slow
 @pytest.mark.timeout(3600 if FULL else 300)
-def test_whole_comparison(tmp_path):
+def test_whole_comparison(tmp_path, request):
     """Every DDP test torch's DDP passes passes with ringtrain's, or is documented."""
-    names = [n for n in ddp_test_names() if n not in NOT_RUN] if FULL else list(REDUCED)
-    verdicts = run_tests(names, ("torch", "ringtrain"), timeout_s=120, log=tmp_path / "ranks.log")
+    if FULL:
+        names = [n for n in ddp_test_names() if n not in NOT_RUN]
+        verdicts = run_tests(names, ("torch", "ringtrain"), timeout_s=120,
+                             log=tmp_path / "ranks.log")
+    else:  # REDUCED's verdicts, from the fixture's runner
+        names, ran = list(REDUCED), request.getfixturevalue("verdicts")
+        verdicts = [ran[n, d] for n in names for d in ("torch", "ringtrain")]
     cats = categorize(verdicts)
     by = {(v.name, v.ddp): v for v in verdicts}
     undocumented = {n: f"{by[n, 'ringtrain'].verdict}: {by[n, 'ringtrain'].error}"

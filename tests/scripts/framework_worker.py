@@ -1,15 +1,18 @@
 """One rank of a Lightning or accelerate run, trained with torch's DDP and then ringtrain's.
 
     RANK=0 LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
-        python tests/scripts/framework_worker.py trainer --out DIR      # and RANK=1 beside it
+        python tests/scripts/framework_worker.py trainer manual --out DIR   # and RANK=1 beside it
 
 tests/test_frameworks.py starts two (gloo, CPU), with torchrun's variables, so neither framework
 spawns processes of its own. Each scenario trains twice in the same processes, on the same seed
 and data: first with `torch.nn.parallel.DistributedDataParallel`, then with ringtrain's class put
 where a user would put it before the framework builds its wrapper (torch.nn.parallel's name and
-the name the framework imported: `swapped_ddp`). Every rank writes DIR/rank<r>.json: per
-checkpoint of the run, the max abs difference of the model's state (parameters and buffers)
-between the two runs, and which wrapper class each run got. Scenarios (the checks in each):
+the name the framework imported: `swapped_ddp`). Several scenarios run one after another in the same
+two processes (tests/test_frameworks.py runs all four in one pair: each pair of processes costs
+~10 s of CPU in imports alone), each with its two runs and its own seeds. Every rank writes
+DIR/<scenario>-rank<r>.json per scenario: per checkpoint of the run, the max abs difference of
+the model's state (parameters and buffers) between the two runs, and which wrapper class each
+run got. Scenarios (the checks in each):
 
 - fabric: Fabric(strategy="ddp"), automatic loop, gradient accumulation by no_backward_sync.
 - trainer: Trainer(strategy="ddp"), automatic optimization, a model with BatchNorm buffers;
@@ -242,18 +245,13 @@ IMPORTS = {"fabric": "lightning.fabric", "trainer": "lightning.pytorch",
            "manual": "lightning.pytorch", "accelerate": "accelerate"}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=sorted(SCENARIOS))
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
+def run_scenario(scenario: str, out: Path, rank: int) -> None:
+    """Both runs of `scenario` (torch's DDP, then ringtrain's); writes its report."""
     t0 = time.perf_counter()
-    importlib.import_module(IMPORTS[args.scenario])  # binds its names in FRAMEWORK_NAMES
+    importlib.import_module(IMPORTS[scenario])  # binds its names in FRAMEWORK_NAMES
     import_s = time.perf_counter() - t0
 
-    run = SCENARIOS[args.scenario]
+    run = SCENARIOS[scenario]
     results: dict[str, dict] = {}
     wrappers, times = {}, {}
     for impl in ("torch", "ringtrain"):
@@ -265,10 +263,10 @@ def main() -> None:
         t = time.perf_counter()
         swap = swapped_ddp() if impl == "ringtrain" else contextlib.nullcontext()
         with swap:
-            if args.scenario == "fabric":
+            if scenario == "fabric":
                 wrappers[impl] = run(record)
             else:
-                wrappers[impl] = run(record, args.out, impl)
+                wrappers[impl] = run(record, out, impl)
         times[impl] = round(time.perf_counter() - t, 2)
         results[impl] = checkpoints
     diffs = {}
@@ -276,12 +274,23 @@ def main() -> None:
         got = results["ringtrain"][name]
         assert ref.keys() == got.keys(), (name, sorted(ref), sorted(got))
         diffs[name] = max((ref[k].double() - got[k].double()).abs().max().item() for k in ref)
-    report = {"rank": rank, "wrappers": wrappers, "max_abs_diff": diffs,
+    report = {"scenario": scenario, "rank": rank, "wrappers": wrappers, "max_abs_diff": diffs,
               "bitwise": {n: all(torch.equal(results["torch"][n][k], results["ringtrain"][n][k])
                                  for k in results["torch"][n]) for n in diffs},
               "import_s": round(import_s, 2), "run_s": times}
-    (args.out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(report, indent=1))
     print(f"rank {rank}: {json.dumps(report)}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    for scenario in args.scenarios:
+        run_scenario(scenario, args.out, rank)
 
 
 if __name__ == "__main__":

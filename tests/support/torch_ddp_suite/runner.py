@@ -81,8 +81,9 @@ def _verdict(result: unittest.TestResult) -> tuple[str, str]:
     return "fail", summarize(text)
 
 
-def _run_here(names: list[str], ddps: list[str], timeout_s: float, spawned: bool) -> None:
-    """In the runner process: run each test under each class, print a JSON line per verdict."""
+def _run_here(todo: list[tuple[str, str]], timeout_s: float, spawned: bool) -> None:
+    """In the runner process: run each (test, class) of `todo` in order, print a JSON line per
+    verdict."""
     import multiprocessing.forkserver
 
     if not spawned:  # the server imports the suite while this process does, not after it
@@ -94,17 +95,16 @@ def _run_here(names: list[str], ddps: list[str], timeout_s: float, spawned: bool
 
     # torch's join loop times a test out at get_timeout(test_id) (300 s as shipped).
     common_distributed.get_timeout = lambda test_id: timeout_s
-    for name in names:
-        for ddp in ddps:
-            result = unittest.TestResult()
-            start = time.monotonic()
-            try:
-                case_class(ddp, spawned)(name).run(result)
-                verdict, error = _verdict(result)
-            except Exception as e:  # noqa: BLE001 - the harness itself broke: say so, go on
-                verdict, error = "fail", f"harness: {type(e).__name__}: {e}"
-            v = Verdict(name, ddp, verdict, round(time.monotonic() - start, 2), error)
-            print(json.dumps(asdict(v)), flush=True)
+    for name, ddp in todo:
+        result = unittest.TestResult()
+        start = time.monotonic()
+        try:
+            case_class(ddp, spawned)(name).run(result)
+            verdict, error = _verdict(result)
+        except Exception as e:  # noqa: BLE001 - the harness itself broke: say so, go on
+            verdict, error = "fail", f"harness: {type(e).__name__}: {e}"
+        v = Verdict(name, ddp, verdict, round(time.monotonic() - start, 2), error)
+        print(json.dumps(asdict(v)), flush=True)
 
 
 def _kill_group(pgid: int) -> None:
@@ -139,7 +139,15 @@ def run_tests(names: list[str], ddp: tuple[str, ...] = ("torch", "ringtrain"), *
     stops answering or dies, its process group goes (runner, forkserver, ranks), the test it
     was on gets `timeout` or `fail`, and a new runner takes the tests after it.
     """
-    todo = [(n, d) for n in names for d in ddp]
+    return run_pairs([(n, d) for n in names for d in ddp], timeout_s=timeout_s,
+                     spawned=spawned, retarget=retarget, log=log, on_verdict=on_verdict)
+
+
+def run_pairs(todo: list[tuple[str, str]], *, timeout_s: float = 90.0, spawned: bool = False,
+              retarget: bool = True, log: Path | None = None, on_verdict=None) -> list[Verdict]:
+    """`run_tests` on exactly the (test name, DDP class) pairs of `todo`, in order: tests
+    wanted under one class and tests wanted under both share a runner (its start imports torch's
+    test suite twice, in the runner and its forkserver)."""
     verdicts: list[Verdict] = []
     with open(log, "w+") if log else tempfile.TemporaryFile("w+") as log_file:
         while todo:
@@ -162,10 +170,8 @@ def _tail(log_file, chars: int = 600) -> str:
 
 
 def runner_command(todo: list[tuple[str, str]], timeout_s: float, spawned: bool) -> list[str]:
-    names = list(dict.fromkeys(n for n, _ in todo))
-    ddp = list(dict.fromkeys(d for _, d in todo))
-    return [sys.executable, "-m", "tests.support.torch_ddp_suite.runner", "--ddp", ",".join(ddp),
-            "--timeout", str(timeout_s), *(["--spawned"] if spawned else []), *names]
+    return [sys.executable, "-m", "tests.support.torch_ddp_suite.runner", "--timeout",
+            str(timeout_s), *(["--spawned"] if spawned else []), *(f"{n}@{d}" for n, d in todo)]
 
 
 def _one_runner(todo, timeout_s, spawned, retarget, log_file, on_verdict
@@ -175,8 +181,6 @@ def _one_runner(todo, timeout_s, spawned, retarget, log_file, on_verdict
     Returns the verdicts and whether the runner got as far as running tests: one that exits
     before its first verdict (an import failed) has run none, and a new one would fail the same.
     """
-    # A runner restarted after a hang gets the names from the hung one on, all classes:
-    # the pairs already done are dropped from what it reports.
     wanted = set(todo)
     path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTORCH_PRINT_REPRO_ON_FAILURE": "0",
@@ -226,12 +230,15 @@ def _one_runner(todo, timeout_s, spawned, retarget, log_file, on_verdict
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("names", nargs="+")
+    p.add_argument("names", nargs="+", help="NAME (under every --ddp class) or NAME@CLASS")
     p.add_argument("--ddp", default="torch,ringtrain")
     p.add_argument("--timeout", type=float, default=90.0)
     p.add_argument("--spawned", action="store_true")
     args = p.parse_args(argv)
-    _run_here(args.names, args.ddp.split(","), args.timeout, args.spawned)
+    ddps = args.ddp.split(",")
+    todo = [tuple(n.split("@", 1)) if "@" in n else (n, d)
+            for n in args.names for d in (ddps[:1] if "@" in n else ddps)]
+    _run_here(todo, args.timeout, args.spawned)
 
 
 if __name__ == "__main__":
