@@ -49,8 +49,8 @@ def test_a_wrong_spec_names_the_variable_and_the_choices(set_fault):
                        match=r"RINGTRAIN_TEST_FAULT='kill:1': expected ACTION:RANK:STEP"):
         hook(None, 1)
     set_fault("explode:1:2")
-    with pytest.raises(ValueError,
-                       match="ACTION is one of kill, kill-next, stop, term, term-launcher, int, raise"):
+    with pytest.raises(ValueError, match="ACTION is one of kill, kill-next, stop, term, "
+                       "term-launcher, int, raise"):
         hook(None, 1)
 
 
