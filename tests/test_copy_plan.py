@@ -150,3 +150,21 @@ def test_a_replayed_copy_holds_the_saves_values_not_the_later_ones():
         staged.unguard()
         assert _saved(staged.state) == expected
     assert host.replays == 2
+
+
+def test_auto_writer_sizes_a_repeat_save_from_the_last_copy(monkeypatch):
+    """"auto" picks the writer from the state's size: walked once at the first save, then the
+    last copy's size (no second walk in the step), which follows the state if it changes."""
+    from ringtrain.checkpoint import background
+
+    walks, state_bytes = [], background.state_bytes
+    monkeypatch.setattr(background, "state_bytes", lambda s: walks.append(1) or state_bytes(s))
+    saves = background.BackgroundSaves()
+    small, grown = {"w": torch.ones(4)}, {"w": torch.ones(4), "b": torch.ones(8)}
+    for state in (small, small, grown, grown):
+        staged = saves.stage((state, None), None)
+        staged.finish()
+        saves.drop()
+        assert saves.using == "thread"
+        assert saves._last_bytes == sum(t.untyped_storage().nbytes() for t in state.values())
+    assert walks == [1]
