@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spawned", action="store_true")
     args = p.parse_args(argv)
     ddps = args.ddp.split(",")
-    todo = [tuple(n.split("@", 1)) if "@" in n else (n, d)
-            for n in args.names for d in (ddps[:1] if "@" in n else ddps)]
+    todo = [pair for n in args.names
+            for pair in ([tuple(n.split("@", 1))] if "@" in n else [(n, d) for d in ddps])]
     _run_here(todo, args.timeout, args.spawned)
 
 
