@@ -18,8 +18,8 @@ for a dead peer's heartbeat, a hung peer's timeout, a replacement's start-up):
 A third run, started beside them, has a warm spare (`--live-spares 1`) and loses its rank 0 (the
 process that writes metrics.jsonl) to a kill after step 5: the survivors find it in step 6's
 all-reduce, having computed their shares of it, and keep them (`LiveHooks.contribution`); the
-spare, started with the job, takes its place (and rank 0) at once (the agent says so, naming its
-pid and how long it had waited) and trains exactly the lost member's share of step 6 (the
+spare, forked from the agent's warm process (torch imported once) at the job's start, takes its
+place (and rank 0) at once (the agent says so, naming its pid and how long it had waited) and trains exactly the lost member's share of step 6 (the
 members' records say what each redo held and trained again), the survivors keep their pids and
 record the stall, and the run ends with the fault-free weights bit for bit and its samples; no
 process is left. The spare, rank 0 now, writes metrics.jsonl on: every logged step once, in
@@ -153,7 +153,8 @@ def test_a_warm_spare_takes_a_killed_members_place_at_once(runs):
     assert {m["launcher_rank"] for m in survivors} == {1, 2} and killed[0]["launcher_rank"] == 0
     # The spare was started with the job, before the fault: the agent says how long it waited.
     said = re.search(rf"\(pid {killed[0]['pid']}\) killed by SIGKILL; the others go on, warm "
-                     rf"spare pid {spares[0]['pid']} \(waiting for ([0-9.]+) s[,)]", stderr)
+                     rf"spare pid {spares[0]['pid']} \(forked from the warm process, waiting "
+                     r"for ([0-9.]+) s[,)]", stderr)
     assert said is not None and float(said.group(1)) > 0, stderr[-3000:]
     assert spares[0]["status"] == "finished" and spares[0]["step"] == STEPS
     # One recovery each, its stall recorded (last commit before the kill to the first after).
@@ -186,11 +187,13 @@ def test_a_spare_waits_and_trains_in_a_memory_cgroup_of_its_own(runs):
         pytest.skip(f"cannot make a memory cgroup here: {NO_MEMORY_WHY}")
     run_dir, stderr = runs["spared"]
     spare = next(m for m in live_members(run_dir) if m["joined_at_step"] == SPARE_AT)
-    taken = rf"warm spare pid {spare['pid']} \(waiting for [0-9.]+ s, memory cgroup spare1\)"
+    taken = (rf"warm spare pid {spare['pid']} \(forked from the warm process, waiting for "
+             r"[0-9.]+ s, memory cgroup spare1\)")
     assert re.search(taken, stderr), stderr[-3000:]
-    # The launcher's report: each cgroup's peak. Spare 1's holds torch, the model and the steps
-    # it trained in rank 0's place (charged there, not to a worker's cgroup); the spare started
-    # after it may have been killed still importing torch at the end.
+    # The launcher's report: each cgroup's peak. Spare 1's holds the model and the steps it
+    # trained in rank 0's place (charged there, not to a worker's cgroup; torch's pages it
+    # shares with the warm process it was forked from stay that one's); the spare started
+    # after it may have been killed before it built anything at the end.
     said = re.search(r"peak memory per worker under --memory-limit 3.00 GiB: (.*)", stderr)
     assert said is not None, stderr[-3000:]
     peaks = {name: int(mib) for name, mib in re.findall(r"(rank \d|spare \d) (\d+) MiB",

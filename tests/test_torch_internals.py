@@ -45,7 +45,8 @@ PRIVATE_NAMES = [
     "_get_default_store", "_get_backend", "_distributed_c10d", "_matches_machine_hostname",
     "rdzv_registry", "_capture_process_failures", "_running_local_ranks", "subprocess_handlers",
     "_start_workers", "_restart_workers", "_remaining_restarts", "_BatchNorm", "_backward_hooks",
-    "_popen", "_monitor_workers", "_pcontext", "_exit_barrier", "_foreach_copy_",
+    "_popen", "_stdout", "_stderr", "_monitor_workers", "_pcontext", "_exit_barrier",
+    "_foreach_copy_",
 ]
 # Spelled with their owner: the bare attribute is too common a word.
 PRIVATE_PATTERNS = [r"torch\._utils\b", r"options\._timeout\b", r"distributed_c10d\._"]

@@ -17,9 +17,11 @@ Read in this order:
 - `hang.py`: which rank never entered the collective the others wait in.
 - `cgroup.py`, `memory_exec.py`: `--memory-limit`, a memory cgroup per worker, joined before
   Python starts; which workers the OOM killer ended, and the limit, in the report.
-- `live_agent.py`, `live_store.py`: `--live`: the agent replaces a lost worker in place (warm
-  spares too); its line to the job's store (lost members, across nodes the store's silence and
-  the agents' exit barrier).
+- `live_agent.py`, `live_store.py`: `--live`: the agent replaces a lost worker in place; its
+  line to the job's store (lost members, across nodes the store's silence and the agents' exit
+  barrier).
+- `live_spares.py`, `zygote.py`, `zygote_server.py`: how a live job starts a process again:
+  warm spares, and forks of a warm process that imported torch once.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.store_keys`. Never the trainer, a strategy or the snapshot code: the launcher runs

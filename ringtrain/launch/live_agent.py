@@ -71,7 +71,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ringtrain.launch.cgroup import SLOT_ENV, CgroupUnavailable, MemoryCgroups
+from ringtrain.launch.cgroup import MemoryCgroups
+from ringtrain.launch.live_spares import REPLACEMENT_ENV, SPARE_ENV, Spares, Starts
 from ringtrain.launch.live_store import StoreWatch
 from ringtrain.torch_internals import (
     CAPTURE_PROCESS_FAILURES,
@@ -79,15 +80,12 @@ from ringtrain.torch_internals import (
     MONITOR_WORKERS,
     adopt,
     running_workers,
-    spawn_like,
     sync_worker_ids,
 )
 
 __all__ = ["LEFT_OUT_EXIT_CODE", "MAX_REPLACEMENTS", "REPLACEMENT_ENV", "SPARE_ENV",
            "LiveJobFailedError", "LiveStoreLostError", "replacing_lost_workers"]
 
-REPLACEMENT_ENV = "RINGTRAIN_LIVE_REPLACEMENT"  # set in a replacement: which one it is (1, 2..)
-SPARE_ENV = "RINGTRAIN_LIVE_SPARE"  # set in a warm spare: it waits, built, for a lost member
 LEFT_OUT_EXIT_CODE = 76  # a worker its peers left out of a generation (LiveMemberLostError)
 MAX_REPLACEMENTS = 32
 
@@ -99,11 +97,13 @@ class LiveJobFailedError(RuntimeError):
     """Another node's worker failed (an exception): this node's agent stopped its workers."""
 
 
-def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
-    """Start `local_rank`'s command again in its slot, `env` on top (a replacement)."""
-    proc = spawn_like(context, local_rank, env)
+def respawn(context: Any, local_rank: int, env: dict[str, str], starts: Starts
+            ) -> tuple[subprocess.Popen, bool]:
+    """Start `local_rank`'s command again in its slot, `env` on top (a replacement):
+    (process, whether it was forked from the warm process)."""
+    proc, forked = starts.start(context, local_rank, env)
     adopt(context, local_rank, proc)
-    return proc
+    return proc, forked
 
 
 def _replaceable(exitcode: int) -> bool:
@@ -111,79 +111,19 @@ def _replaceable(exitcode: int) -> bool:
     return exitcode == LEFT_OUT_EXIT_CODE or (exitcode < 0 and exitcode != -signal.SIGTERM)
 
 
-class _Spares:
-    """The warm spares this agent owns: plain subprocesses started as a worker is (`spawn_like`:
-    the same command, environment and output), kept at `count` until the job ends; under
-    `memory` (`--memory-limit`), each in a memory cgroup of its own (`MemoryCgroups.add_spare`)."""
-
-    def __init__(self, count: int, memory: MemoryCgroups | None = None):
-        self.count, self.started, self.memory = count, 0, memory
-        # (process, started at, its memory cgroup's name or None)
-        self.procs: list[tuple[subprocess.Popen, float, str | None]] = []
-        self.over = False  # a spare exited 0: the job is done, none is started any more
-
-    def take(self) -> tuple[subprocess.Popen, float, str | None] | None:
-        """A running spare, handed over (it goes into a lost worker's slot)."""
-        for item in self.procs:
-            if item[0].poll() is None:
-                self.procs.remove(item)
-                return item
-        return None
-
-    def keep_up(self, context: Any, departed: StoreWatch, may_start) -> None:
-        """Restart the spares that died; start the missing ones while `may_start()` (it counts
-        every start after the first `count` against the job's replacements)."""
-        for item in [i for i in self.procs if i[0].poll() is not None]:
-            self.procs.remove(item)
-            proc = item[0]
-            if proc.returncode == 0:
-                self.over = True
-                continue
-            departed.mark(proc.pid)
-            print(f"ringtrain run: live: warm spare (pid {proc.pid}) exited with "
-                  f"{proc.returncode} while it waited; starting another", file=sys.stderr,
-                  flush=True)
-        while not self.over and len(self.procs) < self.count and \
-                (self.started < self.count or may_start()):
-            local = self.started % len(context.envs)  # one slot's environment, in turn
-            self.started += 1
-            env = {REPLACEMENT_ENV: f"spare-{self.started}", SPARE_ENV: "1"}
-            cgroup = None
-            if self.memory is not None:  # never a running worker's: its own, the same limit
-                try:
-                    cgroup = env[SLOT_ENV] = self.memory.add_spare(self.started)
-                except CgroupUnavailable as e:  # a spare outside the limit is what it bounds
-                    print(f"ringtrain run: live: no warm spare is started: {e}",
-                          file=sys.stderr, flush=True)
-                    self.over = True
-                    return
-            self.procs.append((spawn_like(context, local, env), time.monotonic(), cgroup))
-
-    def close(self, grace_s: float) -> None:
-        """Wait up to `grace_s` for the spares to exit (a finished job tells them), then kill
-        them: a spare holds nothing to save. No process is left either way."""
-        deadline = time.monotonic() + grace_s
-        for proc, *_ in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # its own session (`spawn_like`)
-                proc.wait(timeout=10)
-        self.procs.clear()
-        self.over = True
-
-
 @contextlib.contextmanager
 def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: int = 0,
-                           memory: MemoryCgroups | None = None) -> Iterator[None]:
+                           memory: MemoryCgroups | None = None, fork: bool = True
+                           ) -> Iterator[None]:
     """Inside: the agent replaces a lost worker in place (by one of `spares` warm spares where
     one waits) and kills a member found hung (see the module docstring); every other failure
     stops the job as torch's agent does. `memory`: the workers' cgroups (`--memory-limit`),
-    beside which each spare gets its own."""
+    beside which each spare gets its own. `fork`: new processes are forked from a warm one
+    where they can be (`live_spares.Starts`); False: always started cold."""
     original = CAPTURE_PROCESS_FAILURES.get()
     departed = StoreWatch()
-    warm = _Spares(spares, memory)
+    starts = Starts(fork)
+    warm = Spares(spares, starts, memory)
     count = [0]
 
     def may_start() -> bool:
@@ -255,16 +195,17 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
                 adopt(self, local_rank, spare[0])
                 where = f", memory cgroup {spare[2]}" if spare[2] else ""
                 print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go "
-                      f"on, warm spare pid {spare[0].pid} (waiting for "
+                      f"on, warm spare pid {spare[0].pid} ({_forked(spare[3])}waiting for "
                       f"{time.monotonic() - spare[1]:.1f} s{where}) takes its place",
                       file=sys.stderr, flush=True)
                 continue
             if not may_start():
                 continue
-            new = respawn(self, local_rank, {REPLACEMENT_ENV: str(count[0])})
+            new, forked = respawn(self, local_rank, {REPLACEMENT_ENV: str(count[0])}, starts)
             print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go on, "
                   f"replacement {count[0]} of at most {max_replacements} started (pid "
-                  f"{new.pid})", file=sys.stderr, flush=True)
+                  f"{new.pid}{', ' + _forked(forked)[:-2] if forked else ''})", file=sys.stderr,
+                  flush=True)
         if warm.count and not stopping[0]:
             warm.keep_up(self, departed, may_start)
         original(self, done_local_ranks)
@@ -298,10 +239,15 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             yield
         finally:  # the job is over (done, failed or stopped): no spare outlives it
             warm.close(grace_s=3)
+            starts.close()
             departed.close()
 
 
-def _stop_node(context: Any, warm: _Spares, watch: StoreWatch, silent_s: float) -> None:
+def _forked(forked: bool) -> str:
+    return "forked from the warm process, " if forked else ""
+
+
+def _stop_node(context: Any, warm: Spares, watch: StoreWatch, silent_s: float) -> None:
     """The store has not answered for `silent_s`: stop this node's workers and spares (SIGKILL:
     the job's state lives with the members the store still reaches, or in its snapshots) and
     raise `LiveStoreLostError`, which says what happened and what to do."""

@@ -5,23 +5,33 @@
 Run as a script, before anything is imported: memory a process allocated before it joined a
 cgroup stays charged where it was, so the worker joins `$RINGTRAIN_MEMORY_CGROUP/rank{LOCAL_RANK}`
 first and only then execs `python -u -m ringtrain ARGS` (same pid, same cgroup); a live job's
-warm spare joins the cgroup of its own that `$RINGTRAIN_MEMORY_SLOT` names instead. Only the
-standard library here: this file is not imported as part of ringtrain. See `cgroup.py`.
+warm spare joins the cgroup of its own that `$RINGTRAIN_MEMORY_SLOT` names instead. A live job's
+process forked from a warm one (`live_spares.py`) does the same itself, with `cgroup_procs` and
+`MALLOC_ENV` from here. Only the standard library here: run as a script, it runs before any of
+ringtrain is imported. See `cgroup.py`.
 """
 
 import os
 import sys
 
+# glibc raises its mmap threshold as large blocks are freed, after which freed tensors stay in
+# its heap: the cgroup would charge memory the worker no longer uses. A fixed threshold (which
+# turns that off) returns every freed tensor over 1 MiB to the kernel. Read when glibc starts:
+# a process forked from a warm one (ringtrain.launch.zygote) has its zygote's.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
+
+def cgroup_procs(env) -> str:
+    """The `cgroup.procs` file of the cgroup a worker with environment `env` joins."""
+    slot = env.get("RINGTRAIN_MEMORY_SLOT") or f"rank{env['LOCAL_RANK']}"
+    return os.path.join(env["RINGTRAIN_MEMORY_CGROUP"], slot, "cgroup.procs")
+
 
 def main() -> None:
-    slot = os.environ.get("RINGTRAIN_MEMORY_SLOT") or f"rank{os.environ['LOCAL_RANK']}"
-    target = os.path.join(os.environ["RINGTRAIN_MEMORY_CGROUP"], slot)
-    with open(os.path.join(target, "cgroup.procs"), "w") as f:
+    with open(cgroup_procs(os.environ), "w") as f:
         f.write(str(os.getpid()))
-    # glibc raises its mmap threshold as large blocks are freed, after which freed tensors stay
-    # in its heap: the cgroup would charge memory the worker no longer uses. A fixed threshold
-    # (which turns that off) returns every freed tensor over 1 MiB to the kernel.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    for name, value in MALLOC_ENV.items():
+        os.environ.setdefault(name, value)
     os.execv(sys.executable, [sys.executable, "-u", "-m", "ringtrain", *sys.argv[1:]])
 
 

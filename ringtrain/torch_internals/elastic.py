@@ -5,8 +5,8 @@
 - `CAPTURE_PROCESS_FAILURES`, `running_workers`, `mark_finished`: tolerated ranks in
   `ringtrain run` (ringtrain.launch.launcher);
 - `START_WORKERS`, `RESTART_WORKERS`, `set_remaining_restarts`: restarts counted for the job;
-- `spawn_like`, `adopt`, `MONITOR_WORKERS`, `EXIT_BARRIER`, `sync_worker_ids`: a lost worker
-  replaced in place (`ringtrain train --live`, ringtrain.launch.live_agent).
+- `spawn_like`, `worker_command`, `adopt`, `MONITOR_WORKERS`, `EXIT_BARRIER`, `sync_worker_ids`:
+  a lost worker replaced in place (`ringtrain train --live`, ringtrain.launch.live_agent).
 
 Each section says which names its feature needs and what it does without them
 (`features.py`: how a name is looked up, a feature switched off, a `PatchPoint` replaced).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from typing import Any
+from typing import IO, Any, NamedTuple
 
 from ringtrain.torch_internals.features import Feature, lookup, patch_point, set_by_init
 
@@ -58,8 +58,9 @@ CAPTURE_PROCESS_FAILURES = patch_point(f"{_MP_API}.SubprocessContext._capture_pr
                                         _TOLERATE, raise_when_off=True)
 for _name in ("_running_local_ranks", "subprocess_handlers", "envs"):
     set_by_init(CAPTURE_PROCESS_FAILURES.owner, _name, _TOLERATE)
-set_by_init(lookup("torch.distributed.elastic.multiprocessing.subprocess_handler."
-                     "subprocess_handler.SubprocessHandler", _TOLERATE), "proc", _TOLERATE)
+_HANDLER = lookup("torch.distributed.elastic.multiprocessing.subprocess_handler."
+                  "subprocess_handler.SubprocessHandler", _TOLERATE)
+set_by_init(_HANDLER, "proc", _TOLERATE)
 
 
 def running_workers(context: Any) -> list[tuple[int, int, subprocess.Popen]]:
@@ -108,6 +109,17 @@ def set_remaining_restarts(agent: Any, remaining: int) -> None:
 #: `SubprocessHandler._popen(self, args, env)`: how the handler started its worker (`spawn_like`).
 _POPEN = lookup("torch.distributed.elastic.multiprocessing.subprocess_handler."
                 "subprocess_handler.SubprocessHandler._popen", _TOLERATE)
+for _name in ("_stdout", "_stderr"):  # its output files (`worker_command`)
+    set_by_init(_HANDLER, _name, _TOLERATE)
+
+
+class WorkerCommand(NamedTuple):
+    """A worker's command as torch's agent started it (`worker_command`)."""
+
+    args: tuple[str, ...]
+    env: dict[str, str]
+    stdout: IO | None  # None: the agent's own
+    stderr: IO | None
 
 #: `LocalElasticAgent._monitor_workers(self, worker_group)`: the agent's poll, which first checks
 #: that its workers' ids are its process context's pids (a replaced worker's would not be).
@@ -128,13 +140,21 @@ def sync_worker_ids(agent: Any, worker_group: Any) -> None:
             worker.id = pids[worker.local_rank]
 
 
-def spawn_like(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
-    """`local_rank`'s command started once more as the agent started it (arguments, environment,
-    output files, a session of its own), `env` on top; the agent sees it once `adopt`ed."""
+def worker_command(context: Any, local_rank: int, env: dict[str, str]) -> WorkerCommand:
+    """How the agent started `local_rank`'s worker: its arguments, its environment with `env` on
+    top, and its output files (None: the agent's own stdout / stderr)."""
     if _POPEN is None:
         _TOLERATE.require()
     handler = context.subprocess_handlers[local_rank]
-    return handler._popen(handler.proc.args, {**os.environ, **context.envs[local_rank], **env})
+    env = {**os.environ, **context.envs[local_rank], **env}
+    return WorkerCommand(tuple(handler.proc.args), env, handler._stdout, handler._stderr)
+
+
+def spawn_like(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """`local_rank`'s command started once more as the agent started it (arguments, environment,
+    output files, a session of its own), `env` on top; the agent sees it once `adopt`ed."""
+    command = worker_command(context, local_rank, env)
+    return context.subprocess_handlers[local_rank]._popen(command.args, command.env)
 
 
 def adopt(context: Any, local_rank: int, proc: subprocess.Popen) -> None:

@@ -1,0 +1,155 @@
+"""The warm process of `zygote.py`: imports once, then forks a ready copy per request.
+
+    python -u -m ringtrain.launch.zygote_server FD MODULE...   (started by `Zygote`, not by hand)
+
+FD is this end of the agent's socket pair (SOCK_SEQPACKET: one message a request). The server
+imports each MODULE, says {"ready": ...}, then answers each request {"argv", "env", "cwd",
+"target", "cgroup_procs", "nice"} (with the child's stdout and stderr passed as descriptors) with
+{"pid": P} or {"error": why}. Each child is forked twice so that the first child's exit leaves
+the second to the nearest subreaper above this process: the agent (`become_subreaper`), which
+can then wait for it, read its exit code and signal it as its own. The child, a process of its
+own session with its own environment, cwd, output and memory cgroup, runs the target as
+`python -m MODULE` or `python SCRIPT` would, with everything imported here already imported.
+
+Never touched here: CUDA (a forked CUDA context is unusable: `_unsafe` refuses to fork once it
+is initialised) and threads of Python's (a lock one holds at the fork stays held in the child).
+The server exits when the agent's end of the socket closes, or with the agent (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import runpy
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+
+PR_SET_PDEATHSIG = 1
+MAX_MESSAGE = 1 << 20  # a request: an environment of a few KB, a command line
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent (the agent) exits, however it exits."""
+    with warnings.catch_warnings():
+        libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _unsafe() -> str | None:
+    """Why forking now would hand the child a broken process, or None."""
+    if threading.active_count() > 1:
+        names = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        return f"a Python thread runs in the warm process ({', '.join(names)})"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialised in the warm process (a forked CUDA context is unusable)"
+    return None
+
+
+def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
+    """Answer requests until the agent hangs up (None); in a forked child, return its request
+    and descriptors (stdout, stderr) instead, for `run`."""
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+        except (ConnectionError, OSError):
+            return None
+        if not data:
+            return None
+        request = json.loads(data)
+        problem = _unsafe()
+        if problem is not None:
+            for fd in fds:
+                os.close(fd)
+            sock.send(json.dumps({"error": problem}).encode())
+            continue
+        read, write = os.pipe()
+        with warnings.catch_warnings():  # 3.12+ warns of any thread; `_unsafe` checked ours
+            warnings.simplefilter("ignore", DeprecationWarning)
+            middle = os.fork()
+        if middle == 0:  # the first child: fork the worker, say its pid, exit (orphaning it)
+            sock.close()
+            os.close(read)
+            child = os.fork()
+            if child == 0:
+                os.close(write)
+                return request, fds
+            os.write(write, str(child).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            pid = pipe.read()
+        os.waitpid(middle, 0)  # once it is reaped, the worker's parent is the subreaper
+        for fd in fds:
+            os.close(fd)
+        reply = {"pid": int(pid)} if pid else {"error": "the fork failed (see the agent's log)"}
+        sock.send(json.dumps(reply).encode())
+
+
+def run(request: dict, fds: list[int]) -> None:
+    """Become the requested process (in the forked child) and run it to its exit code."""
+    os.setsid()  # as Popen(start_new_session=True): the agent signals the whole group
+    if request.get("cgroup_procs"):  # first: what this process allocates is charged there
+        with open(request["cgroup_procs"], "w") as f:
+            f.write(str(os.getpid()))
+    if request.get("nice"):  # the session's autogroup too: between sessions it is what counts
+        if os.access("/proc/self/autogroup", os.W_OK):
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(request["nice"]))
+        os.nice(request["nice"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for target, fd in ((0, devnull), (1, fds[0]), (2, fds[1])):
+        os.dup2(fd, target)
+    for fd in {devnull, *fds}:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = list(request["argv"])
+    kind, name = request["target"]
+    code = 0
+    try:
+        if kind == "module":  # as `python -m`: the working directory first on the path
+            sys.path[0] = request["cwd"]
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(name))
+            runpy.run_path(name, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)  # not the warm process's shutdown: nothing of it is this child's to run
+
+
+def main() -> None:
+    _die_with_parent()
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    started = time.monotonic()
+    for name in sys.argv[2:]:
+        importlib.import_module(name)
+    sock.send(json.dumps({"ready": True, "pid": os.getpid(),
+                          "import_s": round(time.monotonic() - started, 3)}).encode())
+    job = serve(sock)
+    if job is None:
+        os._exit(0)
+    run(*job)
+
+
+if __name__ == "__main__":
+    main()

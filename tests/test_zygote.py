@@ -1,0 +1,182 @@
+"""Processes forked from a warm one (`ringtrain.launch.zygote`), and a live agent's starts.
+
+    .venv/bin/pytest -q tests/test_zygote.py
+
+Forking makes the forking process a subreaper, so the forks run in a driver process of their
+own (`DRIVER`), not in pytest's: it prints one JSON line per fork, checked here. Each fork must
+look like `Popen(command, env=..., cwd=..., stdout=..., start_new_session=True)`: its arguments,
+environment, working directory, output files and exit code (a raise: 1, a kill: -9), a session
+of its own, this driver as its parent; and find torch imported already.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ringtrain.launch import live_spares, memory_exec
+from ringtrain.launch.zygote import forkable
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only (prctl)")
+
+CHILD = """
+import json, os, sys, time
+print(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "cwd": os.getcwd(),
+                  "argv": sys.argv, "env": os.environ.get("ZYGOTE_TEST"),
+                  "torch": "torch" in sys.modules, "path0": sys.path[0]}), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+code = int(sys.argv[1])
+if code == 99:
+    raise ValueError("raised in the child")
+if code == 98:
+    time.sleep(60)
+sys.exit(code)
+"""
+
+DRIVER = """
+import json, os, signal, subprocess, sys, time
+from ringtrain.launch.zygote import Zygote, ZygoteError
+child, out_dir = sys.argv[1], sys.argv[2]
+zygote = Zygote([sys.executable, "-u"], dict(os.environ), ["torch"])
+while not zygote.ready():
+    time.sleep(0.01)
+print(json.dumps({"zygote": zygote.info}), flush=True)
+for code in (0, 3, 99, 98):
+    with open(os.path.join(out_dir, f"out-{code}.txt"), "w") as out:
+        started = time.monotonic()
+        proc = zygote.fork([sys.executable, "-u", child, str(code)],
+                           {"ZYGOTE_TEST": f"env-{code}", "PATH": os.environ["PATH"]},
+                           cwd=out_dir, stdout=out, stderr=subprocess.STDOUT)
+    forked_s = time.monotonic() - started
+    parent = int(open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    if code == 98:
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session, as Popen(start_new_session)
+    print(json.dumps({"code": code, "pid": proc.pid, "returncode": proc.wait(timeout=30),
+                      "parent": parent, "me": os.getpid(), "forked_s": forked_s}), flush=True)
+try:
+    zygote.fork(["/bin/echo", "hi"], {})
+except ZygoteError as e:
+    print(json.dumps({"refused": str(e)}), flush=True)
+zygote.close()
+print(json.dumps({"zygote_code": zygote.proc.returncode}), flush=True)
+"""
+
+
+def _driver(tmp_path: Path, source: str, *args: str, env: dict | None = None) -> list[dict]:
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "driver.py").write_text(textwrap.dedent(source))
+    run = subprocess.run([sys.executable, str(tmp_path / "driver.py"), *args],
+                         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def test_a_fork_is_the_command_started_with_its_env_cwd_output_and_exit_code(tmp_path):
+    lines = _driver(tmp_path, DRIVER, str(tmp_path / "child.py"), str(tmp_path))
+    assert lines[0]["zygote"]["ready"] is True
+    forks = {line["code"]: line for line in lines if "code" in line}
+    assert {c: f["returncode"] for c, f in forks.items()} == {0: 0, 3: 3, 99: 1, 98: -9}
+    for code, fork in forks.items():
+        assert fork["parent"] == fork["me"], fork  # the driver waits for it as for a Popen
+        text = (tmp_path / f"out-{code}.txt").read_text()
+        said = json.loads(text.splitlines()[0])
+        assert said["pid"] == said["pgid"] == fork["pid"]  # a session of its own
+        assert said["argv"] == [str(tmp_path / "child.py"), str(code)]
+        assert said["env"] == f"env-{code}" and said["cwd"] == str(tmp_path)
+        assert said["path0"] == str(tmp_path)  # as `python SCRIPT`: the script's directory
+        assert said["torch"] is True  # imported once, in the warm process
+        assert "to stderr" in text  # stderr=STDOUT
+    assert "ValueError: raised in the child" in (tmp_path / "out-99.txt").read_text()
+    print("fork seconds:", [round(f["forked_s"], 3) for f in forks.values()])
+    assert "not a Python module or script command" in lines[-2]["refused"]
+    assert lines[-1]["zygote_code"] == 0  # it exits when the agent's end of its socket closes
+
+
+THREADED = """
+import json, os, sys, time
+from ringtrain.launch.zygote import Zygote, ZygoteError
+zygote = Zygote([sys.executable, "-u"], dict(os.environ), [sys.argv[1]])
+while not zygote.ready():
+    time.sleep(0.01)
+try:
+    zygote.fork([sys.executable, "-u", "-m", "json.tool", "--help"], dict(os.environ))
+except ZygoteError as e:
+    print(json.dumps({"refused": str(e)}), flush=True)
+print(json.dumps({"zygote_pid": zygote.proc.pid}), flush=True)
+os._exit(0)  # no close: the zygote must not outlive its agent
+"""
+
+
+def test_a_zygote_with_a_thread_refuses_and_dies_with_its_agent(tmp_path):
+    (tmp_path / "threaded.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), "
+        "name='sleeper', daemon=True).start()\n")
+    lines = _driver(tmp_path, THREADED, "threaded",
+                    env={"PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"})
+    assert "a Python thread runs in the warm process (sleeper)" in lines[0]["refused"]
+    pid, deadline = lines[1]["zygote_pid"], time.monotonic() + 10
+    while time.monotonic() < deadline:  # PDEATHSIG: killed as its parent exits
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the zygote {pid} outlived its agent")
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["/usr/bin/python3", "-u", "-m", "ringtrain", "train", "--steps", "3"],
+     (("/usr/bin/python3", "-u"), ("module", "ringtrain"), ["ringtrain", "train", "--steps", "3"])),
+    (["python", "w.py", "x"], (("python",), ("script", "w.py"), ["w.py", "x"])),
+    (["python", "-O", "w.py"], None),  # a flag the zygote was not started with
+    (["python", "-c", "pass"], None),
+    (["/bin/true"], None), (["numactl", "-N", "0", "python", "w.py"], None), (["python"], None),
+])
+def test_forkable_commands(command, expected):
+    assert forkable(command) == expected
+
+
+def test_memory_execs_command_forks_as_the_module_it_execs_joining_its_cgroup():
+    env = {"RINGTRAIN_MEMORY_CGROUP": "/sys/fs/cgroup/x", "LOCAL_RANK": "1"}
+    args, got_env, procs = live_spares._unwrapped(
+        ("/usr/bin/python3", "-u", memory_exec.__file__, "train", "--live"), env)
+    assert args == ["/usr/bin/python3", "-u", "-m", "ringtrain", "train", "--live"]
+    assert procs == "/sys/fs/cgroup/x/rank1/cgroup.procs"
+    assert got_env["MALLOC_MMAP_THRESHOLD_"] == str(1 << 20)
+    spare = {**env, "RINGTRAIN_MEMORY_SLOT": "spare2"}
+    assert live_spares._unwrapped(("/usr/bin/python3", "-u", memory_exec.__file__), spare)[2] == \
+        "/sys/fs/cgroup/x/spare2/cgroup.procs"
+    assert live_spares._unwrapped(("/usr/bin/python3", "-u", "-m", "ringtrain"), env)[2] is None
+
+
+def test_a_command_the_zygote_cannot_run_starts_cold_and_says_why_once(capsys):
+    started = []
+
+    def popen(args, env):
+        started.append(args)
+        return SimpleNamespace(pid=1, args=args)
+
+    handler = SimpleNamespace(proc=SimpleNamespace(args=("/bin/true", "x")), _stdout=None,
+                              _stderr=None, _popen=popen)
+    context = SimpleNamespace(subprocess_handlers={0: handler}, envs={0: {}})
+    starts = live_spares.Starts()
+    for _ in range(2):
+        proc, forked = starts.start(context, 0, {"A": "1"})
+        assert not forked and proc.args == ("/bin/true", "x")
+    assert len(started) == 2
+    said = capsys.readouterr().err
+    assert said.count("start cold") == 1 and "not `python -m MODULE` or a script" in said
