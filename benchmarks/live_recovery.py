@@ -73,11 +73,15 @@ sys.path.insert(0, str(REPO))
 
 from netns import two_hosts, unavailable  # noqa: E402
 
+from ringtrain.launch.zygote import Zygote  # noqa: E402
 from ringtrain.live import GlobalBatches  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "live_recovery_worker.py"
 PORT = 29571
 KINDS = ("kill", "stop", "link")
+# What a worker forked from a host's warm process finds imported (--cold-starts: none).
+PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "ringtrain.live",
+           "ringtrain.models.gpt")
 WORLD_SIZE = 4  # 2 hosts x 2 workers: a job of fewer members is short
 # Builds at nice 19, the process and its session's autogroup (where the kernel has them).
 NICED_EXEC = ('[ -w /proc/self/autogroup ] && echo 19 > /proc/self/autogroup; '
@@ -130,6 +134,10 @@ def parse(argv=None) -> argparse.Namespace:
                    help="a process started after the job began (a replacement, a new spare) "
                    "imports torch and builds its model at nice 19, then trains at nice 0: on a "
                    "cluster it starts on cores of its own, here its start takes the survivors'")
+    p.add_argument("--cold-starts", action="store_true",
+                   help="start replacements and spares as new processes (importing torch "
+                   "first), as `ringtrain train --live` did before session 20; by default they "
+                   "are forked from a warm process per host, as its agent does now")
     p.add_argument("--keep", help="keep the workers' logs and records in this directory")
     a = p.parse_args(argv)
     a.kinds = a.kinds.split(",")
@@ -156,6 +164,26 @@ class Job:
         self.started = False  # whether the job's first processes are all started
         self._records: list[dict] = []  # parsed so far (`records`)
         self._read_to: dict[Path, int] = {}  # per file: bytes parsed
+        # A warm process per host forks replacements and spares, as `ringtrain train --live`'s
+        # agent does (ringtrain.launch.live_spares): started with the job where it has spares
+        # (which are forked once it is ready), else at the first fault (whose replacements
+        # start cold). None for --cold-starts or the restart path.
+        self.forks = mode == "live" and not a.cold_starts
+        self.zygotes: dict[str, Zygote] = {}
+
+    def env(self, host) -> dict[str, str]:
+        return {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
+
+    def zygote(self, host) -> Zygote:
+        if host.netns not in self.zygotes:
+            env = {**self.env(host), "PYTHONPATH": str(REPO)}  # this tree's ringtrain
+            self.zygotes[host.netns] = Zygote([sys.executable], env, PRELOAD,
+                                              popen=host.popen)
+        return self.zygotes[host.netns]
+
+    def close(self) -> None:
+        for zygote in self.zygotes.values():
+            zygote.close()
 
     def start(self, host, rank: int = -1, spare: bool = False) -> subprocess.Popen:
         config = {"mode": self.mode, "store": [self.hosts[0].addr, PORT], "job": self.name,
@@ -166,7 +194,17 @@ class Job:
                   "snapshot_every": self.a.snapshot_every, "spare": spare,
                   "dead_after_s": self.a.dead_after,
                   "renice": bool(self.a.niced_start and self.started)}
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.ifname, "PYTHONUNBUFFERED": "1"}
+        env = self.env(host)
+        command = [sys.executable, str(WORKER), json.dumps(config)]
+        zygote = self.zygote(host) if self.forks and (self.started or spare) else None
+        if zygote is not None and spare and not self.started:
+            _wait(zygote.ready, 120)  # the job's first spares: forked, as the agent's are
+        if zygote is not None and zygote.ready():
+            with open(self.out / f"{self.name}.log", "a") as log:
+                proc = zygote.fork(command, env, stdout=log, stderr=subprocess.STDOUT,
+                                   nice=19 if config["renice"] else 0)
+            self.procs.append((host, proc))
+            return proc
         log = open(self.out / f"{self.name}.log", "a")  # noqa: SIM115 - the child holds it
         # exec'd: the same pid. Each worker runs in a session of its own (netns popen), and
         # with the kernel's autogroups (sched_autogroup_enabled) CPU is shared fairly between
@@ -174,8 +212,7 @@ class Job:
         # replacement a full share of the cores (measured: a niced busy loop in its own session
         # ran as fast as its neighbours; with its autogroup at nice 19, 3 % as fast).
         nice = ["sh", "-c", NICED_EXEC, "sh"] if config["renice"] else []
-        proc = host.popen([*nice, sys.executable, str(WORKER), json.dumps(config)], env=env,
-                          stdout=log, stderr=subprocess.STDOUT)
+        proc = host.popen([*nice, *command], env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append((host, proc))
         return proc
 
@@ -183,6 +220,9 @@ class Job:
         a, b = self.hosts
         for rank, host in enumerate((a, a, b, b)):
             self.start(host, rank)
+        if self.forks and self.spares:
+            for host in (a, b):  # both warm processes import at once
+                self.zygote(host)
         for host in (a, b):
             for _ in range(self.spares):
                 self.start(host, spare=True)
@@ -326,6 +366,7 @@ def run_job(a, hosts, out: Path, mode: str, interval: float | None, store) -> di
     for _, p in job.procs:
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
+    job.close()
     return analyse(a, name, job.records(), faults, left, started=len(job.procs))
 
 
@@ -456,6 +497,7 @@ def main(argv=None) -> dict:
     summary = {"benchmark": "live_recovery", "steps": a.steps, "global_batch": a.global_batch,
                "model": {"n_layer": a.n_layer, "n_embd": a.n_embd, "block_size": a.block_size},
                "fault_clock": a.fault_clock, "spares_per_host": a.spares,
+               "starts": "cold" if a.cold_starts else "forked",
                "results": results}
     print(json.dumps(summary))
     return summary

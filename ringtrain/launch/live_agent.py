@@ -21,6 +21,8 @@ mode the survivors recover by themselves (`ringtrain.live.LiveGroup`), so the ag
   lost worker's slot (`adopt`: torch polls and tears it down as that worker) and starts a new
   spare in the background. A spare that dies is started again (each start after the first N
   counts as a replacement); at the job's end the spares learn it is over and exit 0.
+  Replacements and spares are forked from a warm process that imported torch once where they
+  can be, else started cold (`live_spares.py` says when and why).
   Spares are plain subprocesses the agent owns, not workers of torch's group: a worker there
   has a rank in the rendezvous, a place in WORLD_SIZE and a failure policy that stops the job,
   none of which a process that may never train should have. Under `--memory-limit` each spare

@@ -32,6 +32,7 @@ the environment of the processes it will fork. Linux only (prctl); elsewhere `Zy
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -139,7 +140,8 @@ class Zygote:
         interpreter: the command's interpreter and flags (`forkable(command)[0]`).
         env: the zygote's environment: that of the processes it will fork (see the module).
         preload: modules imported once, before any fork.
-        popen: how to start it (default `subprocess.Popen`; a network-namespace host's, say).
+        popen: how to start it, called as Popen is with `env`, `stdin`, `stderr` and `pass_fds`
+            (default: `subprocess.Popen` in a session of its own; a network-namespace host's).
     """
 
     def __init__(self, interpreter: Sequence[str], env: Mapping[str, str],
@@ -150,11 +152,11 @@ class Zygote:
         self.info: dict | None = None  # the ready message: pid, import_s
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = (popen or subprocess.Popen)(
+            self.proc = (popen or functools.partial(subprocess.Popen, start_new_session=True))(
                 [*self.interpreter, "-m", "ringtrain.launch.zygote_server",
                  str(theirs.fileno()), *preload],
                 env=dict(env), stdin=subprocess.DEVNULL, stderr=stderr,
-                pass_fds=[theirs.fileno()], start_new_session=True)
+                pass_fds=[theirs.fileno()])
         finally:
             theirs.close()
 
