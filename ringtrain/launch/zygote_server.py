@@ -12,7 +12,8 @@ own session with its own environment, cwd, output and memory cgroup, runs the ta
 `python -m MODULE` or `python SCRIPT` would, with everything imported here already imported.
 
 Never touched here: CUDA (a forked CUDA context is unusable: `_unsafe` refuses to fork once it
-is initialised) and threads of Python's (a lock one holds at the fork stays held in the child).
+is initialised or its driver is loaded) and threads of Python's (a lock one holds at the fork
+stays held in the child).
 The server exits when the agent's end of the socket closes, or with the agent (PDEATHSIG).
 """
 
@@ -50,6 +51,11 @@ def _unsafe() -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA is initialised in the warm process (a forked CUDA context is unusable)"
+    # The driver is loaded by any CUDA runtime call (a device count too), after which a fork's
+    # own CUDA calls fail: refuse before that, whatever torch says.
+    with open("/proc/self/maps") as maps:
+        if "libcuda.so" in maps.read():
+            return "the CUDA driver is loaded in the warm process (a fork could not use CUDA)"
     return None
 
 
