@@ -19,8 +19,9 @@ A third run, started beside them, has a warm spare (`--live-spares 1`) and loses
 process that writes metrics.jsonl) to a kill after step 5: the survivors find it in step 6's
 all-reduce, having computed their shares of it, and keep them (`LiveHooks.contribution`); the
 spare, forked from the agent's warm process (torch imported once) at the job's start, takes its
-place (and rank 0) at once (the agent says so, naming its pid and how long it had waited) and trains exactly the lost member's share of step 6 (the
-members' records say what each redo held and trained again), the survivors keep their pids and
+place (and rank 0) at once (the agent says so, naming its pid and how long it had waited) and
+trains exactly the lost member's share of step 6 (the members' records say what each redo held
+and trained again), the survivors keep their pids and
 record the stall, and the run ends with the fault-free weights bit for bit and its samples; no
 process is left. The spare, rank 0 now, writes metrics.jsonl on: every logged step once, in
 order, and the end's files (summary.json with the fault-free `param_sha256`, report.png, the

@@ -90,6 +90,7 @@ __all__ = ["LEFT_OUT_EXIT_CODE", "MAX_REPLACEMENTS", "REPLACEMENT_ENV", "SPARE_E
 
 LEFT_OUT_EXIT_CODE = 76  # a worker its peers left out of a generation (LiveMemberLostError)
 MAX_REPLACEMENTS = 32
+FORKED = "forked from the warm process"  # said of a start `live_spares.Starts` forked
 
 class LiveStoreLostError(RuntimeError):
     """This node's agent lost the job's store (node 0's agent) and stopped its workers."""
@@ -196,8 +197,9 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             if spare is not None:  # built and waiting: the next generation takes it at once
                 adopt(self, local_rank, spare[0])
                 where = f", memory cgroup {spare[2]}" if spare[2] else ""
+                forked = FORKED + ", " if spare[3] else ""
                 print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go "
-                      f"on, warm spare pid {spare[0].pid} ({_forked(spare[3])}waiting for "
+                      f"on, warm spare pid {spare[0].pid} ({forked}waiting for "
                       f"{time.monotonic() - spare[1]:.1f} s{where}) takes its place",
                       file=sys.stderr, flush=True)
                 continue
@@ -206,8 +208,7 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             new, forked = respawn(self, local_rank, {REPLACEMENT_ENV: str(count[0])}, starts)
             print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go on, "
                   f"replacement {count[0]} of at most {max_replacements} started (pid "
-                  f"{new.pid}{', ' + _forked(forked)[:-2] if forked else ''})", file=sys.stderr,
-                  flush=True)
+                  f"{new.pid}{', ' + FORKED if forked else ''})", file=sys.stderr, flush=True)
         if warm.count and not stopping[0]:
             warm.keep_up(self, departed, may_start)
         original(self, done_local_ranks)
@@ -243,10 +244,6 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             warm.close(grace_s=3)
             starts.close()
             departed.close()
-
-
-def _forked(forked: bool) -> str:
-    return "forked from the warm process, " if forked else ""
 
 
 def _stop_node(context: Any, warm: Spares, watch: StoreWatch, silent_s: float) -> None:
