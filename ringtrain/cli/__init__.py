@@ -24,6 +24,7 @@ is `ringtrain.launch.launcher`. The CLI is the top: it may import most packages
 
 from __future__ import annotations
 
+import os
 import sys
 
 _USAGE = """usage: ringtrain {run,train,prepare,sample,export,explain,plan} ...
@@ -83,6 +84,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ringtrain: unknown command {command!r}; expected 'run', 'train', 'prepare', "
           f"'sample', 'export', 'explain' or 'plan'\n\n{_USAGE}", file=sys.stderr)
     return 2
+
+
+def run_and_end() -> None:
+    """`python -m ringtrain`: run the command; a launched worker then ends at once, its results
+    and output flushed.
+
+    Everything a worker must leave behind (summary.json, report.png, snapshots, metrics) is
+    written and fsynced before `main` returns, and the process group is torn down. What
+    remains is interpreter shutdown, in which a communication thread of torch's can still
+    abort the process (SIGABRT) and turn a finished run into a failed one: a worker skips it.
+    """
+    from ringtrain.launch.ending import end_now, exit_code
+
+    code = exit_code(main)
+    if "LOCAL_RANK" not in os.environ:  # not a launched worker: an ordinary exit
+        sys.exit(code)
+    end_now(code)
 
 
 if __name__ == "__main__":

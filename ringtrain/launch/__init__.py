@@ -22,6 +22,8 @@ Read in this order:
   barrier).
 - `live_spares.py`, `zygote.py`, `zygote_server.py`: how a live job starts a process again:
   warm spares, and forks of a warm process that imported torch once.
+- `ending.py`: how a worker process ends (its exit code as the interpreter would give it, then
+  no interpreter shutdown): `python -m ringtrain`'s workers and the warm process's forks.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.store_keys`. Never the trainer, a strategy or the snapshot code: the launcher runs

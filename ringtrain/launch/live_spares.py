@@ -59,15 +59,13 @@ class Starts:
         if self.off is not None or self.zygote is not None:
             return
         command = worker_command(context, 0, {})
-        args, env, cgroup = _unwrapped(command.args, command.env)
+        args, env, _ = _unwrapped(command.args, command.env)  # memory_exec's MALLOC_ENV in env
         parsed = forkable(args)
         if parsed is None:
             self._give_up(f"the workers' command is not `python -m MODULE` or a script: "
                           f"{list(command.args)[:4]}")
             return
         preload = PRELOAD + (PRELOAD_RINGTRAIN if parsed[1] == ("module", "ringtrain") else ())
-        if cgroup is not None:
-            env = {**env, **memory_exec.MALLOC_ENV}
         try:
             self.zygote = Zygote(parsed[0], env, preload)
         except (ZygoteError, OSError) as e:

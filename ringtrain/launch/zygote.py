@@ -165,9 +165,7 @@ class Zygote:
         if self.info is None and self.proc.poll() is None:
             try:
                 data = self._sock.recv(4096, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return False
-            except OSError:
+            except OSError:  # nothing yet (BlockingIOError), or the socket is gone
                 return False
             if data:
                 self.info = json.loads(data)

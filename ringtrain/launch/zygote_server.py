@@ -29,8 +29,9 @@ import socket
 import sys
 import threading
 import time
-import traceback
 import warnings
+
+from ringtrain.launch.ending import end_now, exit_code
 
 PR_SET_PDEATHSIG = 1
 MAX_MESSAGE = 1 << 20  # a request: an environment of a few KB, a command line
@@ -120,27 +121,16 @@ def run(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     sys.argv = list(request["argv"])
     kind, name = request["target"]
-    code = 0
-    try:
+
+    def command() -> None:
         if kind == "module":  # as `python -m`: the working directory first on the path
             sys.path[0] = request["cwd"]
             runpy.run_module(name, run_name="__main__", alter_sys=True)
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(name))
             runpy.run_path(name, run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - reported as the interpreter would
-        traceback.print_exc()
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)  # not the warm process's shutdown: nothing of it is this child's to run
+
+    end_now(exit_code(command))  # not the warm process's shutdown: none of it is this child's
 
 
 def main() -> None:
