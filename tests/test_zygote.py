@@ -6,7 +6,8 @@ Forking makes the forking process a subreaper, so the forks run in a driver proc
 own (`DRIVER`), not in pytest's: it prints one JSON line per fork, checked here. Each fork must
 look like `Popen(command, env=..., cwd=..., stdout=..., start_new_session=True)`: its arguments,
 environment, working directory, output files and exit code (a raise: 1, a kill: -9), a session
-of its own, this driver as its parent; and find torch imported already.
+of its own, this driver as its parent; and find torch imported already. CPU only: no process
+group, no device (the warm process never touches CUDA; it refuses to fork once it has).
 """
 
 from __future__ import annotations
