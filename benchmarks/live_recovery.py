@@ -166,7 +166,7 @@ class Job:
         self._read_to: dict[Path, int] = {}  # per file: bytes parsed
         # A warm process per host forks replacements and spares, as `ringtrain train --live`'s
         # agent does (ringtrain.launch.live_spares): started with the job where it has spares
-        # (which are forked once it is ready), else at the first fault (whose replacements
+        # (the first ones start cold beside it), else at the first fault (whose replacements
         # start cold). None for --cold-starts or the restart path.
         self.forks = mode == "live" and not a.cold_starts
         self.zygotes: dict[str, Zygote] = {}
@@ -197,8 +197,6 @@ class Job:
         env = self.env(host)
         command = [sys.executable, str(WORKER), json.dumps(config)]
         zygote = self.zygote(host) if self.forks and (self.started or spare) else None
-        if zygote is not None and spare and not self.started:
-            _wait(zygote.ready, 120)  # the job's first spares: forked, as the agent's are
         if zygote is not None and zygote.ready():
             with open(self.out / f"{self.name}.log", "a") as log:
                 proc = zygote.fork(command, env, stdout=log, stderr=subprocess.STDOUT,

@@ -88,8 +88,10 @@ class Starts:
 
     def start(self, context: Any, local_rank: int, env: dict[str, str]
               ) -> tuple[subprocess.Popen, bool]:
-        """`local_rank`'s command started once more, `env` on top: (process, forked)."""
+        """`local_rank`'s command started once more, `env` on top: (process, forked). Cold
+        while the zygote still imports: a process is wanted now, not once it is ready."""
         self.warm(context)
+        self.warming()  # gives up a zygote that exited or hangs, saying so
         if self.zygote is not None and self.off is None and self.zygote.ready():
             command = worker_command(context, local_rank, env)
             args, full_env, cgroup = _unwrapped(command.args, command.env)
@@ -145,8 +147,10 @@ class Spares:
 
     def keep_up(self, context: Any, departed: StoreWatch, may_start) -> None:
         """Restart the spares that died; start the missing ones while `may_start()` (it counts
-        every start after the first `count` against the job's replacements). While the zygote
-        imports, none starts: a fork then is ready sooner than a cold start now."""
+        every start after the first `count` against the job's replacements). The job's first
+        spares start cold (the zygote starts with them and imports meanwhile): forked once it
+        is ready they were built later than the workers, and a fault in the first steps found
+        none waiting (seen under load in tests/test_live_train.py)."""
         for item in [i for i in self.procs if i[0].poll() is not None]:
             self.procs.remove(item)
             proc = item[0]
@@ -158,8 +162,6 @@ class Spares:
                   f"{proc.returncode} while it waited; starting another", file=sys.stderr,
                   flush=True)
         self.starts.warm(context)
-        if self.starts.warming():
-            return
         while not self.over and len(self.procs) < self.count and \
                 (self.started < self.count or may_start()):
             local = self.started % len(context.envs)  # one slot's environment, in turn
