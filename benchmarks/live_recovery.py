@@ -135,9 +135,9 @@ def parse(argv=None) -> argparse.Namespace:
                    "imports torch and builds its model at nice 19, then trains at nice 0: on a "
                    "cluster it starts on cores of its own, here its start takes the survivors'")
     p.add_argument("--cold-starts", action="store_true",
-                   help="start replacements and spares as new processes (importing torch "
-                   "first), as `ringtrain train --live` did before session 20; by default they "
-                   "are forked from a warm process per host, as its agent does now")
+                   help="start every process as a new interpreter (importing torch first), as "
+                   "`ringtrain run --cold-starts` does; by default each is forked from a warm "
+                   "process per host, as `ringtrain run`'s agent does")
     p.add_argument("--keep", help="keep the workers' logs and records in this directory")
     a = p.parse_args(argv)
     a.kinds = a.kinds.split(",")
@@ -164,11 +164,10 @@ class Job:
         self.started = False  # whether the job's first processes are all started
         self._records: list[dict] = []  # parsed so far (`records`)
         self._read_to: dict[Path, int] = {}  # per file: bytes parsed
-        # A warm process per host forks replacements and spares, as `ringtrain train --live`'s
-        # agent does (ringtrain.launch.live_spares): started with the job where it has spares
-        # (the first ones start cold beside it), else at the first fault (whose replacements
-        # start cold). None for --cold-starts or the restart path.
-        self.forks = mode == "live" and not a.cold_starts
+        # A warm process per host forks every worker, the job's first ones, a restart's,
+        # replacements and spares, as `ringtrain run`'s agent does (ringtrain.launch.starts):
+        # started with the job, which waits until it is ready. None for --cold-starts.
+        self.forks = not a.cold_starts
         self.zygotes: dict[str, Zygote] = {}
 
     def env(self, host) -> dict[str, str]:
@@ -196,7 +195,11 @@ class Job:
                   "renice": bool(self.a.niced_start and self.started)}
         env = self.env(host)
         command = [sys.executable, str(WORKER), json.dumps(config)]
-        zygote = self.zygote(host) if self.forks and (self.started or spare) else None
+        zygote = self.zygote(host) if self.forks else None
+        deadline = time.monotonic() + 120
+        while zygote is not None and not zygote.ready() and time.monotonic() < deadline and \
+                zygote.proc.poll() is None:
+            time.sleep(0.01)
         if zygote is not None and zygote.ready():
             with open(self.out / f"{self.name}.log", "a") as log:
                 proc = zygote.fork(command, env, stdout=log, stderr=subprocess.STDOUT,
@@ -216,11 +219,11 @@ class Job:
 
     def start_all(self) -> None:
         a, b = self.hosts
-        for rank, host in enumerate((a, a, b, b)):
-            self.start(host, rank)
-        if self.forks and self.spares:
+        if self.forks:
             for host in (a, b):  # both warm processes import at once
                 self.zygote(host)
+        for rank, host in enumerate((a, a, b, b)):
+            self.start(host, rank)
         for host in (a, b):
             for _ in range(self.spares):
                 self.start(host, spare=True)

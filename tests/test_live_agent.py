@@ -47,11 +47,11 @@ def _context(*procs: _Proc) -> SimpleNamespace:
 def respawned(monkeypatch) -> list[int]:
     started: list[int] = []
 
-    def respawn(context, local_rank, env, starts):
+    def respawn(context, local_rank, env):
         started.append(local_rank)
         new = _Proc(1000 + local_rank)
         context.subprocess_handlers[local_rank].proc = new
-        return new, False
+        return new
 
     monkeypatch.setattr(live_agent, "respawn", respawn)
     return started
@@ -67,7 +67,7 @@ def _poll(context) -> None:
 def test_a_worker_killed_by_a_signal_is_replaced_and_the_job_goes_on(respawned):
     killed, alive = _Proc(10, -signal.SIGKILL), _Proc(11)
     context = _context(killed, alive)
-    with live_agent.replacing_lost_workers(fork=False):
+    with live_agent.replacing_lost_workers():
         _poll(context)
     assert respawned == [0] and context._failures == {}
     assert context.subprocess_handlers[0].proc.pid == 1000
@@ -78,7 +78,7 @@ def test_no_replacement_while_the_job_stops_on_an_exception(respawned):
     and polls again; that death is the stop's, not a fault to replace."""
     raised, survivor = _Proc(10, 1), _Proc(11)
     context = _context(raised, survivor)
-    with live_agent.replacing_lost_workers(fork=False):
+    with live_agent.replacing_lost_workers():
         _poll(context)  # the exception: recorded as the job's failure
         assert set(context._failures) == {0}
         survivor.code = -signal.SIGKILL  # torch's close(): SIGTERM ignored, then SIGKILL
@@ -100,7 +100,7 @@ def test_a_killed_worker_gets_a_waiting_spare_and_a_dead_spare_is_started_again(
     monkeypatch.setattr(live_agent, "respawn", lambda *a: pytest.fail("no respawn with a spare"))
     first, second = _Proc(10), _Proc(11)
     context = _context(first, second)
-    with live_agent.replacing_lost_workers(spares=1, fork=False):
+    with live_agent.replacing_lost_workers(spares=1):
         _poll(context)  # the job started: one spare, marked as one
         assert [env[live_agent.SPARE_ENV] for env, _ in spawned] == ["1"]
         second.code = -signal.SIGKILL

@@ -165,7 +165,7 @@ def test_a_worker_killed_on_node_b_is_replaced_there_and_the_run_is_the_fault_fr
     assert survivor["members"] == replacement["members"] == 2
     # Host b's agent found the death and started the replacement there; host a's did nothing.
     said = (f"rank 1 (pid {killed['pid']}) killed by SIGKILL; the others go on, replacement 1 "
-            f"of at most 32 started (pid {replacement['pid']})")
+            f"of at most 32 started (pid {replacement['pid']}, forked from the warm process)")
     assert said in node_b, node_b[-3000:]
     assert "ringtrain run: live:" not in node_a, node_a[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ringtrain.launch import live_spares, memory_exec
+from ringtrain.launch import memory_exec, starts
 from ringtrain.launch.zygote import forkable
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +34,9 @@ CHILD = """
 import json, os, sys, time
 print(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "cwd": os.getcwd(),
                   "argv": sys.argv, "env": os.environ.get("ZYGOTE_TEST"),
-                  "torch": "torch" in sys.modules, "path0": sys.path[0]}), flush=True)
+                  "torch": "torch" in sys.modules, "path0": sys.path[0],
+                  "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").decode()
+                  .split("\\0")}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 code = int(sys.argv[1])
 if code == 99:
@@ -98,6 +100,8 @@ def test_a_fork_is_the_command_started_with_its_env_cwd_output_and_exit_code(tmp
         assert said["env"] == f"env-{code}" and said["cwd"] == str(tmp_path)
         assert said["path0"] == str(tmp_path)  # as `python SCRIPT`: the script's directory
         assert said["torch"] is True  # imported once, in the warm process
+        # as `ps` and `pgrep -f` see it: the command, not the warm process's
+        assert said["cmdline"] == [sys.executable, "-u", str(tmp_path / "child.py"), str(code)]
         assert "to stderr" in text  # stderr=STDOUT
     assert "ValueError: raised in the child" in (tmp_path / "out-99.txt").read_text()
     print("fork seconds:", [round(f["forked_s"], 3) for f in forks.values()])
@@ -151,33 +155,91 @@ def test_forkable_commands(command, expected):
     assert forkable(command) == expected
 
 
-def test_memory_execs_command_forks_as_the_module_it_execs_joining_its_cgroup():
-    env = {"RINGTRAIN_MEMORY_CGROUP": "/sys/fs/cgroup/x", "LOCAL_RANK": "1"}
-    args, got_env, procs = live_spares._unwrapped(
-        ("/usr/bin/python3", "-u", memory_exec.__file__, "train", "--live"), env)
-    assert args == ["/usr/bin/python3", "-u", "-m", "ringtrain", "train", "--live"]
-    assert procs == "/sys/fs/cgroup/x/rank1/cgroup.procs"
-    assert got_env["MALLOC_MMAP_THRESHOLD_"] == str(1 << 20)
-    spare = {**env, "RINGTRAIN_MEMORY_SLOT": "spare2"}
-    assert live_spares._unwrapped(("/usr/bin/python3", "-u", memory_exec.__file__), spare)[2] == \
-        "/sys/fs/cgroup/x/spare2/cgroup.procs"
-    assert live_spares._unwrapped(("/usr/bin/python3", "-u", "-m", "ringtrain"), env)[2] is None
+def test_under_a_memory_limit_every_start_is_cold_and_a_live_job_says_why():
+    """A fork's pages shared with the warm process would be charged to its cgroup."""
+    started = []
+    job = starts.Starts(live=True)
+    proc = job.start(lambda a, e: started.append(a) or SimpleNamespace(pid=1, args=a),
+                     ("/usr/bin/python3", "-u", memory_exec.__file__, "train"), {}, None, None)
+    assert started and not starts.forked(proc) and job.zygote is None
+    assert "--memory-limit" in job.off
 
 
-def test_a_command_the_zygote_cannot_run_starts_cold_and_says_why_once(capsys):
+@pytest.mark.parametrize("live", [True, False])
+def test_a_command_the_zygote_cannot_run_starts_cold_and_a_live_job_says_why_once(capsys, live):
     started = []
 
     def popen(args, env):
         started.append(args)
         return SimpleNamespace(pid=1, args=args)
 
-    handler = SimpleNamespace(proc=SimpleNamespace(args=("/bin/true", "x")), _stdout=None,
-                              _stderr=None, _popen=popen)
-    context = SimpleNamespace(subprocess_handlers={0: handler}, envs={0: {}})
-    starts = live_spares.Starts()
+    job = starts.Starts(live=live)
     for _ in range(2):
-        proc, forked = starts.start(context, 0, {"A": "1"})
-        assert not forked and proc.args == ("/bin/true", "x")
-    assert len(started) == 2
+        proc = job.start(popen, ("/bin/true", "x"), {"A": "1"}, None, None)
+        assert not starts.forked(proc) and proc.args == ("/bin/true", "x")
+    assert len(started) == 2 and job.zygote is None
     said = capsys.readouterr().err
-    assert said.count("start cold") == 1 and "not `python -m MODULE` or a script" in said
+    if live:
+        assert said.count("start cold") == 1 and "not `python -m MODULE` or a script" in said
+    else:  # any other job starts cold as torchrun would, silently
+        assert said == ""
+
+
+WORKER = """
+import json, os, sys
+preloaded = "torch" in sys.modules  # before this script imported anything of its own
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+with open(os.path.join(sys.argv[1], f"{attempt}-{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"preloaded": preloaded, "ppid": os.getppid()}, f)
+sys.exit(3 if attempt == 0 and os.environ["RANK"] == "1" else 0)
+"""
+
+
+def test_a_users_script_under_ringtrain_run_starts_as_torchrun_starts_it(tmp_path):
+    """Not forked outside a live job (its atexit handlers, shutdown and import-time environment
+    are a fresh interpreter's), at the start and at a restart; the launcher's children."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    run = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "--nproc-per-node", "2", "--max-restarts",
+         "1", str(tmp_path / "worker.py"), str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    said = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*-*.json")}
+    assert sorted(said) == ["0-0", "0-1", "1-0", "1-1"]  # rank 1 failed once: one restart
+    assert len({s["ppid"] for s in said.values()}) == 1
+    assert not any(s["preloaded"] for s in said.values()), said
+    assert "start cold" not in run.stderr
+
+
+def _children(pid: int) -> list[str]:
+    """The command lines of `pid`'s children now."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append((entry / "cmdline").read_bytes().rstrip(b"\0")
+                             .replace(b"\0", b" ").decode())
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_ringtrain_train_workers_are_forked_from_the_jobs_warm_process(tmp_path, cold):
+    """`ringtrain train`'s workers are the launcher's children, as `ps` names them, started by
+    its warm process (alive beside them for restarts); --cold-starts: none."""
+    job = subprocess.Popen(
+        [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", "--steps", "60",
+         "--run-dir", str(tmp_path / "run"), *(["--cold-starts"] if cold else [])],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    seen: set[str] = set()
+    while job.poll() is None:
+        seen.update(_children(job.pid))
+        time.sleep(0.1)
+    out = job.stdout.read()
+    assert job.returncode == 0, out[-3000:]
+    workers = [c for c in seen if " -m ringtrain train" in c and "zygote" not in c]
+    assert workers, seen  # named as `python -u -m ringtrain train`, whoever started them
+    assert any("ringtrain.launch.zygote_server" in c for c in seen) is not cold, seen

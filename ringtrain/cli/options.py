@@ -102,6 +102,9 @@ class LaunchOptions:
                               "at once instead of after a process start (~2.5 s here); each "
                               "holds a worker's memory while it waits", type=_non_negative,
                               metavar="N", launcher=True)
+    cold_starts: bool = option(False, "start each worker as a fresh interpreter (~6 s of a core "
+                               "importing torch), not forked from a warm process that imported "
+                               "it once for the job (ringtrain.launch.starts)", launcher=True)
     nnodes: str = option("1", "machines in the job: N, or MIN:MAX (elastic)", launcher=True)
     node_rank: int = option(0, "this machine's index in [0, nnodes)", type=_non_negative,
                             launcher=True)

@@ -102,7 +102,8 @@ def relaunch(opts: TrainOptions, started_at: float) -> int:
                     rdzv_endpoint=launch.rdzv_endpoint, run_id=run_id,
                     tolerate_ranks=tolerated_ranks(opts),
                     shutdown_timeout=launch.shutdown_timeout, live=launch.live,
-                    live_spares=launch.live_spares, memory=limit.cgroups))
+                    live_spares=launch.live_spares, memory=limit.cgroups,
+                    cold_starts=launch.cold_starts))
             finally:  # for the workers only: this process (a test's) may run another job
                 os.environ.pop(CONFIG_ENV, None)
     except CgroupUnavailable as e:

@@ -20,8 +20,9 @@ Read in this order:
 - `live_agent.py`, `live_store.py`: `--live`: the agent replaces a lost worker in place; its
   line to the job's store (lost members, across nodes the store's silence and the agents' exit
   barrier).
-- `live_spares.py`, `zygote.py`, `zygote_server.py`: how a live job starts a process again:
-  warm spares, and forks of a warm process that imported torch once.
+- `starts.py`, `zygote.py`, `zygote_server.py`: how the agent starts a worker: a fork of a warm
+  process that imported torch once for the job (a restart, a replacement too).
+- `live_spares.py`: a live job's warm spares.
 - `ending.py`: how a worker process ends (its exit code as the interpreter would give it, then
   no interpreter shutdown): `python -m ringtrain`'s workers and the warm process's forks.
 

@@ -16,6 +16,7 @@ with the stack of its main thread (`describe_main_thread`), so the report shows 
 
 from __future__ import annotations
 
+import runpy
 import sys
 import threading
 import traceback
@@ -102,5 +103,9 @@ def describe_main_thread(rank: int) -> str:
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return ""
-    stack = "".join(traceback.format_stack(frame)).rstrip()
+    frames = traceback.extract_stack(frame)
+    # From the program's own first frame: a `python -m` run, and a process forked from a warm
+    # one (launch/zygote_server.py), start it through runpy, whose frames say nothing here.
+    ran = [i for i, f in enumerate(frames) if f.filename in ("<frozen runpy>", runpy.__file__)]
+    stack = "".join(traceback.format_list(frames[ran[-1] + 1:] if ran else frames)).rstrip()
     return f"Stack of rank {rank}'s main thread (where it is stuck):\n{stack}"

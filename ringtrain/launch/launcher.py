@@ -20,7 +20,10 @@ Parsing, rendezvous, worker start-up, monitoring and teardown are torch's
 - lets chosen ranks die without stopping the others (`launch(..., tolerate_ranks=...)`, used by
   `ringtrain train --strategy ps --ps-mode async` for its workers other than rank 0),
 - in live mode (`launch(..., live=True)`, `ringtrain train --live`) replaces a lost worker in
-  place while the others go on, and kills one its peers found hung (`live_agent.py`).
+  place while the others go on, and kills one its peers found hung (`live_agent.py`),
+- starts `ringtrain train`'s workers (and a live job's replacements) as forks of a warm process
+  that imported torch once for the job, not as fresh interpreters (`starts.py`;
+  `--cold-starts`: torchrun's way).
 
     from ringtrain.launch.launcher import record
     @record                          # the launcher then prints this worker's traceback
@@ -68,6 +71,7 @@ from ringtrain.launch.rendezvous import (
     _multi_node_addresses,
     _single_node_rendezvous,
 )
+from ringtrain.launch.starts import forked_worker_starts
 
 __all__ = ["ChildFailedError", "format_failure", "get_args_parser", "launch",
            "main", "record", "root_cause"]
@@ -94,6 +98,12 @@ def get_args_parser():
              "collective the others wait in is named and every rank stopped; the script must "
              "start its group with ringtrain.init_distributed(); 0 turns it off "
              f"(default {DEFAULT_WATCHDOG_TIMEOUT_S:g})")
+    parser.add_argument(
+        "--cold-starts", "--cold_starts", action="store_true",
+        help="(ringtrain) start `ringtrain train`'s workers, and a live job's replacements, as "
+             "fresh interpreters, as torchrun does (~6 s of a core importing torch each), not "
+             "forked from a warm process that imported it once for the job (a user's script in "
+             "any other job always starts fresh)")
     parser.description = (
         "Launch a script on N processes per node with torch's elastic agent (torchrun's flags). "
         "On a single node a free port is picked automatically. When a worker fails, all "
@@ -189,6 +199,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         with contextlib.ExitStack() as stack:
             stack.enter_context(_quiet_torch_logs())
             stack.enter_context(tolerating(tolerate_ranks))
+            stack.enter_context(forked_worker_starts(fork=not args.cold_starts, live=live))
             if live:
                 stack.enter_context(replacing_lost_workers(spares=live_spares, memory=memory))
             if multi_node:
@@ -289,6 +300,7 @@ def launch(
     live: bool = False,
     live_spares: int = 0,
     memory: MemoryCgroups | None = None,
+    cold_starts: bool = False,
 ) -> int:
     """Run `entrypoint` on `nproc_per_node` workers here (and join `nnodes` nodes); return the
     exit code.
@@ -316,6 +328,8 @@ def launch(
             place is taken by one at once (`ringtrain.launch.live_agent`).
         memory: the workers' memory cgroups, when `entrypoint` joins them (`--memory-limit`,
             `ringtrain.launch.cgroup`): each live spare gets one of its own beside them.
+        cold_starts: start each worker as a fresh interpreter, not forked from the job's warm
+            process (`ringtrain.launch.starts`).
     """
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node}: start at least one worker per node")
@@ -326,6 +340,8 @@ def launch(
     argv = ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes),
             "--node-rank", str(node_rank), "--rdzv-backend", rdzv_backend,
             "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval)]
+    if cold_starts:
+        argv.append("--cold-starts")
     if rdzv_endpoint:
         argv += ["--rdzv-endpoint", rdzv_endpoint]
     if run_id:

@@ -21,8 +21,8 @@ mode the survivors recover by themselves (`ringtrain.live.LiveGroup`), so the ag
   lost worker's slot (`adopt`: torch polls and tears it down as that worker) and starts a new
   spare in the background. A spare that dies is started again (each start after the first N
   counts as a replacement); at the job's end the spares learn it is over and exit 0.
-  Replacements and spares are forked from a warm process that imported torch once where they
-  can be, else started cold (`live_spares.py` says when and why).
+  Replacements and spares are started as torch's agent starts its workers: forked from the
+  job's warm process where they can be (`starts.py` says when and why).
   Spares are plain subprocesses the agent owns, not workers of torch's group: a worker there
   has a rank in the rendezvous, a place in WORLD_SIZE and a failure policy that stops the job,
   none of which a process that may never train should have. Under `--memory-limit` each spare
@@ -74,14 +74,16 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ringtrain.launch.cgroup import MemoryCgroups
-from ringtrain.launch.live_spares import REPLACEMENT_ENV, SPARE_ENV, Spares, Starts
+from ringtrain.launch.live_spares import REPLACEMENT_ENV, SPARE_ENV, Spares
 from ringtrain.launch.live_store import StoreWatch
+from ringtrain.launch.starts import forked
 from ringtrain.torch_internals import (
     CAPTURE_PROCESS_FAILURES,
     EXIT_BARRIER,
     MONITOR_WORKERS,
     adopt,
     running_workers,
+    spawn_like,
     sync_worker_ids,
 )
 
@@ -100,13 +102,11 @@ class LiveJobFailedError(RuntimeError):
     """Another node's worker failed (an exception): this node's agent stopped its workers."""
 
 
-def respawn(context: Any, local_rank: int, env: dict[str, str], starts: Starts
-            ) -> tuple[subprocess.Popen, bool]:
-    """Start `local_rank`'s command again in its slot, `env` on top (a replacement):
-    (process, whether it was forked from the warm process)."""
-    proc, forked = starts.start(context, local_rank, env)
+def respawn(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """Start `local_rank`'s command again in its slot, `env` on top (a replacement)."""
+    proc = spawn_like(context, local_rank, env)
     adopt(context, local_rank, proc)
-    return proc, forked
+    return proc
 
 
 def _replaceable(exitcode: int) -> bool:
@@ -116,17 +116,15 @@ def _replaceable(exitcode: int) -> bool:
 
 @contextlib.contextmanager
 def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: int = 0,
-                           memory: MemoryCgroups | None = None, fork: bool = True
-                           ) -> Iterator[None]:
+                           memory: MemoryCgroups | None = None) -> Iterator[None]:
     """Inside: the agent replaces a lost worker in place (by one of `spares` warm spares where
     one waits) and kills a member found hung (see the module docstring); every other failure
     stops the job as torch's agent does. `memory`: the workers' cgroups (`--memory-limit`),
-    beside which each spare gets its own. `fork`: new processes are forked from a warm one
-    where they can be (`live_spares.Starts`); False: always started cold."""
+    beside which each spare gets its own. New processes start as the job's workers do (forked
+    inside `starts.forked_worker_starts`)."""
     original = CAPTURE_PROCESS_FAILURES.get()
     departed = StoreWatch()
-    starts = Starts(fork)
-    warm = Spares(spares, starts, memory)
+    warm = Spares(spares, memory)
     count = [0]
 
     def may_start() -> bool:
@@ -197,18 +195,19 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             if spare is not None:  # built and waiting: the next generation takes it at once
                 adopt(self, local_rank, spare[0])
                 where = f", memory cgroup {spare[2]}" if spare[2] else ""
-                forked = FORKED + ", " if spare[3] else ""
+                started = FORKED + ", " if spare[3] else ""
                 print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go "
-                      f"on, warm spare pid {spare[0].pid} ({forked}waiting for "
+                      f"on, warm spare pid {spare[0].pid} ({started}waiting for "
                       f"{time.monotonic() - spare[1]:.1f} s{where}) takes its place",
                       file=sys.stderr, flush=True)
                 continue
             if not may_start():
                 continue
-            new, forked = respawn(self, local_rank, {REPLACEMENT_ENV: str(count[0])}, starts)
+            new = respawn(self, local_rank, {REPLACEMENT_ENV: str(count[0])})
             print(f"ringtrain run: live: rank {rank} (pid {proc.pid}) {how}; the others go on, "
                   f"replacement {count[0]} of at most {max_replacements} started (pid "
-                  f"{new.pid}{', ' + FORKED if forked else ''})", file=sys.stderr, flush=True)
+                  f"{new.pid}{', ' + FORKED if forked(new) else ''})", file=sys.stderr,
+                  flush=True)
         if warm.count and not stopping[0]:
             warm.keep_up(self, departed, may_start)
         original(self, done_local_ranks)
@@ -242,7 +241,6 @@ def replacing_lost_workers(max_replacements: int = MAX_REPLACEMENTS, *, spares: 
             yield
         finally:  # the job is over (done, failed or stopped): no spare outlives it
             warm.close(grace_s=3)
-            starts.close()
             departed.close()
 
 

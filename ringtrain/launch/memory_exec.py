@@ -5,10 +5,10 @@
 Run as a script, before anything is imported: memory a process allocated before it joined a
 cgroup stays charged where it was, so the worker joins `$RINGTRAIN_MEMORY_CGROUP/rank{LOCAL_RANK}`
 first and only then execs `python -u -m ringtrain ARGS` (same pid, same cgroup); a live job's
-warm spare joins the cgroup of its own that `$RINGTRAIN_MEMORY_SLOT` names instead. A live job's
-process forked from a warm one (`live_spares.py`) does the same itself, with `cgroup_procs` and
-`MALLOC_ENV` from here. Only the standard library here: run as a script, it runs before any of
-ringtrain is imported. See `cgroup.py`.
+warm spare joins the cgroup of its own that `$RINGTRAIN_MEMORY_SLOT` names instead. Never forked
+from a warm process (`starts.py`): pages shared with it would be charged to its cgroup. Only
+the standard library here: run as a script, it runs before any of ringtrain is imported. See
+`cgroup.py`.
 """
 
 import os
@@ -16,8 +16,7 @@ import sys
 
 # glibc raises its mmap threshold as large blocks are freed, after which freed tensors stay in
 # its heap: the cgroup would charge memory the worker no longer uses. A fixed threshold (which
-# turns that off) returns every freed tensor over 1 MiB to the kernel. Read when glibc starts:
-# a process forked from a warm one (ringtrain.launch.zygote) has its zygote's.
+# turns that off) returns every freed tensor over 1 MiB to the kernel. Read when glibc starts.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 

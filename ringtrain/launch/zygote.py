@@ -13,14 +13,16 @@ cores the job shares with it much more (~30 s at nice 19 in benchmarks/live_reco
 of the 10-s-fault runs' loss). The zygote (`zygote_server.py`) imports once; each fork is a copy
 with the imports done, which only builds its model and joins.
 
-What a forked process is, compared with `Popen(command, env=env, start_new_session=True)`:
-the same interpreter, flags, arguments, environment, working directory, output files and (with
-`cgroup_procs`) memory cgroup; a session of its own; stdin /dev/null. It is this process's child
-(the zygote double-forks and this process is a subreaper, `become_subreaper`), so its exit code
-is read and its group signalled as a Popen's: `ForkedProcess` has Popen's `pid`, `args`,
-`returncode`, `poll`, `wait`, `send_signal`, `terminate` and `kill`. Any other descendant that
-is orphaned (a killed worker's own children) now comes to this process too, and stays a zombie
-until it exits (nothing waits for pids it does not know; the kernel reaps them then).
+What a forked process is, compared with `Popen(command, env=env, start_new_session=True)`: the
+same interpreter, flags, arguments, environment, working directory and output files; a session
+of its own; stdin /dev/null; its command line as `ps`
+and `pgrep -f` read it (up to `COMMAND_LINE_ROOM` bytes; the zygote's own is padded to that).
+It is this process's child (the zygote double-forks and this process is a subreaper,
+`become_subreaper`), so its exit code is read and its group signalled as a Popen's:
+`ForkedProcess` has Popen's `pid`, `args`, `returncode`, `poll`, `wait`, `send_signal`,
+`terminate` and `kill`. Any other descendant that is orphaned (a killed worker's own children)
+now comes to this process too, and stays a zombie until it exits (nothing waits for pids it
+does not know; the kernel reaps them then).
 
 Only a command of the form `PYTHON [-u] -m MODULE ARGS` or `PYTHON [-u] SCRIPT ARGS` forks
 (`forkable`), and only from a zygote of the same interpreter and flags. The environment a
@@ -46,6 +48,9 @@ from typing import IO
 __all__ = ["ForkedProcess", "Zygote", "ZygoteError", "become_subreaper", "forkable"]
 
 PR_SET_CHILD_SUBREAPER = 36
+# Bytes of command line a fork can show as its own (`ps`, `pgrep -f`, /proc/PID/cmdline): the
+# zygote's is padded to this, and each fork writes its command there (`zygote_server.retitle`).
+COMMAND_LINE_ROOM = 4096
 Target = tuple[str, str]  # ("module", "ringtrain") or ("script", "/path/to/worker.py")
 
 
@@ -154,7 +159,7 @@ class Zygote:
         try:
             self.proc = (popen or functools.partial(subprocess.Popen, start_new_session=True))(
                 [*self.interpreter, "-m", "ringtrain.launch.zygote_server",
-                 str(theirs.fileno()), *preload],
+                 str(theirs.fileno()), *preload, "--room", "." * COMMAND_LINE_ROOM],
                 env=dict(env), stdin=subprocess.DEVNULL, stderr=stderr,
                 pass_fds=[theirs.fileno()])
         finally:
@@ -173,13 +178,12 @@ class Zygote:
 
     def fork(self, command: Sequence[str], env: Mapping[str, str], *,
              cwd: str | None = None, stdout: IO | int | None = None,
-             stderr: IO | int | None = None, cgroup_procs: str | None = None,
+             stderr: IO | int | None = None,
              nice: int = 0, timeout: float = 10.0) -> ForkedProcess:
         """`command` started as a forked copy of the zygote (see the module docstring).
 
         stdout/stderr: a file, a descriptor, `subprocess.STDOUT` (stderr only) or None (this
-        process's own). cgroup_procs: a memory cgroup's `cgroup.procs`, joined before the
-        command runs. nice: the process's and its session's autogroup nice while it runs.
+        process's own). nice: the process's and its session's autogroup nice while it runs.
         Raises `ZygoteError` when it cannot (not ready, another interpreter, the zygote gone
         or refusing): start it as before then.
         """
@@ -195,8 +199,9 @@ class Zygote:
                               f"{self.proc.returncode})")
         out = _fd(stdout, 1)
         err = out if stderr == subprocess.STDOUT else _fd(stderr, 2)
-        request = {"argv": argv, "target": target, "env": dict(env), "cwd": cwd or os.getcwd(),
-                   "cgroup_procs": cgroup_procs, "nice": nice}
+        request = {"argv": argv, "command": [str(c) for c in command], "target": target,
+                   "env": dict(env), "cwd": cwd or os.getcwd(),
+                   "nice": nice}
         self._sock.settimeout(timeout)
         try:
             socket.send_fds(self._sock, [json.dumps(request).encode()], [out, err])

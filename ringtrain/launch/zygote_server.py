@@ -1,15 +1,16 @@
 """The warm process of `zygote.py`: imports once, then forks a ready copy per request.
 
-    python -u -m ringtrain.launch.zygote_server FD MODULE...   (started by `Zygote`, not by hand)
+    python -u -m ringtrain.launch.zygote_server FD MODULE... --room ....   (by `Zygote` only)
 
-FD is this end of the agent's socket pair (SOCK_SEQPACKET: one message a request). The server
-imports each MODULE, says {"ready": ...}, then answers each request {"argv", "env", "cwd",
-"target", "cgroup_procs", "nice"} (with the child's stdout and stderr passed as descriptors) with
+FD is this end of the agent's socket pair (SOCK_SEQPACKET: one message a request); `--room`
+pads this process's command line, which each child overwrites with its own (`retitle`). The
+server imports each MODULE, says {"ready": ...}, then answers each request {"argv", "command",
+"env", "cwd", "target", "nice"} (with the child's stdout and stderr passed as descriptors) with
 {"pid": P} or {"error": why}. Each child is forked twice so that the first child's exit leaves
 the second to the nearest subreaper above this process: the agent (`become_subreaper`), which
 can then wait for it, read its exit code and signal it as its own. The child, a process of its
-own session with its own environment, cwd, output and memory cgroup, runs the target as
-`python -m MODULE` or `python SCRIPT` would, with everything imported here already imported.
+own session with its own environment, cwd and output, runs the target as `python -m MODULE` or
+`python SCRIPT` would, with everything imported here already imported.
 
 Never touched here: CUDA (a forked CUDA context is unusable: `_unsafe` refuses to fork once it
 is initialised or its driver is loaded) and threads of Python's (a lock one holds at the fork
@@ -84,9 +85,11 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
         if middle == 0:  # the first child: fork the worker, say its pid, exit (orphaning it)
             sock.close()
             os.close(read)
+            me = os.getpid()
             child = os.fork()
             if child == 0:
                 os.close(write)
+                _reparented(me)
                 return request, fds
             os.write(write, str(child).encode())
             os._exit(0)
@@ -100,12 +103,18 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
         sock.send(json.dumps(reply).encode())
 
 
+def _reparented(middle: int, within_s: float = 5.0) -> None:
+    """Wait until the middle child has exited and this process is the agent's: the command may
+    ask to die with its parent (`ringtrain.launch.parent`), which must then be the agent, not
+    the middle child that is about to exit (its death would kill the worker at once)."""
+    deadline = time.monotonic() + within_s
+    while os.getppid() == middle and time.monotonic() < deadline:
+        time.sleep(0.0005)
+
+
 def run(request: dict, fds: list[int]) -> None:
     """Become the requested process (in the forked child) and run it to its exit code."""
     os.setsid()  # as Popen(start_new_session=True): the agent signals the whole group
-    if request.get("cgroup_procs"):  # first: what this process allocates is charged there
-        with open(request["cgroup_procs"], "w") as f:
-            f.write(str(os.getpid()))
     if request.get("nice"):  # the session's autogroup too: between sessions it is what counts
         if os.access("/proc/self/autogroup", os.W_OK):
             with open("/proc/self/autogroup", "w") as f:
@@ -120,6 +129,7 @@ def run(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = list(request["argv"])
+    retitle(request["command"])
     kind, name = request["target"]
 
     def command() -> None:
@@ -133,11 +143,30 @@ def run(request: dict, fds: list[int]) -> None:
     end_now(exit_code(command))  # not the warm process's shutdown: none of it is this child's
 
 
+def retitle(command: list[str]) -> None:
+    """Make `command` this process's command line as the kernel shows it (/proc/PID/cmdline:
+    `ps`, `pgrep -f`), written over the interpreter's original argument strings, which
+    nothing reads after start-up (CPython keeps copies): as much of it as the zygote's padded
+    command line holds, the rest NULs. Nothing where /proc does not say where they are."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49
+    except (OSError, IndexError, ValueError):
+        return
+    if not 0 < start < end:
+        return
+    data = b"\0".join(os.fsencode(a) for a in command)[:end - start - 1]
+    ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
+
+
 def main() -> None:
     _die_with_parent()
     sock = socket.socket(fileno=int(sys.argv[1]))
+    preload = sys.argv[2:sys.argv.index("--room")]
+    retitle(sys.orig_argv[:sys.orig_argv.index("--room")])  # the room stays, unshown
     started = time.monotonic()
-    for name in sys.argv[2:]:
+    for name in preload:
         importlib.import_module(name)
     sock.send(json.dumps({"ready": True, "pid": os.getpid(),
                           "import_s": round(time.monotonic() - started, 3)}).encode())

@@ -61,6 +61,7 @@ from ringtrain.torch_internals.elastic import matches_machine_hostname as matche
 from ringtrain.torch_internals.elastic import running_workers as running_workers
 from ringtrain.torch_internals.elastic import set_remaining_restarts as set_remaining_restarts
 from ringtrain.torch_internals.elastic import spawn_like as spawn_like
+from ringtrain.torch_internals.elastic import starting_workers_with as starting_workers_with
 from ringtrain.torch_internals.elastic import sync_worker_ids as sync_worker_ids
 from ringtrain.torch_internals.elastic import worker_command as worker_command
 from ringtrain.torch_internals.features import TESTED_TORCH as TESTED_TORCH

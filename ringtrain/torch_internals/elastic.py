@@ -6,7 +6,8 @@
   `ringtrain run` (ringtrain.launch.launcher);
 - `START_WORKERS`, `RESTART_WORKERS`, `set_remaining_restarts`: restarts counted for the job;
 - `spawn_like`, `worker_command`, `adopt`, `MONITOR_WORKERS`, `EXIT_BARRIER`, `sync_worker_ids`:
-  a lost worker replaced in place (`ringtrain train --live`, ringtrain.launch.live_agent).
+  a lost worker replaced in place (`ringtrain train --live`, ringtrain.launch.live_agent);
+  `starting_workers_with`: workers forked from a warm process (ringtrain.launch.starts).
 
 Each section says which names its feature needs and what it does without them
 (`features.py`: how a name is looked up, a feature switched off, a `PatchPoint` replaced).
@@ -14,8 +15,10 @@ Each section says which names its feature needs and what it does without them
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Callable, Iterator
 from typing import IO, Any, NamedTuple
 
 from ringtrain.torch_internals.features import Feature, lookup, patch_point, set_by_init
@@ -48,9 +51,11 @@ RDZV_REGISTRY = patch_point("torch.distributed.launcher.api.rdzv_registry", _RDZ
 # ---- tolerated ranks in `ringtrain run` (ringtrain.launch.launcher) -----------------------------
 
 _TOLERATE = Feature("tolerated ranks in `ringtrain run` (launch(..., tolerate_ranks=...), "
-                    "ringtrain.launch.launcher) and a lost worker replaced in place "
-                    "(`ringtrain train --live`, ringtrain.launch.live_agent)",
-                    "launch(..., tolerate_ranks=...) and --live are unavailable (they raise)")
+                    "ringtrain.launch.launcher), a lost worker replaced in place "
+                    "(`ringtrain train --live`, ringtrain.launch.live_agent) and workers forked "
+                    "from a warm process (ringtrain.launch.starts)",
+                    "launch(..., tolerate_ranks=...) and --live are unavailable (they raise); "
+                    "every worker starts as a fresh interpreter, as torchrun starts it")
 _MP_API = "torch.distributed.elastic.multiprocessing.api"
 #: `SubprocessContext._capture_process_failures(self, done_local_ranks)`: the step of the
 #: agent's poll that records each exited worker as finished or failed.
@@ -106,9 +111,11 @@ def set_remaining_restarts(agent: Any, remaining: int) -> None:
 
 # Its process-context half is the tolerated ranks' feature (the same classes), its agent half
 # the job's restarts' (the same agent); --live raises where either is off.
-#: `SubprocessHandler._popen(self, args, env)`: how the handler started its worker (`spawn_like`).
-_POPEN = lookup("torch.distributed.elastic.multiprocessing.subprocess_handler."
-                "subprocess_handler.SubprocessHandler._popen", _TOLERATE)
+#: `SubprocessHandler._popen(self, args, env)`: how the handler starts its worker (`spawn_like`),
+#: with its `_stdout` / `_stderr` files; replaced to fork workers from a warm process
+#: (ringtrain.launch.starts), which starts them cold where this feature is off.
+WORKER_POPEN = patch_point("torch.distributed.elastic.multiprocessing.subprocess_handler."
+                           "subprocess_handler.SubprocessHandler._popen", _TOLERATE)
 for _name in ("_stdout", "_stderr"):  # its output files (`worker_command`)
     set_by_init(_HANDLER, _name, _TOLERATE)
 
@@ -143,7 +150,7 @@ def sync_worker_ids(agent: Any, worker_group: Any) -> None:
 def worker_command(context: Any, local_rank: int, env: dict[str, str]) -> WorkerCommand:
     """How the agent started `local_rank`'s worker: its arguments, its environment with `env` on
     top, and its output files (None: the agent's own stdout / stderr)."""
-    if _POPEN is None:
+    if WORKER_POPEN.owner is None:
         _TOLERATE.require()
     handler = context.subprocess_handlers[local_rank]
     env = {**os.environ, **context.envs[local_rank], **env}
@@ -155,6 +162,21 @@ def spawn_like(context: Any, local_rank: int, env: dict[str, str]) -> subprocess
     output files, a session of its own), `env` on top; the agent sees it once `adopt`ed."""
     command = worker_command(context, local_rank, env)
     return context.subprocess_handlers[local_rank]._popen(command.args, command.env)
+
+
+@contextlib.contextmanager
+def starting_workers_with(start: Callable[..., Any]) -> Iterator[None]:
+    """Inside: torch's agent starts each worker's process as `start(popen, args, env, stdout,
+    stderr)` returns it: `popen(args, env)` is torch's own start, stdout / stderr the worker's
+    output files (None: the agent's own). Where the feature is off, torch's own start."""
+    original = WORKER_POPEN.get()
+
+    def popen(handler: Any, args: tuple, env: dict[str, str]) -> Any:
+        return start(lambda a, e: original(handler, a, e), args, env, handler._stdout,
+                     handler._stderr)
+
+    with WORKER_POPEN.replaced(popen):
+        yield
 
 
 def adopt(context: Any, local_rank: int, proc: subprocess.Popen) -> None:
