@@ -37,6 +37,11 @@ part() {  # part NAME SECONDS CMD...: at most SECONDS, and never past the budget
 }
 { nvidia-smi -L; python3 -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'; nproc; } >"$OUT/summary.log" 2>&1
 part install 120 python3 -m pip install -q --no-deps --no-build-isolation -e .
+# Whether the warm process's imports load the CUDA driver (then it cannot fork, and every
+# worker starts cold after waiting for it: ringtrain/launch/starts.py), and a 2-worker CUDA job
+# with forked workers (session 21).
+part zygote_cuda 60 python3 -c 'import ringtrain.launch.starts as s, importlib; [importlib.import_module(m) for m in s.PRELOAD + s.PRELOAD_RINGTRAIN]; import ringtrain.launch.zygote_server as z; print("fork refused:", z._unsafe())'
+part forked_cuda_job 90 python3 -m ringtrain train --nproc-per-node 2 --steps 20 --run-dir /tmp/forked_cuda
 part cuda_tests 100 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_cuda.py
 part cuda_named 80 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_async_snapshots.py \
     tests/test_checkpoint.py tests/test_step_loop.py tests/test_device.py
