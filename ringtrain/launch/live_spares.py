@@ -1,8 +1,8 @@
 """A live job's warm spares (`ringtrain train --live-spares N`), kept at N until the job ends.
 
 A lost worker's replacement, or a new warm spare, is the worker's command started once more as
-torch's agent starts its workers (`spawn_like`): inside `starts.forked_worker_starts` (every
-`ringtrain run` job) a fork of the job's warm process, which only builds its model and joins
+torch's agent starts its workers (`spawn_like`, through `starts.forked_worker_starts`): a fork
+of the job's warm process where it can be (`starts.py`), which only builds its model and joins
 (measured alone: a whole `ringtrain train --steps 1` ran in 1.8 s forked against 6.9 s cold; a
 cold spare at nice 19 on cores the job kept busy took ~30 s). See `live_agent.py` for how the
 agent uses them.
