@@ -189,9 +189,16 @@ WORKER = """
 import json, os, sys
 preloaded = "torch" in sys.modules  # before this script imported anything of its own
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-with open(os.path.join(sys.argv[1], f"{attempt}-{os.environ['RANK']}.json"), "w") as f:
+path = os.path.join(sys.argv[1], f"{attempt}-{os.environ['RANK']}.json")
+with open(path + ".tmp", "w") as f:
     json.dump({"preloaded": preloaded, "ppid": os.getppid()}, f)
-sys.exit(3 if attempt == 0 and os.environ["RANK"] == "1" else 0)
+os.replace(path + ".tmp", path)  # whole when seen
+if attempt == 0 and os.environ["RANK"] == "1":  # fails once rank 0 has said its part
+    import time
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(sys.argv[1], "0-0.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sys.exit(3)
 """
 
 
