@@ -86,7 +86,7 @@ class Starts:
                           "would be charged to the warm process's cgroup, not the worker's")
             return False
         if parsed[1] != ("module", "ringtrain") and not self.live:
-            self._give_up("a script of the user's starts as torchrun starts it")
+            self._give_up("a user's program outside a live job starts as torchrun starts it")
             return False
         if self.zygote is None:
             preload = PRELOAD + (PRELOAD_RINGTRAIN if parsed[1] == ("module", "ringtrain")
