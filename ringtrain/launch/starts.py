@@ -69,7 +69,7 @@ class Starts:
         if self.off is None and self._ready(command, env):
             try:
                 return self.zygote.fork(command, env, stdout=stdout, stderr=stderr)
-            except ZygoteError as e:
+            except (ZygoteError, OSError) as e:  # OSError: the fork gone before it was checked
                 self._give_up(str(e))
         return popen(args, env)
 
