@@ -196,11 +196,7 @@ class Job:
         env = self.env(host)
         command = [sys.executable, str(WORKER), json.dumps(config)]
         zygote = self.zygote(host) if self.forks else None
-        deadline = time.monotonic() + 120
-        while zygote is not None and not zygote.ready() and time.monotonic() < deadline and \
-                zygote.proc.poll() is None:
-            time.sleep(0.01)
-        if zygote is not None and zygote.ready():
+        if zygote is not None and zygote.wait_ready(120):
             with open(self.out / f"{self.name}.log", "a") as log:
                 proc = zygote.fork(command, env, stdout=log, stderr=subprocess.STDOUT,
                                    nice=19 if config["renice"] else 0)

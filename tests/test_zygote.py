@@ -1,4 +1,4 @@
-"""Processes forked from a warm one (`ringtrain.launch.zygote`), and a live agent's starts.
+"""Processes forked from a warm one (`ringtrain.launch.zygote`), and the agent's starts.
 
     .venv/bin/pytest -q tests/test_zygote.py
 
@@ -7,7 +7,9 @@ own (`DRIVER`), not in pytest's: it prints one JSON line per fork, checked here.
 look like `Popen(command, env=..., cwd=..., stdout=..., start_new_session=True)`: its arguments,
 environment, working directory, output files and exit code (a raise: 1, a kill: -9), a session
 of its own, this driver as its parent; and find torch imported already. CPU only: no process
-group, no device (the warm process never touches CUDA; it refuses to fork once it has).
+group, no device (the warm process never touches CUDA; it refuses to fork once it has), except
+the `ringtrain train` job at the end: gloo on the CPU, asked for (with a GPU visible, "auto"
+would pick NCCL).
 """
 
 from __future__ import annotations
@@ -238,7 +240,8 @@ def test_ringtrain_train_workers_are_forked_from_the_jobs_warm_process(tmp_path,
     its warm process (alive beside them for restarts); --cold-starts: none."""
     job = subprocess.Popen(
         [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", "--steps", "60",
-         "--run-dir", str(tmp_path / "run"), *(["--cold-starts"] if cold else [])],
+         "--device", "cpu", "--backend", "gloo", "--run-dir", str(tmp_path / "run"),
+         *(["--cold-starts"] if cold else [])],
         env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     seen: set[str] = set()

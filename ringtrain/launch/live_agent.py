@@ -92,7 +92,7 @@ __all__ = ["LEFT_OUT_EXIT_CODE", "MAX_REPLACEMENTS", "REPLACEMENT_ENV", "SPARE_E
 
 LEFT_OUT_EXIT_CODE = 76  # a worker its peers left out of a generation (LiveMemberLostError)
 MAX_REPLACEMENTS = 32
-FORKED = "forked from the warm process"  # said of a start `live_spares.Starts` forked
+FORKED = "forked from the warm process"  # said of a start `starts.Starts` forked
 
 class LiveStoreLostError(RuntimeError):
     """This node's agent lost the job's store (node 0's agent) and stopped its workers."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,16 +95,12 @@ class Starts:
             except (ZygoteError, OSError) as e:
                 self._give_up(str(e))
                 return False
-        deadline = time.monotonic() + READY_WITHIN_S
-        while not self.zygote.ready():
-            if self.zygote.proc.poll() is not None:
-                self._give_up(f"the warm process exited with {self.zygote.proc.returncode}")
-                return False
-            if time.monotonic() > deadline:
-                self._give_up(f"the warm process was not ready within {READY_WITHIN_S:g} s")
-                return False
-            time.sleep(0.01)
-        return True
+        if self.zygote.wait_ready(READY_WITHIN_S):
+            return True
+        code = self.zygote.proc.poll()
+        self._give_up(f"the warm process exited with {code}" if code is not None else
+                      f"the warm process was not ready within {READY_WITHIN_S:g} s")
+        return False
 
     def _give_up(self, why: str) -> None:
         if self.live:

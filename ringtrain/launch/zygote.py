@@ -176,6 +176,15 @@ class Zygote:
                 self.info = json.loads(data)
         return self.info is not None and self.proc.poll() is None
 
+    def wait_ready(self, within_s: float) -> bool:
+        """Wait until the zygote forks (True), it exited, or `within_s` passed (False)."""
+        deadline = time.monotonic() + within_s
+        while not self.ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def fork(self, command: Sequence[str], env: Mapping[str, str], *,
              cwd: str | None = None, stdout: IO | int | None = None,
              stderr: IO | int | None = None,

@@ -63,7 +63,6 @@ from ringtrain.torch_internals.elastic import set_remaining_restarts as set_rema
 from ringtrain.torch_internals.elastic import spawn_like as spawn_like
 from ringtrain.torch_internals.elastic import starting_workers_with as starting_workers_with
 from ringtrain.torch_internals.elastic import sync_worker_ids as sync_worker_ids
-from ringtrain.torch_internals.elastic import worker_command as worker_command
 from ringtrain.torch_internals.features import TESTED_TORCH as TESTED_TORCH
 from ringtrain.torch_internals.features import TORCH_RANGE as TORCH_RANGE
 from ringtrain.torch_internals.features import Feature as Feature

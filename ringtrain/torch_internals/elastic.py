@@ -5,7 +5,7 @@
 - `CAPTURE_PROCESS_FAILURES`, `running_workers`, `mark_finished`: tolerated ranks in
   `ringtrain run` (ringtrain.launch.launcher);
 - `START_WORKERS`, `RESTART_WORKERS`, `set_remaining_restarts`: restarts counted for the job;
-- `spawn_like`, `worker_command`, `adopt`, `MONITOR_WORKERS`, `EXIT_BARRIER`, `sync_worker_ids`:
+- `spawn_like`, `adopt`, `MONITOR_WORKERS`, `EXIT_BARRIER`, `sync_worker_ids`:
   a lost worker replaced in place (`ringtrain train --live`, ringtrain.launch.live_agent);
   `starting_workers_with`: workers forked from a warm process (ringtrain.launch.starts).
 
@@ -19,7 +19,7 @@ import contextlib
 import os
 import subprocess
 from collections.abc import Callable, Iterator
-from typing import IO, Any, NamedTuple
+from typing import Any
 
 from ringtrain.torch_internals.features import Feature, lookup, patch_point, set_by_init
 
@@ -116,17 +116,9 @@ def set_remaining_restarts(agent: Any, remaining: int) -> None:
 #: (ringtrain.launch.starts), which starts them cold where this feature is off.
 WORKER_POPEN = patch_point("torch.distributed.elastic.multiprocessing.subprocess_handler."
                            "subprocess_handler.SubprocessHandler._popen", _TOLERATE)
-for _name in ("_stdout", "_stderr"):  # its output files (`worker_command`)
+for _name in ("_stdout", "_stderr"):  # its output files (`starting_workers_with`)
     set_by_init(_HANDLER, _name, _TOLERATE)
 
-
-class WorkerCommand(NamedTuple):
-    """A worker's command as torch's agent started it (`worker_command`)."""
-
-    args: tuple[str, ...]
-    env: dict[str, str]
-    stdout: IO | None  # None: the agent's own
-    stderr: IO | None
 
 #: `LocalElasticAgent._monitor_workers(self, worker_group)`: the agent's poll, which first checks
 #: that its workers' ids are its process context's pids (a replaced worker's would not be).
@@ -147,21 +139,15 @@ def sync_worker_ids(agent: Any, worker_group: Any) -> None:
             worker.id = pids[worker.local_rank]
 
 
-def worker_command(context: Any, local_rank: int, env: dict[str, str]) -> WorkerCommand:
-    """How the agent started `local_rank`'s worker: its arguments, its environment with `env` on
-    top, and its output files (None: the agent's own stdout / stderr)."""
+def spawn_like(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """`local_rank`'s command started once more as the agent started it (arguments, environment,
+    output files, a session of its own; inside `starting_workers_with`, through its `start`),
+    `env` on top; the agent sees it once `adopt`ed."""
     if WORKER_POPEN.owner is None:
         _TOLERATE.require()
     handler = context.subprocess_handlers[local_rank]
-    env = {**os.environ, **context.envs[local_rank], **env}
-    return WorkerCommand(tuple(handler.proc.args), env, handler._stdout, handler._stderr)
-
-
-def spawn_like(context: Any, local_rank: int, env: dict[str, str]) -> subprocess.Popen:
-    """`local_rank`'s command started once more as the agent started it (arguments, environment,
-    output files, a session of its own), `env` on top; the agent sees it once `adopt`ed."""
-    command = worker_command(context, local_rank, env)
-    return context.subprocess_handlers[local_rank]._popen(command.args, command.env)
+    return handler._popen(tuple(handler.proc.args),
+                          {**os.environ, **context.envs[local_rank], **env})
 
 
 @contextlib.contextmanager
