@@ -5,15 +5,14 @@
 #     bash benchmarks/gpu_check.sh "$OUT" 560     # OUT: where the logs go; 560: seconds in all
 #
 # In order, each bounded by `timeout` so that a hang cannot eat the rest: the environment,
-# ringtrain installed without dependencies, the CUDA tests, benchmarks/gpu_gpt.py (eager and
-# compiled, trainer against nanoGPT's loop, MFU), benchmarks/snapshot_copy.py (a save's copies
-# batched against one call per storage, session 17), benchmarks/snapshot_write.py (the file's
-# write against the reference, session 18), benchmarks/snapshot_stall.py on CUDA (five
-# snapshots a mode, each step's parts with --phases; steps timed by CUDA events since session
-# 18), the same at issue 29's snapshot every 50 steps, then
-# the whole suite with the GPU visible, one xdist
-# worker per file (`-v`, so a cut-off run still says which tests passed). Benchmarks first:
-# they need a quiet machine. Each part's log is OUT/NAME.log; GPU_CHECK_SKIP="a b" leaves parts
+# ringtrain installed without dependencies, forked workers on CUDA (session 22), the CUDA
+# tests, benchmarks/gpu_gpt.py (eager and compiled, trainer against nanoGPT's loop, MFU),
+# benchmarks/snapshot_copy.py (a save's copies batched against one call per storage, session
+# 17), benchmarks/snapshot_stall.py on CUDA (each step's parts with --phases; steps timed by
+# CUDA events since session 18), the same at issue 29's snapshot every 50 steps, then the
+# whole suite with the GPU visible, one xdist worker per file (`-v`, so a cut-off run still
+# says which tests passed). Benchmarks first: they need a quiet machine. Each part's log is
+# OUT/NAME.log; GPU_CHECK_SKIP="a b" leaves parts
 # out (a session that measured them already).
 set -u
 OUT=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
@@ -38,19 +37,22 @@ part() {  # part NAME SECONDS CMD...: at most SECONDS, and never past the budget
 { nvidia-smi -L; python3 -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'; nproc; } >"$OUT/summary.log" 2>&1
 part install 120 python3 -m pip install -q --no-deps --no-build-isolation -e .
 # Whether the warm process's imports load the CUDA driver (then it cannot fork, and every
-# worker starts cold after waiting for it: ringtrain/launch/starts.py), and a 2-worker CUDA job
-# with forked workers (session 21).
+# worker starts cold after waiting for it: ringtrain/launch/starts.py), a forked script's CUDA,
+# and `ringtrain train` jobs with forked workers: one rank on NCCL, two sharing the GPU on gloo
+# (sessions 21-22).
 part zygote_cuda 60 python3 -c 'import ringtrain.launch.starts as s, importlib; [importlib.import_module(m) for m in s.PRELOAD + s.PRELOAD_RINGTRAIN]; import ringtrain.launch.zygote_server as z; print("fork refused:", z._unsafe())'
-part forked_cuda_job 90 python3 -m ringtrain train --nproc-per-node 2 --steps 20 --run-dir /tmp/forked_cuda
+part forked_cuda 60 python3 benchmarks/forked_cuda.py cuda
+part forked_cuda_job 150 bash -c 'python3 -m ringtrain train --nproc-per-node 1 --steps 20 \
+    --run-dir /tmp/forked_nccl && python3 -m ringtrain train --nproc-per-node 2 --steps 20 \
+    --backend gloo --device cuda --run-dir /tmp/forked_gloo'
 part cuda_tests 100 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_cuda.py
 part cuda_named 80 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_async_snapshots.py \
     tests/test_checkpoint.py tests/test_step_loop.py tests/test_device.py
 part gpu_gpt 200 python3 benchmarks/gpu_gpt.py --compile --batch-size 16
 part snapshot_copy 60 python3 benchmarks/snapshot_copy.py --device cuda
-part snapshot_write 60 python3 benchmarks/snapshot_write.py --rounds 2
-part snapshot_stall 200 python3 benchmarks/snapshot_stall.py --phases --every 100 --steps 505 \
-    --rounds 2 --modes none,async,async_line_first
-part snapshot_stall_50 120 python3 benchmarks/snapshot_stall.py --every 50 --steps 305 \
+part snapshot_stall 200 python3 benchmarks/snapshot_stall.py --phases --every 100 --steps 405 \
     --rounds 2 --modes none,async
+part snapshot_stall_50 120 python3 benchmarks/snapshot_stall.py --every 50 --steps 305 \
+    --rounds 1 --modes none,async
 part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 120
 echo "== done in $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.log"
