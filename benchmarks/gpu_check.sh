@@ -12,13 +12,13 @@
 # CUDA events since session 18), the same at issue 29's snapshot every 50 steps, then the
 # whole suite with the GPU visible, one xdist worker per file (`-v`, so a cut-off run still
 # says which tests passed). Benchmarks first: they need a quiet machine. Each part's log is
-# OUT/NAME.log; GPU_CHECK_SKIP="a b" leaves parts
+# NAME.log in OUT/logs.tgz; GPU_CHECK_SKIP="a b" leaves parts
 # out (a session that measured them already).
 set -u
 OUT=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
 BUDGET=${2:-560}
 START=$(date +%s)
-mkdir -p "$OUT"
+mkdir -p "$OUT/logs"
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 SKIP=${GPU_CHECK_SKIP:-}  # parts left out, e.g. GPU_CHECK_SKIP="gpu_gpt suite"
 part() {  # part NAME SECONDS CMD...: at most SECONDS, and never past the budget
@@ -29,14 +29,14 @@ part() {  # part NAME SECONDS CMD...: at most SECONDS, and never past the budget
     if [ "$limit" -le 5 ]; then echo "== $name: skipped, budget spent" | tee -a "$OUT/summary.log"; return; fi
     echo "== $name (limit ${limit}s)" | tee -a "$OUT/summary.log"
     local t0; t0=$(date +%s)
-    PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" >"$OUT/logs/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc $rc, $(( $(date +%s) - t0 )) s; last lines:" | tee -a "$OUT/summary.log"
-    tail -n 4 "$OUT/$name.log" | tee -a "$OUT/summary.log"
+    tail -n 4 "$OUT/logs/$name.log" | tee -a "$OUT/summary.log"
 }
 { nvidia-smi -L; python3 -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'; nproc; } >"$OUT/summary.log" 2>&1
 part install 120 python3 -m pip install -q --no-deps --no-build-isolation -e .
-# Whether the warm process's imports load the CUDA driver (then it cannot fork, and every
+# Whether the warm process's imports initialise the CUDA driver (then it cannot fork, and every
 # worker starts cold after waiting for it: ringtrain/launch/starts.py), a forked script's CUDA,
 # and `ringtrain train` jobs with forked workers: one rank on NCCL, two sharing the GPU on gloo
 # (sessions 21-22).
@@ -45,7 +45,7 @@ part forked_cuda 60 python3 benchmarks/forked_cuda.py cuda
 part forked_cuda_job 150 bash -c 'python3 -m ringtrain train --nproc-per-node 1 --steps 20 \
     --run-dir /tmp/forked_nccl && python3 -m ringtrain train --nproc-per-node 2 --steps 20 \
     --backend gloo --device cuda --run-dir /tmp/forked_gloo'
-part cuda_tests 100 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_cuda.py
+part cuda_tests 130 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_cuda.py
 part cuda_named 80 python3 -m pytest -v -p no:cacheprovider -k cuda tests/test_async_snapshots.py \
     tests/test_checkpoint.py tests/test_step_loop.py tests/test_device.py
 part gpu_gpt 200 python3 benchmarks/gpu_gpt.py --compile --batch-size 16
@@ -56,3 +56,5 @@ part snapshot_stall_50 120 python3 benchmarks/snapshot_stall.py --every 50 --ste
     --rounds 1 --modes none,async
 part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 120
 echo "== done in $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.log"
+# The device tool brings back at most 8 files: the logs come as one archive.
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,6 +144,42 @@ def test_a_zygote_with_a_thread_refuses_and_dies_with_its_agent(tmp_path):
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail(f"the zygote {pid} outlived its agent")
+
+
+FAKE_DRIVER = """
+static int initialised;
+int cuInit(unsigned int flags) { initialised = 1; return 0; }
+int cuDeviceGetCount(int *count) { if (!initialised) return 3; *count = 1; return 0; }
+"""
+PROBE = """
+import ctypes, json, sys
+from ringtrain.launch import zygote_server
+said = {"none": zygote_server._unsafe()}
+driver = ctypes.CDLL(sys.argv[1])  # as `import torch` loads it: mapped, not initialised
+said["loaded"] = zygote_server._unsafe()
+driver.cuInit(0)  # as a device query of a library, or torch's lazy init, does
+said["initialised"] = zygote_server._unsafe()
+print(json.dumps(said))
+"""
+
+
+def test_the_warm_process_refuses_once_the_cuda_driver_is_initialised_not_when_loaded(tmp_path):
+    """`import torch` of a CUDA build maps libcuda.so without cuInit; forks then use CUDA (an
+    H100 and an H200, session 22). A fake driver (the two calls the probe and the test use)
+    stands in for it on a box without one."""
+    compiler = next((c for c in ("cc", "gcc") if shutil.which(c)), None)
+    if compiler is None:
+        pytest.skip("no C compiler to build the fake libcuda.so.1")
+    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
+    library = tmp_path / "libcuda.so.1"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(tmp_path / "fake.c")],
+                   check=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", PROBE, str(library)], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr
+    said = json.loads(run.stdout.splitlines()[-1])
+    assert said["none"] is None and said["loaded"] is None, said
+    assert "the CUDA driver is initialised in the warm process" in said["initialised"]
 
 
 @pytest.mark.parametrize("command, expected", [

@@ -12,8 +12,9 @@ can then wait for it, read its exit code and signal it as its own. The child, a 
 own session with its own environment, cwd and output, runs the target as `python -m MODULE` or
 `python SCRIPT` would, with everything imported here already imported.
 
-Never touched here: CUDA (a forked CUDA context is unusable: `_unsafe` refuses to fork once it
-is initialised or its driver is loaded) and threads of Python's (a lock one holds at the fork
+Never touched here: CUDA (a forked CUDA context is unusable: `_unsafe` refuses to fork once
+torch or anything else has initialised the driver; the driver's library loaded by
+`import torch` is fine) and threads of Python's (a lock one holds at the fork
 stays held in the child).
 The server exits when the agent's end of the socket closes, or with the agent (PDEATHSIG).
 """
@@ -53,12 +54,35 @@ def _unsafe() -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA is initialised in the warm process (a forked CUDA context is unusable)"
-    # The driver is loaded by any CUDA runtime call (a device count too), after which a fork's
-    # own CUDA calls fail: refuse before that, whatever torch says.
-    with open("/proc/self/maps") as maps:
-        if "libcuda.so" in maps.read():
-            return "the CUDA driver is loaded in the warm process (a fork could not use CUDA)"
+    if _cuda_driver_initialised():
+        return "the CUDA driver is initialised in the warm process (a fork could not use CUDA)"
     return None
+
+
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def _cuda_driver_initialised() -> bool:
+    """Whether this process called the driver's cuInit (then a fork's own CUDA calls fail),
+    whatever torch knows: a device count or a library may have called it.
+
+    A CUDA build of torch loads the driver library (libcuda.so) at `import torch` without
+    initialising it, and a fork then uses CUDA as any process does (checked on an H100 and an
+    H200, torch 2.11+cu130, session 22): so the library being loaded is not the test. The
+    driver's cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED before cuInit and initialises
+    nothing; anything else (a count, or another error) is taken as initialised.
+    """
+    with open("/proc/self/maps") as maps:
+        paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "/libcuda.so" in line}
+    for path in sorted(paths):
+        try:  # RTLD_NOLOAD: the handle of the library already loaded, never a second load
+            driver = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            return True  # loaded but not reachable to ask: refuse rather than guess
+        count = ctypes.c_int()
+        if driver.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED:
+            return True
+    return False
 
 
 def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
