@@ -276,8 +276,8 @@ def test_ringtrain_train_workers_are_forked_from_the_jobs_warm_process(tmp_path,
     """`ringtrain train`'s workers are the launcher's children, as `ps` names them, started by
     its warm process (alive beside them for restarts); --cold-starts: none."""
     job = subprocess.Popen(
-        [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", "--steps", "60",
-         "--device", "cpu", "--backend", "gloo", "--run-dir", str(tmp_path / "run"),
+        [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", "--steps", "10",
+         "--device", "cpu", "--backend", "gloo", "--run-dir", str(tmp_path / "run"), "--no-report",
          *(["--cold-starts"] if cold else [])],
         env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
