@@ -215,3 +215,15 @@ def _bf16_ran(rank: int, world_size: int) -> list[torch.dtype]:
 def test_bf16_autocast_runs_on_cuda():
     seen = run_workers(_bf16_ran, 1, device="cuda", timeout_s=120)[0]
     assert seen and set(seen) == {torch.bfloat16}
+
+
+def test_a_worker_forked_from_the_warm_process_uses_cuda():
+    """A CUDA build's `import torch` loads the driver's library without initialising it: the
+    warm process must fork then (session 22 found every fork refused on an H100), and the fork's
+    CUDA must work (a raw fork did on an H200). The same check as benchmarks/forked_cuda.py."""
+    run = subprocess.run([sys.executable, "benchmarks/forked_cuda.py", "cuda"],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "forked: True" in run.stdout, run.stdout + run.stderr
+    assert "sum 1000.0" in run.stdout, run.stdout
