@@ -164,8 +164,8 @@ print(json.dumps(said))
 
 
 def test_the_warm_process_refuses_once_the_cuda_driver_is_initialised_not_when_loaded(tmp_path):
-    """`import torch` of a CUDA build maps libcuda.so without cuInit; forks then use CUDA (an
-    H100 and an H200, session 22). A fake driver (the two calls the probe and the test use)
+    """`import torch` of a CUDA build maps libcuda.so without cuInit; forks then use CUDA (a raw
+    fork on an H200, session 22). A fake driver (the two calls the probe and the test use)
     stands in for it on a box without one."""
     compiler = next((c for c in ("cc", "gcc") if shutil.which(c)), None)
     if compiler is None:
