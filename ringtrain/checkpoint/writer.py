@@ -18,6 +18,16 @@ next snapshot (30 s for 230 MB), and the step then waits for it, which costs mor
 the CPU.
 `SnapshotManager.background_saves.writer` chooses ("auto": this process from 64 MB).
 
+Each tensor crosses once (`_Known`): the copy plan hands out the same host views from save to
+save, so after a tensor's first trip only a number stands for it, and the process keeps the
+tensor it rebuilt. Sending ~700 tensors' handles again at every save cost the training process
+20-60 ms of Python (pickling with the GIL held, and a file descriptor handed over per storage
+by multiprocessing's resource-sharer thread) in the steps after each snapshot (session 22).
+The training side holds a weak reference to a sent tensor and a strong one to its storage: a
+tensor that is freed (a buffer replaced) or no longer views what it viewed when it was sent
+(`set_`, checked by signature at every write, ~5 us a tensor) is forgotten on both sides and
+sent again as new; numbers are never reused, so a number only ever means the tensor as sent.
+
 The thread still runs the save's handshake and rank 0's commit (`snapshot.py`), so the
 crash-safety argument is unchanged: this process only writes files into the temp directory.
 When the training process dies (SIGKILL), the pipe closes: the process finishes at most the file
@@ -26,8 +36,11 @@ it is writing, into a temp directory no reader takes for a snapshot, and exits.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
+import pickle
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -38,23 +51,95 @@ class CannotStartWriter(RuntimeError):
     """No writer process can start in this process (it is a multiprocessing daemon)."""
 
 
+def _signature(t: Any) -> tuple:
+    """What the process's copy of `t` was rebuilt from: its storage (by its C++ object, kept
+    alive by the record, so no other storage can have its address) and the view's layout. A
+    tensor moved onto another storage (`set_`) or reshaped in place no longer matches."""
+    storage = t.untyped_storage()
+    return (storage._cdata, storage.data_ptr(), storage.nbytes(), t.dtype, t.storage_offset(),
+            tuple(t.size()), tuple(t.stride())), storage
+
+
+class _Known:
+    """The training side's record of the tensors the process holds, by id: (number, weak ref to
+    the tensor, its signature, its storage).
+
+    `message` pickles a state against it without changing it; `sent` records what a message
+    said once it is on its way (a state that fails to pickle, or a send that fails, leaves the
+    record as the process has it).
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[int, weakref.ref, tuple, Any]] = {}
+        self._next = 0  # never reused: a number means one tensor for the process's life
+
+    def message(self, obj: Any) -> tuple[tuple[bytes, dict[int, Any], list[int]], dict]:
+        """((`obj` pickled with a number for each tensor, the tensors new to the process by
+        number, the numbers it should forget), the record's changes)."""
+        import torch
+
+        held = self._held
+        gone = [entry[0] for entry in held.values() if entry[1]() is None]  # freed here
+        changed: dict[int, tuple | None] = {}
+        new: dict[int, Any] = {}
+        known = self
+
+        class Pickler(pickle.Pickler):
+            def persistent_id(self, o: Any) -> int | None:
+                if not isinstance(o, torch.Tensor):
+                    return None
+                entry = changed.get(id(o)) or held.get(id(o))
+                signature, storage = _signature(o)
+                if entry is None or entry[1]() is not o or entry[2] != signature:
+                    if entry is not None and entry[1]() is not None:
+                        gone.append(entry[0])  # the same tensor, moved: its old copy goes
+                    entry = changed[id(o)] = (known._next, weakref.ref(o), signature, storage)
+                    known._next += 1
+                    new[entry[0]] = o
+                return entry[0]
+
+        buffer = io.BytesIO()
+        Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return (buffer.getvalue(), new, gone), changed
+
+    def sent(self, message: tuple[bytes, dict[int, Any], list[int]], changed: dict) -> None:
+        # `gone` has every entry whose tensor was freed (also one whose id a new tensor reuses)
+        # or moved; `changed` the entries that replace them.
+        gone = set(message[2])
+        self._held = {i: e for i, e in self._held.items() if e[0] not in gone}
+        self._held.update(changed)
+
+
+def _loads(data: bytes, held: dict[int, Any]) -> Any:
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, number: int) -> Any:
+            return held[number]
+
+    return Unpickler(io.BytesIO(data)).load()
+
+
 def _serve(conn) -> None:
-    """The process: `write_durably` each (seq, path, obj) received; reply (seq, ok, value)."""
+    """The process: `write_durably` each (seq, path, (data, new, gone)) received, its tensors
+    the ones held by number; reply (seq, ok, value)."""
     import torch
 
     from ringtrain.checkpoint.files import write_durably
 
     torch.set_num_threads(1)
+    held: dict[int, Any] = {}  # number -> tensor (its storage mapped from shared memory)
     while True:
         try:
-            seq, path, obj = conn.recv()
+            seq, path, (data, new, gone) = conn.recv()
         except (EOFError, OSError):  # the training process is gone (or closed us): stop
             return
+        for number in gone:  # freed on the training side: unmap ours
+            held.pop(number, None)
+        held.update(new)
+        del new
         try:
-            reply = (seq, True, write_durably(Path(path), obj))
+            reply = (seq, True, write_durably(Path(path), _loads(data, held)))
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             reply = (seq, False, e)
-        del obj  # drop the shared buffers' mappings before waiting for the next save
         try:
             conn.send(reply)
         except (BrokenPipeError, OSError):
@@ -75,6 +160,7 @@ class WriterProcess:
         self._conn = None
         self._process: mp.process.BaseProcess | None = None
         self._seq = 0
+        self._known = _Known()  # what this process holds; a new process holds nothing
 
     def _start(self) -> None:
         if self._process is not None and self._process.is_alive():
@@ -97,6 +183,7 @@ class WriterProcess:
         self._process = process  # only once started: `close` joins it
         theirs.close()
         self._conn = mine
+        self._known = _Known()
 
     def start(self) -> None:
         """Start the process now (`write` does at its first call); raises `CannotStartWriter`
@@ -117,8 +204,10 @@ class WriterProcess:
             self._start()
             self._seq += 1
             seq = self._seq
+            message, changed = self._known.message(obj)  # the state's pickling errors raise here
             try:
-                self._conn.send((seq, str(path), obj))
+                self._conn.send((seq, str(path), message))
+                self._known.sent(message, changed)
                 while True:
                     got, ok, value = self._conn.recv()
                     if got == seq:
