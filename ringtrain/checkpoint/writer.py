@@ -38,6 +38,7 @@ it is writing, into a temp directory no reader takes for a snapshot, and exits.
 from __future__ import annotations
 
 import io
+import itertools
 import multiprocessing as mp
 import pickle
 import threading
@@ -52,13 +53,14 @@ class CannotStartWriter(RuntimeError):
     """No writer process can start in this process (it is a multiprocessing daemon)."""
 
 
-def _signature(t: Any) -> tuple:
-    """What the process's copy of `t` was rebuilt from: its storage (by its C++ object, kept
-    alive by the record, so no other storage can have its address) and the view's layout. A
-    tensor moved onto another storage (`set_`) or reshaped in place no longer matches."""
+def _signature(t: Any) -> tuple[tuple, Any]:
+    """(What the process's copy of `t` was rebuilt from: its storage's address and size, the
+    view's layout; the storage, which the record keeps alive, so that no other storage can take
+    its address while the number stands). A tensor moved onto another storage (`set_`, or into
+    shared memory by its first trip) or reshaped in place no longer matches."""
     storage = t.untyped_storage()
-    return (storage._cdata, storage.data_ptr(), storage.nbytes(), t.dtype, t.storage_offset(),
-            tuple(t.size()), tuple(t.stride())), storage
+    return (storage.data_ptr(), storage.nbytes(), t.dtype, t.storage_offset(), tuple(t.size()),
+            tuple(t.stride())), storage
 
 
 class _Known:
@@ -72,7 +74,7 @@ class _Known:
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[int, weakref.ref, tuple, Any]] = {}
-        self._next = 0  # never reused: a number means one tensor for the process's life
+        self._numbers = itertools.count()  # never reused: one tensor for the process's life
 
     def message(self, obj: Any) -> tuple[tuple[bytes, dict[int, Any], list[int]], dict]:
         """((`obj` pickled with a number for each tensor, the tensors new to the process by
@@ -81,9 +83,9 @@ class _Known:
 
         held = self._held
         gone = [entry[0] for entry in held.values() if entry[1]() is None]  # freed here
-        changed: dict[int, tuple | None] = {}
+        changed: dict[int, tuple[int, weakref.ref, tuple, Any]] = {}
         new: dict[int, Any] = {}
-        known = self
+        numbers = self._numbers
 
         class Pickler(pickle.Pickler):
             def persistent_id(self, o: Any) -> int | None:
@@ -94,8 +96,7 @@ class _Known:
                 if entry is None or entry[1]() is not o or entry[2] != signature:
                     if entry is not None and entry[1]() is not None:
                         gone.append(entry[0])  # the same tensor, moved: its old copy goes
-                    entry = changed[id(o)] = (known._next, weakref.ref(o), signature, storage)
-                    known._next += 1
+                    entry = changed[id(o)] = (next(numbers), weakref.ref(o), signature, storage)
                     new[entry[0]] = o
                 return entry[0]
 

@@ -70,9 +70,9 @@ def _cuda_driver_initialised() -> bool:
     initialising it (seen on an H100 and an H200, torch 2.11+cu130, session 22: the library's
     presence refused every fork), and a fork then uses CUDA as any process does (a raw fork on
     the H200, after torch, torch._dynamo, torch.optim and a device count): so the library being
-    loaded is not the test. The
-    driver's cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED before cuInit and initialises
-    nothing; anything else (a count, or another error) is taken as initialised.
+    loaded is not the test. The driver's cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED
+    before cuInit and initialises nothing; anything else (a count, or another error) is taken
+    as initialised.
     """
     with open("/proc/self/maps") as maps:
         paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "/libcuda.so" in line}
