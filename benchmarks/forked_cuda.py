@@ -18,6 +18,9 @@ import time
 from ringtrain.launch.starts import Starts, forked
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+if device not in ("cuda", "cpu") or len(sys.argv) > 2:
+    sys.exit(f"usage: forked_cuda.py [cuda|cpu] (got {sys.argv[1:]}): the device the forked "
+             "child computes on")
 script = os.path.join(tempfile.mkdtemp(), "child.py")
 with open(script, "w") as f:
     f.write("import os, torch\n"
