@@ -5,7 +5,7 @@
 Forks a small script through `ringtrain.launch.starts.Starts` as a live job starts a worker
 (a fork, or cold where the warm process refuses: it says why) and prints whether it forked,
 what the child computed on the device, and how long the start took. A forked child's CUDA works
-only if the warm process never initialised the CUDA driver (`zygote_server._unsafe`; session
+only if the warm process never initialised the CUDA driver (`zygote_server.fork_problem`; session
 22 found `import torch` loads it, uninitialised, and the first check refused every fork).
 """
 

@@ -112,6 +112,78 @@ def test_a_fork_is_the_command_started_with_its_env_cwd_output_and_exit_code(tmp
     assert lines[-1]["zygote_code"] == 0  # it exits when the agent's end of its socket closes
 
 
+FRESH_CHILD = """
+import json, os, signal, sys, torch
+print(json.dumps({"sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                  "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                  "sighup_ignored": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
+                  "threads": torch.get_num_threads(), "stdin": os.readlink("/proc/self/fd/0"),
+                  "write_through": sys.stdout.write_through,
+                  "raw": type(sys.stdout.buffer).__name__, "env": os.environ.get("ZYGOTE_TEST"),
+                  "launcher_only": os.environ.get("LAUNCHER_ONLY"), "pgid": os.getpgid(0),
+                  "pid": os.getpid()}), flush=True)
+"""
+
+FORKED_HERE = """
+import json, os, signal, sys, threading, time
+import torch  # as a launcher: imported before torchrun sets OMP_NUM_THREADS for the workers
+from ringtrain.launch.zygote import Zygote, ZygoteError
+signal.signal(signal.SIGTERM, lambda *a: None)  # the launcher's: a fresh worker has none
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup: survives an exec, so a fork keeps it
+os.environ["LAUNCHER_ONLY"] = "1"
+print("printed once", end="")  # buffered (stdout is a pipe): not printed again by the fork
+child = sys.argv[1]
+env = {k: v for k, v in os.environ.items() if k != "LAUNCHER_ONLY"}
+zygote = Zygote.forked_here([sys.executable, "-u"], env, ["json"])
+assert zygote.wait_ready(60), zygote.proc.poll()
+print(json.dumps({"zygote": zygote.info, "me": os.getpid(), "default_threads":
+                  torch.get_num_threads()}), flush=True)
+proc = zygote.fork([sys.executable, "-u", child],
+                   {**env, "ZYGOTE_TEST": "worker", "OMP_NUM_THREADS": "1"},
+                   stdout=sys.stdout)
+print(json.dumps({"returncode": proc.wait(timeout=60)}), flush=True)
+zygote.close()
+stop = threading.Event()
+threading.Thread(target=stop.wait, name="agent-thread").start()
+try:
+    Zygote.forked_here([sys.executable, "-u"], env, ["json"])
+except ZygoteError as e:
+    print(json.dumps({"refused": str(e)}), flush=True)
+try:
+    Zygote.forked_here(["/usr/bin/python3", "-u"], env, ["json"])
+except ZygoteError as e:
+    print(json.dumps({"other_python": str(e)}), flush=True)
+stop.set()
+"""
+
+
+def test_a_zygote_forked_from_the_launcher_forks_fresh_interpreters(tmp_path):
+    """`Zygote.forked_here` (the launcher's, torch imported once a job): its forks are what
+    a fresh `python -u` of their environment is, not copies of the launcher: no Python signal
+    handler of its (an ignored signal stays ignored, as through an exec), its environment,
+    stdin /dev/null, unbuffered output, OMP_NUM_THREADS read (torchrun sets it after the
+    launcher's import torch); refused with a thread running, or for another Python."""
+    (tmp_path / "fresh.py").write_text(FRESH_CHILD)
+    (tmp_path / "driver.py").write_text(FORKED_HERE)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    run = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "fresh.py")],
+                         env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("printed once") == 1, run.stdout
+    lines = [json.loads(line) for line in run.stdout.replace("printed once", "").splitlines()
+             if line.startswith("{")]
+    zygote, said, ended, refused, other = lines
+    assert zygote["zygote"]["forked"] is True and ended == {"returncode": 0}
+    assert said["sigterm"] and said["sigint"] and said["sighup_ignored"], said
+    assert said["env"] == "worker" and said["launcher_only"] is None
+    assert said["stdin"] == os.devnull and said["pid"] == said["pgid"]
+    assert said["write_through"] is True and said["raw"] == "FileIO"  # as `python -u`
+    assert said["threads"] == 1, (said, zygote["default_threads"])
+    assert "a Python thread runs in the warm process (agent-thread)" in refused["refused"]
+    assert "/usr/bin/python3" in other["other_python"]
+
+
 THREADED = """
 import json, os, sys, time
 from ringtrain.launch.zygote import Zygote, ZygoteError
@@ -154,11 +226,11 @@ int cuDeviceGetCount(int *count) { if (!initialised) return 3; *count = 1; retur
 PROBE = """
 import ctypes, json, sys
 from ringtrain.launch import zygote_server
-said = {"none": zygote_server._unsafe()}
+said = {"none": zygote_server.fork_problem()}
 driver = ctypes.CDLL(sys.argv[1])  # as `import torch` loads it: mapped, not initialised
-said["loaded"] = zygote_server._unsafe()
+said["loaded"] = zygote_server.fork_problem()
 driver.cuInit(0)  # as a device query of a library, or torch's lazy init, does
-said["initialised"] = zygote_server._unsafe()
+said["initialised"] = zygote_server.fork_problem()
 print(json.dumps(said))
 """
 
@@ -289,4 +361,6 @@ def test_ringtrain_train_workers_are_forked_from_the_jobs_warm_process(tmp_path,
     assert job.returncode == 0, out[-3000:]
     workers = [c for c in seen if " -m ringtrain train" in c and "zygote" not in c]
     assert workers, seen  # named as `python -u -m ringtrain train`, whoever started them
-    assert any("ringtrain.launch.zygote_server" in c for c in seen) is not cold, seen
+    # Forked from the launcher itself (torch imported once for the job), not started fresh.
+    assert any(f"ringtrain.launch.zygote_server (forked from {job.pid})" in c
+               for c in seen) is not cold, seen

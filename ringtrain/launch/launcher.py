@@ -197,9 +197,12 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     multi_node = int(str(args.nnodes).split(":")[-1]) > 1
     try:
         with contextlib.ExitStack() as stack:
+            # First: its warm process is forked from this one before anything starts a thread.
+            stack.enter_context(forked_worker_starts(
+                fork=not args.cold_starts, live=live, env=dict(os.environ),
+                command=[cmd, *cmd_args] if isinstance(cmd, str) else None))
             stack.enter_context(_quiet_torch_logs())
             stack.enter_context(tolerating(tolerate_ranks))
-            stack.enter_context(forked_worker_starts(fork=not args.cold_starts, live=live))
             if live:
                 stack.enter_context(replacing_lost_workers(spares=live_spares, memory=memory))
             if multi_node:

@@ -165,6 +165,45 @@ class Zygote:
         finally:
             theirs.close()
 
+    @classmethod
+    def forked_here(cls, interpreter: Sequence[str], env: Mapping[str, str],
+                    preload: Sequence[str]) -> Zygote:
+        """A zygote that is a fork of this process (a launcher: what it imported, torch, is
+        not imported again, ~2 s of a core a job), made what a fresh `interpreter` of `env`
+        would be before it imports `preload` (`zygote_server.main_forked`).
+
+        Raises `ZygoteError` where a fork of this process would not be that: another Python
+        than `interpreter`'s, interpreter options the workers' command lacks, a thread, CUDA.
+        """
+        from ringtrain.launch import zygote_server
+
+        become_subreaper()
+        if list(interpreter[1:]) not in ([], ["-u"]) or interpreter[0] != sys.executable:
+            raise ZygoteError(f"this process runs {sys.executable}, not {list(interpreter)}")
+        if _interpreter_options():
+            raise ZygoteError(f"this Python was started with {_interpreter_options()}")
+        problem = zygote_server.fork_problem()
+        if problem is not None:
+            raise ZygoteError(problem)
+        self = cls.__new__(cls)
+        self.interpreter, self.info = tuple(interpreter), None
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for stream in (sys.stdout, sys.stderr):  # else the child's copy is printed again
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self._sock.close()
+                zygote_server.main_forked(
+                    theirs, dict(env), list(preload),
+                    ["ringtrain.launch.zygote_server", "(forked from", f"{os.getppid()})"],
+                    unbuffered="-u" in interpreter)
+            finally:
+                os._exit(70)  # never back into this process's own code
+        theirs.close()
+        self.proc = ForkedProcess(pid, ["ringtrain.launch.zygote_server"])
+        return self
+
     def ready(self) -> bool:
         """Whether the zygote has imported everything and forks now (never blocks)."""
         if self.info is None and self.proc.poll() is None:
@@ -236,6 +275,15 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def _interpreter_options() -> list[str]:
+    """This Python's options that change how code runs (-O, -X, -W, -I, -S, -E, ...): a
+    fork of it would carry them into workers whose command has none."""
+    names = ("optimize", "dev_mode", "isolated", "no_site", "ignore_environment", "safe_path",
+             "bytes_warning", "verbose", "inspect", "interactive")
+    found = [f"sys.flags.{n}" for n in names if getattr(sys.flags, n, 0)]
+    return found + [f"-X {k}" for k in sys._xoptions] + [f"-W {w}" for w in sys.warnoptions]
 
 
 def _parent(pid: int) -> int | None:

@@ -12,7 +12,13 @@ can then wait for it, read its exit code and signal it as its own. The child, a 
 own session with its own environment, cwd and output, runs the target as `python -m MODULE` or
 `python SCRIPT` would, with everything imported here already imported.
 
-Never touched here: CUDA (a forked CUDA context is unusable: `_unsafe` refuses to fork once
+Or the launcher forks this process from itself (`main_forked`, by `Zygote.forked_here`): torch,
+which the launcher imported, is then not imported a second time (~2 s of a core a job); what a
+fork would carry over that an exec would not (signal handlers, the launcher's environment,
+stdin, buffered output, OpenMP's thread count read at torch's load) is put as a fresh `python`
+has it first (`as_fresh_interpreter`, `_threads_as_the_environment_says`).
+
+Never touched here: CUDA (a forked CUDA context is unusable: `fork_problem` refuses to fork once
 torch or anything else has initialised the driver; the driver's library loaded by
 `import torch` is fine) and threads of Python's (a lock one holds at the fork
 stays held in the child).
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import io
 import json
 import os
 import runpy
@@ -46,7 +53,7 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _unsafe() -> str | None:
+def fork_problem() -> str | None:
     """Why forking now would hand the child a broken process, or None."""
     if threading.active_count() > 1:
         names = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
@@ -98,14 +105,14 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
         if not data:
             return None
         request = json.loads(data)
-        problem = _unsafe()
+        problem = fork_problem()
         if problem is not None:
             for fd in fds:
                 os.close(fd)
             sock.send(json.dumps({"error": problem}).encode())
             continue
         read, write = os.pipe()
-        with warnings.catch_warnings():  # 3.12+ warns of any thread; `_unsafe` checked ours
+        with warnings.catch_warnings():  # 3.12+ warns of any thread; `fork_problem` checked ours
             warnings.simplefilter("ignore", DeprecationWarning)
             middle = os.fork()
         if middle == 0:  # the first child: fork the worker, say its pid, exit (orphaning it)
@@ -154,6 +161,7 @@ def run(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    _threads_as_the_environment_says()
     sys.argv = list(request["argv"])
     retitle(request["command"])
     kind, name = request["target"]
@@ -167,6 +175,17 @@ def run(request: dict, fds: list[int]) -> None:
             runpy.run_path(name, run_name="__main__")
 
     end_now(exit_code(command))  # not the warm process's shutdown: none of it is this child's
+
+
+def _threads_as_the_environment_says() -> None:
+    """torch's intra-op threads as a fresh interpreter of this environment has them: OpenMP
+    reads OMP_NUM_THREADS once, when torch is loaded, which was in the warm process (or in the
+    launcher it is a fork of, before torchrun set OMP_NUM_THREADS=1 for the workers)."""
+    torch = sys.modules.get("torch")
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and value.isdigit() and int(value) > 0 \
+            and torch.get_num_threads() != int(value):
+        torch.set_num_threads(int(value))
 
 
 def retitle(command: list[str]) -> None:
@@ -191,10 +210,54 @@ def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     preload = sys.argv[2:sys.argv.index("--room")]
     retitle(sys.orig_argv[:sys.orig_argv.index("--room")])  # the room stays, unshown
+    _import_then_serve(sock, preload, forked=False)
+
+
+def main_forked(sock: socket.socket, env: dict[str, str], preload: list[str],
+                title: list[str], unbuffered: bool) -> None:
+    """The warm process as a fork of the process that asked for it (`Zygote.forked_here`, the
+    launcher, which imported torch already): first made what a fresh `python [-u]` of `env`
+    would be where a worker can tell (see `as_fresh_interpreter`), then as `main`. Never
+    returns into the caller's code: it exits, or becomes a worker that exits."""
+    os.setsid()  # as Popen(start_new_session=True): out of the launcher's process group
+    _die_with_parent()
+    as_fresh_interpreter(env, unbuffered)
+    retitle(title)
+    _import_then_serve(sock, preload, forked=True)
+
+
+def as_fresh_interpreter(env: dict[str, str], unbuffered: bool) -> None:
+    """Undo in this forked copy what its parent set that an exec would not have carried:
+    Python signal handlers (an exec resets them; SIG_IGN survives it, so stays), the
+    environment, stdin (the agent starts workers with it closed: /dev/null), and `-u`'s
+    unbuffered stdout and stderr where the workers' command has it."""
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (ValueError, OSError):
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if unbuffered:  # as `python -u` makes them: text over the raw file, written through
+        for name in ("stdout", "stderr"):
+            old = getattr(sys, name)
+            new = io.TextIOWrapper(io.FileIO(old.fileno(), "w", closefd=False),
+                                   encoding=old.encoding, errors=old.errors, write_through=True)
+            setattr(sys, name, new)
+            setattr(sys, f"__{name}__", new)
+
+
+def _import_then_serve(sock: socket.socket, preload: list[str], forked: bool) -> None:
     started = time.monotonic()
     for name in preload:
         importlib.import_module(name)
-    sock.send(json.dumps({"ready": True, "pid": os.getpid(),
+    sock.send(json.dumps({"ready": True, "pid": os.getpid(), "forked": forked,
                           "import_s": round(time.monotonic() - started, 3)}).encode())
     job = serve(sock)
     if job is None:
