@@ -101,6 +101,7 @@ def _member(rank, world_size, port, records_dir, plan):
         if (fault in FAULTS and state.step == FAULT_STEP and group.rank == 1
                 and store.compare_set(f"{job}/fault", "", str(os.getpid())) == str(os.getpid())
                 .encode()):
+            _wait_for_count(store, f"{job}/committed_before_fault", group.size)
             store.set(f"{job}/fault_at", str(time.monotonic()))  # one clock for the host
             if fault == "kill_marked":  # what the agent writes once it sees this process exit
                 dist.PrefixStore(f"ringtrain/live/{job}", store).set(f"departed/{group.uid}",
@@ -116,6 +117,8 @@ def _member(rank, world_size, port, records_dir, plan):
                                   "trained": trained[done], "at": time.monotonic()}) + "\n")
         records.flush()
         generations.append((group.generation, group.size))
+        if done == FAULT_STEP - 1 and fault in FAULTS:  # see `_wait_for_count`
+            store.add(f"{job}/committed_before_fault", 1)
         if done == FAULT_STEP and fault:  # the interrupted step, redone and committed
             store.set(f"{job}/recovered", b"1")
         if done == FAULT_STEP + 1 and fault == "stop":  # the replacement comes in at step 5
@@ -132,6 +135,19 @@ def _member(rank, world_size, port, records_dir, plan):
     return {"job": job, "joined": joined, "pid": pid, "pid_now": os.getpid(), "uid": group.uid,
             "generations": generations, "sha": _sha(model), "step": state.step,
             "healed_bytes": group.last_heal.nbytes if group.last_heal else 0, "loops": loops}
+
+
+def _wait_for_count(store: dist.Store, key: str, count: int, within_s: float = 30.0) -> None:
+    """Wait until `count` members have added to `key`: the victim faults in step FAULT_STEP
+    once every member has committed the step before it. Without it, under load, the victim
+    could commit that step (its all-reduce done, its `on_commit` run), mark itself departed
+    and die while a slower peer was still in the same all-reduce, which the mark cuts: the
+    survivors then redo that step without it (each sample once among them, as they must),
+    but the victim's record of it, its local commit, would count its samples a second time
+    here and the redo would not be at FAULT_STEP (seen once in a full suite, session 23)."""
+    deadline = time.monotonic() + within_s
+    while store.add(key, 0) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _gloo_loops(settle_s: float) -> int:

@@ -58,6 +58,11 @@ def train_live(group: LiveGroup, state: LiveState, step: StepFn, num_steps: int,
             batch and returns what `on_commit` gets.
         num_steps: the step count to reach.
         on_commit: called with (step, result) after each committed step, on each member.
+            The commit is the member's own: a member that commits a step and dies at once
+            may have cut a slower peer's all-reduce of that same step (a marked departure
+            fails it at once), and the survivors then redo the step without it. Side effects
+            that must happen once for the group (a log line, a file) belong to a member that
+            survives, or to an agreement among them, as `ringtrain train` agrees its metrics.
         gradients: the `LiveGradients` that `step` sums its gradients with (the same on every
             member, or None on every member): a step redone after a fault then trains only
             the samples nobody holds (`ringtrain.live.redo`); `gradients.ids` are the
