@@ -55,7 +55,7 @@ def _argv(strategy: str) -> list[str]:
             str(BATCH), "--dropout", "0", "--log-every", "2",
             "--eval-every", str(STEPS), "--snapshot-every", str(STEPS), "--threads", "1",
             "--no-progress", "--device", "cpu", "--live", "--live-wait", "60",
-            "--record-samples", "--watchdog-timeout", "6"]
+            "--record-samples", "--watchdog-timeout", "6", "--no-report"]
 
 
 def _start(run_dir: Path, strategy: str, fault: str | None,
