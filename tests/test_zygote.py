@@ -121,6 +121,7 @@ print(json.dumps({"sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                   "write_through": sys.stdout.write_through,
                   "raw": type(sys.stdout.buffer).__name__, "env": os.environ.get("ZYGOTE_TEST"),
                   "launcher_only": os.environ.get("LAUNCHER_ONLY"), "pgid": os.getpgid(0),
+                  "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
                   "pid": os.getpid()}), flush=True)
 """
 
@@ -131,6 +132,7 @@ from ringtrain.launch.zygote import Zygote, ZygoteError
 signal.signal(signal.SIGTERM, lambda *a: None)  # the launcher's: a fresh worker has none
 signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup: survives an exec, so a fork keeps it
 os.environ["LAUNCHER_ONLY"] = "1"
+leaked = open(os.devnull)  # noqa: SIM115 - a descriptor of the launcher's: not the workers'
 print("printed once", end="")  # buffered (stdout is a pipe): not printed again by the fork
 child = sys.argv[1]
 env = {k: v for k, v in os.environ.items() if k != "LAUNCHER_ONLY"}
@@ -178,6 +180,7 @@ def test_a_zygote_forked_from_the_launcher_forks_fresh_interpreters(tmp_path):
     assert said["sigterm"] and said["sigint"] and said["sighup_ignored"], said
     assert said["env"] == "worker" and said["launcher_only"] is None
     assert said["stdin"] == os.devnull and said["pid"] == said["pgid"]
+    assert said["fds"][:3] == [0, 1, 2] and len(said["fds"]) <= 4, said  # 3: listdir's own
     assert said["write_through"] is True and said["raw"] == "FileIO"  # as `python -u`
     assert said["threads"] == 1, (said, zygote["default_threads"])
     assert "a Python thread runs in the warm process (agent-thread)" in refused["refused"]

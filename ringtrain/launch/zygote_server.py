@@ -222,6 +222,9 @@ def main_forked(sock: socket.socket, env: dict[str, str], preload: list[str],
     os.setsid()  # as Popen(start_new_session=True): out of the launcher's process group
     _die_with_parent()
     as_fresh_interpreter(env, unbuffered)
+    # Popen's close_fds: descriptors the launcher opened or inherited stay out of the workers.
+    os.closerange(3, sock.fileno())
+    os.closerange(sock.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
     retitle(title)
     _import_then_serve(sock, preload, forked=True)
 
