@@ -93,6 +93,22 @@ def test_ringtrain_train_refuses_two_nccl_ranks_on_one_gpu_before_any_worker_sta
 
 
 
+def test_the_launchers_check_counts_gpus_without_is_available(monkeypatch, clean_env):
+    """`is_available` may initialise the CUDA driver (cuInit), after which the launcher's fork,
+    the workers' warm process, could not use CUDA: the launcher counts as device_count does."""
+    from ringtrain.cli.train_args import check_args, parse_options
+
+    monkeypatch.delenv(DEVICE_ENV)
+
+    def initialises() -> bool:
+        raise AssertionError("the launcher called torch.cuda.is_available")
+
+    monkeypatch.setattr(torch.cuda, "is_available", initialises)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(PlacementError, match="2 processes on this machine but 1 GPU"):
+        check_args(parse_options(["--nproc-per-node", "2"]))
+
+
 def test_ringtrain_train_on_a_gpu_box_with_the_cpu_in_the_environment_launches(
         monkeypatch, clean_env, tmp_path):
     """RINGTRAIN_DEVICE=cpu (what the test suite sets) on a 1-GPU box: `ringtrain train

@@ -29,7 +29,7 @@ from ringtrain.cli.options import (
 from ringtrain.config import add_section, dest, flag, resume_fields, set_values, to_flags
 from ringtrain.config.fields import meta, option_fields
 from ringtrain.config.recipes import load as load_recipe
-from ringtrain.launch.device import choose
+from ringtrain.launch.device import choose, launcher_gpu_count
 from ringtrain.strategies import registered
 
 
@@ -160,7 +160,8 @@ def check_args(opts: TrainOptions, world_size: int | None = None) -> list[str]:
                         f"{cores} CPU cores: the workers take turns on them and every step waits "
                         f"for the slowest; --nproc-per-node {cores} or fewer trains faster")
     # Before any worker starts: NCCL with more processes than GPUs, or CUDA without one.
-    choose(launch.backend, launch.device, local_world_size=launch.nproc_per_node)
+    choose(launch.backend, launch.device, local_world_size=launch.nproc_per_node,
+           gpus=launcher_gpu_count)
     if launch.nnodes != "1" and not (launch.rdzv_endpoint and run.run_dir):
         raise ValueError(f"--nnodes {launch.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's "
                          "address) and --run-dir (the same path on every node, so ranks share "

@@ -52,6 +52,16 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def launcher_gpu_count() -> int:
+    """GPUs as `torch.cuda.device_count` counts them: through NVML where it can, so the CUDA
+    driver stays uninitialised in the launcher, whose warm process for the workers is a fork
+    of it (`Zygote.forked_here`; a fork of a process that called cuInit cannot use CUDA).
+    `is_available` may call cuInit. Session 22 measured on an H200: after device_count a raw
+    fork used CUDA. The workers still ask `cuda_device_count`, which also proves the driver
+    works, and say so where it does not."""
+    return torch.cuda.device_count()
+
+
 def _pick(name: str, value: str | None, env: Mapping[str, str], env_name: str,
           allowed: tuple[str, ...]) -> str:
     # "auto" as an argument is no choice: it is `ringtrain train`'s default, and it must not
