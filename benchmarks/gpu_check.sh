@@ -41,8 +41,8 @@ part install 120 python3 -m pip install -q --no-deps --no-build-isolation -e .
 # and `ringtrain train` jobs with forked workers: one rank on NCCL, two sharing the GPU on gloo
 # (sessions 21-22).
 part zygote_cuda 60 python3 -c 'import ringtrain.launch.starts as s, importlib; [importlib.import_module(m) for m in s.PRELOAD + s.PRELOAD_RINGTRAIN]; import ringtrain.launch.zygote_server as z; print("fork refused:", z.fork_problem())'
-# The launcher's own device choice (`--device auto`: torch.cuda.is_available) must leave the
-# driver uninitialised, or its warm process cannot be its fork (Zygote.forked_here, session 23).
+# The launcher's own check of --device/--backend (launcher_gpu_count: torch.cuda.device_count)
+# must leave the driver uninitialised, or its warm process cannot be its fork (session 23).
 part launcher_fork 60 python3 -c 'from ringtrain.cli.train_args import check_args, parse_options; check_args(parse_options([])); import ringtrain.launch.zygote_server as z; print("launcher fork refused:", z.fork_problem())'
 part forked_cuda 60 python3 benchmarks/forked_cuda.py cuda
 part forked_cuda_job 150 bash -c 'python3 -m ringtrain train --nproc-per-node 1 --steps 20 \

@@ -38,6 +38,7 @@ first start starts one fresh, as above.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -74,7 +75,8 @@ class Starts:
         parsed = forkable(command) if fork and command is not None else None
         if parsed is not None and self._why_cold(parsed) is None:
             try:
-                self.zygote = Zygote.forked_here(parsed[0], env or {}, self._preload(parsed))
+                self.zygote = Zygote.forked_here(parsed[0], os.environ if env is None else env,
+                                                 self._preload(parsed))
             except (ZygoteError, OSError):
                 self.zygote = None  # the first start starts one as before
 

@@ -180,8 +180,8 @@ class Zygote:
         become_subreaper()
         if list(interpreter[1:]) not in ([], ["-u"]) or interpreter[0] != sys.executable:
             raise ZygoteError(f"this process runs {sys.executable}, not {list(interpreter)}")
-        if _interpreter_options():
-            raise ZygoteError(f"this Python was started with {_interpreter_options()}")
+        if options := _interpreter_options():
+            raise ZygoteError(f"this Python was started with {options}")
         problem = zygote_server.fork_problem()
         if problem is not None:
             raise ZygoteError(problem)
