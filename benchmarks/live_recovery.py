@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/live_recovery.py            # full size (root): ~1 s steps,
                                                             #   a fault every 60 s and every 10 s
     nice .venv/bin/python benchmarks/live_recovery.py --quick   # small GPT, a fault every 8 s
+    .venv/bin/python benchmarks/live_recovery.py --device-time 0.12 --tokens 16
+        # a device per worker emulated: ~1 s steps that leave the host's cores free
 
 Two hosts (tests/netns.py), 2 workers each (world size 4), the store in its own process on
 host a; the same GPT, data and global batches in every mode (benchmarks/live_recovery_worker.py):
@@ -36,20 +38,20 @@ after the last, and waits, if due earlier, until the job is whole again. `--faul
 (sessions 13-15): the clock runs only while the job is whole: the next fault comes N s after
 the spares are in (live) or after the restarted job's first step (restart).
 Reported per mode: goodput (samples committed per second from the first commit to the last, over
-the plain run's; `goodput_vs_clean`: over the clean run's; `goodput_own_devices`: an estimate
-for a device per worker, where a step of 3 members takes 4/3 of a plain step, as it does not on
-these shared cores), the faults a minute and what each
-cost (`cost_per_fault_s`: the run's wall time over the plain run's, per fault; a fault waits
-for a whole job, so the fault count depends on the mode), each fault's stall (the
-longest wait for a new step from the last step committed before it to the first step committed
-by the regrouped or restarted job: a redone step does not count, and neither does a step that
-was in flight when the link went down), heals (seconds, bytes), the committed history checked
-against `GlobalBatches` (samples skipped or repeated; a share whose member was killed or stopped
-between its commit and its record's flush is counted from the step's size and rank as
-`unlogged_shares`), samples held through a fault (`samples_held`: a redo after a fault trains
-only what nobody holds, `ringtrain.live.redo`), samples whose training was thrown away
-(restart: steps redone; live: a step that members lost just after committing it had committed,
-which the survivors redid), processes left. A table, then one JSON line.
+the plain run's; `goodput_vs_clean`: over the clean run's; `goodput_own_devices`: an estimate for a
+device per worker, where a step of 3 members takes 4/3 of a plain step, as it does not on these
+shared cores; with `--device-time` the goodput itself: such steps took their 4/3), the faults a
+minute and what each cost (`cost_per_fault_s`: the run's wall time over the plain run's, per fault;
+a fault waits for a whole job, so the fault count depends on the mode), each fault's stall (the
+longest wait for a new step from the last step committed before it to the first step committed by
+the regrouped or restarted job: a redone step does not count, and neither does a step that was in
+flight when the link went down), heals (seconds, bytes), the committed history checked against
+`GlobalBatches` (samples skipped or repeated; a share whose member was killed or stopped between
+its commit and its record's flush is counted from the step's size and rank as `unlogged_shares`),
+samples held through a fault (`samples_held`: a redo after a fault trains only what nobody holds,
+`ringtrain.live.redo`), samples whose training was thrown away (restart: steps redone; live: a step
+that members lost just after committing it had committed, which the survivors redid), processes
+left. A table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -118,6 +120,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int)
     p.add_argument("--block-size", type=int)
     p.add_argument("--global-batch", type=int)
+    p.add_argument("--device-time", type=float, default=0.0, metavar="S",
+                   help="emulate a device per worker: each sample's forward and backward "
+                   "sleeps S seconds (its first --tokens tokens trained on the CPU), so that "
+                   "the host's cores stay free for starts, heals and regroups, as on a "
+                   "cluster, and a share of 3 members takes 4/3 of one of 4 (0: every step "
+                   "trained on the shared cores, the default)")
+    p.add_argument("--tokens", type=int, help="tokens of each sample trained (default: the "
+                   "block size)")
     p.add_argument("--snapshot-every", type=int, default=10, help="the restart path's snapshots")
     p.add_argument("--modes", default="live,spare,restart")
     p.add_argument("--spares", type=int, default=1,
@@ -149,6 +159,10 @@ def parse(argv=None) -> argparse.Namespace:
     for key, value in (QUICK if a.quick else FULL).items():
         if getattr(a, key) is None:  # given on the command line: kept
             setattr(a, key, value)
+    a.tokens = a.tokens or a.block_size
+    if not 0 < a.tokens <= a.block_size or a.device_time < 0:
+        p.error(f"--tokens {a.tokens} --device-time {a.device_time}: the tokens must be 1 to "
+                f"the block size ({a.block_size}) and the time 0 or more")
     return a
 
 
@@ -189,7 +203,8 @@ class Job:
                   "world_size": WORLD_SIZE, "steps": self.a.steps, "out_dir": str(self.out),
                   "model": {"n_layer": self.a.n_layer, "n_embd": self.a.n_embd,
                             "block_size": self.a.block_size},
-                  "global_batch": self.a.global_batch, "rank": rank, "attempt": self.attempt,
+                  "global_batch": self.a.global_batch, "tokens": self.a.tokens,
+                  "device_s": self.a.device_time, "rank": rank, "attempt": self.attempt,
                   "snapshot_every": self.a.snapshot_every, "spare": spare,
                   "dead_after_s": self.a.dead_after,
                   "renice": bool(self.a.niced_start and self.started)}
@@ -473,7 +488,8 @@ def main(argv=None) -> dict:
         # Here every worker shares the same 2 cores, so 3 members train a step as fast as 4
         # (the cores, not the members, bound it). With a device per worker, a step of 3 takes
         # 4/3 of a plain step: `short_steps` plain steps more in all. An estimate, first order.
-        step_s = results["plain"]["wall_s"] / (a.steps - 1)
+        # With --device-time the steps of 3 members took their 4/3 already: no estimate.
+        step_s = results["plain"]["wall_s"] / (a.steps - 1) if not a.device_time else 0.0
         r["goodput_own_devices"] = round(
             results["plain"]["wall_s"] / (r["wall_s"] + step_s * r["short_steps"]), 3)
     print(f"{'run':<12}{'faults':>7}{'/min':>6}{'s/fault':>8}{'goodput':>9}{'vs clean':>9}"
@@ -493,6 +509,7 @@ def main(argv=None) -> dict:
               f"{r['repeated']:>5}{r['samples_redone']:>7}{r['processes_left']:>5}")
     summary = {"benchmark": "live_recovery", "steps": a.steps, "global_batch": a.global_batch,
                "model": {"n_layer": a.n_layer, "n_embd": a.n_embd, "block_size": a.block_size},
+               "tokens": a.tokens, "device_time_s": a.device_time,
                "fault_clock": a.fault_clock, "spares_per_host": a.spares,
                "starts": "cold" if a.cold_starts else "forked",
                "results": results}

@@ -2,10 +2,10 @@
 
     python live_recovery_worker.py CONFIG_JSON         (started by the benchmark, not by hand)
 
-CONFIG_JSON: mode ("live" or "restart"), store (addr, port), job, world_size, steps, out_dir,
-model (n_layer, n_embd, block_size), global_batch; for "restart" also rank, attempt and
-snapshot_every. Both modes train the same GPT on the same synthetic tokens, each step on
-`GlobalBatches`' global batch (the loss summed over the shares, the gradients summed):
+CONFIG_JSON: mode ("live" or "restart"), store (addr, port), job, world_size, steps, out_dir, model
+(n_layer, n_embd, block_size), global_batch, tokens and device_s (`make_step`); for "restart" also
+rank, attempt and snapshot_every. Both modes train the same GPT on the same synthetic tokens, each
+step on `GlobalBatches`' global batch (the loss summed over the shares, the gradients summed):
 - "live": `train_live` (heartbeat 0.1 s, lost after dead_after_s of silence; commits in place, as
   `ringtrain train --live` does for ddp); a worker started after
   the job began joins as a replacement, healing from a peer (with "renice", started at nice 19,
@@ -59,17 +59,26 @@ def build(c: dict):
     return model, optimizer, tokens, GlobalBatches(DATASET, c["global_batch"], seed=2)
 
 
-def make_step(model, optimizer, tokens, global_batch, gradients=None):
+def make_step(model, optimizer, tokens, c: dict, gradients=None):
     """One step on a share; with `gradients` (live mode's `LiveGradients`) the loss rides in
     the gradients' all-reduce (the global mean comes back) and a redo after a fault trains
-    only the samples nobody holds."""
+    only the samples nobody holds.
+
+    With c["device_s"] > 0 the step emulates a device of its own per worker: it trains each
+    sample's first c["tokens"] tokens on the CPU (a few ms), then sleeps device_s per sample of
+    its share, as a GPU's forward and backward would take, leaving the host's cores free. A
+    share of 3 members is then 4/3 as long as one of 4, as on devices."""
+    global_batch, length, device_s = c["global_batch"], c["tokens"], c["device_s"]
+
     def step(ids: list[int], process_group: dist.ProcessGroup) -> float:
-        x, y = tokens[ids, :-1], tokens[ids, 1:]
+        x, y = tokens[ids, :length], tokens[ids, 1:length + 1]
         logits = model(x)  # (b, T, vocab)
         # Summed over this share, divided by the global count: the shares' sum is the mean.
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
         loss = loss / (global_batch * y.size(1))
         loss.backward()
+        if device_s:
+            time.sleep(device_s * len(ids))
         if gradients is not None:
             loss = gradients.all_reduce(process_group, loss)
         else:
@@ -102,7 +111,7 @@ def live(c: dict, store: dist.Store, records) -> None:
     group = LiveGroup(store, c["world_size"], name=c["job"], timeout_s=30, heartbeat_s=0.1,
                       dead_after_s=c["dead_after_s"], spare=bool(c.get("spare")))
     gradients = LiveGradients(model)
-    inner = make_step(model, optimizer, tokens, c["global_batch"], gradients)
+    inner = make_step(model, optimizer, tokens, c, gradients)
     trained = [0]  # samples the last attempt trained (a redo: only what nobody held)
 
     def step(ids: list[int], process_group: dist.ProcessGroup) -> float:
@@ -139,7 +148,7 @@ def restart(c: dict, store: dist.Store, records) -> None:
         first = saved["step"]
     group = dist.ProcessGroupGloo(dist.PrefixStore(f"{c['job']}/attempt{c['attempt']}", store),
                                   rank, world, timedelta(seconds=30))
-    step = make_step(model, optimizer, tokens, c["global_batch"])
+    step = make_step(model, optimizer, tokens, c)
     for s in range(first, c["steps"]):
         ids = batches.share(s, rank, world)
         loss = step(ids, group)
