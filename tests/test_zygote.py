@@ -130,6 +130,9 @@ import json, os, signal, sys, threading, time
 import torch  # as a launcher: imported before torchrun sets OMP_NUM_THREADS for the workers
 from ringtrain.launch.zygote import Zygote, ZygoteError
 signal.signal(signal.SIGTERM, lambda *a: None)  # the launcher's: a fresh worker has none
+# As from a terminal: a shell's background job (`make test &`) starts with SIGINT ignored, and
+# an ignored SIGINT stays ignored in a fresh worker too (it is, in the fork: found that way).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup: survives an exec, so a fork keeps it
 os.environ["LAUNCHER_ONLY"] = "1"
 leaked = open(os.devnull)  # noqa: SIM115 - a descriptor of the launcher's: not the workers'
