@@ -159,7 +159,7 @@ def parse(argv=None) -> argparse.Namespace:
     for key, value in (QUICK if a.quick else FULL).items():
         if getattr(a, key) is None:  # given on the command line: kept
             setattr(a, key, value)
-    a.tokens = a.tokens or a.block_size
+    a.tokens = a.block_size if a.tokens is None else a.tokens
     if not 0 < a.tokens <= a.block_size or a.device_time < 0:
         p.error(f"--tokens {a.tokens} --device-time {a.device_time}: the tokens must be 1 to "
                 f"the block size ({a.block_size}) and the time 0 or more")

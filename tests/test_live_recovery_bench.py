@@ -51,7 +51,7 @@ def test_options_default_tokens_to_the_block_and_refuse_what_cannot_run(capsys):
     a = live_recovery.parse(["--device-time", "0.12"])
     assert (a.tokens, a.device_time) == (a.block_size, 0.12)
     assert live_recovery.parse(["--tokens", "16"]).tokens == 16
-    for argv in (["--tokens", "129"], ["--device-time", "-1"]):
+    for argv in (["--tokens", "129"], ["--tokens", "0"], ["--device-time", "-1"]):
         with pytest.raises(SystemExit) as e:
             live_recovery.parse(argv)
         assert e.value.code == 2
