@@ -40,17 +40,30 @@ def split_large(obj: Any, large: list[torch.Tensor]) -> Any:
     return obj
 
 
-def fill_large(obj: Any, large: list[torch.Tensor]) -> Any:
-    """`obj` with each meta tensor replaced by a new CPU tensor (appended to `large`)."""
+def fill_large(obj: Any, large: list[torch.Tensor], reuse: Any = None) -> Any:
+    """`obj` with each meta tensor replaced by a CPU tensor to receive into (appended to `large`).
+
+    `reuse`: a structure like `obj` whose tensors may be received into where one at the same
+    place is a contiguous CPU tensor of the same shape and dtype (a replacement's own
+    parameters: memory it has touched already, not new pages); elsewhere a new tensor.
+    """
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "meta":
             return obj
-        large.append(torch.empty(obj.shape, dtype=obj.dtype))
+        if (isinstance(reuse, torch.Tensor) and reuse.device.type == "cpu"
+                and reuse.shape == obj.shape and reuse.dtype == obj.dtype
+                and reuse.is_contiguous()):
+            large.append(reuse)
+        else:
+            large.append(torch.empty(obj.shape, dtype=obj.dtype))
         return large[-1]
     if isinstance(obj, dict):
-        return type(obj)((k, fill_large(v, large)) for k, v in obj.items())
+        theirs = reuse if isinstance(reuse, dict) else {}
+        return type(obj)((k, fill_large(v, large, theirs.get(k))) for k, v in obj.items())
     if isinstance(obj, list | tuple):
-        return type(obj)(fill_large(v, large) for v in obj)
+        same = isinstance(reuse, list | tuple) and len(reuse) == len(obj)
+        return type(obj)(fill_large(v, large, reuse[i] if same else None)
+                         for i, v in enumerate(obj))
     return obj
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.live import GlobalBatches, LiveState, WatchedGroup, heal
-from ringtrain.tensor_tree import INLINE_BYTES, split_large
+from ringtrain.tensor_tree import INLINE_BYTES, fill_large, split_large
 
 
 class _LazyMoments:
@@ -91,3 +91,73 @@ def test_heal_sends_the_large_tensors_in_place_and_the_receiver_ends_equal():
     # The live optimizer state is not the commit's tensors: a step must not move the commit.
     first = receiver.optimizer.state_dict()["state"][0]["m"]
     assert first.data_ptr() != receiver.state_dict()["optimizer"]["state"][0]["m"].data_ptr()
+
+
+def _heal_pair(receiver_steps: int, in_place: bool) -> tuple[LiveState, LiveState, dict]:
+    """Rank 0 at step 2 heals rank 1 (a replacement if receiver_steps is -1, else a member
+    with that many steps committed); returns both states and rank 1's tensors before the heal."""
+    store, out, before = dist.HashStore(), {}, {}
+
+    def member(rank: int) -> None:
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(torch.nn.Linear(200, 100), torch.nn.Linear(100, 1))
+        optimizer = _LazyMoments(model.parameters())
+        state = LiveState(model, optimizer, GlobalBatches(64, 8), in_place=in_place)
+        for _ in range(2 if rank == 0 else max(receiver_steps, 0)):
+            model(torch.randn(4, 200)).sum().backward()
+            optimizer.step()
+            state.step += 1
+            state.commit()
+        if rank == 1:
+            weight = state.state_dict()["model"]["0.weight"]
+            before.update(param=model[0].weight, commit=weight, values=weight.clone())
+        group = WatchedGroup(dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)),
+                             lambda: None)
+        heal(state, group, rank, committed_step=-1 if rank == 1 and receiver_steps < 0 else None)
+        out[rank] = state
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert set(out) == {0, 1}, "a member raised or hung: see the thread's traceback above"
+    return out[0], out[1], before
+
+
+def test_a_replacement_receives_into_its_own_parameters_and_a_member_keeps_its_commit():
+    # In place (ringtrain train --live's ddp): the parameters keep their memory (touched while
+    # the replacement started) and hold the source's weights.
+    source, replacement, before = _heal_pair(-1, in_place=True)
+    weight = source.model[0].weight
+    assert replacement.model[0].weight.data_ptr() == before["param"].data_ptr()
+    assert torch.equal(replacement.model[0].weight, weight)
+    # Copied commits: the replacement's commit copy is received into (before the change it
+    # kept its own weights: new tensors were received into), and adopted.
+    source, replacement, before = _heal_pair(-1, in_place=False)
+    assert torch.equal(before["commit"], source.model[0].weight)
+    assert torch.equal(replacement.model[0].weight, source.model[0].weight)
+    # A member behind (its step 1 committed) receives into new tensors: its commit stays whole
+    # through the heal, the newest state left if the source died half way.
+    source, behind, before = _heal_pair(1, in_place=False)
+    assert torch.equal(before["commit"], before["values"])
+    assert not torch.equal(before["values"], source.model[0].weight)
+    assert torch.equal(behind.model[0].weight, source.model[0].weight)
+    assert behind.committed_step == 2
+
+
+def test_fill_large_reuses_only_a_tensor_that_fits():
+    skeleton = {"a": torch.empty(3, 4, device="meta"), "b": [torch.empty(2, device="meta")],
+                "c": torch.empty(5, device="meta"), "d": torch.empty(6, device="meta"),
+                "small": torch.ones(1)}
+    mine = {"a": torch.zeros(3, 4), "b": [torch.zeros(2, dtype=torch.float64)],
+            "c": torch.zeros(10)[::2], "d": torch.zeros(7)}
+    large: list[torch.Tensor] = []
+    filled = fill_large(skeleton, large, mine)
+    assert filled["a"] is mine["a"]                     # same shape, dtype, contiguous
+    assert filled["b"][0] is not mine["b"][0]           # another dtype
+    assert filled["c"] is not mine["c"]                 # not contiguous
+    assert filled["d"] is not mine["d"] and filled["d"].shape == (6,)  # another shape
+    assert filled["small"] is skeleton["small"] and len(large) == 4
+    assert [t.shape for t in fill_large(skeleton, [], None).values()
+            if isinstance(t, torch.Tensor)][:1] == [(3, 4)]
