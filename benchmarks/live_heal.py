@@ -10,9 +10,11 @@ anchor, the previous way (the whole state `torch.save`d into one buffer, broadca
 Each figure is the receiver's wall time from the call until its state is loaded and committed;
 the receiver's weights and optimizer state are checked equal to the source's. Each way runs
 --repeats times in a pair of processes of its own: the first heal (`first_s`) is a
-replacement's, in a process that has never held the state (its memory is new to it: on this
-VM, pages the host had taken back fault ~5x slower than pages freed a moment ago, and a heal
-of 1.2 GB places 1.2-2.4 GB); the later ones (`min_s`, `median_s`) reuse memory a heal freed.
+replacement's, in a process that has never held the state (the moments it receives are
+memory new to it, and with copied commits its optimizer's copy of them too: 0.8-1.6 GB for
+1.2 GB healed; on this VM such pages fault in several times slower when they have lain
+unused a while than when another process freed them a moment ago); the later ones
+(`min_s`, `median_s`) reuse memory a heal freed.
 `--in-place`: the members commit in place (`LiveState(in_place=True)`, what `ringtrain train
 --live` does for ddp): one copy of the state fewer to place. A table, then one JSON line.
 """
