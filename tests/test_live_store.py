@@ -31,6 +31,25 @@ def store():
     yield server
 
 
+@pytest.fixture(autouse=True)
+def _agents_with_room(monkeypatch):
+    """The agent's own watch (built inside `replacing_lost_workers`) with room for a loaded
+    machine: these tests are about what an agent decides, not about its bounds, and on 2 cores
+    beside the live tests' process starts its client store once failed to connect twice in a
+    row (5 s each: "silent" after 10 s, `LiveStoreLostError`). The bounds themselves are tested
+    with watches of their own (`silent_after_s=1.0` below)."""
+    import ringtrain.launch.live_agent as agent
+
+    class Roomy(StoreWatch):
+        def __init__(self, *args, silent_after_s: float = 60.0, **kwargs):
+            super().__init__(*args, silent_after_s=silent_after_s, **kwargs)
+
+        def fail(self, record: dict, bound_s: float = 30.0) -> dict | None:
+            return super().fail(record, bound_s)
+
+    monkeypatch.setattr(agent, "StoreWatch", Roomy)
+
+
 def _envs(port: int, node: int, ranks: list[int], nodes: int = 2) -> dict[int, dict[str, str]]:
     return {local: {"RANK": str(r), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nodes),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
