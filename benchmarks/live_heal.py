@@ -118,6 +118,9 @@ def main() -> None:
                         help="commit in place (LiveState(in_place=True): ringtrain train "
                              "--live's ddp)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1 heal of each way (the first is a "
+                     "replacement's; 2 or more to read later ones)")
     n_layer, n_embd = (2, 256) if args.quick else (14, 768)
     summary, params = {}, 0
     print(f"{'way':<9}{'first s':>9}{'min s':>8}{'median s':>10}{'MB':>9}{'GB/s (first)':>14}"
