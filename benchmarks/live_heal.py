@@ -10,11 +10,12 @@ anchor, the previous way (the whole state `torch.save`d into one buffer, broadca
 Each figure is the receiver's wall time from the call until its state is loaded and committed;
 the receiver's weights and optimizer state are checked equal to the source's. Each way runs
 --repeats times in a pair of processes of its own: the first heal (`first_s`) is a
-replacement's, in a process that has never held the state (the moments it receives are
-memory new to it, and with copied commits its optimizer's copy of them too: 0.8-1.6 GB for
-1.2 GB healed; on this VM such pages fault in several times slower when they have lain
-unused a while than when another process freed them a moment ago); the later ones
-(`min_s`, `median_s`) reuse memory a heal freed.
+replacement's, in a process that has never held the state; the later ones (`min_s`,
+`median_s`) reuse memory a heal freed. Before it heals, the replacement makes its AdamW's state
+(`LiveState.prepare_heal`, as `LiveGroup.join` does before a replacement's first heartbeat),
+so the moments are received into memory it has touched; `--unprepared` skips that (the A/B:
+0.8-1.6 GB of new pages then, inside the heal, for 1.2 GB healed; on this VM such pages fault
+in several times slower when they have lain unused a while).
 `--in-place`: the members commit in place (`LiveState(in_place=True)`, what `ringtrain train
 --live` does for ddp): one copy of the state fewer to place. A table, then one JSON line.
 """
@@ -71,7 +72,7 @@ def _pickled_heal(state: LiveState, group: dist.ProcessGroup, rank: int) -> int:
     return int(size)
 
 
-def _member(rank, world_size, port, n_layer, n_embd, ways, in_place):
+def _member(rank, world_size, port, n_layer, n_embd, ways, in_place, prepared):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     torch.manual_seed(rank)  # the receiver's weights differ until healed
     config = GPTConfig(vocab_size=256, block_size=256, n_layer=n_layer, n_head=max(1, n_embd // 64),
@@ -95,6 +96,8 @@ def _member(rank, world_size, port, n_layer, n_embd, ways, in_place):
             fresh = GPT(config)
             state = LiveState(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-4),
                               GlobalBatches(1024, 8), in_place=in_place)
+            if prepared:  # as `LiveGroup.join` does before a replacement's first heartbeat
+                state.prepare_heal()
         group.barrier().wait()
         t0 = time.perf_counter()
         if way == "pickled":
@@ -117,6 +120,9 @@ def main() -> None:
     parser.add_argument("--in-place", action="store_true",
                         help="commit in place (LiveState(in_place=True): ringtrain train "
                              "--live's ddp)")
+    parser.add_argument("--unprepared", action="store_true",
+                        help="the replacement heals without `LiveState.prepare_heal` first "
+                             "(its optimizer's state made before it is let in): the A/B")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1 heal of each way (the first is a "
@@ -129,7 +135,8 @@ def main() -> None:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=120))
         receiver = run_workers(_member, 2, args=(store.port, n_layer, n_embd,
-                                                 [way] * args.repeats, args.in_place),
+                                                 [way] * args.repeats, args.in_place,
+                                                 not args.unprepared),
                                init=False, timeout_s=600)[1]
         params = receiver["params"]
         runs = receiver["rows"][way]
@@ -145,9 +152,11 @@ def main() -> None:
               f"{nbytes / 1e6:>9.1f}{row['gb_per_s_first']:>14.2f}  {str(row['equal']):<6} "
               f"{seconds}")
     print(f"({params / 1e6:.1f} M params + AdamW, 2 gloo ranks on localhost, "
-          f"{'commits in place' if args.in_place else 'commits copied'}; first: a replacement's "
+          f"{'commits in place' if args.in_place else 'commits copied'}, "
+          f"{'unprepared' if args.unprepared else 'prepared'}; first: a replacement's "
           f"heal, its process's first; min and median: the later ones)")
     print(json.dumps({"benchmark": "live_heal", "params": params, "in_place": args.in_place,
+                      "prepared": not args.unprepared,
                       "ways": summary}))
 
 

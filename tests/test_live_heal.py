@@ -13,10 +13,11 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.live import GlobalBatches, LiveState, WatchedGroup, heal
+from ringtrain.live import GlobalBatches, LiveState, WatchedGroup, heal, make_optimizer_state
 from ringtrain.tensor_tree import INLINE_BYTES, fill_large, split_large
 
 
@@ -161,3 +162,105 @@ def test_fill_large_reuses_only_a_tensor_that_fits():
     assert filled["small"] is skeleton["small"] and len(large) == 4
     assert [t.shape for t in fill_large(skeleton, [], None).values()
             if isinstance(t, torch.Tensor)][:1] == [(3, 4)]
+
+
+def test_make_optimizer_state_moves_no_parameter_and_restores_lr():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    weights = [p.detach().clone() for p in model.parameters()]
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    assert make_optimizer_state(adamw)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert adamw.param_groups[0]["lr"] == 1e-2
+    assert {k for s in adamw.state.values() for k in s} == {"step", "exp_avg", "exp_avg_sq"}
+    assert not make_optimizer_state(adamw)  # it has state: left alone
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5)  # its step needs a closure
+    assert not make_optimizer_state(lbfgs)
+    assert lbfgs.param_groups[0]["lr"] == 0.5 and all(p.grad is None for p in model.parameters())
+
+
+def _adamw_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(4, 200)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _moments(state: dict) -> list[torch.Tensor]:
+    """An optimizer state dict's tensors, in order (a live one's, or a commit's)."""
+    return [v for s in state["state"].values() for v in s.values()]
+
+
+def _large(tensors: list[torch.Tensor]) -> list[int]:
+    """The addresses of the tensors a heal broadcasts (the rest travel pickled: new ones)."""
+    return [t.data_ptr() for t in tensors if t.nbytes >= INLINE_BYTES]
+
+
+def _prepared_pair(in_place: bool) -> tuple[LiveState, LiveState, dict]:
+    """Rank 0 (AdamW, step 2) heals rank 1, a replacement that ran `prepare_heal` first;
+    returns both states and the addresses of the moments rank 1 made."""
+    store, out, made = dist.HashStore(), {}, {}
+
+    def member(rank: int) -> None:
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(torch.nn.Linear(200, 100), torch.nn.Linear(100, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state = LiveState(model, optimizer, GlobalBatches(64, 8), in_place=in_place)
+        if rank == 0:
+            for step in range(2):
+                _adamw_step(model, optimizer, step)
+                state.step += 1
+                state.commit()
+        else:
+            state.prepare_heal()
+            made["live"] = _large(_moments(optimizer.state_dict()))
+            made["commit"] = _large(_moments(state.state_dict()["optimizer"]))
+        group = WatchedGroup(dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)),
+                             lambda: None)
+        heal(state, group, rank, committed_step=-1 if rank == 1 else None)
+        out[rank] = state
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert set(out) == {0, 1}, "a member raised or hung: see the thread's traceback above"
+    return out[0], out[1], made
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in_place"])
+def test_a_prepared_replacement_heals_into_the_memory_it_made(in_place):
+    """`prepare_heal` (LiveGroup.join, before a replacement's first beat) makes AdamW's state:
+    the heal receives the source's moments into the commit's copies of it and loads them into
+    the optimizer's own (no tensor placed inside the stall), and the next step is the source's."""
+    source, replacement, made = _prepared_pair(in_place)
+    live = _moments(replacement.optimizer.state_dict())
+    committed = _moments(replacement.state_dict()["optimizer"])
+    assert len(made["live"]) == 2  # the first weight's exp_avg, exp_avg_sq
+    assert _large(live) == made["live"] and _large(committed) == made["commit"]
+    if not in_place:  # a copy: the next step must not move the commit
+        assert all(a.data_ptr() != b.data_ptr() for a, b in zip(live, committed, strict=True))
+    for mine, theirs in zip(live, _moments(source.optimizer.state_dict()), strict=True):
+        assert torch.equal(mine, theirs)
+    for state in (source, replacement):
+        _adamw_step(state.model, state.optimizer, 7)
+    for a, b in zip(source.model.parameters(), replacement.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_restore_loads_a_torch_optimizers_commit_into_its_own_tensors():
+    model = torch.nn.Linear(200, 100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _adamw_step(model, optimizer, 0)
+    state = LiveState(model, optimizer, GlobalBatches(64, 8))
+    own = [t.data_ptr() for t in _moments(optimizer.state_dict())]
+    committed = [t.clone() for t in _moments(state.state_dict()["optimizer"])]
+    _adamw_step(model, optimizer, 1)  # the step that fails half way
+    state.restore()
+    assert [t.data_ptr() for t in _moments(optimizer.state_dict())] == own
+    for now, then in zip(_moments(optimizer.state_dict()), committed, strict=True):
+        assert torch.equal(now, then)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(
+        _moments(optimizer.state_dict()), _moments(state.state_dict()["optimizer"]), strict=True))

@@ -23,9 +23,10 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from ringtrain.live import LiveGroup, LiveJobLostError
+from ringtrain.live import GlobalBatches, LiveGroup, LiveJobLostError, LiveState
 from ringtrain.live.heartbeats import Heartbeats
 from ringtrain.live.roster import propose, waiting_uids
 
@@ -42,17 +43,36 @@ def _job_of_one_member_gone() -> dist.Store:
     return store
 
 
+class _Prepared(LiveState):
+    """A replacement's state that records its own heartbeat counter when asked to prepare."""
+
+    def __init__(self, keys: dist.Store, uid: int):
+        model = torch.nn.Linear(4, 2)
+        super().__init__(model, torch.optim.AdamW(model.parameters()), GlobalBatches(8, 2))
+        self.keys, self.uid = keys, uid
+        self.beats_seen: list[int] = []
+
+    def prepare_heal(self) -> None:
+        self.beats_seen.append(self.keys.add(f"hb/{self.uid}", 0))
+        super().prepare_heal()
+
+
 def test_a_replacement_fails_fast_once_every_member_is_gone():
-    group = LiveGroup(_job_of_one_member_gone(), 1, heartbeat_s=0.05, dead_after_s=0.3,
-                      join_timeout_s=60)
+    store = _job_of_one_member_gone()
+    group = LiveGroup(store, 1, heartbeat_s=0.05, dead_after_s=0.3, join_timeout_s=60)
+    state = _Prepared(dist.PrefixStore(PREFIX, store), group.uid)
     try:
         started = time.monotonic()
         with pytest.raises(LiveJobLostError, match=r"every member of generation 0 \(\[0\]\) is "
                                                    "gone.*restarts from its last snapshot"):
-            group.join(state=None)  # type: ignore[arg-type]  # never let in: no state used
+            group.join(state)
         assert time.monotonic() - started < 10  # the silence bound and a poll, not 60 s
     finally:
         group.close()
+    # It made its optimizer's state before its first beat: the members would have waited for
+    # it inside a step boundary, had they let it in while it did.
+    assert state.beats_seen == [0] and state.optimizer.state
+    assert state.keys.add(f"hb/{group.uid}", 0) > 0
 
 
 def test_a_survivor_waiting_for_a_replacement_stops_waiting_on_a_stop_request():

@@ -18,9 +18,10 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from ringtrain.live import LiveGroup
+from ringtrain.live import GlobalBatches, LiveGroup, LiveState
 from ringtrain.live.watched import LiveMemberSilentError
 
 PREFIX = "ringtrain/live/live"  # LiveGroup(name="live")
@@ -74,7 +75,8 @@ def test_a_spare_whose_first_generation_failed_to_form_forms_the_next(store):
 
     def join() -> None:
         try:
-            out["joined"] = group.join(state=None)  # type: ignore[arg-type]  # size 1: no heal
+            model = torch.nn.Linear(2, 2)  # size 1 in the end: nothing to heal from
+            out["joined"] = group.join(LiveState(model, None, GlobalBatches(8, 2)))
         except BaseException as error:  # noqa: BLE001  # reported by the assertions below
             out["error"] = error
 

@@ -4,7 +4,9 @@ Read in this order:
 - `batches.py`: `GlobalBatches`, each step's global batch and a member's share of it, from the
   step alone: a step redone by fewer members trains the same samples (exactly once).
 - `state.py`: `LiveState`, what a member commits in memory each step and restores on a failure
-  (model, optimizer, step, batches, RNG), as Horovod elastic's `State`.
+  (model, optimizer, step, batches, RNG), as Horovod elastic's `State`; and what a
+  replacement makes before it is let in, so that its heal places no memory
+  (`prepare_heal`).
 - `heal.py`: the members of a new generation agree on the newest committed step and take it
   from a member that has it, over the new group (torchft's heal from a live peer).
 - `heartbeats.py`: `Heartbeats`, each process's beat in the store (a thread) and how long each
@@ -36,10 +38,10 @@ from ringtrain.live.heal import HealReport, heal
 from ringtrain.live.joining import LiveJobLostError
 from ringtrain.live.loop import all_reduce_gradients, train_live
 from ringtrain.live.redo import LiveGradients, agree_shares, gather_ids
-from ringtrain.live.state import LiveState
+from ringtrain.live.state import LiveState, make_optimizer_state
 from ringtrain.live.watched import LiveMemberSilentError, WatchedGroup
 
 __all__ = ["GlobalBatches", "HealReport", "LiveGradients", "LiveGroup", "LiveJobLostError",
            "LiveMemberLostError", "LiveMemberSilentError", "LiveRecoveryError", "LiveState",
            "WatchedGroup", "agree_shares", "all_reduce_gradients", "gather_ids", "heal",
-           "train_live"]
+           "make_optimizer_state", "train_live"]

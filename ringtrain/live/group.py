@@ -124,7 +124,12 @@ class LiveGroup:
         self._beats = Heartbeats(self._store, dist.PrefixStore(prefix, clone_store(store)),
                                  self.uid, heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
                                  members=lambda: self.members, known=lambda: self._known)
-        self._beats.beat_once()  # beaten once: from here on it may be let in
+        # Beaten once, from here on it may be let in: generation 0's processes now, any later
+        # one in `join`, once it has made what its heal receives into (`prepare_heal`): the
+        # members would otherwise wait for it inside their step boundary.
+        self._beating = self.uid < world_size
+        if self._beating:
+            self._beats.beat_once()
         self.generation = -1
         self.members: list[int] = []
         self.process_group: WatchedGroup | None = None
@@ -132,7 +137,8 @@ class LiveGroup:
         self._known: set[int] = set()  # uids seen in a generation or found departed
         self._retired = RetiredGroups()
         self._departed_read_at = 0.0  # when `check_members` last read the members' departed/
-        self._beats.start()
+        if self._beating:
+            self._beats.start()
 
     # -- where this process stands ----------------------------------------------------------
     @property
@@ -174,12 +180,18 @@ class LiveGroup:
 
         Returns False if the job finished before this process was let in. Generation 0 starts
         from its rank 0's state (as DDP's broadcast at construction); a replacement takes the
-        newest committed state of the members (`heal`).
+        newest committed state of the members (`heal`). A replacement first makes the memory its
+        heal receives into (`LiveState.prepare_heal`), then beats: it is let in once ready.
         """
         if self.uid < self.world_size:  # the first world_size processes: generation 0
             members = generation0_members(self._store, self.world_size, self.join_timeout_s)
             self._enter(0, members, state, fresh=members.index(self.uid) != 0)
             return True
+        if not self._beating:  # a replacement or a spare: it heals, once let in
+            state.prepare_heal()
+            self._beating = True
+            self._beats.beat_once()
+            self._beats.start()
         found = wait_to_be_let_in(self._store, self._beats, self.uid, self._first_generation,
                                   spare=self.spare, timeout_s=self.join_timeout_s,
                                   heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
@@ -240,7 +252,8 @@ class LiveGroup:
         if self.process_group is not None:
             self._store.set("finished", b"1")
         self.process_group = None
-        self._beats.stop()
+        if self._beating:
+            self._beats.stop()
 
     # -- generations ------------------------------------------------------------------------
     def _reform(self, state: LiveState, *, fresh: bool = False) -> None:

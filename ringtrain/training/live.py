@@ -44,7 +44,14 @@ from torch.utils.data import Dataset
 
 from ringtrain.data.sample_log import SampleLog
 from ringtrain.errors import ConfigError
-from ringtrain.live import GlobalBatches, LiveGroup, LiveState, agree_shares, gather_ids
+from ringtrain.live import (
+    GlobalBatches,
+    LiveGroup,
+    LiveState,
+    agree_shares,
+    gather_ids,
+    make_optimizer_state,
+)
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import LiveHooks, StepResult, Strategy
 from ringtrain.training.config import TrainerConfig, lr_at
@@ -184,6 +191,11 @@ class LiveDriver:
         # --record-samples every step ends with the shares' all-gather (`_record`), after the
         # state changed: a copy then.
         in_place = self.hooks.commits_in_place and self.samples is None
+        optimizer = self.hooks.optimizer
+        if self.group.uid >= self.world_size and isinstance(optimizer, torch.optim.Optimizer):
+            # A replacement or a spare: the memory its heal receives into, made before its
+            # first beat (`LiveState.prepare_heal`, which cannot see through `_Committed`).
+            make_optimizer_state(optimizer)
         self.state = LiveState(self.hooks.model, _Committed(self.hooks.optimizer, self.samples),
                                self.batches, step=step, in_place=in_place)
         if not self.group.join(self.state):
