@@ -13,6 +13,7 @@ matches; ringtrain's used to broadcast before every forward and hung there.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import subprocess
 import sys
@@ -48,8 +49,7 @@ class _Causal(nn.Module):
 
 
 def _evaluate_on_rank0(rank, world_size, port, which):
-    # Hung once in ~14 runs under load (torch's DDP, rank 0 after rank 1 had returned from the
-    # final barrier): if it hangs again, the stack says where (the fixture's bound is 90 s).
+    # If it hangs, the stack says where (the fixture's bound is 90 s).
     faulthandler.dump_traceback_later(60, exit=False)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=20))
@@ -73,6 +73,13 @@ def _evaluate_on_rank0(rank, world_size, port, which):
     # Every collective was matched: the one broadcast of an evaluation (gloo's root does not
     # wait for it) by the other rank's first forward of the next epoch.
     dist.barrier()
+    # torch's DDP goes before its group: its C++ Reducer holds the group, and freed last (when
+    # this function returned) it ran the gloo group's destructor with the GIL held, which
+    # joins gloo's worker threads, one of them waiting for the GIL to free the barrier's work:
+    # a deadlock in 1 of 60 runs under two burners (py-spy: ~ProcessGroupGloo under
+    # pybind11's Reducer dealloc, a worker thread in ~AsyncBarrierWork taking the GIL).
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
     return {"state": [t.clone() for t in model.state_dict().values()], "evals": evals}
