@@ -150,7 +150,6 @@ class LiveState:
         set_rng_state(state["rng"])
         self.step = int(state["step"])
 
-
     def _optimizer_copy(self, state: dict[str, Any]) -> dict[str, Any]:
         # A torch optimizer's copy goes into its own state tensors, which it loads as they are:
         # memory touched already, where a new copy would fault in pages inside the stall (a
