@@ -112,18 +112,29 @@ def _heal_pair(receiver_steps: int, in_place: bool) -> tuple[LiveState, LiveStat
         if rank == 1:
             weight = state.state_dict()["model"]["0.weight"]
             before.update(param=model[0].weight, commit=weight, values=weight.clone())
-        group = WatchedGroup(dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)),
-                             lambda: None)
-        heal(state, group, rank, committed_step=-1 if rank == 1 and receiver_steps < 0 else None)
-        out[rank] = state
+        _heal_and_keep(state, store, rank, rank == 1 and receiver_steps < 0, out)
 
+    return (*_run_pair(member, out), before)
+
+
+def _heal_and_keep(state: LiveState, store: dist.Store, rank: int, fresh: bool,
+                   out: dict) -> None:
+    """Heal `state` as `rank` of a 2-rank group on `store` (a replacement if `fresh`); keep it."""
+    group = WatchedGroup(dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)),
+                         lambda: None)
+    heal(state, group, rank, committed_step=-1 if fresh else None)
+    out[rank] = state
+
+
+def _run_pair(member, out: dict) -> tuple[LiveState, LiveState]:
+    """`member(0)` and `member(1)` on two threads; the states they put in `out`."""
     threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     assert set(out) == {0, 1}, "a member raised or hung: see the thread's traceback above"
-    return out[0], out[1], before
+    return out[0], out[1]
 
 
 def test_a_replacement_receives_into_its_own_parameters_and_a_member_keeps_its_commit():
@@ -216,18 +227,9 @@ def _prepared_pair(in_place: bool) -> tuple[LiveState, LiveState, dict]:
             state.prepare_heal()
             made["live"] = _large(_moments(optimizer.state_dict()))
             made["commit"] = _large(_moments(state.state_dict()["optimizer"]))
-        group = WatchedGroup(dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30)),
-                             lambda: None)
-        heal(state, group, rank, committed_step=-1 if rank == 1 else None)
-        out[rank] = state
+        _heal_and_keep(state, store, rank, rank == 1, out)
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert set(out) == {0, 1}, "a member raised or hung: see the thread's traceback above"
-    return out[0], out[1], made
+    return (*_run_pair(member, out), made)
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in_place"])
