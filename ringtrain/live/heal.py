@@ -95,10 +95,11 @@ def heal(state: LiveState, group: dist.ProcessGroup, rank: int,
     payload = _send_bytes(group, payload, source)
     received = None
     if rank != source:
-        # A replacement (nothing committed, `mine` -1) receives into its own tensors where they
-        # fit, its parameters: memory it touched while it started, where new pages would fault
-        # in inside the stall (issue 26: 1.2 GB placed anew took seconds on a VM that takes idle
-        # memory back). A member with a commit keeps it intact until the heal has completed: if
+        # A replacement (nothing committed, `mine` -1) receives into its commit's tensors where
+        # they fit (its parameters, and the optimizer state `LiveState.prepare_heal` made):
+        # memory it touched before it was let in, where new pages would fault in inside the
+        # stall (issue 26: 1.2 GB placed anew took seconds on a VM that takes idle memory
+        # back). A member with a commit keeps it intact until the heal has completed: if
         # the source dies half way, that commit may be the newest left, and must be whole.
         received = fill_large(torch.load(io.BytesIO(payload), weights_only=True), large,
                               state.state_dict() if mine == -1 else None)
