@@ -154,3 +154,63 @@ def test_a_beats_batched_reads_see_what_one_read_per_counter_sees():
         counts = [{u: c for u, (c, _) in b._moved.items()} for b in beats]
         assert counts[0] == counts[1] == {0: 1, 1: 1 + count, 2: 1, 4: 1 + count, 5: 0}
     assert time.monotonic() - started < 5  # uid 5's counter was created, not waited for
+
+
+class _StallingStore:
+    """A store whose one serving thread stops answering everyone for a while (torch's TCP store
+    resolving a connecting peer's name with a slow DNS), then answers this process's requests
+    before uid 1's queued beat (`late_s` after the stall): what made a live member "silent"."""
+
+    def __init__(self, late_s: float):
+        self._store = dist.HashStore()
+        self.late_s, self.until = late_s, 0.0
+
+    def stall(self, seconds: float) -> None:
+        self.until = time.monotonic() + seconds
+
+    def _wait(self, late: bool) -> None:
+        while time.monotonic() < self.until + (self.late_s if late else 0.0):
+            time.sleep(0.005)
+
+    def add(self, key: str, value: int) -> int:
+        self._wait(late=key == "hb/1" and value == 1)
+        return self._store.add(key, value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._wait(late=False)
+        return self._store.multi_get(keys)
+
+
+def test_a_store_that_stops_answering_is_nobodys_silence():
+    store = _StallingStore(late_s=0.3)
+    store.add("uids", 2)
+    beats = Heartbeats(store, store, 0, heartbeat_s=0.05, dead_after_s=0.5,
+                       members=lambda: [0, 1])
+    alive = threading.Event()
+    alive.set()
+
+    def member_1() -> None:
+        while alive.is_set():
+            store.add("hb/1", 1)
+            time.sleep(0.05)
+
+    threading.Thread(target=member_1, daemon=True).start()
+    beats.start()
+    try:
+        time.sleep(0.3)
+        store.stall(2.0)  # 4x dead_after_s: uid 1's last beat was read before it
+        accused, deadline = [], time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            accused.append(beats.silent())
+            time.sleep(0.01)
+        # Without the excuse: "uid 1 silent for ~2.3 s", at the first read after the stall.
+        assert accused.count(None) == len(accused), [a for a in accused if a][:3]
+        alive.clear()  # now uid 1 is lost for real: found about dead_after_s later
+        stopped = time.monotonic()
+        while beats.silent() is None:
+            assert time.monotonic() - stopped < 2.0, "a lost member was not found"
+            time.sleep(0.01)
+        assert beats.silent()[0] == 1
+    finally:
+        alive.clear()
+        beats.stop()

@@ -155,7 +155,8 @@ class LiveGroup:
         departed (`first_departed`, read at most every `heartbeat_s`).
 
         Silence is counted up to that thread's last read, not up to now: if this process's own
-        thread is starved (a loaded host) or its store link is down, nobody is accused.
+        thread is starved (a loaded host) or its store link is down, nobody is accused; and a
+        wait of the store itself is nobody's silence (`Heartbeats.excuse`).
         """
         found = self._beats.silent()
         if found is not None:
@@ -328,7 +329,7 @@ class LiveGroup:
                 if self._store.check([f"gen{g}/here/{u}"]):
                     here.append(u)
                     continue
-                silent = self._beats.observe(u, self._store.add(f"hb/{u}", 0))
+                _, silent = self._beats.read(self._store, u)
                 late = time.monotonic() > bound
                 # departed: the agent saw its process die (or another member decided): lost
                 # now, not a heartbeat bound later

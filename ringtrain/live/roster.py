@@ -61,8 +61,8 @@ def waiting_uids(store: dist.Store, beats: Heartbeats, known: set[int]) -> list[
         if store.check([f"departed/{u}"]):
             known.add(u)
             continue
-        count = store.add(f"hb/{u}", 0)
-        if count > 0 and beats.observe(u, count) <= beats.dead_after_s:
+        count, silent = beats.read(store, u)
+        if count > 0 and silent <= beats.dead_after_s:
             out.append(u)
     return out
 
@@ -71,7 +71,7 @@ def all_gone(store: dist.Store, beats: Heartbeats, members: list[int]) -> bool:
     """Whether every one of `members` is departed or silent for over `dead_after_s` (every
     counter is read each call: silence is timed across calls)."""
     gone = [store.check([f"departed/{u}"]) or
-            beats.observe(u, store.add(f"hb/{u}", 0)) > beats.dead_after_s for u in members]
+            beats.read(store, u)[1] > beats.dead_after_s for u in members]
     return all(gone)
 
 
