@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from ringtrain.errors import REQUEUE_EXIT_CODE
+from ringtrain.launch.environments import LAUNCHER_PID_ENV
 from ringtrain.launch.failure_report import (
     ChildFailedError,
     ProcessFailure,
@@ -335,3 +337,31 @@ def test_shutdown_timeout_on_a_torch_without_it_is_one_clear_error(monkeypatch, 
     assert "argument --shutdown-timeout/--shutdown_timeout: needs torch 2.13 or newer" in err
     with pytest.raises(ValueError, match="shutdown_timeout=5: needs torch 2.13 or newer"):
         launcher.launch("x.py", [], nproc_per_node=1, shutdown_timeout=5)
+
+
+def test_a_signal_that_torchs_metrics_wrapper_hides_still_stops_with_its_code(tmp_path,
+                                                                               monkeypatch,
+                                                                               capsys):
+    """torch's `metrics.prof` can raise UnboundLocalError from its `finally` over the agent's
+    SignalException (a SIGTERM handled before its timer was set): the launcher said
+    "ringtrain run: UnboundLocalError: ..." and exited 1 instead of 143 (requeue me)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    import ringtrain.launch.launcher as launcher
+
+    def agent(config, entrypoint):
+        def run(*args):  # torch's wrapper, the signal handled before its timer was set
+            try:
+                raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+                start = time.time()
+            finally:
+                print(time.time() - start)
+        return run
+
+    monkeypatch.setattr(launcher, "elastic_launch", agent)
+    monkeypatch.setenv(LAUNCHER_PID_ENV, "")  # the launcher sets it: unset after the test
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert main(["--nproc-per-node", "1", str(script)]) == REQUEUE_EXIT_CODE
+    err = capsys.readouterr().err
+    assert "got SIGTERM; stopped all workers" in err and "UnboundLocalError" not in err

@@ -223,11 +223,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
             return STOPPED_EXIT_CODE
         return 1
     except SignalException as e:  # the agent already stopped the workers with the same signal
-        name = signal.Signals(e.sigval).name
-        print(f"ringtrain run: got {name}; stopped all workers", file=sys.stderr, flush=True)
-        if e.sigval in (signal.SIGTERM, signal.SIGUSR1):  # a scheduler's: requeue the job
-            return REQUEUE_EXIT_CODE
-        return 128 + int(e.sigval)
+        return _stopped_by(e)
     except KeyboardInterrupt:  # Ctrl-C before the agent's handler was in place; it stopped them
         print("ringtrain run: got SIGINT; stopped all workers", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
@@ -244,6 +240,8 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
               file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # rendezvous timeouts and the like: one line, not a stack
+        if (signalled := _signal_behind(e)) is not None:
+            return _stopped_by(signalled)
         print(f"ringtrain run: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -253,6 +251,32 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
             if h is not None:
                 with contextlib.suppress(ValueError):  # not on the main thread
                     signal.signal(s, h)
+
+
+def _stopped_by(e: SignalException) -> int:
+    name = signal.Signals(e.sigval).name
+    print(f"ringtrain run: got {name}; stopped all workers", file=sys.stderr, flush=True)
+    if e.sigval in (signal.SIGTERM, signal.SIGUSR1):  # a scheduler's: requeue the job
+        return REQUEUE_EXIT_CODE
+    return 128 + int(e.sigval)
+
+
+def _signal_behind(error: BaseException | None) -> SignalException | None:
+    """The agent's SignalException that `error` was raised over, if any.
+
+    torch's `elastic.metrics.prof`, around the agent's steps (`_monitor_workers` every poll),
+    sets its timer inside its `try`; a signal handled right there (the main thread switching
+    threads after `time.time()`, under load) raises "UnboundLocalError: cannot access local
+    variable 'start'" from its `finally`, over the SignalException (torch 2.13; 1 SIGTERM in
+    ~30 of tests/test_live_zero.py's, under two CPU burners). The agent still stopped the
+    workers: `run()`'s `finally` does."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, SignalException):
+            return error
+        seen.add(id(error))
+        error = error.__context__
+    return None
 
 
 def main(argv: list[str]) -> int:
