@@ -33,7 +33,15 @@ DEAD_AFTER_S = 0.5
 def store():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=60))
-    yield master
+    yield master.clone()  # a client: pytest holds what is yielded until the teardown ends
+    # The store's server closed: a group build abandoned by the test, still in a store wait
+    # for TIMEOUT_S, fails now. Else it woke in this process's shutdown if that came first,
+    # which aborts the interpreter ("terminate called without an active exception").
+    del master
+    for thread in threading.enumerate():
+        if thread.name.startswith("ringtrain-live-gen"):
+            thread.join(timeout=TIMEOUT_S / 4)
+            assert not thread.is_alive(), "an abandoned group build outlived the job's store"
 
 
 def _group(store: dist.Store, world_size: int, **kwargs) -> LiveGroup:
