@@ -264,7 +264,7 @@ def _stopped_by(e: SignalException) -> int:
 def _signal_behind(error: BaseException | None) -> SignalException | None:
     """The agent's SignalException that `error` was raised over, if any.
 
-    torch's `elastic.metrics.prof`, around the agent's steps (`_monitor_workers` every poll),
+    torch's `elastic.metrics.prof`, around each of the agent's steps (its monitoring, every poll),
     sets its timer inside its `try`; a signal handled right there (the main thread switching
     threads after `time.time()`, under load) raises "UnboundLocalError: cannot access local
     variable 'start'" from its `finally`, over the SignalException (torch 2.13; 1 SIGTERM in
