@@ -42,6 +42,13 @@ os.environ[DEVICE_ENV] = "cpu"
 # forkserver and every subprocess start after this line and inherit it.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False  # this process and pytest's rewritten test modules too
+# torch's TCP store looks up each connecting peer's name (getnameinfo: reverse DNS, of
+# 127.0.0.1 too, seen as ::ffff:127.0.0.1, which /etc/hosts does not list) on its one serving
+# thread, and every client waits meanwhile. This machine's resolver drops about 1 query in 25:
+# a 5 s stall (the resolver's timeout) every ~25 store connections (session 27). A test that
+# times a recovery measures ringtrain, not the resolver: a lookup is given up after 1 s here.
+# Heartbeats excuse a stalled store (tests/test_live_roster.py stalls one for 2 s).
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 
 @pytest.fixture(autouse=True)
