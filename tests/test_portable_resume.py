@@ -6,7 +6,8 @@ layout-free form, `ringtrain.strategies.portable`), and a run extended with a la
 
 CPU, gloo. In one process: the conversions are exact (ddp -> zero-3 -> pipeline -> ddp gives
 back the same parameters and AdamW moments bit for bit, and the next step is bit-identical),
-the rule of a changed --steps, and the refusal of a strategy without a converter. The resume
+the rule of a changed --steps, the refusal of a strategy without a converter, and local SGD's
+and DiLoCo's converters (their replicas at a meeting, their moments averaged). The resume
 table (`tests/support/resume_pairs.py`): each pair resumes the source layout's snapshot in
 the target layout and must train on as the target's uninterrupted run does (max difference
 <= 1e-6 over the losses and the final parameters; `make test` runs 5 representative pairs,
@@ -26,7 +27,7 @@ import torch
 from ringtrain.data.addition import AdditionDataset
 from ringtrain.errors import ConfigError
 from ringtrain.models import GPT, GPTConfig, loss_fn
-from ringtrain.strategies import make_strategy, registered
+from ringtrain.strategies import make_strategy, portable, registered
 from ringtrain.training.config import adamw, lr_at
 from ringtrain.training.trainer import Trainer, TrainerConfig
 from tests.support import resume_pairs as rp
@@ -168,18 +169,97 @@ def test_table_every_pair_trains_on_as_the_targets_uninterrupted_run(table):
             f"{row.source.label} -> {row.target.label}: {row.result}")
 
 
-def test_a_strategy_without_a_converter_is_refused_naming_both_layouts(tmp_path,
-                                                                      single_process):
-    assert registered()["localsgd"].to_portable(lambda ranks: {}, None, {}) is None
+def test_a_strategy_without_a_converter_is_refused_naming_both_layouts(tmp_path, single_process,
+                                                                      monkeypatch):
+    # The parameter server has none (its state is its servers' shards); its runs need 2 ranks,
+    # so local SGD stands in for it here, its converter taken away.
+    assert registered()["ps"].to_portable(lambda ranks: {}, None, {}) is None
     cfg = TrainerConfig(steps=2, batch_size=8, lr=1e-3, seed=0, progress=False)
 
-    def trainer(name: str) -> Trainer:
-        return Trainer(make_strategy(name, runtime=single_process), single_process,
+    def trainer(name: str, **options) -> Trainer:
+        return Trainer(make_strategy(name, runtime=single_process, **options), single_process,
                        lambda: GPT(MODEL), AdditionDataset("train", 1), None, loss_fn, cfg,
                        run_dir=str(tmp_path), snapshot_every=2, name=name)
 
-    trainer("localsgd").fit()
+    trainer("localsgd", sync_every=2).fit()
+    monkeypatch.setattr(registered()["localsgd"], "to_portable",
+                        classmethod(lambda cls, *args: None))
     with pytest.raises(ConfigError, match=r"saved by localsgd, 1 data ranks on world_size=1 and "
                                           r"cannot be resumed in ddp, 1 data ranks.*Resume with "
                                           r"--strategy localsgd on world_size=1"):
         trainer("ddp").fit()
+
+
+# -- local SGD and DiLoCo: their replicas at a meeting are one model ---------------------------
+def _portable_at(strategy, step: int) -> dict:
+    state = _portable(strategy)
+    state["step"] = step  # the resume adds the snapshot's (`Checkpointer._load_portable`)
+    return state
+
+
+def test_unit_local_sgd_and_diloco_convert_exactly_at_a_meeting(single_process):
+    data = AdditionDataset("train", 1)
+    ddp = _built("ddp", single_process, seed=0)
+    for step in range(2):
+        _step(ddp, data, step)
+    saved = _portable_at(ddp, 2)
+    chain = [_built("localsgd", single_process, seed=1, sync_every=2),
+             _built("diloco", single_process, seed=2, sync_every=2),
+             _built("ddp", single_process, seed=3)]
+    state = saved
+    for strategy in chain:  # one replica: the moments' mean is its own, bit for bit
+        strategy.load_portable_state_dict(state)
+        state = _portable_at(strategy, 2)
+        _assert_same(saved, state)
+    local = chain[0]
+    assert local.inner_steps == 2  # the meetings keep their places: the next at step 4
+    assert all(torch.equal(s, p) for s, p in zip(local.synced.parameters(),
+                                                 local.module.parameters(), strict=True))
+    # The next step is ddp's, bit for bit (one replica's AdamW step is the same step).
+    _step(ddp, data, 2)
+    _step(local, data, 2)
+    for (n, p), q in zip(ddp.module.named_parameters(), local.module.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_unit_the_replicas_moments_are_averaged_and_their_step_kept():
+    a = {"state": {"w": {"step": torch.tensor(4.0), "exp_avg": torch.tensor([1.0, 2.0]),
+                         "exp_avg_sq": torch.tensor([1.0, 4.0])}}}
+    b = {"state": {"w": {"step": torch.tensor(4.0), "exp_avg": torch.tensor([3.0, 2.0]),
+                         "exp_avg_sq": torch.tensor([9.0, 4.0])}}}
+    mean = portable.mean([a, b])["state"]["w"]
+    assert torch.equal(mean["exp_avg"], torch.tensor([2.0, 2.0]))
+    assert torch.equal(mean["exp_avg_sq"], torch.tensor([5.0, 4.0]))
+    assert float(mean["step"]) == 4.0
+    assert portable.mean([a])["state"]["w"]["exp_avg"] is not a["state"]["w"]["exp_avg"]
+    with pytest.raises(ValueError, match="no step"):
+        portable.step_of({"format": portable.FORMAT})
+
+
+def test_unit_a_snapshot_between_meetings_or_without_names_is_refused_naming_the_fix(
+        single_process):
+    local = _built("localsgd", single_process, seed=0, sync_every=4)
+    _step(local, AdditionDataset("train", 1), 0)
+    state = local.state_dict()
+    cls = registered()["localsgd"]
+    with pytest.raises(ConfigError, match=r"localsgd snapshot \(step 1\) was written between two "
+                                          r"meetings \(--sync-every 4\).*--strategy localsgd on "
+                                          r"world_size=1.*--snapshot-every 4"):
+        cls.to_portable(lambda ranks: {r: state for r in ranks}, None, {"world_size": 1})
+    del state["param_names"]  # a snapshot of a ringtrain before the converter
+    with pytest.raises(ConfigError, match=r"did not name the optimizer's parameters"):
+        cls.to_portable(lambda ranks: {r: state for r in ranks}, None, {"world_size": 1})
+
+
+def test_a_ddp_snapshot_resumed_by_local_sgd_keeps_its_meetings_places(tmp_path, single_process):
+    def fit(name: str, steps: int, **options) -> dict:
+        cfg = TrainerConfig(steps=steps, batch_size=8, lr=1e-3, seed=0, progress=False)
+        return Trainer(make_strategy(name, runtime=single_process, **options), single_process,
+                       lambda: GPT(MODEL), AdditionDataset("train", 1), None, loss_fn, cfg,
+                       run_dir=str(tmp_path), snapshot_every=3, name=f"{name}-{steps}").fit()
+
+    fit("ddp", 3)
+    summary = fit("localsgd", 6, sync_every=2)  # from step 3: meetings after steps 4 and 6
+    assert summary["resumed_from_step"] == [3] and summary["meetings"] == 2
+    summary = fit("ddp", 9)  # its snapshot at step 6, a meeting, goes back to ddp
+    assert summary["resumed_from_step"] == [3, 6]

@@ -352,6 +352,7 @@ class Checkpointer:
                 f"{self.runtime.world_size}: --strategy {saved_name}'s snapshots resume only in "
                 f"their own layout. Resume with --strategy {saved_name} on world_size="
                 f"{meta['world_size']}, or start afresh with --no-resume or in another --run-dir")
+        state["step"] = snap.step  # for a target that counts steps (local SGD's meetings)
         try:
             self.strategy.load_portable_state_dict(state)
         except ValueError as e:

@@ -100,3 +100,10 @@ class DiLoCoStrategy(LocalSGDStrategy):
     def load_round_state_dict(self, state: dict[str, Any]) -> None:
         super().load_round_state_dict(state)
         self.outer.load_state_dict(state["outer"])
+
+    def load_portable_state_dict(self, state: dict[str, Any]) -> None:
+        """Local SGD's, then a fresh outer step anchored at the loaded weights: its momentum,
+        a sum of past pseudo-gradients, starts again at zero (another strategy has none)."""
+        super().load_portable_state_dict(state)
+        self.outer = OuterStep(self._params(), lr=self.outer_lr, momentum=self.outer_momentum,
+                               codec=self.outer_compress)

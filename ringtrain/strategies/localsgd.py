@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from ringtrain.config import int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.localsgd.outer import average_weights
 from ringtrain.runtime import Runtime
+from ringtrain.strategies import portable
 from ringtrain.strategies.base import (
     ShardPerRank,
     StepResult,
@@ -117,6 +118,9 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
 
     def _met(self) -> None:
         self.meetings += 1
+        self._copy_to_synced()
+
+    def _copy_to_synced(self) -> None:
         with torch.no_grad():
             for s, p in zip(self.synced.parameters(), self.module.parameters(), strict=True):
                 s.copy_(p)
@@ -189,8 +193,13 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
     def state_dict(self) -> dict[str, Any]:
         """This rank's replica and optimizer, the last meeting's weights and the step count."""
         assert self.module is not None, "setup() first"
+        # The names make it convertible to the layout-free form (`to_portable`).
         return {"model": self.module.state_dict(), **self.round_state_dict(),
-                "world_size": self.runtime.world_size}
+                "world_size": self.runtime.world_size, "param_names": self._optimizer_names()}
+
+    def _optimizer_names(self) -> list[str]:
+        assert self.module is not None, "setup() first"
+        return portable.optimizer_param_names(self.optimizer, portable.param_names(self.module))
 
     def round_state_dict(self) -> dict[str, Any]:
         """What this rank holds besides its replica's weights: its inner optimizer, the weights
@@ -225,3 +234,43 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
         (its optimizer state) modulo the saved world size. `load_state_dict` refuses a snapshot
         taken between meetings."""
         return [self.runtime.rank % saved_world_size]
+
+    @classmethod
+    def to_portable(cls, read_parts: Callable[[list[int]], dict[int, dict[str, Any]]],
+                    shared: dict[str, Any] | None,
+                    metadata: dict[str, Any]) -> dict[str, Any] | None:
+        """The replicas at a meeting, where their weights are one model: that model, and each
+        parameter's AdamW moments averaged over the replicas (`portable.mean`). Each replica
+        stepped its own moments on its own gradients: the mean of the first moments is the
+        moving average of the mean gradient, the one a ddp run keeps; the mean of the second
+        moments is at least ddp's (a mean of squares). DiLoCo's outer momentum has no place in
+        the form and starts again at zero in the target. A snapshot between two meetings holds
+        replicas that differ: refused, naming the fix."""
+        saved_ws = int(metadata["world_size"])
+        parts = read_parts(list(range(saved_ws)))
+        first = parts[0]
+        steps, every = int(first["inner_steps"]), int(first["sync_every"])
+        fix = (f"Resume with --strategy {cls.name} on world_size={saved_ws}, or from a "
+               f"snapshot at a meeting (--snapshot-every {every} or a multiple of it)")
+        if "param_names" not in first:
+            raise ConfigError(f"this {cls.name} snapshot was written by a ringtrain that did not "
+                              f"name the optimizer's parameters. {fix}")
+        if steps % every:
+            raise ConfigError(
+                f"the {cls.name} snapshot (step {steps}) was written between two meetings "
+                f"(--sync-every {every}): its {saved_ws} replicas differ, so it is no one model "
+                f"another strategy or layout could take on. {fix}")
+        return portable.make(first["model"], portable.mean(
+            [portable.optimizer_by_name(parts[r]["optimizer"], parts[r]["param_names"])
+             for r in sorted(parts)]))
+
+    def load_portable_state_dict(self, state: dict[str, Any]) -> None:
+        """Every replica takes the same model and optimizer state, as at a meeting. The step
+        count is the snapshot's (`state["step"]`, the loop's), so the meetings keep their places
+        in the run: every --sync-every-th step."""
+        assert self.module is not None, "setup() first"
+        portable.check(state)
+        portable.load_model(self.module, state["model"])
+        portable.load_optimizer(self.optimizer, self._optimizer_names(), state["optimizer"])
+        self._copy_to_synced()
+        self.inner_steps = portable.step_of(state)

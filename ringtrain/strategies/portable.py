@@ -8,7 +8,8 @@ One form, so that N strategies need N converters (each strategy's own `to_portab
 
     {"format": 1,
      "model": {name: tensor},             # the full model's state_dict entries by name
-     "optimizer": {"state": {param_name: {"exp_avg": .., "exp_avg_sq": .., "step": ..}}}}
+     "optimizer": {"state": {param_name: {"exp_avg": .., "exp_avg_sq": .., "step": ..}}},
+     "step": 37}                          # the loop's step at the snapshot (the resume adds it)
 
 Parameters are named as `model.named_parameters()` names them (a tied weight once, under its
 first name); each one's optimizer state is whole (unsharded, in the parameter's shape), so the
@@ -37,8 +38,8 @@ from torch import nn
 
 FORMAT = 1
 
-__all__ = ["FORMAT", "check", "load_model", "load_optimizer", "make", "merge", "param_names",
-           "optimizer_by_name", "optimizer_param_names"]
+__all__ = ["FORMAT", "check", "load_model", "load_optimizer", "make", "mean", "merge",
+           "param_names", "optimizer_by_name", "optimizer_param_names", "step_of"]
 
 
 def make(model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,6 +85,33 @@ def merge(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         for name, s in part["state"].items():
             state.setdefault(name, s)
     return {"state": state}
+
+
+def mean(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One optimizer state by name from the replicas' own (local SGD's ranks): each floating
+    tensor averaged over the parts (summed in order, then divided: one part is itself, bit for
+    bit), the rest (AdamW's `step`, the same on every replica) the first part's."""
+    first = parts[0]["state"]
+    state: dict[str, Any] = {}
+    for name, s in first.items():
+        state[name] = {}
+        for key, v in s.items():
+            if key == "step" or not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+                state[name][key] = v
+                continue
+            total = v.clone()
+            for part in parts[1:]:
+                total += part["state"][name][key]
+            state[name][key] = total / len(parts) if len(parts) > 1 else total
+    return {"state": state}
+
+
+def step_of(state: Mapping[str, Any]) -> int:
+    """The loop's step at the snapshot, for a strategy whose own state counts steps."""
+    if "step" not in state:
+        raise ValueError("the portable state has no step: the resume adds the snapshot's "
+                         "(`Checkpointer`); a caller of load_portable_state_dict sets it too")
+    return int(state["step"])
 
 
 def load_model(module: nn.Module, model: Mapping[str, torch.Tensor], *,
