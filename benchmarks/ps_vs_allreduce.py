@@ -50,7 +50,7 @@ def _run(rank: int, world_size: int, mode: str, delay_s: float, target: float, s
     from ringtrain.models import GPT, GPTConfig, loss_fn
     from ringtrain.runtime import get_runtime
     from ringtrain.strategies import make_strategy
-    from ringtrain.strategies.ps import ASYNC_BETA1
+    from ringtrain.strategies.ps_config import ASYNC_BETA1
     from ringtrain.training.trainer import TrainerConfig, adamw, lr_at
 
     rt = get_runtime()

@@ -24,10 +24,8 @@ from torch import nn
 from ringtrain.ps.protocol import PSError, PSTopology
 from ringtrain.runtime import Runtime, get_runtime
 from ringtrain.strategies import make_strategy
-from ringtrain.strategies.ps import (
-    ASYNC_BETA1,  # what `ringtrain train --ps-mode async` uses
-    PSStrategy,
-)
+from ringtrain.strategies.ps import PSStrategy
+from ringtrain.strategies.ps_config import ASYNC_BETA1  # what `--ps-mode async` uses
 from ringtrain.testing import run_workers
 
 BATCH = 4

@@ -11,7 +11,7 @@ from test_exit import ABORTED
 
 from ringtrain.cli.train import main
 from ringtrain.cli.train_args import check_args, options_from, parse_options
-from ringtrain.strategies.ps import ASYNC_BETA1
+from ringtrain.strategies.ps_config import ASYNC_BETA1
 from ringtrain.training.progress import setup_logging
 
 SUMMARY_KEYS = ("steps", "world_size", "strategy", "train_loss", "eval_loss", "eval_accuracy",

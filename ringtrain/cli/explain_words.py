@@ -23,7 +23,7 @@ from ringtrain.strategies.ddp import DDPFigures
 from ringtrain.strategies.figures import FP32_BYTES, Figures
 from ringtrain.strategies.localsgd import LocalSGDFigures
 from ringtrain.strategies.pipeline import PipelineFigures
-from ringtrain.strategies.ps import PSFigures
+from ringtrain.strategies.ps_config import PSFigures
 from ringtrain.strategies.tp import TPFigures
 from ringtrain.strategies.zero import ZeroFigures
 

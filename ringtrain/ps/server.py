@@ -327,7 +327,23 @@ class ParameterServer:
             return {"flat": self.flat.clone(), "optimizer": self.optimizer.state_dict(),
                     "version": self.version, "applied": self.applied, "clocks": dict(self.clocks),
                     "pieces": [[p.name, p.row_start, p.row_end, list(p.shape)]
-                               for p in self.pieces]}
+                               for p in self.pieces],
+                    # each optimizer parameter's piece: makes it convertible (`layout_free`)
+                    "param_pieces": self.param_pieces()}
+
+    def param_pieces(self) -> list[int]:
+        """The piece of each optimizer parameter, in the optimizer's numbering (its groups)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return [index[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
+    def load_pieces(self, rows: Sequence[torch.Tensor], state: Mapping[int, Any]) -> None:
+        """Another layout's state (`layout_free.piece_state`): each piece's rows and the
+        optimizer's state. The version and clocks stay at their start, as the workers' clocks do."""
+        with self._cond, torch.no_grad():
+            for p, r in zip(self.params, rows, strict=True):
+                p.copy_(r)
+            self.optimizer.load_state_dict({"state": dict(state), "param_groups":
+                                            self.optimizer.state_dict()["param_groups"]})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         mine = [[p.name, p.row_start, p.row_end, list(p.shape)] for p in self.pieces]

@@ -17,7 +17,8 @@ A worker that dies in async/ssp mode is dropped and the job goes on (`tolerated_
 server that lost it (or the watchdog, via `drop_worker`) marks it departed in the job's
 `Membership`, which the trainer's store-based metric sums read, and the end-of-run state is
 gathered among the ranks still in the job. Rank 0 (it reports) and the servers (they hold the
-only copy of the parameters) are never tolerated: their loss still ends the job.
+only copy of the parameters) are never tolerated: their loss still ends the job. Its options
+and figures: `ringtrain/strategies/ps_config.py`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,9 +36,9 @@ from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collect
 from ringtrain.agreement.base import Agreement
 from ringtrain.agreement.membership import Membership
 from ringtrain.agreement.store import StoreAgreement
-from ringtrain.config import int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.ps.final_state import broadcast_final_state, gather_final_state
+from ringtrain.ps.layout_free import named_state, piece_state
 from ringtrain.ps.protocol import PSError, PSTopology, make_ps_groups
 from ringtrain.ps.server import MODES, ParameterServer
 from ringtrain.ps.sharding import (
@@ -50,83 +50,18 @@ from ringtrain.ps.sharding import (
 from ringtrain.ps.stats import Tally, merge_stats
 from ringtrain.ps.worker import PSWorker
 from ringtrain.runtime import DEFAULT_COLLECTIVE_TIMEOUT_S, Runtime
+from ringtrain.strategies import portable
 from ringtrain.strategies.base import (
     EvalShard,
     StepResult,
     Strategy,
-    StrategyConfig,
     eval_forward,
 )
-from ringtrain.strategies.figures import ADAMW_BYTES, FP32_BYTES, Figures, Workload
+from ringtrain.strategies.ps_config import PSConfig
 from ringtrain.strategies.step import accumulate
 from ringtrain.types import LossFn, OptimizerFn
 
 log = logging.getLogger("ringtrain")
-
-ASYNC_BETA1 = 0.5  # AdamW's beta1 under --ps-mode async (see `PSConfig.trainer_defaults`)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PSFigures(Figures):
-    """`--strategy ps`'s figures; the common ones are a worker's (it holds the parameters and
-    their gradients, no optimizer state; it pushes the gradients and pulls the parameters)."""
-
-    workers: int
-    servers: int
-    worker_ranks: tuple[int, ...]  # the first ranks
-    server_ranks: tuple[int, ...]  # the last ones
-    pull_bytes: float  # the parameters a worker gets back per step (as many as it pushes)
-    server_received_bytes: float  # per server per step: its share of every worker's push
-    server_held_bytes: float  # per server: its share of parameters, gradients and AdamW state
-    staleness_bound: int | None  # steps a worker may run ahead of the slowest; None: no bound
-    # Other updates between a gradient's read and its write, with workers at equal speeds:
-    # sync 0, async W-1 (each other worker pushes once); None: not estimated (ssp).
-    update_lag: float | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class PSConfig(StrategyConfig):
-    """`--strategy ps`'s options, and what they mean before any worker starts."""
-
-    servers: int = option(1, "parameter-server ranks, the last ones", type=int_at_least(1))
-    mode: str = option("sync", "parameter-server mode", flag="--ps-mode", choices=MODES)
-    staleness: int = option(2, "SSP bound (--ps-mode ssp)", type=int_at_least(0))
-
-    def plan(self, world_size: int, step_batch: int) -> int:
-        try:  # servers read no data; raises when no worker is left
-            return PSTopology(world_size, self.servers).workers
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def tolerated_ranks(self, world_size: int) -> frozenset[int]:
-        """`PSTopology.tolerated_ranks` before any worker exists (the launcher needs it)."""
-        try:
-            topology = PSTopology(world_size, self.servers)
-        except ValueError:  # no worker left: the strategy says why at start
-            return frozenset()
-        return topology.tolerated_ranks(self.mode)
-
-    def trainer_defaults(self) -> dict[str, Any]:
-        """AdamW's beta1 0.5 under async: stale gradients already add momentum of their own
-        (docs/ps.md); sync and ssp keep 0.9."""
-        return {"beta1": ASYNC_BETA1} if self.mode == "async" else {}
-
-    def figures(self, workload: Workload) -> PSFigures:
-        """Point to point, every step: each worker pushes its fp32 gradients to the servers
-        (each gets its shard) and pulls the new parameters back; the servers hold the
-        parameters, gradients and AdamW state split between them (receive buffers left out)."""
-        workers, model = self.plan(workload.world_size, workload.step_batch), workload.model_bytes
-        topology = PSTopology(workload.world_size, self.servers)
-        bound = {"sync": 0, "ssp": self.staleness}.get(self.mode)
-        lag = {"sync": 0.0, "async": float(workers - 1)}.get(self.mode)
-        per_server = workload.params / self.servers
-        return PSFigures(data_ranks=workers, params_bytes=model, grads_bytes=model,
-                         optimizer_bytes=0.0, sent_bytes=model, workers=workers,
-                         servers=self.servers, worker_ranks=tuple(topology.worker_ranks),
-                         server_ranks=tuple(topology.server_ranks), pull_bytes=model,
-                         server_received_bytes=workers * model / self.servers,
-                         server_held_bytes=per_server * (2 * FP32_BYTES + ADAMW_BYTES),
-                         staleness_bound=bound, update_lag=lag)
 
 
 class PSStrategy(Strategy):
@@ -372,6 +307,32 @@ class PSStrategy(Strategy):
         collectives.barrier(group=self.groups.everyone)  # every shard restored before anyone pulls
         if self.worker is not None:
             self.worker.clock = int(state["clock"])
+            self.worker.pull()
+
+    @classmethod
+    def to_portable(cls, read_parts: Callable[[list[int]], dict[int, dict[str, Any]]],
+                    shared: dict[str, Any] | None,
+                    metadata: dict[str, Any]) -> dict[str, Any] | None:
+        """The servers' parameters and optimizer state, their pieces joined (`layout_free`)."""
+        parts = read_parts(list(range(int(metadata["world_size"]))))
+        servers = [parts[r]["server"] for r in sorted(parts) if "server" in parts[r]]
+        if any("param_pieces" not in s for s in servers):
+            raise ConfigError("this ps snapshot was written by a ringtrain that did not name its "
+                              "optimizer's pieces: resume it with --strategy ps and its layout")
+        return portable.make(*named_state(servers))
+
+    def load_portable_state_dict(self, state: dict[str, Any]) -> None:
+        """Servers take their pieces of the form, then workers pull them. Collective; every rank
+        checks the model first, so a wrong one is refused on all ranks alike."""
+        assert self.module is not None, "setup() first"
+        portable.check(state)
+        portable.load_model(self.module, state["model"])  # buffers, and the names checked
+        collectives.barrier(group=self.groups.everyone)  # no push in flight
+        if self.server is not None:
+            self.server.load_pieces(*piece_state(state["model"], state["optimizer"]["state"],
+                                                 self.server.pieces, self.server.param_pieces()))
+        collectives.barrier(group=self.groups.everyone)  # every shard loaded before a pull
+        if self.worker is not None:
             self.worker.pull()
 
     def close(self) -> None:
