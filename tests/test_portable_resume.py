@@ -224,6 +224,30 @@ def test_unit_local_sgd_and_diloco_convert_exactly_at_a_meeting(single_process):
         assert torch.equal(p, q), n
 
 
+def test_unit_two_replicas_files_are_read_one_at_a_time_and_their_moments_averaged(
+        single_process):
+    data = AdditionDataset("train", 1)
+    replicas = [_built("localsgd", single_process, seed=0, sync_every=1) for _ in range(2)]
+    for r, replica in enumerate(replicas):  # other batches: other moments
+        _step(replica, data, r)
+    files = {r: replica.state_dict() for r, replica in enumerate(replicas)}
+    asked = []
+
+    def read_parts(ranks):
+        asked.append(list(ranks))
+        return {r: files[r] for r in ranks}
+
+    state = registered()["localsgd"].to_portable(read_parts, None, {"world_size": 2})
+    assert asked == [[0], [1]]
+    for name, p in replicas[0].module.named_parameters():
+        assert torch.equal(state["model"][name], p), name
+        own = [replica.optimizer.state[dict(replica.module.named_parameters())[name]]
+               for replica in replicas]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state["optimizer"]["state"][name][key],
+                               (own[0][key] + own[1][key]) / 2), (name, key)
+
+
 def test_unit_the_replicas_moments_are_averaged_and_their_step_kept():
     a = {"state": {"w": {"step": torch.tensor(4.0), "exp_avg": torch.tensor([1.0, 2.0]),
                          "exp_avg_sq": torch.tensor([1.0, 4.0])}}}

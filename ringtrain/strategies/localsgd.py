@@ -243,12 +243,11 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
         parameter's AdamW moments averaged over the replicas (`portable.mean`). Each replica
         stepped its own moments on its own gradients: the mean of the first moments is the
         moving average of the mean gradient, the one a ddp run keeps; the mean of the second
-        moments is at least ddp's (a mean of squares). DiLoCo's outer momentum has no place in
-        the form and starts again at zero in the target. A snapshot between two meetings holds
-        replicas that differ: refused, naming the fix."""
+        moments, a mean of squares, is not below the square of the mean. DiLoCo's outer
+        momentum has no place in the form and starts again at zero in the target. A snapshot
+        between two meetings holds replicas that differ: refused, naming the fix."""
         saved_ws = int(metadata["world_size"])
-        parts = read_parts(list(range(saved_ws)))
-        first = parts[0]
+        first = read_parts([0])[0]
         steps, every = int(first["inner_steps"]), int(first["sync_every"])
         fix = (f"Resume with --strategy {cls.name} on world_size={saved_ws}, or from a "
                f"snapshot at a meeting (--snapshot-every {every} or a multiple of it)")
@@ -260,9 +259,13 @@ class LocalSGDStrategy(ShardPerRank, Strategy):
                 f"the {cls.name} snapshot (step {steps}) was written between two meetings "
                 f"(--sync-every {every}): its {saved_ws} replicas differ, so it is no one model "
                 f"another strategy or layout could take on. {fix}")
+
+        def by_name(part: dict[str, Any]) -> dict[str, Any]:
+            return portable.optimizer_by_name(part["optimizer"], part["param_names"])
+
+        # One rank's file at a time: W replicas' states together would not fit a large model.
         return portable.make(first["model"], portable.mean(
-            [portable.optimizer_by_name(parts[r]["optimizer"], parts[r]["param_names"])
-             for r in sorted(parts)]))
+            by_name(first if r == 0 else read_parts([r])[r]) for r in range(saved_ws)))
 
     def load_portable_state_dict(self, state: dict[str, Any]) -> None:
         """Every replica takes the same model and optimizer state, as at a meeting. The step

@@ -87,22 +87,29 @@ def merge(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return {"state": state}
 
 
-def mean(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One optimizer state by name from the replicas' own (local SGD's ranks): each floating
-    tensor averaged over the parts (summed in order, then divided: one part is itself, bit for
-    bit), the rest (AdamW's `step`, the same on every replica) the first part's."""
-    first = parts[0]["state"]
+def mean(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """One optimizer state by name from the replicas' own (local SGD's ranks), taken one at a
+    time (a generator reads one rank's file after another: one replica's state in memory besides
+    the sum): each floating tensor averaged over the parts (summed in order, then divided; one
+    part is itself, bit for bit), the rest (AdamW's `step`, the same on every replica) the first
+    part's."""
     state: dict[str, Any] = {}
-    for name, s in first.items():
-        state[name] = {}
-        for key, v in s.items():
-            if key == "step" or not (isinstance(v, torch.Tensor) and v.is_floating_point()):
-                state[name][key] = v
+    count = 0
+    for part in parts:
+        count += 1
+        for name, s in part["state"].items():
+            if count == 1:
+                state[name] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                               for k, v in s.items()}
                 continue
-            total = v.clone()
-            for part in parts[1:]:
-                total += part["state"][name][key]
-            state[name][key] = total / len(parts) if len(parts) > 1 else total
+            for key, total in state[name].items():
+                if key != "step" and isinstance(total, torch.Tensor) and total.is_floating_point():
+                    total += s[key]
+    if count > 1:
+        for s in state.values():
+            for key, total in s.items():
+                if key != "step" and isinstance(total, torch.Tensor) and total.is_floating_point():
+                    total /= count
     return {"state": state}
 
 
