@@ -262,14 +262,17 @@ def _resume(run: RunFiles, f: RunFacts) -> list[str]:
     steps = run.config.get("trainer", {}).get("steps")
     left = " (nothing left to train)" if run.resume_step == steps else ""
     where = ("on any number of ranks that divides the global batch (every rank holds the whole "
-             "state)" if run.resume_replicated else f"on the same layout (world size {f.world}), "
-             "as ranks hold different parts, unless the strategy can re-split them")
+             "state)" if run.resume_replicated else f"on the same layout (world size {f.world}) "
+             "to load each rank's part as it was saved")
+    anywhere = ("or with any other --strategy and number of ranks that keeps the global batch: "
+                "the state is converted by parameter name (docs/train.md, local SGD and DiLoCo "
+                "from a snapshot at a meeting)")
     argv = _command_line(run)
     return lines + [
         f"{run.resume_path}: step {run.resume_step} of {steps}{left}, the newest of "
         f"{plural(run.snapshots, 'committed snapshot')} whose files match their checksums.",
         f"resume with the same options, {where}:",
-        f"    ringtrain train --nproc-per-node {f.world} {' '.join(argv)}"]
+        f"    ringtrain train --nproc-per-node {f.world} {' '.join(argv)}", anywhere]
 
 
 def _command_line(run: RunFiles) -> list[str]:
