@@ -49,6 +49,24 @@ def _dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def _store_port(rank: int, port: Any, timeout_s: float) -> int:
+    """The port of rank 0's store. Rank 0 picks a free one just before it listens on it and the
+    others read it from `port` (shared memory): picked by the caller, a port stayed unbound
+    while the ranks started (0.1 s to seconds under load), and another test's process took it
+    in between (a gloo listener binds port 0 too: EADDRINUSE, 1 suite run in ~10 here)."""
+    from ringtrain.launch.network import free_port
+
+    if rank == 0:
+        port.value = free_port()
+        return port.value
+    deadline = time.monotonic() + timeout_s
+    while port.value == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 gave no store port within {timeout_s:g} s")
+        time.sleep(0.005)
+    return port.value
+
+
 def _worker(fn, rank, world_size, port, args, init, env, cwd, threads, device, out):
     os.environ.clear()  # the caller's, not the forkserver's (which it had when the server started)
     os.environ.update(env)
@@ -60,7 +78,7 @@ def _worker(fn, rank, world_size, port, args, init, env, cwd, threads, device, o
         if init:
             init_distributed(
                 "gloo", device=device, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                master_port=port, rendezvous_timeout_s=30,
+                master_port=_store_port(rank, port, 30.0), rendezvous_timeout_s=30,
             )
             # gloo connects every pair of ranks inside init_process_group and a rank leaves it
             # once its own pairs are up: an `fn` that returns at once (no collective) could tear
@@ -114,11 +132,9 @@ def run_workers(
     Pair it with `init=False` and the test's own groups: a killed rank would break the others'
     default group.
     """
-    from ringtrain.launch.network import free_port
-
     ctx = _context()
     out = ctx.Queue()
-    port = free_port()
+    port = ctx.Value("i", 0, lock=False)  # rank 0's store port, once it picks one
     procs = [
         ctx.Process(
             target=_worker,
