@@ -386,12 +386,15 @@ def _killed_while_writing(rank, world_size, run_dir):
     """Snapshots every 2 steps; the writer of step 4 never finishes; SIGKILL after step 5."""
     import os
     import signal
+    import threading
     import time
 
     real = snapshot.write_durably
+    writing = threading.Event()
 
     def write(path, obj):
         if "-00000004-" in path.parent.name:
+            writing.set()
             time.sleep(GATE_S)  # a slow disk: the kill comes first
         return real(path, obj)
     snapshot.write_durably = write
@@ -400,6 +403,8 @@ def _killed_while_writing(rank, world_size, run_dir):
 
     def on_step(step):
         if step == 5:
+            # During the write: under load the writer thread may not have begun by step 5.
+            assert writing.wait(60), "the background write of step 4 never began"
             os.kill(os.getpid(), signal.SIGKILL)
     _trainer(run_dir, on_step=on_step).fit()
 
