@@ -1,5 +1,5 @@
 """A parameter-server snapshot resumed by another strategy: the servers' pieces joined into the
-layout-free form (`ringtrain.ps.layout_free`, `PSStrategy.to_portable`).
+layout-free form (`ringtrain.strategies.ps_portable`, `PSStrategy.to_portable`).
 
     .venv/bin/pytest -q tests/test_ps_portable.py
 

@@ -328,7 +328,7 @@ class ParameterServer:
                     "version": self.version, "applied": self.applied, "clocks": dict(self.clocks),
                     "pieces": [[p.name, p.row_start, p.row_end, list(p.shape)]
                                for p in self.pieces],
-                    # each optimizer parameter's piece: makes it convertible (`layout_free`)
+                    # each optimizer parameter's piece: makes it convertible (ps_portable)
                     "param_pieces": self.param_pieces()}
 
     def param_pieces(self) -> list[int]:
@@ -337,7 +337,7 @@ class ParameterServer:
         return [index[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
     def load_pieces(self, rows: Sequence[torch.Tensor], state: Mapping[int, Any]) -> None:
-        """Another layout's state (`layout_free.piece_state`): each piece's rows and the
+        """Another layout's state (`strategies.ps_portable.piece_state`): each piece's rows and the
         optimizer's state. The version and clocks stay at their start, as the workers' clocks do."""
         with self._cond, torch.no_grad():
             for p, r in zip(self.params, rows, strict=True):

@@ -38,8 +38,8 @@ from torch import nn
 
 FORMAT = 1
 
-__all__ = ["FORMAT", "check", "load_model", "load_optimizer", "make", "mean", "merge",
-           "param_names", "optimizer_by_name", "optimizer_param_names", "step_of"]
+__all__ = ["FORMAT", "check", "is_moment", "load_model", "load_optimizer", "make", "mean",
+           "merge", "param_names", "optimizer_by_name", "optimizer_param_names", "step_of"]
 
 
 def make(model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,29 +87,33 @@ def merge(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return {"state": state}
 
 
+def is_moment(key: str, value: Any) -> bool:
+    """An optimizer state entry shaped like its parameter (AdamW's moments), not a count
+    (its `step`): what is averaged over replicas, or cut into rows with the parameter."""
+    return (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
+            and value.dim() > 0)
+
+
 def mean(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """One optimizer state by name from the replicas' own (local SGD's ranks), taken one at a
     time (a generator reads one rank's file after another: one replica's state in memory besides
-    the sum): each floating tensor averaged over the parts (summed in order, then divided; one
-    part is itself, bit for bit), the rest (AdamW's `step`, the same on every replica) the first
-    part's."""
-    state: dict[str, Any] = {}
-    count = 0
+    the sum): each moment (`is_moment`) averaged over the parts (summed in order, then divided;
+    one part is itself, bit for bit), the rest (AdamW's `step`, the same on every replica) the
+    first part's."""
+    parts = iter(parts)
+    state = {name: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for name, s in next(parts)["state"].items()}
+    count = 1
     for part in parts:
         count += 1
-        for name, s in part["state"].items():
-            if count == 1:
-                state[name] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                               for k, v in s.items()}
-                continue
-            for key, total in state[name].items():
-                if key != "step" and isinstance(total, torch.Tensor) and total.is_floating_point():
-                    total += s[key]
-    if count > 1:
-        for s in state.values():
+        for name, s in state.items():
             for key, total in s.items():
-                if key != "step" and isinstance(total, torch.Tensor) and total.is_floating_point():
-                    total /= count
+                if is_moment(key, total):
+                    total += part["state"][name][key]
+    for s in state.values():
+        for key, total in s.items():
+            if count > 1 and is_moment(key, total):
+                total /= count
     return {"state": state}
 
 

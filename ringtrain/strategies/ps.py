@@ -38,7 +38,6 @@ from ringtrain.agreement.membership import Membership
 from ringtrain.agreement.store import StoreAgreement
 from ringtrain.errors import ConfigError
 from ringtrain.ps.final_state import broadcast_final_state, gather_final_state
-from ringtrain.ps.layout_free import named_state, piece_state
 from ringtrain.ps.protocol import PSError, PSTopology, make_ps_groups
 from ringtrain.ps.server import MODES, ParameterServer
 from ringtrain.ps.sharding import (
@@ -58,6 +57,7 @@ from ringtrain.strategies.base import (
     eval_forward,
 )
 from ringtrain.strategies.ps_config import PSConfig
+from ringtrain.strategies.ps_portable import named_state, piece_state
 from ringtrain.strategies.step import accumulate
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -313,7 +313,7 @@ class PSStrategy(Strategy):
     def to_portable(cls, read_parts: Callable[[list[int]], dict[int, dict[str, Any]]],
                     shared: dict[str, Any] | None,
                     metadata: dict[str, Any]) -> dict[str, Any] | None:
-        """The servers' parameters and optimizer state, their pieces joined (`layout_free`)."""
+        """The servers' parameters and optimizer state, their pieces joined (`ps_portable`)."""
         parts = read_parts(list(range(int(metadata["world_size"]))))
         servers = [parts[r]["server"] for r in sorted(parts) if "server" in parts[r]]
         if any("param_pieces" not in s for s in servers):

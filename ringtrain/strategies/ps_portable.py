@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from ringtrain.ps.sharding import piece_view
+from ringtrain.strategies.portable import is_moment
+
 __all__ = ["named_state", "piece_state"]
 
 
@@ -50,7 +53,7 @@ def named_state(servers: Sequence[Mapping[str, Any]]
     state = {}
     for name, chunks in moments.items():
         parts = [s for _, s in sorted(chunks, key=lambda c: c[0])]
-        state[name] = {key: _joined([p[key] for p in parts]) if _rows(key, value) else value
+        state[name] = {key: _joined([p[key] for p in parts]) if is_moment(key, value) else value
                        for key, value in parts[0].items()}
     return model, {"state": state}
 
@@ -67,24 +70,15 @@ def piece_state(model: Mapping[str, torch.Tensor], moments: Mapping[str, Mapping
     if missing:
         raise ValueError(f"the snapshot has no parameter {missing[0]!r}: it was saved from "
                          "another model; resume with the model options it was saved with")
-    rows = [_piece_rows(model[p.name], p).clone() for p in pieces]
+    rows = [piece_view(model[p.name], p).clone() for p in pieces]
     state = {}
     for i, piece_index in enumerate(param_pieces):
         piece = pieces[piece_index]
         if piece.name in moments:
-            state[i] = {key: _piece_rows(value, piece).clone() if _rows(key, value) else
+            state[i] = {key: piece_view(value, piece).clone() if is_moment(key, value) else
                         (value.clone() if isinstance(value, torch.Tensor) else value)
                         for key, value in moments[piece.name].items()}
     return rows, state
-
-
-def _piece_rows(tensor: torch.Tensor, piece: Any) -> torch.Tensor:
-    return tensor if tensor.dim() == 0 else tensor[piece.row_start:piece.row_end]
-
-
-def _rows(key: str, value: Any) -> bool:
-    """A per-element state tensor (a moment), not a count (AdamW's `step`)."""
-    return key != "step" and isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
