@@ -49,24 +49,6 @@ def _dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _store_port(rank: int, port: Any, timeout_s: float) -> int:
-    """The port of rank 0's store. Rank 0 picks a free one just before it listens on it and the
-    others read it from `port` (shared memory): picked by the caller, a port stayed unbound
-    while the ranks started (0.1 s to seconds under load), and another test's process took it
-    in between (a gloo listener binds port 0 too: EADDRINUSE, 1 suite run in ~10 here)."""
-    from ringtrain.launch.network import free_port
-
-    if rank == 0:
-        port.value = free_port()
-        return port.value
-    deadline = time.monotonic() + timeout_s
-    while port.value == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rank}: rank 0 gave no store port within {timeout_s:g} s")
-        time.sleep(0.005)
-    return port.value
-
-
 def _worker(fn, rank, world_size, port, args, init, env, cwd, threads, device, out):
     os.environ.clear()  # the caller's, not the forkserver's (which it had when the server started)
     os.environ.update(env)
@@ -78,7 +60,7 @@ def _worker(fn, rank, world_size, port, args, init, env, cwd, threads, device, o
         if init:
             init_distributed(
                 "gloo", device=device, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                master_port=_store_port(rank, port, 30.0), rendezvous_timeout_s=30,
+                master_port=port, rendezvous_timeout_s=30,
             )
             # gloo connects every pair of ranks inside init_process_group and a rank leaves it
             # once its own pairs are up: an `fn` that returns at once (no collective) could tear
@@ -132,20 +114,30 @@ def run_workers(
     Pair it with `init=False` and the test's own groups: a killed rank would break the others'
     default group.
     """
+    from ringtrain.launch.network import reserve_port
+
     ctx = _context()
     out = ctx.Queue()
-    port = ctx.Value("i", 0, lock=False)  # rank 0's store port, once it picks one
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(fn, r, world_size, port, args, init, {**os.environ, **(env or {})},
-                  os.getcwd(), threads, device, out),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    # Rank 0's store port, held until the run ends: picked and let go here, it stayed free
+    # while the ranks started and another test's process took it in between (EADDRINUSE).
+    with reserve_port() as port:
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, r, world_size, port, args, init, {**os.environ, **(env or {})},
+                      os.getcwd(), threads, device, out),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        return _gather(procs, out, timeout_s, tolerate)
+
+
+def _gather(procs: list, out: Any, timeout_s: float, tolerate: Collection[int]) -> list[Any]:
+    """Each rank's result from `out`, by rank; the first error raised; every process reaped."""
+    world_size = len(procs)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:

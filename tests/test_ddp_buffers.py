@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain.ddp.distributed import DistributedDataParallel
-from ringtrain.launch.network import free_port
+from ringtrain.launch.network import reserve_port
 from ringtrain.testing import run_workers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,9 +87,12 @@ def _evaluate_on_rank0(rank, world_size, port, which):
 
 @pytest.fixture(scope="module")
 def evaluated():
-    return {which: run_workers(_evaluate_on_rank0, 2, args=(free_port(), which), init=False,
-                               timeout_s=90)
-            for which in CLASSES}
+    runs = {}
+    for which in CLASSES:
+        with reserve_port() as port:
+            runs[which] = run_workers(_evaluate_on_rank0, 2, args=(port, which), init=False,
+                                      timeout_s=90)
+    return runs
 
 
 def test_rank0_evaluating_alone_finishes_and_matches_torch(evaluated):

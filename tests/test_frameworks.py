@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.launch.network import free_port
+from ringtrain.launch.network import reserve_port
 
 WORKER = Path(__file__).parent / "scripts" / "framework_worker.py"
 # Lightning's and accelerate's imports (~5 s each on a busy 2-core machine), the four scenarios'
@@ -61,30 +61,33 @@ def run_pair(scenarios: list[str], out: Path) -> tuple[dict[str, list[dict]], st
     # What `ringtrain run` (torch's elastic agent) gives each worker. Without TORCHELASTIC_RUN_ID
     # Lightning asks MPI next, where mpi4py is installed: on a GPU image with mpi4py and no
     # ssh, MPI_Init aborted the worker ("plm_rsh_agent: ssh : rsh" not found).
-    base |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-             "TORCHELASTIC_RUN_ID": "test-frameworks", "OMP_NUM_THREADS": "1",
-             "PYTHONUNBUFFERED": "1"}
-    logs = [out / f"rank{r}.log" for r in range(2)]
-    procs = []
-    for r in range(2):
-        with logs[r].open("w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), *scenarios, "--out", str(out)],
-                env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=out, stdout=log,
-                stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + RUN_S
-    try:
-        # A rank that failed leaves the other blocked in a collective: stop at the first failure.
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=30)
+    # Held while the ranks run: no other process takes it before rank 0's store does.
+    with reserve_port() as port:
+        base |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "TORCHELASTIC_RUN_ID": "test-frameworks", "OMP_NUM_THREADS": "1",
+                 "PYTHONUNBUFFERED": "1"}
+        logs = [out / f"rank{r}.log" for r in range(2)]
+        procs = []
+        for r in range(2):
+            with logs[r].open("w") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(WORKER), *scenarios, "--out", str(out)],
+                    env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=out, stdout=log,
+                    stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + RUN_S
+        try:
+            # A rank that failed leaves the other blocked in a collective: stop at the first
+            # failure.
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=30)
     output = "\n".join(f"---- rank {r} (exit {p.returncode}) ----\n{logs[r].read_text()[-6000:]}"
                        for r, p in enumerate(procs))
     reports = {s: [json.loads((out / f"{s}-rank{r}.json").read_text()) for r in range(2)]

@@ -1,12 +1,13 @@
 """Start-up, validation and teardown of the process group (`ringtrain.runtime`)."""
 
+import contextlib
 import os
 import time
 
 import pytest
 import torch.distributed as dist
 
-from ringtrain.launch.network import free_port
+from ringtrain.launch.network import free_port, reserve_port
 from ringtrain.launch.process_group import destroy_distributed, init_distributed
 from ringtrain.runtime import DistributedInitError, get_rank
 from ringtrain.testing import WorkerError, run_workers
@@ -57,10 +58,10 @@ def test_bad_rank_or_world(rank, world, match):
 @pytest.mark.slow  # over the fast tier's 2 s (a bound it waits out, or a real run)
 def test_missing_rank_fails_within_bound_naming_arrivals():
     t0 = time.monotonic()
-    with pytest.raises(DistributedInitError,
-                       match=r"only 1 ranks joined.*\[0\] arrived, \[1\] missing"):
+    with reserve_port() as port, pytest.raises(
+            DistributedInitError, match=r"only 1 ranks joined.*\[0\] arrived, \[1\] missing"):
         init_distributed("gloo", rank=0, world_size=2, master_addr="127.0.0.1",
-                         master_port=free_port(), rendezvous_timeout_s=2)
+                         master_port=port, rendezvous_timeout_s=2)
     assert time.monotonic() - t0 < 10
 
 
@@ -97,7 +98,8 @@ def _duplicate(rank, world_size, port):
 def test_duplicate_rank_is_an_error():
     # Both processes claim rank 0; the second to arrive is told so (or fails to bind the port).
     with pytest.raises(WorkerError, match="joined twice|could not listen"):
-        run_workers(_duplicate, 2, args=(free_port(),), init=False, timeout_s=30)
+        with reserve_port() as port:
+            run_workers(_duplicate, 2, args=(port,), init=False, timeout_s=30)
 
 
 def test_env_variables_are_read(monkeypatch):
@@ -113,3 +115,22 @@ def test_bad_gloo_interface_lists_real_ones(monkeypatch):
     with pytest.raises(DistributedInitError, match=r"nosuch0.*interfaces: .*lo \(127.0.0.1\)"):
         init_distributed("gloo", rank=0, world_size=2, master_addr="127.0.0.1",
                          master_port=free_port())
+
+
+def test_a_reserved_port_goes_to_no_other_bind_but_a_store_listens_on_it():
+    # What run_workers and the launch tests rely on: between picking MASTER_PORT and rank 0's
+    # store listening on it, no other process's bind to port 0 (a gloo listener) gets it.
+    import datetime
+    import socket
+
+    with contextlib.ExitStack() as held:
+        ports = {held.enter_context(reserve_port()) for _ in range(200)}
+        for _ in range(5000):  # ~36 of them would land on a held port if it were free again
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                assert s.getsockname()[1] not in ports
+        port = next(iter(ports))
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=5))
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        del store

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ringtrain.launch.network import free_port
+from ringtrain.launch.network import reserve_port
 
 ARGS = ["--steps", "60", "--threads", "1", "--no-progress"]
 
@@ -30,15 +30,17 @@ def command(run_dir: Path, *launch: str) -> list[str]:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         two, one = Path(tmp) / "two_nodes", Path(tmp) / "one_node"
-        endpoint = f"127.0.0.1:{free_port()}"
-        nodes = [subprocess.Popen(command(two, "--nnodes", "2", "--node-rank", str(n),
-                                          "--nproc-per-node", "1", "--rdzv-endpoint", endpoint),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for n in (0, 1)]
-        for n, node in enumerate(nodes):
-            _, err = node.communicate(timeout=300)
-            if node.returncode:
-                raise SystemExit(f"node {n} exited with {node.returncode}:\n{err[-2000:]}")
+        with reserve_port() as port:  # held until node 0's rendezvous store listens on it
+            endpoint = f"127.0.0.1:{port}"
+            nodes = [subprocess.Popen(command(two, "--nnodes", "2", "--node-rank", str(n),
+                                              "--nproc-per-node", "1", "--rdzv-endpoint",
+                                              endpoint),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for n in (0, 1)]
+            for n, node in enumerate(nodes):
+                _, err = node.communicate(timeout=300)
+                if node.returncode:
+                    raise SystemExit(f"node {n} exited with {node.returncode}:\n{err[-2000:]}")
         subprocess.run(command(one, "--nproc-per-node", "2"), check=True, capture_output=True,
                        timeout=300)
         for name, run_dir in (("2 nodes x 1 worker", two), ("1 node x 2 workers", one)):

@@ -61,10 +61,11 @@ def train_ranks(argv: list[str], nproc: int, *, check: bool = True,
     rank that raises (rather than returning an exit code) fails the call with its traceback
     (`ringtrain.testing.WorkerError`); one that outlives `timeout_s` is killed and named.
     """
-    from ringtrain.launch.network import free_port
+    from ringtrain.launch.network import reserve_port
 
-    results = run_workers(_rank, nproc, args=(list(argv), free_port()), init=False,
-                          timeout_s=timeout_s)
+    with reserve_port() as port:  # held until the run ends: no other process takes it first
+        results = run_workers(_rank, nproc, args=(list(argv), port), init=False,
+                              timeout_s=timeout_s)
     if check and any(r.code != 0 for r in results):
         said = "".join(f"\n--- rank {i} ---\n{r.err[-3000:]}" for i, r in enumerate(results))
         raise AssertionError(f"ringtrain train {' '.join(argv)}: exit codes "
