@@ -172,24 +172,32 @@ def test_table_every_pair_trains_on_as_the_targets_uninterrupted_run(table):
 
 def test_a_strategy_without_a_converter_is_refused_naming_both_layouts(tmp_path, single_process,
                                                                       monkeypatch):
-    # Every strategy of ringtrain's has one (a strategy of one's own may not): local SGD stands
-    # in for such a strategy here, its converter taken away.
+    # Every strategy of ringtrain's has both halves (a strategy of one's own may not): local SGD
+    # stands in for such a strategy here, as the source and then as the target.
     assert all(cls.to_portable.__func__ is not Strategy.to_portable.__func__
+               and cls.load_portable_state_dict is not Strategy.load_portable_state_dict
                for cls in registered().values())
     cfg = TrainerConfig(steps=2, batch_size=8, lr=1e-3, seed=0, progress=False)
 
-    def trainer(name: str, **options) -> Trainer:
+    def trainer(run_dir: Path, name: str, **options) -> Trainer:
         return Trainer(make_strategy(name, runtime=single_process, **options), single_process,
                        lambda: GPT(MODEL), AdditionDataset("train", 1), None, loss_fn, cfg,
-                       run_dir=str(tmp_path), snapshot_every=2, name=name)
+                       run_dir=str(run_dir), snapshot_every=2, name=name)
 
-    trainer("localsgd", sync_every=2).fit()
-    monkeypatch.setattr(registered()["localsgd"], "to_portable",
-                        classmethod(lambda cls, *args: None))
+    trainer(tmp_path / "a", "localsgd", sync_every=2).fit()
+    trainer(tmp_path / "b", "ddp").fit()
+    lsgd = registered()["localsgd"]
+    monkeypatch.setattr(lsgd, "to_portable", classmethod(lambda cls, *args: None))
     with pytest.raises(ConfigError, match=r"saved by localsgd, 1 data ranks on world_size=1 and "
                                           r"cannot be resumed in ddp, 1 data ranks.*Resume with "
                                           r"--strategy localsgd on world_size=1"):
-        trainer("ddp").fit()
+        trainer(tmp_path / "a", "ddp").fit()
+    monkeypatch.setattr(lsgd, "load_portable_state_dict", Strategy.load_portable_state_dict)
+    with pytest.raises(ConfigError, match=r"saved by ddp, 1 data ranks on world_size=1 and "
+                                          r"cannot be resumed in localsgd, 1 data ranks.*"
+                                          r"--strategy localsgd loads no other strategy's.*Resume "
+                                          r"with --strategy ddp on world_size=1"):
+        trainer(tmp_path / "b", "localsgd", sync_every=2).fit()
 
 
 # -- local SGD and DiLoCo: their replicas at a meeting are one model ---------------------------

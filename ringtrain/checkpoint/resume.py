@@ -345,16 +345,24 @@ class Checkpointer:
         here, there = _layout_text(self._topology()), _layout_text(saved_topo)
         state = None if source is None else source.to_portable(
             lambda ranks: load_strategy_parts(snap, ranks), shared.get("strategy"), meta)
-        if state is None:
-            raise ConfigError(
+
+        def own_layout_only(why: str) -> ConfigError:
+            return ConfigError(
                 f"{snap.path} (step {snap.step}) was saved by {there} on world_size="
                 f"{meta['world_size']} and cannot be resumed in {here} on world_size="
-                f"{self.runtime.world_size}: --strategy {saved_name}'s snapshots resume only in "
-                f"their own layout. Resume with --strategy {saved_name} on world_size="
-                f"{meta['world_size']}, or start afresh with --no-resume or in another --run-dir")
+                f"{self.runtime.world_size}: {why}. Resume with --strategy {saved_name} on "
+                f"world_size={meta['world_size']}, or start afresh with --no-resume or in "
+                "another --run-dir")
+
+        if state is None:
+            raise own_layout_only(f"--strategy {saved_name}'s snapshots resume only in their own "
+                                  "layout")
         state["step"] = snap.step  # for a target that counts steps (local SGD's meetings)
         try:
             self.strategy.load_portable_state_dict(state)
+        except NotImplementedError:
+            raise own_layout_only(f"--strategy {self.strategy.name} loads no other strategy's or "
+                                  "layout's snapshot") from None
         except ValueError as e:
             raise ConfigError(f"{snap.path} (step {snap.step}, saved by {there}) does not load "
                               f"into {here}: {e}") from None

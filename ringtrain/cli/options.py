@@ -86,7 +86,7 @@ class LaunchOptions:
                                type=_non_negative, launcher=True)
     live: bool = option(False, "live recovery: when a worker dies or hangs, the others go on "
                         "from memory over a new group and the launcher starts a replacement, "
-                        "which heals from a live peer (ddp, localsgd, diloco; "
+                        "which heals from a live peer (ddp, zero, localsgd, diloco; "
                         "docs/fault_tolerance.md)")
     live_wait: float = option(0.0, "with --live: seconds the survivors wait for a replacement "
                               "before going on without it (0: at once; waiting keeps every "

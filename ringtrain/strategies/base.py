@@ -27,7 +27,6 @@ from torch import nn
 from ringtrain.agreement.base import Agreement, CollectiveAgreement
 from ringtrain.agreement.generations import GenerationAgreement
 from ringtrain.config import check_values
-from ringtrain.errors import ConfigError
 from ringtrain.trace import NO_TRACE, Tracer
 from ringtrain.types import LossFn, OptimizerFn
 
@@ -124,8 +123,8 @@ class StrategyConfig:
         Default: refused, for a strategy without live recovery."""
         return ("it has no live recovery yet (survivors would not know how to rebuild its "
                 "state over fewer ranks): drop --live (a failure then restarts every worker "
-                "from the last snapshot, --max-restarts), or use --strategy ddp, localsgd or "
-                "diloco")
+                "from the last snapshot, --max-restarts), or use --strategy ddp, zero, localsgd "
+                "or diloco")
 
     def figures(self, workload: Workload) -> Figures | None:
         """What a rank holds and sends under these options (`ringtrain.strategies.figures`),
@@ -318,9 +317,10 @@ class Strategy(ABC):
 
     def load_portable_state_dict(self, state: dict[str, Any]) -> None:
         """Load the layout-free form (`to_portable` of any strategy) into this rank's part; every
-        rank calls it (it may be collective). Default: refused."""
-        raise ConfigError(f"--strategy {self.name} cannot load another strategy's or layout's "
-                          "snapshot: resume with the snapshot's --strategy and layout")
+        rank calls it (it may be collective). ValueError: this model or layout cannot take it
+        (the reason). NotImplementedError (the default): this strategy loads its own snapshots
+        only; the resume then names the snapshot's --strategy and world size."""
+        raise NotImplementedError(f"--strategy {self.name} has no load_portable_state_dict")
 
     def close(self) -> None:
         """Release process groups and threads."""
