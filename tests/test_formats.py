@@ -190,3 +190,8 @@ def test_init_from_a_larger_block_keeps_the_first_positions(tmp_path):
 def test_export_of_a_missing_run_is_one_message(tmp_path, capsys):
     assert ringtrain_main(["export", str(tmp_path), str(tmp_path / "o"), "--format", "hf"]) == 2
     assert "no config.json" in capsys.readouterr().err
+    missing = tmp_path / "typo"
+    assert ringtrain_main(["export", str(missing), str(tmp_path / "o"), "--format", "hf"]) == 2
+    assert f"{missing}: no such directory" in capsys.readouterr().err
+    assert ringtrain_main(["sample", str(missing)]) == 2
+    assert f"{missing}: no such directory" in capsys.readouterr().err

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_config(run_dir: str) -> dict[str, Any]:
     path = os.path.join(run_dir, "config.json")
+    if not os.path.isdir(run_dir):
+        raise SampleError(f"{run_dir}: no such directory; give the directory of a `ringtrain "
+                          "train` run (its --run-dir, runs/<timestamp> by default)")
     if not os.path.exists(path):
         raise SampleError(f"{run_dir}: no config.json; give the directory of a "
                           "`ringtrain train` run")
