@@ -132,7 +132,7 @@ class PipelineStage:
         first_param = next(self.module.parameters(), None)
         self.device = first_param.device if first_param is not None else torch.device("cpu")
         self._shapes: dict[tuple, list[Boundary]] = {}  # batch shape/dtype -> per chunk
-        self._validated: set[tuple] = set()
+        self._validated: dict[tuple, list[Action]] = {}  # (schedule, M) -> this rank's
         self._batchnorm = [n for n, m in self.module.named_modules()
                            if isinstance(m, BatchNorm)]
         self._warned_batchnorm = False
@@ -203,17 +203,19 @@ class PipelineStage:
 
     # -- one training step ------------------------------------------------------------------
     def _actions(self, microbatches: int) -> list[Action]:
+        key = (self.schedule if isinstance(self.schedule, str) else id(self.schedule), microbatches)
+        if key in self._validated:
+            return self._validated[key]
         if isinstance(self.schedule, str):
             schedule = build_schedule(self.schedule, self.pp, microbatches, self.v)
         else:
             schedule = self.schedule
             if len(schedule) != self.pp:
                 raise ValueError(f"the schedule has {len(schedule)} stage lists but pp={self.pp}")
-        key = (self.schedule if isinstance(self.schedule, str) else id(self.schedule), microbatches)
-        if key not in self._validated:  # same on every rank: all raise, none hangs
-            validate(schedule, microbatches, self.v, self.placement.v_shape)
-            self._validated.add(key)
-        return schedule[self.pp_rank]
+        validate(schedule, microbatches, self.v, self.placement.v_shape)  # all raise, none hangs
+        # Built and proven once per M: building alone took 0.4-1.4 ms a step at pp 8, M 32.
+        self._validated[key] = schedule[self.pp_rank]
+        return self._validated[key]
 
     def _warn_batchnorm(self, batch: int, microbatches: int) -> None:
         if self._batchnorm and microbatches > 1 and not self._warned_batchnorm:
