@@ -46,7 +46,7 @@ from torch.distributed import pipelining
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringtrain.grid import Grid, create_process_groups  # noqa: E402
+from ringtrain.grid import Grid, create_pp_grad_groups, create_process_groups  # noqa: E402
 from ringtrain.models import GPT, GPTConfig, loss_fn  # noqa: E402
 from ringtrain.pipeline import PipelineStage, partition  # noqa: E402
 from ringtrain.pipeline.schedule import placement  # noqa: E402
@@ -65,7 +65,7 @@ LR = 1e-3
 class Sides:
     """This rank's part of one setting (schedule, M) for both implementations."""
 
-    def __init__(self, name: str, m: int, stages: list, g) -> None:
+    def __init__(self, name: str, m: int, stages: list, g, grad_group) -> None:
         torch_name, v = SCHEDULES[name]
         place = placement(name, len(g.pp_ranks), v)
         mine = [place.stage(g.pp_rank, c) for c in range(place.v)]  # virtual stages, chunk order
@@ -74,7 +74,7 @@ class Sides:
         self.chunks = [copy.deepcopy(stages[i]) for i in mine]
         self.ours = PipelineStage(self.chunks if v > 1 else self.chunks[0], pp_rank=g.pp_rank,
                                   pp=place.pp, pp_ranks=g.pp_ranks, pp_group=g.pp_group,
-                                  loss_fn=loss_fn, schedule=name)
+                                  grad_group=grad_group, loss_fn=loss_fn, schedule=name)
         # torch's PipelineStage has no default device: it must be told cpu. Without input_args
         # it infers the boundary shapes at the first step, sending metadata objects over
         # `group` (send_object_list with device=cpu: fine on gloo).
@@ -114,7 +114,10 @@ class Sides:
 
 
 def _worker(rank: int, world_size: int, size: dict) -> list[dict]:
-    g = create_process_groups(Grid(world_size, pp=world_size))
+    grid = Grid(world_size, pp=world_size)
+    g = create_process_groups(grid)
+    # What `--strategy pipeline` gives its stages on gloo: gradients on a group of their own.
+    grad_group = create_pp_grad_groups(grid)
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(**size["config"]))
     vocab, block = size["config"]["vocab_size"], size["config"]["block_size"]
@@ -125,7 +128,7 @@ def _worker(rank: int, world_size: int, size: dict) -> list[dict]:
     for name in size["schedules"]:
         stages = partition(gpt.to_sequential(), world_size * SCHEDULES[name][1])
         for m in size["microbatches"]:
-            s = Sides(name, m, stages, g)
+            s = Sides(name, m, stages, g, grad_group)
             # One step without an update: the same weights and batch give the same gradients.
             check = {"ours": s.step_ours(x, y, optimize=False),
                      "torch": s.step_theirs(x, y, optimize=False)}

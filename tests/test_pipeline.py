@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ringtrain.cli.train import main as train_main
@@ -173,6 +174,10 @@ def _check_strategy(rank: int, world_size: int, pp: int, schedule: str, tie: boo
                                 virtual_stages=virtual_stages)
     dp = world_size // pp
     assert strategy.data_world_size == dp and strategy.data_rank == rank // pp
+    # gloo: gradients go back on a group of their own (grid.create_pp_grad_groups), so the
+    # results below are checked with them there.
+    assert strategy.grad_group is not strategy.groups.pp_group
+    assert dist.get_process_group_ranks(strategy.grad_group) == list(strategy.groups.pp_ranks)
     model = _gpt(n_layer=2, tie=tie)
     steps, lr, clip = 3, 0.1, 0.5  # SGD: AdamW's m/sqrt(v) would amplify 1e-7 noise near 0
     full = [_batch(4 * dp, seed=10 + s) for s in range(steps)]

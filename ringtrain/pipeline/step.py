@@ -42,6 +42,7 @@ class Stage(Protocol):
     chunks: list[nn.Module]
     module: nn.Module
     pp_group: dist.ProcessGroup | None
+    grad_group: dist.ProcessGroup | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     no_sync: list[Callable[[], contextlib.AbstractContextManager]] | None
     sync_next_backward: list[Callable[[], None]] | None
@@ -199,4 +200,4 @@ class StepRun:
     def _send_grad(self, a: SendGrad) -> None:
         st = self.stage
         grad = self._input_grad((a.mb, a.chunk))
-        self.sends.append(p2p.send_grad(grad, st.peer(a.chunk, -1), st.pp_group))
+        self.sends.append(p2p.send_grad(grad, st.peer(a.chunk, -1), st.grad_group))

@@ -39,7 +39,7 @@ from torch import nn
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 from ringtrain.errors import ConfigError
-from ringtrain.grid import create_process_groups
+from ringtrain.grid import create_pp_grad_groups, create_process_groups
 from ringtrain.pipeline.engine import PipelineStage, StepStats
 from ringtrain.pipeline.names import StageNames, model_tensors
 from ringtrain.pipeline.partition import partition, tied_parameters
@@ -122,6 +122,8 @@ class PipelineStrategy(Strategy):
         self.schedule, self.microbatches, self.split = schedule, microbatches, split
         self.sequence_parallel = sequence_parallel
         self.groups = create_process_groups(self.grid, runtime.rank)
+        self.grad_group = (self.groups.pp_group if "nccl" in runtime.backend
+                           else create_pp_grad_groups(self.grid, runtime.rank))
 
     # -- where this rank reads data ---------------------------------------------------------
     @property
@@ -192,7 +194,8 @@ class PipelineStrategy(Strategy):
         self.optimizer = optimizer_fn(stage.parameters())
         self.engine = PipelineStage(
             self.ddp or chunks, pp_rank=g.pp_rank, pp=pp, pp_ranks=g.pp_ranks,
-            pp_group=g.pp_group, loss_fn=loss_fn, schedule=self.schedule,
+            pp_group=g.pp_group, grad_group=self.grad_group, loss_fn=loss_fn,
+            schedule=self.schedule,
             no_sync=[d.no_sync for d in self.ddp] if self.ddp else None,
             sync_next_backward=([d.reducer.prepare_for_backward for d in self.ddp] if self.ddp
                                 else None),
