@@ -50,7 +50,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ringtrain.grid import Grid, create_process_groups  # noqa: E402
+from ringtrain.grid import Grid, create_pp_grad_groups, create_process_groups  # noqa: E402
 from ringtrain.models import GPT, GPTConfig  # noqa: E402
 from ringtrain.models import loss_fn as gpt_loss  # noqa: E402
 from ringtrain.pipeline import PipelineStage, partition  # noqa: E402
@@ -132,7 +132,9 @@ def _settings(text: str) -> list[tuple[str, int]]:
 
 def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     pp = world_size
-    g = create_process_groups(Grid(world_size, pp=pp))
+    grid = Grid(world_size, pp=pp)
+    g = create_process_groups(grid)
+    grad_group = create_pp_grad_groups(grid)  # as `--strategy pipeline` on gloo
     gpt = cfg["model"] == "gpt"
     runs = {}  # (schedule, v, M) -> (engine, x, y)
     for name, v in _settings(cfg["schedules"]):
@@ -152,6 +154,7 @@ def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                 y = torch.randn(m * cfg["mb_size"], cfg["width"], generator=gen)
             engine = PipelineStage(chunks if v > 1 else chunks[0], pp_rank=g.pp_rank, pp=pp,
                                    pp_ranks=g.pp_ranks, pp_group=g.pp_group,
+                                   grad_group=grad_group,
                                    loss_fn=gpt_loss if gpt else nn.functional.mse_loss,
                                    schedule=name)
             runs[(name, v, m)] = (engine, x, y)

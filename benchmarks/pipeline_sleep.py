@@ -40,7 +40,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ringtrain.grid import Grid, create_process_groups  # noqa: E402
+from ringtrain.grid import Grid, create_pp_grad_groups, create_process_groups  # noqa: E402
 from ringtrain.pipeline import PipelineStage  # noqa: E402
 from ringtrain.pipeline.schedule import bubble_formula  # noqa: E402
 from ringtrain.testing import run_workers  # noqa: E402
@@ -97,14 +97,16 @@ def _step(engine: PipelineStage, x, y, m: int, pp: int, group) -> tuple[float, f
 
 def _worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     pp, m, unit = world_size, cfg["microbatches"], cfg["unit_ms"] / 1e3
-    g = create_process_groups(Grid(world_size, pp=pp))
+    grid = Grid(world_size, pp=pp)
+    g = create_process_groups(grid)
+    grad_group = create_pp_grad_groups(grid)  # as `--strategy pipeline` on gloo
     x = torch.randn(m * cfg["mb_size"], cfg["width"], generator=torch.Generator().manual_seed(0))
     rows = []
     for name, v in SETTINGS:
         chunks = [SleepStage(unit / v, unit / v, unit / v, first=(c == 0 and rank == 0),
                              width=cfg["width"]) for c in range(v)]
         engine = PipelineStage(chunks if v > 1 else chunks[0], pp_rank=g.pp_rank, pp=pp,
-                               pp_ranks=g.pp_ranks, pp_group=g.pp_group,
+                               pp_ranks=g.pp_ranks, pp_group=g.pp_group, grad_group=grad_group,
                                loss_fn=lambda out, y: out.mean(), schedule=name)
         samples = [_step(engine, x, x, m, pp, g.pp_group)
                    for _ in range(cfg["warmup"] + cfg["repeats"])][cfg["warmup"]:]
