@@ -181,6 +181,7 @@ class _StallingStore:
         return self._store.multi_get(keys)
 
 
+@pytest.mark.slow  # over the fast tier's 2 s: it waits out a 2 s stall and a loss
 def test_a_store_that_stops_answering_is_nobodys_silence():
     store = _StallingStore(late_s=0.3)
     store.add("uids", 2)
