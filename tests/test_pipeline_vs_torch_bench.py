@@ -10,21 +10,11 @@ CPU, two gloo ranks (the conftest sets RINGTRAIN_DEVICE=cpu, which the subproces
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "pipeline_vs_torch.py"
+from support.bench_json import bench_json
 
 
 def test_quick_run_trains_both_the_same_and_reports_their_ratio():
-    proc = subprocess.run([sys.executable, str(BENCHMARK), "--quick", "--steps", "2"],
-                          capture_output=True, text=True, timeout=120,
-                          cwd=BENCHMARK.parent.parent)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1])  # the last line is the JSON
+    result = bench_json("pipeline_vs_torch.py", "--quick", "--steps", "2", timeout_s=120)
     assert result["benchmark"] == "pipeline_vs_torch" and result["pp"] == 2
     assert result["backend"] == "gloo" and result["threads"] == 1
     assert result["steps"] == 2 and result["torch"]
@@ -38,4 +28,3 @@ def test_quick_run_trains_both_the_same_and_reports_their_ratio():
         assert row["loss_max_diff"] <= 1e-5, row  # every step, under AdamW updates
         assert row["grad_max_diff"] <= 1e-6, row
         assert row["loss_last"] < row["loss_ours"], row  # it trained
-    assert "ratio" in lines[1]  # the table's header comes before the JSON

@@ -8,20 +8,11 @@ ringtrain supports (DTensor's API moves between them).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "tp_vs_torch.py"
+from support.bench_json import bench_json
 
 
 def test_quick_run_trains_both_the_same_and_reports_their_ratio():
-    proc = subprocess.run([sys.executable, str(BENCHMARK), "--quick", "--steps", "2"],
-                          capture_output=True, text=True, timeout=300,
-                          cwd=BENCHMARK.parent.parent)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line is the JSON
+    result = bench_json("tp_vs_torch.py", "--quick", "--steps", "2", timeout_s=300)
     assert [r["layout"] for r in result["rows"]] == ["tp 2", "tp 2 +SP"]
     for row in result["rows"]:
         assert row["loss_max_diff"] <= 1e-5, row
