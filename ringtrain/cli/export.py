@@ -5,8 +5,8 @@
 
 The model is the run's final one (RUN_DIR/model.safetensors), or with `--snapshot STEP` (or
 before the run has finished) a committed snapshot's, put together as `ringtrain sample` does
-(`cli/sample.py`: replicated and ZeRO snapshots; pipeline and ps per-rank parts are refused
-with the way out). The formats are `ringtrain.formats`: `hf` loads with
+(`cli/sample.py`: a replicated snapshot's model, or per-rank parts joined by the strategy's
+converter). The formats are `ringtrain.formats`: `hf` loads with
 `GPT2LMHeadModel.from_pretrained(OUT_DIR)`, `dcp` with `torch.distributed.checkpoint.load` on
 any world size. `ringtrain train --init-from OUT_DIR` starts a run from either. A mistake is
 one message and exit code 2.

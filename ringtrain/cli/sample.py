@@ -5,12 +5,12 @@
 
 The final model is RUN_DIR/model.safetensors + model_config.json (`ringtrain train` exports
 them at the end); `--snapshot STEP` (or a run that has not finished) reads a committed snapshot
-instead. A snapshot of a replicated strategy (ddp, localsgd, diloco) holds the whole model; a
-ZeRO snapshot's per-rank shards are put together by `ringtrain.zero.reshard.consolidate` (any
-stage, any number of ranks); one written as per-rank parts by pipeline or ps is refused with
-the way out (the final model). The tokenizer is the run's own: the
-exported one, else the prepared dataset's (RUN_DIR/data for a .txt), else the addition task's
-digits. A mistake (no such run, snapshot or character) is one message and exit code 2.
+instead. A snapshot of a replicated strategy (ddp, localsgd, diloco) holds the whole model; one
+written as per-rank parts (zero, pipeline, tp, ps) is put together by its strategy's own
+converter (`Strategy.to_portable`, what a resume in another layout reads). The tokenizer is the
+run's own: the exported one, else the prepared dataset's (RUN_DIR/data for a .txt), else the
+addition task's digits. A mistake (no such run, snapshot or character) is one message and exit
+code 2.
 """
 
 from __future__ import annotations
@@ -94,16 +94,10 @@ def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any])
     path, manifest = committed[step]
     meta = manifest["metadata"]
     strategy = meta.get("topology", {}).get("strategy", "?")
-    if not meta.get("replicated") and strategy == "zero":
-        model = GPT(GPTConfig(**model_config))
-        model.load_state_dict(_zero_state(path, manifest, step, model))
-        return model.eval()
     if not meta.get("replicated"):
-        raise SampleError(
-            f"the snapshot of step {step} was written by --strategy {strategy} as per-rank parts, "
-            "and ringtrain has no way yet to assemble them outside a run; sample the final model "
-            f"(drop --snapshot), or resume the run with `ringtrain train --run-dir {run_dir} "
-            f"--steps {step}` on the same layout, which exports it")
+        model = GPT(GPTConfig(**model_config))
+        _load_parts(model, path, manifest, step, strategy)
+        return model.eval()
     try:
         verify(path, manifest, [SHARED])
     except SnapshotError as e:
@@ -112,38 +106,31 @@ def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any])
     return state_to_model(unwrap_state_dict(shared["strategy"]["model"]), model_config)
 
 
-def _zero_state(path: Path, manifest: dict[str, Any], step: int, model) -> dict[str, Any]:
-    """The full model of a ZeRO snapshot: every rank's flat shards put end to end
-    (`ringtrain.zero.reshard.consolidate`), cut back into named tensors by the units' layout."""
+def _load_parts(model, path: Path, manifest: dict[str, Any], step: int, strategy: str) -> None:
+    """Load the model of a snapshot written as per-rank parts (zero, pipeline, tp, ps): the
+    saving strategy's own converter joins them (`Strategy.to_portable`, what a resume in another
+    layout reads), one rank's file at a time where it can."""
     import torch
 
-    from ringtrain.checkpoint.files import SnapshotError, verify
+    from ringtrain.checkpoint.files import SHARED, Snapshot, SnapshotError, verify
+    from ringtrain.checkpoint.sharded import load_strategy_parts
+    from ringtrain.strategies import portable, registered
 
-    names = sorted(n for n in manifest["files"] if n.startswith("rank") and n.endswith(".pt"))
+    snap = Snapshot(path, step, manifest)
+    source = registered().get(strategy)
     try:
-        from ringtrain.zero.reshard import consolidate
-
-        verify(path, manifest, names)
-        parts = [torch.load(path / n, map_location="cpu", weights_only=True)["strategy"]["zero"]
-                 for n in names]
-        full = consolidate(parts)
-    except (ImportError, KeyError, ValueError, SnapshotError) as e:
-        raise SampleError(f"the ZeRO snapshot of step {step} cannot be put together ({e}); "
-                          "sample the final model instead (drop --snapshot)") from None
-    # A unit's flat vector holds its parameters in layout order; shapes come from the model,
-    # and a tied weight (one parameter, two names) is in one unit under its first name.
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-    state = {}
-    for names, flat in zip(full["names"], full["params"], strict=True):
-        offset = 0
-        for name in names:
-            n = shapes[name].numel()
-            state[name] = flat[offset:offset + n].view(shapes[name])
-            offset += n
-    first = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        state.setdefault(name, state[first[id(p)]])
-    return state
+        verify(path, manifest, [SHARED])
+        shared = torch.load(path / SHARED, map_location="cpu", weights_only=True)
+        state = None if source is None else source.to_portable(
+            lambda ranks: load_strategy_parts(snap, ranks), shared.get("strategy"),
+            manifest["metadata"])
+        if state is None:
+            raise ValueError(f"--strategy {strategy} has no converter to the layout-free form")
+        portable.load_model(model, state["model"])
+    except (KeyError, ValueError, SnapshotError) as e:
+        raise SampleError(f"the snapshot of step {step} (--strategy {strategy}, per-rank parts) "
+                          f"cannot be put together: {e}; sample the final model instead (drop "
+                          "--snapshot)") from None
 
 
 def tokenizer_of(run_dir: str, config: dict[str, Any], exported: dict[str, Any] | None):
