@@ -94,33 +94,30 @@ def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any])
     path, manifest = committed[step]
     meta = manifest["metadata"]
     strategy = meta.get("topology", {}).get("strategy", "?")
-    if not meta.get("replicated"):
-        model = GPT(GPTConfig(**model_config))
-        _load_parts(model, path, manifest, step, strategy)
-        return model.eval()
     try:
         verify(path, manifest, [SHARED])
     except SnapshotError as e:
         raise SampleError(f"snapshot of step {step}: {e}") from None
     shared = torch.load(path / SHARED, map_location="cpu", weights_only=True)
+    if not meta.get("replicated"):
+        model = GPT(GPTConfig(**model_config))
+        _load_parts(model, path, manifest, step, strategy, shared)
+        return model.eval()
     return state_to_model(unwrap_state_dict(shared["strategy"]["model"]), model_config)
 
 
-def _load_parts(model, path: Path, manifest: dict[str, Any], step: int, strategy: str) -> None:
+def _load_parts(model, path: Path, manifest: dict[str, Any], step: int, strategy: str,
+                shared: dict[str, Any]) -> None:
     """Load the model of a snapshot written as per-rank parts (zero, pipeline, tp, ps): the
     saving strategy's own converter joins them (`Strategy.to_portable`, what a resume in another
     layout reads), one rank's file at a time where it can."""
-    import torch
-
-    from ringtrain.checkpoint.files import SHARED, Snapshot, SnapshotError, verify
+    from ringtrain.checkpoint.files import Snapshot, SnapshotError
     from ringtrain.checkpoint.sharded import load_strategy_parts
     from ringtrain.strategies import portable, registered
 
     snap = Snapshot(path, step, manifest)
     source = registered().get(strategy)
     try:
-        verify(path, manifest, [SHARED])
-        shared = torch.load(path / SHARED, map_location="cpu", weights_only=True)
         state = None if source is None else source.to_portable(
             lambda ranks: load_strategy_parts(snap, ranks), shared.get("strategy"),
             manifest["metadata"])
