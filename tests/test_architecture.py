@@ -51,8 +51,7 @@ ALLOWED: dict[str, set[str]] = {
     "live": {"data", "checkpoint", "store_keys", "tensor_tree", "flat_sum"},
     "testing": {"runtime", "launch"},  # run_workers; the tests' faults live in tests/support
     "cli": {"runtime", "errors", "launch", "checkpoint", "strategies", "training", "data",
-            "models", "trace", "config", "formats", "live",
-            "zero"},  # `ringtrain sample`: a ZeRO snapshot's shards put together
+            "models", "trace", "config", "formats", "live"},
     # the package's __init__: the public names, most loaded on first use (its _LAZY table)
     "ringtrain": {"runtime", "launch", "ddp", "data", "replicas", "training", "strategies", "zero"},
     "__main__": {"cli"},
