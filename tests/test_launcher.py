@@ -188,6 +188,10 @@ def test_help_reads_ringtrain_run(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: ringtrain run")
     assert "--nproc-per-node" in out and "--rdzv-endpoint" in out
+    # torch's help states torch's defaults; ours differ (SIGUSR1 passed on, a free port, 0.1 s)
+    words = " ".join(out.split())
+    assert "(default: SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1:" in words
+    assert "Defaults to 29500" not in words and "a free port picked by the OS" in words
 
 
 @pytest.mark.parametrize("argv, error", [
@@ -318,9 +322,11 @@ def test_shutdown_timeout_on_a_torch_without_it_is_one_clear_error(monkeypatch, 
     """torch 2.11's torchrun has no --shutdown-timeout: argparse said only 'unrecognized
     arguments'. Here `ringtrain run` and `launch()` name the torch version and the fix."""
     import ringtrain.launch.launcher as launcher
+    import ringtrain.launch.run_args as run_args
 
-    monkeypatch.setattr(launcher, "has_shutdown_timeout", lambda: False)
-    real = launcher._torch_args_parser
+    for module in (launcher, run_args):  # launch() asks too, not only the parser
+        monkeypatch.setattr(module, "has_shutdown_timeout", lambda: False)
+    real = run_args._torch_args_parser
 
     def without_it():  # torch 2.11's parser: the same, less the option
         parser = real()
@@ -331,7 +337,7 @@ def test_shutdown_timeout_on_a_torch_without_it_is_one_clear_error(monkeypatch, 
                     del parser._option_string_actions[flag]
         return parser
 
-    monkeypatch.setattr(launcher, "_torch_args_parser", without_it)
+    monkeypatch.setattr(run_args, "_torch_args_parser", without_it)
     assert main(["--shutdown-timeout", "5", "x.py"]) == 2
     err = capsys.readouterr().err
     assert "argument --shutdown-timeout/--shutdown_timeout: needs torch 2.13 or newer" in err

@@ -17,7 +17,7 @@ import pytest
 
 from ringtrain.cli.options import SECTIONS, TASK_DEFAULTS, ModelOptions, every_option_class
 from ringtrain.cli.train_args import build_parser, options_from, parse_options
-from ringtrain.config.fields import dest, flag, meta, option_fields
+from ringtrain.config.fields import dest, flag, meta, option, option_fields
 from ringtrain.models import GPTConfig
 from ringtrain.strategies import registered
 from ringtrain.training.config import TrainerConfig
@@ -75,6 +75,28 @@ def test_every_flag_is_unique_and_in_the_help(capsys):
     assert all(len(helps) == 1 for helps in by_flag.values()), by_flag
     text = build_parser().format_help()
     assert all(f in text for f in FLAGS)
+
+
+def test_each_option_says_one_default_and_a_turned_off_flag_says_what_it_does():
+    """--help once showed `--tp ... (default: 1 with --strategy pipeline, 2 with --strategy
+    tp) (--strategy pipeline, tp) (default: 1)` and `--no-resume ... (default: on)`."""
+    parser = build_parser()
+    for action in parser._actions:  # argparse's list: the generated help of each option
+        if action.help and action.option_strings != ["-h", "--help"]:
+            assert action.help.count("(default:") <= 1, (action.option_strings, action.help)
+    by_flag = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    assert by_flag["--tp"].endswith("(default: 1 (pipeline) / 2 (tp))")
+    assert by_flag["--zero-stage"].endswith("(default: 0 (tp) / 2 (zero))")
+    assert by_flag["--no-resume"].endswith("(default: resume from --run-dir's newest committed "
+                                           "snapshot)")
+    titles = [g.title for g in parser._action_groups]
+    assert {"--strategy pipeline, tp", "--strategy tp, zero", "--strategy diloco, localsgd"} <= \
+        set(titles)
+    for f in FIELDS:  # every default-on bool with a turning-off flag says what happens without it
+        if f.default is True and not meta(f)["negatable"]:
+            assert not re.search(r"\(default: (on|off)\)", by_flag[flag(f)]), flag(f)
+    with pytest.raises(TypeError, match="needs shown="):
+        option(True, "draw something", flag="--no-something")
 
 
 def test_strategy_config_defaults_are_the_constructors():

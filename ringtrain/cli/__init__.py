@@ -41,8 +41,9 @@ _USAGE = """usage: ringtrain {run,train,prepare,sample,export,explain,plan} ...
           checkpoint, e.g. ringtrain export runs/20261121-220741 gpt2_dir --format hf
   explain say what a `ringtrain train` run did: ranks' roles, data split, bytes sent, timing,
           the snapshot a resume would use, e.g. ringtrain explain runs/20261121-220741
-  plan    predict the bytes per rank of ddp and zero-1/2/3 for a GPT and a memory budget, e.g.
-          ringtrain plan --help
+  plan    predict memory, bytes sent and step time per rank of every strategy and every
+          dp x pp x tp layout of a GPT, and which fit a memory budget, e.g.
+          ringtrain plan --nproc-per-node 8 --n-layer 24 --n-embd 2048 --n-head 16 --memory-gb 40
 
 `ringtrain COMMAND --help` lists a command's options."""
 

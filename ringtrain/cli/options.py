@@ -221,7 +221,8 @@ class RunOptions:
                                    "exported ringtrain run; the model options give its shape",
                                    metavar="DIR", shown="random (GPT-2's init)")
     resume: bool = option(True, "start afresh in --run-dir, deleting its snapshots (a restarted "
-                          "worker always resumes)", flag="--no-resume")
+                          "worker always resumes)", flag="--no-resume",
+                          shown="resume from --run-dir's newest committed snapshot")
 
     def __post_init__(self) -> None:
         check_values(self)

@@ -27,7 +27,7 @@ from ringtrain.cli.options import (
     per_task_text,
 )
 from ringtrain.config import add_section, dest, flag, resume_fields, set_values, to_flags
-from ringtrain.config.fields import meta, option_fields
+from ringtrain.config.fields import default_text, meta, option_fields
 from ringtrain.config.recipes import load as load_recipe
 from ringtrain.launch.device import choose, launcher_gpu_count
 from ringtrain.strategies import registered
@@ -47,29 +47,44 @@ def build_parser() -> argparse.ArgumentParser:
         "text (--data), on one or many processes. Every option has a default.")
     for title, cls in SECTIONS.items():
         add_section(p, cls, title, shown=per_task_text)
-    # Each strategy's own options, from its Config; a flag several strategies share (diloco
-    # extends localsgd) is listed once, under the first, naming every strategy that takes it.
-    owners = _flag_owners()
-    for name, cls in registered().items():
-        mine = {flag(f) for f in option_fields(cls.Config) if owners[flag(f)][0] == name}
-        if mine:
-            add_section(p, cls.Config, f"--strategy {name}",
-                        skip={flag(f) for f in option_fields(cls.Config)} - mine,
-                        note=lambda f: _shared(owners[flag(f)]))
+    # Each strategy's options, from its Config, in groups by the strategies that take them: a
+    # flag several share (diloco extends localsgd; --tp: pipeline and tp) is listed once, under
+    # a title naming them all, its default as each one's where they differ.
+    for names, fields_ in strategy_groups():
+        add_section(p, registered()[names[0]].Config, "--strategy " + ", ".join(names),
+                    skip={flag(f) for f in option_fields(registered()[names[0]].Config)} -
+                    {flag(f) for f in fields_}, shown=lambda f, names=names: _default_of(f, names))
     return p
 
 
-def _shared(names: list[str]) -> str:
-    return f" (--strategy {', '.join(names)})" if len(names) > 1 else ""
-
-
-def _flag_owners() -> dict[str, list[str]]:
-    """--flag -> the strategies that declare it, in registry order."""
+def strategy_groups() -> list[tuple[tuple[str, ...], list]]:
+    """[(strategy names, their shared fields)]: every strategy option once, grouped by the
+    strategies that declare it (registry order; a strategy's own options come first)."""
     owners: dict[str, list[str]] = {}
     for name, cls in registered().items():
         for f in option_fields(cls.Config):
             owners.setdefault(flag(f), []).append(name)
-    return owners
+    groups: dict[tuple[str, ...], list] = {}
+    for name, cls in registered().items():
+        for f in option_fields(cls.Config):
+            if owners[flag(f)][0] == name:
+                groups.setdefault(tuple(owners[flag(f)]), []).append(f)
+    return sorted(groups.items(), key=lambda g: (list(registered()).index(g[0][0]), len(g[0])))
+
+
+def _default_of(f, names: tuple[str, ...]) -> str | None:
+    """A shared option's default in --help: one text, or each strategy's where they differ
+    ("1 (pipeline) / 2 (tp)")."""
+    texts = {name: default_text(next(g for g in option_fields(registered()[name].Config)
+                                     if g.name == f.name)) for name in names}
+    if len(set(texts.values())) == 1:
+        return texts[names[0]]
+    return " / ".join(f"{text} ({name})" for name, text in texts.items())
+
+
+def _flag_owners() -> dict[str, list[str]]:
+    """--flag -> the strategies that declare it."""
+    return {flag(f): list(names) for names, fields_ in strategy_groups() for f in fields_}
 
 
 def parse_options(argv: list[str]) -> TrainOptions:
@@ -301,17 +316,15 @@ def command_line(given: Mapping[str, Any]) -> list[str]:
 def options_table() -> str:
     """docs/train.md's table of options, from the fields (`tests/test_options.py` compares)."""
     rows = ["| option | default | meaning |", "|---|---|---|"]
-    owners = _flag_owners()
-    groups = [(title, cls, "") for title, cls in SECTIONS.items()]
-    groups += [(f"--strategy {name}", cls.Config, name) for name, cls in registered().items()]
-    for title, cls, name in groups:
-        mine = [f for f in option_fields(cls) if not name or owners[flag(f)][0] == name]
-        if mine:
-            rows.append(f"| **{title}** | | |")
-        for f in mine:
+    groups = [(title, option_fields(cls), per_task_text) for title, cls in SECTIONS.items()]
+    groups += [("--strategy " + ", ".join(names), fields_,
+                lambda f, names=names: _default_of(f, names))
+               for names, fields_ in strategy_groups()]
+    for title, fields_, shown in groups:
+        rows.append(f"| **{title}** | | |")
+        for f in fields_:
             names = f"{flag(f)}/--no-{flag(f)[2:]}" if meta(f)["negatable"] else flag(f)
-            help_ = meta(f)["help"] + (_shared(owners[flag(f)]) if name else "")
-            rows.append(f"| `{names}` | {per_task_text(f) or ''} | {help_} |")
+            rows.append(f"| `{names}` | {shown(f) or ''} | {meta(f)['help']} |")
     return "\n".join(rows) + "\n"
 
 

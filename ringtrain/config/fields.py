@@ -42,11 +42,17 @@ def option(default: Any, help: str, *, flag: str | None = None,
         flag: the flag when it is not `--` + the name with dashes.
         type: parses the text (an argparse type); default: the default's type. `check_values`
             applies it to a value given in Python too.
-        shown: the default as --help says it when it is derived ("lr / 10").
+        shown: the default as --help says it when it is derived ("lr / 10"); for a bool that
+            is on by default and whose `flag` turns it off (`--no-progress`), what happens
+            without the flag ("a bar on rank 0"), while `help` says what the flag does.
         resume: MUST_MATCH when a snapshot may only be resumed with the same value.
         launcher: read by the launcher only; not in config.json's options, not for the workers.
         negatable: a `--x/--no-x` pair (a bool that defaults to True).
     """
+    if default is True and not negatable and shown is None:
+        # "--no-progress: draw the progress bar (default: on)" read as the opposite of the flag.
+        raise TypeError(f"option({help!r}): a flag that turns a default-on bool off needs "
+                        "shown= (what happens without it); its help says what the flag does")
     meta = {"help": help, "flag": flag, "type": type,
             "choices": tuple(choices) if choices else None,
             "metavar": metavar, "shown": shown, "resume": resume, "launcher": launcher,

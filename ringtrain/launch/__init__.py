@@ -2,6 +2,8 @@
 
 Read in this order:
 - `launcher.py`: `ringtrain run`, torchrun's flags on torch's elastic agent.
+- `run_args.py`: its command line: torchrun's parser, ringtrain's defaults (said in --help)
+  and flags.
 - `agent_patches.py`: what the launcher changes in torch's agent, for one launch: tolerated
   ranks, restarts counted for the job across nodes.
 - `rendezvous.py`: a free port on one node, reachable addresses across nodes.

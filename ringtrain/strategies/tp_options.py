@@ -1,6 +1,7 @@
 """The options strategies share (`--tp`, `--sequence-parallel`: tp and pipeline; `--zero-stage`:
 zero and tp), each one field defined once
-(their help is the same wherever they appear; only the default is each strategy's).
+(their help is the same wherever they appear; only the default is each strategy's, and
+--help shows each).
 
     ringtrain train --strategy tp --tp 2 --nproc-per-node 2
     ringtrain train --pp 2 --tp 2 --sequence-parallel --nproc-per-node 4
@@ -18,8 +19,7 @@ def tp_option(default: int) -> Any:
     """`--tp`: the tensor-parallel degree (`ringtrain.grid`'s innermost axis)."""
     return option(default, "tensor-parallel degree: ranks that split every matrix (consecutive "
                   "ranks, one host; with --pp, each stage's); must divide the world size, "
-                  "n_head and the vocabulary (default: 1 with --strategy pipeline, 2 with "
-                  "--strategy tp)", type=int_at_least(1))
+                  "n_head and the vocabulary", type=int_at_least(1))
 
 
 def sequence_parallel_option() -> Any:
@@ -32,11 +32,10 @@ def sequence_parallel_option() -> Any:
 def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
     """`--zero-stage`: what ZeRO shards over the data-parallel ranks (`ringtrain.zero`); 0 (none)
     is a choice only where the strategy runs without ZeRO too."""
-    return option(default, "ZeRO: what is sharded over the data-parallel ranks: 1 optimizer "
-                  "state, 2 + gradients, 3 + parameters (--strategy zero: 2 by default; "
-                  "--strategy tp: 0, no ZeRO, by default, 1-3 shard each rank's slices over its "
-                  "dp group)", type=int, choices=choices,
-                  shown="2 with --strategy zero, 0 with --strategy tp")
+    return option(default, "ZeRO: what is sharded over the data-parallel ranks: 0 nothing "
+                  "(--strategy tp only), 1 optimizer state, 2 + gradients, 3 + parameters (with "
+                  "--strategy tp: of each rank's slices)", type=int,
+                  choices=choices)
 
 
 def check_tp_model(model: Any, tp: int, who: str, tied_why: str) -> None:

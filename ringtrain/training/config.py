@@ -90,11 +90,12 @@ class TrainerConfig:
                                     "evaluates)", type=_positive, shown="steps / 10")
     eval_batch_size: int | None = option(None, "samples per evaluation batch per rank",
                                          type=_positive, shown="max(batch size, 256)")
-    progress: bool = option(True, "draw the progress bar", flag="--no-progress")
+    progress: bool = option(True, "no progress bar", flag="--no-progress",
+                            shown="one bar, on rank 0")
     # Off in the suite's launches that never open it: matplotlib is ~1 s of CPU on rank 0.
-    report: bool = option(True, "draw RUN_DIR/report.png at the end (matplotlib, ~1 s); redraw "
-                          "it later with python -m ringtrain.training.report RUN_DIR",
-                          flag="--no-report")
+    report: bool = option(True, "no RUN_DIR/report.png at the end (matplotlib, ~1 s; draw "
+                          "it later with python -m ringtrain.training.report RUN_DIR)",
+                          flag="--no-report", shown="drawn")
     record_samples: bool = option(False, "record each step's sample indices in the snapshots, "
                                   "to check exactly-once data (data/sample_log.py)")
     compile: bool = option(False, "torch.compile the model once the strategy holds it: faster "
