@@ -17,7 +17,7 @@ import pytest
 
 from ringtrain.cli.options import SECTIONS, TASK_DEFAULTS, ModelOptions, every_option_class
 from ringtrain.cli.train_args import build_parser, options_from, parse_options
-from ringtrain.config.fields import dest, flag, meta, option, option_fields
+from ringtrain.config.fields import dest, flag, meta, option, option_fields, resume_fields
 from ringtrain.models import GPTConfig
 from ringtrain.strategies import registered
 from ringtrain.training.config import TrainerConfig
@@ -97,6 +97,14 @@ def test_each_option_says_one_default_and_a_turned_off_flag_says_what_it_does():
             assert not re.search(r"\(default: (on|off)\)", by_flag[flag(f)]), flag(f)
     with pytest.raises(TypeError, match="needs shown="):
         option(True, "draw something", flag="--no-something")
+
+
+def test_no_strategy_option_is_marked_must_match():
+    """Only the data and model sections are compared on resume (`run_config`); a snapshot of
+    another strategy or layout resumes through its portable form (--virtual-stages 2 -> 1 does:
+    tests/support/resume_pairs.py), so such a mark would promise a check that never runs."""
+    for name, cls in registered().items():
+        assert resume_fields(cls.Config) == (), name
 
 
 def test_strategy_config_defaults_are_the_constructors():

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.config import MUST_MATCH, flag, int_at_least, option
+from ringtrain.config import flag, int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.grid import Grid
 from ringtrain.pipeline.backward import holds_tensor_hooks
@@ -117,7 +117,7 @@ class PipelineConfig(StrategyConfig):
     virtual_stages: int = option(1, "model chunks per rank (--schedule interleaved; zb-v holds "
                                  "2 in a V): the model is split into pp x v stages, rank r "
                                  "holds r, r+pp, ...",
-                                 type=int_at_least(1), resume=MUST_MATCH)
+                                 type=int_at_least(1))
     tp: int = tp_option(1)
     sequence_parallel: bool = sequence_parallel_option()
 
