@@ -8,9 +8,9 @@ them at the end); `--snapshot STEP` (or a run that has not finished) reads a com
 instead. A snapshot of a replicated strategy (ddp, localsgd, diloco) holds the whole model; one
 written as per-rank parts (zero, pipeline, tp, ps) is put together by its strategy's own
 converter (`Strategy.to_portable`, what a resume in another layout reads). The tokenizer is the
-run's own: the exported one, else the prepared dataset's (RUN_DIR/data for a .txt), else the
-addition task's digits. A mistake (no such run, snapshot or character) is one message and exit
-code 2.
+run's own: the exported one, else the prepared dataset's (RUN_DIR/data for a .txt). A run of
+the addition task answers sums instead: held-out ones, or the one in --prompt. A mistake (no
+such run, snapshot or character) is one message and exit code 2.
 """
 
 from __future__ import annotations
@@ -34,16 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Generate text with the model of a "
                                             "`ringtrain train` run.")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    p.add_argument("--prompt", help="the text to continue (default: a newline); the addition "
+                   "task: a sum, e.g. 12+34 (default: held-out sums)")
     p.add_argument("--tokens", type=int, default=200, metavar="N",
-                   help="tokens to generate (default: 200)")
+                   help="tokens to generate (default: 200; the addition task answers greedily "
+                   "with the sum's digits, whatever --tokens, --temperature and --top-k say)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T",
                    help="below 1 sharper, above 1 more random, 0 greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=200, metavar="K",
                    help="sample among the K likeliest tokens, 0: all (default: 200)")
     p.add_argument("--snapshot", type=int, metavar="STEP",
                    help="the model of this committed snapshot (default: the exported final model)")
-    p.add_argument("--num-samples", type=int, default=1, help="samples to draw (default: 1)")
+    p.add_argument("--num-samples", type=int, metavar="N",
+                   help="samples to draw (default: 1; the addition task without --prompt: 5 "
+                   "held-out sums)")
     p.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
     return p
 
@@ -146,14 +150,28 @@ def tokenizer_of(run_dir: str, config: dict[str, Any], exported: dict[str, Any] 
         tok = CharTokenizer(entry["chars"])
     elif entry is not None and entry["type"] == "bpe":
         tok = BPETokenizer(os.path.join(run_dir, entry["file"]))
-    else:  # the addition task: token i is the digit i
-        def encode(text: str) -> list[int]:
-            if not text.isdigit():
-                raise SampleError(f"--prompt {text!r}: the addition task's tokens are the digits "
-                                  "0-9; e.g. --prompt 1234 (12 + 34)")
-            return [int(c) for c in text]
-        return encode, lambda ids: "".join(str(i) for i in ids)
+    else:
+        raise SampleError(f"{run_dir}: the run exported no tokenizer and has no --data")
     return tok.encode, tok.decode
+
+
+def sums(model, digits: int, prompt: str | None, count: int | None) -> list[str]:
+    """The addition task's samples: the sum in `prompt` ('12+34', or '1234' as the model reads
+    it) or `count` held-out ones (default 5), each as the model answers it ('12+34=46 ok')."""
+    from ringtrain.data.addition import AdditionDataset, answer
+
+    if prompt is None:
+        pairs = AdditionDataset("test", digits).pairs[:count or 5]
+        return [answer(model, a, b, digits) for a, b in pairs]
+    a, plus, b = prompt.partition("+")
+    if not plus and len(prompt) == 2 * digits:  # the operands as the model reads them
+        a, b = prompt[:digits], prompt[digits:]
+    if not all(x.isascii() and x.isdigit() and len(x) <= digits for x in (a, b)):
+        example = "".join(str(i % 10 + 1) for i in range(2 * digits))
+        raise SampleError(f"--prompt {prompt!r}: this run adds numbers of up to {digits} "
+                          f"digits; give a sum, e.g. --prompt {example[:digits]}+"
+                          f"{example[digits:]} (or {example}, both operands zero-padded)")
+    return [answer(model, int(a), int(b), digits)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,7 +195,8 @@ def generate(args: argparse.Namespace) -> list[str]:
 
     from ringtrain.models.export import load_model, read_config
 
-    if args.tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
+    if args.tokens < 1 or (args.num_samples is not None and args.num_samples < 1) or \
+            args.temperature < 0 or args.top_k < 0:
         raise SampleError("--tokens and --num-samples must be 1 or more, --temperature and "
                           "--top-k 0 or more")
     config = _run_config(args.run_dir)
@@ -188,9 +207,11 @@ def generate(args: argparse.Namespace) -> list[str]:
         model, _ = load_model(args.run_dir)
     else:
         model = snapshot_model(args.run_dir, args.snapshot, config["model"])
+    if not config["args"].get("data"):
+        return sums(model, int(config["args"]["digits"]), args.prompt, args.num_samples)
     encode, decode = tokenizer_of(args.run_dir, config, exported)
     try:
-        ids = encode(args.prompt)
+        ids = encode("\n" if args.prompt is None else args.prompt)
     except ValueError as e:
         raise SampleError(f"--prompt: {e}") from None
     if not ids:
@@ -198,7 +219,7 @@ def generate(args: argparse.Namespace) -> list[str]:
     g = torch.Generator().manual_seed(args.seed)
     x = torch.tensor([ids], dtype=torch.long)
     out = []
-    for _ in range(args.num_samples):
+    for _ in range(args.num_samples or 1):
         y = model.generate(x, args.tokens, temperature=args.temperature,
                            top_k=args.top_k or None, generator=g)
         out.append(decode(y[0].tolist()))

@@ -95,14 +95,14 @@ def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def answer(model: torch.nn.Module, a: int, b: int, digits: int) -> str:
+    """a + b as the model answers it by greedy decoding, e.g. '47+85=132 ok' or
+    '47+85=131 (wrong: 132)'."""
+    prompt = torch.tensor([encode(a, b, digits)[: 2 * digits]], dtype=torch.long)
+    got = decode_answer(model.generate(prompt, digits + 1, temperature=0)[0, 2 * digits:].tolist())
+    return f"{a}+{b}={got} {'ok' if got == a + b else f'(wrong: {a + b})'}"
+
+
 def show_sums(model: torch.nn.Module, dataset: AdditionDataset, count: int = 3) -> str:
-    """A few held-out sums as the model answers them by greedy decoding, e.g. '47+85=132 ok'."""
-    n = dataset.digits
-    lines = []
-    for i in range(min(count, len(dataset))):
-        a, b = dataset.pairs[i]
-        prompt = dataset.x[i : i + 1, : 2 * n]
-        out = model.generate(prompt, n + 1, temperature=0)[0, 2 * n :].tolist()
-        got = decode_answer(out)
-        lines.append(f"{a}+{b}={got} {'ok' if got == a + b else f'(wrong: {a + b})'}")
-    return "; ".join(lines)
+    """A few held-out sums as the model answers them, joined by '; '."""
+    return "; ".join(answer(model, a, b, dataset.digits) for a, b in dataset.pairs[:count])
