@@ -175,3 +175,16 @@ def test_plan_command_lists_the_layouts_and_recommends_one(capsys):
     # than ZeRO 3 (which fits too).
     assert "recommended: dp 2 x pp 1 x tp 2, ZeRO 2: ringtrain train --nproc-per-node 4 " \
            "--strategy tp --tp 2 --zero-stage 2 --sequence-parallel" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--memory-gb", "-1"], "--memory-gb -1: it must be positive"),
+    (["--memory-gb", "0", "--nproc-per-node", "0"],
+     "--nproc-per-node 0, --memory-gb 0: each must be positive"),
+    (["--tflops", "0"], "--tflops 0: it must be positive"),
+])
+def test_plan_refuses_a_figure_that_is_not_positive(argv, error, capsys):
+    """--memory-gb -1 printed "no layout fits in -1 GiB"; 0 was taken as no budget at all."""
+    assert main([*argv, "--n-layer", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"ringtrain plan: error: {error}\n" and captured.out == ""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 import torch
 
@@ -210,10 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0) and USAGE_EXIT_CODE
     world = args.nproc_per_node * args.nnodes
-    if world < 1 or args.tflops <= 0 or args.link_gbit <= 0 or args.batch_size < 1:
-        print(f"ringtrain plan: {args.nproc_per_node} x {args.nnodes} ranks, "
-              f"--tflops {args.tflops}, --link-gbit {args.link_gbit}, "
-              f"--batch-size {args.batch_size}: each must be positive")
+    given = {"--nproc-per-node": args.nproc_per_node, "--nnodes": args.nnodes,
+             "--tflops": args.tflops, "--link-gbit": args.link_gbit,
+             "--batch-size": args.batch_size, "--memory-gb": args.memory_gb}
+    bad = [f"{name} {value:g}" for name, value in given.items() if value is not None and value <= 0]
+    if bad:
+        print(f"ringtrain plan: error: {', '.join(bad)}: "
+              f"{'it' if len(bad) == 1 else 'each'} must be positive", file=sys.stderr)
         return USAGE_EXIT_CODE
     if args.params is not None:
         numel, root, block, stages = args.params, None, None, None
