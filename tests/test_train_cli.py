@@ -86,6 +86,12 @@ def test_text_data_single_process(tmp_path, capsys):
     (["--strategy", "tp", "--nproc-per-node", "3"], r"world_size=3 is not divisible by tp=2"),
     (["--strategy", "tp", "--nproc-per-node", "2", "--n-head", "3", "--n-embd", "48"],
      r"--n-head 3 is not divisible by --tp 2: .*use --tp in \[1, 3\]"),
+    # The workers found these one by one, in their first forward (a ValueError on each rank).
+    (["--strategy", "tp", "--nproc-per-node", "2", "--sequence-parallel", "--digits", "1"],
+     r"--sequence-parallel splits each sample's 3 tokens over the --tp 2 ranks, and 3 is not a "
+     r"multiple of 2: make it a multiple of 2 \(--block-size with --data, 3 x --digits"),
+    (["--pp", "2", "--tp", "4", "--nproc-per-node", "8", "--sequence-parallel", "--digits", "1"],
+     r"3 is not a multiple of 4: make it"),  # n_head 4: --tp 3 would not split the heads
 ])
 def test_bad_options_exit_2_with_the_reason(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -256,7 +256,13 @@ def _check_layout(opts: TrainOptions, world_size: int, train_samples: int) -> No
     larger than one data rank's share of the training set."""
     batch = opts.trainer.batch_size
     data_world_size = opts.strategy.plan(world_size, batch * opts.trainer.grad_accum)
-    opts.strategy.check_model(opts.model)
+    if opts.task == "text":
+        sequence = opts.data.block_size
+    else:
+        from ringtrain.data.addition import sequence_length
+
+        sequence = sequence_length(opts.data.digits)
+    opts.strategy.check_model(opts.model, sequence)
     per_rank = -(-train_samples // data_world_size)  # the sampler pads the last rank's share
     if per_rank < batch:
         raise ValueError(

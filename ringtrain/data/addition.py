@@ -30,6 +30,11 @@ def train_size(digits: int) -> int:
     return num - min(num // 5, 500)
 
 
+def sequence_length(digits: int) -> int:
+    """Tokens per sample (the model's block size): the sequence less its last token."""
+    return 3 * digits
+
+
 def encode(a: int, b: int, digits: int) -> list[int]:
     """The full token sequence for a + b (length 3 * digits + 1)."""
     c = a + b
@@ -74,7 +79,7 @@ class AdditionDataset(Dataset):
 
     @property
     def block_size(self) -> int:
-        return 3 * self.digits
+        return sequence_length(self.digits)
 
     def __len__(self) -> int:
         return len(self.pairs)

@@ -38,9 +38,11 @@ def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
                   choices=choices)
 
 
-def check_tp_model(model: Any, tp: int, who: str, tied_why: str) -> None:
+def check_tp_model(model: Any, tp: int, who: str, tied_why: str,
+                   split_sequence: int | None = None) -> None:
     """Refuse, before launch, a model --tp cannot split: n_head not divisible by `tp`, tied
-    embeddings, dropout (`who` names the option in the message: "--tp", "--strategy tp")."""
+    embeddings, dropout, and with sequence parallelism (`split_sequence`: the task's tokens per
+    sample) a sequence tp does not divide (`who` names the option: "--tp", "--strategy tp")."""
     if model.n_head % tp:
         divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
         raise ConfigError(f"--n-head {model.n_head} is not divisible by --tp {tp}: each "
@@ -49,6 +51,14 @@ def check_tp_model(model: Any, tp: int, who: str, tied_why: str) -> None:
     if model.tie_embeddings:
         raise ConfigError(f"{who} does not split tied embeddings yet ({tied_why}): "
                           "drop --tie-embeddings")
+    if split_sequence is not None and split_sequence % tp:
+        fits = [d for d in range(2, split_sequence + 1)
+                if split_sequence % d == 0 and model.n_head % d == 0]
+        other = f"use --tp in {fits}, " if fits else ""
+        raise ConfigError(f"--sequence-parallel splits each sample's {split_sequence} tokens "
+                          f"over the --tp {tp} ranks, and {split_sequence} is not a multiple of "
+                          f"{tp}: {other}make it a multiple of {tp} (--block-size with --data, "
+                          "3 x --digits on the addition task), or drop --sequence-parallel")
     if model.dropout > 0:
         raise ConfigError(f"{who} does not support dropout yet (--dropout {model.dropout}): "
                           "the activations every tp rank holds whole would need the same "
