@@ -100,6 +100,15 @@ def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, make, argv, messa
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+def test_a_failed_pass_with_progress_on_says_only_the_error(tmp_path, capsys):
+    """In a log (no terminal) a pass ends with one count line; a failed one printed
+    'scan: 0 bytes in 0.0 s' before its error."""
+    (tmp_path / "b.txt").write_bytes(b"ok\xff\xfe" * 10)
+    assert ringtrain_main(["prepare", str(tmp_path / "b.txt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ringtrain prepare: error: ") and err.count("\n") == 1, err
+
+
 _LIMITED = textwrap.dedent("""
     import importlib.util, resource, sys
     # prepare.py by its path: it needs numpy only, and `import ringtrain` would map torch too.

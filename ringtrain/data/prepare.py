@@ -129,10 +129,10 @@ class _Bar:
         if self.bar is not None:
             self.bar.update(n)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.plain:
+        elif self.plain and finished:  # a pass that failed says its error, not a count
             print(f"{self.desc}: {self.n:,} {self.unit}s in "
                   f"{time.perf_counter() - self.started:.1f} s",
                   file=sys.stderr, flush=True)
@@ -147,8 +147,10 @@ def _scan(files: list[str], chunk_chars: int, progress: bool) -> tuple[int, set[
             n += len(text)
             chars.update(text)
             bar.update(len(text.encode("utf-8")))
-    finally:
-        bar.close()
+    except BaseException:
+        bar.close(finished=False)
+        raise
+    bar.close()
     return n, chars
 
 
