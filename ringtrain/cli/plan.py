@@ -211,10 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0) and USAGE_EXIT_CODE
     world = args.nproc_per_node * args.nnodes
-    given = {"--nproc-per-node": args.nproc_per_node, "--nnodes": args.nnodes,
-             "--tflops": args.tflops, "--link-gbit": args.link_gbit,
-             "--batch-size": args.batch_size, "--memory-gb": args.memory_gb}
-    bad = [f"{name} {value:g}" for name, value in given.items() if value is not None and value <= 0]
+    # Every figure of the command (counts, sizes, budgets, rates) must be positive.
+    bad = [f"--{dest.replace('_', '-')} {value:g}" for dest, value in vars(args).items()
+           if isinstance(value, int | float) and value <= 0]
     if bad:
         print(f"ringtrain plan: error: {', '.join(bad)}: "
               f"{'it' if len(bad) == 1 else 'each'} must be positive", file=sys.stderr)
