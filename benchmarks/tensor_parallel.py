@@ -13,7 +13,8 @@ Layouts, side by side in one run (gloo ranks on this machine, one thread each):
   pipeline --pp 2 --tp 2` itself (`PipelineStrategy`), a row for each stage (rank 0, rank 2).
 Reported per layout, on rank 0 (and rank 2 for the pipeline's second stage):
 - `tp_counted` against `tp_formula`: the bytes of each collective over the tp group in one step
-  (each call's whole tensor), counted by wrapping torch.distributed's calls, next to
+  (each call's whole tensor), counted by wrapping torch.distributed's calls (and
+  `comm.reduce_scatter`: on gloo a send/recv ring), next to
   `ringtrain.tensor_parallel.expected_bytes`: equal to the byte;
 - `sent_counted` against `sent_formula`: the bytes this rank sends per step on each axis, the
   collectives' by ring (2(t-1)/t of an all-reduce, (t-1)/t of the others) and ZeRO's rings'
@@ -59,7 +60,7 @@ from ringtrain.strategies.layouts import (
 from ringtrain.strategies.pipeline import PipelineStrategy
 from ringtrain.strategies.pipeline_config import default_microbatches
 from ringtrain.strategies.tp import TPStrategy
-from ringtrain.tensor_parallel import expected_bytes, gpt_plan, parallelize
+from ringtrain.tensor_parallel import comm, expected_bytes, gpt_plan, parallelize
 from ringtrain.tensor_parallel import vocab_parallel_cross_entropy as vp_loss
 from ringtrain.tensor_parallel.volumes import activation_bytes, ring_bytes_per_rank
 from ringtrain.testing import run_workers
@@ -77,32 +78,44 @@ class Counter:
 
     def __init__(self):
         self.bytes: dict[tuple[str, str], int] = {}
+        self._inside = 0  # > 0 inside tensor parallelism's reduce-scatter (counted as one)
+
+    def _add(self, group, op: str, t: torch.Tensor, groups) -> None:
+        if self._inside:
+            return
+        name = next((name for name, g in groups.items() if group is g or
+                     (g is None and group in (None, dist.group.WORLD))), "other")
+        self.bytes[name, op] = self.bytes.get((name, op), 0) + t.numel() * t.element_size()
 
     def counting(self, groups: dict[str, dist.ProcessGroup | None]):
         """Wrap the calls; `groups` names the process groups (None: the world)."""
-        real = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
-
-        def axis(group) -> str:
-            for name, g in groups.items():
-                if group is g or (g is None and group in (None, dist.group.WORLD)):
-                    return name
-            return "other"
-
-        for name, fn in real.items():
+        real = {(dist, n): getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+        for (_, name), fn in real.items():
             op, which = COLLECTIVES[name]
 
             def wrapper(*args, _fn=fn, _op=op, _which=which, **kwargs):
-                t = args[_which]
-                key = (axis(kwargs.get("group")), _op)
-                self.bytes[key] = self.bytes.get(key, 0) + t.numel() * t.element_size()
+                self._add(kwargs.get("group"), _op, args[_which], groups)
                 return _fn(*args, **kwargs)
             setattr(dist, name, wrapper)
+        # On gloo tensor parallelism's reduce-scatter is a send/recv ring (`ringtrain.rings`),
+        # whose isends would count as such: counted here as one reduce-scatter of its whole
+        # input, as torch's call is, and the calls inside it not at all.
+        real[comm, "reduce_scatter"] = rs = comm.reduce_scatter
+
+        def reduce_scatter(x, dim, group):
+            self._add(group, "reduce_scatter", x, groups)
+            self._inside += 1
+            try:
+                return rs(x, dim, group)
+            finally:
+                self._inside -= 1
+        comm.reduce_scatter = reduce_scatter
         return real
 
     @staticmethod
     def restore(real) -> None:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in real.items():
+            setattr(module, name, fn)
 
     def of(self, axis: str) -> dict[str, int]:
         return {op: b for (a, op), b in self.bytes.items() if a == axis}

@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "grid": set(),  # the dp x pp x tp layout of ranks and its process groups
     "config": set(),  # options defined once: option(), the argparse generator, recipes
     "staging": set(),  # point-to-point calls that also carry CUDA tensors over gloo
+    "rings": {"collectives", "staging"},  # reduce-scatter / all-gather as send/recv rings (gloo)
     "trace": set(),  # the step timeline (--trace-steps): every engine may record into it
     "runtime": {"torch_internals"},
     "collectives": {"runtime"},  # RINGTRAIN_DEBUG=collectives: calls checked across ranks
@@ -36,9 +37,9 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"runtime", "staging", "torch_internals", "errors", "trace"},
     "ps": {"runtime", "staging", "errors", "ranges", "types", "trace", "collectives"},
     "localsgd": {"errors", "collectives"},
-    "tensor_parallel": {"collectives"},  # column/row/vocab/head-parallel layers, plans
+    "tensor_parallel": {"collectives", "rings"},  # column/row/vocab/head-parallel layers, plans
     "zero": {"runtime", "staging", "torch_internals", "errors", "ranges", "ddp", "trace",
-             "collectives"},
+             "collectives", "rings"},
     "launch": {"runtime", "torch_internals", "errors", "store_keys"},
     "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
                    "collectives"},

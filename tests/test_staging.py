@@ -41,11 +41,11 @@ def test_a_staged_send_and_receive_carry_the_values_posted():
 
 
 def _rings(flat, world_size, group):
-    from ringtrain.zero import collectives as zc
+    from ringtrain import rings
 
     reduced, gathered = torch.empty(flat.numel() // world_size), flat.clone()
-    zc.reduce_scatter(reduced, flat, group).wait()
-    zc.all_gather(gathered, group).wait()
+    rings.reduce_scatter(reduced, flat, group).wait()
+    rings.all_gather(gathered, group).wait()
     return reduced, gathered
 
 

@@ -21,12 +21,14 @@ import torch.distributed as dist
 from support.scenarios import scenario_session
 from torch import nn
 
+from ringtrain import rings
 from ringtrain.models import GPT, GPTConfig
 from ringtrain.models.gpt import loss_fn
 from ringtrain.tensor_parallel import (
     ColwiseParallel,
     HeadParallel,
     RowwiseParallel,
+    comm,
     expected_bytes,
     gpt_plan,
     naive,
@@ -36,6 +38,7 @@ from ringtrain.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ringtrain.tensor_parallel.plan import _matches
+from ringtrain.testing import run_workers
 
 FULL = os.environ.get("RINGTRAIN_FULL") == "1"
 CFG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
@@ -121,15 +124,19 @@ def _adamw(rank: int, world_size: int, sp: bool, rg: bool = False) -> dict:
 
 
 def _counted_bytes(rank: int, world_size: int, sp: bool, rg: bool = False) -> dict:
-    """One step's bytes by collective, counted by wrapping torch.distributed's functions."""
+    """One step's bytes by collective, counted by wrapping torch.distributed's functions and
+    the send/recv ring that replaces gloo's reduce-scatter (`ringtrain.rings`; its input is the
+    whole, as `reduce_scatter_tensor`'s is)."""
     _, tp = _models(sp, rg=rg)
     idx, targets = _batch()
     counted = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
-    kinds = {"all_reduce": ("all_reduce", 0),  # (what it counts, which argument: the whole)
-             "all_gather_into_tensor": ("all_gather", 0), "all_gather_single": ("all_gather", 0),
-             "reduce_scatter_tensor": ("reduce_scatter", 1),
-             "reduce_scatter_single": ("reduce_scatter", 1)}
-    real = {n: getattr(dist, n) for n in kinds if hasattr(dist, n)}
+    kinds = {(dist, "all_reduce"): ("all_reduce", 0),  # (what it counts, which argument: the whole)
+             (dist, "all_gather_into_tensor"): ("all_gather", 0),
+             (dist, "all_gather_single"): ("all_gather", 0),
+             (dist, "reduce_scatter_tensor"): ("reduce_scatter", 1),
+             (dist, "reduce_scatter_single"): ("reduce_scatter", 1),
+             (rings, "reduce_scatter"): ("reduce_scatter", 1)}
+    real = {(m, n): getattr(m, n) for m, n in kinds if hasattr(m, n)}
 
     def count(key, fn, which):
         def wrapper(*args, **kwargs):
@@ -137,14 +144,40 @@ def _counted_bytes(rank: int, world_size: int, sp: bool, rg: bool = False) -> di
             return fn(*args, **kwargs)
         return wrapper
 
-    for name, fn in real.items():
-        setattr(dist, name, count(*kinds[name][:1], fn, kinds[name][1]))
+    for (module, name), fn in real.items():
+        setattr(module, name, count(kinds[module, name][0], fn, kinds[module, name][1]))
     try:
         vocab_parallel_cross_entropy(tp(idx), targets, dist.group.WORLD).backward()
     finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in real.items():
+            setattr(module, name, fn)
     return counted
+
+
+def _reduce_scatter_equals_naive(rank: int, world_size: int) -> dict:
+    """comm.reduce_scatter along the sequence (dim 1 of (B, T, C), fp32) against every rank's
+    input summed here and sliced; on gloo it must have gone through the ring."""
+    ring_calls = []
+    real = rings.reduce_scatter
+    rings.reduce_scatter = lambda *a, **k: ring_calls.append(1) or real(*a, **k)
+    errors = {}
+    try:
+        for shape in [(2, 6, 4), (3, 12, 5), (1, 6, 1), (4, 24, 16)]:
+            xs = [torch.randn(*shape, generator=torch.Generator().manual_seed(10 * r + shape[0]))
+                  for r in range(world_size)]  # every rank's input, made on each rank
+            want = torch.stack(xs).sum(0).chunk(world_size, dim=1)[rank]
+            got = comm.reduce_scatter(xs[rank], 1, dist.group.WORLD)
+            same = got.shape == want.shape
+            errors[shape] = (got - want).abs().max().item() if same else float("inf")
+        # A non-contiguous input (a transposed view): the front-moved copy is what travels.
+        x = torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(rank)).transpose(0, 1)
+        xs = [torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(r)).transpose(0, 1)
+              for r in range(world_size)]
+        got = comm.reduce_scatter(x, 1, dist.group.WORLD)
+        errors["transposed"] = (got - sum(xs).chunk(world_size, dim=1)[rank]).abs().max().item()
+    finally:
+        rings.reduce_scatter = real
+    return {"errors": errors, "ring_calls": len(ring_calls)}
 
 
 def _versus_dtensor(rank: int, world_size: int) -> dict:
@@ -204,6 +237,7 @@ SCENARIOS = {
     "dtensor": _versus_dtensor,
     "uneven_sequence": _uneven_sequence,
     "checkpointed_accumulated": _checkpointed_accumulated,
+    "reduce_scatter": _reduce_scatter_equals_naive,
 }
 
 
@@ -287,6 +321,20 @@ def test_a_sequence_that_does_not_split_fails_on_every_rank_with_the_fix(session
     """gloo, CPU, 2 ranks: T=7 under sequence parallelism is refused before any collective."""
     for message in sessions("uneven_sequence"):
         assert "into 2 equal parts" in message and "use T=6" in message, message
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sequence_reduce_scatter_on_gloo_is_the_ring_and_equals_sum_then_slice(sessions,
+                                                                             world_size):
+    """gloo, CPU, 2 and 3 ranks: comm.reduce_scatter of (B, T, C) along T, fp32, several
+    shapes, equals the sum of every rank's input sliced to this rank's T / t, through the
+    send/recv ring (gloo's reduce_scatter_tensor is ~4x slower)."""
+    results = (sessions("reduce_scatter") if world_size == 2 else
+               run_workers(_reduce_scatter_equals_naive, world_size, timeout_s=60))
+    for rank, res in enumerate(results):
+        assert res["ring_calls"] == 5, (rank, res)
+        bad = {k: e for k, e in res["errors"].items() if not e < 1e-6}
+        assert bad == {}, (rank, bad)
 
 
 # ---- in-process: no ranks -------------------------------------------------------------------

@@ -5,7 +5,8 @@ Read in this order:
 - `naive.py`: the naive reference: t ranks simulated in one process with lists (MLP, its
   sequence-parallel form, the vocab-parallel loss), the algebra without any communication code.
 - `comm.py`: the region boundaries (copy / reduce / gather / split, and their sequence-parallel
-  all-gather / reduce-scatter versions) as autograd Functions, over the collectives they call.
+  all-gather / reduce-scatter versions) as autograd Functions, over the collectives they call
+  (on gloo the reduce-scatter is `ringtrain.rings`' send/recv ring).
 - `layers.py`: `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`, each
   built from the plain module it replaces (this rank's slice of the same weights).
 - `attention.py`: `HeadParallelAttention`, n_head / t heads per rank.
@@ -35,7 +36,8 @@ moving between the torch versions users run (2.11 to 2.13). Here each boundary i
 visible collective. The cost: no automatic redistribution; a module the plan does not name
 runs replicated, on whatever its input is.
 
-May import: torch, `ringtrain.collectives`. Guide: docs/tensor_parallel.md.
+May import: torch, `ringtrain.collectives`, `ringtrain.rings` (gloo's reduce-scatter).
+Guide: docs/tensor_parallel.md.
 """
 
 from ringtrain.tensor_parallel import naive

@@ -3,10 +3,10 @@
 Read in this order:
 - `shard.py`: the plan: units of parameters laid out flat, padded, cut into N equal shards;
   the bytes each stage holds (pure, unit-tested without processes).
-- `collectives.py`: ring reduce-scatter and all-gather over send/recv (faster than gloo's own
-  on CPU; the measurement is in its docstring), next to the naive all-reduce references.
 - `units.py`: one unit's storage: full parameters as views of one flat tensor, this rank's
-  shard, gradients; gather/free (stage 3), reduce (launched from backward hooks).
+  shard, gradients; gather/free (stage 3), reduce (launched from backward hooks), over the
+  send/recv rings of `ringtrain.rings` (faster than gloo's own on CPU; the measurement is in
+  its docstring; the naive all-reduce references beside them).
 - `optimizer.py`: `ZeroOptimizer`, the user's optimizer rebuilt over this rank's parts.
 - `sharded.py`: `ZeroDataParallel`, the wrapper for a plain module and an optimizer factory:
   the units built, forward, no_sync, clipping, state dicts, counted bytes.
@@ -18,7 +18,7 @@ Read in this order:
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
 `ringtrain.ranges`, `ringtrain.ddp` (its communication lanes), `ringtrain.staging`,
-`ringtrain.trace`, `ringtrain.collectives`. Guide: docs/zero.md.
+`ringtrain.trace`, `ringtrain.collectives`, `ringtrain.rings`. Guide: docs/zero.md.
 """
 
 from ringtrain.zero import reshard

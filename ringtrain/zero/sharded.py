@@ -9,7 +9,7 @@
 How one step goes. Each unit (`units.py`: a GPT block, or what is left) has a post-accumulate
 -grad hook on each parameter; when the last gradient of a unit arrives during backward, its
 gradients are scaled by 1/N into one flat vector and a ring reduce-scatter starts
-(`collectives.py`), overlapping the rest of backward. Units launch in one fixed order on every
+(`ringtrain.rings`), overlapping the rest of backward. Units launch in one fixed order on every
 rank (the reverse of registration, the order backward produces them). A callback at the end of
 backward reduces what never fired (unused parameters count as zero) and waits for every unit;
 `backward()` returns with this rank's shard of the averaged gradient. After `step()`, stages 1

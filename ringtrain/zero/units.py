@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.rings import all_gather, reduce_scatter
 from ringtrain.trace import COMM, NO_TRACE, Tracer
-from ringtrain.zero.collectives import all_gather, reduce_scatter
 from ringtrain.zero.shard import UnitPlan
 
 
@@ -39,7 +39,7 @@ class FlatUnit:
     """
 
     # What `--trace-steps` records: the waits for this unit's ring collectives, which advance
-    # inside `wait()` (`zero.collectives`), so the span is the time a step stood still for them.
+    # inside `wait()` (`ringtrain.rings`), so the span is the time a step stood still for them.
     tracer: Tracer = NO_TRACE
     label = "unit"
 

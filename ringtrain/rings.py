@@ -1,18 +1,22 @@
 """Reduce-scatter and all-gather on gloo, built from send/recv rings, next to naive references.
 
+Who uses them: ZeRO (`ringtrain.zero.units`: every unit's gradients and parameters) and
+tensor parallelism's sequence-parallel reduce-scatter on gloo (`ringtrain.tensor_parallel.comm`).
+
 Why not gloo's own: measured on this 2-core host (2 ranks, 4 MiB fp32, medians of 7; 3 ranks in
 brackets): `reduce_scatter_tensor` 6.4 ms (8.0), one `all_reduce` of the whole buffer 9.2 ms
-(9.7), the ring below 3.5 ms (6.5); at 16 MiB 24.6 / 21.1 / 15.8 ms (36.5 / 28.8 / 28.5). Gloo
-implements reduce-scatter as one reduction per rank; the ring (Patarasuk & Yuan 2009, the first
-half of a ring all-reduce) sends each rank's (N-1)/N of the buffer once. gloo's
-`all_gather_into_tensor` is as fast as the ring (3.3 ms at 4 MiB) but aborts the whole process
-on a shape mismatch (a C++ CHECK, no exception) and needs an input apart from its output; the
-ring gathers in place, which ZeRO-1/2 want (the shard is a view of the full flat parameters).
+(9.7), the ring below 3.5 ms (6.5); at 16 MiB 24.6 / 21.1 / 15.8 ms (36.5 / 28.8 / 28.5); on a
+quiet host (session 29, 2 ranks, 4 MiB) 3.8 ms / 2.7 ms / 0.97 ms. Gloo implements
+reduce-scatter as one reduction per rank; the ring (Patarasuk & Yuan 2009, the first half of a
+ring all-reduce) sends each rank's (N-1)/N of the buffer once. gloo's `all_gather_into_tensor` is
+as fast as the ring (3.3 ms at 4 MiB) but aborts the whole process on a shape mismatch (a C++
+CHECK, no exception) and needs an input apart from its output; the ring gathers in place, which
+ZeRO-1/2 want (the shard is a view of the full flat parameters).
 
 A ring in flight is a `RingWork`: its first exchange is launched at once (with 2 ranks that is
 all of it, so a launch from a backward hook overlaps the rest of backward), `wait()` runs the
 remaining N-2 exchanges. Every rank must launch the same rings in the same order per group.
-Tests: `.venv/bin/pytest -q tests/test_zero.py -k collectives`.
+Tests: `.venv/bin/pytest -q tests/test_rings.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def _check(flat: torch.Tensor, world_size: int, what: str) -> int:
     if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() % world_size:
         raise ValueError(f"{what}: the flat buffer must be 1-D, contiguous and a multiple of "
                          f"world_size={world_size} elements; got shape {tuple(flat.shape)}: pad "
-                         "it (ringtrain.zero.shard.plan_units does)")
+                         "it to a multiple (ringtrain.zero.shard.plan_units does)")
     return flat.numel() // world_size
 
 
