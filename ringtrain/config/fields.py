@@ -98,8 +98,8 @@ def default_text(f: Field) -> str | None:
 
 
 def add_section(parser: argparse.ArgumentParser, cls: Any, title: str, *,
-                shown: Callable[[Field], str | None] = default_text, skip: Iterable[str] = (),
-                note: Callable[[Field], str] = lambda f: "") -> None:
+                shown: Callable[[Field], str | None] = default_text,
+                skip: Iterable[str] = ()) -> None:
     """Add `cls`'s options as one group titled `title` (flags in `skip` are left out: another
     group has them). Every argument defaults to None: unset is visible (`set_values`)."""
     group = parser.add_argument_group(title)
@@ -108,7 +108,7 @@ def add_section(parser: argparse.ArgumentParser, cls: Any, title: str, *,
             continue
         m = meta(f)
         default = shown(f)
-        text = m["help"] + note(f) + (f" (default: {default})" if default is not None else "")
+        text = m["help"] + (f" (default: {default})" if default is not None else "")
         kwargs: dict[str, Any] = {"dest": dest(f), "default": None, "help": text}
         if isinstance(f.default, bool):
             # A bool flag turns the default over: --compile, --no-progress; --bias/--no-bias both.
