@@ -56,7 +56,9 @@ GENERIC_NAMES = {"_timeout", "envs", "proc", "ProcessGroup", "Variable", "Backen
                  "SimpleElasticAgent", "api", "utils"}
 
 # What each tested torch lacks: {minor: names}. Anything else missing there is a regression.
-KNOWN_MISSING = {(2, 11): {"torch._C._remove_obj_from_tls"}, (2, 13): set(), (2, 15): set()}
+KNOWN_MISSING = {(2, 11): {"torch._C._remove_obj_from_tls"},
+                 (2, 12): {"torch._C._remove_obj_from_tls"},
+                 (2, 13): set(), (2, 14): set(), (2, 15): set()}
 
 ALL_NAMES = [(f.what, path) for f in ti.FEATURES for path in f.names]
 
@@ -201,29 +203,30 @@ def _backward_through(shim: types.ModuleType) -> list[bool]:
 
 
 def test_backward_tls_free_leaves_no_context_in_tls_on_this_torch():
-    # 2.13 and later stash one for the whole of backward and the shim lifts it; 2.11 stashes none.
-    assert _backward_through(ti) == [False, False]
+    # 2.13 and later stash one for the whole of backward and the shim lifts it; 2.11 stashes
+    # none; 2.12 stashes one it cannot erase (no _remove_obj_from_tls): there it stays, and the
+    # exit handler covers the race (torch_internals/autograd.py says how that was measured).
+    stays = MINOR == (2, 12)
+    assert _backward_through(ti) == [stays, stays]
 
 
-def test_a_torch_that_cannot_lift_the_context_warns_once_when_there_is_one():
+def test_a_torch_that_cannot_lift_the_context_is_a_silent_no_op():
+    """It warned once per process, on 2.12 on every run, about an abort at exit that 60
+    launches under load never showed (the exit handler stands in)."""
     stashes = []
     x = torch.ones(1, requires_grad=True)
     x.register_hook(lambda g: stashes.append(torch._C._is_key_in_tls("context")) or g)
     x.sum().backward()
     shim, caught = _fresh_shim()
-    assert [str(w.message) for w in caught] == []  # nothing said at import: it may never matter
-    # As 2.11 is (taking the name from torch itself would break the backward of 2.13 and later,
-    # which call it).
+    assert [str(w.message) for w in caught] == []
+    # As 2.11 and 2.12 are (taking the name from torch itself would break the backward of 2.13
+    # and later, which call it).
     shim._TLS.missing[:] = ["torch._C._remove_obj_from_tls"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         inside = _backward_through(shim)
-        _backward_through(shim)
-    said = [w for w in caught if issubclass(w.category, ti.TorchFeatureWarning)]
-    assert inside == stashes * 2  # the guard is a no-op: the context, if any, stays
-    assert len(said) == int(stashes[0])  # once per process, and only if backward stashed one
-    if said:
-        assert "exit" in str(said[0].message) and "_remove_obj_from_tls" in str(said[0].message)
+    assert inside == stashes * 2  # a no-op: the context, if any, stays
+    assert [w for w in caught if issubclass(w.category, ti.TorchFeatureWarning)] == []
 
 
 def test_import_ringtrain_succeeds_without_names_and_says_so_once():

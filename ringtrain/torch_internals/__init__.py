@@ -23,9 +23,9 @@ Callers import every name from this package. `TESTED_TORCH` lists the torch vers
 passed on (`make test-torch TORCH_VERSION=...`), `TORCH_RANGE` is pyproject.toml's range, and
 `FEATURES` says at run time what is off. On those versions:
 
-    feature                                   2.11                                 2.13  2.15
-    backward_tls_free (_remove_obj_from_tls)  not needed: backward leaves TLS empty  on    on
-    every other feature                       on                                   on    on
+    feature                                   2.11, 2.12                             2.13-2.15
+    backward_tls_free (_remove_obj_from_tls)  off, silent: the exit handler suffices  on
+    every other feature                       on                                     on
 
 No other module of ringtrain touches these names (`tests/test_torch_internals.py` checks it).
 """

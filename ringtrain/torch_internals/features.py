@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 #: The torch versions the whole suite passed on (`make test-torch TORCH_VERSION=...`).
-TESTED_TORCH = ("2.11.0", "2.13.0", "2.15.0")
+TESTED_TORCH = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
 #: pyproject.toml's torch range: from the first minor tested to the last (a test checks both).
 TORCH_RANGE = ">=2.11,<2.16"
 
