@@ -51,7 +51,7 @@ def get_args_parser():
         help="(ringtrain) seconds after which a rank that died, froze, or never entered a "
              "collective the others wait in is named and every rank stopped; the script must "
              "start its group with ringtrain.init_distributed(); 0 turns it off "
-             f"(default {DEFAULT_WATCHDOG_TIMEOUT_S:g})")
+             f"(default: {DEFAULT_WATCHDOG_TIMEOUT_S:g})")
     parser.add_argument(
         "--cold-starts", "--cold_starts", action="store_true",
         help="(ringtrain) start `ringtrain train`'s workers, and a live job's replacements, as "
