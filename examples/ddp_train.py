@@ -46,8 +46,9 @@ def train(steps: int = 30, batch_size: int = 8, seed: int = 0, out: str | None =
     rt = ringtrain.init_distributed()
     torch.set_num_threads(1)  # a few ranks share a small machine's cores
     torch.manual_seed(seed)  # the same initial weights on every rank (DDP checks, then copies)
+    # On this rank's device: a GPU under NCCL (one per process), the CPU under gloo.
     model = ringtrain.DistributedDataParallel(
-        nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).to(rt.device)
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = make_data(seed=seed)
@@ -56,6 +57,7 @@ def train(steps: int = 30, batch_size: int = 8, seed: int = 0, out: str | None =
     step = 0
     while step < steps:
         for x, y in DataLoader(data, batch_size=batch_size, sampler=sampler):
+            x, y = x.to(rt.device), y.to(rt.device)
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()  # gradients averaged across ranks here

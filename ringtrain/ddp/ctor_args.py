@@ -12,7 +12,8 @@ refused with an error that names it and says why. Nothing is silently ignored:
 - `bucket_cap_mb` / `bucket_cap_mb_list`: the bucket sizes (`bucket_caps`).
 - `check_reduction`, `batched_grad_copy`, `lazy_bucket_allocation`: no effect on the results;
   each says so when set (`warn_no_effect`).
-- `device_ids` / `output_device` and the parameters' devices (`check_devices`, `check_params`).
+- `device_ids` / `output_device` and the parameters' devices (`check_devices`, `check_params`);
+  the devices the group's backend moves (`check_backend_devices`, ZeroDataParallel's too).
 - `delay_all_reduce_named_params` / `param_to_hook_all_reduce`: `check_delay_args` here, the
   all-reduce in `delayed.py`; `mixed_precision`: `mixed_precision.py`.
 
@@ -145,6 +146,51 @@ def check_delay_args(delay_all_reduce_named_params: Any, param_to_hook_all_reduc
                          "param_to_hook_all_reduce's gradient is computed")
 
 
+# The device types each built-in backend moves (torch.distributed's backend table). A tensor on
+# another fails in its first collective with "No backend type associated with device type cpu",
+# which names neither the tensor nor the fix: a model left on the CPU with NCCL, the most common
+# DDP mistake on a GPU box (pytorch#109103: a buffer on the CPU).
+BACKEND_DEVICES = {"nccl": ("cuda",), "gloo": ("cpu", "cuda"), "xccl": ("xpu",)}
+
+
+def backend_name(group: dist.ProcessGroup) -> str:
+    """torch's name of `group`'s backend ("gloo", "nccl", "cpu:gloo,cuda:nccl")."""
+    try:
+        return str(dist.get_backend(group))
+    except ValueError:  # a group made outside torch's registry (a live generation's): one backend
+        return group.name()
+
+
+def backend_devices(group: dist.ProcessGroup) -> dict[str, str] | None:
+    """{device type: backend} of `group`; None for a backend not in BACKEND_DEVICES (mpi, ucc,
+    a plugin's): its devices are its own business."""
+    name = backend_name(group)
+    if ":" in name:  # "cpu:gloo,cuda:nccl", init_process_group()'s default on a GPU box
+        return dict(pair.split(":", 1) for pair in name.split(","))
+    return {kind: name for kind in BACKEND_DEVICES[name]} if name in BACKEND_DEVICES else None
+
+
+def check_backend_devices(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
+                          who: str = "DistributedDataParallel") -> None:
+    """Refuse, before any collective, tensors `who` communicates on a device `group`'s backend
+    cannot move. Only with more than one rank: one rank sends nothing."""
+    served = backend_devices(group) if group.size() > 1 else None
+    wrong = [(n, t) for n, t in named if served is not None and t.device.type not in served]
+    if not wrong:
+        return
+    name, tensor = wrong[0]
+    backend = backend_name(group)
+    others = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+    raise DDPArgumentError(
+        f"{who}: {name}{others} is on {tensor.device}, but the process group's backend "
+        f"{backend!r} moves only {' and '.join(sorted(served))} tensors (torch would fail in the "
+        f"first collective: 'No backend type associated with device type "
+        f"{tensor.device.type}'): move the module to this rank's device first "
+        "(model.to(rt.device), rt = ringtrain.init_distributed(); its buffers too), or start the "
+        f"group with a backend that moves {tensor.device.type} tensors (for the CPU, gloo: "
+        "RINGTRAIN_BACKEND=gloo, or dist.init_process_group('gloo'))")
+
+
 def check_params(named: Sequence[tuple[str, torch.Tensor]], module: torch.nn.Module) -> None:
     """The parameters DDP reduces: some exist, none uninitialised, none with a sparse gradient."""
     if not named:
@@ -217,6 +263,19 @@ def check_devices(devices: set[torch.device], device_ids: Sequence[int | torch.d
             f"device_ids=[{device.index}]"
         )
     return [device.index], device.index if output_device is None else output_device
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """`obj` (forward's inputs) with its tensors moved to `device` (a CUDA module's device_ids)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(to_device(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
+    return obj
 
 
 def check_default_group(process_group: dist.ProcessGroup) -> None:

@@ -56,25 +56,13 @@ __all__ = ["DistributedDataParallel", "GradBucket", "ReplicaMismatchError", "Unu
            "broadcast_coalesced", "verify_same_parameters"]
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    return obj
-
-
 class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
                               DDPTorchMembers):
     """Data parallelism: one replica per rank, gradients averaged across ranks during backward.
 
     Args:
         module: the model, identically built on every rank (parameters are checked, then
-            copied from rank 0).
+            copied from rank 0), on a device the group's backend moves (not the CPU under NCCL).
         device_ids: CUDA modules: None or the one device this process uses (inputs are moved
             there). CPU and multi-device modules: must be None.
         output_device: accepted for torch compatibility; single-device modules leave outputs
@@ -204,6 +192,10 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
         self.device_ids, self.output_device = ctor_args.check_devices(devices, device_ids,
                                                                       output_device)
         self.device = next(iter(devices))
+        synced = ignored.synced_parameters(module, self.parameters_to_ignore)
+        if (init_sync and init_sync_buffers) or self.forward_sync_buffers:  # buffers sent
+            synced += ignored.named_synced_buffers(module, self.parameters_to_ignore)
+        ctor_args.check_backend_devices(synced, self.process_group)
 
         self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES  # torch's attribute, same value
         if self._delayed_names and self.process_group.size() > 1:  # as torch: init_sync or not
@@ -304,7 +296,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
         if grad:  # as torch: once, before the forward's activations exist
             self.reducer._rebuild_buckets()
         if self.device_ids:
-            inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
+            inputs, kwargs = ctor_args.to_device((inputs, kwargs), self.device)
         output = self._run_module(inputs, kwargs)
         if self._check_sync_bufs_post_fwd():  # a POST_FORWARD buffer hook (torch_members.py)
             self._sync_buffers(self._buffer_source())

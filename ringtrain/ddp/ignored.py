@@ -68,6 +68,11 @@ def synced_parameters(module: nn.Module, ignored: set[str]) -> list[tuple[str, n
     return [(n, p) for n, p in module.named_parameters() if n not in ignored]
 
 
+def named_synced_buffers(module: nn.Module, ignored: set[str]) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of every buffer that follows rank 0."""
+    return [(n, b) for n, b in module.named_buffers() if n not in ignored]
+
+
 def synced_buffers(module: nn.Module, ignored: set[str]) -> list[torch.Tensor]:
     """The buffers that follow rank 0 (re-read each time: a module may reassign one)."""
-    return [b for n, b in module.named_buffers() if n not in ignored]
+    return [b for _, b in named_synced_buffers(module, ignored)]

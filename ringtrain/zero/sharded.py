@@ -38,6 +38,7 @@ from torch import nn
 
 from ringtrain import collectives as checked  # agreed first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp import lanes as ddp_lanes
+from ringtrain.ddp.ctor_args import check_backend_devices
 from ringtrain.trace import Tracer
 from ringtrain.zero import state as zero_state
 from ringtrain.zero.hooks import UnitHooks
@@ -108,6 +109,8 @@ class ZeroDataParallel(UnitHooks, nn.Module):
         kept = [(i, g) for i, g in enumerate(groups) if g]
         if not kept:
             raise ValueError("ZeroDataParallel got a module with no parameter that requires grad")
+        check_backend_devices([*module.named_parameters(), *module.named_buffers()],
+                              self.process_group, "ZeroDataParallel")
         self._broadcast_from_rank0(module)
         plans = plan_units([[(n, tuple(p.shape)) for n, p in g] for _, g in kept], self.world_size)
         lanes = (ddp_lanes.comm_lanes(self.process_group, comm_lanes) if self.world_size > 1
