@@ -33,6 +33,7 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedSampler",
     "ReplicasDivergedError",
+    "SnapshotManager",
     "Trainer",
     "TrainerConfig",
     "Watchdog",
@@ -52,6 +53,7 @@ _LAZY = {
     "Watchdog": "ringtrain.launch.watchdog",
     "check_replicas": "ringtrain.replicas",
     "ReplicasDivergedError": "ringtrain.replicas",
+    "SnapshotManager": "ringtrain.checkpoint.snapshot",
     "Trainer": "ringtrain.training.trainer",
     "TrainerConfig": "ringtrain.training.config",
     "make_strategy": "ringtrain.strategies",
@@ -59,6 +61,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # for type checkers and editors; never run
+    from ringtrain.checkpoint.snapshot import SnapshotManager
     from ringtrain.data.sampler import DistributedSampler
     from ringtrain.ddp.distributed import DistributedDataParallel
     from ringtrain.launch.watchdog import Watchdog

@@ -4,8 +4,9 @@
     result = manager.save(step, shared={"model": ..., "optimizer": ..., "sampler": ...},
                           per_rank={"rng": get_rng_state()},
                           metadata={"config": ..., "topology": ...})
-    manager.background = True                     # save() copies the state and returns at once;
-    manager.wait()                                # a thread writes it: its result, or its error
+    manager.background = True                     # (or background=True) save() copies the state
+    manager.wait()                                # and returns; a thread writes it: its result,
+                                                  # or its error
     snap = manager.latest()                       # newest committed snapshot that verifies, or None
     shared, per_rank, metadata = manager.load(snap)
 
@@ -118,14 +119,15 @@ class SnapshotManager:
             same process group) needs another name: ValueError otherwise, as it would read the
             first one's stale keys.
 
-    Set `background = True` (the trainer does, unless `--sync-snapshots`) to have `save` copy
-    the state to host memory and return, a thread writing it; `wait()` joins that thread.
+    With `background=True` (or the attribute set later; the trainer's default, unless
+    `--sync-snapshots`) `save` copies the state to host memory and returns, a thread writing
+    it; `wait()` (or the next `save`, or `close()`) joins that thread and raises its error.
     """
 
     def __init__(
         self, root_dir: str | os.PathLike, *, rank: int, world_size: int,
         store: dist.Store | None = None, keep: int = 2, timeout_s: float = 60.0,
-        name: str = "snapshots",
+        name: str = "snapshots", background: bool = False,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"Invalid rank {rank}, rank should be in the interval "
@@ -163,7 +165,7 @@ class SnapshotManager:
         # of its own would cost every rank a connection to every other at start. The store's
         # client serialises its requests (TCPStore holds a lock per operation), so the step
         # loop and a watchdog may use it meanwhile.
-        self.background = False
+        self.background = background
         # The host copy, who writes the files (`.writer`: "auto", "process" or "thread"), the
         # save in flight.
         self.background_saves = BackgroundSaves()
