@@ -44,6 +44,11 @@ def test_a_killed_rank_restarts_from_the_newest_snapshot_to_the_same_weights(tmp
                         env={"CRASH_AT_STEP": "25"})
     # Steps 10 and 20 were saved before the kill in step 25 (20 perhaps still being written in
     # the background: then 10 is the newest committed one); never a step past the kill.
+    # The launcher said which rank failed and why before it restarted them (not torch's
+    # "Worker group FAILED. 1/1 attempts left"), once.
+    assert out.count("ringtrain run: rank 1 failed (local_rank 1, ") == 1, out
+    assert "exit code 17" in out and "attempts left" not in out
+    assert out.count("ringtrain run: restarting every worker (restart 1 of --max-restarts 1)") == 1
     resumed = re.findall(r"resumed from \S+ \(step (\d+)\)", out)
     assert resumed in (["20"], ["10"]), out
     assert crashed == reference

@@ -14,24 +14,29 @@ internals: on a torch upgrade it is the one file to read again.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
 from collections.abc import Collection, Iterator
 
 from torch.distributed.elastic.agent.server import WorkerState
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from ringtrain.launch.failure_report import STOPPED_EXIT_CODE
+from ringtrain.launch.failure_report import STOPPED_EXIT_CODE, format_failure
 from ringtrain.launch.peer_failure import PEER_FAILED_EXIT_CODE
 from ringtrain.torch_internals import (
     CAPTURE_PROCESS_FAILURES,
+    MONITOR_WORKERS,
     RESTART_WORKERS,
     START_WORKERS,
+    TorchInternalsError,
     mark_finished,
     running_workers,
     set_remaining_restarts,
 )
 
-__all__ = ["RESTARTS_KEY", "restarts_for_the_job", "tolerated_exit", "tolerating"]
+__all__ = ["RESTARTS_KEY", "naming_failures_before_restarts", "restarts_for_the_job",
+           "tolerated_exit", "tolerating"]
 
 
 def tolerated_exit(exitcode: int) -> bool:
@@ -110,3 +115,51 @@ def restarts_for_the_job() -> Iterator[None]:
 
     with START_WORKERS.replaced(start_workers), RESTART_WORKERS.replaced(restart_workers):
         yield
+
+
+class _DropTorchsRestartNotice(logging.Filter):
+    def filter(self, entry: logging.LogRecord) -> bool:
+        return "attempts left" not in str(entry.msg)
+
+
+@contextlib.contextmanager
+def naming_failures_before_restarts(max_restarts: int) -> Iterator[None]:
+    """Inside: before the agent restarts its workers after a failure, the launcher says which
+    rank failed and why (the report `ringtrain run` prints when no restart is left, from the
+    failures of the agent's last poll) and which restart this is. torch's agent logs only
+    "Worker group FAILED. 1/1 attempts left; will restart worker group", which this replaces.
+    A node whose workers restart only because another node's failed (state HEALTHY: a new
+    rendezvous) says nothing; the failing node says it."""
+    try:
+        monitor, restart = MONITOR_WORKERS.get(), RESTART_WORKERS.get()
+    except TorchInternalsError:  # this torch lacks the agent's steps: torch's own notice stays
+        monitor = restart = None
+    if monitor is None or restart is None:
+        yield
+        return
+    seen: list[dict] = []  # the failures of the last poll that found any
+    restarts = [0]
+
+    def monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.failures:
+            seen[:] = [result.failures]
+        return result
+
+    def restart_workers(self, worker_group):
+        if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and seen:
+            restarts[0] += 1
+            report = format_failure(ChildFailedError("worker", seen.pop()))
+            print(f"{report}\nringtrain run: restarting every worker (restart {restarts[0]} of "
+                  f"--max-restarts {max_restarts})", file=sys.stderr, flush=True)
+        return restart(self, worker_group)
+
+    notice = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    drop = _DropTorchsRestartNotice()
+    notice.addFilter(drop)
+    try:
+        with MONITOR_WORKERS.replaced(monitor_workers), RESTART_WORKERS.replaced(restart_workers):
+            yield
+    finally:
+        notice.removeFilter(drop)
+

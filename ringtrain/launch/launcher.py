@@ -47,7 +47,11 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
 from ringtrain.errors import DISK_FULL_EXIT_CODE, REQUEUE_EXIT_CODE, USAGE_EXIT_CODE
-from ringtrain.launch.agent_patches import restarts_for_the_job, tolerating
+from ringtrain.launch.agent_patches import (
+    naming_failures_before_restarts,
+    restarts_for_the_job,
+    tolerating,
+)
 from ringtrain.launch.cgroup import MemoryCgroups
 from ringtrain.launch.entrypoint import missing_entrypoint
 from ringtrain.launch.environments import LAUNCHER_PID_ENV
@@ -83,7 +87,8 @@ class _Curate(logging.Filter):
 
     def filter(self, entry: logging.LogRecord) -> bool:
         msg = str(entry.msg)
-        if "attempts left" in msg:  # logged at INFO, but a restart is news to the user
+        if "attempts left" in msg:  # INFO, but news (where naming_failures_before_restarts does
+            # not run: this torch lacks the agent steps it replaces)
             return True
         return entry.levelno >= logging.WARNING and not any(s in msg for s in _REPEATED_BY_REPORT)
 
@@ -156,6 +161,8 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
             stack.enter_context(tolerating(tolerate_ranks))
             if live:
                 stack.enter_context(replacing_lost_workers(spares=live_spares, memory=memory))
+            elif args.max_restarts > 0:
+                stack.enter_context(naming_failures_before_restarts(args.max_restarts))
             if multi_node:
                 stack.enter_context(_bounded_rendezvous(config.rdzv_endpoint, live=live))
                 stack.enter_context(restarts_for_the_job())
