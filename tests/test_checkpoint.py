@@ -191,6 +191,11 @@ def test_bad_arguments_fail_before_writing(tmp_path):
         mgr.save(1, shared={}, metadata={"f": object()})
     with pytest.raises(ValueError, match="metadata\\['world_size'\\]=4 but save has world_size=1"):
         mgr.save(1, shared={}, metadata={"world_size": 4})
+    for step in (-1, 2.5, "3", True):  # a directory snap--0000001 was once written for -1
+        with pytest.raises(ValueError, match=f"step={step!r}: a snapshot's step is an int >= 0"):
+            mgr.save(step, shared={})
+    with pytest.raises(TypeError, match="load\\(None\\): latest\\(\\) is None"):
+        mgr.load(mgr.latest())
     assert mgr.latest() is None and not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="keep=0"):
         SnapshotManager(tmp_path, rank=0, world_size=1, keep=0)

@@ -4,10 +4,9 @@
     result = manager.save(step, shared={"model": ..., "optimizer": ..., "sampler": ...},
                           per_rank={"rng": get_rng_state()},
                           metadata={"config": ..., "topology": ...})
-    manager.background = True                     # (or background=True) save() copies the state
-    manager.wait()                                # and returns; a thread writes it: its result,
-                                                  # or its error
-    snap = manager.latest()                       # newest committed snapshot that verifies, or None
+    manager.background = True     # (or background=True) save() copies the state and returns;
+    manager.wait()                # a thread writes it: its result, or its error
+    snap = manager.latest()       # the newest committed snapshot that verifies, or None
     shared, per_rank, metadata = manager.load(snap)
 
 Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`. File-level helpers (durable writes,
@@ -46,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import numbers
 import os
 import shutil
 import threading
@@ -210,6 +210,9 @@ class SnapshotManager:
         memory as `save` does; the returned `StagedSave.save(metadata, shared=, per_rank=)`
         adds the caller's small state and writes, or `.drop()` saves nothing
         (`ringtrain.checkpoint.staged_save`: why the loop reads its own state in between)."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"step={step!r}: a snapshot's step is an int >= 0: the training step")
+        step = int(step)  # a NumPy integer too
         self.wait()  # at most one save in flight; raises the failure of the one before
         keys = f"{self._prefix}/{self._saves}"
         self._saves += 1
@@ -383,6 +386,9 @@ class SnapshotManager:
         ranks: the caller reshards, see `check_topology`). `weights_only=True` reads tensors and
         plain containers only; pass False for state that pickles arbitrary objects.
         """
+        if snapshot is None:
+            raise TypeError("load(None): latest() is None where no committed snapshot verifies "
+                            "(start afresh then); pass a Snapshot from latest() or snapshots()")
         rank = self.rank if rank is None else rank
         names = [n for n in (SHARED, f"rank{rank}.pt") if n in snapshot.manifest["files"]]
         verify_files(snapshot.path, snapshot.manifest, names)
