@@ -6,9 +6,11 @@ examples/ddp_train.py with `ringtrain.SnapshotManager`: every `--snapshot-every`
 rank calls `save` at the same step; a thread writes the files, checksums, fsyncs and commits them
 (`COMMITTED` last) while training goes on. A crash, a kill or a full disk during a write leaves
 the previous snapshot the newest. At start the newest committed snapshot that verifies is
-loaded: model, optimizer, the sampler's place in its epoch and the step, so a restarted job (or
-the same command run again, on any number of processes) ends with the weights an uninterrupted
-run ends with. Rank 0 prints `param_sha256 <hex>` of the final weights.
+loaded: model, optimizer, the sampler's place in its epoch and the step, so a restarted job, or
+the same command run again with more --steps, ends with the weights an uninterrupted run ends
+with. On another number of processes it resumes too (the sampler re-splits the rest of its
+epoch; keep the global batch with --batch-size). Rank 0 prints `param_sha256 <hex>` of the
+final weights.
 """
 
 from __future__ import annotations

@@ -247,6 +247,37 @@ def test_report_for_a_signal_without_error_file(tmp_path):
     assert "@ringtrain.launch.launcher.record" in format_failure(ChildFailedError("x.py", failures))
 
 
+RAISES = """
+import sys, torch, ringtrain
+rt = ringtrain.init_distributed()
+model = ringtrain.DistributedDataParallel(torch.nn.Linear(4, 1))
+for step in range(5):
+    model(torch.randn(8, 4)).sum().backward()
+    if step == 2 and rt.rank == 1:
+        raise ValueError("bad batch at step 2\\nsecond line")
+ringtrain.destroy_distributed()
+"""
+
+
+def test_the_report_names_what_a_scripts_rank_raised(tmp_path, tag):
+    """A script that calls init_distributed needs no @record: the watchdog's excepthook writes
+    the launcher's error file, so the report names the exception; its traceback, printed by the
+    rank itself, appears once."""
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    out = subprocess.run([*RUN, "--nproc-per-node", "2", str(script), tag], env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    report = out.stderr[out.stderr.index("ringtrain run: rank 1 failed"):].splitlines()
+    assert report[0].endswith("): ValueError: bad batch at step 2"), out.stderr
+    # Rank 0 is stopped by the launcher, or first by its watchdog (under load): either way once.
+    assert report[1:] in (["  rank 0: stopped by the launcher"],
+                          ["  rank 0: exit code 75 (stopped by its watchdog: a peer failed)"]), \
+        out.stderr
+    assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr
+    assert _wait_gone(tag, 5.0) == []
+
+
 DIE = """
 import os, signal, sys, time
 rank, hows = int(os.environ["RANK"]), sys.argv[1].split(",")

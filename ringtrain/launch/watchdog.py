@@ -47,6 +47,7 @@ from ringtrain.launch.peer_failure import (
     describe_error,
     exit_on_peer_failure,
     tcp_store,
+    write_error_file,
 )
 from ringtrain.launch.verdicts import Verdicts
 from ringtrain.runtime import get_runtime
@@ -240,6 +241,9 @@ class Watchdog(Verdicts):
 
     def _hook(self, exc_type, exc, tb) -> None:
         self.report_failure(exc)
+        # The launcher's report then names the exception, not "exit code 1"; the traceback is
+        # the one the hook below prints, at the end of this rank's output (not printed twice).
+        write_error_file(describe_error(exc), describe_error(exc), replace=False)
         (self._previous_hook or sys.__excepthook__)(exc_type, exc, tb)
 
     def _beat_loop(self) -> None:
