@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -265,17 +265,23 @@ def check_devices(devices: set[torch.device], device_ids: Sequence[int | torch.d
     return [device.index], device.index if output_device is None else output_device
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
-    """`obj` (forward's inputs) with its tensors moved to `device` (a CUDA module's device_ids)."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` (forward's inputs: tensors in tuples, namedtuples, lists, dicts) with `fn` applied
+    to every tensor inside; anything else is kept."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(to_device(o, device) for o in obj))
+        return type(obj)(*(map_tensors(o, fn) for o in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(o, device) for o in obj)
+        return type(obj)(map_tensors(o, fn) for o in obj)
     if isinstance(obj, dict):
-        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
     return obj
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """`obj` with its tensors moved to `device` (a CUDA module's device_ids)."""
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=True))
 
 
 def check_default_group(process_group: dist.ProcessGroup) -> None:

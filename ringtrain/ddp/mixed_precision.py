@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
+from ringtrain.ddp.ctor_args import map_tensors
 
 
 @dataclass
@@ -80,15 +81,8 @@ def forward(module: nn.Module, config: Any, ignored: set[str], inputs: tuple,
 
 def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     """`obj` with every floating-point tensor inside (tuples, lists, dicts) cast to `dtype`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(cast_floats(o, dtype) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, cast_floats(v, dtype)) for k, v in obj.items())
-    return obj
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype
+                       else t)
 
 
 @dataclass
