@@ -9,13 +9,15 @@ the previous snapshot the newest. At start the newest committed snapshot that ve
 loaded: model, optimizer, the sampler's place in its epoch and the step, so a restarted job, or
 the same command run again with more --steps, ends with the weights an uninterrupted run ends
 with. On another number of processes it resumes too (the sampler re-splits the rest of its
-epoch; keep the global batch with --batch-size). Rank 0 prints `param_sha256 <hex>` of the
-final weights.
+epoch; keep the global batch with --batch-size). A SIGTERM (SIGINT, SIGUSR1) to the launcher
+or to any rank makes every rank save the same step and exit with 143. Rank 0 prints
+`param_sha256 <hex>` of the final weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from ddp_train import make_data  # the script beside this one
@@ -49,20 +51,33 @@ def train(run_dir: str, steps: int = 40, every: int = 10, batch_size: int = 8,
         step = snap.step
         if rt.rank == 0:
             print(f"resumed from {snap.path} (step {step})", flush=True)
-    while step < steps:
-        for x, y in DataLoader(data, batch_size=batch_size, sampler=sampler):
-            x, y = x.to(rt.device), y.to(rt.device)
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            step += 1
-            if step % every == 0 or step == steps:  # every rank, at the same step
-                snapshots.save(step, shared={"model": model.module.state_dict(),
-                                             "optimizer": optimizer.state_dict(),
-                                             "sampler": sampler.state_dict()})
-            if step == steps:
-                break
+    def save() -> None:  # every rank, at the same step
+        snapshots.save(step, shared={"model": model.module.state_dict(),
+                                     "optimizer": optimizer.state_dict(),
+                                     "sampler": sampler.state_dict()})
+
+    # SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C) or SIGUSR1 on any rank: every rank
+    # saves the same step and exits with 143, which `ringtrain run` passes on.
+    with ringtrain.StopSignal() as stop:
+        while step < steps:
+            for x, y in DataLoader(data, batch_size=batch_size, sampler=sampler):
+                x, y = x.to(rt.device), y.to(rt.device)
+                loss = nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                step += 1
+                if stop.agreed():  # one all-reduce of one int: the same answer on every rank
+                    save()
+                    snapshots.close()
+                    if rt.rank == 0:
+                        print(f"stopped at step {step} on a signal; saved", flush=True)
+                    ringtrain.destroy_distributed()
+                    sys.exit(143)
+                if step % every == 0 or step == steps:
+                    save()
+                if step == steps:
+                    break
     snapshots.close()  # the last write committed (or its error raised), on every rank
     digest = param_sha256(model.module.state_dict())
     if rt.rank == 0:

@@ -34,6 +34,7 @@ __all__ = [
     "DistributedSampler",
     "ReplicasDivergedError",
     "SnapshotManager",
+    "StopSignal",
     "Trainer",
     "TrainerConfig",
     "Watchdog",
@@ -54,6 +55,7 @@ _LAZY = {
     "check_replicas": "ringtrain.replicas",
     "ReplicasDivergedError": "ringtrain.replicas",
     "SnapshotManager": "ringtrain.checkpoint.snapshot",
+    "StopSignal": "ringtrain.checkpoint.stop",
     "Trainer": "ringtrain.training.trainer",
     "TrainerConfig": "ringtrain.training.config",
     "make_strategy": "ringtrain.strategies",
@@ -62,6 +64,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # for type checkers and editors; never run
     from ringtrain.checkpoint.snapshot import SnapshotManager
+    from ringtrain.checkpoint.stop import StopSignal
     from ringtrain.data.sampler import DistributedSampler
     from ringtrain.ddp.distributed import DistributedDataParallel
     from ringtrain.launch.watchdog import Watchdog

@@ -1,7 +1,8 @@
 """`ringtrain.SnapshotManager` in a user's own script (examples/ddp_snapshots.py) under
 `ringtrain run`: a rank killed mid-run, the job restarted, the script resumed from its newest
 committed snapshot, and the final weights those of the run nothing interrupted; a finished run
-extended by running it again with more steps.
+extended by running it again with more steps; a SIGTERM to the launcher, every rank saving the
+same step (`ringtrain.StopSignal`), and the run resumed from there.
 
     .venv/bin/pytest -q tests/test_user_snapshots.py
 """
@@ -10,13 +11,17 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "ddp_snapshots.py"
-CRASHING = REPO / "tests" / "scripts" / "user_snapshots_crash.py"
+FAULTS = REPO / "tests" / "scripts" / "user_snapshots_faults.py"
 
 
 def _run(script: Path, run_dir: Path, *args: str, restarts: int = 0,
@@ -32,15 +37,22 @@ def _run(script: Path, run_dir: Path, *args: str, restarts: int = 0,
     return re.findall(r"param_sha256 ([0-9a-f]{64})", out)[-1], out
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """The param_sha256 of 40 steps nothing interrupted, on 2 ranks."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    digest, out = _run(EXAMPLE, run_dir, "--steps", "40")
+    assert "resumed" not in out
+    assert _committed(run_dir) == ["snap-00000030", "snap-00000040"]  # keep=2
+    return digest
+
+
 def _committed(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.glob("snap-*") if (p / "COMMITTED").exists())
 
 
-def test_a_killed_rank_restarts_from_the_newest_snapshot_to_the_same_weights(tmp_path):
-    reference, out = _run(EXAMPLE, tmp_path / "straight", "--steps", "40")
-    assert "resumed" not in out
-    assert _committed(tmp_path / "straight") == ["snap-00000030", "snap-00000040"]  # keep=2
-    crashed, out = _run(CRASHING, tmp_path / "crashed", "--steps", "40", restarts=1,
+def test_a_killed_rank_restarts_from_the_newest_snapshot_to_the_same_weights(tmp_path, reference):
+    crashed, out = _run(FAULTS, tmp_path / "crashed", "--steps", "40", restarts=1,
                         env={"CRASH_AT_STEP": "25"})
     # Steps 10 and 20 were saved before the kill in step 25 (20 perhaps still being written in
     # the background: then 10 is the newest committed one); never a step past the kill.
@@ -54,9 +66,47 @@ def test_a_killed_rank_restarts_from_the_newest_snapshot_to_the_same_weights(tmp
     assert crashed == reference
 
 
-def test_a_finished_run_run_again_with_more_steps_goes_on_to_the_same_weights(tmp_path):
-    reference, _ = _run(EXAMPLE, tmp_path / "straight", "--steps", "40")
+def test_a_finished_run_run_again_with_more_steps_goes_on_to_the_same_weights(tmp_path, reference):
     _run(EXAMPLE, tmp_path / "extended", "--steps", "20")
     extended, out = _run(EXAMPLE, tmp_path / "extended", "--steps", "40")
     assert re.findall(r"resumed from \S+ \(step (\d+)\)", out) == ["20"]
     assert extended == reference
+
+
+def test_a_sigterm_saves_the_same_step_on_every_rank_and_the_run_resumes_from_it(tmp_path,
+                                                                                reference):
+    run_dir, ready = tmp_path / "stopped", tmp_path / "ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ringtrain", "run", "--nproc-per-node", "2", str(FAULTS),
+         "--run-dir", str(run_dir), "--steps", "40"],
+        env={**os.environ, "PYTHONPATH": str(REPO), "STEP_SLEEP": "0.05",
+             "READY_FILE": str(ready)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # as a scheduler's preemption: to the launcher
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out
+    stopped = re.findall(r"stopped at step (\d+) on a signal; saved", out)
+    assert len(stopped) == 1 and 5 <= int(stopped[0]) < 40, out
+    # One snapshot of that step, holding every rank's agreement (rank 0 wrote it, all waited).
+    assert f"snap-{int(stopped[0]):08d}" in _committed(run_dir), out
+    resumed, out = _run(EXAMPLE, run_dir, "--steps", "40")
+    assert re.findall(r"resumed from \S+ \(step (\d+)\)", out) == stopped
+    assert resumed == reference
+
+
+def test_stop_signal_alone_answers_for_this_process():
+    import ringtrain
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with ringtrain.StopSignal((signal.SIGUSR1,)) as stop:  # no process group: no collective
+        assert stop.agreed() is False
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)  # the handler runs between bytecodes of the main thread
+        assert stop.agreed() is True and stop.received == signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) is before  # the handler given back

@@ -1,11 +1,15 @@
 """`StopSignal`: a signal (SIGTERM, SIGINT, SIGUSR1) becomes a request to save and stop.
 
-    with StopSignal((signal.SIGTERM, signal.SIGINT)) as stop:
-        ...                        # at each step boundary: vote on `stop.received is not None`
+    with ringtrain.StopSignal() as stop:
+        for step in ...:
+            ...
+            if stop.agreed():      # every rank, each step: one all-reduce of one int
+                snapshots.save(step, shared=...); snapshots.close(); sys.exit(143)
 
 Apart from the snapshots (`resume.py`) because it is process plumbing, not state: it swaps
 signal handlers in and out and knows nothing of what is saved; the training loop decides which
-signals to catch (`ringtrain.training.snapshots.STOP_SIGNALS`) and what a stop does.
+signals to catch (`ringtrain.training.snapshots.STOP_SIGNALS`) and what a stop does (the
+trainer votes through its strategy's agreement; a script calls `agreed`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ import signal
 import threading
 from types import FrameType
 from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collectives
 
 __all__ = ["StopSignal"]
 
@@ -32,13 +41,26 @@ class StopSignal:
        a rank that would otherwise go on reporting a lost connection.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)):
         self.signals = signals
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
+
+    def agreed(self, process_group: dist.ProcessGroup | None = None) -> bool:
+        """Whether any rank of `process_group` (default: all) has received a signal: the same
+        answer on every rank, so all save the same step and stop. Call it on every rank at the
+        same steps (a collective: one all-reduce of one int). Without a group: this rank's."""
+        if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+            return self.received is not None
+        nccl = dist.get_backend(process_group) == "nccl"  # CUDA tensors only
+        flag = torch.tensor([int(self.received is not None)], dtype=torch.int32,
+                            device=torch.device("cuda", torch.cuda.current_device()) if nccl
+                            else "cpu")
+        collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+        return bool(flag.item())
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():  # signal.signal's rule
