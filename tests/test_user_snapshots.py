@@ -103,10 +103,23 @@ def test_a_sigterm_saves_the_same_step_on_every_rank_and_the_run_resumes_from_it
 def test_stop_signal_alone_answers_for_this_process():
     import ringtrain
 
-    before = signal.getsignal(signal.SIGUSR1)
-    with ringtrain.StopSignal((signal.SIGUSR1,)) as stop:  # no process group: no collective
-        assert stop.agreed() is False
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.05)  # the handler runs between bytecodes of the main thread
-        assert stop.agreed() is True and stop.received == signal.SIGUSR1
-    assert signal.getsignal(signal.SIGUSR1) is before  # the handler given back
+    delivered = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: delivered.append(signum))
+    try:
+        with pytest.raises(SystemExit):
+            with ringtrain.StopSignal((signal.SIGUSR1,)) as stop:  # no group: no collective
+                assert stop.agreed() is False
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(0.05)  # the handler runs between bytecodes of the main thread
+                assert stop.agreed() is True and stop.received == signal.SIGUSR1
+                raise SystemExit(143)  # the script's exit after saving: not delivered again
+        assert delivered == []
+        with pytest.raises(ValueError):  # an error on the way out: the signal goes on
+            with ringtrain.StopSignal((signal.SIGUSR1,)):
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(0.05)
+                raise ValueError("failed before it could save")
+        time.sleep(0.05)
+        assert delivered == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, before)

@@ -35,10 +35,11 @@ class StopSignal:
     Python wrapper); the loop votes on the flag through the strategy's agreement at each step
     boundary, so all ranks stop at the same step even when only one was signalled.
 
-    .. warning:: On the way out with an exception, a signal that arrived is delivered again
-       to the previous handler (by default: the process ends). An agent that stops the group
-       after a peer died sends SIGTERM and waits for the workers to exit; it must not wait for
-       a rank that would otherwise go on reporting a lost connection.
+    .. warning:: On the way out with an exception (other than SystemExit), a signal that
+       arrived is delivered again to the previous handler (by default: the process ends). An
+       agent that stops the group after a peer died sends SIGTERM and waits for the workers to
+       exit; it must not wait for a rank that would otherwise go on reporting a lost
+       connection.
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)):
@@ -72,5 +73,7 @@ class StopSignal:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
-        if exc is not None and self.received is not None:
+        # A SystemExit is the script's own exit after it saved (sys.exit(143)): not delivered
+        # again, which would end it with a KeyboardInterrupt's traceback after Ctrl-C.
+        if exc is not None and not isinstance(exc, SystemExit) and self.received is not None:
             os.kill(os.getpid(), self.received)
