@@ -29,7 +29,8 @@ __all__ = ["StopSignal"]
 
 
 class StopSignal:
-    """SIGTERM becomes a request to save and stop at the next step boundary.
+    """A signal (by default SIGTERM, SIGINT, SIGUSR1) becomes a request to save and stop at
+    the next step boundary.
 
     The handler only sets a flag (a signal may land anywhere, e.g. inside a collective's
     Python wrapper); the loop votes on the flag through the strategy's agreement at each step

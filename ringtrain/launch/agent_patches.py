@@ -1,9 +1,10 @@
 """What ringtrain changes in torch's elastic agent, each change one context manager.
 
 `launcher.py` (`ringtrain run`) runs torch's agent as it is, inside these: `tolerating` lets
-chosen ranks die without stopping the others (async parameter-server workers), and
+chosen ranks die without stopping the others (async parameter-server workers),
 `restarts_for_the_job` makes --max-restarts count the job's restarts across nodes instead of
-each node's own. Both replace a step of the agent for the duration of one launch, through the
+each node's own, and `naming_failures_before_restarts` says which rank failed and why before
+each restart. Each replaces a step of the agent for the duration of one launch, through the
 patch points of `ringtrain.torch_internals` (looked up once at import: a torch without one
 switches off only that feature, and says so); nothing is changed outside the `with` block.
 
