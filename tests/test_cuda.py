@@ -103,6 +103,35 @@ def test_nccl_with_world_size_one_places_the_rank_on_its_gpu(monkeypatch):
         destroy_distributed()
 
 
+def _cpu_model_under_nccl(rank: int, world_size: int) -> tuple[str, list[str | None]]:
+    # NCCL builds its communicator at the first collective (the default group here is gloo,
+    # bound to no device): two ranks on one GPU can hold the group as long as nothing is sent.
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="nccl")
+    said: list[str | None] = []
+    for make in (lambda: DistributedDataParallel(torch.nn.Linear(2, 2), process_group=group),
+                 lambda: ZeroDataParallel(torch.nn.Linear(2, 2), adamw(0.1),
+                                          process_group=group)):
+        try:
+            make()
+            said.append(None)
+        except ValueError as e:
+            said.append(str(e))
+    return dist.get_backend(group), said
+
+
+def test_a_cpu_model_under_nccl_is_refused_before_any_collective():
+    """ctor_args.check_backend_devices on a real NCCL group (the CPU tests report a gloo group
+    as nccl): the CPU model is named, nothing is sent (two ranks share one GPU)."""
+    for backend, said in run_workers(_cpu_model_under_nccl, 2, device="cuda", timeout_s=120):
+        assert backend == "nccl"
+        for who, text in zip(("DistributedDataParallel", "ZeroDataParallel"), said, strict=True):
+            assert text is not None and text.startswith(
+                f"{who}: weight (and 1 more) is on cpu, but the process group's backend 'nccl' "
+                "moves only cuda tensors"), text
+
+
 def test_the_cuda_generator_state_is_in_snapshots_and_restored():
     torch.ones(1, device="cuda")  # CUDA in use: its generators belong in the state
     state = get_rng_state()
