@@ -347,92 +347,11 @@ def test_delay_all_reduce_named_params_averages_them_apart(sessions):
 
 
 
-class _Grouped(nn.Module):
-    """A module whose buffer stays where it was made (pytorch#109103's case)."""
-
-    def __init__(self):
-        super().__init__()
-        self.layer = _net()
-        self.register_buffer("scale", torch.ones(3))
-
-
-def _backend_devices(rank, world_size):
-    """The group's backend said to be NCCL (gloo carries every collective that does happen): a
-    CPU module is refused on every rank, by name, before anything is sent (no hang)."""
-    from unittest import mock
-
-    from ringtrain.zero import ZeroDataParallel
-
-    out = {}
-    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
-        for name, make in (("ddp", lambda: Ours(_Grouped())),
-                           ("ddp_no_buffer_sync", lambda: Ours(_Grouped(),
-                                                               forward_sync_buffers=False,
-                                                               init_sync=False)),
-                           ("zero", lambda: ZeroDataParallel(
-                               _Grouped(), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3))):
-            with mock.patch.object(dist, "get_backend", return_value=backend):
-                try:
-                    make()
-                    out[f"{backend}/{name}"] = None
-                except ValueError as e:
-                    out[f"{backend}/{name}"] = (type(e), str(e))
-    dist.barrier()  # both ranks got here: the refusals sent nothing, so nothing waits
-    return out
-
-
-def test_a_module_on_a_device_the_backend_cannot_move_is_refused_by_name(sessions):
-    for out in sessions("backend_devices"):
-        kind, text = out["nccl/ddp"]
-        assert issubclass(kind, RuntimeError)  # what torch raises, at its first collective
-        assert text.startswith("DistributedDataParallel: layer.0.weight (and 4 more) is on cpu, "
-                               "but the process group's backend 'nccl' moves only cuda tensors")
-        assert "model.to(rt.device)" in text and "RINGTRAIN_BACKEND=gloo" in text
-        assert "No backend type associated with device type cpu" in text  # torch's words
-        # Without buffer sync the buffer is never sent, but the parameters still are.
-        assert "(and 3 more)" in out["nccl/ddp_no_buffer_sync"][1]
-        assert out["nccl/zero"][1].startswith("ZeroDataParallel: layer.0.weight (and 4 more)")
-        # One backend per device type, the CPU's among them: accepted.
-        assert all(v is None for k, v in out.items() if k.startswith("cpu:gloo")), out
-
-
-def test_backend_devices_reads_torchs_backend_names(monkeypatch):
-    from ringtrain.ddp.ctor_args import backend_devices, check_backend_devices
-
-    class Group:
-        def __init__(self, size):
-            self._size = size
-
-        def size(self):
-            return self._size
-
-        def name(self):  # what a group made outside torch's registry answers (a live one)
-            return "nccl"
-
-    for name, served in (("nccl", {"cuda": "nccl"}), ("gloo", {"cpu": "gloo", "cuda": "gloo"}),
-                         ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
-                         ("mpi", None), ("fake", None)):
-        monkeypatch.setattr(dist, "get_backend", lambda group, name=name: name)
-        assert backend_devices(Group(2)) == served, name
-    cpu = [("w", torch.zeros(1))]
-    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
-    check_backend_devices(cpu, Group(1))  # one rank sends nothing: not refused
-    with pytest.raises(ValueError, match="w is on cpu"):
-        check_backend_devices(cpu, Group(2))
-    monkeypatch.setattr(dist, "get_backend", lambda group: "mpi")
-    check_backend_devices(cpu, Group(2))  # a backend of its own devices: not ours to refuse
-
-    def unregistered(group):
-        raise ValueError("Process group ... is not initialized in the world group map")
-
-    monkeypatch.setattr(dist, "get_backend", unregistered)
-    assert backend_devices(Group(2)) == {"cuda": "nccl"}
-
 # ---- one spawn for everything ------------------------------------------------------------------
 
 _GROUPS = {"forward_sync_buffers": _forward_sync_buffers, "device_mesh": _device_mesh,
            "skip_unused": _skip_unused, "mixed_precision": _mixed_precision,
-           "delayed": _delayed, "backend_devices": _backend_devices}
+           "delayed": _delayed}
 
 
 @pytest.fixture(scope="module")
