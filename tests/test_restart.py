@@ -100,6 +100,11 @@ def test_the_same_command_resumes_and_a_kill_9_restarts_every_worker(faulty, ref
     # The kill comes before that step's snapshot: the restart resumes from the one before.
     assert summary["resumed_from_step"] == [9, (step - 1) // EVERY * EVERY], what
     assert summary["restarts"] == 1, what
+    # Before the restart the launcher said which rank failed and how, once.
+    assert killed.stderr.count(f"ringtrain run: rank {victim} failed (local_rank {victim}, ") == 1
+    assert "killed by SIGKILL" in killed.stderr and "attempts left" not in killed.stderr
+    assert killed.stderr.count("ringtrain run: restarting every worker (restart 1 of "
+                               "--max-restarts 1)") == 1, killed.stderr[-3000:]
     assert summary["param_sha256"] == reference[0]["param_sha256"], what
     assert _losses(run_dir) == reference[1], what
     killed_at = float(re.search(r"test fault: kill after step \d+ at unix time ([\d.]+)",
@@ -109,6 +114,18 @@ def test_the_same_command_resumes_and_a_kill_9_restarts_every_worker(faulty, ref
           "resuming")
     assert 0 < recovery_s < 60, recovery_s  # the goal is < 15 s; a loaded CI machine gets slack
     assert summary["snapshots_saved"] >= 1 and summary["snapshot_bytes_last"] > 0
+
+
+def test_a_raising_worker_is_named_with_its_exception_and_one_traceback(tmp_path):
+    run_dir = tmp_path / "raised"
+    run_dir.mkdir()
+    out = _train(run_dir, "--steps", "6", fault="raise:1:3")
+    assert out.returncode == 1, out.stderr[-3000:]
+    report = out.stderr[out.stderr.index("ringtrain run: rank 1 failed"):].splitlines()
+    assert report[0].endswith("): RuntimeError: RINGTRAIN_TEST_FAULT: an exception raised on "
+                              "rank 1 after step 3"), out.stderr[-3000:]
+    # The worker printed its traceback; the report does not print it again.
+    assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr[-3000:]
 
 
 def test_no_resume_starts_afresh_except_in_a_restarted_worker(tmp_path, monkeypatch):

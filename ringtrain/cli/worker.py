@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 
 from ringtrain.checkpoint.run_dir import unless_full
@@ -33,8 +34,6 @@ def run_job(opts: TrainOptions, started_at: float, mistake: ValueError | None = 
     `mistake`: what `check_args` found wrong in this worker only (where the launcher could not
     know the number of ranks); it is reported like a `ConfigError`, once the ranks have met.
     """
-    from ringtrain.launch.launcher import record
-
     def job() -> int:
         if under_agent():
             from ringtrain.launch.parent import die_with_parent
@@ -43,11 +42,27 @@ def run_job(opts: TrainOptions, started_at: float, mistake: ValueError | None = 
         return _train(opts, started_at, mistake)
 
     if under_agent():
-        job = record(job)  # the launcher's failure report then shows this worker's traceback
+        job = _reported(job)  # the launcher's failure report then names what this worker raised
     try:
         return job()
     except KeyboardInterrupt:  # Ctrl-C while the process group was starting
         return interrupted()
+
+
+def _reported(job: Callable[[], int]) -> Callable[[], int]:
+    """`job`, telling the launcher what it raised: torch's error file with the message only
+    (the worker prints its traceback itself on the way out, `ringtrain/launch/ending.py`; torch's
+    `@record` put it in the file too, and the report printed it a second time)."""
+    from ringtrain.launch.peer_failure import describe_error, write_error_file
+
+    def run() -> int:
+        try:
+            return job()
+        except Exception as e:
+            write_error_file(describe_error(e), describe_error(e), replace=False)
+            raise
+
+    return run
 
 
 def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) -> int:
