@@ -51,6 +51,7 @@ def train(run_dir: str, steps: int = 40, every: int = 10, batch_size: int = 8,
         step = snap.step
         if rt.rank == 0:
             print(f"resumed from {snap.path} (step {step})", flush=True)
+
     def save() -> None:  # every rank, at the same step
         snapshots.save(step, shared={"model": model.module.state_dict(),
                                      "optimizer": optimizer.state_dict(),
