@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveMismatchError", "all_gather", "all_gather_object", "all_reduce", "barrier",
-           "broadcast", "check", "enabled"]
+           "broadcast", "check", "enabled", "tensor_device"]
 
 ENV, TIMEOUT_ENV = "RINGTRAIN_DEBUG", "RINGTRAIN_DEBUG_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
@@ -191,3 +191,12 @@ def all_gather_object(object_list: list[Any], obj: Any, group=None) -> None:
 def barrier(group=None, async_op: bool = False):
     check("barrier", [], group)
     return dist.barrier(group=group, async_op=async_op)
+
+
+def tensor_device(group=None) -> torch.device:
+    """Where a small tensor for one of `group`'s collectives lives (a flag, checksums): the
+    current CUDA device under NCCL, which moves only CUDA tensors; else the CPU (no torch.cuda
+    call is made then)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

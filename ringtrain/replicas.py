@@ -79,8 +79,7 @@ def check_replicas(model: nn.Module | Mapping[str, torch.Tensor],
     if world == 1:
         return None
     named = _named(model)
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+    device = collectives.tensor_device(group)
     sums = tensor_checksums(named.values()).to(device)
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     collectives.all_gather(counts, torch.tensor([len(sums)], device=device), group=group)

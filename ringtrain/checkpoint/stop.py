@@ -57,10 +57,8 @@ class StopSignal:
         same steps (a collective: one all-reduce of one int). Without a group: this rank's."""
         if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
             return self.received is not None
-        nccl = dist.get_backend(process_group) == "nccl"  # CUDA tensors only
         flag = torch.tensor([int(self.received is not None)], dtype=torch.int32,
-                            device=torch.device("cuda", torch.cuda.current_device()) if nccl
-                            else "cpu")
+                            device=collectives.tensor_device(process_group))
         collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
         return bool(flag.item())
 

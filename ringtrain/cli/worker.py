@@ -59,7 +59,7 @@ def _reported(job: Callable[[], int]) -> Callable[[], int]:
         try:
             return job()
         except Exception as e:
-            write_error_file(describe_error(e), describe_error(e), replace=False)
+            write_error_file(describe_error(e), replace=False)
             raise
 
     return run

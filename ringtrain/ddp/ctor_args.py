@@ -175,7 +175,9 @@ def check_backend_devices(named: Sequence[tuple[str, torch.Tensor]], group: dist
     """Refuse, before any collective, tensors `who` communicates on a device `group`'s backend
     cannot move. Only with more than one rank: one rank sends nothing."""
     served = backend_devices(group) if group.size() > 1 else None
-    wrong = [(n, t) for n, t in named if served is not None and t.device.type not in served]
+    if served is None:
+        return
+    wrong = [(n, t) for n, t in named if t.device.type not in served]
     if not wrong:
         return
     name, tensor = wrong[0]

@@ -54,16 +54,17 @@ def tcp_store(store: dist.Store) -> dist.Store | None:
     return store if hasattr(store, "host") else None
 
 
-def write_error_file(message: str, callstack: str, *, replace: bool = True) -> None:
+def write_error_file(message: str, callstack: str | None = None, *,
+                     replace: bool = True) -> None:
     """Tell the launcher why this rank stops: torch's error file (TORCHELASTIC_ERROR_FILE, the
-    format of torch's `@record`), which `ringtrain run`'s report quotes. A callstack equal to
-    the message puts only the message in the report. Nothing outside a launcher; `replace=False`
-    keeps a file `@record` wrote first (its traceback is the fuller one)."""
+    format of torch's `@record`), which `ringtrain run`'s report quotes. Without a callstack
+    (the rank prints its own traceback) the report gives the message alone. Nothing outside a
+    launcher; `replace=False` keeps a file `@record` wrote first (its traceback is fuller)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file or (not replace and os.path.exists(error_file)):
         return
     data = {"message": {"message": message, "extraInfo": {
-        "py_callstack": callstack, "timestamp": str(int(time.time()))}}}
+        "py_callstack": callstack or message, "timestamp": str(int(time.time()))}}}
     try:
         with open(error_file, "w") as f:
             json.dump(data, f)
@@ -83,6 +84,6 @@ def exit_on_peer_failure(rank: int, failure: PeerFailure) -> None:
     stack = describe_main_thread(rank) if own else ""
     print(f"[rank {rank}] {failure}" + (f"\n{stack}" if stack else ""), file=sys.stderr, flush=True)
     text = f"{'RankHung' if own else 'PeerFailure'}: {failure}"
-    write_error_file(text, stack or text)
+    write_error_file(text, stack)
     sys.stdout.flush()
     os._exit(1 if own else PEER_FAILED_EXIT_CODE)

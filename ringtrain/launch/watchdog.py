@@ -243,7 +243,7 @@ class Watchdog(Verdicts):
         self.report_failure(exc)
         # The launcher's report then names the exception, not "exit code 1"; the traceback is
         # the one the hook below prints, at the end of this rank's output (not printed twice).
-        write_error_file(describe_error(exc), describe_error(exc), replace=False)
+        write_error_file(describe_error(exc), replace=False)
         (self._previous_hook or sys.__excepthook__)(exc_type, exc, tb)
 
     def _beat_loop(self) -> None:
