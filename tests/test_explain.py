@@ -9,6 +9,7 @@ them, formatted (`nbytes`), and to take the right branch. CPU only (the real run
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -319,6 +320,42 @@ def test_an_unknown_strategy_is_still_explained():
     text = _text(run)
     assert "--strategy someday: not known to this ringtrain" in text
     assert f"not estimated for --strategy someday; the model has {P:,} parameters" in text
+
+
+def _text_run(root, data: str) -> None:
+    (root / "config.json").write_text(json.dumps({
+        "task": "text", "world_size": 2, "model": MODEL,
+        "args": {"strategy": "ddp", "data": data, "block_size": 8, "snapshot_every": 100},
+        "trainer": {"steps": 50, "batch_size": 16, "grad_accum": 1}}))
+
+
+def test_a_text_runs_samples_come_from_the_directory_it_trained_on(tmp_path, monkeypatch):
+    from ringtrain.data.prepare import prepare
+    from ringtrain.data.tokens import load_tokens, prepare_text_in
+
+    text = tmp_path / "input.txt"
+    text.write_text("".join(f"line {i} of a small corpus\n" for i in range(300)))
+    prepared = tmp_path / "tokens"
+    prepare(str(text), str(prepared), progress=False)
+    sets = load_tokens(str(prepared), 8)
+    want = (len(sets.train_set), len(sets.eval_set))
+    # --data a prepared directory (given relative to where the run started, then from elsewhere)
+    monkeypatch.chdir(tmp_path)
+    (run := tmp_path / "run").mkdir()
+    _text_run(run, "tokens")
+    assert (load_run(run).train_samples, load_run(run).eval_samples) == want
+    monkeypatch.chdir(run)
+    got = load_run(run)
+    assert (got.train_samples, got.eval_samples) == (None, None)
+    assert "not found from here (a relative --data is read from where the run started" in (
+        _text(got))
+    # --data a text file: the run trained on its char-level copy in RUN_DIR/data
+    (other := tmp_path / "run2").mkdir()
+    _text_run(other, str(text))
+    copy = load_tokens(prepare_text_in(str(text), str(other)), 8)
+    got = load_run(other)
+    assert (got.train_samples, got.eval_samples) == (len(copy.train_set), len(copy.eval_set))
+    assert f"{got.train_samples:,} training samples, {got.eval_samples:,} held out" in _text(got)
 
 
 @pytest.mark.parametrize("make,message", [

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import textwrap
@@ -63,8 +64,10 @@ def _read_json(path: Path, what: str) -> Any:
         raise ConfigError(f"{path}: cannot read it ({e}); {what}") from None
 
 
-def _dataset_sizes(config: dict[str, Any]) -> tuple[int | None, int | None]:
-    """(train, eval) samples of the run's task, as `ringtrain train` built them."""
+def _dataset_sizes(config: dict[str, Any], root: Path) -> tuple[int | None, int | None]:
+    """(train, eval) samples of the run's task, as `ringtrain train` built them: the addition
+    task's, or the windows of the token directory it trained on (`--data` when it names one; a
+    text file's char-level copy in RUN_DIR/data, else the text itself)."""
     args = config["args"]
     if config.get("task") == "addition":
         from ringtrain.data.addition import train_size
@@ -72,12 +75,19 @@ def _dataset_sizes(config: dict[str, Any]) -> tuple[int | None, int | None]:
         digits = int(args.get("digits") or 2)
         return train_size(digits), 10 ** (2 * digits) - train_size(digits)
     from ringtrain.data.chars import load_text
+    from ringtrain.data.tokens import load_tokens
 
+    data, block = args.get("data"), args.get("block_size")
     try:
-        text = load_text(args["data"], args["block_size"])
-    except (KeyError, TypeError, ValueError):  # the file moved or changed: "unknown"
+        if data and os.path.isdir(data):
+            sets = load_tokens(data, block)
+        elif os.path.isdir(root / "data"):
+            sets = load_tokens(str(root / "data"), block)
+        else:
+            sets = load_text(data, block)
+    except (KeyError, TypeError, ValueError, OSError):  # moved, changed, or relative elsewhere
         return None, None
-    return len(text.train_set), len(text.eval_set)
+    return len(sets.train_set), len(sets.eval_set)
 
 
 def _resume_point(root: Path) -> tuple[int, int | None, str | None, bool | None, list[str]]:
@@ -117,7 +127,7 @@ def load_run(path: str | Path) -> RunFiles:
             with contextlib.suppress(ValueError):  # a line cut short by a crash
                 metrics.append(json.loads(line))
     return RunFiles(str(path), config, summary, metrics, *_resume_point(root / "snapshots"),
-                    *_dataset_sizes(config))
+                    *_dataset_sizes(config, root))
 
 
 # ---- the numbers the sections word ---------------------------------------------------------------
@@ -204,7 +214,9 @@ def _data(run: RunFiles, f: RunFacts, reader: str) -> list[str]:
             else f"text {args.get('data')}, block size {args.get('block_size')}")
     split = data_split(run, f)
     if (samples := split.samples) is None:
-        return [f"task: {what}: the file is not readable from here, so its size is unknown."]
+        return [f"task: {what}: not found from here (a relative --data is read from where the "
+                "run started: explain from there, or pass the absolute path to --data next "
+                "time), so its size is unknown."]
     lines = [f"task: {what}: {n(samples)} training samples, {n(run.eval_samples or 0)} held out."]
     padding = (f"padded with {plural(split.padding, 'sample')} repeated from the start of the "
                "epoch so every rank gets as many" if split.padding else
