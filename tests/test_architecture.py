@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "tensor_parallel": {"collectives", "rings"},  # column/row/vocab/head-parallel layers, plans
     "zero": {"runtime", "staging", "torch_internals", "errors", "ranges", "ddp", "trace",
              "collectives", "rings"},
-    "launch": {"runtime", "torch_internals", "errors", "store_keys"},
+    "launch": {"runtime", "torch_internals", "errors", "store_keys", "config"},
     "checkpoint": {"runtime", "torch_internals", "errors", "store_keys", "agreement", "strategies",
                    "collectives"},
     "strategies": {"runtime", "errors", "types", "agreement", "ddp", "pipeline", "ps", "localsgd",

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ringtrain.cli.explain_words import WORDS, Explanation, RunFacts, generic, n, plural
+from ringtrain.config.suggest import suggest_flags
 from ringtrain.errors import USAGE_EXIT_CODE, ConfigError
 
 WIDTH = 100  # the text wraps here; a command to copy stays on one line
@@ -328,9 +329,9 @@ def explain(run: RunFiles) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`ringtrain explain RUN_DIR`: 0, or 2 and one line for a directory that is not a run's."""
-    p = argparse.ArgumentParser(prog="ringtrain explain", description="Say what a `ringtrain "
-                                "train` run did: ranks' roles, data split, traffic, timing, "
-                                "resume.")
+    p = suggest_flags(argparse.ArgumentParser(
+        prog="ringtrain explain", description="Say what a `ringtrain train` run did: ranks' "
+        "roles, data split, traffic, timing, resume."))
     p.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a `ringtrain train` run")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)

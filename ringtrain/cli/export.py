@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 
+from ringtrain.config.suggest import suggest_flags
 from ringtrain.errors import USAGE_EXIT_CODE
 
 FORMATS = ("hf", "dcp")
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "dcp: torch.distributed.checkpoint")
     p.add_argument("--snapshot", type=int, metavar="STEP",
                    help="the model of this committed snapshot (default: the final model)")
-    return p
+    return suggest_flags(p)
 
 
 def run_model(run_dir: str, step: int | None):

@@ -33,6 +33,7 @@ import sys
 
 import torch
 
+from ringtrain.config.suggest import suggest_flags
 from ringtrain.errors import USAGE_EXIT_CODE
 from ringtrain.models import GPT, GPTConfig
 from ringtrain.strategies import layouts
@@ -201,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="compute per rank for the time model, in TFLOP/s (default: 0.1, a CPU)")
     ap.add_argument("--link-gbit", type=float, default=10.0,
                     help="bandwidth each rank sends at, in Gbit/s (default: 10)")
-    return ap
+    return suggest_flags(ap)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ringtrain.config.suggest import suggest_flags
 from ringtrain.errors import USAGE_EXIT_CODE
 
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                    help="the end of the text held out for validation (default: 0.1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p
+    return suggest_flags(p)
 
 
 def main(argv: list[str] | None = None) -> int:

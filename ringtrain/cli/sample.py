@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ringtrain.config.suggest import suggest_flags
 from ringtrain.errors import USAGE_EXIT_CODE
 
 
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples to draw (default: 1; the addition task without --prompt: 5 "
                    "held-out sums)")
     p.add_argument("--seed", type=int, default=1337, help="sampling seed (default: 1337)")
-    return p
+    return suggest_flags(p)
 
 
 def _run_config(run_dir: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from ringtrain.cli.options import (
 from ringtrain.config import add_section, dest, flag, resume_fields, set_values, to_flags
 from ringtrain.config.fields import default_text, meta, option_fields
 from ringtrain.config.recipes import load as load_recipe
+from ringtrain.config.suggest import suggest_flags
 from ringtrain.launch.device import choose, launcher_gpu_count
 from ringtrain.strategies import registered
 
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_section(p, registered()[names[0]].Config, "--strategy " + ", ".join(names),
                     skip={flag(f) for f in option_fields(registered()[names[0]].Config)} -
                     {flag(f) for f in fields_}, shown=lambda f, names=names: _default_of(f, names))
-    return p
+    return suggest_flags(p)
 
 
 def strategy_groups() -> list[tuple[tuple[str, ...], list]]:

@@ -29,6 +29,6 @@ Read in this order:
   no interpreter shutdown): `python -m ringtrain`'s workers and the warm process's forks.
 
 May import: torch, `ringtrain.runtime`, `ringtrain.torch_internals`, `ringtrain.errors`,
-`ringtrain.store_keys`. Never the trainer, a strategy or the snapshot code: the launcher runs
-any script.
+`ringtrain.store_keys`, `ringtrain.config` (an unknown flag's hint). Never the trainer, a
+strategy or the snapshot code: the launcher runs any script.
 """

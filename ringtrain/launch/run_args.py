@@ -16,6 +16,8 @@ import argparse
 import torch
 from torch.distributed.run import get_args_parser as _torch_args_parser
 
+from ringtrain.config.suggest import suggest_flags
+
 # The signals the agent passes on to its workers: torch's four, and Slurm's warning signal.
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 # A rank may work alone (save, evaluate) while the others wait this long before it is named.
@@ -67,7 +69,8 @@ def get_args_parser():
     if not has_shutdown_timeout():  # torch < 2.13: one clear error instead of argparse's
         parser.add_argument("--shutdown-timeout", "--shutdown_timeout", type=_no_shutdown_timeout,
                             help="(needs torch 2.13 or newer)")
-    return parser
+    return suggest_flags(parser, otherwise="a flag of your script goes after the script's name "
+                         "(ringtrain run [flags of run] SCRIPT [flags of SCRIPT])")
 
 
 def has_shutdown_timeout() -> bool:
