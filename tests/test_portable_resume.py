@@ -17,6 +17,7 @@ RINGTRAIN_FULL=1 all 756 of world sizes 1-4 and prints the table of docs/train.m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -117,7 +118,7 @@ def _run(runtime, run_dir: Path, steps: int, **config) -> dict:
 
 
 def test_a_larger_steps_extends_the_run_on_the_schedule_of_its_new_length(tmp_path,
-                                                                          single_process):
+                                                                          single_process, caplog):
     assert _run(single_process, tmp_path, 10)["steps"] == 10
     summary = _run(single_process, tmp_path, 20)  # the default warmup follows: 1 -> 2 steps
     assert summary["steps"] == 20 and summary["resumed_from_step"] == [10]
@@ -137,6 +138,13 @@ def test_a_larger_steps_extends_the_run_on_the_schedule_of_its_new_length(tmp_pa
     with pytest.raises(ConfigError, match=r"--steps 15 is before the snapshot's step 20.*"
                                           r"--steps 20 or more"):
         _run(single_process, tmp_path, 15)
+    # The same --steps again: nothing to train, and the log says how to go on.
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        assert _run(single_process, tmp_path, 20)["resumed_from_step"] == [10, 20]
+    said = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+    assert said and said[-1].endswith("step 20 of 20 (saved by world_size 1); nothing left to "
+                                      "train: a larger --steps extends the run (--no-resume "
+                                      "starts afresh)"), said
 
 
 # -- the resume table ----------------------------------------------------------------------------

@@ -302,8 +302,10 @@ class Checkpointer:
                            "saved_world_size": meta["world_size"],
                            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
         self.saved_step = snap.step
-        log.info("resumed from %s: step %d of %d (saved by world_size %d)", snap.path, snap.step,
-                 self.steps, meta["world_size"])
+        log.info("resumed from %s: step %d of %d (saved by world_size %d)%s", snap.path, snap.step,
+                 self.steps, meta["world_size"],
+                 "; nothing left to train: a larger --steps extends the run (--no-resume starts "
+                 "afresh)" if snap.step == self.steps else "")
         return ResumePoint(snap.step, self.batch_size, self.grad_accum)
 
     def _check_options(self, snap: Snapshot) -> None:
