@@ -68,7 +68,7 @@ def test_run_offers_one_spelling_and_says_where_a_scripts_flag_goes(capsys):
 @pytest.mark.parametrize("parser,argv,said", [
     (sample.build_parser(), ["RUN", "--temprature", "0.5"], "--temperature"),
     (plan._parser(), ["--n-layers", "4"], "--n-layer"),
-    (prepare.build_parser(), ["in.txt", "out", "--toknizer", "bpe"], "--tokenizer"),
+    (prepare.build_parser(), ["in.txt", "out", "--val-fractoin", "0.2"], "--val-fraction"),
     (export.build_parser(), ["RUN", "OUT", "--format", "hf", "--snapshto", "4"], "--snapshot"),
 ])
 def test_every_command_hints(parser, argv, said, capsys):

@@ -53,6 +53,26 @@ def run_model(run_dir: str, step: int | None):
             from None
 
 
+def run_tokenizer(run_dir: str) -> dict | None:
+    """The tokenizer entry of the run (formats/tokenizer.py): its exported model's, else its
+    data's (a run not finished yet); None where neither is found."""
+    from ringtrain.cli.sample import SampleError, _run_config
+    from ringtrain.data.tokens import read_meta
+    from ringtrain.formats.tokenizer import dataset_tokenizer, read_tokenizer
+
+    if (entry := read_tokenizer(run_dir)) is not None:
+        return entry
+    try:
+        config = _run_config(run_dir)
+        if config.get("task") == "addition":
+            return dataset_tokenizer(run_dir, None)
+        data = config["args"]["data"]
+        directory = data if os.path.isdir(data) else os.path.join(run_dir, "data")
+        return dataset_tokenizer(directory, read_meta(directory))
+    except (SampleError, KeyError, TypeError, ValueError, OSError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ringtrain.formats.dcp import export_dcp
@@ -67,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"ringtrain export: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
-    paths = (export_hf if args.format == "hf" else export_dcp)(model, args.out_dir)
-    print(f"wrote {args.format} to {args.out_dir}: {', '.join(map(os.path.basename, paths))}")
+    from ringtrain.formats.tokenizer import portable
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    tokenizer = portable(run_tokenizer(args.run_dir), args.out_dir)  # init-from checks it
+    paths = (export_hf if args.format == "hf" else export_dcp)(model, args.out_dir, tokenizer)
+    copied = [tokenizer["file"]] if tokenizer and "file" in tokenizer else []  # a BPE's
+    names = list(dict.fromkeys([*map(os.path.basename, paths), *copied]))
+    print(f"wrote {args.format} to {args.out_dir}: {', '.join(names)}")
     return 0

@@ -76,13 +76,15 @@ def build_job(opts: TrainOptions) -> dict[str, Any]:
                              activation_checkpointing=m.activation_checkpointing)
     return {"train_set": train_set, "eval_set": eval_set, "loss_fn": loss_fn,
             "eval_metrics": metrics, "sample_fn": sample_fn, "model_config": model_config,
-            "model_fn": _model_fn(model_config, opts.run.init_from), "tokenizer": tokenizer}
+            "model_fn": _model_fn(model_config, opts.run.init_from, tokenizer),
+            "tokenizer": tokenizer}
 
 
-def _model_fn(model_config, init_from: str | None):
+def _model_fn(model_config, init_from: str | None, tokenizer: dict[str, Any] | None):
     """GPT(model_config), holding the weights of `init_from` where given (each call reads
     them: every rank builds its own model). The shape is checked here, once, before any rank
-    builds one: the data fixes vocab_size and block_size, which the launcher did not know."""
+    builds one: the data fixes vocab_size and block_size, which the launcher did not know; and
+    the tokenizer the model records, against the data's ({"dir", "meta"}; None: digits)."""
     from ringtrain.models import GPT
 
     if init_from is None:
@@ -93,7 +95,17 @@ def _model_fn(model_config, init_from: str | None):
     from ringtrain.config import to_flags
     from ringtrain.errors import ConfigError
     from ringtrain.formats.init_from import check_shape, load_into, source_config
+    from ringtrain.formats.tokenizer import dataset_tokenizer, difference, read_tokenizer
 
+    # The tokenizer first: where it differs, so does vocab_size, which no flag sets.
+    source = read_tokenizer(init_from)
+    data = dataset_tokenizer(tokenizer["dir"], tokenizer["meta"]) if tokenizer else None
+    why = difference(source, data or dataset_tokenizer("", None)) if source else None
+    if why:
+        raise ConfigError(
+            f"--init-from {init_from}: {why}; its token ids would mean other text here. "
+            f"Tokenize the text with the model's tokenizer (ringtrain prepare SRC OUT_DIR "
+            f"--tokenizer-from {init_from}, then --data OUT_DIR), or drop --init-from")
     try:
         check_shape(source_config(init_from), asdict(model_config), init_from)
     except ValueError as e:  # "n_layer=12" -> "--n-layer 12"

@@ -3,6 +3,8 @@
     ringtrain prepare input.txt data/shakespeare
     ringtrain prepare corpus/ data/corpus --tokenizer bpe --vocab-size 4096 --val-fraction 0.05
     ringtrain train --data data/corpus --block-size 128
+    ringtrain prepare more.txt data/more --tokenizer-from runs/x   # continue runs/x's model on it:
+    ringtrain train --data data/more --init-from runs/x
 
 What it writes and how (streaming, bounded memory): `ringtrain.data.prepare`. A mistake (no
 files, text that is not UTF-8, an empty text, a vocabulary larger than the data supports) is
@@ -12,6 +14,7 @@ one message and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ringtrain.config.suggest import suggest_flags
@@ -27,15 +30,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC", help="a UTF-8 text file, or a folder of them (sorted, "
                    "recursive, hidden files skipped)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="where the dataset goes (created)")
-    p.add_argument("--tokenizer", choices=("char", "bpe"), default="char",
+    p.add_argument("--tokenizer", choices=("char", "bpe"),
                    help="char: every distinct character; bpe: byte-level BPE trained here on the "
                    "training split (needs `tokenizers`) (default: char)")
+    p.add_argument("--tokenizer-from", metavar="DIR",
+                   help="encode with the tokenizer of DIR instead of making one: a prepared "
+                   "dataset, a `ringtrain train` run, or an export of one (`ringtrain export`), "
+                   "so that `ringtrain train --init-from DIR` can continue on this text")
     p.add_argument("--vocab-size", type=int, metavar="N",
                    help="BPE vocabulary, 256 or more (default: 4096)")
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                    help="the end of the text held out for validation (default: 0.1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return suggest_flags(p)
+
+
+def tokenizer_from(path: str) -> dict:
+    """The tokenizer entry (formats/tokenizer.py) of a prepared dataset, a run directory or an
+    export, with "source": `path`; a PrepareError where `path` records none."""
+    from ringtrain.data.prepare import META, PrepareError
+    from ringtrain.data.tokens import read_meta
+    from ringtrain.formats.tokenizer import dataset_tokenizer, read_tokenizer
+
+    if not os.path.isdir(path):
+        raise PrepareError(f"--tokenizer-from {path}: no such directory")
+    try:
+        entry = (dataset_tokenizer(path, read_meta(path)) if os.path.exists(
+            os.path.join(path, META)) else read_tokenizer(path))
+    except (ValueError, KeyError) as e:
+        raise PrepareError(f"--tokenizer-from {path}: cannot read its tokenizer ({e})") from None
+    if entry is None:
+        raise PrepareError(f"--tokenizer-from {path}: records no tokenizer; give a prepared "
+                           "dataset (meta.json), a finished `ringtrain train` run directory, or "
+                           "an export of one (ringtrain export RUN_DIR OUT --format hf|dcp)")
+    return {**entry, "source": path}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        meta = prepare(args.src, args.out_dir, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                       val_fraction=args.val_fraction, progress=not args.no_progress)
+        reuse = tokenizer_from(args.tokenizer_from) if args.tokenizer_from else None
+        if reuse is not None and (args.tokenizer or args.vocab_size):
+            raise PrepareError("--tokenizer-from takes the tokenizer and its vocabulary from "
+                               f"{args.tokenizer_from}; drop --tokenizer and --vocab-size")
+        meta = prepare(args.src, args.out_dir, tokenizer=args.tokenizer or "char",
+                       vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+                       progress=not args.no_progress, reuse=reuse)
     except PrepareError as e:
         print(f"ringtrain prepare: error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE

@@ -171,9 +171,21 @@ def _train_bpe(files: list[str], n_train: int, vocab_size: int, chunk_chars: int
     return tok
 
 
+def _load_bpe(path: str):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise PrepareError(f"{path} is a BPE tokenizer, which needs Hugging Face `tokenizers`: "
+                           "pip install 'ringtrain[tokens]' (or pip install tokenizers)") from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises its own Exception subclass, or OSError
+        raise PrepareError(f"{path}: cannot read the BPE tokenizer ({e})") from None
+
+
 def prepare(src: str, out_dir: str, *, tokenizer: str = "char", vocab_size: int | None = None,
             val_fraction: float = VAL_FRACTION, progress: bool = True,
-            chunk_chars: int = CHUNK_CHARS) -> dict:
+            chunk_chars: int = CHUNK_CHARS, reuse: dict | None = None) -> dict:
     """Tokenize `src` into `out_dir` (train.bin, val.bin, meta.json); returns the meta dict.
 
     Args:
@@ -184,13 +196,22 @@ def prepare(src: str, out_dir: str, *, tokenizer: str = "char", vocab_size: int 
         val_fraction: the end of the text held out for validation, in (0, 1).
         progress: tqdm bars on stderr.
         chunk_chars: characters read at a time (memory use).
+        reuse: a model's or dataset's tokenizer to encode with instead of one made here
+            (`--tokenizer-from`: {"type": "char", "chars"} or {"type": "bpe", "file"}, and
+            "source", the directory named in messages); `tokenizer` and `vocab_size` are its.
     """
+    if reuse is not None:
+        if reuse["type"] not in ("char", "bpe"):
+            raise PrepareError(f"--tokenizer-from {reuse.get('source')}: the model reads the "
+                               "addition task's digits, which tokenize no text; give a model "
+                               "trained on text, or a prepared dataset")
+        tokenizer, vocab_size = reuse["type"], None
     if tokenizer not in ("char", "bpe"):
         raise PrepareError(f"--tokenizer {tokenizer}: use 'char' or 'bpe'")
     if tokenizer == "char" and vocab_size is not None:
         raise PrepareError("--vocab-size applies to --tokenizer bpe (a character vocabulary is "
                            "the text's own characters); drop it or add --tokenizer bpe")
-    if tokenizer == "bpe":
+    if tokenizer == "bpe" and reuse is None:
         vocab_size = 4096 if vocab_size is None else vocab_size
         if vocab_size < MIN_BPE_VOCAB:
             raise PrepareError(f"--vocab-size {vocab_size}: a byte-level BPE starts from the "
@@ -211,20 +232,33 @@ def prepare(src: str, out_dir: str, *, tokenizer: str = "char", vocab_size: int 
     meta: dict = {"format": FORMAT, "version": 1, "tokenizer": tokenizer,
                   "sources": [os.path.abspath(f) for f in files], "characters": n_chars,
                   "train_characters": n_train, "val_fraction": val_fraction}
+    if reuse is not None:
+        meta["tokenizer_from"] = reuse.get("source")
     if tokenizer == "char":
-        vocab = sorted(chars)
+        vocab = sorted(chars) if reuse is None else list(reuse["chars"])  # ids in its order
+        unknown = sorted(chars - set(vocab))
+        if unknown:
+            raise PrepareError(
+                f"{src}: {len(unknown)} of its characters {'is' if len(unknown) == 1 else 'are'} "
+                "not in the vocabulary of "
+                f"--tokenizer-from {reuse and reuse.get('source')} ({len(vocab)} characters): "
+                f"{''.join(unknown[:20])!r}; remove them from the text, or drop --tokenizer-from "
+                "for a vocabulary of the text's own (a run on it cannot start --init-from that "
+                "model)")
         codepoints = np.array([ord(c) for c in vocab], dtype=np.uint32)
+        order = np.argsort(codepoints, kind="stable")  # the identity for a vocabulary made here
         meta.update(vocab_size=len(vocab), chars=vocab)
 
         def encode(text: str) -> np.ndarray:
-            # Characters sort by code point, so an id is the code point's rank in the vocabulary.
+            # An id is the code point's rank among the sorted code points, mapped back to the
+            # vocabulary's own order (prepare's is sorted; a reused one keeps its ids).
             cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-            return np.searchsorted(codepoints, cps)
+            return order[np.searchsorted(codepoints[order], cps)]
     else:
-        assert vocab_size is not None
-        bpe = _train_bpe(files, n_train, vocab_size, chunk_chars)
+        bpe = (_load_bpe(reuse["file"]) if reuse is not None else
+               _train_bpe(files, n_train, vocab_size or 0, chunk_chars))
         got = bpe.get_vocab_size()
-        if got < vocab_size:
+        if reuse is None and got < (vocab_size or 0):
             raise PrepareError(
                 f"--vocab-size {vocab_size} is larger than the training split supports: BPE "
                 f"found only {got} tokens (every merge of its {n_train} characters); use "

@@ -39,8 +39,10 @@ def is_dcp(path: str) -> bool:
     return os.path.isfile(os.path.join(path, METADATA))
 
 
-def export_dcp(model: GPT, out_dir: str) -> list[str]:
-    """Write `model`'s weights as a DCP directory (+ model_config.json); returns the paths."""
+def export_dcp(model: GPT, out_dir: str, tokenizer: dict[str, Any] | None = None) -> list[str]:
+    """Write `model`'s weights as a DCP directory (+ model_config.json, with `tokenizer`'s
+    entry where given: formats/tokenizer.py, its file already in `out_dir`); returns the
+    paths."""
     os.makedirs(out_dir, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -56,7 +58,10 @@ def export_dcp(model: GPT, out_dir: str) -> list[str]:
         dcp.save({"model": state}, checkpoint_id=out_dir, no_dist=True)
     config = os.path.join(out_dir, CONFIG)
     with open(config + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, "version": 1, "model": asdict(model.config)}, f, indent=1)
+        own = {"format": FORMAT, "version": 1, "model": asdict(model.config)}
+        if tokenizer is not None:
+            own["tokenizer"] = tokenizer
+        json.dump(own, f, indent=1, ensure_ascii=False)
         f.write("\n")
     os.replace(config + ".tmp", config)
     return sorted(os.path.join(out_dir, n) for n in os.listdir(out_dir))

@@ -101,14 +101,19 @@ def to_hf_state(model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous().clone() for k, v in out.items()}
 
 
-def export_hf(model: GPT, out_dir: str) -> list[str]:
-    """Write `model` (a plain GPT) as a `GPT2LMHeadModel` directory; returns the two paths."""
+def export_hf(model: GPT, out_dir: str, tokenizer: dict[str, Any] | None = None) -> list[str]:
+    """Write `model` (a plain GPT) as a `GPT2LMHeadModel` directory; returns the two paths.
+    `tokenizer`: the entry config.json's "ringtrain" keeps (formats/tokenizer.py, its file
+    already in `out_dir`)."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, WEIGHTS), os.path.join(out_dir, CONFIG)]
     safetensors.torch.save_file(to_hf_state(model), paths[0] + ".tmp", metadata={"format": "pt"})
     os.replace(paths[0] + ".tmp", paths[0])
+    config = hf_config(model.config)
+    if tokenizer is not None:
+        config[MARK]["tokenizer"] = tokenizer
     with open(paths[1] + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(hf_config(model.config), f, indent=1)
+        json.dump(config, f, indent=1, ensure_ascii=False)
         f.write("\n")
     os.replace(paths[1] + ".tmp", paths[1])
     return paths

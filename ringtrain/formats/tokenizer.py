@@ -1,0 +1,116 @@
+"""The tokenizer a model was trained with, carried by each export and checked by `--init-from`.
+
+    python -c "from ringtrain.formats.tokenizer import read_tokenizer; print(read_tokenizer('d'))"
+
+A model's token ids mean what its tokenizer made them mean. A run started `--init-from` a model
+on data tokenized otherwise, with the same vocabulary size, reads every token as another one and
+trains on without an error (its loss starts high and the model's knowledge is lost). So each
+export records the entry of models/export.py's model_config.json:
+
+    {"type": "char", "chars": [...]} | {"type": "bpe", "file": "tokenizer.json"}
+    | {"type": "digits"}
+
+in model_config.json (ringtrain's own export, and DCP's) or in config.json's "ringtrain" entry
+(transformers GPT-2; transformers keeps unknown keys), a BPE's tokenizer.json copied beside it
+(`PreTrainedTokenizerFast(tokenizer_file=...)` reads it). `--init-from` compares it with the
+run's data (`difference`); `ringtrain prepare --tokenizer-from DIR` tokenizes new text with it.
+A directory that records none (a model transformers made) is not checked: nothing to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+from ringtrain.formats.hf_gpt2 import CONFIG as HF_CONFIG
+from ringtrain.formats.hf_gpt2 import MARK, is_hf_gpt2
+from ringtrain.models.export import CONFIG
+
+KEY = "tokenizer"
+
+
+def _json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_tokenizer(path: str) -> dict[str, Any] | None:
+    """The tokenizer entry the model directory `path` records (a BPE's "file" made absolute),
+    or None where it records none."""
+    own = _json(os.path.join(path, CONFIG))  # ringtrain's export, a run directory, a DCP's
+    if own is not None:
+        entry = own.get(KEY)
+    elif is_hf_gpt2(path):
+        entry = (_json(os.path.join(path, HF_CONFIG)) or {}).get(MARK, {}).get(KEY)
+    else:
+        entry = None
+    if not isinstance(entry, dict) or "type" not in entry:
+        return None
+    if entry["type"] == "bpe":
+        entry = {**entry, "file": os.path.join(os.path.abspath(path), entry["file"])}
+    return entry
+
+
+def dataset_tokenizer(directory: str, meta: dict[str, Any] | None) -> dict[str, Any]:
+    """The entry of a prepared dataset (its meta.json; None: the addition task's digits)."""
+    if meta is None:
+        return {"type": "digits"}
+    if meta["tokenizer"] == "char":
+        return {"type": "char", "chars": list(meta["chars"])}
+    return {"type": "bpe", "file": os.path.join(os.path.abspath(directory),
+                                                meta["tokenizer_file"])}
+
+
+def portable(entry: dict[str, Any] | None, out_dir: str) -> dict[str, Any] | None:
+    """`entry` as an export in `out_dir` records it: a BPE's tokenizer.json copied there, and
+    named relative to it."""
+    if entry is None or entry["type"] != "bpe":
+        return entry
+    name = os.path.basename(entry["file"])
+    dst = os.path.join(out_dir, name)
+    if os.path.abspath(entry["file"]) != os.path.abspath(dst):
+        shutil.copyfile(entry["file"], dst)
+    return {"type": "bpe", "file": name}
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    if entry["type"] == "char":
+        return f"a char tokenizer of {len(entry['chars'])} characters"
+    if entry["type"] == "bpe":
+        return f"the BPE of {entry['file']}"
+    return "the addition task's digits"
+
+
+def _bpe_model(path: str) -> Any:
+    data = _json(path)
+    if data is None:
+        return ("unreadable", path)  # differs from every readable one, and says which
+    return data.get("model"), data.get("pre_tokenizer")  # vocab and merges; how text is split
+
+
+def difference(source: dict[str, Any], target: dict[str, Any]) -> str | None:
+    """How the tokenizer of a model (`source`) differs from the run's (`target`); None: the
+    same (a token id means the same text in both)."""
+    if source["type"] != target["type"]:
+        return f"the model was trained with {_describe(source)}, the data is {_describe(target)}"
+    if source["type"] == "char" and source["chars"] != target["chars"]:
+        a, b = source["chars"], target["chars"]
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                 min(len(a), len(b)))
+        only = sorted(set(b) - set(a))
+        return (f"the model's char tokenizer has {len(a)} characters, the data's {len(b)}, and "
+                f"token {i} is {a[i]!r} in the model's but {b[i]!r} in the data's"
+                if i < min(len(a), len(b)) else
+                f"the model's char tokenizer has {len(a)} characters, the data's {len(b)}") + (
+                f" (the data has characters the model never saw: {''.join(only[:20])!r})"
+                if only else "")
+    if source["type"] == "bpe" and _bpe_model(source["file"]) != _bpe_model(target["file"]):
+        return (f"the model's BPE ({source['file']}) and the data's ({target['file']}) have "
+                "other vocabularies or merges")
+    return None
