@@ -138,3 +138,34 @@ def test_bpe_of_the_same_size_trained_elsewhere_is_refused(tmp_path, capsys):
                            str(tmp_path / "hf"), "--no-progress"]) == 0
     assert train_main([*TINY, "--data", str(tmp_path / "bpe3"), "--init-from",
                        str(tmp_path / "hf"), "--run-dir", str(tmp_path / "r3")]) == 0
+
+
+def test_an_export_samples_and_converts_like_its_run(tmp_path, capsys):
+    """`ringtrain sample` and `ringtrain export` take an export too (they crashed on an hf
+    directory's config.json): the same text as the run's model, and hf <-> dcp conversions."""
+    data = tmp_path / "d"
+    prepare(_text(tmp_path / "a.txt"), str(data), progress=False)
+    run = tmp_path / "run"
+    assert train_main([*TINY, "--data", str(data), "--run-dir", str(run)]) == 0
+    assert ringtrain_main(["export", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert ringtrain_main(["export", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--format",
+                           "dcp"]) == 0
+    assert read_tokenizer(str(tmp_path / "dcp")) == read_tokenizer(str(run))
+    capsys.readouterr()
+    said = []
+    for path in (run, tmp_path / "hf", tmp_path / "dcp"):
+        assert ringtrain_main(["sample", str(path), "--prompt", "the ", "--tokens", "30"]) == 0
+        said.append(capsys.readouterr().out)
+    assert said[0].startswith("the ") and said == [said[0]] * 3
+    assert ringtrain_main(["sample", str(tmp_path / "hf"), "--snapshot", "2"]) == 2
+    assert "is an export (one model); give the run directory" in capsys.readouterr().err
+    # the addition task: its digits are recorded, and the sums answered from the export alone
+    add = tmp_path / "add"
+    no_block = [a for i, a in enumerate(TINY) if "--block-size" not in TINY[max(i - 1, 0):i + 1]]
+    assert train_main([*no_block, "--run-dir", str(add)]) == 0
+    assert ringtrain_main(["export", str(add), str(tmp_path / "add_hf"), "--format", "hf"]) == 0
+    capsys.readouterr()
+    assert ringtrain_main(["sample", str(add), "--prompt", "12+34"]) == 0
+    from_run = capsys.readouterr().out
+    assert ringtrain_main(["sample", str(tmp_path / "add_hf"), "--prompt", "12+34"]) == 0
+    assert capsys.readouterr().out == from_run and from_run.startswith("12+34=")

@@ -8,8 +8,9 @@ before the run has finished) a committed snapshot's, put together as `ringtrain 
 (`cli/sample.py`: a replicated snapshot's model, or per-rank parts joined by the strategy's
 converter). The formats are `ringtrain.formats`: `hf` loads with
 `GPT2LMHeadModel.from_pretrained(OUT_DIR)`, `dcp` with `torch.distributed.checkpoint.load` on
-any world size. `ringtrain train --init-from OUT_DIR` starts a run from either. A mistake is
-one message and exit code 2.
+any world size. `ringtrain train --init-from OUT_DIR` starts a run from either. RUN_DIR may
+also be an export (hf <-> dcp), and each export carries the run's tokenizer (formats/tokenizer.py).
+A mistake is one message and exit code 2.
 """
 
 from __future__ import annotations
@@ -41,9 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_model(run_dir: str, step: int | None):
     """The run's final model (None: unless `step` asks for a snapshot's), eval mode, CPU."""
-    from ringtrain.cli.sample import SampleError, _run_config, snapshot_model
+    from ringtrain.cli.sample import (
+        SampleError,
+        _is_export,
+        _is_run,
+        _run_config,
+        exported_model,
+        snapshot_model,
+    )
     from ringtrain.models.export import CONFIG, load_model
 
+    try:
+        if os.path.isdir(run_dir) and not _is_run(run_dir) and _is_export(run_dir):
+            return exported_model(run_dir, step)[0]  # another export: converted
+    except SampleError as e:
+        raise ValueError(str(e)) from None
     if step is None and os.path.exists(os.path.join(run_dir, CONFIG)):
         return load_model(run_dir)[0]
     try:

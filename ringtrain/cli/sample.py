@@ -33,8 +33,9 @@ class SampleError(ValueError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringtrain sample",
                                 description="Generate text with the model of a "
-                                            "`ringtrain train` run.")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+                                            "`ringtrain train` run, or of an export of one.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a `ringtrain train` run directory, or "
+                   "`ringtrain export`'s hf or dcp directory")
     p.add_argument("--prompt", help="the text to continue (default: a newline); the addition "
                    "task: a sum, e.g. 12+34 (default: held-out sums)")
     p.add_argument("--tokens", type=int, default=200, metavar="N",
@@ -60,7 +61,7 @@ def _run_config(run_dir: str) -> dict[str, Any]:
                           "train` run (its --run-dir, runs/<timestamp> by default)")
     if not os.path.exists(path):
         raise SampleError(f"{run_dir}: no config.json; give the directory of a "
-                          "`ringtrain train` run")
+                          "`ringtrain train` run, or an export of one")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
@@ -190,6 +191,61 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _is_run(path: str) -> bool:
+    """Whether `path` is a `ringtrain train` run directory (its config.json has the run's args),
+    not an export (`ringtrain export`'s hf or dcp directory)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return "args" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _is_export(path: str) -> bool:
+    from ringtrain.formats.hf_gpt2 import FormatError
+    from ringtrain.formats.init_from import detect
+
+    try:
+        return bool(detect(path))
+    except FormatError:
+        return False
+
+
+def exported_model(path: str, snapshot: int | None):
+    """(model, encode or None, decode, digits) of an export: `ringtrain export`'s hf or dcp
+    directory, read as `--init-from` reads it, with the tokenizer it records."""
+    from dataclasses import asdict
+
+    from ringtrain.data.addition import sequence_length
+    from ringtrain.data.tokens import BPETokenizer, CharTokenizer
+    from ringtrain.formats.hf_gpt2 import FormatError
+    from ringtrain.formats.init_from import read_weights
+    from ringtrain.formats.tokenizer import read_tokenizer
+    from ringtrain.models.export import state_to_model
+
+    if snapshot is not None:
+        raise SampleError(f"--snapshot {snapshot}: {path} is an export (one model); give the run "
+                          "directory for its snapshots")
+    try:
+        config, state = read_weights(path)
+    except (FormatError, ValueError, OSError) as e:
+        raise SampleError(f"{path}: cannot read its model ({e})") from None
+    entry = read_tokenizer(path)
+    if config is None or entry is None:
+        raise SampleError(f"{path}: records no {'model shape' if config is None else 'tokenizer'}"
+                          " (not written by `ringtrain export`); sample the run it came from")
+    model = state_to_model(state, asdict(config))
+    if entry["type"] == "digits":
+        digits = next((d for d in range(1, 20) if sequence_length(d) == config.block_size), None)
+        if digits is None:
+            raise SampleError(f"{path}: an addition model of {config.block_size} positions, no "
+                              "number of digits fits; sample the run it came from")
+        return model, None, None, digits
+    tok = (CharTokenizer(entry["chars"]) if entry["type"] == "char" else
+           BPETokenizer(entry["file"]))
+    return model, tok.encode, tok.decode, None
+
+
 def generate(args: argparse.Namespace) -> list[str]:
     """The samples `args` asks for, each the prompt and its continuation."""
     import torch
@@ -200,17 +256,22 @@ def generate(args: argparse.Namespace) -> list[str]:
             args.temperature < 0 or args.top_k < 0:
         raise SampleError("--tokens and --num-samples must be 1 or more, --temperature and "
                           "--top-k 0 or more")
-    config = _run_config(args.run_dir)
-    exported = None
-    if os.path.exists(os.path.join(args.run_dir, "model_config.json")):
-        exported = read_config(args.run_dir)
-    if args.snapshot is None and exported is not None:
-        model, _ = load_model(args.run_dir)
+    if os.path.isdir(args.run_dir) and not _is_run(args.run_dir) and _is_export(args.run_dir):
+        model, encode, decode, digits = exported_model(args.run_dir, args.snapshot)
+        if digits is not None:
+            return sums(model, digits, args.prompt, args.num_samples)
     else:
-        model = snapshot_model(args.run_dir, args.snapshot, config["model"])
-    if not config["args"].get("data"):
-        return sums(model, int(config["args"]["digits"]), args.prompt, args.num_samples)
-    encode, decode = tokenizer_of(args.run_dir, config, exported)
+        config = _run_config(args.run_dir)
+        exported = None
+        if os.path.exists(os.path.join(args.run_dir, "model_config.json")):
+            exported = read_config(args.run_dir)
+        if args.snapshot is None and exported is not None:
+            model, _ = load_model(args.run_dir)
+        else:
+            model = snapshot_model(args.run_dir, args.snapshot, config["model"])
+        if not config["args"].get("data"):
+            return sums(model, int(config["args"]["digits"]), args.prompt, args.num_samples)
+        encode, decode = tokenizer_of(args.run_dir, config, exported)
     try:
         ids = encode("\n" if args.prompt is None else args.prompt)
     except ValueError as e:
