@@ -162,3 +162,19 @@ def test_a_snapshot_of_per_rank_parts_is_put_together_by_its_strategy(tmp_path, 
     for (name, a), (_, b) in zip(snap.state_dict().items(), final.state_dict().items(),
                                  strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("content,said", [
+    ("{bad", "config.json: cannot read it (Expecting property name"),
+    ("[1, 2]", "config.json is not the config.json of a `ringtrain train` run (it needs args and "
+               "model)"),
+])
+def test_a_broken_config_json_is_one_line_in_sample_and_export(tmp_path, capsys, content, said):
+    from ringtrain.cli import main as ringtrain_main
+
+    (tmp_path / "config.json").write_text(content)
+    for argv in (["sample", str(tmp_path)], ["export", str(tmp_path), str(tmp_path / "o"),
+                                             "--format", "hf"]):
+        assert ringtrain_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err

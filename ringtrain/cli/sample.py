@@ -62,8 +62,15 @@ def _run_config(run_dir: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise SampleError(f"{run_dir}: no config.json; give the directory of a "
                           "`ringtrain train` run, or an export of one")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SampleError(f"{path}: cannot read it ({e})") from None
+    if not isinstance(config, dict) or not {"args", "model"} <= set(config):
+        raise SampleError(f"{path} is not the config.json of a `ringtrain train` run (it needs "
+                          "args and model); give the directory of one, or an export of one")
+    return config
 
 
 def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any]):
