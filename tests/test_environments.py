@@ -196,6 +196,13 @@ def test_init_logs_what_it_found_once(clean_env, caplog):
     found = [r.getMessage() for r in caplog.records if "world_size" in r.getMessage()]
     assert found == ["ringtrain: single process: rank 0 of world_size 1 (local_rank 0), "
                      "no master (one process), device cpu"]
+    from ringtrain.launch.process_group import _log_found  # under `ringtrain run`: said once
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        _log_found("ringtrain run", get_runtime(), "localhost", 29500)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ringtrain run: rank 0 of world_size 1 (local_rank 0), master localhost:29500, device cpu"]
 
 
 def test_a_group_started_elsewhere_is_adopted_and_left_alone(clean_env):

@@ -262,8 +262,10 @@ def _adopt_group(name: str) -> Runtime:
 def _log_found(name: str, rt: Runtime, addr: str | None, port: object) -> None:
     if rt.rank == 0:  # once per job: every rank found the same launcher
         where = f"master {addr}:{port}" if addr else "no master (one process)"
-        log.info("ringtrain: %s: rank %d of world_size %d (local_rank %d), %s, device %s",
-                 name, rt.rank, rt.world_size, rt.local_rank, where, rt.device)
+        # "ringtrain: slurm: ...", but "ringtrain run: ...", not "ringtrain: ringtrain run: ..."
+        said = name if name.startswith("ringtrain") else f"ringtrain: {name}"
+        log.info("%s: rank %d of world_size %d (local_rank %d), %s, device %s",
+                 said, rt.rank, rt.world_size, rt.local_rank, where, rt.device)
 
 
 WATCHDOG_ENV = "RINGTRAIN_WATCHDOG_TIMEOUT"  # set by `ringtrain run --watchdog-timeout`
