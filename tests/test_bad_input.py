@@ -85,8 +85,10 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "empty.txt").write_text("")
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 8)
     (tmp / "a_dir").mkdir()
+    (tmp / "corpus").mkdir()  # text files, not prepared
+    (tmp / "corpus" / "a.txt").write_text("some text\n")
     return {"EMPTY": str(tmp / "empty.txt"), "BINARY": str(tmp / "binary.txt"),
-            "DIR": str(tmp / "a_dir")}
+            "DIR": str(tmp / "a_dir"), "CORPUS": str(tmp / "corpus")}
 
 
 TRAIN_CASES = [  # argv, the value named, the fix offered (regexes)
@@ -104,6 +106,8 @@ TRAIN_CASES = [  # argv, the value named, the fix offered (regexes)
      r"use a longer text or a smaller --block-size"),
     (["--data", "BINARY"], r"--data \S*binary\.txt: not UTF-8", r"convert it to UTF-8"),
     (["--data", "DIR"], r"--data \S*a_dir: a directory without meta\.json", r"ringtrain prepare"),
+    (["--data", "CORPUS"], r"--data \S*corpus: a folder of text, not a prepared token dataset",
+     r"`ringtrain prepare \S*corpus \S*corpus_tokens`, then --data \S*corpus_tokens"),
     (["--data", "/no/such.txt"], r"--data /no/such\.txt: no such file", r"give the path"),
     (["--run-dir", "/proc/ringtrain-x"], r"--run-dir /proc/ringtrain-x",
      r"choose a directory you can write"),

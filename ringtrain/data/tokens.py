@@ -132,6 +132,14 @@ def read_meta(path: str) -> dict[str, Any]:
     """A prepared directory's meta.json, or a ValueError saying what is missing."""
     meta_path = os.path.join(path, META)
     if not os.path.exists(meta_path):
+        texts = [n for n in os.listdir(path) if not n.startswith(".")] if os.path.isdir(
+            path) else []
+        if texts and not {"train.bin", "val.bin"} & set(texts):  # the text itself, unprepared
+            out = os.path.normpath(path) + "_tokens"
+            raise ValueError(f"--data {path}: a folder of text, not a prepared token dataset "
+                             f"({META} is missing); prepare it once: `ringtrain prepare {path} "
+                             f"{out}`, then --data {out} (or give a single .txt file, prepared "
+                             "into the run directory)")
         raise ValueError(f"--data {path}: a directory without {META}: not a prepared token "
                          f"dataset (or its preparation did not finish); run `ringtrain prepare "
                          f"SRC {path}` first, or give a .txt file")
