@@ -100,6 +100,24 @@ def test_bad_input_is_one_message_and_exit_2(tmp_path, capsys, make, argv, messa
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+def test_an_out_dir_that_cannot_hold_the_dataset_is_refused_before_the_passes(tmp_path,
+                                                                              capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text\n" * 20)
+    (tmp_path / "f.txt").write_text("x")
+    for out, said in [(tmp_path / "f.txt", "f.txt: a file, not a directory"),
+                      (corpus, "is inside SRC"), (corpus / "tokens", "is inside SRC")]:
+        assert ringtrain_main(["prepare", str(corpus), str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    assert sorted(p.name for p in corpus.iterdir()) == ["a.txt"]  # nothing written among them
+    assert ringtrain_main(["export", str(tmp_path), str(tmp_path / "f.txt"), "--format",
+                           "hf"]) == 2
+    assert "OUT_DIR " + str(tmp_path / "f.txt") + " is a file, not a directory" in (
+        capsys.readouterr().err)
+
+
 def test_a_failed_pass_with_progress_on_says_only_the_error(tmp_path, capsys):
     """In a log (no terminal) a pass ends with one count line; a failed one printed
     'scan: 0 bytes in 0.0 s' before its error."""

@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ringtrain export: OUT_DIR is RUN_DIR ({args.run_dir}); give another directory",
               file=sys.stderr)
         return USAGE_EXIT_CODE
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        print(f"ringtrain export: OUT_DIR {args.out_dir} is a file, not a directory; give a "
+              "directory (created if missing)", file=sys.stderr)
+        return USAGE_EXIT_CODE
     try:
         model = run_model(args.run_dir, args.snapshot)
     except (ValueError, FileNotFoundError) as e:
@@ -102,9 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT_CODE
     from ringtrain.formats.tokenizer import portable
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    tokenizer = portable(run_tokenizer(args.run_dir), args.out_dir)  # init-from checks it
-    paths = (export_hf if args.format == "hf" else export_dcp)(model, args.out_dir, tokenizer)
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+        tokenizer = portable(run_tokenizer(args.run_dir), args.out_dir)  # init-from checks it
+        paths = (export_hf if args.format == "hf" else export_dcp)(model, args.out_dir, tokenizer)
+    except OSError as e:  # OUT_DIR a file, not writable, a full disk
+        print(f"ringtrain export: cannot write OUT_DIR {args.out_dir}: {e.strerror or e} "
+              f"({e.filename or args.out_dir}); give a directory you can write", file=sys.stderr)
+        return USAGE_EXIT_CODE
     copied = [tokenizer["file"]] if tokenizer and "file" in tokenizer else []  # a BPE's
     names = list(dict.fromkeys([*map(os.path.basename, paths), *copied]))
     print(f"wrote {args.format} to {args.out_dir}: {', '.join(names)}")

@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     except PrepareError as e:
         print(f"ringtrain prepare: error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except OSError as e:  # a write that failed after the checks (a full disk): one line
+        print(f"ringtrain prepare: error: writing {args.out_dir}: {e.strerror or e} "
+              f"({e.filename or args.out_dir})", file=sys.stderr)
+        return 1
     print(f"{args.out_dir}: {meta['tokenizer']} vocabulary of {meta['vocab_size']}, "
           f"{meta['train_tokens']:,} train and {meta['val_tokens']:,} validation tokens "
           f"({meta['dtype']}) from {meta['characters']:,} characters in "

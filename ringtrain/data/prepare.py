@@ -171,6 +171,23 @@ def _train_bpe(files: list[str], n_train: int, vocab_size: int, chunk_chars: int
     return tok
 
 
+def _check_out_dir(src: str, out_dir: str) -> None:
+    """Before the passes: OUT_DIR can be a directory here, and is not among the sources."""
+    out, source = os.path.realpath(out_dir), os.path.realpath(src)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise PrepareError(f"{out_dir}: a file, not a directory; give a directory for the "
+                           "dataset (created if missing)")
+    if os.path.isdir(src) and (out == source or out.startswith(source + os.sep)):
+        raise PrepareError(f"{out_dir} is inside SRC {src}: its token files would be read as "
+                           "text by the next prepare of SRC; give a directory outside it")
+    parent = out
+    while not os.path.exists(parent):  # the nearest directory that exists must be writable
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise PrepareError(f"{out_dir}: cannot be created or written ({parent} is not "
+                           "writable); give a directory you can write")
+
+
 def _load_bpe(path: str):
     try:
         from tokenizers import Tokenizer
@@ -221,6 +238,7 @@ def prepare(src: str, out_dir: str, *, tokenizer: str = "char", vocab_size: int 
     if not 0.0 < val_fraction < 1.0:
         raise PrepareError(f"--val-fraction {val_fraction}: it must be between 0 and 1, e.g. 0.1")
     files = source_files(src)
+    _check_out_dir(src, out_dir)
     n_chars, chars = _scan(files, chunk_chars, progress)
     if n_chars == 0:
         raise PrepareError(f"{src}: the text is empty; give a file with text in it")
