@@ -74,6 +74,10 @@ def check_replicas(model: nn.Module | Mapping[str, torch.Tensor],
     at the same point. Returns None when all ranks hold the same bits;
     otherwise raises `ReplicasDivergedError` (or returns its message, `raise_error=False`).
     """
+    if process_group is None and not dist.is_initialized():
+        raise ValueError("check_replicas compares the ranks of a process group, and none is "
+                         "initialised: call ringtrain.init_distributed() first (or pass "
+                         "process_group=)")
     group = process_group or dist.group.WORLD
     world = dist.get_world_size(group)
     if world == 1:

@@ -70,3 +70,11 @@ def test_two_ranks_agree_or_both_name_the_nudged_tensor(nudge):
         return
     assert errors[0] == errors[1] and errors[0].startswith("replicas diverged: 1 of 4 tensors")
     assert "the first is '2.bias', one version per group of ranks: 0 | 1" in errors[0]
+
+
+def test_without_a_process_group_check_replicas_says_how_to_start_one(clean_env):
+    from ringtrain import check_replicas
+
+    with pytest.raises(ValueError, match=r"none is initialised: call "
+                                         r"ringtrain\.init_distributed\(\) first"):
+        check_replicas(nn.Linear(2, 2))

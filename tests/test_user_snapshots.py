@@ -123,3 +123,14 @@ def test_stop_signal_alone_answers_for_this_process():
         assert delivered == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_stop_signal_takes_names_and_refuses_what_is_not_a_signal():
+    import ringtrain
+
+    assert ringtrain.StopSignal(("SIGTERM", "usr1", 2)).signals == (
+        signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    for wrong in ("SIGFOO", 999, 1.5):
+        with pytest.raises(ValueError, match=rf"{wrong!r} is not a signal of this system; give "
+                                             r"signal\.SIGTERM or a name such as 'SIGTERM'"):
+            ringtrain.StopSignal((wrong,))

@@ -28,6 +28,18 @@ from ringtrain import collectives  # checked first under RINGTRAIN_DEBUG=collect
 __all__ = ["StopSignal"]
 
 
+def _signal(s: int | str) -> signal.Signals:
+    """signal.SIGTERM, 15, "SIGTERM" or "term" -> signal.SIGTERM; a ValueError otherwise."""
+    try:
+        if isinstance(s, str):
+            name = s.strip().upper()
+            return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        return signal.Signals(s)
+    except (KeyError, ValueError, TypeError):
+        raise ValueError(f"StopSignal(signals=...): {s!r} is not a signal of this system; give "
+                         "signal.SIGTERM or a name such as 'SIGTERM' or 'SIGUSR1'") from None
+
+
 class StopSignal:
     """A signal (by default SIGTERM, SIGINT, SIGUSR1) becomes a request to save and stop at
     the next step boundary.
@@ -43,8 +55,9 @@ class StopSignal:
        connection.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)):
-        self.signals = signals
+    def __init__(self, signals: tuple[int | str, ...] = (signal.SIGTERM, signal.SIGINT,
+                                                        signal.SIGUSR1)):
+        self.signals = tuple(_signal(s) for s in signals)
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
