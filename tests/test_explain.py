@@ -313,6 +313,12 @@ def test_every_registered_strategy_gives_figures_and_words(name):
         assert nbytes(fig.sent_bytes) in text, (name, text)
 
 
+def test_a_run_started_from_other_weights_says_so():
+    assert "started from the weights of gpt2_dir (--init-from), not a random init" in _text(
+        _run(2, init_from="gpt2_dir"))
+    assert "--init-from" not in _text(_run(2))
+
+
 def test_an_unknown_strategy_is_still_explained():
     run = _run(2, "someday")
     facts = run_facts(run)

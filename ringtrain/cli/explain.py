@@ -309,9 +309,12 @@ def explain(run: RunFiles) -> str:
              f"param_sha256 {str(s.get('param_sha256'))[:16]}..."
              if run.summary
              else "did not finish (no summary.json): a crash, a stop, or still running")
+    start = run.config["args"].get("init_from")
+    started = [f"started from the weights of {start} (--init-from), not a random init"] if (
+        start) else []
     sections = [
         ("", [f"run {run.path}: --strategy {f.name} on {plural(f.world, 'rank')}, task "
-              f"{run.config.get('task')}: {state}"]),
+              f"{run.config.get('task')}: {state}", *started]),
         ("who did what", said.roles),
         ("how the data was split", _data(run, f, said.reader)),
         ("what travelled between ranks, per step", said.traffic),
