@@ -278,6 +278,41 @@ def test_the_report_names_what_a_scripts_rank_raised(tmp_path, tag):
     assert _wait_gone(tag, 5.0) == []
 
 
+UNEVEN = """
+import sys
+import torch
+import ringtrain
+
+rt = ringtrain.init_distributed()
+torch.set_num_threads(1)
+model = ringtrain.DistributedDataParallel(torch.nn.Linear(4, 1))
+data = [torch.randn(4) for _ in range(20 + 4 * rt.rank)]  # rank 1 listed more files
+sampler = ringtrain.DistributedSampler(data)
+for x in torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler):  # 5 and 6 batches
+    model(x).sum().backward()
+print(f"rank {rt.rank} done", flush=True)
+ringtrain.destroy_distributed()
+"""
+
+
+def test_a_rank_with_more_batches_than_its_peers_is_told_why_at_once(tmp_path, tag):
+    """Rank 0 ends its loop after 5 steps and exits; rank 1's 6th all-reduce loses its
+    connection. It waited for the watchdog to name a silent peer (60 s: none is silent, rank 0
+    finished) and then reported only the lost connection; now the peer's checkout says why."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN)
+    started = time.monotonic()
+    out = subprocess.run([*RUN, "--nproc-per-node", "2", str(script), tag], env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "rank 0 done" in out.stdout, out.stderr
+    report = out.stderr[out.stderr.index("ringtrain run: rank 1 failed"):].splitlines()
+    assert "): still in a collective after rank 0 had finished the script: the ranks ran " \
+           "different numbers of steps or collectives, e.g. a different number of batches per " \
+           "rank" in report[0], out.stderr
+    assert time.monotonic() - started < 40, out.stderr  # not the watchdog's 60 s
+    assert _wait_gone(tag, 5.0) == []
+
+
 DIE = """
 import os, signal, sys, time
 rank, hows = int(os.environ["RANK"]), sys.argv[1].split(",")

@@ -42,6 +42,17 @@ class PeerFailure:
         return self.reason
 
 
+def uneven_hint(finished: list[int]) -> str:
+    """Why a connection was lost when peers had finished their scripts (`Watchdog`): said
+    before the error, which only names the lost connection."""
+    who = (f"rank {finished[0]} had" if len(finished) == 1 else
+           f"ranks {', '.join(map(str, finished))} had")
+    return (f"still in a collective after {who} finished the script: the ranks ran different "
+            "numbers of steps or collectives, e.g. a different number of batches per rank (a "
+            "dataset of another length on some rank, or a loop bound that depends on the "
+            "rank); the error was: ")
+
+
 def describe_error(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     first = lines[0] if lines else ""

@@ -47,6 +47,7 @@ from ringtrain.launch.peer_failure import (
     describe_error,
     exit_on_peer_failure,
     tcp_store,
+    uneven_hint,
     write_error_file,
 )
 from ringtrain.launch.verdicts import Verdicts
@@ -210,23 +211,37 @@ class Watchdog(Verdicts):
         """The peer failure found so far, if any (set just before `on_dead` is called)."""
         return self._found if self._fired.is_set() else None
 
-    def report_failure(self, exc: BaseException) -> None:
-        """Tell the peers this rank is failing with `exc` (call it, then re-raise).
+    def report_failure(self, exc: BaseException) -> str:
+        """Tell the peers this rank is failing with `exc` (call it, then re-raise); returns
+        what to say of it (`describe_error`, with the reason when one is known).
 
         An `exc` that only says a connection was lost is a symptom: wait up to `timeout_s` for
         the watchdog to name the peer that went silent (the default `on_dead` then exits this
-        process); only if none does is `exc` reported as this rank's own failure.
+        process); only if none does is `exc` reported as this rank's own failure. A peer that
+        had finished its script (checked out through the store) explains it at once: this rank
+        was still in a collective that peer never entered.
         """
+        said = describe_error(exc)
         if not self._threads:
-            return
+            return said
         if is_connection_lost(exc):
-            self._suspect = True
-            # The default on_dead exits this process (never returns); a custom one returns.
-            if self._fired.wait(self.timeout_s + self.interval_s):
-                self._handled.wait(self.timeout_s)
-                return
-        self._publish(PeerFailure("failed", self.rank,
-                                  f"at step {self._step}: {describe_error(exc)}"))
+            if finished := self._finished_peers():
+                said = uneven_hint(finished) + said
+            else:
+                self._suspect = True
+                # The default on_dead exits this process (never returns); a custom one returns.
+                if self._fired.wait(self.timeout_s + self.interval_s):
+                    self._handled.wait(self.timeout_s)
+                    return said
+        self._publish(PeerFailure("failed", self.rank, f"at step {self._step}: {said}"))
+        return said
+
+    def _finished_peers(self) -> list[int]:
+        """The peers that checked out as done (their script ended; `stop(done=True)`)."""
+        try:
+            return [r for r in self._peers if self._store.check([f"done/{r}"])]
+        except RuntimeError:  # the store went with its host: nothing to tell from here
+            return []
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -240,10 +255,10 @@ class Watchdog(Verdicts):
     # -- threads --------------------------------------------------------------------------
 
     def _hook(self, exc_type, exc, tb) -> None:
-        self.report_failure(exc)
+        said = self.report_failure(exc)
         # The launcher's report then names the exception, not "exit code 1"; the traceback is
         # the one the hook below prints, at the end of this rank's output (not printed twice).
-        write_error_file(describe_error(exc), replace=False)
+        write_error_file(said, replace=False)
         (self._previous_hook or sys.__excepthook__)(exc_type, exc, tb)
 
     def _beat_loop(self) -> None:
