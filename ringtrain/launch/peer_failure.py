@@ -50,7 +50,8 @@ def uneven_hint(finished: list[int]) -> str:
     return (f"still in a collective after {who} finished the script: the ranks ran different "
             "numbers of steps or collectives, e.g. a different number of batches per rank (a "
             "dataset of another length on some rank, or a loop bound that depends on the "
-            "rank); the error was: ")
+            "rank; with DistributedDataParallel, `with model.join():` around the loop lets ranks "
+            "run out of batches at different steps); the error was: ")
 
 
 def describe_error(exc: BaseException) -> str:
