@@ -207,6 +207,17 @@ def test_bad_flags_give_a_clear_error_and_exit_2(capsys, argv, error):
     assert err.splitlines()[-1].startswith("ringtrain run: error: ") and error in err, err
 
 
+def test_nproc_per_node_gpu_without_a_gpu_says_so(capsys, monkeypatch):
+    import ringtrain.launch.launcher as launcher
+
+    monkeypatch.setattr(launcher, "launcher_gpu_count", lambda: 0)  # also on a GPU box
+    assert main(["--nproc-per-node", "gpu", SCRIPT]) == 2  # torch: "Cuda is not available."
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ringtrain run: error: --nproc-per-node gpu: torch ") and err.endswith(
+        "sees no GPU on this machine; give a number of processes, or auto (one per GPU, else one "
+        "per CPU core)"), err
+
+
 # -- the report, without processes -------------------------------------------------------------
 
 def _failure(tmp_path: Path, local_rank: int, exitcode: int, raised: str | None = None):

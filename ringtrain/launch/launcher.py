@@ -53,6 +53,7 @@ from ringtrain.launch.agent_patches import (
     tolerating,
 )
 from ringtrain.launch.cgroup import MemoryCgroups
+from ringtrain.launch.device import launcher_gpu_count
 from ringtrain.launch.entrypoint import missing_entrypoint
 from ringtrain.launch.environments import LAUNCHER_PID_ENV
 from ringtrain.launch.failure_report import (
@@ -128,6 +129,12 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     if entrypoint is None and (missing := missing_entrypoint(args.training_script, args.module,
                                                              args.no_python)):
         print(f"ringtrain run: error: {missing}", file=sys.stderr)
+        return 2
+    if args.nproc_per_node == "gpu" and launcher_gpu_count() == 0:  # torch: "Cuda is not ..."
+        build = "" if torch.version.cuda else " (a CPU-only build)"
+        print(f"ringtrain run: error: --nproc-per-node gpu: torch {torch.__version__}{build} "
+              "sees no GPU on this machine; give a number of processes, or auto (one per GPU, "
+              "else one per CPU core)", file=sys.stderr)
         return 2
     try:
         _single_node_rendezvous(args)
