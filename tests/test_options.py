@@ -208,3 +208,20 @@ def test_trainer_config_errors_name_the_field_the_value_and_the_rule():
     config.lr = 0.0  # set after it was built: resolved() builds its copy, which checks
     with pytest.raises(ValueError, match=r"^lr=0\.0: it must be positive"):
         config.resolved()
+
+
+@pytest.mark.parametrize("gpus, text, want", [(0, "auto", "cores"), (0, "gpu", None),
+                                              (4, "gpu", 4), (4, "auto", 4), (0, "3", 3)])
+def test_nproc_per_node_takes_torchruns_gpu_and_auto(monkeypatch, gpus, text, want):
+    import os
+
+    import ringtrain.launch.device as device
+    from ringtrain.cli.train_args import parse_options
+
+    monkeypatch.setattr(device, "launcher_gpu_count", lambda: gpus)
+    if want is None:
+        with pytest.raises(SystemExit):
+            parse_options(["--nproc-per-node", text])
+        return
+    got = parse_options(["--nproc-per-node", text]).launch.nproc_per_node
+    assert got == (os.cpu_count() if want == "cores" else want)

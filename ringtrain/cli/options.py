@@ -40,6 +40,28 @@ from ringtrain.training.config import TrainerConfig
 _positive, _non_negative = int_at_least(1), int_at_least(0)
 
 
+def _nproc(text: str) -> int:
+    """--nproc-per-node: a number, or torchrun's `gpu` (one per GPU) and `auto` (one per GPU,
+    else one per CPU core), resolved here so config.json records the number."""
+    if text not in ("gpu", "auto"):
+        return _positive(text)
+    import os
+
+    from ringtrain.launch.device import launcher_gpu_count
+
+    if gpus := launcher_gpu_count():
+        return gpus
+    if text == "gpu":
+        import torch
+
+        raise argparse.ArgumentTypeError(f"gpu: torch {torch.__version__} sees no GPU on this "
+                                         "machine; give a number of processes, or auto")
+    return os.cpu_count() or 1
+
+
+_nproc.rule = _positive.rule  # type: ignore[attr-defined]
+
+
 def _memory_size(text: str) -> str:
     from ringtrain.launch.cgroup import parse_size
 
@@ -72,7 +94,8 @@ _GPT = {f.name: f.default for f in fields(GPTConfig)}  # the model's own default
 class LaunchOptions:
     """How many processes, where, and how they are watched (`launcher`: the launcher's alone)."""
 
-    nproc_per_node: int = option(1, "worker processes on this machine", type=_positive,
+    nproc_per_node: int = option(1, "worker processes on this machine (gpu: one per GPU; auto: "
+                                 "one per GPU, else one per CPU core)", type=_nproc,
                                  launcher=True)
     threads: int | None = option(None, "torch threads per worker (1 is faster for small models "
                                  "on a busy machine)", type=_positive, shown="cores / nproc")
