@@ -128,13 +128,24 @@ class BPETokenizer:
         return self.tokenizer.decode(ids)
 
 
+def _holds_text(path: str) -> bool:
+    """Whether `path` holds files `ringtrain prepare` would read (not hidden, at any depth)
+    and none of a dataset's own (an unfinished preparation is not a folder of text)."""
+    own = {"train.bin", "val.bin", META, "tokenizer.json"}
+    found = False
+    for _, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if own & set(names):
+            return False
+        found = found or any(not n.startswith(".") for n in names)
+    return found
+
+
 def read_meta(path: str) -> dict[str, Any]:
     """A prepared directory's meta.json, or a ValueError saying what is missing."""
     meta_path = os.path.join(path, META)
     if not os.path.exists(meta_path):
-        texts = [n for n in os.listdir(path) if not n.startswith(".")] if os.path.isdir(
-            path) else []
-        if texts and not {"train.bin", "val.bin"} & set(texts):  # the text itself, unprepared
+        if _holds_text(path):  # the text itself, unprepared
             out = os.path.normpath(path) + "_tokens"
             raise ValueError(f"--data {path}: a folder of text, not a prepared token dataset "
                              f"({META} is missing); prepare it once: `ringtrain prepare {path} "
