@@ -39,8 +39,7 @@ def train(run_dir: str, steps: int = 40, every: int = 10, batch_size: int = 8,
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = make_data(seed=seed)
     sampler = ringtrain.DistributedSampler(data, seed=seed)
-    snapshots = ringtrain.SnapshotManager(run_dir, rank=rt.rank, world_size=rt.world_size,
-                                          keep=2, background=True)
+    snapshots = ringtrain.SnapshotManager(run_dir, keep=2, background=True)  # the group's ranks
     step = 0
     snap = snapshots.latest()  # the same choice on every rank (every rank verifies the files)
     if snap is not None:

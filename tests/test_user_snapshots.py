@@ -134,3 +134,18 @@ def test_stop_signal_takes_names_and_refuses_what_is_not_a_signal():
         with pytest.raises(ValueError, match=rf"{wrong!r} is not a signal of this system; give "
                                              r"signal\.SIGTERM or a name such as 'SIGTERM'"):
             ringtrain.StopSignal((wrong,))
+
+
+def test_a_manager_takes_rank_and_world_size_from_the_default_group(clean_env, tmp_path):
+    import ringtrain
+    from ringtrain.runtime import DistributedInitError
+
+    with pytest.raises(DistributedInitError, match=r"call ringtrain\.init_distributed\(\) first"):
+        ringtrain.SnapshotManager(tmp_path)
+    ringtrain.init_distributed()
+    try:
+        manager = ringtrain.SnapshotManager(tmp_path)
+        assert (manager.rank, manager.world_size) == (0, 1)
+        assert ringtrain.SnapshotManager(tmp_path / "b", rank=0, world_size=1).rank == 0
+    finally:
+        ringtrain.destroy_distributed()

@@ -1,6 +1,6 @@
 """Snapshots: atomic, checksummed, committed-last, saved as a bounded collective step.
 
-    manager = SnapshotManager("runs/x/snapshots", rank=rt.rank, world_size=rt.world_size)
+    manager = SnapshotManager("runs/x/snapshots")  # rank, world_size: the default group's
     result = manager.save(step, shared={"model": ..., "optimizer": ..., "sampler": ...},
                           per_rank={"rng": get_rng_state()},
                           metadata={"config": ..., "topology": ...})
@@ -13,9 +13,9 @@ Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`. File-level helpers (durab
 checksums, manifests, `unwrap_state_dict`, `check_topology`) live in `ringtrain.checkpoint.files`;
 the keys, reports and bounded waits of the ranks' handshake in `ringtrain.checkpoint.handshake`;
 rank 0's commit (rename, `COMMITTED` last) and the rotation of old snapshots in
-`ringtrain.checkpoint.commit`. This file holds the manager: the order of one save, each rank's
-own part (written in a thread, bounded by the deadline), and finding and loading snapshots; the
-host copy and the writer thread of a save in the background are `ringtrain.checkpoint.background`.
+`ringtrain.checkpoint.commit`. This file holds the manager: the order of one save, each rank's own
+part (written in a thread, bounded by the deadline), and finding and loading snapshots; the host
+copy and the writer thread of a save in the background are `ringtrain.checkpoint.background`.
 
 Layout under `root_dir` (a directory every rank sees, e.g. on a shared filesystem):
 
@@ -26,13 +26,13 @@ One save: rank 0 creates the temp directory and tells the others its name throug
 group's key-value store; every rank writes and fsyncs its part (`shared` by rank 0 only,
 `rank{r}.pt` by each) and reports its files' SHA-256 (or its error) to the store; rank 0 waits for
 all reports until the deadline, writes `manifest.json`, renames the directory to `snap-{step}`,
-writes `COMMITTED` last, and publishes the outcome, which the other ranks wait for. Every wait
-has a deadline, so a slow or failed rank makes `save` raise `SnapshotError` naming that rank on
-every rank instead of hanging. Every rank raises what rank 0 published, so all agree on the
-kind: `SnapshotNoSpaceError` when any rank's disk was full. A save that fails removes its temp
-directory; a crash at any point leaves either a temp directory or a directory without
-`COMMITTED`: both are ignored by `latest()`, the temp ones removed by `remove_unfinished` (at
-the next start) and all by the next save.
+writes `COMMITTED` last, and publishes the outcome, which the other ranks wait for. Every wait has
+a deadline, so a slow or failed rank makes `save` raise `SnapshotError` naming that rank on every
+rank instead of hanging. Every rank raises what rank 0 published, so all agree on the kind:
+`SnapshotNoSpaceError` when any rank's disk was full. A save that fails removes its temp directory;
+a crash at any point leaves either a temp directory or a directory without `COMMITTED`: both are
+ignored by `latest()`, the temp ones removed by `remove_unfinished` (at the next start) and all by
+the next save.
 
 In the background (`background = True`; the trainer's default): `save` copies the state to host
 memory (what `updated` names beside the caller's next forward and backward, see
@@ -90,6 +90,7 @@ from ringtrain.checkpoint.handshake import (
     wait_one,
 )
 from ringtrain.checkpoint.staged_save import StagedSave
+from ringtrain.runtime import get_rank, get_world_size
 from ringtrain.store_keys import claim_key
 from ringtrain.torch_internals import default_store
 
@@ -107,7 +108,8 @@ class SnapshotManager:
 
     Args:
         root_dir: directory for the snapshots, the same one on every rank (shared filesystem).
-        rank, world_size: this process's place among the ranks that save together.
+        rank, world_size: this process's place among the ranks that save together (default:
+            the default group's, `ringtrain.init_distributed()`'s).
         store: key-value store those ranks share, for the bounded handshake; default the
             default process group's store. Not needed when world_size == 1.
         keep: committed snapshots to keep (the newest `keep`; at least 1, 2 survives corruption).
@@ -125,27 +127,26 @@ class SnapshotManager:
     """
 
     def __init__(
-        self, root_dir: str | os.PathLike, *, rank: int, world_size: int,
-        store: dist.Store | None = None, keep: int = 2, timeout_s: float = 60.0,
-        name: str = "snapshots", background: bool = False,
+        self, root_dir: str | os.PathLike, *, rank: int | None = None,
+        world_size: int | None = None, store: dist.Store | None = None, keep: int = 2,
+        timeout_s: float = 60.0, name: str = "snapshots", background: bool = False,
     ) -> None:
+        if rank is None or world_size is None:  # the default group's (init_distributed first)
+            rank, world_size = get_rank() if rank is None else rank, world_size or get_world_size()
         if not 0 <= rank < world_size:
             raise ValueError(f"Invalid rank {rank}, rank should be in the interval "
                              f"[0, {world_size - 1}]")
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least 1 committed snapshot "
                              "(2 survives a corrupt one)")
-
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: it must be positive")
         self.root = Path(root_dir)
         self.rank, self.world_size, self.keep, self.timeout_s = rank, world_size, keep, timeout_s
         if store is None and world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError(
-                    f"world_size={world_size} needs a store shared by the ranks: call "
-                    "ringtrain.init_distributed() first, or pass store="
-                )
+                raise ValueError(f"world_size={world_size} needs a store shared by the ranks: "
+                                 "call ringtrain.init_distributed() first, or pass store=")
             store = default_store()
         self.store = store
         self._saves = 0  # every rank calls save in the same order, so this numbers them alike
@@ -166,8 +167,7 @@ class SnapshotManager:
         # client serialises its requests (TCPStore holds a lock per operation), so the step
         # loop and a watchdog may use it meanwhile.
         self.background = background
-        # The host copy, who writes the files (`.writer`: "auto", "process" or "thread"), the
-        # save in flight.
+        # The host copy, the writer (`.writer`: "auto", "process" or "thread"), the save in flight.
         self.background_saves = BackgroundSaves()
 
     # ---- saving ------------------------------------------------------------------------------
