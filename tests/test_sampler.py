@@ -219,6 +219,9 @@ def test_errors_carry_the_values():
         DistributedSampler(range(8), num_replicas=0, rank=0)
     with pytest.raises(ValueError, match="exact=True and drop_last=True"):
         DistributedSampler(range(8), 2, 0, drop_last=True, exact=True)
+    for seed in ("42", 1.5, True):  # failed later, in the first epoch's shuffle
+        with pytest.raises(TypeError, match=rf"seed={seed!r}: an integer, the same on every"):
+            DistributedSampler(range(8), 2, 0, seed=seed)
     state = DistributedSampler(range(8), 2, 0).state_dict()
     with pytest.raises(ValueError, match="dataset of 8 samples but this dataset has 9"):
         DistributedSampler(range(9), 2, 0).load_state_dict(state)

@@ -26,6 +26,7 @@ cursor by k * num_replicas, which is what `state_dict()` records.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
@@ -95,6 +96,9 @@ class DistributedSampler(Sampler[int]):
             raise ValueError(
                 f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
             )
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+            raise TypeError(f"seed={seed!r}: an integer, the same on every rank (it seeds the "
+                            "shuffle every rank draws its shard from)")
         if exact and drop_last:
             raise ValueError(
                 "exact=True and drop_last=True contradict each other: exact mode neither pads "
