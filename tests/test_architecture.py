@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "replicas": {"collectives"},  # check_replicas: names the first tensor that differs
     "models": set(),
     "formats": {"models"},  # transformers GPT-2 and torch DCP <-> the GPT's weights
-    "data": {"runtime"},
+    "data": {"runtime", "torch_internals"},
     "agreement": {"runtime", "store_keys", "collectives"},
     "ddp": {"runtime", "staging", "torch_internals", "errors", "ranges", "trace", "collectives"},
     "pipeline": {"runtime", "staging", "torch_internals", "errors", "trace"},

@@ -46,7 +46,7 @@ PRIVATE_NAMES = [
     "rdzv_registry", "_capture_process_failures", "_running_local_ranks", "subprocess_handlers",
     "_start_workers", "_restart_workers", "_remaining_restarts", "_BatchNorm", "_backward_hooks",
     "_popen", "_stdout", "_stderr", "_monitor_workers", "_pcontext", "_exit_barrier",
-    "_foreach_copy_",
+    "_foreach_copy_", "_BaseDataLoaderIter", "_num_yielded", "_index_sampler", "_in_order",
 ]
 # Spelled with their owner: the bare attribute is too common a word.
 PRIVATE_PATTERNS = [r"torch\._utils\b", r"options\._timeout\b", r"distributed_c10d\._"]

@@ -28,11 +28,14 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+import weakref
 from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
+
+from ringtrain.torch_internals import driving_loader, samples_handed_out
 
 __all__ = ["DistributedSampler"]
 
@@ -120,6 +123,7 @@ class DistributedSampler(Sampler[int]):
         self._phase = _PENDING
         # tells a stale iterator (superseded by a newer iter()) to stop counting
         self._generation = 0
+        self._loader: tuple[int, weakref.ref] | None = None  # (generation, the DataLoader's)
 
 
     # ---- index arithmetic (pure) -------------------------------------------------------------
@@ -173,6 +177,10 @@ class DistributedSampler(Sampler[int]):
         self._phase = _RUNNING
         self._yielded = 0
         self._generation += 1
+        # A DataLoader driving this iteration: its count of batches handed out, not the indices
+        # its workers prefetched, is what the loop consumed (`state_dict`).
+        loader = driving_loader()
+        self._loader = (self._generation, weakref.ref(loader)) if loader is not None else None
         return self._iterate(self._indices(self.epoch, self._start), self._generation)
 
     def _iterate(self, indices: list[int], generation: int) -> Iterator[int]:
@@ -208,22 +216,25 @@ class DistributedSampler(Sampler[int]):
         """Seed, epoch and global samples consumed, as plain ints/bools (JSON-able).
 
         Args:
-            consumed: samples this rank has consumed from the current iteration. Default: how
-                many its iterator yielded, which is right when batches are drawn as they are
-                used (DataLoader with num_workers=0, or drawing indices yourself).
+            consumed: samples this rank has consumed from the current iteration. Default: the
+                samples in the batches the DataLoader iterating this sampler has handed out
+                (with workers it draws indices ahead of use, and those are not counted), or,
+                iterated without a DataLoader, how many indices its iterator yielded.
 
         .. warning::
             Call it at a step boundary where every rank has consumed the same number of
             samples: the global cursor is `consumed * num_replicas` past where the iteration
             started, so the states of all ranks are then equal and any of them resumes the
-            whole job. A DataLoader with workers draws indices ahead of use (prefetch), so
-            pass `consumed` (batches taken this epoch times batch size) there.
+            whole job. A DataLoader of your own batch sampler, or with `in_order=False`,
+            cannot say which indices it handed out: pass `consumed` there.
         """
         epoch, cursor = self.epoch, self._start
         if self._phase == _DONE:
             epoch, cursor = epoch + 1, 0
         elif self._phase == _RUNNING:
             taken = self._yielded if consumed is None else consumed
+            if consumed is None and (handed := self._handed_out()) is not None:
+                taken = min(taken, handed)
             length = self._rank_length(self._start, self.rank)
             if not 0 <= taken <= length:
                 raise ValueError(
@@ -242,6 +253,16 @@ class DistributedSampler(Sampler[int]):
             "dataset_len": int(len(self.dataset)),
             "shuffle": bool(self.shuffle),
         }
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy or a pickle drops the loader's weakref
+        return {**self.__dict__, "_loader": None}
+
+    def _handed_out(self) -> int | None:
+        """Samples in the batches the DataLoader driving this iteration has yielded (None: no
+        DataLoader, or one whose count cannot be read)."""
+        generation, ref = self._loader or (None, None)
+        loader = ref() if ref is not None and generation == self._generation else None
+        return samples_handed_out(loader, self) if loader is not None else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration yields this rank's share of what `state` had not consumed.

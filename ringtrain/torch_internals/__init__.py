@@ -14,6 +14,7 @@ for which names each feature needs and what it does without them, by the part of
 reach into:
 - `autograd.py`: inside a backward (the TLS guard, the end-of-backward callback, version
   counters, a parameter's tensor hooks);
+- `data.py`: a DataLoader iterator's count of batches handed out (what a sampler's state saves);
 - `distributed.py`: a process group's internals (its sequence number, the default store, its
   timeout; flat chunks to broadcast);
 - `elastic.py`: torch.distributed.elastic's agent and rendezvous, which ringtrain.launch changes;
@@ -33,7 +34,7 @@ No other module of ringtrain touches these names (`tests/test_torch_internals.py
 from __future__ import annotations
 
 # Re-exported (`X as X`): callers and tests import them from the package.
-from ringtrain.torch_internals import autograd, distributed, elastic, foreach, modules
+from ringtrain.torch_internals import autograd, data, distributed, elastic, foreach, modules
 from ringtrain.torch_internals.autograd import _TLS as _TLS  # tests turn it off
 from ringtrain.torch_internals.autograd import backward_tls_free as backward_tls_free
 from ringtrain.torch_internals.autograd import current_autograd_node as current_autograd_node
@@ -41,6 +42,8 @@ from ringtrain.torch_internals.autograd import preserve_version_counter as prese
 from ringtrain.torch_internals.autograd import queue_backward_callback as queue_backward_callback
 from ringtrain.torch_internals.autograd import tensor_hooks as tensor_hooks
 from ringtrain.torch_internals.autograd import tensor_hooks_held_off as tensor_hooks_held_off
+from ringtrain.torch_internals.data import driving_loader as driving_loader
+from ringtrain.torch_internals.data import samples_handed_out as samples_handed_out
 from ringtrain.torch_internals.distributed import default_store as default_store
 from ringtrain.torch_internals.distributed import flatten_dense_tensors as flatten_dense_tensors
 from ringtrain.torch_internals.distributed import group_timeout as group_timeout
@@ -73,8 +76,8 @@ from ringtrain.torch_internals.foreach import copy_tensors as copy_tensors
 from ringtrain.torch_internals.modules import BatchNorm as BatchNorm
 
 #: Every feature, module by module; `[f for f in FEATURES if not f.on]` are off on this torch.
-FEATURES: list[Feature] = [*autograd.FEATURES, *distributed.FEATURES, *elastic.FEATURES,
-                           *foreach.FEATURES, *modules.FEATURES]
+FEATURES: list[Feature] = [*autograd.FEATURES, *data.FEATURES, *distributed.FEATURES,
+                           *elastic.FEATURES, *foreach.FEATURES, *modules.FEATURES]
 
 # Say once, now, what this torch turns off (a feature whose loss nothing measured, as
 # backward_tls_free's on 2.11 and 2.12, says nothing: its `when_off` is None).
