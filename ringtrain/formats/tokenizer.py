@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 from ringtrain.formats.hf_gpt2 import CONFIG as HF_CONFIG
 from ringtrain.formats.hf_gpt2 import MARK, is_hf_gpt2
 from ringtrain.models.export import CONFIG
+from ringtrain.models.export import dataset_tokenizer as dataset_tokenizer  # re-exported:
+from ringtrain.models.export import portable as portable  # the whole story in one module
 
 KEY = "tokenizer"
 
@@ -55,28 +56,6 @@ def read_tokenizer(path: str) -> dict[str, Any] | None:
     if entry["type"] == "bpe":
         entry = {**entry, "file": os.path.join(os.path.abspath(path), entry["file"])}
     return entry
-
-
-def dataset_tokenizer(directory: str, meta: dict[str, Any] | None) -> dict[str, Any]:
-    """The entry of a prepared dataset (its meta.json; None: the addition task's digits)."""
-    if meta is None:
-        return {"type": "digits"}
-    if meta["tokenizer"] == "char":
-        return {"type": "char", "chars": list(meta["chars"])}
-    return {"type": "bpe", "file": os.path.join(os.path.abspath(directory),
-                                                meta["tokenizer_file"])}
-
-
-def portable(entry: dict[str, Any] | None, out_dir: str) -> dict[str, Any] | None:
-    """`entry` as an export in `out_dir` records it: a BPE's tokenizer.json copied there, and
-    named relative to it."""
-    if entry is None or entry["type"] != "bpe":
-        return entry
-    name = os.path.basename(entry["file"])
-    dst = os.path.join(out_dir, name)
-    if os.path.abspath(entry["file"]) != os.path.abspath(dst):
-        shutil.copyfile(entry["file"], dst)
-    return {"type": "bpe", "file": name}
 
 
 def _describe(entry: dict[str, Any]) -> str:

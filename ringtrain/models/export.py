@@ -46,19 +46,34 @@ def _safetensors():
     return safetensors.torch
 
 
+def dataset_tokenizer(directory: str, meta: dict[str, Any] | None) -> dict[str, Any]:
+    """The tokenizer entry of a prepared dataset (its meta.json; None: the addition task's
+    digits), a BPE's file named by its absolute path."""
+    if meta is None:
+        return {"type": "digits"}
+    if meta["tokenizer"] == "char":
+        return {"type": "char", "chars": list(meta["chars"])}
+    return {"type": "bpe", "file": os.path.join(os.path.abspath(directory),
+                                                meta["tokenizer_file"])}
+
+
+def portable(entry: dict[str, Any] | None, out_dir: str) -> dict[str, Any] | None:
+    """`entry` as an export in `out_dir` records it: a BPE's tokenizer.json copied there, and
+    named relative to it."""
+    if entry is None or entry["type"] != "bpe":
+        return entry
+    name = os.path.basename(entry["file"])
+    dst = os.path.join(out_dir, name)
+    if os.path.abspath(entry["file"]) != os.path.abspath(dst):
+        shutil.copyfile(entry["file"], dst)
+    return {"type": "bpe", "file": name}
+
+
 def tokenizer_entry(tokenizer: dict[str, Any] | None, out_dir: str) -> dict[str, Any]:
     """model_config.json's tokenizer from a prepared dataset's {"dir", "meta"} (None: digits);
     a BPE's tokenizer.json is copied next to the weights."""
-    if tokenizer is None:
-        return {"type": "digits"}
-    meta = tokenizer["meta"]
-    if meta["tokenizer"] == "char":
-        return {"type": "char", "chars": meta["chars"]}
-    name = meta["tokenizer_file"]
-    src, dst = os.path.join(tokenizer["dir"], name), os.path.join(out_dir, name)
-    if os.path.abspath(src) != os.path.abspath(dst):
-        shutil.copyfile(src, dst)
-    return {"type": "bpe", "file": name}
+    entry = dataset_tokenizer(tokenizer["dir"], tokenizer["meta"]) if tokenizer else None
+    return portable(entry or dataset_tokenizer("", None), out_dir)
 
 
 def export_model(model: GPT, out_dir: str, *, tokenizer: dict[str, Any] | None = None) -> list[str]:
