@@ -185,6 +185,34 @@ def test_keep_last_k_and_same_step_replaced(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["snap-00000030", "snap-00000040", "snap-00000050"]
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_an_earlier_step_below_an_intact_later_snapshot_is_refused(tmp_path, background):
+    """A run that went back by hand and saved step 15 beside 20: latest() (every resume) takes
+    20, and with keep=1 the rotation removed 15 at once though its save said committed."""
+    mgr = SnapshotManager(tmp_path, rank=0, world_size=1, keep=1, background=background)
+    _save(mgr, 20)
+    mgr.wait()
+    with pytest.raises(ValueError, match=r"step=15: .* holds a committed snapshot of a later step "
+                                         r"\(snap-00000020\), which latest\(\), so every resume, "
+                                         r"would take instead.*remove the later snapshots first"):
+        _save(mgr, 15)
+    assert [s.step for s in mgr.snapshots()] == [20]
+    _save(mgr, 20, seed=7)  # the same step again replaces it, as after a restart
+    mgr.wait()
+    _flip_byte(mgr.latest().path / "shared.pt")  # a corrupt later one does not count: the
+    _save(mgr, 15)  # trainer saves past a snapshot its resume skipped...
+    mgr.wait()
+    assert [s.step for s in mgr.snapshots()] == [15]  # ...and keep=1 rotates it out, not 15
+    assert mgr.latest().step == 15
+    mgr.close()
+    two = SnapshotManager(tmp_path / "two", rank=0, world_size=1, keep=2)
+    for step in (10, 20):
+        _save(two, step)
+    _flip_byte(two.latest().path / "rank0.pt")
+    _save(two, 15)  # keep=2: 15 and the intact 10 stay, the corrupt later 20 goes first
+    assert [s.step for s in two.snapshots()] == [15, 10]
+
+
 def test_bad_arguments_fail_before_writing(tmp_path):
     mgr = SnapshotManager(tmp_path, rank=0, world_size=1)
     with pytest.raises(TypeError, match="not JSON serializable"):

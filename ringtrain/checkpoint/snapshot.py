@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from ringtrain.strategies.base import UpdatedState
 
 from ringtrain.checkpoint.background import BackgroundSaves
-from ringtrain.checkpoint.commit import commit, retain
+from ringtrain.checkpoint.commit import commit, newer_than, retain
 from ringtrain.checkpoint.files import (
     SHARED,
     TEMP_PREFIX,
@@ -214,6 +214,8 @@ class SnapshotManager:
             raise ValueError(f"step={step!r}: a snapshot's step is an int >= 0: the training step")
         step = int(step)  # a NumPy integer too
         self.wait()  # at most one save in flight; raises the failure of the one before
+        if later := newer_than(self.root, step):  # every rank: the same directory, the same no
+            raise ValueError(later)
         keys = f"{self._prefix}/{self._saves}"
         self._saves += 1
         if not self.background:
@@ -303,7 +305,7 @@ class SnapshotManager:
             raise  # a bug, not the disk: its own traceback
         total = sum(f["bytes"] for f in files.values())
         publish(self.store, f"{keys}/commit", {"dir": final.name, "bytes": total})
-        retain(self.root, self.keep)
+        retain(self.root, self.keep, final)
         mine = sum(f["bytes"] for name, f in files.items() if name in (SHARED, "rank0.pt"))
         return SaveResult(step, final, mine, total, write_s, time.monotonic() - t0)
 
@@ -395,5 +397,4 @@ class SnapshotManager:
         loaded = {n: torch.load(snapshot.path / n, map_location=map_location,
                                 weights_only=weights_only)
                   for n in names}
-
         return loaded.get(SHARED), loaded.get(f"rank{rank}.pt"), snapshot.metadata
