@@ -169,3 +169,23 @@ def test_an_export_samples_and_converts_like_its_run(tmp_path, capsys):
     from_run = capsys.readouterr().out
     assert ringtrain_main(["sample", str(tmp_path / "add_hf"), "--prompt", "12+34"]) == 0
     assert capsys.readouterr().out == from_run and from_run.startswith("12+34=")
+
+
+def test_a_resume_on_a_text_edited_since_is_refused_by_its_tokenizer(tmp_path, capsys):
+    """'!' for '.': 29 characters still, so the model's shapes fit and the resume went on,
+    every '.' read as '!' and ids shifted; now the snapshot's tokenizer is compared."""
+    from ringtrain.checkpoint.rules import tokenizer_change
+
+    text = tmp_path / "t.txt"
+    _text(text)
+    run = ["--data", str(text), "--run-dir", str(tmp_path / "run"), "--snapshot-every", "2"]
+    assert train_main([*TINY, *run]) == 0
+    assert train_main([*TINY[:1], "3", *TINY[2:], *run]) == 0  # the same text: resumes
+    text.write_text(text.read_text().replace(".", "!"))
+    capsys.readouterr()
+    assert train_main([*TINY[:1], "4", *TINY[2:], *run]) == 2
+    err = capsys.readouterr().err
+    assert "): the data's tokenizer is not the one the snapshot's model was trained with " \
+           "(char, 29 tokens, " in err and "Resume with the data it was trained on" in err
+    saved, now = {"lr": 1.0}, {"lr": 1.0, "tokenizer": "char, 29 tokens, x"}
+    assert tokenizer_change(saved, now) is None and "tokenizer" not in now  # an older snapshot

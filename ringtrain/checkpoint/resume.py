@@ -52,7 +52,7 @@ import torch.distributed as dist
 from ringtrain import collectives
 from ringtrain.checkpoint.loop_save import LoopSave
 from ringtrain.checkpoint.rng import set_rng_state
-from ringtrain.checkpoint.rules import config_differences, elastic_batch, reseed
+from ringtrain.checkpoint.rules import config_differences, elastic_batch, reseed, tokenizer_change
 from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
 from ringtrain.checkpoint.sharded import load_strategy_parts
 from ringtrain.checkpoint.snapshot import (
@@ -316,6 +316,8 @@ class Checkpointer:
         now = dict(self.config)
         for c in (saved, now):  # the strategy may change: its layout is compared when loading
             c.pop("strategy", None)
+        if changed := tokenizer_change(saved, now):
+            raise ConfigError(f"{snap.path} (step {snap.step}): {changed}")
         diffs = config_differences(self.trainer_config.resume_view(saved), now)
         if diffs:
             raise ConfigError(

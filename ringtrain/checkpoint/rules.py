@@ -62,6 +62,21 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return out
 
 
+TOKENIZER = "tokenizer"  # a run_config key: the data's tokenizer ("char, 29 tokens, 3f2a...")
+
+
+def tokenizer_change(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Take the tokenizer out of both configs; say how it changed, if it did. A snapshot from
+    before it was recorded has none: nothing to compare."""
+    theirs, ours = saved.pop(TOKENIZER, None), now.pop(TOKENIZER, None)
+    if theirs is None or ours is None or theirs == ours:
+        return None
+    return (f"the data's tokenizer is not the one the snapshot's model was trained with ({theirs}"
+            f" then, {ours} now): the data changed since (a text edited, or --data another "
+            "dataset), and every token id would mean another token. Resume with the data it was "
+            "trained on, or start afresh with --no-resume or in another --run-dir")
+
+
 def reseed(seed: int, rank: int, step: int) -> None:
     """Fresh Python, NumPy and torch generators for `rank` from (seed, rank, step)."""
     a, b = np.random.SeedSequence([seed, rank, step]).generate_state(2)

@@ -286,12 +286,20 @@ def tolerated_ranks(opts: TrainOptions, world_size: int | None = None) -> frozen
     return opts.strategy.tolerated_ranks(world_size)
 
 
-def run_config(opts: TrainOptions) -> dict[str, Any]:
+def run_config(opts: TrainOptions, job: dict[str, Any] | None = None) -> dict[str, Any]:
     """The options (besides the trainer's) that must equal a snapshot's to resume from it: the
-    fields marked `resume=MUST_MATCH` of the data and model sections."""
+    fields marked `resume=MUST_MATCH` of the data and model sections, and (given the built
+    `job`) the data's tokenizer, which a text edited since would change."""
     out = {name: getattr(opts.data, name) for name in resume_fields(opts.data)}
     out.update({name: getattr(opts.model, name) for name in resume_fields(opts.model)})
     out["data"] = os.path.abspath(opts.data.data) if opts.data.data else None
+    if job is not None:
+        from ringtrain.checkpoint.rules import TOKENIZER
+        from ringtrain.formats.tokenizer import dataset_tokenizer, fingerprint
+
+        tok = job["tokenizer"]
+        out[TOKENIZER] = fingerprint(dataset_tokenizer(tok["dir"], tok["meta"]) if tok else
+                                     dataset_tokenizer("", None))
     return out
 
 

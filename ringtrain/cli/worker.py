@@ -119,7 +119,7 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
                           stop_when=stop_when, started_at=started_at,
                           snapshot_every=run.snapshot_every, keep=run.keep, resume=resume,
                           sync_snapshots=run.sync_snapshots,
-                          run_config=run_config(opts), trace_steps=run.trace_steps,
+                          run_config=run_config(opts, job), trace_steps=run.trace_steps,
                           live=_live_settings(opts, rt))
         n_params = sum(p.numel() for p in trainer.model.parameters())
         log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, "
