@@ -18,7 +18,12 @@ from ringtrain.cli import main as ringtrain_main
 from ringtrain.cli.train import main as train_main
 from ringtrain.data.prepare import PrepareError, prepare
 from ringtrain.data.tokens import CharTokenizer, load_tokens, read_meta
-from ringtrain.formats.tokenizer import dataset_tokenizer, difference, read_tokenizer
+from ringtrain.formats.tokenizer import (
+    data_tokenizer,
+    dataset_tokenizer,
+    difference,
+    read_tokenizer,
+)
 
 pytestmark = pytest.mark.usefixtures("clean_env")  # in-process runs leave no trace
 TINY = ["--steps", "2", "--n-layer", "1", "--n-embd", "32", "--batch-size", "4",
@@ -40,7 +45,7 @@ def test_unit_difference_names_what_differs():
     assert difference(chars, other) == (
         "the model's char tokenizer has 5 characters, the data's 5, and token 2 is '.' in the "
         "model's but '!' in the data's (the data has characters the model never saw: '!')")
-    assert difference(chars, dataset_tokenizer("", None)) == (
+    assert difference(chars, data_tokenizer(None)) == (
         "the model was trained with a char tokenizer of 5 characters, the data is the addition "
         "task's digits")
 

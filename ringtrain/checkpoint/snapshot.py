@@ -108,8 +108,7 @@ class SnapshotManager:
 
     Args:
         root_dir: directory for the snapshots, the same one on every rank (shared filesystem).
-        rank, world_size: this process's place among the ranks that save together (default:
-            the default group's, `ringtrain.init_distributed()`'s).
+        rank, world_size: this process's place among the ranks saving together (default group's).
         store: key-value store those ranks share, for the bounded handshake; default the
             default process group's store. Not needed when world_size == 1.
         keep: committed snapshots to keep (the newest `keep`; at least 1, 2 survives corruption).
@@ -132,7 +131,8 @@ class SnapshotManager:
         timeout_s: float = 60.0, name: str = "snapshots", background: bool = False,
     ) -> None:
         if rank is None or world_size is None:  # the default group's (init_distributed first)
-            rank, world_size = get_rank() if rank is None else rank, world_size or get_world_size()
+            rank, world_size = (get_rank() if rank is None else rank,
+                                get_world_size() if world_size is None else world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"Invalid rank {rank}, rank should be in the interval "
                              f"[0, {world_size - 1}]")

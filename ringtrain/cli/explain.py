@@ -75,17 +75,14 @@ def _dataset_sizes(config: dict[str, Any], root: Path) -> tuple[int | None, int 
 
         digits = int(args.get("digits") or 2)
         return train_size(digits), 10 ** (2 * digits) - train_size(digits)
+    from ringtrain.cli.sample import run_data_dir
     from ringtrain.data.chars import load_text
     from ringtrain.data.tokens import load_tokens
 
     data, block = args.get("data"), args.get("block_size")
     try:
-        if data and os.path.isdir(data):
-            sets = load_tokens(data, block)
-        elif os.path.isdir(root / "data"):
-            sets = load_tokens(str(root / "data"), block)
-        else:
-            sets = load_text(data, block)
+        directory = run_data_dir(str(root), data)
+        sets = load_tokens(directory, block) if os.path.isdir(directory) else load_text(data, block)
     except (KeyError, TypeError, ValueError, OSError):  # moved, changed, or relative elsewhere
         return None, None
     return len(sets.train_set), len(sets.eval_set)

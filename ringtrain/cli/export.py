@@ -69,18 +69,17 @@ def run_model(run_dir: str, step: int | None):
 def run_tokenizer(run_dir: str) -> dict | None:
     """The tokenizer entry of the run (formats/tokenizer.py): its exported model's, else its
     data's (a run not finished yet); None where neither is found."""
-    from ringtrain.cli.sample import SampleError, _run_config
+    from ringtrain.cli.sample import SampleError, _run_config, run_data_dir
     from ringtrain.data.tokens import read_meta
-    from ringtrain.formats.tokenizer import dataset_tokenizer, read_tokenizer
+    from ringtrain.formats.tokenizer import data_tokenizer, dataset_tokenizer, read_tokenizer
 
     if (entry := read_tokenizer(run_dir)) is not None:
         return entry
     try:
         config = _run_config(run_dir)
         if config.get("task") == "addition":
-            return dataset_tokenizer(run_dir, None)
-        data = config["args"]["data"]
-        directory = data if os.path.isdir(data) else os.path.join(run_dir, "data")
+            return data_tokenizer(None)
+        directory = run_data_dir(run_dir, config["args"]["data"])
         return dataset_tokenizer(directory, read_meta(directory))
     except (SampleError, KeyError, TypeError, ValueError, OSError):
         return None

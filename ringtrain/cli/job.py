@@ -95,12 +95,11 @@ def _model_fn(model_config, init_from: str | None, tokenizer: dict[str, Any] | N
     from ringtrain.config import to_flags
     from ringtrain.errors import ConfigError
     from ringtrain.formats.init_from import check_shape, load_into, source_config
-    from ringtrain.formats.tokenizer import dataset_tokenizer, difference, read_tokenizer
+    from ringtrain.formats.tokenizer import data_tokenizer, difference, read_tokenizer
 
     # The tokenizer first: where it differs, so does vocab_size, which no flag sets.
     source = read_tokenizer(init_from)
-    data = dataset_tokenizer(tokenizer["dir"], tokenizer["meta"]) if tokenizer else None
-    why = difference(source, data or dataset_tokenizer("", None)) if source else None
+    why = difference(source, data_tokenizer(tokenizer)) if source else None
     if why:
         raise ConfigError(
             f"--init-from {init_from}: {why}; its token ids would mean other text here. "

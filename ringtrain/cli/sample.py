@@ -143,24 +143,37 @@ def _load_parts(model, path: Path, manifest: dict[str, Any], step: int, strategy
                           "--snapshot)") from None
 
 
+def run_data_dir(run_dir: str, data: str) -> str:
+    """The prepared directory a run of `--data data` read: `data` itself, or (a text file) its
+    char-level copy in RUN_DIR/data (`ringtrain.data.tokens.prepare_text_in`)."""
+    return data if os.path.isdir(data) else os.path.join(run_dir, "data")
+
+
+def _tokenizer(entry: dict[str, Any], base: str):
+    """The tokenizer of a char or bpe entry (formats/tokenizer.py); a BPE's file is relative to
+    `base` (or absolute)."""
+    from ringtrain.data.tokens import BPETokenizer, CharTokenizer
+
+    if entry["type"] == "char":
+        return CharTokenizer(entry["chars"])
+    return BPETokenizer(os.path.join(base, entry["file"]))
+
+
 def tokenizer_of(run_dir: str, config: dict[str, Any], exported: dict[str, Any] | None):
     """(encode, decode) with the run's tokenizer."""
-    from ringtrain.data.tokens import BPETokenizer, CharTokenizer, read_meta, tokenizer_from
+    from ringtrain.data.tokens import read_meta
+    from ringtrain.formats.tokenizer import dataset_tokenizer
 
     entry = exported["tokenizer"] if exported else None
     if entry is None and config["args"].get("data"):  # not exported yet: the dataset's own
-        data = config["args"]["data"]
-        directory = data if os.path.isdir(data) else os.path.join(run_dir, "data")
+        directory = run_data_dir(run_dir, config["args"]["data"])
         try:
-            tok = tokenizer_from(read_meta(directory), directory)
+            entry = dataset_tokenizer(directory, read_meta(directory))
         except (ValueError, OSError) as e:
             raise SampleError(f"{run_dir}: cannot find the run's tokenizer ({e})") from None
-    elif entry is not None and entry["type"] == "char":
-        tok = CharTokenizer(entry["chars"])
-    elif entry is not None and entry["type"] == "bpe":
-        tok = BPETokenizer(os.path.join(run_dir, entry["file"]))
-    else:
+    if entry is None or entry["type"] not in ("char", "bpe"):
         raise SampleError(f"{run_dir}: the run exported no tokenizer and has no --data")
+    tok = _tokenizer(entry, run_dir)
     return tok.encode, tok.decode
 
 
@@ -224,7 +237,6 @@ def exported_model(path: str, snapshot: int | None):
     from dataclasses import asdict
 
     from ringtrain.data.addition import sequence_length
-    from ringtrain.data.tokens import BPETokenizer, CharTokenizer
     from ringtrain.formats.hf_gpt2 import FormatError
     from ringtrain.formats.init_from import read_weights
     from ringtrain.formats.tokenizer import read_tokenizer
@@ -248,8 +260,7 @@ def exported_model(path: str, snapshot: int | None):
             raise SampleError(f"{path}: an addition model of {config.block_size} positions, no "
                               "number of digits fits; sample the run it came from")
         return model, None, None, digits
-    tok = (CharTokenizer(entry["chars"]) if entry["type"] == "char" else
-           BPETokenizer(entry["file"]))
+    tok = _tokenizer(entry, path)
     return model, tok.encode, tok.decode, None
 
 

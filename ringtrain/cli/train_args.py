@@ -295,11 +295,9 @@ def run_config(opts: TrainOptions, job: dict[str, Any] | None = None) -> dict[st
     out["data"] = os.path.abspath(opts.data.data) if opts.data.data else None
     if job is not None:
         from ringtrain.checkpoint.rules import TOKENIZER
-        from ringtrain.formats.tokenizer import dataset_tokenizer, fingerprint
+        from ringtrain.formats.tokenizer import data_tokenizer, fingerprint
 
-        tok = job["tokenizer"]
-        out[TOKENIZER] = fingerprint(dataset_tokenizer(tok["dir"], tok["meta"]) if tok else
-                                     dataset_tokenizer("", None))
+        out[TOKENIZER] = fingerprint(data_tokenizer(job["tokenizer"]))
     return out
 
 

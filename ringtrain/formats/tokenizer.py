@@ -27,7 +27,8 @@ from typing import Any
 from ringtrain.formats.hf_gpt2 import CONFIG as HF_CONFIG
 from ringtrain.formats.hf_gpt2 import MARK, is_hf_gpt2
 from ringtrain.models.export import CONFIG
-from ringtrain.models.export import dataset_tokenizer as dataset_tokenizer  # re-exported:
+from ringtrain.models.export import data_tokenizer as data_tokenizer  # re-exported:
+from ringtrain.models.export import dataset_tokenizer as dataset_tokenizer
 from ringtrain.models.export import portable as portable  # the whole story in one module
 
 KEY = "tokenizer"

@@ -46,11 +46,9 @@ def _safetensors():
     return safetensors.torch
 
 
-def dataset_tokenizer(directory: str, meta: dict[str, Any] | None) -> dict[str, Any]:
-    """The tokenizer entry of a prepared dataset (its meta.json; None: the addition task's
-    digits), a BPE's file named by its absolute path."""
-    if meta is None:
-        return {"type": "digits"}
+def dataset_tokenizer(directory: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer entry of a prepared dataset (`directory` and its meta.json), a BPE's file
+    named by its absolute path."""
     if meta["tokenizer"] == "char":
         return {"type": "char", "chars": list(meta["chars"])}
     return {"type": "bpe", "file": os.path.join(os.path.abspath(directory),
@@ -69,11 +67,17 @@ def portable(entry: dict[str, Any] | None, out_dir: str) -> dict[str, Any] | Non
     return {"type": "bpe", "file": name}
 
 
+def data_tokenizer(tokenizer: dict[str, Any] | None) -> dict[str, Any]:
+    """The entry of `ringtrain train`'s data: its prepared dataset's ({"dir", "meta"}), or
+    (None) the addition task's, whose token i is the digit i."""
+    return dataset_tokenizer(tokenizer["dir"], tokenizer["meta"]) if tokenizer else {
+        "type": "digits"}
+
+
 def tokenizer_entry(tokenizer: dict[str, Any] | None, out_dir: str) -> dict[str, Any]:
     """model_config.json's tokenizer from a prepared dataset's {"dir", "meta"} (None: digits);
     a BPE's tokenizer.json is copied next to the weights."""
-    entry = dataset_tokenizer(tokenizer["dir"], tokenizer["meta"]) if tokenizer else None
-    return portable(entry or dataset_tokenizer("", None), out_dir)
+    return portable(data_tokenizer(tokenizer), out_dir)
 
 
 def export_model(model: GPT, out_dir: str, *, tokenizer: dict[str, Any] | None = None) -> list[str]:
