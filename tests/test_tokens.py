@@ -102,3 +102,30 @@ def test_uint32_token_files_for_large_vocabularies(tmp_path):
     ids.tofile(tmp_path / "train.bin")
     windows = TokenWindows(str(tmp_path / "train.bin"), "uint32", 8)
     assert len(windows) == 92 and windows[3][0].tolist() == list(range(70_003, 70_011))
+
+
+def test_ranks_preparing_one_text_at_once_all_read_it(tmp_path):
+    """`--data FILE.txt` on 2 ranks failed once (rank 1: "No such file or directory:
+    .../data/train.bin"): each rank prepared its own copy, and one that found another's already
+    in place took it for an older preparation and deleted it under that rank's reader (this
+    test: 2 failures in 3 before the fix). Threads here: the turns are an flock per open, which
+    threads contend for as processes do."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    from ringtrain.data.tokens import load_tokens, prepare_text_in
+
+    (tmp_path / "t.txt").write_text(TEXT)
+    text, n = str(tmp_path / "t.txt"), 8
+
+    def rank(run_dir: str, barrier: Barrier) -> int:
+        barrier.wait(timeout=60)
+        data = load_tokens(prepare_text_in(text, run_dir), 16)
+        return int(data.train_set[len(data.train_set) - 1][1][-1])  # reads train.bin's end
+
+    for attempt in range(20):
+        run_dir, barrier = str(tmp_path / f"run{attempt}"), Barrier(n)
+        with ThreadPoolExecutor(n) as pool:
+            got = list(pool.map(rank, [run_dir] * n, [barrier] * n))
+        assert len(set(got)) == 1, got
+        assert sorted(os.listdir(run_dir)) == ["data"]

@@ -18,6 +18,7 @@ into RUN_DIR/data once (a rank that finds it prepared for the same file reuses i
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -222,8 +223,10 @@ def train_windows(meta: dict[str, Any], block_size: int) -> int:
 def prepare_text_in(text_path: str, run_dir: str) -> str:
     """RUN_DIR/data: `text_path` prepared at char level (90/10), made once and then reused.
 
-    Several ranks may call it at once: each prepares into a directory of its own and renames
-    it into place; the first rename wins and the others' identical copies are dropped.
+    Several ranks may call it at once: they take turns (an flock on RUN_DIR), the first
+    prepares into a directory of its own and renames it into place, the others find it made.
+    (Each making its own copy and the first rename winning let a later rank take the first
+    one's copy for an older preparation and delete it under the first rank's reader.)
     """
     out = os.path.join(run_dir, "data")
     source = os.path.abspath(text_path)
@@ -239,24 +242,25 @@ def prepare_text_in(text_path: str, run_dir: str) -> str:
 
     if prepared():
         return out
+    os.makedirs(run_dir, exist_ok=True)
+    turn = os.open(run_dir, os.O_RDONLY)
     tmp = os.path.join(run_dir, f".data-{uuid.uuid4().hex[:8]}")
     try:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        if prepared():  # made by a rank before this one
+            return out
         meta = prepare(text_path, tmp, tokenizer="char", val_fraction=VAL_FRACTION, progress=False)
         meta["source_stat"] = stamp
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1, ensure_ascii=False)
-        if prepared():  # another rank was faster
-            return out
         if os.path.isdir(out):  # an older preparation (another file): replaced
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another rank's identical copy is in place
-            pass
+            shutil.rmtree(out)
+        os.rename(tmp, out)
     except PrepareError as e:
         raise ValueError(f"--data {text_path}: {e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(turn)  # and with it the lock
     return out
 
 
