@@ -166,6 +166,14 @@ def test_plan_command_lists_the_layouts_and_recommends_one(capsys):
                  "--vocab-size", "1024", "--block-size", "256", "--batch-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "dp x pp x tp" in out and "2 x 1 x 2" in out and "1 x 1 x 4" in out
+    assert "not listed" not in out
+    # A character text's vocabulary (tiny Shakespeare's 65) keeps tp out; the note says how in.
+    assert main(["--nproc-per-node", "4", "--n-layer", "4", "--n-embd", "128",
+                 "--vocab-size", "65", "--block-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "x 1 x 2 " not in out and "not listed: tp 2, 4, which divide n_head but not vocab_size " \
+        "65; `ringtrain train --pad-vocab 4` pads the vocabulary to 68 rows (`ringtrain plan " \
+        "--vocab-size 68` lists them)" in out
     assert "recommended: dp 4 x pp 1 x tp 1, ZeRO 2: ringtrain train --nproc-per-node 4 " \
            "--strategy zero --zero-stage 2" in out and "rule: the layout that fits" in out
     assert main(["--nproc-per-node", "4", "--n-layer", "4", "--n-embd", "256", "--n-head", "8",

@@ -90,8 +90,19 @@ def test_text_data_single_process(tmp_path, capsys):
     (["--strategy", "tp", "--nproc-per-node", "2", "--sequence-parallel", "--digits", "1"],
      r"--sequence-parallel splits each sample's 3 tokens over the --tp 2 ranks, and 3 is not a "
      r"multiple of 2: make it a multiple of 2 \(--block-size with --data, 3 x --digits"),
-    (["--pp", "2", "--tp", "4", "--nproc-per-node", "8", "--sequence-parallel", "--digits", "1"],
+    (["--pp", "2", "--tp", "4", "--nproc-per-node", "8", "--sequence-parallel", "--digits", "1",
+      "--pad-vocab", "4"],
      r"3 is not a multiple of 4: make it"),  # n_head 4: --tp 3 would not split the heads
+    # The addition task's 10 digits: the workers' first shard_rows said "pad the vocabulary",
+    # with no flag to do it.
+    (["--strategy", "tp", "--tp", "4", "--nproc-per-node", "4"],
+     r"--tp 4 splits the vocabulary's rows over the tp ranks, and the model has 10 \(the data's "
+     r"tokens\), not a multiple of 4: add --pad-vocab 4 \(.*\), or use --tp in \[2\]"),
+    (["--pp", "2", "--tp", "4", "--nproc-per-node", "8"],
+     r"--tp 4 splits the vocabulary's rows .*: add --pad-vocab 4 "),
+    (["--strategy", "tp", "--tp", "4", "--nproc-per-node", "4", "--pad-vocab", "5"],
+     r"has 10 \(the data's tokens, padded to a multiple of 5\), not a multiple of 4: use "
+     r"--pad-vocab 20 "),
 ])
 def test_bad_options_exit_2_with_the_reason(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -210,6 +210,9 @@ def _data(run: RunFiles, f: RunFacts, reader: str) -> list[str]:
     args, trainer = run.config["args"], run.config.get("trainer", {})
     what = (f"addition, {args.get('digits')} digits" if run.config.get("task") == "addition"
             else f"text {args.get('data')}, block size {args.get('block_size')}")
+    if args.get("pad_vocab", 1) > 1:
+        what += (f", the model's vocabulary padded to {run.config['model']['vocab_size']} rows "
+                 f"(--pad-vocab {args['pad_vocab']}: the rows no token uses)")
     split = data_split(run, f)
     if (samples := split.samples) is None:
         return [f"task: {what}: not found from here (a relative --data is read from where the "

@@ -26,18 +26,20 @@ def text_dataset_dir(opts: TrainOptions) -> str:
     return prepare_text_in(opts.data.data, opts.run.run_dir)
 
 
-def check_text_data(path: str, block_size: int, warnings: list[str]) -> int:
-    """Training windows of `--data` (a prepared directory or a text), or a ValueError that says
-    what is wrong (missing, not UTF-8, too short) before any worker starts; adds warnings."""
+def check_text_data(path: str, block_size: int, warnings: list[str]) -> tuple[int, int]:
+    """(training windows, tokens in the vocabulary) of `--data` (a prepared directory or a
+    text), or a ValueError that says what is wrong (missing, not UTF-8, too short) before any
+    worker starts; adds warnings."""
     if os.path.isdir(path):
         from ringtrain.data.tokens import check_tokens, train_windows
 
-        return train_windows(check_tokens(path, block_size), block_size)
+        meta = check_tokens(path, block_size)
+        return train_windows(meta, block_size), int(meta["vocab_size"])
     from ringtrain.data.chars import read_text, text_warnings, train_windows
 
     text = read_text(path, block_size)
     warnings += text_warnings(path, text)
-    return train_windows(len(text), block_size)
+    return train_windows(len(text), block_size), len(set(text))  # as prepare_text_in's
 
 
 def build_job(opts: TrainOptions) -> dict[str, Any]:
@@ -70,21 +72,23 @@ def build_job(opts: TrainOptions) -> dict[str, Any]:
 
         def sample_fn(model):
             return show_sums(model, eval_set)
-    model_config = GPTConfig(vocab_size=vocab, block_size=block, n_layer=m.n_layer,
+    model_config = GPTConfig(vocab_size=m.vocab_rows(vocab), block_size=block, n_layer=m.n_layer,
                              n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
                              tie_embeddings=m.tie_embeddings, bias=m.bias,
                              activation_checkpointing=m.activation_checkpointing)
     return {"train_set": train_set, "eval_set": eval_set, "loss_fn": loss_fn,
             "eval_metrics": metrics, "sample_fn": sample_fn, "model_config": model_config,
-            "model_fn": _model_fn(model_config, opts.run.init_from, tokenizer),
+            "model_fn": _model_fn(model_config, opts.run.init_from, tokenizer, vocab),
             "tokenizer": tokenizer}
 
 
-def _model_fn(model_config, init_from: str | None, tokenizer: dict[str, Any] | None):
+def _model_fn(model_config, init_from: str | None, tokenizer: dict[str, Any] | None,
+              tokens: int):
     """GPT(model_config), holding the weights of `init_from` where given (each call reads
     them: every rank builds its own model). The shape is checked here, once, before any rank
-    builds one: the data fixes vocab_size and block_size, which the launcher did not know; and
-    the tokenizer the model records, against the data's ({"dir", "meta"}; None: digits)."""
+    builds one: the data fixes vocab_size (its `tokens`, padded) and block_size, which the
+    launcher did not know; and the tokenizer the model records, against the data's ({"dir",
+    "meta"}; None: digits)."""
     from ringtrain.models import GPT
 
     if init_from is None:
@@ -105,11 +109,26 @@ def _model_fn(model_config, init_from: str | None, tokenizer: dict[str, Any] | N
             f"--init-from {init_from}: {why}; its token ids would mean other text here. "
             f"Tokenize the text with the model's tokenizer (ringtrain prepare SRC OUT_DIR "
             f"--tokenizer-from {init_from}, then --data OUT_DIR), or drop --init-from")
+    shape = source_config(init_from)
+    if shape and tokens <= shape.vocab_size != model_config.vocab_size:
+        # The same tokens (checked above, where the model records them), padded otherwise.
+        pad = pad_for(tokens, shape.vocab_size)
+        raise ConfigError(
+            f"--init-from {init_from}: its model has {shape.vocab_size} vocabulary rows for the "
+            f"data's {tokens} tokens, this run {model_config.vocab_size}: "
+            f"{'drop --pad-vocab' if pad == 1 else f'use --pad-vocab {pad}'}")
     try:
-        check_shape(source_config(init_from), asdict(model_config), init_from)
+        check_shape(shape, asdict(model_config), init_from)
     except ValueError as e:  # "n_layer=12" -> "--n-layer 12"
         raise ConfigError(to_flags(str(e), every_option_class())) from None
     return lambda: load_into(GPT(model_config), init_from)
+
+
+def pad_for(tokens: int, rows: int) -> int:
+    """A --pad-vocab that makes `rows` of `tokens` (rows >= tokens): a power of two where one
+    does (64 rather than 48 for GPT-2's 50304 of 50257), else the smallest."""
+    fits = [m for m in range(1, rows + 1) if -(-tokens // m) * m == rows]
+    return next((m for m in fits if m & (m - 1) == 0), fits[0])
 
 
 def export_final(model, job: dict[str, Any], run_dir: str) -> None:

@@ -201,6 +201,11 @@ class ModelOptions:
                                   "output layer", resume=MUST_MATCH)
     bias: bool = option(_GPT["bias"], "biases in Linear and LayerNorm layers", negatable=True,
                         resume=MUST_MATCH)
+    # Megatron-LM's --make-vocab-size-divisible-by, nanoGPT's 50304: the data fixes the tokens,
+    # this the rows (tensor parallelism splits them; GPUs favour multiples of 64).
+    pad_vocab: int = option(1, "round the model's vocabulary up to a multiple of N: rows no "
+                            "token uses, never sampled (--tp must divide the rows; 64 suits "
+                            "GPUs)", type=_positive, metavar="N", resume=MUST_MATCH)
     activation_checkpointing: bool = option(_GPT["activation_checkpointing"], "recompute each "
                                             "block in backward: less memory, ~1/3 more "
                                             "compute, same gradients")
@@ -212,6 +217,10 @@ class ModelOptions:
                              "choose n_embd as a multiple of n_head")
         if self.dropout >= 1:
             raise ValueError(f"dropout={self.dropout}: it must be below 1")
+
+    def vocab_rows(self, tokens: int) -> int:
+        """The model's vocab_size for data of `tokens` token ids: rounded up to pad_vocab."""
+        return -(-tokens // self.pad_vocab) * self.pad_vocab
 
 
 @dataclass(kw_only=True)

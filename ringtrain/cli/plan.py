@@ -28,6 +28,7 @@ it recommends, with the rule (`layouts.RULE`).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 
@@ -111,6 +112,16 @@ def print_layouts(shape: layouts.ModelShape, world_size: int, host: int, batch: 
               f"{_gb(r.activation_sp_bytes)}{_gb(r.total_bytes)}{r.dp_sent_bytes / 1e6:9.1f}"
               f"{r.tp_sent_bytes / 1e6:9.1f}{r.pp_sent_bytes / 1e6:9.1f}"
               + (("  ok" if fits else "  -") if memory_gb else "") + mark)
+    # tp degrees the vocabulary alone keeps out: a padded vocabulary lets them in.
+    odd = [tp for tp in range(2, min(world_size, host) + 1)
+           if world_size % tp == 0 and shape.n_head % tp == 0 and shape.vocab_size % tp]
+    if odd:
+        pad = math.lcm(*odd)
+        padded = -(-shape.vocab_size // pad) * pad
+        print(f"not listed: tp {', '.join(map(str, odd))}, which divide{'s' * (len(odd) == 1)} "
+              f"n_head but not vocab_size {shape.vocab_size}; `ringtrain train --pad-vocab {pad}"
+              f"` pads the vocabulary to {padded} rows (`ringtrain plan --vocab-size {padded}` "
+              "lists them)")
     if best is None:
         print(f"no layout fits in {memory_gb:g} GiB per rank: add ranks or memory, or "
               "--activation-checkpointing")

@@ -160,7 +160,7 @@ def _tokenizer(entry: dict[str, Any], base: str):
 
 
 def tokenizer_of(run_dir: str, config: dict[str, Any], exported: dict[str, Any] | None):
-    """(encode, decode) with the run's tokenizer."""
+    """The run's tokenizer (`encode`, `decode`, `vocab_size`)."""
     from ringtrain.data.tokens import read_meta
     from ringtrain.formats.tokenizer import dataset_tokenizer
 
@@ -173,8 +173,7 @@ def tokenizer_of(run_dir: str, config: dict[str, Any], exported: dict[str, Any] 
             raise SampleError(f"{run_dir}: cannot find the run's tokenizer ({e})") from None
     if entry is None or entry["type"] not in ("char", "bpe"):
         raise SampleError(f"{run_dir}: the run exported no tokenizer and has no --data")
-    tok = _tokenizer(entry, run_dir)
-    return tok.encode, tok.decode
+    return _tokenizer(entry, run_dir)
 
 
 def sums(model, digits: int, prompt: str | None, count: int | None) -> list[str]:
@@ -232,7 +231,7 @@ def _is_export(path: str) -> bool:
 
 
 def exported_model(path: str, snapshot: int | None):
-    """(model, encode or None, decode, digits) of an export: `ringtrain export`'s hf or dcp
+    """(model, tokenizer or None, digits) of an export: `ringtrain export`'s hf or dcp
     directory, read as `--init-from` reads it, with the tokenizer it records."""
     from dataclasses import asdict
 
@@ -259,9 +258,8 @@ def exported_model(path: str, snapshot: int | None):
         if digits is None:
             raise SampleError(f"{path}: an addition model of {config.block_size} positions, no "
                               "number of digits fits; sample the run it came from")
-        return model, None, None, digits
-    tok = _tokenizer(entry, path)
-    return model, tok.encode, tok.decode, None
+        return model, None, digits
+    return model, _tokenizer(entry, path), None
 
 
 def generate(args: argparse.Namespace) -> list[str]:
@@ -275,7 +273,7 @@ def generate(args: argparse.Namespace) -> list[str]:
         raise SampleError("--tokens and --num-samples must be 1 or more, --temperature and "
                           "--top-k 0 or more")
     if os.path.isdir(args.run_dir) and not _is_run(args.run_dir) and _is_export(args.run_dir):
-        model, encode, decode, digits = exported_model(args.run_dir, args.snapshot)
+        model, tok, digits = exported_model(args.run_dir, args.snapshot)
         if digits is not None:
             return sums(model, digits, args.prompt, args.num_samples)
     else:
@@ -289,9 +287,9 @@ def generate(args: argparse.Namespace) -> list[str]:
             model = snapshot_model(args.run_dir, args.snapshot, config["model"])
         if not config["args"].get("data"):
             return sums(model, int(config["args"]["digits"]), args.prompt, args.num_samples)
-        encode, decode = tokenizer_of(args.run_dir, config, exported)
+        tok = tokenizer_of(args.run_dir, config, exported)
     try:
-        ids = encode("\n" if args.prompt is None else args.prompt)
+        ids = tok.encode("\n" if args.prompt is None else args.prompt)
     except ValueError as e:
         raise SampleError(f"--prompt: {e}") from None
     if not ids:
@@ -301,6 +299,6 @@ def generate(args: argparse.Namespace) -> list[str]:
     out = []
     for _ in range(args.num_samples or 1):
         y = model.generate(x, args.tokens, temperature=args.temperature,
-                           top_k=args.top_k or None, generator=g)
-        out.append(decode(y[0].tolist()))
+                           top_k=args.top_k or None, generator=g, vocab=tok.vocab_size)
+        out.append(tok.decode(y[0].tolist()))
     return out

@@ -188,11 +188,11 @@ def check_args(opts: TrainOptions, world_size: int | None = None) -> list[str]:
                              "drop it or drop --data")
         from ringtrain.cli.job import check_text_data
 
-        train_samples = check_text_data(opts.data.data, opts.data.block_size, warnings)
+        train_samples, tokens = check_text_data(opts.data.data, opts.data.block_size, warnings)
     else:
-        from ringtrain.data.addition import train_size
+        from ringtrain.data.addition import VOCAB, train_size
 
-        train_samples = train_size(opts.data.digits)
+        train_samples, tokens = train_size(opts.data.digits), VOCAB
     if run.init_from:  # the shape options against the directory's, before launch
         from ringtrain.formats.init_from import SHAPE, check_shape, source_config
 
@@ -210,7 +210,7 @@ def check_args(opts: TrainOptions, world_size: int | None = None) -> list[str]:
                         f"({t.steps}): the trace will be empty; pick steps up to {t.steps}")
     _check_live(opts, world_size)
     if world_size is not None:
-        _check_layout(opts, world_size, train_samples)
+        _check_layout(opts, world_size, train_samples, opts.model.vocab_rows(tokens))
     return warnings
 
 
@@ -251,10 +251,11 @@ def _check_live(opts: TrainOptions, world_size: int | None) -> None:
                          f"{launch.nnodes.split(':')[-1]}, or drop --live")
 
 
-def _check_layout(opts: TrainOptions, world_size: int, train_samples: int) -> None:
+def _check_layout(opts: TrainOptions, world_size: int, train_samples: int,
+                  vocab_size: int) -> None:
     """What the workers would otherwise find one by one: a strategy layout that does not fit
-    `world_size` or the model (the strategy's own `plan` and `check_model`), a micro-batch
-    larger than one data rank's share of the training set."""
+    `world_size` or the model of `vocab_size` rows (the strategy's own `plan` and
+    `check_model`), a micro-batch larger than one data rank's share of the training set."""
     batch = opts.trainer.batch_size
     data_world_size = opts.strategy.plan(world_size, batch * opts.trainer.grad_accum)
     if opts.task == "text":
@@ -263,7 +264,7 @@ def _check_layout(opts: TrainOptions, world_size: int, train_samples: int) -> No
         from ringtrain.data.addition import sequence_length
 
         sequence = sequence_length(opts.data.digits)
-    opts.strategy.check_model(opts.model, sequence)
+    opts.strategy.check_model(opts.model, sequence, vocab_size)
     per_rank = -(-train_samples // data_world_size)  # the sampler pads the last rank's share
     if per_rank < batch:
         raise ValueError(
@@ -292,6 +293,8 @@ def run_config(opts: TrainOptions, job: dict[str, Any] | None = None) -> dict[st
     `job`) the data's tokenizer, which a text edited since would change."""
     out = {name: getattr(opts.data, name) for name in resume_fields(opts.data)}
     out.update({name: getattr(opts.model, name) for name in resume_fields(opts.model)})
+    if out["pad_vocab"] == 1:  # as before the option: a snapshot that predates it resumes
+        del out["pad_vocab"]
     out["data"] = os.path.abspath(opts.data.data) if opts.data.data else None
     if job is not None:
         from ringtrain.checkpoint.rules import TOKENIZER

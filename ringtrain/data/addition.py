@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 DEFAULT_DIGITS = 2  # `make demo`'s task (`ringtrain train` reads it from here)
 MAX_DIGITS = 3  # 10**(2n) pairs are materialised; n=3 is already a million
+VOCAB = 10  # the tokens are the digits 0-9 ('+' and '=' are implied by position)
 SPLIT_SEED = 1337  # fixed: the held-out set must not move when --seed changes
 
 
@@ -75,7 +76,7 @@ class AdditionDataset(Dataset):
 
     @property
     def vocab_size(self) -> int:
-        return 10
+        return VOCAB
 
     @property
     def block_size(self) -> int:
@@ -104,7 +105,8 @@ def answer(model: torch.nn.Module, a: int, b: int, digits: int) -> str:
     """a + b as the model answers it by greedy decoding, e.g. '47+85=132 ok' or
     '47+85=131 (wrong: 132)'."""
     prompt = torch.tensor([encode(a, b, digits)[: 2 * digits]], dtype=torch.long)
-    got = decode_answer(model.generate(prompt, digits + 1, temperature=0)[0, 2 * digits:].tolist())
+    out = model.generate(prompt, digits + 1, temperature=0, vocab=VOCAB)
+    got = decode_answer(out[0, 2 * digits:].tolist())
     return f"{a}+{b}={got} {'ok' if got == a + b else f'(wrong: {a + b})'}"
 
 

@@ -222,12 +222,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 vocab: int | None = None) -> torch.Tensor:
         """Append `max_new_tokens` sampled tokens to `idx` (B, T); temperature 0 means greedy.
 
         Args:
+            vocab: draw only ids below it: the tokenizer's size, where the model's vocabulary
+                is padded (its extra rows are no token; training only pushes their logits down,
+                so a warm sample could still draw one). None: every row.
             generator: the draws' generator. They are made on its device (a CPU generator, the
                 usual one, samples a CUDA model's probabilities on the CPU): torch refuses a
                 generator of another device, and the same seed then gives the same text on
@@ -235,7 +237,7 @@ class GPT(nn.Module):
         """
         idx = idx.to(self.embed.wte.weight.device)
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.block_size:])[:, -1, :]  # (B, vocab)
+            logits = self(idx[:, -self.config.block_size:])[:, -1, :vocab]  # (B, vocab)
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:

@@ -103,10 +103,12 @@ class StrategyConfig:
         per data rank; return how many data ranks read data. Raises ConfigError naming the fix."""
         return world_size
 
-    def check_model(self, model: Any, sequence_length: int | None = None) -> None:
+    def check_model(self, model: Any, sequence_length: int | None = None,
+                    vocab_size: int | None = None) -> None:
         """Check these options against the model's (`n_head`, `tie_embeddings`, `dropout`...:
-        the command line's model options) and the task's tokens per sample, where known, before
-        any worker starts. Raises ConfigError naming the fix. Default: every model fits."""
+        the command line's model options), the task's tokens per sample and the model's
+        vocabulary rows (the data's tokens, padded), where known, before any worker starts.
+        Raises ConfigError naming the fix. Default: every model fits."""
         return None
 
     def tolerated_ranks(self, world_size: int) -> frozenset[int]:

@@ -93,12 +93,13 @@ class TPConfig(StrategyConfig):
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def check_model(self, model: Any, sequence_length: int | None = None) -> None:
-        """Heads split across the tp ranks; what the strategy does not do yet, refused. (The
-        vocabulary comes from the data: a --tp that does not divide it is refused by `setup`.)"""
+    def check_model(self, model: Any, sequence_length: int | None = None,
+                    vocab_size: int | None = None) -> None:
+        """Heads and the vocabulary split across the tp ranks; what the strategy does not do
+        yet, refused."""
         check_tp_model(model, self.tp, "--strategy tp", "the token embedding and lm_head "
                        "would need one vocab-parallel weight",
-                       sequence_length if self.sequence_parallel else None)
+                       sequence_length if self.sequence_parallel else None, vocab_size)
 
     def figures(self, workload: Workload) -> TPFigures:
         """`ringtrain plan`'s figures of this layout (`strategies.layouts`): per rank 1/tp of

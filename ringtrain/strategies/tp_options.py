@@ -9,6 +9,7 @@ zero and tp), each one field defined once
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ringtrain.config import int_at_least, option
@@ -39,15 +40,26 @@ def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
 
 
 def check_tp_model(model: Any, tp: int, who: str, tied_why: str,
-                   split_sequence: int | None = None) -> None:
-    """Refuse, before launch, a model --tp cannot split: n_head not divisible by `tp`, tied
-    embeddings, dropout, and with sequence parallelism (`split_sequence`: the task's tokens per
-    sample) a sequence tp does not divide (`who` names the option: "--tp", "--strategy tp")."""
+                   split_sequence: int | None = None, vocab_size: int | None = None) -> None:
+    """Refuse, before launch, a model --tp cannot split: n_head or the vocabulary's rows
+    (`vocab_size`, where known) not divisible by `tp`, tied embeddings, dropout, and with
+    sequence parallelism (`split_sequence`: the task's tokens per sample) a sequence tp does not
+    divide (`who` names the option: "--tp", "--strategy tp")."""
     if model.n_head % tp:
         divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
         raise ConfigError(f"--n-head {model.n_head} is not divisible by --tp {tp}: each "
                           f"tp rank computes n_head / tp heads; use --tp in {divisors} or "
                           f"--n-head a multiple of {tp}")
+    if vocab_size is not None and vocab_size % tp:
+        fits = [d for d in range(2, model.n_head + 1)
+                if vocab_size % d == 0 and model.n_head % d == 0]
+        other = f", or use --tp in {fits}" if fits else ""
+        padded = f", padded to a multiple of {model.pad_vocab}" if model.pad_vocab > 1 else ""
+        raise ConfigError(f"--tp {tp} splits the vocabulary's rows over the tp ranks, and the "
+                          f"model has {vocab_size} (the data's tokens{padded}), not a multiple "
+                          f"of {tp}: {'use' if padded else 'add'} --pad-vocab "
+                          f"{math.lcm(model.pad_vocab, tp)} (rows no token uses: never sampled, "
+                          f"trained only to stay unlikely){other}")
     if model.tie_embeddings:
         raise ConfigError(f"{who} does not split tied embeddings yet ({tied_why}): "
                           "drop --tie-embeddings")
