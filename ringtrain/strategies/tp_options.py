@@ -41,37 +41,43 @@ def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
 
 def check_tp_model(model: Any, tp: int, who: str, tied_why: str,
                    split_sequence: int | None = None, vocab_size: int | None = None) -> None:
-    """Refuse, before launch, a model --tp cannot split: n_head or the vocabulary's rows
-    (`vocab_size`, where known) not divisible by `tp`, tied embeddings, dropout, and with
-    sequence parallelism (`split_sequence`: the task's tokens per sample) a sequence tp does not
-    divide (`who` names the option: "--tp", "--strategy tp")."""
+    """Refuse, before launch, a model --tp cannot split, every reason in one error: n_head or
+    the vocabulary's rows (`vocab_size`, where known) not divisible by `tp`, tied embeddings,
+    dropout, and with sequence parallelism (`split_sequence`: the task's tokens per sample) a
+    sequence tp does not divide (`who` names the option: "--tp", "--strategy tp")."""
+    problems: list[str] = []
     if model.n_head % tp:
         divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
-        raise ConfigError(f"--n-head {model.n_head} is not divisible by --tp {tp}: each "
-                          f"tp rank computes n_head / tp heads; use --tp in {divisors} or "
-                          f"--n-head a multiple of {tp}")
+        problems.append(f"--n-head {model.n_head} is not divisible by --tp {tp}: each "
+                        f"tp rank computes n_head / tp heads; use --tp in {divisors} or "
+                        f"--n-head a multiple of {tp}")
     if vocab_size is not None and vocab_size % tp:
         fits = [d for d in range(2, model.n_head + 1)
                 if vocab_size % d == 0 and model.n_head % d == 0]
         other = f", or use --tp in {fits}" if fits else ""
         padded = f", padded to a multiple of {model.pad_vocab}" if model.pad_vocab > 1 else ""
-        raise ConfigError(f"--tp {tp} splits the vocabulary's rows over the tp ranks, and the "
-                          f"model has {vocab_size} (the data's tokens{padded}), not a multiple "
-                          f"of {tp}: {'use' if padded else 'add'} --pad-vocab "
-                          f"{math.lcm(model.pad_vocab, tp)} (rows no token uses: never sampled, "
-                          f"trained only to stay unlikely){other}")
+        problems.append(f"--tp {tp} splits the vocabulary's rows over the tp ranks, and the "
+                        f"model has {vocab_size} (the data's tokens{padded}), not a multiple "
+                        f"of {tp}: {'use' if padded else 'add'} --pad-vocab "
+                        f"{math.lcm(model.pad_vocab, tp)} (rows no token uses: never sampled, "
+                        f"trained only to stay unlikely){other}")
     if model.tie_embeddings:
-        raise ConfigError(f"{who} does not split tied embeddings yet ({tied_why}): "
-                          "drop --tie-embeddings")
+        problems.append(f"{who} does not split tied embeddings yet ({tied_why}): "
+                        "drop --tie-embeddings")
     if split_sequence is not None and split_sequence % tp:
         fits = [d for d in range(2, split_sequence + 1)
                 if split_sequence % d == 0 and model.n_head % d == 0]
         other = f"use --tp in {fits}, " if fits else ""
-        raise ConfigError(f"--sequence-parallel splits each sample's {split_sequence} tokens "
-                          f"over the --tp {tp} ranks, and {split_sequence} is not a multiple of "
-                          f"{tp}: {other}make it a multiple of {tp} (--block-size with --data, "
-                          "3 x --digits on the addition task), or drop --sequence-parallel")
+        problems.append(f"--sequence-parallel splits each sample's {split_sequence} tokens "
+                        f"over the --tp {tp} ranks, and {split_sequence} is not a multiple of "
+                        f"{tp}: {other}make it a multiple of {tp} (--block-size with --data, "
+                        "3 x --digits on the addition task), or drop --sequence-parallel")
     if model.dropout > 0:
-        raise ConfigError(f"{who} does not support dropout yet (--dropout {model.dropout}): "
-                          "the activations every tp rank holds whole would need the same "
-                          "dropout mask on each; use --dropout 0")
+        problems.append(f"{who} does not support dropout yet (--dropout {model.dropout}): "
+                        "the activations every tp rank holds whole would need the same "
+                        "dropout mask on each; use --dropout 0")
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:  # all at once: a recipe can need three changes (vocabulary, tying, dropout)
+        raise ConfigError(f"{len(problems)} things keep {who} from splitting this model: "
+                          + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
