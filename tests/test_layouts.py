@@ -171,9 +171,10 @@ def test_plan_command_lists_the_layouts_and_recommends_one(capsys):
     assert main(["--nproc-per-node", "4", "--n-layer", "4", "--n-embd", "128",
                  "--vocab-size", "65", "--block-size", "64"]) == 0
     out = capsys.readouterr().out
-    assert "x 1 x 2 " not in out and "not listed: tp 2, 4, which divide n_head but not vocab_size " \
-        "65; `ringtrain train --pad-vocab 4` pads the vocabulary to 68 rows (`ringtrain plan " \
-        "--vocab-size 68` lists them)" in out
+    assert "x 1 x 2 " not in out
+    assert "not listed: tp 2, 4, which divide n_head but not vocab_size 65; `ringtrain train " \
+        "--pad-vocab 4` pads the vocabulary to 68 rows (`ringtrain plan --vocab-size 68` lists " \
+        "them)" in out
     assert "recommended: dp 4 x pp 1 x tp 1, ZeRO 2: ringtrain train --nproc-per-node 4 " \
            "--strategy zero --zero-stage 2" in out and "rule: the layout that fits" in out
     assert main(["--nproc-per-node", "4", "--n-layer", "4", "--n-embd", "256", "--n-head", "8",

@@ -28,6 +28,7 @@ from ringtrain.tensor_parallel import (
     ColwiseParallel,
     HeadParallel,
     RowwiseParallel,
+    VocabParallel,
     comm,
     expected_bytes,
     gpt_plan,
@@ -376,9 +377,21 @@ def test_plan_errors_name_the_entry_and_the_fix():
         parallelize(GPT(CFG), {"blocks.0.ln_1": ColwiseParallel()}, group=None)
     with pytest.raises(TypeError, match="HeadParallel needs an attention module"):
         parallelize(GPT(CFG), {"blocks.0.mlp": HeadParallel()}, group=None)
+
+
+def test_a_tied_parameter_is_split_alike_for_every_user_or_refused(single_process):
+    """The GPT's tied embeddings: one slice of rows, the vocab-parallel embedding's and the
+    column-parallel lm_head's (the 2-rank equality: tests/test_tp_strategy.py)."""
     tied = GPT(GPTConfig(vocab_size=16, block_size=8, n_embd=32, tie_embeddings=True))
-    with pytest.raises(ValueError, match="tied embeddings"):
-        parallelize(tied, gpt_plan(), group=None)
+    whole = tied.embed.wte.weight.detach().clone()
+    model = parallelize(tied, gpt_plan(), group=None)
+    assert model.head.lm_head.weight is model.embed.wte.weight
+    assert torch.equal(model.embed.wte.weight, whole)
+    assert len(list(model.parameters())) == len(list(GPT(CFG).parameters())) - 1
+    tied = GPT(GPTConfig(vocab_size=16, block_size=8, n_embd=32, tie_embeddings=True))
+    with pytest.raises(ValueError, match=r"\['embed.wte.weight', 'head.lm_head.weight'\] are one "
+                       r"parameter \(tied embeddings\?\), and the plan splits it for some"):
+        parallelize(tied, {"embed.wte": VocabParallel()}, group=None)
 
 
 def test_sequence_parallel_moves_the_same_activation_bytes():

@@ -25,8 +25,10 @@ work under it unchanged).
 A separate strategy, not a `--tp` of ddp: its state is per rank and sharded (ddp's is one
 replicated copy), its loss and eval logits go through the tp group, and its clip norm sums
 slices; as a ddp option each of those would be an `if tp > 1` in ddp's methods.
+Tied embeddings (--tie-embeddings) are one slice of rows on each rank, the vocab-parallel
+embedding's and the column-parallel lm_head's (`parallelize` ties the slices again).
 Not yet: with --pp (refused with --strategy tp), dropout > 0 (needs the same
-RNG on every tp rank), tied embeddings, `recompute_gather`.
+RNG on every tp rank), `recompute_gather`.
 """
 
 from __future__ import annotations
@@ -97,8 +99,7 @@ class TPConfig(StrategyConfig):
                     vocab_size: int | None = None) -> None:
         """Heads and the vocabulary split across the tp ranks; what the strategy does not do
         yet, refused."""
-        check_tp_model(model, self.tp, "--strategy tp", "the token embedding and lm_head "
-                       "would need one vocab-parallel weight",
+        check_tp_model(model, self.tp, "--strategy tp", None,  # ties: one slice of rows
                        sequence_length if self.sequence_parallel else None, vocab_size)
 
     def figures(self, workload: Workload) -> TPFigures:
@@ -163,7 +164,7 @@ class TPStrategy(Strategy):
         try:
             model = parallelize(model, gpt_plan(sequence_parallel=self.sequence_parallel),
                                 self.groups.tp_group)
-        except (TypeError, ValueError) as e:  # n_head or vocab not divisible, tied embeddings
+        except (TypeError, ValueError) as e:  # n_head or vocab not divisible
             raise ConfigError(f"--strategy tp --tp {self.tp}: {e}") from None
         self.module = model.to(self.runtime.device)
         self.splits = param_splits(self.module)

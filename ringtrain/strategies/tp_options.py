@@ -39,12 +39,13 @@ def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
                   choices=choices)
 
 
-def check_tp_model(model: Any, tp: int, who: str, tied_why: str,
+def check_tp_model(model: Any, tp: int, who: str, tied_why: str | None,
                    split_sequence: int | None = None, vocab_size: int | None = None) -> None:
     """Refuse, before launch, a model --tp cannot split, every reason in one error: n_head or
     the vocabulary's rows (`vocab_size`, where known) not divisible by `tp`, tied embeddings,
     dropout, and with sequence parallelism (`split_sequence`: the task's tokens per sample) a
-    sequence tp does not divide (`who` names the option: "--tp", "--strategy tp")."""
+    sequence tp does not divide (`who` names the option: "--tp", "--strategy tp"). Tied
+    embeddings are refused with `tied_why` (None: `who` splits them)."""
     problems: list[str] = []
     if model.n_head % tp:
         divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
@@ -61,7 +62,7 @@ def check_tp_model(model: Any, tp: int, who: str, tied_why: str,
                         f"of {tp}: {'use' if padded else 'add'} --pad-vocab "
                         f"{math.lcm(model.pad_vocab, tp)} (rows no token uses: never sampled, "
                         f"trained only to stay unlikely){other}")
-    if model.tie_embeddings:
+    if model.tie_embeddings and tied_why is not None:
         problems.append(f"{who} does not split tied embeddings yet ({tied_why}): "
                         "drop --tie-embeddings")
     if split_sequence is not None and split_sequence % tp:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 
 from ringtrain.tensor_parallel import comm
@@ -152,6 +153,7 @@ def parallelize(module: nn.Module, plan: dict[str, ParallelStyle], group) -> nn.
         group: the tensor-parallel process group (its size is the tp degree).
     """
     shared = _shared_parameters(module)
+    slices: dict[int, nn.Parameter] = {}  # a tied parameter's slice, by the whole one's id
     for pattern, style in plan.items():
         names = [n for n, _ in module.named_modules() if n and _matches(pattern, n)]
         if not names:
@@ -161,28 +163,54 @@ def parallelize(module: nn.Module, plan: dict[str, ParallelStyle], group) -> nn.
         for name in names:
             child = module.get_submodule(name)
             style.check(name, child)
-            tied = sorted(n for n, p in child.named_parameters() if id(p) in shared)
-            if tied and not isinstance(style, SequenceParallel | SplitSequence):
-                raise ValueError(f"plan entry {pattern!r}: {name!r} shares parameters {tied} with "
-                                 "another module (tied embeddings?); tensor parallelism does not "
-                                 "split tied parameters yet: build the model untied")
+            tied = {n: p for n, p in child.named_parameters() if id(p) in shared}
             new = style.apply(child, group)
             if new is not child:
+                _tie_slices(new, tied, slices, name)
                 parent, _, attr = name.rpartition(".")
                 setattr(module.get_submodule(parent) if parent else module, attr, new)
+    for names in shared.values():  # each user of a tied parameter holds one and the same
+        held = {id(module.get_parameter(n)) for n in names}
+        if len(held) > 1:
+            raise ValueError(f"{names} are one parameter (tied embeddings?), and the plan splits "
+                             "it for some of them only; tensor parallelism splits a tied "
+                             "parameter only where every user splits it alike (a vocab-parallel "
+                             "embedding and a column-parallel lm_head): build the model untied, "
+                             "or split every user")
     return module
 
 
-def _shared_parameters(module: nn.Module) -> set[int]:
-    seen: dict[int, int] = {}
-    for _, p in module.named_parameters(remove_duplicate=False):
-        seen[id(p)] = seen.get(id(p), 0) + 1
-    return {i for i, n in seen.items() if n > 1}
+def _tie_slices(new: nn.Module, tied: dict[str, nn.Parameter], slices: dict[int, nn.Parameter],
+                name: str) -> None:
+    """Tie `new`'s slices of tied parameters again: the first user's slice is kept, a later one
+    takes it (after checking it cut the same slice: a vocab-parallel embedding's rows are a
+    column-parallel lm_head's output rows, as the GPT ties them)."""
+    for pname, whole in tied.items():
+        mine = new.get_parameter(pname)
+        first = slices.setdefault(id(whole), mine)
+        if first is mine:
+            continue
+        if first.shape != mine.shape or getattr(first, "tp_shard_dim", None) != getattr(
+                mine, "tp_shard_dim", None) or not torch.equal(first, mine):
+            raise ValueError(f"{name}.{pname} is tied to a parameter the plan split otherwise "
+                             f"(this slice {tuple(mine.shape)}, the first "
+                             f"{tuple(first.shape)}); build the model untied")
+        owner, _, leaf = pname.rpartition(".")
+        setattr(new.get_submodule(owner) if owner else new, leaf, first)
+
+
+def _shared_parameters(module: nn.Module) -> dict[int, list[str]]:
+    """The names of each parameter held under more than one name, by its id."""
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {i: ns for i, ns in names.items() if len(ns) > 1}
 
 
 def gpt_plan(sequence_parallel: bool = False,
              recompute_gather: bool = False) -> dict[str, ParallelStyle]:
-    """The plan for ringtrain's GPT (`ringtrain.models.GPT`, untied embeddings).
+    """The plan for ringtrain's GPT (`ringtrain.models.GPT`; tied embeddings: one slice of rows,
+    the embedding's and the lm_head's).
 
     Without sequence parallelism: vocab-parallel token embedding, head-parallel attention,
     column-then-row MLP, a column-parallel lm_head whose vocab-sharded logits go to

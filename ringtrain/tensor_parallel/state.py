@@ -32,11 +32,12 @@ class Split:
 def param_splits(module: nn.Module) -> dict[str, Split]:
     """How each parameter of a parallelised module is held across the tp group, by name (the
     layers mark the dimension they split as `tp_shard_dim`; the fused q, k, v of a
-    `HeadParallelAttention` is split block by block). Every rank gets the same answer."""
+    `HeadParallelAttention` is split block by block; a tied parameter under each of its names).
+    Every rank gets the same answer."""
     fused = {id(p) for m in module.modules() if isinstance(m, HeadParallelAttention)
              for p in m.c_attn.parameters()}
     return {name: Split(getattr(p, "tp_shard_dim", None), 3 if id(p) in fused else 1)
-            for name, p in module.named_parameters()}
+            for name, p in module.named_parameters(remove_duplicate=False)}
 
 
 def shard(full: torch.Tensor, split: Split, tp_rank: int, tp: int) -> torch.Tensor:
