@@ -246,16 +246,25 @@ def prepare_text_in(text_path: str, run_dir: str) -> str:
     turn = os.open(run_dir, os.O_RDONLY)
     tmp = os.path.join(run_dir, f".data-{uuid.uuid4().hex[:8]}")
     try:
-        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks (some NFS mounts): the ranks' copies are
+            pass  # identical, and the checks below keep most from replacing another's
         if prepared():  # made by a rank before this one
             return out
         meta = prepare(text_path, tmp, tokenizer="char", val_fraction=VAL_FRACTION, progress=False)
         meta["source_stat"] = stamp
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1, ensure_ascii=False)
+        if prepared():  # unlocked only: another rank's copy landed meanwhile
+            return out
         if os.path.isdir(out):  # an older preparation (another file): replaced
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not prepared():  # unlocked only: another rank's identical copy won the rename
+                raise
     except PrepareError as e:
         raise ValueError(f"--data {text_path}: {e}") from None
     finally:
