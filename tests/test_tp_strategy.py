@@ -73,31 +73,22 @@ def test_unit_figures_without_the_gpt_shape_are_a_replica_over_tp():
 
 @pytest.mark.parametrize("change, words", [
     ({"n_head": 3, "n_embd": 48}, r"--n-head 3 is not divisible by --tp 2.*--tp in \[1, 3\]"),
-    ({"dropout": 0.1}, "does not support dropout yet.*use --dropout 0"),
     # Every reason at once (nanoGPT's shakespeare_char recipe on tiny Shakespeare needed three
-    # tries, then two once tied embeddings split): the vocabulary's 65 rows, the dropout.
-    ({"tie_embeddings": True, "dropout": 0.2},
-     r"^2 things keep --strategy tp from splitting this model: \(1\) --tp 2 splits the "
-     r"vocabulary's rows .* add --pad-vocab 2 .*; \(2\) .*use --dropout 0$"),
+    # tries before --strategy tp split tied embeddings and took dropout): here the heads and
+    # the vocabulary's 65 rows.
+    ({"n_head": 3, "n_embd": 48},
+     r"^2 things keep --strategy tp from splitting this model: \(1\) --n-head 3 .*; \(2\) "
+     r"--tp 2 splits the vocabulary's rows .* add --pad-vocab 2 .*"),
 ])
 def test_unit_a_model_it_cannot_split_is_refused_before_launch(change, words):
     from ringtrain.cli.options import ModelOptions
 
-    # The default model fits, tied too (one slice of rows for the embedding and the lm_head).
+    # The default model fits; tied (one slice of rows for the embedding and the lm_head) and
+    # with dropout (tests/test_tp_dropout.py) too.
     TPConfig(tp=2).check_model(ModelOptions(), vocab_size=64)
-    TPConfig(tp=2).check_model(ModelOptions(tie_embeddings=True), vocab_size=64)
+    TPConfig(tp=2).check_model(ModelOptions(tie_embeddings=True, dropout=0.2), vocab_size=64)
     with pytest.raises(ConfigError, match=words):
         TPConfig(tp=2).check_model(ModelOptions(**change), vocab_size=65)
-
-
-@pytest.mark.parametrize("change, words", [
-    ({"dropout": 0.1}, "does not support dropout yet"),
-])
-def test_unit_what_it_does_not_do_yet_is_refused_naming_the_fix(single_process, change, words):
-    config = GPTConfig(**{**MODEL.__dict__, **change})
-    strategy = make_strategy("tp", runtime=single_process, tp=1)
-    with pytest.raises(ConfigError, match=words):
-        strategy.setup(GPT(config), adamw(0.1), loss_fn)
 
 
 # -- on 2 ranks, against one process ---------------------------------------------------------------

@@ -289,7 +289,7 @@ class Checkpointer:
             set_rng_state(per_rank["rng"])
             st.load_window_state(per_rank)
         else:
-            reseed(self.seed, rt.rank, snap.step)
+            reseed(self.seed, self.strategy.seed_rank(rt.rank), snap.step)
             if rt.rank == 0:
                 log.warning(
                     "warning: snapshot of step %d was written by world_size=%d, this run has "

@@ -209,6 +209,11 @@ class Strategy(ABC):
     def data_rank(self) -> int | None:
         """Which data shard this rank reads (sampler rank); None when it reads no data."""
 
+    def seed_rank(self, rank: int) -> int:
+        """The rank whose random stream (dropout) `rank` draws, seeded from (seed, it): its
+        own; tensor parallelism's ranks of one replica share one."""
+        return rank
+
     @property
     @abstractmethod
     def data_world_size(self) -> int:

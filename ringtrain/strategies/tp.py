@@ -27,8 +27,10 @@ replicated copy), its loss and eval logits go through the tp group, and its clip
 slices; as a ddp option each of those would be an `if tp > 1` in ddp's methods.
 Tied embeddings (--tie-embeddings) are one slice of rows on each rank, the vocab-parallel
 embedding's and the column-parallel lm_head's (`parallelize` ties the slices again).
-Not yet: with --pp (refused with --strategy tp), dropout > 0 (needs the same
-RNG on every tp rank), `recompute_gather`.
+Dropout: the tp ranks of a replica draw one stream (`seed_rank`), so what they hold whole is
+masked alike; their heads, and their tokens under --sequence-parallel, from streams of their
+own (`tensor_parallel.rng`).
+Not yet: with --pp (refused with --strategy tp), `recompute_gather`.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class TPConfig(StrategyConfig):
         """Heads and the vocabulary split across the tp ranks; what the strategy does not do
         yet, refused."""
         check_tp_model(model, self.tp, "--strategy tp", None,  # ties: one slice of rows
-                       sequence_length if self.sequence_parallel else None, vocab_size)
+                       sequence_length if self.sequence_parallel else None, vocab_size,
+                       dropout=True)
 
     def figures(self, workload: Workload) -> TPFigures:
         """`ringtrain plan`'s figures of this layout (`strategies.layouts`): per rank 1/tp of
@@ -159,7 +162,6 @@ class TPStrategy(Strategy):
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
-        _refuse_not_yet(model)
         self.groups = create_process_groups(self.grid, self.runtime.rank)
         try:
             model = parallelize(model, gpt_plan(sequence_parallel=self.sequence_parallel),
@@ -193,6 +195,12 @@ class TPStrategy(Strategy):
 
     def _tp_rank(self) -> int:
         return self.grid.coords(self.runtime.rank).tp_rank
+
+    def seed_rank(self, rank: int) -> int:
+        """The first rank of `rank`'s tp group: the tp ranks of a replica draw one stream, so
+        a dropout of what they hold whole masks it alike (`tensor_parallel.rng` draws what
+        each holds a part of from a stream of its own)."""
+        return rank - self.grid.coords(rank).tp_rank
 
     # -- the step ----------------------------------------------------------------------------
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float,
@@ -362,13 +370,3 @@ class TPStrategy(Strategy):
         if self.zero is not None:
             self.zero.remove_hooks()
 
-
-def _refuse_not_yet(model: nn.Module) -> None:
-    """What the strategy does not do yet, refused before any process group is made."""
-    drop = [n for n, m in model.named_modules()
-            if (isinstance(m, nn.Dropout) and m.p > 0)
-            or (isinstance(getattr(m, "dropout", None), float) and m.dropout > 0)]
-    if drop:
-        raise ConfigError(f"--strategy tp does not support dropout yet ({drop[:3]} have p > 0): "
-                          "the replicated activations would need the same RNG on every tp rank; "
-                          "use --dropout 0")

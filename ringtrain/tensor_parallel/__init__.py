@@ -10,6 +10,8 @@ Read in this order:
 - `layers.py`: `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`, each
   built from the plain module it replaces (this rank's slice of the same weights).
 - `attention.py`: `HeadParallelAttention`, n_head / t heads per rank.
+- `rng.py`: dropout's masks: alike where the ranks hold an activation whole, a stream of each
+  rank's own where they hold parts (`sharded_rng`, `ShardedDropout`).
 - `loss.py`: `vocab_parallel_cross_entropy`, the loss of vocab-sharded logits, never gathered.
 - `plan.py`: `parallelize(model, plan, group)` and the styles a plan names (torch's
   `parallelize_module` convention); `gpt_plan()` for ringtrain's GPT.

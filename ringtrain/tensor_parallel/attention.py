@@ -12,12 +12,15 @@ and this package never imports the models.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ringtrain.tensor_parallel import comm
 from ringtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ringtrain.tensor_parallel.rng import ShardedDropout, sharded_rng
 
 
 class HeadParallelAttention(nn.Module):
@@ -50,7 +53,10 @@ class HeadParallelAttention(nn.Module):
                                                   recompute_gather=recompute_gather)
         c_proj = RowParallelLinear.from_linear(attn.c_proj, group,
                                                sequence_parallel=sequence_parallel)
-        return cls(c_attn, c_proj, attn.n_head // t, attn.dropout, attn.resid_drop)
+        # Under SP the projection's output is this rank's tokens: a mask of its own for them.
+        resid_drop = ShardedDropout.from_dropout(attn.resid_drop, group) if sequence_parallel \
+            else attn.resid_drop
+        return cls(c_attn, c_proj, attn.n_head // t, attn.dropout, resid_drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.c_attn(x)  # (B, T, 3 * C/t): under SP x was (B, T/t, C) and is gathered
@@ -60,8 +66,11 @@ class HeadParallelAttention(nn.Module):
         hs = local // self.n_local_heads
         # (B, T, C/t) -> (B, nh/t, T, hs)
         q, k, v = (t.view(B, T, self.n_local_heads, hs).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, nh/t, T, hs)
+        p = self.dropout if self.training else 0.0
+        with sharded_rng(self.c_attn.group, x.device) if p > 0 else nullcontext():
+            # this rank's heads: masks of their own (the shared stream would drop head h here
+            # as head h + nh/t on the next rank)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        # y: (B, nh/t, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, local)
         return self.resid_drop(self.c_proj(y))  # (B, T, C), or (B, T/t, C) under SP

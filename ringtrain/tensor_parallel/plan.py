@@ -37,6 +37,7 @@ from ringtrain.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from ringtrain.tensor_parallel.rng import ShardedDropout
 
 
 class ParallelStyle:
@@ -120,12 +121,13 @@ class HeadParallel(ParallelStyle):
 @dataclass(frozen=True)
 class SequenceParallel(ParallelStyle):
     """Keep a module that works token by token (LayerNorm, dropout) on this rank's slice of the
-    sequence; its replicated parameters' gradients are summed over the group."""
+    sequence; its replicated parameters' gradients are summed over the group, and a dropout
+    draws masks of this rank's own (`rng.ShardedDropout`: its tokens are not the others')."""
 
     def apply(self, module, group):
         for p in module.parameters():
             comm.sum_grad_over_group(p, group)
-        return module
+        return ShardedDropout.from_dropout(module, group)
 
 
 @dataclass(frozen=True)
@@ -231,5 +233,6 @@ def gpt_plan(sequence_parallel: bool = False,
     }
     if sp:
         plan |= {"embed": SplitSequence(), "blocks.*.ln_1": SequenceParallel(),
-                 "blocks.*.ln_2": SequenceParallel(), "head.ln_f": SequenceParallel()}
+                 "blocks.*.ln_2": SequenceParallel(), "head.ln_f": SequenceParallel(),
+                 "blocks.*.mlp.3": SequenceParallel()}  # the MLP's dropout, after its row layer
     return plan

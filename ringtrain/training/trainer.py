@@ -147,7 +147,8 @@ class Trainer:
             # SGD's weights of the last meeting) stays eager, rather than sharing a compiled
             # call bound to the original. In place, so state_dict names keep no `_orig_mod.`.
             self.model.compile()
-        torch.manual_seed(rank_seed(c.seed, runtime.rank))  # dropout differs per rank
+        # dropout differs per rank (the tp ranks of a replica: per replica)
+        torch.manual_seed(rank_seed(c.seed, strategy.seed_rank(runtime.rank)))
         self.data_rank, self.data_world_size = strategy.data_rank, strategy.data_world_size
         self.agreement = strategy.agreement(runtime, name)  # sums, votes, digests across ranks
         cp_agreement = self.agreement  # live: the one replica's (local), for its snapshots
