@@ -4,7 +4,8 @@ recomputed block (activation checkpointing) draws its forward's masks again.
 
     .venv/bin/pytest -q tests/test_tp_dropout.py
 
-CPU, gloo, 2 ranks (tp 2), one worker start for the plain and the sequence-parallel layout. A
+CPU, gloo, 2 ranks (tp 2), one worker start for the plain and the sequence-parallel layout; 4
+ranks for `--pp 2 --tp 2` (a stage's tp ranks, under 1F1B, with SP). A
 mask that differed between tp ranks where they hold one activation whole would part the copies:
 the parameters every tp rank holds whole (norms, position embedding, row biases) would differ
 after a step. Dropout never equals one process's masks; the equality to one process without
@@ -21,17 +22,16 @@ from ringtrain.models import GPT, GPTConfig, loss_fn
 from ringtrain.runtime import get_runtime
 from ringtrain.strategies import make_strategy
 from ringtrain.tensor_parallel.rng import ShardedDropout, sharded_rng
-from ringtrain.tensor_parallel.state import Split
 from ringtrain.testing import run_workers
 from ringtrain.training.config import adamw, rank_seed
 
 MODEL = GPTConfig(vocab_size=10, block_size=6, n_layer=2, n_head=2, n_embd=16, dropout=0.3)
 
 
-def _steps(rank, options, config, steps=3):
+def _steps(rank, options, config, steps=3, strategy="tp"):
     data = AdditionDataset("train", 2)
     torch.manual_seed(0)
-    s = make_strategy("tp", runtime=get_runtime(), tp=2, **options)
+    s = make_strategy(strategy, runtime=get_runtime(), tp=2, **options)
     s.setup(GPT(config), adamw(0.1), loss_fn)
     torch.manual_seed(rank_seed(1, s.seed_rank(rank)))  # as the Trainer seeds it
     losses = []
@@ -39,9 +39,10 @@ def _steps(rank, options, config, steps=3):
         x = torch.stack([data[j][0] for j in range(8 * i, 8 * i + 8)])
         y = torch.stack([data[j][1] for j in range(8 * i, 8 * i + 8)])
         losses.append(s.train_step([(x, y)], lr=1e-2, grad_clip=1.0).loss_sum)
-    whole = {n: p.detach().clone() for n, p in s.module.named_parameters()
-             if s.splits[n] == Split(None)}
-    held = {n: p.detach().clone() for n, p in s.module.named_parameters()}
+    module = s.stage if strategy == "pipeline" else s.module
+    whole = {n: p.detach().clone() for n, p in module.named_parameters()
+             if getattr(p, "tp_shard_dim", None) is None}
+    held = {n: p.detach().clone() for n, p in module.named_parameters()}
     s.close()
     return {"losses": losses, "whole": whole, "held": held}
 
@@ -165,3 +166,16 @@ def test_nanogpts_shakespeare_recipe_trains_under_tp(tmp_path):
     assert "head.ln_f.weight" in whole and "embed.wpe.weight" in whole
     for name in whole:
         assert torch.equal(parts[0]["model"][name], parts[1]["model"][name]), name
+
+
+def _pipeline_worker(rank, world_size):
+    return _steps(rank, {"pp": 2, "schedule": "1f1b", "microbatches": 2,
+                         "sequence_parallel": True}, MODEL, strategy="pipeline")
+
+
+def test_a_pipeline_stages_tp_ranks_mask_what_they_hold_whole_alike():
+    out = run_workers(_pipeline_worker, 4, timeout_s=120)
+    for a, b in ((out[0], out[1]), (out[2], out[3])):  # each stage's tp pair (tp innermost)
+        assert a["whole"] and a["whole"].keys() == b["whole"].keys()
+        for name in a["whole"]:
+            assert torch.equal(a["whole"][name], b["whole"][name]), name

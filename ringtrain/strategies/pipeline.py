@@ -134,6 +134,11 @@ class PipelineStrategy(Strategy):
     def data_world_size(self) -> int:
         return self.grid.dp
 
+    def seed_rank(self, rank: int) -> int:
+        """With --tp, the first rank of `rank`'s tp group: a stage's tp ranks draw one stream,
+        so a dropout of what they hold whole masks it alike (as `--strategy tp`'s)."""
+        return rank - self.grid.coords(rank).tp_rank
+
     # -- setup ------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
         g, pp, v, tp = self.groups, self.grid.pp, self.virtual_stages, self.grid.tp

@@ -31,14 +31,8 @@ WHOLE = Split(None)
 def parallelize_model(model: nn.Module, tp_group, *, tp: int,
                       sequence_parallel: bool) -> nn.Module:
     """`model` with every matrix split over `tp_group` (in place), or a ConfigError naming
-    what does not split (dropout, tied embeddings, n_head or the vocabulary)."""
-    drop = [n for n, m in model.named_modules()
-            if (isinstance(m, nn.Dropout) and m.p > 0)
-            or (isinstance(getattr(m, "dropout", None), float) and m.dropout > 0)]
-    if drop:
-        raise ConfigError(f"--tp does not support dropout yet ({drop[:3]} have p > 0): the "
-                          "replicated activations would need the same RNG on every tp rank; "
-                          "use --dropout 0")
+    what does not split (n_head or the vocabulary). Dropout: the stage's tp ranks draw one
+    stream (`PipelineStrategy.seed_rank`), their parts their own (`tensor_parallel.rng`)."""
     try:
         return parallelize(model, gpt_plan(sequence_parallel=sequence_parallel), tp_group)
     except (TypeError, ValueError) as e:  # n_head or vocab not divisible, tied embeddings

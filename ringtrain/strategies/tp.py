@@ -102,8 +102,7 @@ class TPConfig(StrategyConfig):
         """Heads and the vocabulary split across the tp ranks; what the strategy does not do
         yet, refused."""
         check_tp_model(model, self.tp, "--strategy tp", None,  # ties: one slice of rows
-                       sequence_length if self.sequence_parallel else None, vocab_size,
-                       dropout=True)
+                       sequence_length if self.sequence_parallel else None, vocab_size)
 
     def figures(self, workload: Workload) -> TPFigures:
         """`ringtrain plan`'s figures of this layout (`strategies.layouts`): per rank 1/tp of

@@ -40,14 +40,13 @@ def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
 
 
 def check_tp_model(model: Any, tp: int, who: str, tied_why: str | None,
-                   split_sequence: int | None = None, vocab_size: int | None = None, *,
-                   dropout: bool = False) -> None:
+                   split_sequence: int | None = None, vocab_size: int | None = None) -> None:
     """Refuse, before launch, a model --tp cannot split, every reason in one error: n_head or
     the vocabulary's rows (`vocab_size`, where known) not divisible by `tp`, tied embeddings,
-    dropout, and with sequence parallelism (`split_sequence`: the task's tokens per sample) a
+    and with sequence parallelism (`split_sequence`: the task's tokens per sample) a
     sequence tp does not divide (`who` names the option: "--tp", "--strategy tp"). Tied
-    embeddings are refused with `tied_why` (None: `who` splits them), dropout unless `dropout`
-    (`who` seeds the tp ranks of a replica alike: `Strategy.seed_rank`)."""
+    embeddings are refused with `tied_why` (None: `who` splits them). (Dropout is taken: the
+    tp ranks draw one stream, `Strategy.seed_rank`, their parts their own.)"""
     problems: list[str] = []
     if model.n_head % tp:
         divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
@@ -75,13 +74,8 @@ def check_tp_model(model: Any, tp: int, who: str, tied_why: str | None,
                         f"over the --tp {tp} ranks, and {split_sequence} is not a multiple of "
                         f"{tp}: {other}make it a multiple of {tp} (--block-size with --data, "
                         "3 x --digits on the addition task), or drop --sequence-parallel")
-    if model.dropout > 0 and not dropout:
-        problems.append(f"{who} does not support dropout yet (--dropout {model.dropout}): "
-                        "the activations every tp rank holds whole would need the same "
-                        "dropout mask on each; use --dropout 0 (--strategy tp, without --pp, "
-                        "takes dropout)")
     if len(problems) == 1:
         raise ConfigError(problems[0])
-    if problems:  # all at once: a recipe can need three changes (vocabulary, tying, dropout)
+    if problems:  # all at once: a recipe could need three changes (vocabulary, tying, heads)
         raise ConfigError(f"{len(problems)} things keep {who} from splitting this model: "
                           + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
