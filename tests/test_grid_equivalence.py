@@ -256,3 +256,36 @@ def test_dp2_x_pp2_x_tp2_on_two_hosts_equals_one_process(single_process, tmp_pat
 
 if __name__ == "__main__":
     host_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+
+
+def _tied_worker(rank, world_size, reference_portable):
+    s, batches = _train({"pp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 4,
+                         "sequence_parallel": True}, STEPS, TIED)
+    out = {"after": s.model_state_dict(), "state": copy.deepcopy(s.state_dict())}
+    s.load_portable_state_dict(reference_portable)  # one process's, after STEPS
+    s.train_step([batches[STEPS]], lr=LR, grad_clip=CLIP)
+    out["one_more"] = s.model_state_dict()
+    s.close()
+    return out
+
+
+TIED = dataclasses.replace(MODEL, tie_embeddings=True)
+
+
+def test_tied_embeddings_on_tp2_x_pp2_equal_one_process_and_resume_both_ways(single_process):
+    """GPT-2's tie under --pp 2 --tp 2: the embedding (stage 0) and the lm_head (stage 1) hold
+    one slice of rows each on tp rank t, summed by the tie's group of those two ranks."""
+    one = _one_process(single_process, STEPS, TIED)
+    one_after = {k: v.clone() for k, v in one.model_state_dict().items()}
+    reference = one.to_portable(lambda r: {}, copy.deepcopy(one.state_dict()), {"world_size": 1})
+    one.train_step([_batches(STEPS + 1)[STEPS]], lr=LR, grad_clip=CLIP)
+    out = run_workers(_tied_worker, 4, args=(reference,), timeout_s=150)
+    for r in out:
+        _close(r["after"], one_after, "tied, pp 2 x tp 2")
+        _close(r["one_more"], one.model_state_dict(), "tied, one process -> pp 2 x tp 2")
+    portable = PipelineStrategy.to_portable(lambda ranks: {k: out[k]["state"] for k in ranks},
+                                            None, {"world_size": 4})
+    ddp = make_strategy("ddp", runtime=single_process)
+    ddp.setup(GPT(TIED), adamw(0.1), loss_fn)
+    ddp.load_portable_state_dict(portable)
+    _close(ddp.model_state_dict(), one_after, "tied, pp 2 x tp 2 -> one process")

@@ -73,8 +73,6 @@ def test_text_data_single_process(tmp_path, capsys):
     (["--pp", "2"], r"world_size=1 is not divisible by pp=2"),  # --pp chose pipeline
     (["--pp", "2", "--tp", "2", "--nproc-per-node", "2"],
      r"world_size=2 is not divisible by pp=2 x tp=2: .*--nproc-per-node 4 "),
-    (["--pp", "2", "--tp", "2", "--nproc-per-node", "4", "--tie-embeddings"],
-     "--tp does not split tied embeddings yet"),
     (["--pp", "2", "--sequence-parallel", "--nproc-per-node", "2"],
      "--sequence-parallel shards the sequence over the tp ranks: add --tp 2"),
     (["--servers", "1", "--strategy", "pipeline"],

@@ -99,8 +99,8 @@ class PipelineStrategy(Strategy):
             balanced by parameter count.
         virtual_stages: model chunks per rank, for `schedule='interleaved'`: the bubble shrinks
             to (pp-1)/(v*m) of the compute, for more p2p messages and warm-up activations.
-        tp: ranks that split each stage's matrices (Megatron-LM; ringtrain's GPT, untied,
-            dropout 0).
+        tp: ranks that split each stage's matrices (Megatron-LM; ringtrain's GPT, tied or
+            not, with dropout or not).
         sequence_parallel: with tp, the norms and the residual stream (and so the stage
             boundaries) on block_size / tp tokens per rank; with the schedules in
             `pipeline_config.sp_schedules()` (every one on a tested torch).
@@ -160,8 +160,9 @@ class PipelineStrategy(Strategy):
         self.slices = StageSlices.of(stage, self.names.keys, g.tp_rank, tp)
         self._param_names = portable.param_names(model)  # id -> name, for the optimizer
 
-        # Tied weights: one group per (tie, pipeline), created by every rank in the same order
-        # (tp > 1 refuses ties: there is one pipeline per dp_rank).
+        # Tied weights: one group per (tie, pipeline, tp rank), created by every rank in the
+        # same order. Under tp each holder has one slice of the tie (`parallelize` cut it
+        # alike for the embedding and the lm_head): the stages' tp rank t hold the same rows.
         self._ties: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
         # tied copies whose norm another stage counts
         self._norm_counted_elsewhere: set[int] = set()
@@ -171,9 +172,9 @@ class PipelineStrategy(Strategy):
             ranks = sorted({place.where(k)[0] for k in tie.stages})
             if len(ranks) < 2:
                 continue
-            for d in range(self.grid.dp):
-                group = dist.new_group([self.grid.rank_of(d, r) for r in ranks])
-                if d == g.dp_rank and g.pp_rank in ranks:
+            for d, t in ((d, t) for d in range(self.grid.dp) for t in range(tp)):
+                group = dist.new_group([self.grid.rank_of(d, r, t) for r in ranks])
+                if (d, t) == (g.dp_rank, g.tp_rank) and g.pp_rank in ranks:
                     k = next(k for k in tie.stages if place.where(k)[0] == g.pp_rank)
                     param = dict(stages[k].named_parameters())[dict(tie.holders)[k]]
                     self._ties.append((local[id(param)], group))

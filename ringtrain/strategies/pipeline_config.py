@@ -138,12 +138,11 @@ class PipelineConfig(StrategyConfig):
 
     def check_model(self, model: Any, sequence_length: int | None = None,
                     vocab_size: int | None = None) -> None:
-        """With --tp: heads split across the tp ranks; what tp does not do yet, refused."""
+        """With --tp: heads, the vocabulary and (SP) the sequence split across the tp ranks."""
         if self.tp == 1:
             return
         tp_flag = flag(next(f for f in fields(self) if f.name == "tp"))  # --tp, from its field
-        check_tp_model(model, self.tp, tp_flag, "the token embedding and lm_head would need "
-                       "one vocab-parallel weight, on two stages",
+        check_tp_model(model, self.tp, tp_flag,
                        sequence_length if self.sequence_parallel else None, vocab_size)
 
     def microbatches_for(self, step_batch: int) -> int:

@@ -101,7 +101,7 @@ class TPConfig(StrategyConfig):
                     vocab_size: int | None = None) -> None:
         """Heads and the vocabulary split across the tp ranks; what the strategy does not do
         yet, refused."""
-        check_tp_model(model, self.tp, "--strategy tp", None,  # ties: one slice of rows
+        check_tp_model(model, self.tp, "--strategy tp",
                        sequence_length if self.sequence_parallel else None, vocab_size)
 
     def figures(self, workload: Workload) -> TPFigures:

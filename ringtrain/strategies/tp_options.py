@@ -39,14 +39,13 @@ def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
                   choices=choices)
 
 
-def check_tp_model(model: Any, tp: int, who: str, tied_why: str | None,
-                   split_sequence: int | None = None, vocab_size: int | None = None) -> None:
+def check_tp_model(model: Any, tp: int, who: str, split_sequence: int | None = None,
+                   vocab_size: int | None = None) -> None:
     """Refuse, before launch, a model --tp cannot split, every reason in one error: n_head or
-    the vocabulary's rows (`vocab_size`, where known) not divisible by `tp`, tied embeddings,
-    and with sequence parallelism (`split_sequence`: the task's tokens per sample) a
-    sequence tp does not divide (`who` names the option: "--tp", "--strategy tp"). Tied
-    embeddings are refused with `tied_why` (None: `who` splits them). (Dropout is taken: the
-    tp ranks draw one stream, `Strategy.seed_rank`, their parts their own.)"""
+    the vocabulary's rows (`vocab_size`, where known) not divisible by `tp`, and with sequence
+    parallelism (`split_sequence`: the task's tokens per sample) a sequence tp does not divide
+    (`who` names the option: "--tp", "--strategy tp"). Tied embeddings and dropout are taken
+    (`tensor_parallel.plan` ties the slices again; `Strategy.seed_rank`, `tensor_parallel.rng`)."""
     problems: list[str] = []
     if model.n_head % tp:
         divisors = [d for d in range(1, model.n_head + 1) if model.n_head % d == 0]
@@ -63,9 +62,6 @@ def check_tp_model(model: Any, tp: int, who: str, tied_why: str | None,
                         f"of {tp}: {'use' if padded else 'add'} --pad-vocab "
                         f"{math.lcm(model.pad_vocab, tp)} (rows no token uses: never sampled, "
                         f"trained only to stay unlikely){other}")
-    if model.tie_embeddings and tied_why is not None:
-        problems.append(f"{who} does not split tied embeddings yet ({tied_why}): "
-                        "drop --tie-embeddings")
     if split_sequence is not None and split_sequence % tp:
         fits = [d for d in range(2, split_sequence + 1)
                 if split_sequence % d == 0 and model.n_head % d == 0]
@@ -76,6 +72,6 @@ def check_tp_model(model: Any, tp: int, who: str, tied_why: str | None,
                         "3 x --digits on the addition task), or drop --sequence-parallel")
     if len(problems) == 1:
         raise ConfigError(problems[0])
-    if problems:  # all at once: a recipe could need three changes (vocabulary, tying, heads)
+    if problems:  # all at once: a model can need several changes (heads, vocabulary, sequence)
         raise ConfigError(f"{len(problems)} things keep {who} from splitting this model: "
                           + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
