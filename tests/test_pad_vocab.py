@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from ringtrain.cli import main as ringtrain_main
-from ringtrain.cli.job import pad_for
 from ringtrain.cli.options import ModelOptions
 from ringtrain.cli.train import main as train_main
 from ringtrain.models import GPT, GPTConfig
@@ -40,13 +39,9 @@ def _text(path) -> str:
     return str(path)
 
 
-def test_unit_rows_and_the_padding_that_gives_them():
+def test_unit_rows_of_a_padded_vocabulary():
     assert [ModelOptions(pad_vocab=p).vocab_rows(29) for p in (1, 2, 3, 64)] == [29, 30, 30, 64]
-    assert pad_for(29, 29) == 1 and pad_for(29, 30) == 2 and pad_for(29, 64) == 64
-    assert pad_for(50257, 50304) == 64  # GPT-2's: a power of two (48 would do too)
-    assert pad_for(10, 15) == 15  # no power of two gives 15 rows of 10 tokens
-    for tokens, rows in ((29, 30), (50257, 50304), (10, 15), (7, 7)):
-        assert ModelOptions(pad_vocab=pad_for(tokens, rows)).vocab_rows(tokens) == rows
+    assert ModelOptions(pad_vocab=64).vocab_rows(50257) == 50304  # nanoGPT's GPT-2
 
 
 def test_unit_generate_never_draws_a_padded_row():
@@ -113,13 +108,29 @@ def test_another_padding_is_named_on_resume_and_init_from(tmp_path, capsys):
     assert train_main([*base, "--steps", "6"]) == 2
     assert "--pad-vocab 2 in the snapshot, (unset) now" in capsys.readouterr().err
     assert train_main([*base, "--steps", "6", "--pad-vocab", "2"]) == 0
-    # --init-from a model padded otherwise: the padding that fits, not "vocab_size=30".
-    fresh = [*TINY, "--data", data, "--steps", "2", "--init-from", run]
-    for pad, fix in (("1", "use --pad-vocab 2"), ("8", "use --pad-vocab 2")):
-        capsys.readouterr()
-        assert train_main([*fresh, "--pad-vocab", pad, "--run-dir", str(tmp_path / pad)]) == 2
-        err = capsys.readouterr().err
-        assert "its model has 30 vocabulary rows for the data's 29 tokens" in err, err
-        assert fix in err
-    assert train_main([*fresh, "--pad-vocab", "2", "--run-dir", str(tmp_path / "ok")]) == 0
+
+
+def test_init_from_a_model_padded_otherwise_takes_the_tokens_rows(tmp_path):
+    """Another --pad-vocab is not another model: GPT-2's 50257 rows start a run padded to
+    50258 for --tp 2 (or nanoGPT's 50304 one of 50257). The tokens' rows are copied, the
+    padding rows keep their initialisation, and every token's logit is the source's."""
+    from ringtrain.formats.init_from import load_into
+    from ringtrain.models.export import load_model
+
+    data = _text(tmp_path / "t.txt")
+    run = str(tmp_path / "run")
+    assert train_main([*TINY, "--data", data, "--steps", "2", "--pad-vocab", "2",
+                       "--run-dir", run]) == 0
+    source, _ = load_model(run)  # 30 rows
+    x = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    for rows in (29, 32):
+        config = GPTConfig(**{**source.config.__dict__, "vocab_size": rows})
+        model = load_into(GPT(config), run, tokens=29)
+        assert model.embed.wte.weight.shape[0] == rows
+        torch.testing.assert_close(model(x)[..., :29], source(x)[..., :29], rtol=0, atol=0)
+        with pytest.raises(ValueError, match="vocab_size=30"):  # without the tokens: refused
+            load_into(GPT(config), run)
+    for pad in ("1", "8"):  # and through the command line, training on
+        assert train_main([*TINY, "--data", data, "--steps", "2", "--init-from", run,
+                           "--pad-vocab", pad, "--run-dir", str(tmp_path / pad)]) == 0
 

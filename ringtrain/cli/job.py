@@ -98,7 +98,7 @@ def _model_fn(model_config, init_from: str | None, tokenizer: dict[str, Any] | N
     from ringtrain.cli.options import every_option_class
     from ringtrain.config import to_flags
     from ringtrain.errors import ConfigError
-    from ringtrain.formats.init_from import check_shape, load_into, source_config
+    from ringtrain.formats.init_from import check_shape, load_into, source_config, with_rows
     from ringtrain.formats.tokenizer import data_tokenizer, difference, read_tokenizer
 
     # The tokenizer first: where it differs, so does vocab_size, which no flag sets.
@@ -110,25 +110,18 @@ def _model_fn(model_config, init_from: str | None, tokenizer: dict[str, Any] | N
             f"Tokenize the text with the model's tokenizer (ringtrain prepare SRC OUT_DIR "
             f"--tokenizer-from {init_from}, then --data OUT_DIR), or drop --init-from")
     shape = source_config(init_from)
-    if shape and tokens <= shape.vocab_size != model_config.vocab_size:
-        # The same tokens (checked above, where the model records them), padded otherwise.
-        pad = pad_for(tokens, shape.vocab_size)
+    if shape and shape.vocab_size < tokens:
         raise ConfigError(
-            f"--init-from {init_from}: its model has {shape.vocab_size} vocabulary rows for the "
-            f"data's {tokens} tokens, this run {model_config.vocab_size}: "
-            f"{'drop --pad-vocab' if pad == 1 else f'use --pad-vocab {pad}'}")
-    try:
-        check_shape(shape, asdict(model_config), init_from)
+            f"--init-from {init_from}: its model has {shape.vocab_size} vocabulary rows, fewer "
+            f"than the data's {tokens} tokens: the data was tokenized otherwise. Tokenize the "
+            f"text with the model's tokenizer (ringtrain prepare SRC OUT_DIR --tokenizer-from "
+            f"{init_from}), or drop --init-from")
+    try:  # another padding of the same tokens (--pad-vocab) is not another shape
+        check_shape(with_rows(shape, model_config.vocab_size, tokens), asdict(model_config),
+                    init_from)
     except ValueError as e:  # "n_layer=12" -> "--n-layer 12"
         raise ConfigError(to_flags(str(e), every_option_class())) from None
-    return lambda: load_into(GPT(model_config), init_from)
-
-
-def pad_for(tokens: int, rows: int) -> int:
-    """A --pad-vocab that makes `rows` of `tokens` (rows >= tokens): a power of two where one
-    does (64 rather than 48 for GPT-2's 50304 of 50257), else the smallest."""
-    fits = [m for m in range(1, rows + 1) if -(-tokens // m) * m == rows]
-    return next((m for m in fits if m & (m - 1) == 0), fits[0])
+    return lambda: load_into(GPT(model_config), init_from, tokens)
 
 
 def export_final(model, job: dict[str, Any], run_dir: str) -> None:

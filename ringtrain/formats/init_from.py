@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -88,10 +88,33 @@ def check_shape(source: GPTConfig | None, target: dict[str, Any], path: str) -> 
                           "shape, or drop init_from")
 
 
-def load_into(model: GPT, path: str) -> GPT:
+# The tensors with a row per vocabulary entry (the GPT's names).
+VOCAB_ROWS = ("embed.wte.weight", "head.lm_head.weight")
+
+
+def with_rows(source: GPTConfig | None, rows: int, tokens: int | None) -> GPTConfig | None:
+    """`source` as a model of `rows` vocabulary rows where only its padding differs: both
+    cover the `tokens` token ids (another --pad-vocab; GPT-2's 50257 in nanoGPT's 50304)."""
+    if source is None or tokens is None or not tokens <= min(source.vocab_size, rows):
+        return source
+    return replace(source, vocab_size=rows)
+
+
+def load_into(model: GPT, path: str, tokens: int | None = None) -> GPT:
     """`model` holding the weights of `path` (in place; returned). The model's shape must be
-    the directory's (`check_shape`); a smaller block_size keeps the first positions."""
+    the directory's (`check_shape`); a smaller block_size keeps the first positions; with
+    `tokens` (the data's token ids), a vocabulary padded otherwise gives its first `tokens`
+    rows, and the model's padding rows keep their initialisation (no token uses them)."""
     source, state = read_weights(path)
+    rows = model.config.vocab_size
+    if source is not None and with_rows(source, rows, tokens) != source:
+        own = model.state_dict()
+        for key in VOCAB_ROWS:
+            if key in state:
+                resized = own[key].detach().clone()
+                resized[:tokens] = state[key][:tokens]
+                state[key] = resized
+        source = with_rows(source, rows, tokens)
     check_shape(source, asdict(model.config), path)
     block = model.config.block_size
     wpe = state.get("embed.wpe.weight")
