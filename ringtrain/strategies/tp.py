@@ -99,8 +99,7 @@ class TPConfig(StrategyConfig):
 
     def check_model(self, model: Any, sequence_length: int | None = None,
                     vocab_size: int | None = None) -> None:
-        """Heads and the vocabulary split across the tp ranks; what the strategy does not do
-        yet, refused."""
+        """Heads, the vocabulary and (SP) the sequence split across the tp ranks."""
         check_tp_model(model, self.tp, "--strategy tp",
                        sequence_length if self.sequence_parallel else None, vocab_size)
 
