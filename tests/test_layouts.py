@@ -159,6 +159,15 @@ def test_unit_explain_gives_the_plans_figures_for_tp():
         row.params_bytes, row.grads_bytes, row.optimizer_bytes, row.sent_bytes)
     assert fig.activation_bytes == row.activation_sp_bytes
     assert fig.dp_sent_bytes + fig.tp_sent_bytes == fig.sent_bytes
+    # --recompute-gather: the column inputs (2 per layer and lm_head's, a = b*s*h*4 bytes
+    # each) saved as 1/tp, and all-gathered once more each in backward.
+    again = TPConfig(tp=2, zero_stage=1, sequence_parallel=True,
+                     recompute_gather=True).figures(work)
+    a = 4 * 256 * 256 * 4
+    assert fig.activation_bytes - again.activation_bytes == (2 * 4 + 1) * a / 2
+    assert again.tp_sent_bytes - fig.tp_sent_bytes == (2 * 4 + 1) * a / 2  # (t-1)/t of each
+    assert Layout(2, 1, 2, 1, True, True).flags() == \
+        "--strategy tp --tp 2 --zero-stage 1 --sequence-parallel --recompute-gather"
 
 
 def test_plan_command_lists_the_layouts_and_recommends_one(capsys):

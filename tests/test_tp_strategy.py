@@ -131,15 +131,17 @@ def _close(a, b, what):
 # worker start, 1 s more than 2 ranks); tp 2 with SP and plain tp 2 on 2 ranks with
 # RINGTRAIN_FULL=1 (the contract test runs plain tp 2 on 2 ranks as well).
 # Tied embeddings (GPT-2's, nanoGPT's): dp 2 x tp 2 with SP under ZeRO 3, one slice of rows for
-# the embedding and the lm_head (4.6 s more).
+# the embedding and the lm_head, the column layers' inputs gathered again (--recompute-gather)
+# (4.6 s more).
 SP = {"sequence_parallel": True}
 TIED = GPTConfig(**{**MODEL.__dict__, "tie_embeddings": True})
-CASES = [(4, SP, MODEL), (4, {**SP, "zero_stage": 3}, TIED)] + [(2, SP, MODEL),
-                                                                (2, {}, MODEL)] * FULL
+CASES = [(4, SP, MODEL), (4, {**SP, "zero_stage": 3, "recompute_gather": True}, TIED)] + \
+    [(2, SP, MODEL), (2, {}, MODEL)] * FULL
 
 
 @pytest.mark.parametrize("world, options, config", CASES,
-                         ids=["dp2xtp2-sp", "dp2xtp2-sp-zero3-tied", "tp2-sp", "tp2"][:len(CASES)])
+                         ids=["dp2xtp2-sp", "dp2xtp2-sp-zero3-tied-regather", "tp2-sp",
+                              "tp2"][:len(CASES)])
 def test_equals_one_process_and_resumes_to_and_from_ddp(single_process, world, options, config):
     data = AdditionDataset("train", DIGITS)
     torch.manual_seed(0)

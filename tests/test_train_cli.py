@@ -82,6 +82,9 @@ def test_text_data_single_process(tmp_path, capsys):
     (["--beta1", "1"], r"--beta1 1.0: Adam's momentum must be in \[0, 1\)"),
     (["--lr", "0"], "--lr 0.0: it must be positive"),
     (["--strategy", "tp", "--nproc-per-node", "3"], r"world_size=3 is not divisible by tp=2"),
+    (["--strategy", "tp", "--nproc-per-node", "2", "--recompute-gather"],
+     "--recompute-gather gathers the sequence-parallel column layers' input again in backward: "
+     "add --sequence-parallel, or drop it"),
     (["--strategy", "tp", "--nproc-per-node", "2", "--n-head", "3", "--n-embd", "48"],
      r"--n-head 3 is not divisible by --tp 2: .*use --tp in \[1, 3\]"),
     # The workers found these one by one, in their first forward (a ValueError on each rank).

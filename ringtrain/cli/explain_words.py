@@ -308,12 +308,17 @@ def tp(f: RunFacts) -> Explanation:
         roles.append(f"activations saved for backward: {nbytes(fig.activation_bytes)} per rank "
                      "per micro-batch (the formula of docs/tensor_parallel.md"
                      + (", sequence parallelism on" if f.option("sequence_parallel") else "")
+                     + (", the column layers' inputs kept as 1/tp and gathered again in "
+                        "backward (--recompute-gather)" if f.option("recompute_gather") else "")
                      + "; without --activation-checkpointing, which keeps only each block's "
                      "input).")
     traffic = []
     if fig.tp_sent_bytes is not None:
         how = ("as all-gathers and reduce-scatters (--sequence-parallel: the same bytes, the "
-               "norms on 1/tp of the tokens)" if f.option("sequence_parallel") else "")
+               "norms on 1/tp of the tokens" + ("; --recompute-gather: one more all-gather per "
+                                              "column layer in backward" if
+                                              f.option("recompute_gather") else "") + ")"
+               if f.option("sequence_parallel") else "")
         traffic.append(f"within each tp group: 4 all-reduces of the activations (batch x "
                        f"block_size x n_embd in fp32) per layer{', ' + how if how else ''}, 2 in "
                        f"forward and 2 in backward, plus the embedding's and lm_head's: "

@@ -74,13 +74,15 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Layout:
-    """dp x pp x tp ranks, ZeRO `zero_stage` on the dp axis (0: none), sequence parallelism."""
+    """dp x pp x tp ranks, ZeRO `zero_stage` on the dp axis (0: none), sequence parallelism
+    (and its column layers' inputs gathered again in backward, `recompute_gather`)."""
 
     dp: int
     pp: int = 1
     tp: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
+    recompute_gather: bool = False
 
     @property
     def world_size(self) -> int:
@@ -92,6 +94,7 @@ class Layout:
             return f"--strategy zero --zero-stage {self.zero_stage}" if self.zero_stage else \
                 "--strategy ddp"
         sp = " --sequence-parallel" if self.sequence_parallel else ""
+        sp += " --recompute-gather" if self.recompute_gather else ""
         if self.pp > 1:  # each pipeline stage split over its tp group (issue 27's one grid)
             tp = f" --tp {self.tp}{sp}" if self.tp > 1 else ""
             return f"--strategy pipeline --pp {self.pp}{tp}"
@@ -136,9 +139,10 @@ def layout_figures(layout: Layout, shape: ModelShape, *, batch: int) -> LayoutFi
     g_bytes = FP32_BYTES * held / (dp if stage >= 2 else 1)
     o_bytes = ADAMW_BYTES * held / (dp if stage >= 1 else 1)
     samples = batch if pp == 1 else batch / 4  # 1F1B: pp of 4 x pp micro-batches in flight
+    again = layout.recompute_gather
     act = {sp: activation_bytes(n_layer=layers, n_embd=shape.n_embd, batch=samples,
                                 seq=shape.block_size, vocab_size=shape.vocab_size, tp=tp,
-                                sequence_parallel=sp)
+                                sequence_parallel=sp, recompute_gather=sp and again)
            for sp in (False, True)}
     dp_sent = all_reduce_share(dp) * FP32_BYTES * held
     if stage == 3:
@@ -148,7 +152,7 @@ def layout_figures(layout: Layout, shape: ModelShape, *, batch: int) -> LayoutFi
         k = shape.heaviest(pp)
         volumes = expected_bytes(n_layer=layers, n_embd=shape.n_embd, batch=batch,
                                  seq=shape.block_size, sequence_parallel=layout.sequence_parallel,
-                                 embedding=k == 0, head=k == pp - 1,
+                                 recompute_gather=again, embedding=k == 0, head=k == pp - 1,
                                  backwards=4 * pp if pp > 1 else 1)  # micro-batches, as `samples`
         tp_sent = sum(ring_bytes_per_rank(op, b, tp) for op, b in volumes.items())
     pp_sent = pp_sent_bytes(layout, shape, batch=batch)

@@ -30,7 +30,9 @@ embedding's and the column-parallel lm_head's (`parallelize` ties the slices aga
 Dropout: the tp ranks of a replica draw one stream (`seed_rank`), so what they hold whole is
 masked alike; their heads, and their tokens under --sequence-parallel, from streams of their
 own (`tensor_parallel.rng`).
-Not yet: with --pp (refused with --strategy tp), `recompute_gather`.
+`--recompute-gather` (with --sequence-parallel): the column layers keep their input's shard for
+backward and all-gather it again there, so every saved activation is 1/tp.
+Not yet: with --pp (refused with --strategy tp).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.strategies.tp_options import (
     check_tp_model,
+    recompute_gather_option,
     sequence_parallel_option,
     tp_option,
     zero_stage_option,
@@ -89,9 +92,13 @@ class TPConfig(StrategyConfig):
 
     tp: int = tp_option(2)
     sequence_parallel: bool = sequence_parallel_option()
+    recompute_gather: bool = recompute_gather_option()
     zero_stage: int = zero_stage_option(0, (0, *STAGES))
 
     def plan(self, world_size: int, step_batch: int) -> int:
+        if self.recompute_gather and not self.sequence_parallel:
+            raise ConfigError("--recompute-gather gathers the sequence-parallel column layers' "
+                              "input again in backward: add --sequence-parallel, or drop it")
         try:
             return Grid(world_size, tp=self.tp).dp
         except ValueError as e:
@@ -124,7 +131,8 @@ class TPConfig(StrategyConfig):
                              tp_sent_bytes=None, activation_bytes=None)
         shape = layouts.ModelShape(w.n_layer, w.sample_numel // w.block_size, self.tp,
                                    w.vocab_size, w.block_size, w.params, w.whole_params)
-        layout = layouts.Layout(dp, 1, self.tp, self.zero_stage, self.sequence_parallel)
+        layout = layouts.Layout(dp, 1, self.tp, self.zero_stage, self.sequence_parallel,
+                                self.recompute_gather)
         f = layouts.layout_figures(layout, shape, batch=w.step_batch)
         micro = layouts.layout_figures(layout, shape, batch=w.step_batch // w.grad_accum)
         return TPFigures(data_ranks=dp, params_bytes=f.params_bytes, grads_bytes=f.grads_bytes,
@@ -141,6 +149,7 @@ class TPStrategy(Strategy):
         runtime: this process's `Runtime` (rank, world_size, device, process_group).
         tp: the tensor-parallel degree (--tp); must divide the world size.
         sequence_parallel: `gpt_plan(sequence_parallel=True)` (--sequence-parallel).
+        recompute_gather: with it, `gpt_plan(recompute_gather=True)` (--recompute-gather).
         zero_stage: 0 (no ZeRO), 1, 2 or 3: ZeRO over the dp group of this rank's module.
     """
 
@@ -148,11 +157,12 @@ class TPStrategy(Strategy):
     Config = TPConfig
 
     def __init__(self, runtime: Runtime, *, tp: int = 2, sequence_parallel: bool = False,
-                 zero_stage: int = 0):
+                 recompute_gather: bool = False, zero_stage: int = 0):
         self.runtime, self.tp, self.sequence_parallel = runtime, tp, sequence_parallel
-        self.zero_stage = int(zero_stage)
+        self.recompute_gather, self.zero_stage = recompute_gather, int(zero_stage)
         # The pre-launch checks again (a script builds the strategy without the command line).
-        TPConfig(tp=tp, zero_stage=self.zero_stage).plan(runtime.world_size, 1)
+        TPConfig(tp=tp, sequence_parallel=sequence_parallel, recompute_gather=recompute_gather,
+                 zero_stage=self.zero_stage).plan(runtime.world_size, 1)
         self.grid = Grid(runtime.world_size, tp=tp)
         self.groups = None
         self.module: nn.Module | None = None
@@ -162,8 +172,9 @@ class TPStrategy(Strategy):
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFn, loss_fn: LossFn) -> None:
         self.groups = create_process_groups(self.grid, self.runtime.rank)
         try:
-            model = parallelize(model, gpt_plan(sequence_parallel=self.sequence_parallel),
-                                self.groups.tp_group)
+            plan = gpt_plan(sequence_parallel=self.sequence_parallel,
+                            recompute_gather=self.recompute_gather)
+            model = parallelize(model, plan, self.groups.tp_group)
         except (TypeError, ValueError) as e:  # n_head or vocab not divisible
             raise ConfigError(f"--strategy tp --tp {self.tp}: {e}") from None
         self.module = model.to(self.runtime.device)

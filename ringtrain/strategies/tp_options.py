@@ -30,6 +30,13 @@ def sequence_parallel_option() -> Any:
                   "all-reduce (block_size must be divisible by --tp)")
 
 
+def recompute_gather_option() -> Any:
+    """`--recompute-gather`: the SP column layers keep their input's shard, gathered again."""
+    return option(False, "with --sequence-parallel: the column layers keep only their input's "
+                  "block_size / tp tokens for backward and all-gather them again there (every "
+                  "saved activation 1/tp, as Megatron-LM's; one more all-gather per column layer)")
+
+
 def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
     """`--zero-stage`: what ZeRO shards over the data-parallel ranks (`ringtrain.zero`); 0 (none)
     is a choice only where the strategy runs without ZeRO too."""
