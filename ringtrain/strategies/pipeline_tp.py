@@ -35,7 +35,7 @@ def parallelize_model(model: nn.Module, tp_group, *, tp: int,
     stream (`PipelineStrategy.seed_rank`), their parts their own (`tensor_parallel.rng`)."""
     try:
         return parallelize(model, gpt_plan(sequence_parallel=sequence_parallel), tp_group)
-    except (TypeError, ValueError) as e:  # n_head or vocab not divisible, tied embeddings
+    except (TypeError, ValueError) as e:  # n_head or vocab not divisible
         raise ConfigError(f"--strategy pipeline --tp {tp}: {e}") from None
 
 
