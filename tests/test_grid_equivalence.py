@@ -5,7 +5,8 @@ process.
 
 CPU, gloo, a tiny GPT (2 layers, n_embd 16, dropout 0), fp32, the same global batch, gradient
 clipping small enough to act on every step. On 4 ranks (one worker start for all scenarios):
-tp 2 x pp 2 under 1F1B, under GPipe and ZB-H1 with sequence parallelism (with RINGTRAIN_FULL=1
+tp 2 x pp 2 under 1F1B, under GPipe and ZB-H1 with sequence parallelism, ZB-H1 with it and
+`recompute_gather` (with RINGTRAIN_FULL=1
 also interleaved 1F1B, 2 chunks per rank, with it, ZB-H1 and ZB-V, ZB-V with it): 3 AdamW
 steps (RINGTRAIN_FULL=1: 20, the GPT without biases) equal one process's (allclose 1e-5);
 the 1F1B run's snapshot in the layout-free form equals the one-process run's parameters and
@@ -62,6 +63,10 @@ SCENARIOS = {
     # sum over tp): run once each, not twice (tests/test_pipeline_backward.py counts them).
     "zb-h1-sp": {"pp": 2, "tp": 2, "schedule": "zb-h1", "microbatches": 2,
                  "sequence_parallel": True},
+    # --recompute-gather: the column layers' input all-gathered again in the split backward
+    # (gpipe, 1F1B, interleaved and ZB-V with it too, checked once by hand in session 33).
+    "zb-h1-sp-regather": {"pp": 2, "tp": 2, "schedule": "zb-h1", "microbatches": 2,
+                          "sequence_parallel": True, "recompute_gather": True},
 } | ({"interleaved-sp": {"pp": 2, "tp": 2, "schedule": "interleaved", "virtual_stages": 2,
                         "sequence_parallel": True},
       "zb-h1": {"pp": 2, "tp": 2, "schedule": "zb-h1"},

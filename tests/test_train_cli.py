@@ -82,6 +82,8 @@ def test_text_data_single_process(tmp_path, capsys):
     (["--beta1", "1"], r"--beta1 1.0: Adam's momentum must be in \[0, 1\)"),
     (["--lr", "0"], "--lr 0.0: it must be positive"),
     (["--strategy", "tp", "--nproc-per-node", "3"], r"world_size=3 is not divisible by tp=2"),
+    (["--pp", "2", "--tp", "2", "--nproc-per-node", "4", "--recompute-gather"],
+     "--recompute-gather gathers the sequence-parallel column layers' input again"),
     (["--strategy", "tp", "--nproc-per-node", "2", "--recompute-gather"],
      "--recompute-gather gathers the sequence-parallel column layers' input again in backward: "
      "add --sequence-parallel, or drop it"),
@@ -132,7 +134,8 @@ def test_async_parameter_server_lowers_adam_momentum_unless_told():
 def test_strategy_options_only_for_the_chosen_strategy():
     opts = parse_options(["--strategy", "pipeline", "--pp", "2", "--schedule", "gpipe"])
     assert opts.strategy.kwargs() == {"pp": 2, "schedule": "gpipe", "microbatches": None,
-                                      "virtual_stages": 1, "tp": 1, "sequence_parallel": False}
+                                      "virtual_stages": 1, "tp": 1, "sequence_parallel": False,
+                                      "recompute_gather": False}
     # --pp without --strategy chooses pipeline; --tp then splits each stage (issue 27).
     opts = parse_options(["--pp", "2", "--tp", "2"])
     assert (opts.run.strategy, opts.strategy.kwargs()["tp"]) == ("pipeline", 2)

@@ -55,6 +55,7 @@ from ringtrain.strategies.pipeline_config import (
     make_grid,
 )
 from ringtrain.strategies.pipeline_tp import StageSlices, join_slices, parallelize_model
+from ringtrain.strategies.tp_options import check_recompute_gather
 from ringtrain.tensor_parallel import comm, vocab_parallel_cross_entropy
 from ringtrain.trace import COMM, Tracer
 from ringtrain.trace import COMPUTE as COMPUTE_LANE
@@ -104,6 +105,8 @@ class PipelineStrategy(Strategy):
         sequence_parallel: with tp, the norms and the residual stream (and so the stage
             boundaries) on block_size / tp tokens per rank; with the schedules in
             `pipeline_config.sp_schedules()` (every one on a tested torch).
+        recompute_gather: with it, the column layers' inputs kept as 1/tp and all-gathered
+            again in backward (`gpt_plan(recompute_gather=True)`).
     """
 
     name = "pipeline"
@@ -111,8 +114,10 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, runtime: Runtime, pp: int = 2, schedule: str = "1f1b",
                  microbatches: int | None = None, split: Sequence[int] | None = None,
-                 virtual_stages: int = 1, tp: int = 1, sequence_parallel: bool = False):
+                 virtual_stages: int = 1, tp: int = 1, sequence_parallel: bool = False,
+                 recompute_gather: bool = False):
         check_schedule(schedule, pp, virtual_stages, microbatches, sequence_parallel)
+        check_recompute_gather(recompute_gather, sequence_parallel)
         if sequence_parallel and tp == 1:
             raise ConfigError("sequence_parallel=True shards the sequence over the tp ranks: "
                               "pass tp=2 (or more), or sequence_parallel=False")
@@ -120,7 +125,7 @@ class PipelineStrategy(Strategy):
         self.runtime, self.virtual_stages = runtime, chunks_per_rank(schedule, virtual_stages)
         self.grid = make_grid(runtime.world_size, pp, tp)  # the same refusal on every rank
         self.schedule, self.microbatches, self.split = schedule, microbatches, split
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.recompute_gather = sequence_parallel, recompute_gather
         self.groups = create_process_groups(self.grid, runtime.rank)
         self.grad_group = (self.groups.pp_group if "nccl" in runtime.backend
                            else create_pp_grad_groups(self.grid, runtime.rank))
@@ -146,7 +151,8 @@ class PipelineStrategy(Strategy):
             # Split before cutting: the stages then share the parallelised model's modules,
             # so the model's names still say which tensor each stage holds (`StageNames`).
             model = parallelize_model(model, g.tp_group, tp=tp,
-                                      sequence_parallel=self.sequence_parallel)
+                                      sequence_parallel=self.sequence_parallel,
+                                      recompute_gather=self.recompute_gather)
             # The lm_head leaves the logits split by vocabulary: the loss is ringtrain's
             # cross-entropy (mean over targets, -1 ignored) without gathering them.
             loss_fn = lambda logits, y: vocab_parallel_cross_entropy(  # noqa: E731

@@ -28,7 +28,13 @@ from ringtrain.pipeline.schedule import (
 )
 from ringtrain.strategies.base import StrategyConfig
 from ringtrain.strategies.figures import FP32_BYTES, Figures, Workload, all_reduce_share
-from ringtrain.strategies.tp_options import check_tp_model, sequence_parallel_option, tp_option
+from ringtrain.strategies.tp_options import (
+    check_recompute_gather,
+    check_tp_model,
+    recompute_gather_option,
+    sequence_parallel_option,
+    tp_option,
+)
 
 # The schedules that split a backward in two (input gradient now, weights later,
 # `ringtrain.pipeline.backward`). Sequence parallelism sums the norms' gradients over tp in a
@@ -120,6 +126,7 @@ class PipelineConfig(StrategyConfig):
                                  type=int_at_least(1))
     tp: int = tp_option(1)
     sequence_parallel: bool = sequence_parallel_option()
+    recompute_gather: bool = recompute_gather_option()
 
     def plan(self, world_size: int, step_batch: int) -> int:
         pp, tp = self.pp, self.tp
@@ -127,6 +134,7 @@ class PipelineConfig(StrategyConfig):
         if self.sequence_parallel and tp == 1:
             raise ConfigError("--sequence-parallel shards the sequence over the tp ranks: "
                               "add --tp 2 (or more), or drop --sequence-parallel")
+        check_recompute_gather(self.recompute_gather, self.sequence_parallel)
         m = self.microbatches
         if m is not None and step_batch % m:
             fits = [d for d in range(1, step_batch + 1) if step_batch % d == 0]

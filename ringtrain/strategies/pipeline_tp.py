@@ -28,13 +28,14 @@ from ringtrain.tensor_parallel.state import Split, param_splits, shard, unshard
 WHOLE = Split(None)
 
 
-def parallelize_model(model: nn.Module, tp_group, *, tp: int,
-                      sequence_parallel: bool) -> nn.Module:
+def parallelize_model(model: nn.Module, tp_group, *, tp: int, sequence_parallel: bool,
+                      recompute_gather: bool = False) -> nn.Module:
     """`model` with every matrix split over `tp_group` (in place), or a ConfigError naming
     what does not split (n_head or the vocabulary). Dropout: the stage's tp ranks draw one
     stream (`PipelineStrategy.seed_rank`), their parts their own (`tensor_parallel.rng`)."""
     try:
-        return parallelize(model, gpt_plan(sequence_parallel=sequence_parallel), tp_group)
+        return parallelize(model, gpt_plan(sequence_parallel=sequence_parallel,
+                                           recompute_gather=recompute_gather), tp_group)
     except (TypeError, ValueError) as e:  # n_head or vocab not divisible
         raise ConfigError(f"--strategy pipeline --tp {tp}: {e}") from None
 

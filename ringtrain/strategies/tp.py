@@ -32,7 +32,7 @@ masked alike; their heads, and their tokens under --sequence-parallel, from stre
 own (`tensor_parallel.rng`).
 `--recompute-gather` (with --sequence-parallel): the column layers keep their input's shard for
 backward and all-gather it again there, so every saved activation is 1/tp.
-Not yet: with --pp (refused with --strategy tp).
+Not yet: with --pp (refused with --strategy tp; `--strategy pipeline --tp` is that layout).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from ringtrain.strategies.base import EvalShard, StepResult, Strategy, StrategyC
 from ringtrain.strategies.figures import Figures, Workload, all_reduce_share
 from ringtrain.strategies.step import accumulate, lr_into, optimizer_step
 from ringtrain.strategies.tp_options import (
+    check_recompute_gather,
     check_tp_model,
     recompute_gather_option,
     sequence_parallel_option,
@@ -96,9 +97,7 @@ class TPConfig(StrategyConfig):
     zero_stage: int = zero_stage_option(0, (0, *STAGES))
 
     def plan(self, world_size: int, step_batch: int) -> int:
-        if self.recompute_gather and not self.sequence_parallel:
-            raise ConfigError("--recompute-gather gathers the sequence-parallel column layers' "
-                              "input again in backward: add --sequence-parallel, or drop it")
+        check_recompute_gather(self.recompute_gather, self.sequence_parallel)
         try:
             return Grid(world_size, tp=self.tp).dp
         except ValueError as e:

@@ -37,6 +37,13 @@ def recompute_gather_option() -> Any:
                   "saved activation 1/tp, as Megatron-LM's; one more all-gather per column layer)")
 
 
+def check_recompute_gather(recompute_gather: bool, sequence_parallel: bool) -> None:
+    """`--recompute-gather` regathers what sequence parallelism split: refused without it."""
+    if recompute_gather and not sequence_parallel:
+        raise ConfigError("--recompute-gather gathers the sequence-parallel column layers' "
+                          "input again in backward: add --sequence-parallel, or drop it")
+
+
 def zero_stage_option(default: int, choices: tuple[int, ...]) -> Any:
     """`--zero-stage`: what ZeRO shards over the data-parallel ranks (`ringtrain.zero`); 0 (none)
     is a choice only where the strategy runs without ZeRO too."""
