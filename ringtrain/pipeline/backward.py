@@ -26,6 +26,7 @@ non-leaf's hooks from its node), and `retain_grad()` on such a tensor sums both 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -77,6 +78,29 @@ def holds_tensor_hooks() -> bool:
     them while it captures the gradients); where not, a hook that sums over a group (sequence
     parallelism's) would run twice."""
     return not tensor_hooks_held_off()
+
+
+@functools.cache
+def hooks_function_nodes() -> bool:
+    """Whether the weight pass can hook the node of a custom `autograd.Function` that takes a
+    parameter (tensor parallelism's regathering column layer): torch 2.11 and 2.12 refuse a
+    pre-hook on such a node ("a legacy access pattern that is no longer supported")."""
+
+    class _Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    node = _Identity.apply(torch.zeros(1, requires_grad=True)).grad_fn
+    try:
+        node.register_prehook(lambda g: g).remove()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _postorder(root: Node) -> list[Node]:

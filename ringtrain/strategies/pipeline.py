@@ -116,8 +116,9 @@ class PipelineStrategy(Strategy):
                  microbatches: int | None = None, split: Sequence[int] | None = None,
                  virtual_stages: int = 1, tp: int = 1, sequence_parallel: bool = False,
                  recompute_gather: bool = False):
-        check_schedule(schedule, pp, virtual_stages, microbatches, sequence_parallel)
         check_recompute_gather(recompute_gather, sequence_parallel)
+        check_schedule(schedule, pp, virtual_stages, microbatches, sequence_parallel,
+                       recompute_gather)
         if sequence_parallel and tp == 1:
             raise ConfigError("sequence_parallel=True shards the sequence over the tp ranks: "
                               "pass tp=2 (or more), or sequence_parallel=False")
