@@ -7,7 +7,7 @@ lm_head's rows: the run was refused, the message said "pad the vocabulary", and 
 The padded rows are no token: sampling never draws one, an export keeps the model's rows and
 records the tokenizer's tokens, and a snapshot moves between strategies with the same
 --pad-vocab. The tp 2 run (2 processes through the launcher) equals one process's (ddp) loss for
-loss; the rest runs in-process on one rank.
+loss; the rest runs in-process on one rank. CPU and gloo (the suite's RINGTRAIN_DEVICE=cpu).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from ringtrain.checkpoint.files import (
     fsync_dir,
     read_manifest,
     snap_dirs,
+    snap_step,
     verify,
     write_durably,
 )
@@ -71,7 +72,7 @@ def retain(root: Path, keep: int, just: Path | None = None) -> None:
     dirs = snap_dirs(root)
     committed = [p for p in dirs if (p / COMMITTED).is_file()]
     if just is not None:
-        later = [p for p in committed if int(p.name[5:]) > int(just.name[5:])]
+        later = [p for p in committed if snap_step(p) > snap_step(just)]
         committed = [just, *[p for p in committed if p != just and p not in later], *later]
     stale = committed[keep:] + [p for p in dirs if p not in committed]
     stale += [p for p in root.glob(".*-snap-*") if p.is_dir()]  # temp and replaced dirs
@@ -91,7 +92,7 @@ def newer_than(root: Path, step: int) -> str | None:
     """
     later = []
     for p in snap_dirs(root):
-        if int(p.name[5:]) <= step:
+        if snap_step(p) <= step:
             break
         try:
             if (p / COMMITTED).is_file():

@@ -242,12 +242,17 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return json.loads(raw)
 
 
+def snap_step(path: Path) -> int:
+    """The step of a `snap-{step:08d}` directory."""
+    return int(path.name[5:])
+
+
 def snap_dirs(root: Path) -> list[Path]:
     """`snap-*` directories, newest step first (committed or not)."""
     if not root.is_dir():
         return []
     found = [p for p in root.glob("snap-*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+    return sorted(found, key=snap_step, reverse=True)
 
 
 def remove_unfinished(root_dir: str | os.PathLike) -> list[Path]:

@@ -116,8 +116,10 @@ def print_layouts(shape: layouts.ModelShape, world_size: int, host: int, batch: 
     odd = [tp for tp in range(2, min(world_size, host) + 1)
            if world_size % tp == 0 and shape.n_head % tp == 0 and shape.vocab_size % tp]
     if odd:
+        from ringtrain.cli.options import ModelOptions
+
         pad = math.lcm(*odd)
-        padded = -(-shape.vocab_size // pad) * pad
+        padded = ModelOptions(pad_vocab=pad).vocab_rows(shape.vocab_size)  # as train pads
         print(f"not listed: tp {', '.join(map(str, odd))}, which divide{'s' * (len(odd) == 1)} "
               f"n_head but not vocab_size {shape.vocab_size}; `ringtrain train --pad-vocab {pad}"
               f"` pads the vocabulary to {padded} rows (`ringtrain plan --vocab-size {padded}` "

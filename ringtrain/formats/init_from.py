@@ -106,16 +106,15 @@ def load_into(model: GPT, path: str, tokens: int | None = None) -> GPT:
     `tokens` (the data's token ids), a vocabulary padded otherwise gives its first `tokens`
     rows, and the model's padding rows keep their initialisation (no token uses them)."""
     source, state = read_weights(path)
-    rows = model.config.vocab_size
-    if source is not None and with_rows(source, rows, tokens) != source:
+    padded = with_rows(source, model.config.vocab_size, tokens)
+    if padded != source:  # another padding of the same tokens: theirs, the rest as initialised
         own = model.state_dict()
         for key in VOCAB_ROWS:
             if key in state:
                 resized = own[key].detach().clone()
                 resized[:tokens] = state[key][:tokens]
                 state[key] = resized
-        source = with_rows(source, rows, tokens)
-    check_shape(source, asdict(model.config), path)
+    check_shape(padded, asdict(model.config), path)
     block = model.config.block_size
     wpe = state.get("embed.wpe.weight")
     if wpe is not None and wpe.shape[0] > block:

@@ -28,6 +28,7 @@ Options and figures: `pipeline_config.py`.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -179,7 +180,7 @@ class PipelineStrategy(Strategy):
             ranks = sorted({place.where(k)[0] for k in tie.stages})
             if len(ranks) < 2:
                 continue
-            for d, t in ((d, t) for d in range(self.grid.dp) for t in range(tp)):
+            for d, t in itertools.product(range(self.grid.dp), range(tp)):
                 group = dist.new_group([self.grid.rank_of(d, r, t) for r in ranks])
                 if (d, t) == (g.dp_rank, g.tp_rank) and g.pp_rank in ranks:
                     k = next(k for k in tie.stages if place.where(k)[0] == g.pp_rank)
