@@ -61,6 +61,13 @@ def _named(model: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     if isinstance(model, nn.Module):
         model = getattr(model, "module", model)  # a DDP wrapper: the module it wraps
         return dict(model.state_dict())  # parameters and buffers, shared ones once
+    if not isinstance(model, Mapping):
+        raise TypeError(f"check_replicas compares a module, a DDP wrapper or a state dict, not "
+                        f"{type(model).__name__}: pass the model (or its state_dict())")
+    other = {k: type(v).__name__ for k, v in model.items() if not isinstance(v, torch.Tensor)}
+    if other:
+        raise TypeError(f"check_replicas compares tensors, and the state dict holds other values "
+                        f"({other}): pass the model, or a dict of its tensors only")
     return dict(model)
 
 
@@ -78,11 +85,11 @@ def check_replicas(model: nn.Module | Mapping[str, torch.Tensor],
         raise ValueError("check_replicas compares the ranks of a process group, and none is "
                          "initialised: call ringtrain.init_distributed() first (or pass "
                          "process_group=)")
+    named = _named(model)  # before the world-size shortcut: a wrong argument fails on 1 rank too
     group = process_group or dist.group.WORLD
     world = dist.get_world_size(group)
     if world == 1:
         return None
-    named = _named(model)
     device = collectives.tensor_device(group)
     sums = tensor_checksums(named.values()).to(device)
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]

@@ -270,10 +270,16 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _snapshots(**kw):
+def _snapshots(root="snaps", **kw):
     from ringtrain.checkpoint.snapshot import SnapshotManager
 
-    return lambda: SnapshotManager("snaps", **kw)
+    return lambda: SnapshotManager(root, **kw)
+
+
+def _check_replicas(model):
+    from ringtrain.replicas import check_replicas
+
+    return lambda: check_replicas(model)
 
 
 def _config(**kw):
@@ -308,7 +314,18 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
     ("snapshots keep", _snapshots(rank=0, world_size=1, keep=0), ValueError,
      r"keep=0: keep at least 1"),
     ("snapshots rank", _snapshots(rank=3, world_size=2), ValueError, r"Invalid rank 3"),
+    ("snapshots root None", _snapshots(None), TypeError,
+     r"SnapshotManager\(root_dir=None\): give the directory .* a str or Path"),
+    # world size 1 compares nothing; a wrong argument is still said (it returned None)
+    ("check_replicas int", _check_replicas(3), TypeError,
+     r"a module, a DDP wrapper or a state dict, not int: pass the model"),
+    ("check_replicas not tensors", _check_replicas({"w": torch.ones(2), "step": 3}), TypeError,
+     r"other values \(\{'step': 'int'\}\): pass the model"),
     ("trainer steps", _config(steps=0), ValueError, r"steps=0: it must be a positive integer"),
+    # a second init_distributed returns the group that is up: arguments for another are refused
+    ("init again, other group", lambda: init_distributed(backend="nccl", world_size=2),
+     RuntimeError, r"init_distributed\(backend='nccl', world_size=2\): the process group is "
+     r"already up with backend='gloo', world_size=1.*destroy_distributed\(\) first"),
     ("trainer min_lr", _config(lr=0.1, min_lr=0.5), ValueError,
      r"min_lr=0\.5 is above the peak lr"),
     ("ddp not a module", _ddp(module="model"), TypeError, r"'model'.*nn\.Module"),
@@ -322,6 +339,12 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
 def test_constructors_name_the_value_and_the_fix(one_process, name, call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_a_second_init_distributed_returns_the_group_it_describes(one_process):
+    assert init_distributed() is one_process
+    assert init_distributed(backend="gloo", device="cpu", rank=0, world_size=1) is one_process
+    assert init_distributed(backend="auto", device="auto") is one_process
 
 
 def test_before_init_the_constructors_say_to_call_init_distributed():

@@ -66,6 +66,7 @@ def test_more_nccl_processes_than_gpus_is_one_clear_error():
     (None, "cuda", {}, 0, "sees no GPU here"),
     ("nccl", None, {}, 0, "sees no GPU here"),
     (None, None, {DEVICE_ENV: "gpu"}, 1, "RINGTRAIN_DEVICE='gpu': use one of auto, cpu, cuda"),
+    ("foo", None, {}, 1, "backend='foo': use one of auto, gloo, nccl"),  # init_distributed's
 ])
 def test_what_this_machine_cannot_give_is_named(backend, device, env, gpus, says):
     with pytest.raises(PlacementError, match=says.replace("(", r"\(")):

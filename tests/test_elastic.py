@@ -198,4 +198,4 @@ def test_config_differences_name_each_option():
     assert config_differences(saved, {"lr": 0.003, "n_layer": 2, "data": None}) == []
     diffs = config_differences(saved, {"lr": 0.001, "n_layer": 2, "data": None, "seed": 1})
     assert diffs == ["--lr 0.003 in the snapshot, 0.001 now",
-                     "--seed (unset) in the snapshot, 1 now"]
+                     "--seed (the default) in the snapshot, 1 now"]

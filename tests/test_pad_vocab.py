@@ -106,7 +106,7 @@ def test_another_padding_is_named_on_resume_and_init_from(tmp_path, capsys):
     assert train_main([*base, "--steps", "4", "--pad-vocab", "2"]) == 0
     capsys.readouterr()
     assert train_main([*base, "--steps", "6"]) == 2
-    assert "--pad-vocab 2 in the snapshot, (unset) now" in capsys.readouterr().err
+    assert "--pad-vocab 2 in the snapshot, (the default) now" in capsys.readouterr().err
     assert train_main([*base, "--steps", "6", "--pad-vocab", "2"]) == 0
 
 

@@ -242,6 +242,14 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return json.loads(raw)
 
 
+def root_path(root_dir: Any, owner: str) -> Path:
+    """`root_dir` as a Path, or a TypeError naming `owner`'s argument (not pathlib's)."""
+    if not isinstance(root_dir, (str, os.PathLike)) or not str(root_dir):
+        raise TypeError(f"{owner}(root_dir={root_dir!r}): give the directory the snapshots go in, "
+                        "a str or Path that every rank sees (e.g. 'runs/mine/snapshots')")
+    return Path(root_dir)
+
+
 def snap_step(path: Path) -> int:
     """The step of a `snap-{step:08d}` directory."""
     return int(path.name[5:])

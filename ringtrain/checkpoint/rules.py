@@ -50,14 +50,18 @@ def elastic_batch(global_batch: int, data_world_size: int, batch_size: int, *,
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The options whose values differ, as `--name saved (snapshot) vs now` lines."""
+    """The options whose values differ, as `--name saved (snapshot) vs now` lines.
+
+    A key one side lacks is that option at its default: a run config leaves out an option
+    added later (a snapshot from before it ran as its default) or one at a default that keeps
+    older snapshots resuming (`--pad-vocab 1`)."""
     now = json.loads(json.dumps(now))  # the saved side went through JSON: compare like with like
     missing = object()
     out = []
     for key in sorted(set(saved) | set(now)):
         a, b = saved.get(key, missing), now.get(key, missing)
         if a != b:
-            show = [("(unset)" if v is missing else repr(v)) for v in (a, b)]
+            show = [("(the default)" if v is missing else repr(v)) for v in (a, b)]
             out.append(f"--{key.replace('_', '-')} {show[0]} in the snapshot, {show[1]} now")
     return out
 

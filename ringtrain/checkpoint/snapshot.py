@@ -9,13 +9,13 @@
     snap = manager.latest()       # the newest committed snapshot that verifies, or None
     shared, per_rank, metadata = manager.load(snap)
 
-Tests: `.venv/bin/pytest -q tests/test_checkpoint.py`. File-level helpers (durable writes,
-checksums, manifests, `unwrap_state_dict`, `check_topology`) live in `ringtrain.checkpoint.files`;
-the keys, reports and bounded waits of the ranks' handshake in `ringtrain.checkpoint.handshake`;
-rank 0's commit (rename, `COMMITTED` last) and the rotation of old snapshots in
-`ringtrain.checkpoint.commit`. This file holds the manager: the order of one save, each rank's own
-part (written in a thread, bounded by the deadline), and finding and loading snapshots; the host
-copy and the writer thread of a save in the background are `ringtrain.checkpoint.background`.
+Tests: tests/test_checkpoint.py. File-level helpers (durable writes, checksums, manifests,
+`unwrap_state_dict`, `check_topology`, `root_path`) live in `ringtrain.checkpoint.files`; the
+ranks' handshake (keys, reports, bounded waits) in `ringtrain.checkpoint.handshake`; rank 0's
+commit (rename, `COMMITTED` last) and the rotation in `ringtrain.checkpoint.commit`. This file
+holds the manager: the order of one save, each rank's own part (written in a thread, bounded by
+the deadline), finding and loading snapshots; a background save's host copy and writer thread
+are `ringtrain.checkpoint.background`.
 
 Layout under `root_dir` (a directory every rank sees, e.g. on a shared filesystem):
 
@@ -30,15 +30,14 @@ writes `COMMITTED` last, and publishes the outcome, which the other ranks wait f
 a deadline, so a slow or failed rank makes `save` raise `SnapshotError` naming that rank on every
 rank instead of hanging. Every rank raises what rank 0 published, so all agree on the kind:
 `SnapshotNoSpaceError` when any rank's disk was full. A save that fails removes its temp directory;
-a crash at any point leaves either a temp directory or a directory without `COMMITTED`: both are
-ignored by `latest()`, the temp ones removed by `remove_unfinished` (at the next start) and all by
-the next save.
+a crash at any point leaves a temp directory or one without `COMMITTED`: `latest()` ignores
+both, `remove_unfinished` (at the next start) removes the temp ones, the next save all.
 
 In the background (`background = True`; the trainer's default): `save` copies the state to host
-memory (what `updated` names beside the caller's next forward and backward, see
-`host_copy.py`) and returns, and a thread runs the save above, unchanged: so a crash during
-the write leaves the previous snapshot the newest, and every rank learns the same outcome from
-the store. `wait()` (or the next `save`) joins it and raises what it raised.
+memory (what `updated` names beside the caller's next forward and backward, see `host_copy.py`)
+and returns, and a thread runs the save above, unchanged: so a crash during the write leaves the
+previous snapshot the newest, and every rank learns the same outcome from the store; `wait()`
+or the next `save` joins it.
 """
 
 from __future__ import annotations
@@ -77,6 +76,7 @@ from ringtrain.checkpoint.files import (
     newest_snapshot_bytes,
     read_manifest,
     remove_unfinished,
+    root_path,
     snap_dirs,
     unwrap_state_dict,
     write_durably,
@@ -130,6 +130,7 @@ class SnapshotManager:
         world_size: int | None = None, store: dist.Store | None = None, keep: int = 2,
         timeout_s: float = 60.0, name: str = "snapshots", background: bool = False,
     ) -> None:
+        self.root = root_path(root_dir, "SnapshotManager")
         if rank is None or world_size is None:  # the default group's (init_distributed first)
             rank, world_size = (get_rank() if rank is None else rank,
                                 get_world_size() if world_size is None else world_size)
@@ -141,7 +142,6 @@ class SnapshotManager:
                              "(2 survives a corrupt one)")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: it must be positive")
-        self.root = Path(root_dir)
         self.rank, self.world_size, self.keep, self.timeout_s = rank, world_size, keep, timeout_s
         if store is None and world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):

@@ -68,7 +68,8 @@ def _pick(name: str, value: str | None, env: Mapping[str, str], env_name: str,
     # hide RINGTRAIN_DEVICE=cpu (on a GPU box the test suite's CPU tests ran NCCL without this)
     chosen = (value if value != "auto" else None) or env.get(env_name) or "auto"
     if chosen not in allowed:
-        where = f"{env_name}={chosen!r}" if not value else f"{name} {chosen!r}"
+        # the CLI's choices catch a bad flag first: a value here came from a call or the env
+        where = f"{env_name}={chosen!r}" if not value else f"{name}={chosen!r}"
         raise PlacementError(f"{where}: use one of {', '.join(allowed)}")
     return chosen
 
@@ -92,8 +93,8 @@ def choose(backend: str | None = None, device: str | None = None, *, local_rank:
     """
     env = os.environ if env is None else env
     gpus = gpus or cuda_device_count
-    backend = _pick("--backend", backend, env, BACKEND_ENV, BACKENDS)
-    device = _pick("--device", device, env, DEVICE_ENV, DEVICES)
+    backend = _pick("backend", backend, env, BACKEND_ENV, BACKENDS)
+    device = _pick("device", device, env, DEVICE_ENV, DEVICES)
     if device == "cpu" and backend == "nccl":
         raise PlacementError("backend nccl needs CUDA tensors but the device asked for is the "
                              "CPU: use --backend gloo (or RINGTRAIN_BACKEND=gloo) for CPU tensors")

@@ -163,14 +163,16 @@ def init_distributed(
         rendezvous_timeout_s: how long to wait for every rank to arrive before failing.
         timeout_s: collective timeout handed to the process group.
 
-    Calling it again while initialised returns the existing runtime. A process group that is
-    already up (Ray Train's) is taken as it is, and left to whoever started it.
+    Calling it again while initialised returns the existing runtime (arguments that describe
+    another group are refused). A process group that is already up (Ray Train's) is taken as
+    it is, and left to whoever started it.
     """
     global _runtime, _own_group
+    asked = {"backend": backend, "device": device, "rank": rank, "world_size": world_size}
     if _runtime is not None:
-        return _runtime
+        return _unchanged(_runtime, asked)
     if dist.is_available() and dist.is_initialized():  # Ray Train (or the script) started it
-        return _adopt_group(existing_group_name(os.environ))
+        return _unchanged(_adopt_group(existing_group_name(os.environ)), asked)
     if (rank, world_size, master_addr, master_port) == (None, None, None, None):
         found = detect(os.environ)
     else:
@@ -241,6 +243,22 @@ def init_live(*, device: str | None = None,
     rt = Runtime(found.rank, found.world_size, found.local_rank, "gloo", placement.device,
                  None, store)  # type: ignore[arg-type]
     _log_found(found.name, rt, found.master_addr, found.master_port)
+    return rt
+
+
+def _unchanged(rt: Runtime, asked: dict) -> Runtime:
+    """`rt`, if the arguments of this call describe it: a group that is up is never restarted,
+    and ignoring `backend="nccl"` on a gloo group would leave the caller believing otherwise."""
+    have = {"backend": rt.backend, "device": rt.device.type, "rank": rt.rank,
+            "world_size": rt.world_size}
+    differ = {k: v for k, v in asked.items() if v not in (None, "auto") and v != have[k]}
+    if differ:
+        args = ", ".join(f"{k}={v!r}" for k, v in differ.items())
+        up = ", ".join(f"{k}={have[k]!r}" for k in differ)
+        raise DistributedInitError(
+            f"init_distributed({args}): the process group is already up with {up}, and a "
+            "second call returns it as it is; call ringtrain.destroy_distributed() first to "
+            "start another, or leave those arguments out")
     return rt
 
 
