@@ -19,6 +19,8 @@ Read in this order:
   issues to match the others; `uneven.py`: the reducer's part (a shadow backward, the divisor).
 - `static_graph.py`: static_graph=True refuses a graph that changed after the first backward.
 - `lanes.py`: extra gloo groups over the same ranks, so buckets travel side by side.
+- `eager.py`: what torch.compile runs as written around the user's module (DDP's and ZeRO's
+  bookkeeping), so `torch.compile(wrapper)` traces the module only.
 - `comm_hooks.py`: replacements for a bucket's all-reduce (fp16/bf16 compression, ring all-reduce).
 - `unused_params.py`: what a synced backward reports about parameters that got no gradient,
   and when: at the next forward, as torch's DDP, and in an optimizer step before it.

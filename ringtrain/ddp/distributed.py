@@ -34,6 +34,7 @@ from ringtrain.ddp.buckets import (
     check_hook,
 )
 from ringtrain.ddp.delayed import DelayedAllReduce, delayed_names
+from ringtrain.ddp.eager import eager
 from ringtrain.ddp.framework_members import DDPFrameworkMembers
 from ringtrain.ddp.init_sync import (
     BROADCAST_BUCKET_BYTES,
@@ -284,6 +285,18 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        syncs = eager(self._before_module)()  # under torch.compile only the module is traced
+        if self.device_ids:
+            inputs, kwargs = ctor_args.to_device((inputs, kwargs), self.device)
+        if self.mixed_precision is None:
+            output = self.module(*inputs, **kwargs)
+        else:
+            output = mixed_precision_module.forward(self.module, self.mixed_precision,
+                                                    self.parameters_to_ignore, inputs, kwargs)
+        eager(self._after_module)(syncs)
+        return output
+
+    def _before_module(self) -> bool:
         # As in torch, the forward decides whether the backward of its graph syncs.
         grad = torch.is_grad_enabled()
         if grad:  # as torch: before any collective of this forward, on every rank alike
@@ -295,15 +308,16 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
         self._join_announce(grad, syncs)
         if grad:  # as torch: once, before the forward's activations exist
             self.reducer._rebuild_buckets()
-        if self.device_ids:
-            inputs, kwargs = ctor_args.to_device((inputs, kwargs), self.device)
-        output = self._run_module(inputs, kwargs)
+        return syncs
+
+    def _after_module(self, syncs: bool) -> None:
+        if self._delayed is not None:
+            self._delayed.after_forward()
         if self._check_sync_bufs_post_fwd():  # a POST_FORWARD buffer hook (torch_members.py)
             self._sync_buffers(self._buffer_source())
         self.require_forward_param_sync = syncs
         if syncs:
             self.reducer.prepare_for_backward()
-        return output
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts the buffers: only after a synced forward, as in
@@ -325,16 +339,6 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
                 self._run_buffer_hook()
             else:
                 broadcast_coalesced(buffers, src, self.process_group)
-
-    def _run_module(self, inputs: tuple, kwargs: dict) -> Any:
-        if self.mixed_precision is None:
-            output = self.module(*inputs, **kwargs)
-        else:
-            output = mixed_precision_module.forward(self.module, self.mixed_precision,
-                                                    self.parameters_to_ignore, inputs, kwargs)
-        if self._delayed is not None:
-            self._delayed.after_forward()
-        return output
 
     # ---- the torch DDP surface -------------------------------------------------------------
 

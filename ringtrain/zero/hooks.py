@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ringtrain.ddp.eager import call_eagerly
 from ringtrain.torch_internals import backward_tls_free, queue_backward_callback
 from ringtrain.zero.units import FlatUnit
 
@@ -56,13 +57,13 @@ class UnitHooks:
         if self._root is not None:
             # forward() gathers the root itself; this hook starts the first block's gather and
             # catches the plain module called while its parameters are freed (stage 3).
-            handles.append(module.register_forward_pre_hook(functools.partial(_pre_forward, me, 0)))
+            handles.append(module.register_forward_pre_hook(_eager_hook(_pre_forward, me, 0)))
         for k, (i, _) in enumerate(kept):
             if i > 0:
                 m = unit_modules[i - 1]
-                handles.append(m.register_forward_pre_hook(functools.partial(_pre_forward, me, k)))
+                handles.append(m.register_forward_pre_hook(_eager_hook(_pre_forward, me, k)))
                 if self.stage == 3:
-                    handles.append(m.register_forward_hook(functools.partial(_post_forward, me, k)))
+                    handles.append(m.register_forward_hook(_eager_hook(_post_forward, me, k)))
         return handles
 
     # ---- gathering and freeing units ----------------------------------------------------------
@@ -153,6 +154,11 @@ def _on_backward_end(ref: weakref.ref) -> None:
     if me is not None:
         with backward_tls_free():
             me._finish_backward()
+
+
+def _eager_hook(hook, ref: weakref.ref, k: int):
+    # gathers, frees and a weakref'd backward hook: run as written under torch.compile
+    return functools.partial(call_eagerly, hook, ref, k)
 
 
 def _pre_forward(ref: weakref.ref, k: int, module: nn.Module, _args: Any) -> None:

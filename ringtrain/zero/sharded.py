@@ -39,6 +39,7 @@ from torch import nn
 from ringtrain import collectives as checked  # agreed first under RINGTRAIN_DEBUG=collectives
 from ringtrain.ddp import lanes as ddp_lanes
 from ringtrain.ddp.ctor_args import check_backend_devices
+from ringtrain.ddp.eager import eager
 from ringtrain.trace import Tracer
 from ringtrain.zero import state as zero_state
 from ringtrain.zero.hooks import UnitHooks
@@ -152,18 +153,24 @@ class ZeroDataParallel(UnitHooks, nn.Module):
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        eager(self._before_module)()  # under torch.compile only the module is traced
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            eager(self._after_module)()
+        return out
+
+    def _before_module(self) -> None:
         self._sync_this_backward = self._sync
         if self._root is not None:
             self._gather(self._root)
         self._in_forward = True
-        try:
-            out = self.module(*args, **kwargs)
-        finally:
-            self._in_forward = False
+
+    def _after_module(self) -> None:
+        self._in_forward = False
         if not torch.is_grad_enabled():
             for unit in self.units:  # no backward will need them
                 self._free(unit)
-        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
