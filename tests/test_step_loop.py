@@ -182,3 +182,28 @@ def test_metric_sums_go_flat_in_the_order_of_their_names_and_come_back():
     state = LoopState()  # a snapshot's window by name, or a list from an older snapshot
     state.load_window_state({"window": w.flat(), "window_s": 1.0, "window_steps": 2})
     assert state.window == w and state.window_state()["window"]["tokens"] == 12
+
+
+def test_a_model_of_float_inputs_reports_samples_per_second(single_process, tmp_path, capsys):
+    """The rate counts tokens for token ids (the GPT's), samples otherwise: an image's 192
+    floats per sample were counted as 192 tokens ("tok/s 5,452,895")."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from ringtrain.training.state import throughput_unit
+
+    x = torch.randn(64, 3, 8, 8)
+    images = TensorDataset(x, x.mean(dim=(1, 2, 3)).unsqueeze(1))
+    assert throughput_unit(images) == "samples"
+    assert throughput_unit(AdditionDataset("train", 1)) == "tokens"
+    config = TrainerConfig(steps=4, batch_size=8, lr=1e-2, log_every=2, progress=True)
+    trainer = Trainer(make_strategy("ddp", runtime=single_process), single_process,
+                      lambda: nn.Sequential(nn.Flatten(), nn.Linear(192, 1)), images, images,
+                      nn.functional.mse_loss, config, run_dir=str(tmp_path))
+    summary = trainer.fit()
+    assert "tokens_per_s" not in summary and summary["samples_per_s"] > 0
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("samples_per_s" in r and "tokens_per_s" not in r for r in lines)
+    assert trainer.state.tokens == 4 * 8  # what the rate divides: samples, not 192 floats each
+    out = capsys.readouterr()
+    assert "samples/s" in out.out + out.err and "tok/s" not in out.out + out.err

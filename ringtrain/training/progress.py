@@ -97,8 +97,9 @@ class Progress:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
 
-    def set_metrics(self, loss: float, tokens_per_s: float, **extra: float) -> None:
-        postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
+    def set_metrics(self, loss: float, rate: float, rate_label: str = "tok/s",
+                    **extra: float) -> None:
+        postfix = {"loss": f"{loss:.4f}", rate_label: f"{rate:,.0f}"}
         postfix.update({k: f"{v:.4g}" for k, v in extra.items()})
         if self.bar is not None:
             self.bar.set_postfix(postfix, refresh=False)
@@ -257,7 +258,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         return str(v)
 
     first = ["steps", "world_size", "strategy", "train_loss", "eval_loss", "eval_accuracy",
-             "tokens_per_s", "wall_s", "restarts"]
+             "tokens_per_s", "samples_per_s", "wall_s", "restarts"]
     parts = [f"{k}={fmt(k, summary[k])}" for k in first if summary.get(k) is not None]
     lines = ["summary: " + "  ".join(parts)]
     if summary.get("sample"):

@@ -69,7 +69,7 @@ def log_step(state: LoopState, agreement: Sums, metrics: Lines,
         if both is None:  # a member lost since the step committed: each survivor has its own
             rec = _record(WindowSums.of(own[:len(mine.flat())]), ev, eval_names, step=step,
                           lr=lr, time_s=time.time() - started, window_s=window_s,
-                          window_steps=window_steps)
+                          window_steps=window_steps, unit=state.unit)
             held.hold(rec, own, window_s=window_s, window_steps=window_steps)
             state.last.update(rec)  # this member's view, until an agreed line replaces it
             # No eval figures: the members' differ, and an early stop must be everyone's.
@@ -84,7 +84,7 @@ def log_step(state: LoopState, agreement: Sums, metrics: Lines,
     state.tokens += w.tokens
     rec = _record(w, EvalSums.of(r[len(mine.flat()):], eval_names) if ev is not None else None,
                   eval_names, step=step, lr=lr, time_s=time.time() - started, window_s=window_s,
-                  window_steps=window_steps)
+                  window_steps=window_steps, unit=state.unit)
     if not math.isfinite(rec["loss"]) and w.count:
         raise FloatingPointError(
             f"the training loss became {rec['loss']} at step {step} (lr {lr:.3g}); lower --lr, "
@@ -113,13 +113,14 @@ def flush_held(held: HeldLine | None, agreement: Sums, metrics: Lines,
 
 
 def _record(w: WindowSums, ev: EvalSums | None, eval_names: list[str], *, step: int, lr: float,
-            time_s: float, window_s: float, window_steps: float) -> dict[str, Any]:
-    """A metrics line from summed window (and eval) sums: means and rates from the sums."""
+            time_s: float, window_s: float, window_steps: float, unit: str) -> dict[str, Any]:
+    """A metrics line from summed window (and eval) sums: means and rates from the sums; the
+    rate is `{unit}_per_s` (`state.throughput_unit`)."""
     steps = w.worker_steps  # the times are averaged over the steps of ranks that read data
     rec: dict[str, Any] = {
         "step": step, "loss": w.loss_sum / w.count if w.count else float("nan"), "lr": lr,
         "time_s": time_s,  # since the run began (time to a loss)
-        "tokens_per_s": w.tokens / window_s if window_s > 0 else 0.0,
+        f"{unit}_per_s": w.tokens / window_s if window_s > 0 else 0.0,
         "step_s": window_s / window_steps if window_steps else 0.0,
         "compute_s": w.compute_s / steps if steps else 0.0,
         "comm_s": w.comm_s / steps if steps else 0.0,
@@ -150,8 +151,8 @@ class HeldLine:
 
     _HEAD = 8  # holders, sum of steps, sum of squared steps, lr, time_s, window_s, steps, eval
 
-    def __init__(self, eval_names: list[str]):
-        self.eval_names = list(eval_names)
+    def __init__(self, eval_names: list[str], unit: str = "tokens"):
+        self.eval_names, self.unit = list(eval_names), unit
         self._window = len(WindowSums().flat())
         self.width = self._HEAD + self._window + 2 + 2 * len(self.eval_names)
         self._slot: list[float] | None = None
@@ -196,7 +197,7 @@ class HeldLine:
         ev = EvalSums.of(summed[self._HEAD + self._window:], self.eval_names) \
             if evaluated else None
         rec = _record(w, ev, self.eval_names, step=round(steps / n), lr=lr, time_s=time_s,
-                      window_s=window_s, window_steps=window_steps)
+                      window_s=window_s, window_steps=window_steps, unit=self.unit)
         return rec, w.tokens
 
 

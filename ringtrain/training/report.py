@@ -62,9 +62,10 @@ def write_report(records: list[dict[str, Any]], path: str, title: str = "") -> N
         ax_acc.set(title="learning rate", xlabel="step", ylabel="lr")
     ax_acc.grid(alpha=0.3)
 
-    s, v = _series(records, "tokens_per_s")
+    unit = "samples" if records and "samples_per_s" in records[0] else "tokens"
+    s, v = _series(records, f"{unit}_per_s")
     ax_tput.plot(s, v, color="tab:red")
-    ax_tput.set(title="throughput (all ranks)", xlabel="step", ylabel="tokens/s", ylim=(0, None))
+    ax_tput.set(title="throughput (all ranks)", xlabel="step", ylabel=f"{unit}/s", ylim=(0, None))
     ax_tput.grid(alpha=0.3)
 
     s, compute = _series(records, "compute_s")

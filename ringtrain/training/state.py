@@ -23,6 +23,17 @@ from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
 from ringtrain.errors import ConfigError
 
+RATE_LABELS = {"tokens": "tok/s", "samples": "samples/s"}  # a rate's unit -> the bar's label
+
+
+def throughput_unit(dataset: Any) -> str:
+    """What the metrics' rate counts: "tokens" where a sample's input is integer ids (a language
+    model's: `tokens_per_s`), else "samples" (`samples_per_s`): an image's floats are no tokens."""
+    x = dataset[0][0] if len(dataset) else None
+    ids = isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()
+                                               or x.dtype == torch.bool)
+    return "tokens" if ids else "samples"
+
 
 @dataclass
 class WindowSums:
@@ -35,7 +46,7 @@ class WindowSums:
 
     loss_sum: float = 0.0  # sum over samples of the per-sample mean loss
     count: float = 0.0  # samples behind loss_sum
-    tokens: float = 0.0  # tokens trained on
+    tokens: float = 0.0  # tokens trained on (samples, where the unit is samples)
     compute_s: float = 0.0  # forward + backward + optimizer time
     comm_s: float = 0.0  # time waiting on communication
     worker_steps: float = 0.0  # steps of ranks that read data (the times are averaged over them)
@@ -69,7 +80,8 @@ class LoopState:
     sampler: DistributedSampler | None = None
     step: int = 0
     train_time_s: float = 0.0  # rank 0's time in training steps (excludes eval and logging)
-    tokens: float = 0.0  # tokens trained on, all ranks
+    tokens: float = 0.0  # tokens trained on, all ranks (or samples: `unit`)
+    unit: str = "tokens"  # what `tokens` counts (`throughput_unit`): the rate's key and label
     last: dict[str, Any] = field(default_factory=dict)  # the newest reduced metrics
     resumes: list[dict[str, Any]] = field(default_factory=list)  # one entry per resume
     _sums: WindowSums = field(default_factory=WindowSums, repr=False)

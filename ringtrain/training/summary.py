@@ -67,7 +67,7 @@ def run_summary(st: LoopState, s: Strategy, rt: Runtime, config: TrainerConfig,
     }
     summary.update({f"eval_{n}": st.last.get(f"eval_{n}") for n in eval_names})
     summary.update({
-        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        f"{st.unit}_per_s": tokens / seconds if seconds else 0.0,
         "wall_s": time.time() - started,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from_step": [r["step"] for r in st.resumes], "resumes": st.resumes,

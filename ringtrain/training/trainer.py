@@ -69,7 +69,7 @@ from ringtrain.training.metrics_file import RankZeroMetrics
 from ringtrain.training.progress import Progress
 from ringtrain.training.record import HeldLine, eval_text, flush_held, log_step
 from ringtrain.training.snapshots import STOP_SIGNALS, LoopSnapshots
-from ringtrain.training.state import LoopState, WindowSums
+from ringtrain.training.state import RATE_LABELS, LoopState, WindowSums, throughput_unit
 from ringtrain.types import LossFn, MetricFn, OptimizerFn
 
 __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
@@ -172,14 +172,16 @@ class Trainer:
                     f"--batch-size {c.batch_size}; lower --batch-size or use more data")
         # Step, metrics window (per rank, saved so logged losses continue exactly), totals and
         # the sampler's cursor: what a snapshot holds of the loop.
-        self.state = LoopState(self.train_sampler, samples=samples)
+        self.state = LoopState(self.train_sampler, samples=samples,
+                               unit=throughput_unit(train_set))
         self.batches: MicroBatches | None = None
         if self.train_sampler is not None:  # live: the driver takes each step's share
             self.batches = MicroBatches(train_set, self.train_sampler, batch_size=c.batch_size,
                                         samples=self.state.samples,
                                         pin=runtime.device.type == "cuda")
         self.metrics = RankZeroMetrics(run_dir, rank=lambda: self.runtime.rank)  # live: moves
-        self.held = HeldLine(list(self.eval_metrics)) if live is not None else None  # record.py
+        self.held = (HeldLine(list(self.eval_metrics), self.state.unit) if live is not None
+                     else None)  # record.py
         self.resume = resume
         self.end = RunEnd(strategy, self.tracer, list(self.eval_metrics), run_dir=run_dir,
                           sample_fn=sample_fn, model=self.model, model_fn=model_fn)
@@ -316,10 +318,11 @@ class Trainer:
                 else:  # this step's share over whoever is left (recovered in there)
                     res, micro = self.live.step(lr, c.grad_clip)
                     self.runtime = self.live.runtime
-            tokens_per_sample = micro[0][0][0].numel() if micro else 0
+            per_sample = (micro[0][0][0].numel() if self.state.unit == "tokens" else 1) \
+                if micro else 0
             reads_data = 1.0 if self.data_rank is not None else 0.0  # whose times are averaged
             self.state.add(WindowSums(loss_sum=res.loss_sum, count=res.count,
-                                      tokens=res.count * tokens_per_sample,
+                                      tokens=res.count * per_sample,
                                       compute_s=res.compute_s, comm_s=res.comm_s,
                                       worker_steps=reads_data),
                            time.perf_counter() - t0)
@@ -345,7 +348,8 @@ class Trainer:
                 rec = self._log(self.step, lr, evaluated)
                 last = self.state.last
                 shown = {n: last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in last}
-                progress.set_metrics(rec["loss"], rec["tokens_per_s"], **shown)
+                unit = self.state.unit
+                progress.set_metrics(rec["loss"], rec[f"{unit}_per_s"], RATE_LABELS[unit], **shown)
                 # Only reduced values (bit-identical on every rank) decide; timings are local.
                 agreed = {k: v for k, v in rec.items()
                           if k in ("step", "loss", "lr") or k.startswith("eval_")}
