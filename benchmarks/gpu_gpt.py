@@ -70,15 +70,6 @@ def prepared(work: Path) -> Path:
     return work / "data"
 
 
-def compile_works() -> str | None:
-    """None when torch.compile builds a kernel here; else why not (no C++ compiler, ...)."""
-    try:
-        torch.compile(lambda t: t * 2 + 1)(torch.ones(4))
-        return None
-    except Exception as e:  # inductor's toolchain errors have no common type
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-
-
 def mfu(model, shape: dict, ms_per_step: float, peak_flops: float) -> float:
     """nanoGPT's `estimate_mfu`: model flops per step over the device's peak."""
     n = sum(p.numel() for p in model.parameters()) - model.embed.wpe.weight.numel()
@@ -260,7 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads or 1)
     defaults = SHAPES["cuda" if device.type == "cuda" else "cpu"]
     shape = {k: getattr(args, k) or v for k, v in defaults.items()}
-    skipped = compile_works() if args.compile else None
+    from ringtrain.training.config import compile_problem
+
+    skipped = compile_problem() if args.compile else None
     results = []
     try:
         with tempfile.TemporaryDirectory(prefix="gpu_gpt_") as tmp:

@@ -89,7 +89,7 @@ def test_optimizer_step_clips_steps_and_drops_the_gradients():
 
 @pytest.mark.parametrize("resume_at", [None, 2])
 def test_the_window_gives_the_same_numbers_from_tensors_as_from_floats(resume_at):
-    steps = [(0.1 * (i + 1) / 3, 12, 36, 0.01, 0.0, 1.0) for i in range(5)]
+    steps = [(0.1 * (i + 1) / 3, 12, 36, 0.01, 0.0, 1.0, 12) for i in range(5)]
     floats, tensors = LoopState(), LoopState()
     for i, values in enumerate(steps):
         if i == resume_at:  # a resume mid-window: the saved numbers, then more device sums
@@ -98,7 +98,14 @@ def test_the_window_gives_the_same_numbers_from_tensors_as_from_floats(resume_at
         tensors.add(WindowSums(torch.tensor(values[0], dtype=torch.float64), *values[1:]), 0.5)
     assert tensors.window == floats.window  # == on floats: bit for bit
     assert tensors.take_window()[0] == floats.take_window()[0]
-    assert tensors.window == WindowSums() and list(tensors.window) == [0.0] * 6  # flat, by name
+    assert tensors.window == WindowSums() and list(tensors.window) == [0.0] * 7  # flat, by name
+
+
+def test_a_window_saved_before_a_field_was_added_loads_with_it_zero():
+    state = LoopState()  # the oldest snapshots saved the window as a list in field order
+    state.load_window_state({"window": [0.5, 12, 36, 0.01, 0.0, 1.0], "window_s": 0.5,
+                             "window_steps": 1})
+    assert state.window == WindowSums(0.5, 12, 36, 0.01, 0.0, 1.0, id_samples=0.0)
 
 
 def test_the_trainer_reads_the_loss_back_on_logged_steps_only(single_process):
@@ -186,16 +193,16 @@ def test_metric_sums_go_flat_in_the_order_of_their_names_and_come_back():
 
 def test_a_model_of_float_inputs_reports_samples_per_second(single_process, tmp_path, capsys):
     """The rate counts tokens for token ids (the GPT's), samples otherwise: an image's 192
-    floats per sample were counted as 192 tokens ("tok/s 5,452,895")."""
+    floats per sample were counted as 192 tokens ("tok/s 5,452,895"). Decided from the steps'
+    batches (summed: every rank alike), never by reading the dataset for it."""
     from torch import nn
     from torch.utils.data import TensorDataset
 
-    from ringtrain.training.state import throughput_unit
+    from ringtrain.training.state import token_ids
 
     x = torch.randn(64, 3, 8, 8)
     images = TensorDataset(x, x.mean(dim=(1, 2, 3)).unsqueeze(1))
-    assert throughput_unit(images) == "samples"
-    assert throughput_unit(AdditionDataset("train", 1)) == "tokens"
+    assert not token_ids(images[0][0]) and token_ids(AdditionDataset("train", 1)[0][0])
     config = TrainerConfig(steps=4, batch_size=8, lr=1e-2, log_every=2, progress=True)
     trainer = Trainer(make_strategy("ddp", runtime=single_process), single_process,
                       lambda: nn.Sequential(nn.Flatten(), nn.Linear(192, 1)), images, images,
@@ -207,3 +214,17 @@ def test_a_model_of_float_inputs_reports_samples_per_second(single_process, tmp_
     assert trainer.state.tokens == 4 * 8  # what the rate divides: samples, not 192 floats each
     out = capsys.readouterr()
     assert "samples/s" in out.out + out.err and "tok/s" not in out.out + out.err
+
+
+def test_compile_without_a_cpu_toolchain_is_one_configerror(single_process, monkeypatch):
+    """Each rank printed inductor's traceback from inside the first step; now the trainer says
+    it before the model is built (`compile_problem`, compiling one tiny function)."""
+    from ringtrain.errors import ConfigError
+
+    monkeypatch.setattr("ringtrain.training.trainer.compile_problem",
+                        lambda: "InductorError: InvalidCxxCompiler: No working C++ compiler")
+    config = TrainerConfig(steps=2, batch_size=8, progress=False, compile=True)
+    with pytest.raises(ConfigError, match=r"--compile: torch\.compile cannot build a CPU kernel "
+                       r"here \(InductorError: InvalidCxxCompiler.*\); install a C\+\+ compiler"):
+        Trainer(make_strategy("ddp", runtime=single_process), single_process,
+                lambda: GPT(MODEL), AdditionDataset("train", 1), None, loss_fn, config)

@@ -188,6 +188,16 @@ def adamw(weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> Opti
     return build
 
 
+def compile_problem() -> str | None:
+    """None when torch.compile builds a CPU kernel here; else why not, in one line (no working
+    C++ compiler, ...). Compiles one tiny function: about a second, and dynamo's imports."""
+    try:
+        torch.compile(lambda t: t * 2 + 1)(torch.ones(4))
+        return None
+    except Exception as e:  # inductor's toolchain errors have no common public type
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """A per-rank seed from (seed, rank): well mixed, so nearby seeds and ranks do not correlate."""
     return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])

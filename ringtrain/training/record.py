@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ringtrain.training.evaluate import EvalSums
-from ringtrain.training.state import LoopState, WindowSums
+from ringtrain.training.state import LoopState, WindowSums, rate_unit
 
 __all__ = ["HeldLine", "eval_text", "flush_held", "log_step"]
 
@@ -67,9 +67,10 @@ def log_step(state: LoopState, agreement: Sums, metrics: Lines,
         slot = held.slot()
         both = agreement.try_sum(slot + own)
         if both is None:  # a member lost since the step committed: each survivor has its own
-            rec = _record(WindowSums.of(own[:len(mine.flat())]), ev, eval_names, step=step,
-                          lr=lr, time_s=time.time() - started, window_s=window_s,
-                          window_steps=window_steps, unit=state.unit)
+            w = WindowSums.of(own[:len(mine.flat())])
+            rec = _record(w, ev, eval_names, step=step, lr=lr, time_s=time.time() - started,
+                          window_s=window_s, window_steps=window_steps,
+                          unit=rate_unit(w, state.unit))
             held.hold(rec, own, window_s=window_s, window_steps=window_steps)
             state.last.update(rec)  # this member's view, until an agreed line replaces it
             # No eval figures: the members' differ, and an early stop must be everyone's.
@@ -82,6 +83,7 @@ def log_step(state: LoopState, agreement: Sums, metrics: Lines,
         r = both[len(slot):]
     w = WindowSums.of(r[:len(mine.flat())])
     state.tokens += w.tokens
+    state.unit = rate_unit(w, state.unit)  # from the sums: the same on every rank
     rec = _record(w, EvalSums.of(r[len(mine.flat()):], eval_names) if ev is not None else None,
                   eval_names, step=step, lr=lr, time_s=time.time() - started, window_s=window_s,
                   window_steps=window_steps, unit=state.unit)
@@ -151,8 +153,8 @@ class HeldLine:
 
     _HEAD = 8  # holders, sum of steps, sum of squared steps, lr, time_s, window_s, steps, eval
 
-    def __init__(self, eval_names: list[str], unit: str = "tokens"):
-        self.eval_names, self.unit = list(eval_names), unit
+    def __init__(self, eval_names: list[str]):
+        self.eval_names, self.unit = list(eval_names), "tokens"
         self._window = len(WindowSums().flat())
         self.width = self._HEAD + self._window + 2 + 2 * len(self.eval_names)
         self._slot: list[float] | None = None
@@ -196,6 +198,7 @@ class HeldLine:
         w = WindowSums.of(summed[self._HEAD:self._HEAD + self._window])
         ev = EvalSums.of(summed[self._HEAD + self._window:], self.eval_names) \
             if evaluated else None
+        self.unit = rate_unit(w, self.unit)
         rec = _record(w, ev, self.eval_names, step=round(steps / n), lr=lr, time_s=time_s,
                       window_s=window_s, window_steps=window_steps, unit=self.unit)
         return rec, w.tokens

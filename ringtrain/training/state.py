@@ -26,13 +26,18 @@ from ringtrain.errors import ConfigError
 RATE_LABELS = {"tokens": "tok/s", "samples": "samples/s"}  # a rate's unit -> the bar's label
 
 
-def throughput_unit(dataset: Any) -> str:
-    """What the metrics' rate counts: "tokens" where a sample's input is integer ids (a language
-    model's: `tokens_per_s`), else "samples" (`samples_per_s`): an image's floats are no tokens."""
-    x = dataset[0][0] if len(dataset) else None
-    ids = isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()
-                                               or x.dtype == torch.bool)
-    return "tokens" if ids else "samples"
+def token_ids(inputs: Any) -> bool:
+    """Whether a batch's inputs are token ids (integers: a language model's), whose rate counts
+    tokens (`tokens_per_s`); any other input's counts samples (`samples_per_s`): an image's
+    floats are no tokens."""
+    return isinstance(inputs, torch.Tensor) and not (
+        inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool)
+
+
+def rate_unit(w: WindowSums, before: str) -> str:
+    """The unit of a summed window's rate: every rank's alike (decided from the sums); a window
+    in which no rank read data keeps the one `before`."""
+    return before if not w.count else "tokens" if w.id_samples else "samples"
 
 
 @dataclass
@@ -46,10 +51,11 @@ class WindowSums:
 
     loss_sum: float = 0.0  # sum over samples of the per-sample mean loss
     count: float = 0.0  # samples behind loss_sum
-    tokens: float = 0.0  # tokens trained on (samples, where the unit is samples)
+    tokens: float = 0.0  # tokens trained on (samples, where the inputs are no token ids)
     compute_s: float = 0.0  # forward + backward + optimizer time
     comm_s: float = 0.0  # time waiting on communication
     worker_steps: float = 0.0  # steps of ranks that read data (the times are averaged over them)
+    id_samples: float = 0.0  # samples whose inputs were token ids (`token_ids`)
 
     def flat(self) -> list[float]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -81,7 +87,7 @@ class LoopState:
     step: int = 0
     train_time_s: float = 0.0  # rank 0's time in training steps (excludes eval and logging)
     tokens: float = 0.0  # tokens trained on, all ranks (or samples: `unit`)
-    unit: str = "tokens"  # what `tokens` counts (`throughput_unit`): the rate's key and label
+    unit: str = "tokens"  # what `tokens` counts (`rate_unit`): the rate's key and label
     last: dict[str, Any] = field(default_factory=dict)  # the newest reduced metrics
     resumes: list[dict[str, Any]] = field(default_factory=list)  # one entry per resume
     _sums: WindowSums = field(default_factory=WindowSums, repr=False)
@@ -168,7 +174,9 @@ class LoopState:
                 "window_steps": self.window_steps}
 
     def load_window_state(self, state: dict[str, Any]) -> None:
-        saved = state["window"]  # a dict by name; a list (in field order) from older snapshots
+        saved = state["window"]  # a dict by name; a list (in field order) from older snapshots,
+        if isinstance(saved, list):  # which end before the fields added since (zero there)
+            saved = saved + [0.0] * (len(fields(WindowSums)) - len(saved))
         self._sums, self._pending = WindowSums.of(saved), {}
         self.window_s, self.window_steps = state["window_s"], state["window_steps"]
 

@@ -57,11 +57,19 @@ from ringtrain.checkpoint.run_dir import DiskFullError
 from ringtrain.checkpoint.stop import StopSignal
 from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
+from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy
 from ringtrain.trace import Tracer
 from ringtrain.training.batches import MicroBatches
-from ringtrain.training.config import TrainerConfig, adamw, lr_at, param_sha256, rank_seed
+from ringtrain.training.config import (
+    TrainerConfig,
+    adamw,
+    compile_problem,
+    lr_at,
+    param_sha256,
+    rank_seed,
+)
 from ringtrain.training.ending import RunEnd
 from ringtrain.training.evaluate import eval_sums
 from ringtrain.training.live import LiveDriver, LiveSettings, live_driver
@@ -69,7 +77,7 @@ from ringtrain.training.metrics_file import RankZeroMetrics
 from ringtrain.training.progress import Progress
 from ringtrain.training.record import HeldLine, eval_text, flush_held, log_step
 from ringtrain.training.snapshots import STOP_SIGNALS, LoopSnapshots
-from ringtrain.training.state import RATE_LABELS, LoopState, WindowSums, throughput_unit
+from ringtrain.training.state import RATE_LABELS, LoopState, WindowSums, token_ids
 from ringtrain.types import LossFn, MetricFn, OptimizerFn
 
 __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
@@ -136,6 +144,11 @@ class Trainer:
         self._started = time.time()  # set again by `fit`
         self.on_step: Callable[[int], None] | None = None  # told each finished step (a watchdog)
         c = self.config
+        if c.compile and runtime.device.type == "cpu" and (why := compile_problem()):
+            # one line from the ranks, not each rank's traceback from inside the first step
+            raise ConfigError(f"--compile: torch.compile cannot build a CPU kernel here ({why}); "
+                              "install a C++ compiler (e.g. apt install g++), or leave out "
+                              "--compile (TrainerConfig.compile)")
         torch.manual_seed(c.seed)  # the same initial weights on every rank
         self.model = model_fn()
         self.tracer = Tracer(runtime.rank, trace_steps)  # off (records nothing) without steps
@@ -172,16 +185,14 @@ class Trainer:
                     f"--batch-size {c.batch_size}; lower --batch-size or use more data")
         # Step, metrics window (per rank, saved so logged losses continue exactly), totals and
         # the sampler's cursor: what a snapshot holds of the loop.
-        self.state = LoopState(self.train_sampler, samples=samples,
-                               unit=throughput_unit(train_set))
+        self.state = LoopState(self.train_sampler, samples=samples)
         self.batches: MicroBatches | None = None
         if self.train_sampler is not None:  # live: the driver takes each step's share
             self.batches = MicroBatches(train_set, self.train_sampler, batch_size=c.batch_size,
                                         samples=self.state.samples,
                                         pin=runtime.device.type == "cuda")
         self.metrics = RankZeroMetrics(run_dir, rank=lambda: self.runtime.rank)  # live: moves
-        self.held = (HeldLine(list(self.eval_metrics), self.state.unit) if live is not None
-                     else None)  # record.py
+        self.held = HeldLine(list(self.eval_metrics)) if live is not None else None  # record.py
         self.resume = resume
         self.end = RunEnd(strategy, self.tracer, list(self.eval_metrics), run_dir=run_dir,
                           sample_fn=sample_fn, model=self.model, model_fn=model_fn)
@@ -318,11 +329,12 @@ class Trainer:
                 else:  # this step's share over whoever is left (recovered in there)
                     res, micro = self.live.step(lr, c.grad_clip)
                     self.runtime = self.live.runtime
-            per_sample = (micro[0][0][0].numel() if self.state.unit == "tokens" else 1) \
-                if micro else 0
+            ids = bool(micro) and token_ids(micro[0][0])  # else the rate counts samples
+            per_sample = micro[0][0][0].numel() if ids else 1
             reads_data = 1.0 if self.data_rank is not None else 0.0  # whose times are averaged
             self.state.add(WindowSums(loss_sum=res.loss_sum, count=res.count,
                                       tokens=res.count * per_sample,
+                                      id_samples=res.count if ids else 0,
                                       compute_s=res.compute_s, comm_s=res.comm_s,
                                       worker_steps=reads_data),
                            time.perf_counter() - t0)
