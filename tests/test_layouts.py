@@ -138,6 +138,15 @@ def test_unit_recommendation_follows_its_rule():
     assert min(r.total_bytes for r in rows if r.layout.tp * r.layout.pp == 1) > budget
     best, _ = recommend(rows, budget)
     assert (best.layout.tp, best.layout.pp) == (2, 1) and best.total_bytes <= budget < dp_only
+    # --recompute-gather (listed beside each SP layout) only where it is what fits: it sends more.
+    tp2 = [r for r in rows if (r.layout.tp, r.layout.pp, r.layout.zero_stage) == (2, 1, 3)]
+    plain, again = sorted(tp2, key=lambda r: r.layout.recompute_gather)
+    assert again.layout.recompute_gather and again.tp_sent_bytes > plain.tp_sent_bytes
+    assert again.total_bytes < plain.total_bytes
+    assert recommend(rows, plain.total_bytes)[0].layout.recompute_gather is False
+    best, _ = recommend(rows, (again.total_bytes + plain.total_bytes) / 2)
+    assert (best.layout.tp, best.layout.recompute_gather) == (2, True)
+    assert best.layout.flags().endswith("--sequence-parallel --recompute-gather")
     # Nothing fits.
     assert recommend(rows, 1.0)[0] is None
     # The flags that run a layout.

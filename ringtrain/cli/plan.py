@@ -98,8 +98,8 @@ def print_layouts(shape: layouts.ModelShape, world_size: int, host: int, batch: 
     best, rule = layouts.recommend(rows, limit)
     print(f"\nlayouts of {world_size} ranks (dp x pp x tp, ZeRO on dp; tp within a node of "
           f"{host}), GiB per rank with activations of {batch} samples per replica (act: tp "
-          "alone, act+SP: with sequence parallelism, counted in total), MB sent per rank per "
-          "step on each axis:")
+          "alone, act+SP: with sequence parallelism, counted in total; rg: also with "
+          "--recompute-gather), MB sent per rank per step on each axis:")
     print(f"{'dp x pp x tp':<13}{'zero':>5}{'params':>9}{'grads':>9}{'optim':>9}{'act':>9}"
           f"{'act+SP':>9}{'total':>9}{'dp MB':>9}{'tp MB':>9}{'pp MB':>9}"
           + ("  fits" if memory_gb else ""))
@@ -107,7 +107,8 @@ def print_layouts(shape: layouts.ModelShape, world_size: int, host: int, batch: 
         lay = r.layout
         fits = limit is None or r.total_bytes <= limit
         mark = " <-" if r is best else ""
-        print(f"{f'{lay.dp} x {lay.pp} x {lay.tp}':<13}{lay.zero_stage:>5}{_gb(r.params_bytes)}"
+        name = f"{lay.dp} x {lay.pp} x {lay.tp}" + (" rg" if lay.recompute_gather else "")
+        print(f"{name:<13}{lay.zero_stage:>5}{_gb(r.params_bytes)}"
               f"{_gb(r.grads_bytes)}{_gb(r.optimizer_bytes)}{_gb(r.activation_bytes)}"
               f"{_gb(r.activation_sp_bytes)}{_gb(r.total_bytes)}{r.dp_sent_bytes / 1e6:9.1f}"
               f"{r.tp_sent_bytes / 1e6:9.1f}{r.pp_sent_bytes / 1e6:9.1f}"

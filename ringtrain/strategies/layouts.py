@@ -177,7 +177,8 @@ def layouts(world_size: int, shape: ModelShape, *, host: int) -> list[Layout]:
     """Every dp x pp x tp of `world_size` ranks ringtrain's GPT can be split into: tp divides
     n_head and the vocabulary and fits in one host (`host` ranks: tp's collectives run inside
     every layer), pp at most the stages given in `shape`; ZeRO 1-3 where dp > 1 and pp is 1;
-    sequence parallelism wherever tp > 1 divides block_size (it sends no more bytes)."""
+    sequence parallelism wherever tp > 1 divides block_size (it sends no more bytes), each such
+    layout also with `--recompute-gather` (less activation memory for more bytes sent)."""
     out = []
     for tp in range(1, world_size + 1):
         if world_size % tp or shape.n_head % tp or shape.vocab_size % tp or tp > host:
@@ -188,7 +189,8 @@ def layouts(world_size: int, shape: ModelShape, *, host: int) -> list[Layout]:
             dp = world_size // tp // pp
             stages = ZERO_STAGES if dp > 1 and pp == 1 else (0,)
             sp = tp > 1 and shape.block_size % tp == 0
-            out += [Layout(dp, pp, tp, z, sp) for z in stages]
+            out += [Layout(dp, pp, tp, z, sp, again) for again in (False, True)[:1 + sp]
+                    for z in stages]
     return out
 
 
