@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from ringtrain.data.addition import AdditionDataset
 from ringtrain.models import GPT, GPTConfig, loss_fn
-from ringtrain.pipeline.backward import hooks_function_nodes
 from ringtrain.runtime import get_runtime
 from ringtrain.strategies import make_strategy
 from ringtrain.strategies.pipeline import PipelineStrategy
@@ -64,13 +63,13 @@ SCENARIOS = {
     # sum over tp): run once each, not twice (tests/test_pipeline_backward.py counts them).
     "zb-h1-sp": {"pp": 2, "tp": 2, "schedule": "zb-h1", "microbatches": 2,
                  "sequence_parallel": True},
-} | ({
     # --recompute-gather: the column layers' input all-gathered again in the split backward
-    # (gpipe, 1F1B, interleaved and ZB-V with it too, checked once by hand in session 33);
-    # refused on torch 2.11 and 2.12 (test_regathering_under_a_split_backward_...).
+    # (gpipe, 1F1B, interleaved and ZB-V with it too, checked once by hand in session 33), on
+    # every torch: 2.11 and 2.12 refused the weight pass's hook on the regathering layer's
+    # node until the pass held the stage's output (pipeline.backward.WeightPass.root).
     "zb-h1-sp-regather": {"pp": 2, "tp": 2, "schedule": "zb-h1", "microbatches": 2,
-                          "sequence_parallel": True, "recompute_gather": True}}
-    if hooks_function_nodes() else {}) | (
+                          "sequence_parallel": True, "recompute_gather": True},
+} | (
     {"interleaved-sp": {"pp": 2, "tp": 2, "schedule": "interleaved", "virtual_stages": 2,
                         "sequence_parallel": True},
      "zb-h1": {"pp": 2, "tp": 2, "schedule": "zb-h1"},
@@ -298,22 +297,3 @@ def test_tied_embeddings_on_tp2_x_pp2_equal_one_process_and_resume_both_ways(sin
     ddp.setup(GPT(TIED), adamw(0.1), loss_fn)
     ddp.load_portable_state_dict(portable)
     _close(ddp.model_state_dict(), one_after, "tied, pp 2 x tp 2 -> one process")
-
-
-def test_regathering_under_a_split_backward_runs_or_is_refused_by_torch_version():
-    """torch 2.11 and 2.12 refuse a hook on a custom autograd Function's node, which the
-    zero-bubble weight pass puts on the regathering column layer: there --recompute-gather
-    with zb-h1 / zb-v is refused before launch (the scenario above runs it where it works)."""
-    from ringtrain.errors import ConfigError
-    from ringtrain.strategies.pipeline_config import PipelineConfig
-
-    config = PipelineConfig(pp=2, tp=2, schedule="zb-h1", sequence_parallel=True,
-                            recompute_gather=True)
-    if hooks_function_nodes():
-        assert config.plan(4, 8) == 1
-    else:
-        with pytest.raises(ConfigError, match="--recompute-gather with --schedule zb-h1 needs "
-                           "torch 2.13 or later"):
-            config.plan(4, 8)
-    PipelineConfig(pp=2, tp=2, schedule="1f1b", sequence_parallel=True,
-                   recompute_gather=True).plan(4, 8)  # every torch

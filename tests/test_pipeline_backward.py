@@ -45,6 +45,33 @@ class _Reused(nn.Module):
         return self.norm(self.lin(torch.tanh(self.lin(x))))
 
 
+class _Scale(torch.autograd.Function):
+    """x * w with its own backward: a parameter consumed by a custom autograd Function, as
+    tensor parallelism's regathering column layer is."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class _CustomOnTop(nn.Module):
+    """The stage's output made by a custom Function's node: nothing of the graph but the output
+    holds that node, which the caller drops between the input and the weight pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.w = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return _Scale.apply(self.lin(x), self.w)
+
+
 def _split_vs_plain(stage: nn.Module, x: torch.Tensor, grad: torch.Tensor | None,
                     head=None) -> None:
     """Two micro-batches through `stage`: split backward (both input passes, then both weight
@@ -82,6 +109,15 @@ def test_split_backward_equals_plain_backward_gpt_blocks_head_and_reused_weight(
     y = torch.randint(0, 11, (3, 8))
     _split_vs_plain(head, x, None, head=lambda logits: loss_fn(logits, y) / 2)
     _split_vs_plain(_Reused(), torch.randn(4, 8), torch.randn(4, 8))
+
+
+def test_weight_pass_reaches_a_custom_functions_node_after_the_output_is_dropped():
+    """The weight pass hooks the custom Function's node; the output, its only owner, is gone
+    by then (`_split_vs_plain` reuses the name). torch 2.11 and 2.12 refused that hook ("a
+    legacy access pattern") until the pass held the output: --recompute-gather was refused with
+    the zero-bubble schedules there."""
+    torch.manual_seed(0)
+    _split_vs_plain(_CustomOnTop(), torch.randn(4, 8), torch.randn(4, 8))
 
 
 def test_weight_pass_runs_one_matmul_per_linear_and_fires_hooks_once():

@@ -26,7 +26,6 @@ non-leaf's hooks from its node), and `retain_grad()` on such a tensor sums both 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -78,29 +77,6 @@ def holds_tensor_hooks() -> bool:
     them while it captures the gradients); where not, a hook that sums over a group (sequence
     parallelism's) would run twice."""
     return not tensor_hooks_held_off()
-
-
-@functools.cache
-def hooks_function_nodes() -> bool:
-    """Whether the weight pass can hook the node of a custom `autograd.Function` that takes a
-    parameter (tensor parallelism's regathering column layer): torch 2.11 and 2.12 refuse a
-    pre-hook on such a node ("a legacy access pattern that is no longer supported")."""
-
-    class _Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
-    node = _Identity.apply(torch.zeros(1, requires_grad=True)).grad_fn
-    try:
-        node.register_prehook(lambda g: g).remove()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _postorder(root: Node) -> list[Node]:
@@ -162,6 +138,11 @@ class WeightPass:
 
     groups: list[_Group]
     params: list[Node]  # AccumulateGrad nodes, in the caller's order
+    # The stage's output, held until `run`: it owns the graph between the input and weight
+    # passes. A custom autograd Function's node (the regathering column layer's) is only
+    # weakly held by its Python object, and on torch 2.11 and 2.12 a node freed with the
+    # output refuses the weight pass's hook ("a legacy access pattern").
+    root: torch.Tensor | None = None
 
     def run(self) -> None:
         """Accumulate the weight gradients into `.grad`: each parameter's tensor hooks and
@@ -172,7 +153,7 @@ class WeightPass:
         # while capturing: they run once, on the raw gradient, where a plain backward runs them.
         with tensor_hooks_held([p.variable for p in self.params]):
             dws = self._weight_grads()
-        self.groups = []
+        self.groups, self.root = [], None
         # Rooted at a fresh view of each parameter, made in the caller's order: the engine runs
         # the newest node first, so the parameters accumulate (and their hooks run) last layer
         # first, as in a plain backward (DDP's buckets fill in the order it plans), and in the
@@ -242,4 +223,4 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
     finally:
         for h in handles:
             h.remove()
-    return grad_in, WeightPass(groups, accumulators)
+    return grad_in, WeightPass(groups, accumulators, out)

@@ -118,8 +118,7 @@ class PipelineStrategy(Strategy):
                  virtual_stages: int = 1, tp: int = 1, sequence_parallel: bool = False,
                  recompute_gather: bool = False):
         check_recompute_gather(recompute_gather, sequence_parallel)
-        check_schedule(schedule, pp, virtual_stages, microbatches, sequence_parallel,
-                       recompute_gather)
+        check_schedule(schedule, pp, virtual_stages, microbatches, sequence_parallel)
         if sequence_parallel and tp == 1:
             raise ConfigError("sequence_parallel=True shards the sequence over the tp ranks: "
                               "pass tp=2 (or more), or sequence_parallel=False")

@@ -19,7 +19,7 @@ import torch
 from ringtrain.config import flag, int_at_least, option
 from ringtrain.errors import ConfigError
 from ringtrain.grid import Grid
-from ringtrain.pipeline.backward import holds_tensor_hooks, hooks_function_nodes
+from ringtrain.pipeline.backward import holds_tensor_hooks
 from ringtrain.pipeline.schedule import (
     BUBBLE_FORMULA_TEXT,
     SCHEDULES,
@@ -62,10 +62,9 @@ def default_microbatches(batch: int, pp: int, schedule: str = "1f1b") -> int:
 
 
 def check_schedule(schedule: str, pp: int, virtual_stages: int, microbatches: int | None,
-                   sequence_parallel: bool = False, recompute_gather: bool = False) -> None:
+                   sequence_parallel: bool = False) -> None:
     """The schedule's own checks (its builder's), and whether it runs with sequence
-    parallelism (and `recompute_gather`) on this torch, as a ConfigError before any rank
-    starts."""
+    parallelism on this torch, as a ConfigError before any rank starts."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {schedule!r} is not known; choose one of "
                           f"{sorted(SCHEDULES)}")
@@ -75,12 +74,6 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, microbatches: in
                           "gradients over tp twice: this torch lets no hook be held); "
                           f"use --schedule in {list(sp_schedules())}, drop "
                           "--sequence-parallel, or install a torch in pyproject.toml's range")
-    if recompute_gather and schedule in SPLIT_BACKWARD and not hooks_function_nodes():
-        raise ConfigError(f"--recompute-gather with --schedule {schedule} needs torch 2.13 or "
-                          f"later: the split backward hooks the regathering layer's backward, "
-                          f"which torch {torch.__version__} refuses; use --schedule in "
-                          f"{[s for s in SCHEDULES if s not in SPLIT_BACKWARD]}, or drop "
-                          "--recompute-gather")
     try:
         SCHEDULES[schedule](0, pp, microbatches or 4 * pp,
                             chunks_per_rank(schedule, virtual_stages))
@@ -148,8 +141,7 @@ class PipelineConfig(StrategyConfig):
             raise ConfigError(f"--microbatches {m} must divide the {step_batch} samples of a "
                               f"step (--batch-size x --grad-accum); use --microbatches in {fits}")
         check_schedule(self.schedule, pp, self.virtual_stages,
-                       self.microbatches_for(step_batch), self.sequence_parallel,
-                       self.recompute_gather)
+                       self.microbatches_for(step_batch), self.sequence_parallel)
         return dp
 
     def check_model(self, model: Any, sequence_length: int | None = None,
