@@ -11,7 +11,8 @@ step (a recompile per step up to dynamo's limit, 8, with warnings), and ZeRO 3's
 a partial holding a weakref, was rebuilt with the module in its place (its backward called the
 module). `torch.compiler.disable` makes dynamo break the graph at each such call and run it
 eagerly; the user's module between them is traced. Outside a trace both are the plain call and
-import nothing (torch._dynamo takes about a second to import). Tests: tests/test_ddp_compile.py.
+import nothing (torch._dynamo takes about a second to import).
+Tests: tests/test_compile_wrappers.py.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def flush_held(held: HeldLine | None, agreement: Sums, metrics: Lines,
 def _record(w: WindowSums, ev: EvalSums | None, eval_names: list[str], *, step: int, lr: float,
             time_s: float, window_s: float, window_steps: float, unit: str) -> dict[str, Any]:
     """A metrics line from summed window (and eval) sums: means and rates from the sums; the
-    rate is `{unit}_per_s` (`state.throughput_unit`)."""
+    rate is `{unit}_per_s` (`state.rate_unit`)."""
     steps = w.worker_steps  # the times are averaged over the steps of ranks that read data
     rec: dict[str, Any] = {
         "step": step, "loss": w.loss_sum / w.count if w.count else float("nan"), "lr": lr,
