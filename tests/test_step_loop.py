@@ -222,9 +222,28 @@ def test_compile_without_a_cpu_toolchain_is_one_configerror(single_process, monk
     from ringtrain.errors import ConfigError
 
     monkeypatch.setattr("ringtrain.training.trainer.compile_problem",
-                        lambda: "InductorError: InvalidCxxCompiler: No working C++ compiler")
+                        lambda device: "InductorError: InvalidCxxCompiler: No working C++ compiler")
     config = TrainerConfig(steps=2, batch_size=8, progress=False, compile=True)
-    with pytest.raises(ConfigError, match=r"--compile: torch\.compile cannot build a CPU kernel "
+    with pytest.raises(ConfigError, match=r"--compile: torch\.compile cannot build a cpu kernel "
                        r"here \(InductorError: InvalidCxxCompiler.*\); install a C\+\+ compiler"):
         Trainer(make_strategy("ddp", runtime=single_process), single_process,
                 lambda: GPT(MODEL), AdditionDataset("train", 1), None, loss_fn, config)
+
+
+def test_compile_on_cuda_without_triton_names_triton(single_process, monkeypatch):
+    """The same check for the device the ranks run on (a tiny kernel on it): on CUDA the
+    toolchain is triton. Refused before anything touches the device."""
+    import dataclasses
+
+    from ringtrain.errors import ConfigError
+
+    asked = []
+    monkeypatch.setattr("ringtrain.training.trainer.compile_problem",
+                        lambda device: asked.append(device) or "RuntimeError: Cannot find triton")
+    gpu = dataclasses.replace(single_process, device=torch.device("cuda", 0))
+    config = TrainerConfig(steps=2, batch_size=8, progress=False, compile=True)
+    with pytest.raises(ConfigError, match=r"cannot build a cuda kernel here \(RuntimeError: "
+                       r"Cannot find triton\); install triton, or leave out --compile"):
+        Trainer(make_strategy("ddp", runtime=single_process), gpu, lambda: GPT(MODEL),
+                AdditionDataset("train", 1), None, loss_fn, config)
+    assert asked == [torch.device("cuda", 0)]

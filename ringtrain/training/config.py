@@ -188,11 +188,12 @@ def adamw(weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> Opti
     return build
 
 
-def compile_problem() -> str | None:
-    """None when torch.compile builds a CPU kernel here; else why not, in one line (no working
-    C++ compiler, ...). Compiles one tiny function: about a second, and dynamo's imports."""
+def compile_problem(device: torch.device | str = "cpu") -> str | None:
+    """None when torch.compile builds a kernel for `device` here; else why not, in one line (no
+    working C++ compiler on the CPU, no triton for CUDA, ...). Compiles one tiny function:
+    about a second, and dynamo's imports."""
     try:
-        torch.compile(lambda t: t * 2 + 1)(torch.ones(4))
+        torch.compile(lambda t: t * 2 + 1)(torch.ones(4, device=device))
         return None
     except Exception as e:  # inductor's toolchain errors have no common public type
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

@@ -144,11 +144,12 @@ class Trainer:
         self._started = time.time()  # set again by `fit`
         self.on_step: Callable[[int], None] | None = None  # told each finished step (a watchdog)
         c = self.config
-        if c.compile and runtime.device.type == "cpu" and (why := compile_problem()):
+        if c.compile and (why := compile_problem(runtime.device)):
             # one line from the ranks, not each rank's traceback from inside the first step
-            raise ConfigError(f"--compile: torch.compile cannot build a CPU kernel here ({why}); "
-                              "install a C++ compiler (e.g. apt install g++), or leave out "
-                              "--compile (TrainerConfig.compile)")
+            fix = "triton" if runtime.device.type == "cuda" else "a C++ compiler (apt install g++)"
+            raise ConfigError(f"--compile: torch.compile cannot build a {runtime.device.type} "
+                              f"kernel here ({why}); install {fix}, or leave out --compile "
+                              "(TrainerConfig.compile)")
         torch.manual_seed(c.seed)  # the same initial weights on every rank
         self.model = model_fn()
         self.tracer = Tracer(runtime.rank, trace_steps)  # off (records nothing) without steps
