@@ -2,6 +2,7 @@
 
     .venv/bin/pytest -q tests/test_compile_wrappers.py
 
+gloo and the CPU: one-rank groups in this process, two ranks through `run_workers`.
 `torch.compile(DDP(model))` is torch's own spelling of a compiled DDP (and FSDP's); nanoGPT
 writes `DDP(torch.compile(model))`. Compiled with a counting backend (dynamo only, no C++
 compiler): every graph is built in the first steps and never again, and the parameters equal

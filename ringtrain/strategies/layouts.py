@@ -189,8 +189,8 @@ def layouts(world_size: int, shape: ModelShape, *, host: int) -> list[Layout]:
             dp = world_size // tp // pp
             stages = ZERO_STAGES if dp > 1 and pp == 1 else (0,)
             sp = tp > 1 and shape.block_size % tp == 0
-            out += [Layout(dp, pp, tp, z, sp, again) for again in (False, True)[:1 + sp]
-                    for z in stages]
+            regather = (False, True) if sp else (False,)
+            out += [Layout(dp, pp, tp, z, sp, again) for again in regather for z in stages]
     return out
 
 

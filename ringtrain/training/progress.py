@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from ringtrain.checkpoint.run_dir import describe_space
+from ringtrain.training.state import RATES
 
 LOGGER_NAME = "ringtrain"
 
@@ -258,7 +259,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         return str(v)
 
     first = ["steps", "world_size", "strategy", "train_loss", "eval_loss", "eval_accuracy",
-             "tokens_per_s", "samples_per_s", "wall_s", "restarts"]
+             *(key for key, _ in RATES.values()), "wall_s", "restarts"]
     parts = [f"{k}={fmt(k, summary[k])}" for k in first if summary.get(k) is not None]
     lines = ["summary: " + "  ".join(parts)]
     if summary.get("sample"):

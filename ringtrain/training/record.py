@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ringtrain.training.evaluate import EvalSums
-from ringtrain.training.state import LoopState, WindowSums, rate_unit
+from ringtrain.training.state import RATES, LoopState, WindowSums, rate_unit
 
 __all__ = ["HeldLine", "eval_text", "flush_held", "log_step"]
 
@@ -117,12 +117,12 @@ def flush_held(held: HeldLine | None, agreement: Sums, metrics: Lines,
 def _record(w: WindowSums, ev: EvalSums | None, eval_names: list[str], *, step: int, lr: float,
             time_s: float, window_s: float, window_steps: float, unit: str) -> dict[str, Any]:
     """A metrics line from summed window (and eval) sums: means and rates from the sums; the
-    rate is `{unit}_per_s` (`state.rate_unit`)."""
+    rate's key is the unit's (`state.RATES`, `state.rate_unit`)."""
     steps = w.worker_steps  # the times are averaged over the steps of ranks that read data
     rec: dict[str, Any] = {
         "step": step, "loss": w.loss_sum / w.count if w.count else float("nan"), "lr": lr,
         "time_s": time_s,  # since the run began (time to a loss)
-        f"{unit}_per_s": w.tokens / window_s if window_s > 0 else 0.0,
+        RATES[unit][0]: w.tokens / window_s if window_s > 0 else 0.0,
         "step_s": window_s / window_steps if window_steps else 0.0,
         "compute_s": w.compute_s / steps if steps else 0.0,
         "comm_s": w.comm_s / steps if steps else 0.0,

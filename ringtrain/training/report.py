@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from ringtrain.training.state import RATES
+
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file."""
@@ -62,8 +64,8 @@ def write_report(records: list[dict[str, Any]], path: str, title: str = "") -> N
         ax_acc.set(title="learning rate", xlabel="step", ylabel="lr")
     ax_acc.grid(alpha=0.3)
 
-    unit = "samples" if records and "samples_per_s" in records[0] else "tokens"
-    s, v = _series(records, f"{unit}_per_s")
+    unit = next((u for u, (key, _) in RATES.items() if records and key in records[0]), "tokens")
+    s, v = _series(records, RATES[unit][0])
     ax_tput.plot(s, v, color="tab:red")
     ax_tput.set(title="throughput (all ranks)", xlabel="step", ylabel=f"{unit}/s", ylim=(0, None))
     ax_tput.grid(alpha=0.3)

@@ -23,7 +23,8 @@ from ringtrain.data.sample_log import SampleLog
 from ringtrain.data.sampler import DistributedSampler
 from ringtrain.errors import ConfigError
 
-RATE_LABELS = {"tokens": "tok/s", "samples": "samples/s"}  # a rate's unit -> the bar's label
+# a rate's unit -> its metrics.jsonl / summary.json key and the progress bar's label
+RATES = {"tokens": ("tokens_per_s", "tok/s"), "samples": ("samples_per_s", "samples/s")}
 
 
 def token_ids(inputs: Any) -> bool:

@@ -26,7 +26,7 @@ from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import Strategy
 from ringtrain.training.config import TrainerConfig, param_sha256
 from ringtrain.training.progress import write_json
-from ringtrain.training.state import LoopState
+from ringtrain.training.state import RATES, LoopState
 
 __all__ = ["agreed_sha256", "eager_copy", "run_summary", "write_run_files"]
 
@@ -67,7 +67,7 @@ def run_summary(st: LoopState, s: Strategy, rt: Runtime, config: TrainerConfig,
     }
     summary.update({f"eval_{n}": st.last.get(f"eval_{n}") for n in eval_names})
     summary.update({
-        f"{st.unit}_per_s": tokens / seconds if seconds else 0.0,
+        RATES[st.unit][0]: tokens / seconds if seconds else 0.0,
         "wall_s": time.time() - started,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from_step": [r["step"] for r in st.resumes], "resumes": st.resumes,

@@ -32,12 +32,13 @@ import socket
 import time
 from typing import Any
 
+from ringtrain.training.state import RATES
+
 log = logging.getLogger("ringtrain")
 
 # metrics.jsonl key -> TensorBoard tag; eval_<name> -> eval/<name>; time_s (wall) is left out.
 TAGS = {"loss": "loss/train", "eval_loss": "loss/eval", "lr": "lr",
-        "tokens_per_s": "throughput/tokens_per_s", "samples_per_s": "throughput/samples_per_s",
-        "step_s": "time/step_s",
+        **{key: f"throughput/{key}" for key, _ in RATES.values()}, "step_s": "time/step_s",
         "compute_s": "time/compute_s", "comm_s": "time/comm_s"}
 SUBDIR = "tensorboard"  # RUN_DIR/tensorboard/events.out.tfevents.*: the run dir's listing is fixed
 

@@ -77,7 +77,7 @@ from ringtrain.training.metrics_file import RankZeroMetrics
 from ringtrain.training.progress import Progress
 from ringtrain.training.record import HeldLine, eval_text, flush_held, log_step
 from ringtrain.training.snapshots import STOP_SIGNALS, LoopSnapshots
-from ringtrain.training.state import RATE_LABELS, LoopState, WindowSums, token_ids
+from ringtrain.training.state import RATES, LoopState, WindowSums, token_ids
 from ringtrain.types import LossFn, MetricFn, OptimizerFn
 
 __all__ = ["MetricFn", "Trainer", "TrainerConfig", "adamw", "lr_at", "param_sha256", "rank_seed"]
@@ -361,8 +361,8 @@ class Trainer:
                 rec = self._log(self.step, lr, evaluated)
                 last = self.state.last
                 shown = {n: last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in last}
-                unit = self.state.unit
-                progress.set_metrics(rec["loss"], rec[f"{unit}_per_s"], RATE_LABELS[unit], **shown)
+                key, label = RATES[self.state.unit]
+                progress.set_metrics(rec["loss"], rec[key], label, **shown)
                 # Only reduced values (bit-identical on every rank) decide; timings are local.
                 agreed = {k: v for k, v in rec.items()
                           if k in ("step", "loss", "lr") or k.startswith("eval_")}
