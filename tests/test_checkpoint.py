@@ -194,7 +194,8 @@ def test_an_earlier_step_below_an_intact_later_snapshot_is_refused(tmp_path, bac
     mgr.wait()
     with pytest.raises(ValueError, match=r"step=15: .* holds a committed snapshot of a later step "
                                          r"\(snap-00000020\), which latest\(\), so every resume, "
-                                         r"would take instead.*remove the later snapshots first"):
+                                         r"would take instead.*set the later snapshots aside first "
+                                         r".*rewind\.set_aside_after"):
         _save(mgr, 15)
     assert [s.step for s in mgr.snapshots()] == [20]
     _save(mgr, 20, seed=7)  # the same step again replaces it, as after a restart

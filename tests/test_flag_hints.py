@@ -31,11 +31,16 @@ def _error(parser: argparse.ArgumentParser, argv: list[str], capsys) -> str:
     (["--max-steps", "5"], "--max-steps: did you mean --steps?"),
     (["--nprocs", "2"], "--nprocs: did you mean --nproc-per-node?"),
     (["--resume"], "--resume: resuming is the default: `ringtrain train` resumes from "
-                   "--run-dir's newest committed snapshot (--no-resume starts afresh)"),
+                   "--run-dir's newest committed snapshot (--resume-from STEP goes back to an "
+                   "earlier one, --no-resume starts afresh)"),
     (["--epochs", "3"], "--epochs: ringtrain train counts optimizer steps: --steps"),
     (["--local_rank", "0"], "--local_rank: not needed: every worker reads LOCAL_RANK"),
     (["--world-size", "4"], "--world-size: use --nproc-per-node and --nnodes"),
     (["--gpus", "8"], "--gpus: use --nproc-per-node (one process per GPU)"),
+    # No abbreviations (a new flag would change what one means): the flags it begins.
+    (["--nproc", "2"], "--nproc: did you mean --nproc-per-node?"),
+    (["--snapshot", "5"], "--snapshot: did you mean --snapshot-every?"),
+    (["--live-d", "1"], "--live-d: did you mean --live-dead-after?"),
 ])
 def test_train_names_the_flag_meant(argv, said, capsys):
     err = _error(train_args.build_parser(), argv, capsys)

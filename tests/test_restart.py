@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,11 +137,15 @@ def test_no_resume_starts_afresh_except_in_a_restarted_worker(tmp_path, monkeypa
 
     args = parse_options(["--run-dir", str(tmp_path), "--no-resume"])
     (tmp_path / "snapshots" / "snap-00000004").mkdir(parents=True)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert _resume_or_clear(args, 0, logging.getLogger("test")) is True  # a restart continues
-    assert (tmp_path / "snapshots").exists()
+    rank0, rank1 = (SimpleNamespace(rank=r, world_size=2) for r in (0, 1))
+    log = logging.getLogger("test")
+    for restart in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):  # the same command
+        with monkeypatch.context() as m:  # again under Slurm's requeue
+            m.setenv(restart, "1")
+            assert _resume_or_clear(args, rank0, log) is True  # a restart continues
+            assert (tmp_path / "snapshots").exists()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert _resume_or_clear(args, 1, logging.getLogger("test")) is False
+    assert _resume_or_clear(args, rank1, log) is False
     assert (tmp_path / "snapshots").exists()  # only rank 0 deletes
-    assert _resume_or_clear(args, 0, logging.getLogger("test")) is False
+    assert _resume_or_clear(args, rank0, log) is False
     assert not (tmp_path / "snapshots").exists()

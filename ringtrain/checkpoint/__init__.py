@@ -18,6 +18,8 @@ Read in this order:
 - `writer.py`: the files written by a long-lived process instead (`WriterProcess`, an option).
 - `commit.py`: rank 0's directory work: the commit (rename, `COMMITTED` last) and the rotation
   that keeps the newest `keep` snapshots.
+- `rewind.py`: going back to an earlier snapshot on purpose (`--resume-from STEP`): the later
+  ones set aside whole, never deleted.
 - `sharded.py`: several saved ranks' parts read for one rank (a sharded resume on M ranks).
 - `rng.py`: each rank's random generators (Python, NumPy, torch, CUDA), saved and restored.
 - `run_dir.py`: the run directory checked before a run, and the words for a full disk.

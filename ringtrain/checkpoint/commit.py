@@ -105,5 +105,6 @@ def newer_than(root: Path, step: int) -> str | None:
     return (f"step={step}: {root} holds a committed snapshot of a later step ({later[0].name}"
             f"{f' and {len(later) - 1} more' if len(later) > 1 else ''}), which latest(), so "
             "every resume, would take instead of this one. To continue from an earlier step on "
-            f"purpose, remove the later snapshots first (rank 0: shutil.rmtree of "
-            f"{', '.join(str(p) for p in later)}), or save into another directory")
+            "purpose, set the later snapshots aside first (rank 0, before resuming: "
+            f"ringtrain.checkpoint.rewind.set_aside_after({str(root)!r}, STEP, into=DIR); "
+            "ringtrain train --resume-from STEP), or save into another directory")

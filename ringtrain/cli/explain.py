@@ -293,7 +293,8 @@ def _command_line(run: RunFiles) -> list[str]:
     from ringtrain.cli.train_args import command_line
 
     try:
-        argv = command_line({**run.config["args"], "run_dir": run.path, "resume": True})
+        argv = command_line({**run.config["args"], "run_dir": run.path, "resume": True,
+                             "resume_from": None})  # the newest: a rewind is done once
     except ValueError:  # written by another version of ringtrain: what it kept, if anything
         argv = list(run.config.get("argv", []))
     return argv

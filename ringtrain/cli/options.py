@@ -257,9 +257,21 @@ class RunOptions:
     resume: bool = option(True, "start afresh in --run-dir, deleting its snapshots (a restarted "
                           "worker always resumes)", flag="--no-resume",
                           shown="resume from --run-dir's newest committed snapshot")
+    resume_from: int | None = option(None, "resume from the committed snapshot of step STEP, "
+                                     "not the newest: the later snapshots (and the final model, "
+                                     "summary and a copy of metrics.jsonl) move to "
+                                     "RUN_DIR/set-aside/, nothing is deleted; once per command "
+                                     "(a restart goes on from the newest)", type=_non_negative,
+                                     metavar="STEP", shown="the newest")
 
     def __post_init__(self) -> None:
         check_values(self)
+        if self.resume_from is not None and not self.resume:
+            raise ValueError(f"--resume-from {self.resume_from} with --no-resume: one resumes "
+                             "from a snapshot, the other deletes them all; keep one")
+        if self.resume_from is not None and self.run_dir is None:
+            raise ValueError(f"--resume-from {self.resume_from} needs --run-dir: the run whose "
+                             "snapshot of that step to go on from")
         if self.stop_at_accuracy is not None and not 0 < self.stop_at_accuracy <= 1:
             raise ValueError(f"stop_at_accuracy={self.stop_at_accuracy}: a fraction of the "
                              "held-out sums, in (0, 1], e.g. 0.99")

@@ -105,7 +105,11 @@ def _main(argv: list[str] | None) -> int:
             # worker. Launched workers skip it (their launcher checked; one failing alone would
             # leave the others waiting for it).
             check_run_dir(run.run_dir)
-    except RunDirError as e:
+            if run.resume_from is not None:  # the workers set the later ones aside
+                from ringtrain.checkpoint.rewind import check_step
+
+                check_step(os.path.join(run.run_dir, "snapshots"), run.resume_from)
+    except (RunDirError, ValueError) as e:
         print(f"ringtrain train: error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
     if needs_launcher(opts.launch):

@@ -43,9 +43,11 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser, every option from its field; every argument defaults to None (unset)."""
+    # No abbreviations: one that works today would mean another flag, or stop working, once a
+    # flag sharing its prefix is added (`--resume` became `--resume-from` that way).
     p = _Parser(
         prog="ringtrain train", description="Train a GPT on 2-digit addition (default) or on your "
-        "text (--data), on one or many processes. Every option has a default.")
+        "text (--data), on one or many processes. Every option has a default.", allow_abbrev=False)
     for title, cls in SECTIONS.items():
         add_section(p, cls, title, shown=per_task_text)
     # Each strategy's options, from its Config, in groups by the strategies that take them: a
@@ -205,6 +207,10 @@ def check_args(opts: TrainOptions, world_size: int | None = None) -> list[str]:
     if t.warmup_steps is not None and t.warmup_steps > t.steps:
         warnings.append(f"--warmup-steps {t.warmup_steps} is more than --steps {t.steps}: "
                         f"the learning rate never reaches --lr {t.lr}; lower --warmup-steps")
+    if run.resume_from is not None and run.resume_from > t.steps:
+        raise ValueError(f"--resume-from {run.resume_from} is after --steps {t.steps}: a "
+                         f"resumed run goes on from its snapshot; use --steps "
+                         f"{run.resume_from} or more")
     if run.trace_steps is not None and run.trace_steps.start > t.steps:
         warnings.append(f"--trace-steps {run.trace_steps} starts after the run's last step "
                         f"({t.steps}): the trace will be empty; pick steps up to {t.steps}")

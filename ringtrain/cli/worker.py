@@ -106,7 +106,7 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
             unless_full(write_json, os.path.join(run.run_dir, "config.json"), {
                 "task": opts.task, "world_size": rt.world_size, "args": opts.flat(),
                 "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
-        resume = _resume_or_clear(opts, rt.rank, log)
+        resume = _resume_or_clear(opts, rt, log)
         placed = _one_replica(rt) if launch.live else rt  # live: generations give the rest
         strategy = make_strategy(run.strategy, runtime=placed, **opts.strategy.kwargs())
         stop_when = None
@@ -164,7 +164,8 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
             if rt.rank == 0:
                 print(f"stopped at step {summary['steps']} on {summary['stopped_by']}; "
                       f"snapshot of step {summary['snapshot_step']} in "
-                      f"{run.run_dir}/snapshots: run the same command again to resume",
+                      f"{run.run_dir}/snapshots: run the same command again"
+                      f"{'' if run.resume_from is None else ' without --resume-from'} to resume",
                       flush=True)
             return stopped(summary["stopped_by"])
         if rt.rank == 0:
@@ -228,20 +229,81 @@ def _departed(strategy):
     return departed
 
 
-def _resume_or_clear(opts: TrainOptions, rank: int, log) -> bool:
-    """Whether to resume; with --no-resume (first attempt only) rank 0 deletes old snapshots.
-
-    A restarted worker resumes even under --no-resume: it must continue the run it belongs to.
-    """
+def _first_start() -> bool:
+    """Whether the job starts for the first time: not restarted by the launcher, not requeued
+    by Slurm (the same command again), not a live replacement (the job's snapshots stay)."""
     from ringtrain.launch.live_agent import REPLACEMENT_ENV
 
-    if opts.run.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 or \
-            os.environ.get(REPLACEMENT_ENV):  # a live replacement: the job's snapshots stay
+    restarts = (os.environ.get(name, "0") for name in ("TORCHELASTIC_RESTART_COUNT",
+                                                        "SLURM_RESTART_COUNT"))
+    return not any(int(n or 0) for n in restarts) and not os.environ.get(REPLACEMENT_ENV)
+
+
+def _resume_or_clear(opts: TrainOptions, rt, log) -> bool:
+    """Whether to resume; on the job's first start only, --no-resume makes rank 0 delete the
+    old snapshots and --resume-from STEP set the later ones aside (`_rewind`).
+
+    A restarted worker resumes from the newest: it must continue the run it belongs to.
+    """
+    run = opts.run
+    if not _first_start():
         return True
-    old = os.path.join(opts.run.run_dir, "snapshots")
-    if rank == 0 and os.path.isdir(old):
+    if run.resume_from is not None:
+        _rewind(run, rt, log)
+    if run.resume:
+        return True
+    old = os.path.join(run.run_dir, "snapshots")
+    if rt.rank == 0 and os.path.isdir(old):
         import shutil
 
         log.info("--no-resume: deleting the snapshots in %s", old)
         shutil.rmtree(old)
     return False
+
+
+REWIND_KEY = "ringtrain/train/resume_from"  # rank 0's outcome: "ok" or the reason it refused
+
+
+def _rewind(run, rt, log) -> None:
+    """--resume-from STEP: rank 0 moves the snapshots after STEP, with the abandoned run's
+    final model and summary (and a copy of its metrics), to RUN_DIR/set-aside/ before any rank
+    looks for the newest snapshot; the others wait for its word. ConfigError on every rank when
+    there is no intact snapshot of STEP (nothing moved)."""
+    from datetime import timedelta
+
+    if rt.rank == 0:
+        import time
+
+        from ringtrain.checkpoint.files import snap_step
+        from ringtrain.checkpoint.rewind import set_aside_after
+
+        into = os.path.join(run.run_dir, "set-aside",
+                            f"after-{run.resume_from}-{time.strftime('%Y%m%d-%H%M%S')}")
+        files = {name: os.path.join(run.run_dir, name) for name in (
+            "summary.json", "model.safetensors", "model_config.json", "report.png",
+            "metrics.jsonl")}
+        moved, outcome = [], "ok"
+        try:
+            moved = set_aside_after(os.path.join(run.run_dir, "snapshots"), run.resume_from,
+                                    into=into, copy=[files.pop("metrics.jsonl")],
+                                    move=list(files.values()))
+        except ValueError as e:
+            outcome = str(e)
+        if rt.world_size > 1:
+            rt.store.set(REWIND_KEY, outcome)
+        if moved:
+            steps = ", ".join(str(snap_step(p)) for p in reversed(moved))
+            log.info("--resume-from %d: %s, with the final model and summary of the run that "
+                     "made %s and a copy of its metrics.jsonl, set aside in %s", run.resume_from,
+                     f"the later snapshot (step {steps})" if len(moved) == 1 else
+                     f"the {len(moved)} later snapshots (steps {steps})",
+                     "it" if len(moved) == 1 else "them", into)
+    else:
+        try:  # hashing the snapshot's files takes rank 0 about a second per GB
+            rt.store.wait([REWIND_KEY], timedelta(minutes=10))
+        except RuntimeError:  # torch's store timeout (DistStoreError is one)
+            raise ConfigError(f"--resume-from {run.resume_from}: rank 0 did not say within 10 "
+                              "minutes whether the later snapshots were set aside") from None
+        outcome = rt.store.get(REWIND_KEY).decode()
+    if outcome != "ok":
+        raise ConfigError(outcome)

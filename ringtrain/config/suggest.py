@@ -19,7 +19,8 @@ import re
 # so a renamed flag fails there rather than silently dropping its hint).
 OTHER_TOOLS = {
     "--resume": "resuming is the default: `ringtrain train` resumes from --run-dir's newest "
-                "committed snapshot (--no-resume starts afresh)",
+                "committed snapshot (--resume-from STEP goes back to an earlier one, "
+                "--no-resume starts afresh)",
     "--epochs": "ringtrain train counts optimizer steps: --steps (`ringtrain explain RUN_DIR` "
                 "says how many steps an epoch is)",
     "--max-steps": "did you mean --steps?",
@@ -45,7 +46,10 @@ def hint(parser: argparse.ArgumentParser, unknown: str) -> str | None:
             return f"{name}: {said}"
     # One spelling of each (torchrun's flags come as --nproc-per-node and --nproc_per_node).
     dashed = list(dict.fromkeys(flag.replace("_", "-") for flag in known))
-    close = difflib.get_close_matches(name.replace("_", "-"), dashed, n=2, cutoff=0.75)
+    typed = name.replace("_", "-")
+    # An abbreviation, where the parser takes none (`ringtrain train`): the flags it begins.
+    close = [flag for flag in dashed if flag.startswith(typed)][:3]
+    close = close or difflib.get_close_matches(typed, dashed, n=2, cutoff=0.75)
     if close:
         return f"{name}: did you mean {' or '.join(close)}?"
     return None
