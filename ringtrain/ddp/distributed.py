@@ -46,6 +46,7 @@ from ringtrain.ddp.join import JoinableDDP
 from ringtrain.ddp.lanes import comm_lanes as comm_lanes_for
 from ringtrain.ddp.lanes import existing_lanes
 from ringtrain.ddp.reducer import Reducer
+from ringtrain.ddp.state_keys import accept_unwrapped_keys
 from ringtrain.ddp.static_graph import StaticGraphCheck, set_static_graph
 from ringtrain.ddp.torch_members import DDPTorchMembers
 from ringtrain.ddp.unused_params import UnusedParametersError
@@ -157,6 +158,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP, DDPFrameworkMembers,
         super().__init__()
         JoinableDDP.__init__(self)  # torch's Joinable: its join config, off outside a Join
         self.module = module
+        accept_unwrapped_keys(self)  # load_state_dict takes the plain model's keys too
         self.process_group = ctor_args.process_group_from(process_group, device_mesh)
         if device_mesh is not None:
             self.device_mesh = device_mesh

@@ -51,7 +51,10 @@ def uneven_hint(finished: list[int]) -> str:
             "numbers of steps or collectives, e.g. a different number of batches per rank (a "
             "dataset of another length on some rank, or a loop bound that depends on the "
             "rank; with DistributedDataParallel, `with model.join():` around the loop lets ranks "
-            "run out of batches at different steps); the error was: ")
+            "run out of batches at different steps), or a forward through DistributedDataParallel "
+            "on some ranks only (it syncs buffers in forward: evaluate on one rank through "
+            "`model.module`); RINGTRAIN_DEBUG=collectives names the first collective the ranks "
+            "disagree on; the error was: ")
 
 
 def describe_error(exc: BaseException) -> str:

@@ -40,6 +40,7 @@ from ringtrain import collectives as checked  # agreed first under RINGTRAIN_DEB
 from ringtrain.ddp import lanes as ddp_lanes
 from ringtrain.ddp.ctor_args import check_backend_devices
 from ringtrain.ddp.eager import eager
+from ringtrain.ddp.state_keys import accept_unwrapped_keys
 from ringtrain.trace import Tracer
 from ringtrain.zero import state as zero_state
 from ringtrain.zero.hooks import UnitHooks
@@ -96,6 +97,7 @@ class ZeroDataParallel(UnitHooks, nn.Module):
             raise ValueError(f"stage={stage!r}: ZeRO has stages {STAGES}; use 1 (optimizer state "
                              "sharded), 2 (+ gradients) or 3 (+ parameters)")
         self.module, self.stage = module, stage
+        accept_unwrapped_keys(self)  # load_state_dict takes the plain model's keys too
         self.process_group = process_group or dist.group.WORLD
         self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
         unit_modules = default_units(module) if units is None else list(units)
@@ -251,6 +253,47 @@ class ZeroDataParallel(UnitHooks, nn.Module):
                 for u in self.units:
                     self._free(u)
         return state
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """torch's form, as from a DDP wrapper: `module.` keys, whole tensors. Stage 3: a
+        collective (call it on every rank, then save on one) returning copies; stages 1 and 2
+        wait for the parameters' gather in flight first (torn values otherwise)."""
+        with self._whole_parameters(write=False):
+            out = super().state_dict(*args, **kwargs)
+            if self.stage == 3:  # the gathered storage is freed again on the way out
+                flat = {u.full.untyped_storage().data_ptr() for u in self.units}
+                out.update((k, v.detach().clone()) for k, v in out.items()
+                           if isinstance(v, torch.Tensor)
+                           and v.untyped_storage().data_ptr() in flat)
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load whole parameters and buffers (torch's `module.` keys, or the plain model's), on
+        every rank alike; the optimizer state stays. Stage 3: a collective."""
+        if assign:
+            raise ValueError("ZeroDataParallel.load_state_dict(assign=True): the parameters are "
+                             "views of the flat units, which assigning would detach; load with "
+                             "assign=False (the default)")
+        with self._whole_parameters(write=True):
+            return super().load_state_dict(state_dict, strict=strict)
+
+    @contextlib.contextmanager
+    def _whole_parameters(self, *, write: bool) -> Iterator[None]:
+        """Every unit's full parameters present (no gather in flight); at stage 3 gathered for
+        the duration (every rank), then, after a `write`, copied into this rank's shard."""
+        self._wait_all_gathers()
+        gathered = [u for u in self.units if self.stage == 3 and not u.gathered]
+        with torch.no_grad():
+            for u in gathered:
+                self._gather(u)
+            try:
+                yield
+            finally:
+                for u in self.units if self.stage == 3 else ():
+                    if write:  # the full copy is what the load wrote; the shard is kept
+                        u.shard.copy_(u.full[u.lo:u.hi])
+                for u in gathered:
+                    self._free(u)
 
     def shard_state_dict(self) -> dict[str, Any]:
         """This rank's part: its shard of every unit and of the optimizer state, in the flat
