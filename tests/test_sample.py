@@ -178,3 +178,20 @@ def test_a_broken_config_json_is_one_line_in_sample_and_export(tmp_path, capsys,
         assert ringtrain_main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and said in err, err
+
+
+def test_a_text_without_newlines_samples_without_a_prompt(tmp_path, capsys):
+    """The default prompt is a newline; a character vocabulary without one (a text on one line)
+    starts from its first character instead of refusing a --prompt the user never gave."""
+    text = tmp_path / "line.txt"
+    text.write_text("abc cab bca " * 200)
+    run_dir = tmp_path / "run"
+    with _in_process():
+        assert ringtrain_main(["train", "--data", str(text), "--block-size", "8", "--steps", "2",
+                               "--n-layer", "1", "--n-embd", "16", "--batch-size", "4",
+                               "--no-progress", "--no-report", "--snapshot-every", "0",
+                               "--run-dir", str(run_dir)]) == 0
+    capsys.readouterr()
+    assert ringtrain_main(["sample", str(run_dir), "--tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(" ") and len(out.rstrip("\n")) == 6 and set(out) <= set(" abc\n"), out

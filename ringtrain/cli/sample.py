@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "`ringtrain train` run, or of an export of one.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a `ringtrain train` run directory, or "
                    "`ringtrain export`'s hf or dcp directory")
-    p.add_argument("--prompt", help="the text to continue (default: a newline); the addition "
+    p.add_argument("--prompt", help="the text to continue (default: a newline, or the first "
+                   "character of a vocabulary without one); the addition "
                    "task: a sum, e.g. 12+34 (default: held-out sums)")
     p.add_argument("--tokens", type=int, default=200, metavar="N",
                    help="tokens to generate (default: 200; the addition task answers greedily "
@@ -262,6 +263,16 @@ def exported_model(path: str, snapshot: int | None):
     return model, _tokenizer(entry, path), None
 
 
+def _default_prompt(tok) -> str:
+    """A newline (nanoGPT's start), or where the text had none (a character vocabulary without
+    it) the vocabulary's first character: a sample without --prompt never fails."""
+    try:
+        tok.encode("\n")
+    except ValueError:
+        return tok.decode([0])
+    return "\n"
+
+
 def generate(args: argparse.Namespace) -> list[str]:
     """The samples `args` asks for, each the prompt and its continuation."""
     import torch
@@ -289,7 +300,7 @@ def generate(args: argparse.Namespace) -> list[str]:
             return sums(model, int(config["args"]["digits"]), args.prompt, args.num_samples)
         tok = tokenizer_of(args.run_dir, config, exported)
     try:
-        ids = tok.encode("\n" if args.prompt is None else args.prompt)
+        ids = tok.encode(_default_prompt(tok) if args.prompt is None else args.prompt)
     except ValueError as e:
         raise SampleError(f"--prompt: {e}") from None
     if not ids:
