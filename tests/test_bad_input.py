@@ -282,6 +282,18 @@ def _check_replicas(model):
     return lambda: check_replicas(model)
 
 
+def _make_strategy(name, **options):
+    from ringtrain.strategies import make_strategy
+
+    return make_strategy(name, **options)
+
+
+def per_sample_sum(*args):
+    from ringtrain.training.evaluate import per_sample_sum
+
+    return per_sample_sum(*args)
+
+
 def _config(**kw):
     from ringtrain.training.config import TrainerConfig
 
@@ -331,6 +343,14 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
     ("ddp not a module", _ddp(module="model"), TypeError, r"'model'.*nn\.Module"),
     ("zero not a module", _zero("model", _sgd), TypeError, r"'model'.*nn\.Module"),
     ("zero optimizer_fn None", _zero(nn.Linear(2, 2), None), TypeError, r"optimizer_fn"),
+    ("make_strategy option", lambda: _make_strategy("zero", stage=3), ValueError,
+     r"make_strategy\('zero'\): 'stage' is not an option of the zero strategy, which takes "
+     r"runtime, zero_stage"),
+    ("eval metric mean", lambda: per_sample_sum("accuracy", torch.tensor(0.5), 4), ValueError,
+     r"eval_metrics\['accuracy'\] returned a tensor of shape \(\) for a batch of 4: a metric "
+     r"returns one value per sample, shape \(4,\)"),
+    ("eval metric pair", lambda: per_sample_sum("acc", (torch.ones(4).sum(), 4), 4), ValueError,
+     r"eval_metrics\['acc'\] returned a tuple for a batch of 4"),
 ]
 
 

@@ -18,6 +18,7 @@ May import: `ringtrain.config`, `ringtrain.ddp`, `ringtrain.pipeline`, `ringtrai
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from typing import Any
 
@@ -51,4 +52,12 @@ def make_strategy(name: str, **options: Any) -> Strategy:
     strategies = registered()
     if name not in strategies:
         raise ConfigError(f"--strategy {name!r} is not known; choose one of {sorted(strategies)}")
-    return strategies[name](**options)
+    cls = strategies[name]
+    takes = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        accepted = [n for n, p in takes.items() if n != "self" and p.kind is not p.VAR_POSITIONAL]
+        if unknown := sorted(set(options) - set(accepted)):
+            raise ConfigError(f"make_strategy({name!r}): {', '.join(map(repr, unknown))} "
+                              f"{'is' if len(unknown) == 1 else 'are'} not an option of the "
+                              f"{name} strategy, which takes {', '.join(accepted)}")
+    return cls(**options)

@@ -88,6 +88,21 @@ def eval_sums(strategy: Strategy, eval_set: Dataset, loss_fn: LossFn, metrics: d
         sums.loss_sum += float(loss_fn(logits, y)) * len(chunk)
         sums.count += len(chunk)
         for name, fn in metrics.items():
-            sums.metrics[name][0] += float(fn(logits, y).sum())
+            sums.metrics[name][0] += per_sample_sum(name, fn(logits, y), len(chunk))
             sums.metrics[name][1] += len(chunk)
     return sums
+
+
+def per_sample_sum(name: str, values: object, n: int) -> float:
+    """The sum of a metric's values for a batch of `n`; a ValueError for anything but one value
+    per sample: a batch's mean (or a (value, count) pair) summed as if it were one sample's
+    would give a wrong figure without a word."""
+    if not isinstance(values, torch.Tensor) or values.shape != (n,):
+        got = (f"a tensor of shape {tuple(values.shape)}" if isinstance(values, torch.Tensor)
+               else f"a {type(values).__name__}")
+        raise ValueError(
+            f"eval_metrics[{name!r}] returned {got} for a batch of {n}: a metric returns one "
+            f"value per sample, shape ({n},), which the trainer sums and counts over every rank "
+            "(a mean of means would depend on the batch and rank count); e.g. "
+            "lambda logits, y: (logits.argmax(-1) == y).float()")
+    return float(values.sum())
