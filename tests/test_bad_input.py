@@ -26,6 +26,7 @@ from torch import nn
 from ringtrain.cli.train import main as train_main
 from ringtrain.launch.launcher import main as run_main
 from ringtrain.launch.process_group import destroy_distributed, init_distributed
+from ringtrain.runtime import get_runtime
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--batch-size", "8", "--no-progress",
         "--threads", "1", "--no-report"]
@@ -346,6 +347,10 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
     ("make_strategy option", lambda: _make_strategy("zero", stage=3), ValueError,
      r"make_strategy\('zero'\): 'stage' is not an option of the zero strategy, which takes "
      r"runtime, zero_stage"),
+    ("tp strategy, not a GPT", lambda: _make_strategy("tp", runtime=get_runtime(), tp=1).setup(
+        nn.Sequential(nn.Linear(2, 2)), _sgd, None), ValueError,
+     r"--strategy tp --tp 1 parallelises ringtrain's GPT .*'embed\.wte' matches no module of "
+     r"Sequential.*your own plan .*parallelize\(model, .* or use a strategy that takes any model"),
     ("eval metric mean", lambda: per_sample_sum("accuracy", torch.tensor(0.5), 4), ValueError,
      r"eval_metrics\['accuracy'\] returned a tensor of shape \(\) for a batch of 4: a metric "
      r"returns one value per sample, shape \(4,\)"),

@@ -23,6 +23,7 @@ from torch import nn
 
 from ringtrain.errors import ConfigError
 from ringtrain.tensor_parallel import comm, gpt_plan, parallelize
+from ringtrain.tensor_parallel.plan import PlanMismatchError
 from ringtrain.tensor_parallel.state import Split, param_splits, shard, unshard
 
 WHOLE = Split(None)
@@ -36,6 +37,8 @@ def parallelize_model(model: nn.Module, tp_group, *, tp: int, sequence_parallel:
     try:
         return parallelize(model, gpt_plan(sequence_parallel=sequence_parallel,
                                            recompute_gather=recompute_gather), tp_group)
+    except PlanMismatchError as e:
+        raise ConfigError(e.for_strategy(f"--strategy pipeline --tp {tp}")) from None
     except (TypeError, ValueError) as e:  # n_head or vocab not divisible
         raise ConfigError(f"--strategy pipeline --tp {tp}: {e}") from None
 

@@ -66,6 +66,7 @@ from ringtrain.tensor_parallel import (
     parallelize,
     vocab_parallel_cross_entropy,
 )
+from ringtrain.tensor_parallel.plan import PlanMismatchError
 from ringtrain.tensor_parallel.state import Split, param_splits, shard_named, unshard, unshard_named
 from ringtrain.types import LossFn, OptimizerFn
 from ringtrain.zero import state as zero_state
@@ -174,6 +175,8 @@ class TPStrategy(Strategy):
             plan = gpt_plan(sequence_parallel=self.sequence_parallel,
                             recompute_gather=self.recompute_gather)
             model = parallelize(model, plan, self.groups.tp_group)
+        except PlanMismatchError as e:
+            raise ConfigError(e.for_strategy(f"--strategy tp --tp {self.tp}")) from None
         except (TypeError, ValueError) as e:  # n_head or vocab not divisible
             raise ConfigError(f"--strategy tp --tp {self.tp}: {e}") from None
         self.module = model.to(self.runtime.device)

@@ -160,7 +160,7 @@ def parallelize(module: nn.Module, plan: dict[str, ParallelStyle], group) -> nn.
         names = [n for n, _ in module.named_modules() if n and _matches(pattern, n)]
         if not names:
             some = [n for n, _ in module.named_modules() if n][:8]
-            raise ValueError(f"plan entry {pattern!r} matches no module of "
+            raise PlanMismatchError(f"plan entry {pattern!r} matches no module of "
                              f"{type(module).__name__}; its modules include {some}")
         for name in names:
             child = module.get_submodule(name)
@@ -207,6 +207,18 @@ def _shared_parameters(module: nn.Module) -> dict[int, list[str]]:
     for n, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
     return {i: ns for i, ns in names.items() if len(ns) > 1}
+
+
+class PlanMismatchError(ValueError):
+    """A plan entry names no module of the model: the plan is another model's."""
+
+    def for_strategy(self, flags: str) -> str:
+        """What a strategy that applies `gpt_plan` says to a user with another model."""
+        return (f"{flags} parallelises ringtrain's GPT (tensor_parallel.gpt_plan): {self}. For "
+                "another model, split its layers with your own plan in your script, "
+                "ringtrain.tensor_parallel.parallelize(model, {name: ColwiseParallel(), ...}, "
+                "tp_group) (docs/tensor_parallel.md), or use a strategy that takes any model "
+                "(ddp, zero, pipeline without --tp)")
 
 
 def gpt_plan(sequence_parallel: bool = False,
