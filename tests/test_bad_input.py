@@ -289,6 +289,12 @@ def _make_strategy(name, **options):
     return make_strategy(name, **options)
 
 
+def _collate(dataset, indices):
+    from ringtrain.training.evaluate import collate
+
+    return collate(dataset, indices)
+
+
 def per_sample_sum(*args):
     from ringtrain.training.evaluate import per_sample_sum
 
@@ -351,6 +357,11 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
         nn.Sequential(nn.Linear(2, 2)), _sgd, None), ValueError,
      r"--strategy tp --tp 1 parallelises ringtrain's GPT .*'embed\.wte' matches no module of "
      r"Sequential.*your own plan .*parallelize\(model, .* or use a strategy that takes any model"),
+    ("dataset of dicts", lambda: _collate([{"x": torch.zeros(2), "y": 1}], [0]), TypeError,
+     r"list\[0\] is a dict with keys \['x', 'y'\]: the Trainer takes a Dataset of \(input, "
+     r"target\) pairs.*return d\['x'\], d\['y'\]"),
+    ("dataset of triples", lambda: _collate([(torch.zeros(2), 1, 2)], [0]), TypeError,
+     r"list\[0\] is a tuple of 3: the Trainer takes"),
     ("eval metric mean", lambda: per_sample_sum("accuracy", torch.tensor(0.5), 4), ValueError,
      r"eval_metrics\['accuracy'\] returned a tensor of shape \(\) for a batch of 4: a metric "
      r"returns one value per sample, shape \(4,\)"),

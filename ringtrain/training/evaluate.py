@@ -24,7 +24,21 @@ from ringtrain.types import LossFn, MetricFn
 
 
 def collate(dataset: Dataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    return default_collate([dataset[i] for i in indices])
+    """The samples at `indices` as one (inputs, targets) batch; a TypeError naming the form
+    of the dataset's samples where they are not (input, target) pairs (a dict of fields
+    unpacked to its keys: "'str' object has no attribute 'to'" in the step)."""
+    batch = default_collate([dataset[i] for i in indices])
+    if isinstance(batch, tuple | list) and len(batch) == 2 and \
+            all(isinstance(t, torch.Tensor) for t in batch):
+        return batch[0], batch[1]
+    sample = dataset[indices[0]]
+    form = (f"a dict with keys {sorted(sample)}" if isinstance(sample, dict) else
+            f"a {type(sample).__name__} of {len(sample)}" if isinstance(sample, tuple | list)
+            else f"a {type(sample).__name__}")
+    raise TypeError(f"{type(dataset).__name__}[{indices[0]}] is {form}: the Trainer takes a "
+                    "Dataset of (input, target) pairs, tensors or numbers (the model gets the "
+                    "input, loss_fn(output, target) the target); return them from __getitem__, "
+                    "e.g. return d['x'], d['y']")
 
 
 @dataclass
