@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.faults import fault_env
 
 from ringtrain.checkpoint.files import COMMITTED
 from ringtrain.checkpoint.rewind import check_step, committed_steps, set_aside_after
@@ -152,22 +153,24 @@ def test_bad_resume_from_is_one_message_before_launch(argv, message, tmp_path, c
 
 
 def test_two_ranks_go_back_together_or_refuse_together(tmp_path):
-    """Rank 0 sets aside, rank 1 waits for its word through the store: the same final model as
-    the first run; a damaged snapshot of the step is one message from the job, exit 2."""
+    """Rank 0 sets aside, rank 1 waits for its word through the store; a worker killed after
+    that restarts the job, which goes on from the new run's snapshot, not from STEP again: the
+    same final model as the first run. A damaged snapshot of STEP is one message, exit 2."""
     run = tmp_path / "run"
 
-    def launch(*extra: str) -> subprocess.CompletedProcess:
+    def launch(*extra: str, env=None) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", *TINY,
              "--run-dir", str(run), *extra], capture_output=True, text=True, timeout=180,
-            cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     first = launch()
     assert first.returncode == 0, first.stderr[-3000:]
     sha = json.loads((run / "summary.json").read_text())["param_sha256"]
-    again = launch("--resume-from", "2")
+    again = launch("--resume-from", "2", "--max-restarts", "1", env=fault_env("kill:1:5"))
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "the 2 later snapshots (steps 4, 6)" in again.stderr
+    assert again.stderr.count("the 2 later snapshots (steps 4, 6)") == 1, again.stderr[-3000:]
+    assert "resumed from" in again.stderr and "snap-00000004: step 4 of 6" in again.stderr
     assert json.loads((run / "summary.json").read_text())["param_sha256"] == sha
     _flip_byte(run / "snapshots" / "snap-00000004" / "rank1.pt")
     bad = launch("--resume-from", "4")
