@@ -7,7 +7,8 @@ and load it, or the plain model's keys (`ringtrain.ddp.state_keys`). ZeRO stage 
 shard of each parameter between forwards: nn.Module's own state_dict read freed storage and its
 load_state_dict wrote into it (a segfault, found in session 35); now both gather first (a
 collective), and a load reaches the shards, so the next forward computes with the loaded weights.
-On 2 gloo ranks, after two AdamW steps, against a plain GPT holding other weights.
+On 2 gloo ranks, after two AdamW steps, against a plain GPT holding other weights. And
+`ZeroDataParallel.optimizer` under torch's LR schedulers, which take only a torch Optimizer.
 """
 
 from __future__ import annotations
@@ -63,14 +64,34 @@ def _check(rank, world_size):
                 r[form] = torch.equal(model(x), other(x))  # the next forward: loaded weights
         loss_fn(model(x), y).backward()  # and it trains on from them
         opt.step()
+        opt.zero_grad()
         r["trains"] = bool(torch.isfinite(loss_fn(model(x), y)))
         if kind != "ddp":
             try:
                 model.load_state_dict(other.state_dict(), assign=True)
             except ValueError as e:
                 r["assign"] = str(e)
+            r.update(_with_a_scheduler(model, opt, x, y))
         out[kind] = r
     return out
+
+
+def _with_a_scheduler(model, opt, x, y):
+    """ZeroOptimizer to torch's LR schedulers (which take only a torch.optim.Optimizer), step
+    hooks and its own state dict: the rebuilt optimizer's learning rate is the scheduled one."""
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o is opt))
+    for group in opt.param_groups:  # the trainer sets it each step (adamw's factory: 0)
+        group["lr"] = 0.1
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    for _ in range(2):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())
+    return {"lr": [g["lr"] for g in opt.optimizer.param_groups], "hooked": seen,
+            "is_optimizer": isinstance(opt, torch.optim.Optimizer)}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +107,8 @@ def test_saved_in_torchs_form_and_loaded_in_either(results, kind):
         assert r["plain"] and r["module."] and r["trains"], (rank, r)
         if kind != "ddp":
             assert "assign=True" in r["assign"] and "assign=False" in r["assign"]
+            assert r["is_optimizer"] and r["hooked"] == [True, True]
+            assert r["lr"] == pytest.approx([0.1 * 0.25] * len(r["lr"]))
 
 
 def test_a_mistaken_dict_fails_as_in_torch():

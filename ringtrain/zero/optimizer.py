@@ -17,12 +17,15 @@ from ringtrain.zero.units import FlatUnit
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """The user's optimizer over this rank's parts of the parameters; `step()` then spreads them.
 
     Built from `optimizer_fn` the way torch's `ZeroRedundancyOptimizer` builds from
     `optimizer_class`: groups and their options are kept, each group holding the owned parts of
     its parameters (1-D views into the unit shards; the user's parameters are never stepped).
+    A `torch.optim.Optimizer` to torch, whose LR schedulers take nothing else, without
+    `Optimizer.__init__`: `param_groups`, `state` and `defaults` are the rebuilt optimizer's,
+    so a scheduler's learning rates are the ones stepped; step hooks are registered on it.
     """
 
     def __init__(self, module: nn.Module, units: Sequence[FlatUnit], optimizer_fn: OptimizerFactory,
@@ -52,6 +55,10 @@ class ZeroOptimizer:
         self.optimizer = type(template)(groups)
         self.optimizer.defaults = dict(template.defaults)
 
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
@@ -77,3 +84,19 @@ class ZeroOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """`hook(optimizer, args, kwargs)` before each step, called with this optimizer."""
+        return self.optimizer.register_step_pre_hook(lambda _o, a, k: hook(self, a, k))
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        """`hook(optimizer, args, kwargs)` after each step's update (before the spread)."""
+        return self.optimizer.register_step_post_hook(lambda _o, a, k: hook(self, a, k))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ValueError("ZeroOptimizer.add_param_group: ZeRO shards the parameters the wrapper "
+                         "was built with; give every group to optimizer_fn when building "
+                         "ZeroDataParallel")
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({self.optimizer!r})"
