@@ -118,7 +118,11 @@ def test_resume_from_an_earlier_step_is_bit_identical_and_keeps_the_later_run(tm
     assert _losses(aside / "metrics.jsonl") == losses
     assert committed_steps(run / "snapshots") == [2, 4, 6]  # the new run's 4 and 6
     said = explain(load_run(str(run)))  # its resume command goes on from the newest
-    assert "ringtrain train --nproc-per-node 1 " in said and "--resume-from" not in said
+    command = said[said.index("ringtrain train --nproc-per-node 1 "):].splitlines()[0]
+    assert "--resume-from" not in command
+    assert re.search(r"or go back to an earlier snapshot with --resume-from STEP, one of 2, 4\b",
+                     " ".join(said.split())), said
+    assert f"set aside by --resume-from: {aside} (steps 4, 6)" in " ".join(said.split())
 
 
 @pytest.mark.parametrize("restart", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])

@@ -23,7 +23,7 @@ import statistics
 import sys
 import textwrap
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ class RunFiles:
     skipped: list[str] = field(default_factory=list)  # snapshots a resume would skip, and why
     train_samples: int | None = None  # None: unknown (a --data file that is gone)
     eval_samples: int | None = None
+    earlier: list[int] = field(default_factory=list)  # committed steps before the newest
+    set_aside: list[str] = field(default_factory=list)  # --resume-from's: "DIR (steps 4, 6)"
 
 
 # ---- reading the run directory ------------------------------------------------------------------
@@ -124,8 +126,15 @@ def load_run(path: str | Path) -> RunFiles:
         for line in (root / "metrics.jsonl").read_text().splitlines():
             with contextlib.suppress(ValueError):  # a line cut short by a crash
                 metrics.append(json.loads(line))
-    return RunFiles(str(path), config, summary, metrics, *_resume_point(root / "snapshots"),
-                    *_dataset_sizes(config, root))
+    run = RunFiles(str(path), config, summary, metrics, *_resume_point(root / "snapshots"),
+                   *_dataset_sizes(config, root))
+    from ringtrain.checkpoint.rewind import committed_steps
+
+    earlier = [s for s in committed_steps(root / "snapshots") if s < (run.resume_step or 0)]
+    aside = [f"{d} (steps {', '.join(map(str, steps))})" if steps else str(d)
+             for d in sorted((root / "set-aside").glob("*"))
+             if (steps := sorted(int(p.name[5:]) for p in d.glob("snap-*")))]
+    return replace(run, earlier=earlier, set_aside=aside)
 
 
 # ---- the numbers the sections word ---------------------------------------------------------------
@@ -285,7 +294,11 @@ def _resume(run: RunFiles, f: RunFacts) -> list[str]:
         f"{run.resume_path}: step {run.resume_step} of {steps}{left}, the newest of "
         f"{plural(run.snapshots, 'committed snapshot')} whose files match their checksums.",
         f"resume with the same options, {where}:",
-        f"    ringtrain train --nproc-per-node {f.world} {' '.join(argv)}", anywhere]
+        f"    ringtrain train --nproc-per-node {f.world} {' '.join(argv)}", anywhere,
+        *([f"or go back to an earlier snapshot with --resume-from STEP, one of "
+           f"{', '.join(map(str, run.earlier))} (the later ones are set aside, not deleted)."]
+          if run.earlier else []),
+        *[f"set aside by --resume-from: {d}" for d in run.set_aside]]
 
 
 def _command_line(run: RunFiles) -> list[str]:
