@@ -62,6 +62,13 @@ def _check(rank, world_size):
             model.load_state_dict(sd)
             with torch.no_grad():
                 r[form] = torch.equal(model(x), other(x))  # the next forward: loaded weights
+        parent = torch.nn.ModuleDict({"inner": model})  # a parent's load reaches it too
+        torch.manual_seed(6)
+        third = GPT(MODEL)
+        parent.load_state_dict({"inner." + k: v for k, v in third.state_dict().items()})
+        with torch.no_grad():
+            r["nested"] = torch.equal(model(x), third(x))
+        model.load_state_dict(other.state_dict())
         loss_fn(model(x), y).backward()  # and it trains on from them
         opt.step()
         opt.zero_grad()
@@ -104,7 +111,7 @@ def test_saved_in_torchs_form_and_loaded_in_either(results, kind):
     for rank, got in enumerate(results):
         r = got[kind]
         assert r["keys"] and r["saved_is_trained"], (rank, r)
-        assert r["plain"] and r["module."] and r["trains"], (rank, r)
+        assert r["plain"] and r["module."] and r["nested"] and r["trains"], (rank, r)
         if kind != "ddp":
             assert "assign=True" in r["assign"] and "assign=False" in r["assign"]
             assert r["is_optimizer"] and r["hooked"] == [True, True]

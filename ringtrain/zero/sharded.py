@@ -98,6 +98,9 @@ class ZeroDataParallel(UnitHooks, nn.Module):
                              "sharded), 2 (+ gradients) or 3 (+ parameters)")
         self.module, self.stage = module, stage
         accept_unwrapped_keys(self)  # load_state_dict takes the plain model's keys too
+        self._loading: contextlib.AbstractContextManager | None = None
+        self.register_load_state_dict_pre_hook(ZeroDataParallel._begin_load)
+        self.register_load_state_dict_post_hook(ZeroDataParallel._end_load)
         self.process_group = process_group or dist.group.WORLD
         self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
         unit_modules = default_units(module) if units is None else list(units)
@@ -274,8 +277,20 @@ class ZeroDataParallel(UnitHooks, nn.Module):
             raise ValueError("ZeroDataParallel.load_state_dict(assign=True): the parameters are "
                              "views of the flat units, which assigning would detach; load with "
                              "assign=False (the default)")
-        with self._whole_parameters(write=True):
+        try:
             return super().load_state_dict(state_dict, strict=strict)
+        finally:
+            self._end_load()  # when the load raised before the post-hook
+
+    # A parent module's load_state_dict reaches this one through these hooks, not the method.
+    def _begin_load(self, *_: Any) -> None:
+        self._loading = self._whole_parameters(write=True)
+        self._loading.__enter__()
+
+    def _end_load(self, *_: Any) -> None:
+        loading, self._loading = getattr(self, "_loading", None), None
+        if loading is not None:
+            loading.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def _whole_parameters(self, *, write: bool) -> Iterator[None]:
