@@ -295,7 +295,7 @@ def _collate(dataset, indices):
     return collate(dataset, indices)
 
 
-def per_sample_sum(*args):
+def _per_sample_sum(*args):
     from ringtrain.training.evaluate import per_sample_sum
 
     return per_sample_sum(*args)
@@ -362,10 +362,10 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
      r"target\) pairs.*return d\['x'\], d\['y'\]"),
     ("dataset of triples", lambda: _collate([(torch.zeros(2), 1, 2)], [0]), TypeError,
      r"list\[0\] is a tuple of 3: the Trainer takes"),
-    ("eval metric mean", lambda: per_sample_sum("accuracy", torch.tensor(0.5), 4), ValueError,
+    ("eval metric mean", lambda: _per_sample_sum("accuracy", torch.tensor(0.5), 4), ValueError,
      r"eval_metrics\['accuracy'\] returned a tensor of shape \(\) for a batch of 4: a metric "
      r"returns one value per sample, shape \(4,\)"),
-    ("eval metric pair", lambda: per_sample_sum("acc", (torch.ones(4).sum(), 4), 4), ValueError,
+    ("eval metric pair", lambda: _per_sample_sum("acc", (torch.ones(4).sum(), 4), 4), ValueError,
      r"eval_metrics\['acc'\] returned a tuple for a batch of 4"),
 ]
 

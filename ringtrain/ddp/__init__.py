@@ -22,6 +22,8 @@ Read in this order:
 - `eager.py`: what torch.compile runs as written around the user's module (DDP's and ZeRO's
   bookkeeping), so `torch.compile(wrapper)` traces the module only.
 - `comm_hooks.py`: replacements for a bucket's all-reduce (fp16/bf16 compression, ring all-reduce).
+- `state_keys.py`: a wrapper's `load_state_dict` takes the plain model's keys too (no
+  `module.`), DDP's and ZeRO's.
 - `unused_params.py`: what a synced backward reports about parameters that got no gradient,
   and when: at the next forward, as torch's DDP, and in an optimizer step before it.
 - `framework_members.py`: the private members of torch's DDP and reducer that Lightning and
