@@ -183,3 +183,17 @@ def test_two_ranks_go_back_together_or_refuse_together(tmp_path):
     assert out.count("snap-00000004 is damaged (snap-00000004/rank1.pt") == 1, out[-3000:]
     assert committed_steps(run / "snapshots") == [2, 4, 6]
     assert len(list((run / "set-aside").iterdir())) == 1
+
+
+def test_a_stopped_rewound_run_says_to_leave_out_resume_from(tmp_path, monkeypatch, capsys):
+    """Run again as it was typed, the command would go back once more: the stop says so."""
+    run = tmp_path / "run"
+    _train(run, "--steps", "4")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "support"))
+    monkeypatch.setenv("RINGTRAIN_STEP_HOOK", "faults:hook")
+    monkeypatch.setenv("RINGTRAIN_TEST_FAULT", "term:0:3")
+    capsys.readouterr()
+    assert main([*TINY, "--steps", "4", "--run-dir", str(run), "--resume-from", "2"]) == 143
+    out = capsys.readouterr().out
+    assert "stopped at step 3 on SIGTERM" in out and "run the same command again without " \
+           "--resume-from to resume" in out, out
