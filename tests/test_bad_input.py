@@ -357,6 +357,11 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
         nn.Sequential(nn.Linear(2, 2)), _sgd, None), ValueError,
      r"--strategy tp --tp 1 parallelises ringtrain's GPT .*'embed\.wte' matches no module of "
      r"Sequential.*your own plan .*parallelize\(model, .* or use a strategy that takes any model"),
+    ("pipeline stages over layers", lambda: _make_strategy(
+        "pipeline", runtime=get_runtime(), pp=1, schedule="zb-v").setup(
+        nn.Sequential(nn.Linear(2, 2)), _sgd, nn.functional.mse_loss), ValueError,
+     r"--pp 1 with 2 model chunks per rank \(--schedule zb-v\) makes 2 stages, but the model "
+     r"has only 1 layer: .*Use --schedule 1f1b"),
     ("dataset of dicts", lambda: _collate([{"x": torch.zeros(2), "y": 1}], [0]), TypeError,
      r"list\[0\] is a dict with keys \['x', 'y'\]: the Trainer takes a Dataset of \(input, "
      r"target\) pairs.*return d\['x'\], d\['y'\]"),

@@ -103,6 +103,17 @@ def test_text_data_single_process(tmp_path, capsys):
      r"tokens\), not a multiple of 4: add --pad-vocab 4 \(.*\), or use --tp in \[2\]"),
     (["--pp", "2", "--tp", "4", "--nproc-per-node", "8"],
      r"--tp 4 splits the vocabulary's rows .*: add --pad-vocab 4 "),
+    # pp x chunks per rank stages, found before launch: the workers' words named --pp alone
+    # ("use --pp 3 or fewer") and the GPT's layers, not --n-layer.
+    (["--pp", "2", "--nproc-per-node", "2", "--schedule", "zb-v", "--n-layer", "1"],
+     r"--pp 2 with 2 model chunks per rank \(--schedule zb-v\) makes 4 stages, but --n-layer 1 "
+     r"gives the GPT 3 layers .*Use --schedule 1f1b \(one stage per rank\), a smaller --pp, or "
+     r"--n-layer 2 or more"),
+    (["--pp", "2", "--nproc-per-node", "2", "--schedule", "interleaved", "--virtual-stages", "4",
+      "--n-layer", "2"], r"makes 8 stages, but --n-layer 2 gives the GPT 4 layers .*Use "
+     r"--virtual-stages 1, a smaller --pp, or --n-layer 6 or more"),
+    (["--pp", "4", "--nproc-per-node", "4", "--n-layer", "1"],
+     r"--pp 4 makes 4 stages, but --n-layer 1 gives the GPT 3 layers"),
     (["--strategy", "tp", "--tp", "4", "--nproc-per-node", "4", "--pad-vocab", "5"],
      r"has 10 \(the data's tokens, padded to a multiple of 5\), not a multiple of 4: use "
      r"--pad-vocab 20 "),

@@ -43,7 +43,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.grid import create_pp_grad_groups, create_process_groups
 from ringtrain.pipeline.engine import PipelineStage, StepStats
 from ringtrain.pipeline.names import StageNames, model_tensors
-from ringtrain.pipeline.partition import partition, tied_parameters
+from ringtrain.pipeline.partition import parameter_counts, partition, tied_parameters
 from ringtrain.pipeline.schedule import COMPUTE, chunks_per_rank, placement
 from ringtrain.runtime import Runtime
 from ringtrain.strategies import portable
@@ -159,7 +159,17 @@ class PipelineStrategy(Strategy):
             loss_fn = lambda logits, y: vocab_parallel_cross_entropy(  # noqa: E731
                 logits, y, g.tp_group)
         place = placement(self.schedule, pp, v)
-        stages = partition(_as_sequential(model), pp * v, self.split)
+        seq = _as_sequential(model)
+        if v > 1 and (n := len(parameter_counts(seq))) < pp * v:  # partition's words: --pp
+            how = ("--virtual-stages 1" if self.schedule == "interleaved" else
+                   "--schedule 1f1b (one stage per rank)")
+            raise ConfigError(
+                f"--pp {pp} with {v} model chunks per rank (--schedule {self.schedule}) makes "
+                f"{pp * v} stages, but the model has only {n} layer{'s' * (n != 1)}: "
+                f"every stage needs at least one. Use {how}, a smaller --pp, or a model of "
+                f"{pp * v} layers or more (ringtrain's GPT has --n-layer + 2: its embedding "
+                "and head are layers too)")
+        stages = partition(seq, pp * v, self.split)
         chunks = [stages[place.stage(g.pp_rank, c)].to(self.runtime.device) for c in range(v)]
         stage = chunks[0] if v == 1 else nn.ModuleList(chunks)
         self.stage = stage

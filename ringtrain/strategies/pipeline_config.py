@@ -146,7 +146,21 @@ class PipelineConfig(StrategyConfig):
 
     def check_model(self, model: Any, sequence_length: int | None = None,
                     vocab_size: int | None = None) -> None:
-        """With --tp: heads, the vocabulary and (SP) the sequence split across the tp ranks."""
+        """Enough layers for the stages (the GPT's: --n-layer blocks, the embedding and the
+        head); with --tp: heads, the vocabulary and (SP) the sequence split across the tp
+        ranks."""
+        stages = self.pp * chunks_per_rank(self.schedule, self.virtual_stages)
+        layers = getattr(model, "n_layer", None)
+        if layers is not None and stages > layers + 2:
+            v = stages // self.pp
+            how = ("" if v == 1 else "--virtual-stages 1, " if self.schedule == "interleaved"
+                   else "--schedule 1f1b (one stage per rank), ")
+            raise ConfigError(
+                f"--pp {self.pp}" + (f" with {v} model chunks per rank (--schedule "
+                                     f"{self.schedule})" if v > 1 else "") +
+                f" makes {stages} stages, but --n-layer {layers} gives the GPT {layers + 2} "
+                f"layers (the blocks, the embedding and the head): every stage needs at least "
+                f"one. Use {how}a smaller --pp, or --n-layer {stages - 2} or more")
         if self.tp == 1:
             return
         tp_flag = flag(next(f for f in fields(self) if f.name == "tp"))  # --tp, from its field
