@@ -7,6 +7,7 @@ The later snapshots are set aside, never deleted; a run resumed from an earlier 
 bit-identical to the run that first went past it (the same `param_sha256` at the end); a
 restarted or requeued job goes on from the newest instead of going back again; a missing or
 damaged snapshot of that step is one message before anything moves, on one rank or two.
+CPU and gloo (tests/conftest.py sets the device for every test not marked cuda).
 """
 
 from __future__ import annotations

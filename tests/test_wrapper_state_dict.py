@@ -7,7 +7,7 @@ and load it, or the plain model's keys (`ringtrain.ddp.state_keys`). ZeRO stage 
 shard of each parameter between forwards: nn.Module's own state_dict read freed storage and its
 load_state_dict wrote into it (a segfault, found in session 35); now both gather first (a
 collective), and a load reaches the shards, so the next forward computes with the loaded weights.
-On 2 gloo ranks, after two AdamW steps, against a plain GPT holding other weights. And
+On 2 gloo ranks on the CPU, after two AdamW steps, against a plain GPT holding other weights. And
 `ZeroDataParallel.optimizer` under torch's LR schedulers, which take only a torch Optimizer.
 """
 

@@ -95,6 +95,7 @@ def _resume_point(root: Path) -> tuple[int, int | None, str | None, bool | None,
     what it would skip and why)."""
     if not root.is_dir():
         return 0, None, None, None, []
+    from ringtrain.checkpoint.rewind import committed_steps
     from ringtrain.checkpoint.snapshot import SnapshotManager
 
     with warnings.catch_warnings(record=True) as caught:
@@ -102,7 +103,7 @@ def _resume_point(root: Path) -> tuple[int, int | None, str | None, bool | None,
         # hashes every file, as a resume
         snap = SnapshotManager(root, rank=0, world_size=1).latest()
     skipped = [str(w.message).removeprefix("skipping snapshot ") for w in caught]
-    committed = sum(1 for p in root.glob("snap-*") if (p / "COMMITTED").exists())
+    committed = len(committed_steps(root))
     found = ((snap.step, str(snap.path), snap.metadata.get("replicated")) if snap is not None
              else (None, None, None))
     return committed, *found, skipped
@@ -128,12 +129,13 @@ def load_run(path: str | Path) -> RunFiles:
                 metrics.append(json.loads(line))
     run = RunFiles(str(path), config, summary, metrics, *_resume_point(root / "snapshots"),
                    *_dataset_sizes(config, root))
+    from ringtrain.checkpoint.files import snap_dirs, snap_step
     from ringtrain.checkpoint.rewind import committed_steps
 
     earlier = [s for s in committed_steps(root / "snapshots") if s < (run.resume_step or 0)]
-    aside = [f"{d} (steps {', '.join(map(str, steps))})" if steps else str(d)
+    aside = [f"{d} (steps {', '.join(map(str, steps))})"
              for d in sorted((root / "set-aside").glob("*"))
-             if (steps := sorted(int(p.name[5:]) for p in d.glob("snap-*")))]
+             if (steps := sorted(map(snap_step, snap_dirs(d))))]
     return replace(run, earlier=earlier, set_aside=aside)
 
 

@@ -276,17 +276,17 @@ def _rewind(run, rt, log) -> None:
 
         from ringtrain.checkpoint.files import snap_step
         from ringtrain.checkpoint.rewind import set_aside_after
+        from ringtrain.models.export import CONFIG, WEIGHTS
 
-        into = os.path.join(run.run_dir, "set-aside",
-                            f"after-{run.resume_from}-{time.strftime('%Y%m%d-%H%M%S')}")
-        files = {name: os.path.join(run.run_dir, name) for name in (
-            "summary.json", "model.safetensors", "model_config.json", "report.png",
-            "metrics.jsonl")}
+        def here(name: str) -> str:
+            return os.path.join(run.run_dir, name)
+
+        into = here(f"set-aside/after-{run.resume_from}-{time.strftime('%Y%m%d-%H%M%S')}")
         moved, outcome = [], "ok"
-        try:
-            moved = set_aside_after(os.path.join(run.run_dir, "snapshots"), run.resume_from,
-                                    into=into, copy=[files.pop("metrics.jsonl")],
-                                    move=list(files.values()))
+        try:  # the abandoned run's end is moved; its metrics, which the resume trims, copied
+            moved = set_aside_after(
+                here("snapshots"), run.resume_from, into=into, copy=[here("metrics.jsonl")],
+                move=[here(n) for n in ("summary.json", WEIGHTS, CONFIG, "report.png")])
         except ValueError as e:
             outcome = str(e)
         if rt.world_size > 1:

@@ -98,7 +98,7 @@ class ZeroDataParallel(UnitHooks, nn.Module):
                              "sharded), 2 (+ gradients) or 3 (+ parameters)")
         self.module, self.stage = module, stage
         accept_unwrapped_keys(self)  # load_state_dict takes the plain model's keys too
-        self._loading: contextlib.AbstractContextManager | None = None
+        self._loading: contextlib.ExitStack | None = None  # a load_state_dict in progress
         self.register_load_state_dict_pre_hook(ZeroDataParallel._begin_load)
         self.register_load_state_dict_post_hook(ZeroDataParallel._end_load)
         self.process_group = process_group or dist.group.WORLD
@@ -284,13 +284,13 @@ class ZeroDataParallel(UnitHooks, nn.Module):
 
     # A parent module's load_state_dict reaches this one through these hooks, not the method.
     def _begin_load(self, *_: Any) -> None:
-        self._loading = self._whole_parameters(write=True)
-        self._loading.__enter__()
+        self._loading = contextlib.ExitStack()
+        self._loading.enter_context(self._whole_parameters(write=True))
 
     def _end_load(self, *_: Any) -> None:
-        loading, self._loading = getattr(self, "_loading", None), None
+        loading, self._loading = self._loading, None
         if loading is not None:
-            loading.__exit__(None, None, None)
+            loading.close()
 
     @contextlib.contextmanager
     def _whole_parameters(self, *, write: bool) -> Iterator[None]:
