@@ -78,7 +78,9 @@ def _worker(fn, rank, world_size, port, args, init, env, cwd, threads, device, o
             pass
 
 
-def _context():
+def worker_context():
+    """The multiprocessing context of `run_workers` (and of a test's DataLoader workers): a
+    forkserver that has imported torch, else spawn; never a fork of the caller's process."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -116,7 +118,7 @@ def run_workers(
     """
     from ringtrain.launch.network import reserve_port
 
-    ctx = _context()
+    ctx = worker_context()
     out = ctx.Queue()
     # Rank 0's store port, held until the run ends: picked and let go here, it stayed free
     # while the ranks started and another test's process took it in between (EADDRINUSE).

@@ -129,7 +129,7 @@ def test_a_raising_worker_is_named_with_its_exception_and_one_traceback(tmp_path
     assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr[-3000:]
 
 
-def test_no_resume_starts_afresh_except_in_a_restarted_worker(tmp_path, monkeypatch):
+def test_no_resume_sets_the_earlier_run_aside_except_in_a_restarted_worker(tmp_path, monkeypatch):
     import logging
 
     from ringtrain.cli.train_args import parse_options
@@ -146,6 +146,18 @@ def test_no_resume_starts_afresh_except_in_a_restarted_worker(tmp_path, monkeypa
             assert (tmp_path / "snapshots").exists()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert _resume_or_clear(args, rank1, log) is False
-    assert (tmp_path / "snapshots").exists()  # only rank 0 deletes
+    assert (tmp_path / "snapshots").exists()  # only rank 0 moves them
+    for name in ("metrics.jsonl", "summary.json", "model.safetensors", "config.json"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "data").mkdir()  # a --data FILE.txt prepared here: the new run reads it too
     assert _resume_or_clear(args, rank0, log) is False
-    assert not (tmp_path / "snapshots").exists()
+    # The earlier run is set aside whole, never deleted; what the new run uses stays.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "set-aside"]
+    [aside] = (tmp_path / "set-aside").iterdir()
+    assert aside.name.startswith("fresh-")
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "config.json", "metrics.jsonl", "model.safetensors", "snapshots", "summary.json"]
+    assert (aside / "snapshots" / "snap-00000004").is_dir()
+    assert (aside / "metrics.jsonl").read_text() == "metrics.jsonl"
+    assert _resume_or_clear(args, rank0, log) is False  # nothing left: nothing more made
+    assert len(list((tmp_path / "set-aside").iterdir())) == 1

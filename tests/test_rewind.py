@@ -126,6 +126,22 @@ def test_resume_from_an_earlier_step_is_bit_identical_and_keeps_the_later_run(tm
     assert f"set aside by --resume-from: {aside} (steps 4, 6)" in " ".join(said.split())
 
 
+def test_no_resume_sets_the_earlier_run_aside_whole_and_trains_it_again(tmp_path):
+    run = tmp_path / "run"
+    first = _train(run)
+    again = _train(run, "--no-resume")
+    assert again["param_sha256"] == first["param_sha256"]  # afresh: the same run again
+    (aside,) = (run / "set-aside").iterdir()
+    assert aside.name.startswith("fresh-")
+    assert sorted(os.listdir(aside)) == ["config.json", "metrics.jsonl", "model.safetensors",
+                                         "model_config.json", "snapshots", "summary.json",
+                                         "tensorboard"]
+    assert json.loads((aside / "summary.json").read_text()) == first
+    assert committed_steps(aside / "snapshots") == committed_steps(run / "snapshots") == [2, 4, 6]
+    said = " ".join(explain(load_run(str(run))).split())
+    assert f"set aside by --no-resume: {aside} (steps 2, 4, 6)" in said, said
+
+
 @pytest.mark.parametrize("restart", ["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"])
 def test_a_restarted_or_requeued_job_goes_on_from_the_newest(restart, tmp_path, monkeypatch):
     """The launcher's restart, or Slurm's requeue (the same command again), of a job started

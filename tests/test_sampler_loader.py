@@ -4,7 +4,10 @@ sample once.
 
     .venv/bin/pytest -q tests/test_sampler_loader.py
 
-One process; the loaders' workers are processes (so the fast tier skips these).
+One process; the loaders' workers are processes (so the fast tier skips these), children of
+`ringtrain.testing`'s forkserver (torch imported once), not forks of pytest's process: after
+earlier tests in the same pytest worker, a forked loader worker segfaulted once ("DataLoader
+worker ... killed by signal: Segmentation fault", 1 run of the suite in about 20).
 """
 
 from __future__ import annotations
@@ -12,11 +15,20 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import BatchSampler
+from torch.utils.data import DataLoader as TorchDataLoader
 
 from ringtrain.data.sampler import DistributedSampler
+from ringtrain.testing import worker_context
 
 DATA = list(range(100))
+
+
+def DataLoader(*args, num_workers: int = 0, **kwargs) -> TorchDataLoader:  # noqa: N802
+    """torch's, its workers (if any) forkserver children."""
+    context = worker_context() if num_workers else None
+    return TorchDataLoader(*args, num_workers=num_workers, multiprocessing_context=context,
+                           **kwargs)
 
 
 def _sampler(rank: int = 0, replicas: int = 1) -> DistributedSampler:

@@ -323,7 +323,7 @@ class Checkpointer:
             raise ConfigError(
                 f"{snap.path} (step {snap.step}) was saved by a run with other options: "
                 f"{'; '.join(diffs)}. Resume with the snapshot's options, or start afresh with "
-                "--no-resume (its snapshots are deleted) or in another --run-dir")
+                "--no-resume (the earlier run is set aside) or in another --run-dir")
         if self.steps < snap.step:
             raise ConfigError(
                 f"--steps {self.steps} is before the snapshot's step {snap.step} ({snap.path}): "

@@ -3,6 +3,7 @@
     committed_steps(root)                        # [200, 400, 600]: what there is to go back to
     check_step(root, 400)                        # cheap, before a launch: a ValueError naming them
     set_aside_after(root, 400, into=DIR, move=[...], copy=[...])   # rank 0, before any resume
+    set_aside([RUN_DIR/snapshots, RUN_DIR/metrics.jsonl, ...], into=DIR)  # a run started afresh
 
 A resume takes the newest committed snapshot (`SnapshotManager.latest`), and a save of a step
 below an intact later snapshot is refused (`commit.newer_than`): so a run that goes on from an
@@ -92,4 +93,23 @@ def set_aside_after(root: str | os.PathLike, step: int, *, into: str | os.PathLi
         moved.append(into / p.name)
     fsync_dir(into)
     fsync_dir(root)
+    return moved
+
+
+def set_aside(paths: list[str | os.PathLike], *, into: str | os.PathLike) -> list[Path]:
+    """Move each of `paths` that exists (a file, or a directory whole: a snapshot directory
+    with everything in it) into `into`, made only when something moves. Returns the new paths.
+
+    `ringtrain train --no-resume`: the earlier run in RUN_DIR is kept, out of the way of the
+    new one (a resume looks in RUN_DIR/snapshots/ only), not deleted.
+    """
+    into = Path(into)
+    moved = []
+    for p in map(Path, paths):
+        if p.exists():
+            into.mkdir(parents=True, exist_ok=True)
+            os.replace(p, into / p.name)  # a rename: the same filesystem, whole or not at all
+            moved.append(into / p.name)
+    for d in {into, *(Path(p).parent for p in paths)} if moved else ():
+        fsync_dir(d)
     return moved

@@ -50,7 +50,7 @@ class RunFiles:
     train_samples: int | None = None  # None: unknown (a --data file that is gone)
     eval_samples: int | None = None
     earlier: list[int] = field(default_factory=list)  # committed steps before the newest
-    set_aside: list[str] = field(default_factory=list)  # --resume-from's: "DIR (steps 4, 6)"
+    set_aside: list[str] = field(default_factory=list)  # "by --resume-from: DIR (steps 4, 6)"
 
 
 # ---- reading the run directory ------------------------------------------------------------------
@@ -133,9 +133,12 @@ def load_run(path: str | Path) -> RunFiles:
     from ringtrain.checkpoint.rewind import committed_steps
 
     earlier = [s for s in committed_steps(root / "snapshots") if s < (run.resume_step or 0)]
-    aside = [f"{d} (steps {', '.join(map(str, steps))})"
-             for d in sorted((root / "set-aside").glob("*"))
-             if (steps := sorted(map(snap_step, snap_dirs(d))))]
+    aside = []
+    for d in sorted((root / "set-aside").glob("*")):
+        fresh = d.name.startswith("fresh-")  # --no-resume's: the whole run, snapshots/ in it
+        steps = sorted(map(snap_step, snap_dirs(d / "snapshots" if fresh else d)))
+        aside.append(f"by {'--no-resume' if fresh else '--resume-from'}: {d} "
+                     f"({'steps ' + ', '.join(map(str, steps)) if steps else 'no snapshot'})")
     return replace(run, earlier=earlier, set_aside=aside)
 
 
@@ -300,7 +303,7 @@ def _resume(run: RunFiles, f: RunFacts) -> list[str]:
         *([f"or go back to an earlier snapshot with --resume-from STEP, one of "
            f"{', '.join(map(str, run.earlier))} (the later ones are set aside, not deleted)."]
           if run.earlier else []),
-        *[f"set aside by --resume-from: {d}" for d in run.set_aside]]
+        *[f"set aside {d}" for d in run.set_aside]]
 
 
 def _command_line(run: RunFiles) -> list[str]:

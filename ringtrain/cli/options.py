@@ -254,8 +254,9 @@ class RunOptions:
                                    "--data must be tokenized as its (ringtrain prepare "
                                    "--tokenizer-from DIR)",
                                    metavar="DIR", shown="random (GPT-2's init)")
-    resume: bool = option(True, "start afresh in --run-dir, deleting its snapshots (a restarted "
-                          "worker always resumes)", flag="--no-resume",
+    resume: bool = option(True, "start afresh in --run-dir; the earlier run there (snapshots, "
+                          "metrics, summary, model) moves to RUN_DIR/set-aside/, nothing is "
+                          "deleted (a restarted worker always resumes)", flag="--no-resume",
                           shown="resume from --run-dir's newest committed snapshot")
     resume_from: int | None = option(None, "resume from the committed snapshot of step STEP, "
                                      "not the newest: the later snapshots (and the final model, "
@@ -268,7 +269,7 @@ class RunOptions:
         check_values(self)
         if self.resume_from is not None and not self.resume:
             raise ValueError(f"--resume-from {self.resume_from} with --no-resume: one resumes "
-                             "from a snapshot, the other deletes them all; keep one")
+                             "from a snapshot, the other sets them all aside; keep one")
         if self.resume_from is not None and self.run_dir is None:
             raise ValueError(f"--resume-from {self.resume_from} needs --run-dir: the run whose "
                              "snapshot of that step to go on from")

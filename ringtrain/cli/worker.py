@@ -101,12 +101,12 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
             torch.distributed.broadcast_object_list(holder, src=0, group=rt.process_group)
             run.run_dir = holder[0]
         job = build_job(opts)  # --data FILE.txt: prepared into the run directory
+        resume = _resume_or_clear(opts, rt, log)  # first: --no-resume sets the old config aside
         if rt.rank == 0:
             os.makedirs(run.run_dir, exist_ok=True)
             unless_full(write_json, os.path.join(run.run_dir, "config.json"), {
                 "task": opts.task, "world_size": rt.world_size, "args": opts.flat(),
                 "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
-        resume = _resume_or_clear(opts, rt, log)
         placed = _one_replica(rt) if launch.live else rt  # live: generations give the rest
         strategy = make_strategy(run.strategy, runtime=placed, **opts.strategy.kwargs())
         stop_when = None
@@ -240,8 +240,9 @@ def _first_start() -> bool:
 
 
 def _resume_or_clear(opts: TrainOptions, rt, log) -> bool:
-    """Whether to resume; on the job's first start only, --no-resume makes rank 0 delete the
-    old snapshots and --resume-from STEP set the later ones aside (`_rewind`).
+    """Whether to resume; on the job's first start only, --no-resume makes rank 0 set the
+    earlier run aside whole (`_start_afresh`) and --resume-from STEP the later snapshots
+    (`_rewind`). Nothing is deleted.
 
     A restarted worker resumes from the newest: it must continue the run it belongs to.
     """
@@ -252,13 +253,28 @@ def _resume_or_clear(opts: TrainOptions, rt, log) -> bool:
         _rewind(run, rt, log)
     if run.resume:
         return True
-    old = os.path.join(run.run_dir, "snapshots")
-    if rt.rank == 0 and os.path.isdir(old):
-        import shutil
-
-        log.info("--no-resume: deleting the snapshots in %s", old)
-        shutil.rmtree(old)
+    if rt.rank == 0:
+        _start_afresh(run.run_dir, log)
     return False
+
+
+def _start_afresh(run_dir: str, log) -> None:
+    """--no-resume: move what an earlier run left in `run_dir` (its snapshots, config, metrics,
+    summary, final model, report, TensorBoard events, trace) to RUN_DIR/set-aside/fresh-<time>/,
+    where no resume looks. The other ranks need not wait: their first save comes after steps
+    that rank 0 takes part in, so after the move."""
+    import time
+
+    from ringtrain.checkpoint.rewind import set_aside
+    from ringtrain.models.export import CONFIG, WEIGHTS
+    from ringtrain.training.tensorboard import SUBDIR
+
+    names = ("snapshots", "config.json", "metrics.jsonl", "summary.json", WEIGHTS, CONFIG,
+             "report.png", SUBDIR, "trace.json")
+    into = os.path.join(run_dir, f"set-aside/fresh-{time.strftime('%Y%m%d-%H%M%S')}")
+    if moved := set_aside([os.path.join(run_dir, n) for n in names], into=into):
+        log.info("--no-resume: the earlier run's %s set aside in %s (delete it when it is no "
+                 "longer needed)", ", ".join(os.path.basename(p) for p in moved), into)
 
 
 REWIND_KEY = "ringtrain/train/resume_from"  # rank 0's outcome: "ok" or the reason it refused
