@@ -25,6 +25,7 @@ from torch.utils.data import Subset
 
 import ringtrain.checkpoint.snapshot as checkpoint
 from ringtrain.data.addition import AdditionDataset, exact_match
+from ringtrain.errors import ConfigError
 from ringtrain.models import GPT, GPTConfig, loss_fn
 from ringtrain.runtime import get_runtime
 from ringtrain.strategies import make_strategy
@@ -39,12 +40,13 @@ class Crash(RuntimeError):
     """Raised on every rank at the same step boundary: the job dies, a new trainer resumes."""
 
 
-def make_trainer(runtime, run_dir, *, lr=3e-3, fault=None, name="trainer"):
+def make_trainer(runtime, run_dir, *, lr=3e-3, fault=None, name="trainer", train=None):
     """A 1-layer GPT on 1-digit addition; `fault` = (action, step) for this rank.
 
     `name`: a second trainer of `run_dir` in one process group (the resumed one) needs another.
+    `train`: another training set than the whole of 1-digit addition's.
     """
-    train, test = AdditionDataset("train", 1), AdditionDataset("test", 1)
+    train, test = train or AdditionDataset("train", 1), AdditionDataset("test", 1)
     cfg = TrainerConfig(steps=STEPS, batch_size=8, lr=lr, seed=0, progress=False, log_every=1,
                         eval_every=6, eval_batch_size=4)
     trainer = Trainer(make_strategy("ddp", runtime=runtime), runtime, lambda: GPT(MODEL), train,
@@ -208,6 +210,17 @@ def test_other_options_are_refused_naming_them(tmp_path, single_process):
     fresh = make_trainer(single_process, tmp_path, lr=1e-3)
     fresh.resume = False  # what --no-resume does, after deleting the snapshots
     assert fresh.fit()["resumed_from_step"] == []
+
+
+def test_data_of_another_size_is_one_message_naming_both_sizes(tmp_path, single_process):
+    """A text edited or prepared again since the snapshot: where its epoch stood means nothing
+    (was the sampler's ValueError, a traceback out of `ringtrain train`)."""
+    with pytest.raises(Crash):
+        make_trainer(single_process, tmp_path, fault=("crash", 4)).fit()
+    fewer = Subset(AdditionDataset("train", 1), range(60))
+    with pytest.raises(ConfigError, match=r"the snapshot of step 3 was trained on 80 samples and "
+                                          r"the data has 60 now: it changed since .*--no-resume"):
+        make_trainer(single_process, tmp_path, train=fewer).fit()
 
 
 def test_summary_reports_snapshot_time_and_size(tmp_path, single_process):

@@ -158,6 +158,14 @@ class LoopState:
         self.step, self.train_time_s, self.tokens = (state["step"], state["train_time_s"],
                                                      state["tokens"])
         if self.sampler and state.get("sampler"):
+            saved, now = state["sampler"].get("dataset_len"), len(self.sampler.dataset)
+            if saved is not None and saved != now:  # where the epoch stood means nothing now
+                raise ConfigError(
+                    f"the snapshot of step {self.step} was trained on {saved:,} samples and the "
+                    f"data has {now:,} now: it changed since (a text edited or prepared again, "
+                    "or --data another dataset), and the rest of the snapshot's epoch cannot be "
+                    "told. Resume with the data it was trained on, or start afresh with "
+                    "--no-resume or in another --run-dir")
             self.sampler.load_state_dict(state["sampler"])  # re-split if num_replicas differs
         self.last = dict(state.get("last", {}))
         self.resumes = [dict(r) for r in state.get("resumes", [])]
