@@ -301,6 +301,12 @@ def _per_sample_sum(*args):
     return per_sample_sum(*args)
 
 
+def _checked_eval_set(*args):  # was an eval_loss of NaN at every evaluation
+    from ringtrain.training.evaluate import checked_eval_set
+
+    return checked_eval_set(*args)
+
+
 def _config(**kw):
     from ringtrain.training.config import TrainerConfig
 
@@ -372,6 +378,8 @@ CONSTRUCTOR_CASES = [  # id, call, error type, message (value and fix)
      r"returns one value per sample, shape \(4,\)"),
     ("eval metric pair", lambda: _per_sample_sum("acc", (torch.ones(4).sum(), 4), 4), ValueError,
      r"eval_metrics\['acc'\] returned a tuple for a batch of 4"),
+    ("empty eval set", lambda: _checked_eval_set(torch.utils.data.TensorDataset(torch.ones(0))),
+     ValueError, r"the evaluation set \(TensorDataset\) holds no sample; .* eval_set=None"),
 ]
 
 

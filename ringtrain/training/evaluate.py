@@ -73,6 +73,15 @@ class EvalSums:
                 **{f"eval_{name}": mean(*pair) for name, pair in self.metrics.items()}}
 
 
+def checked_eval_set(eval_set: Dataset | None) -> Dataset | None:
+    """`eval_set`, or a ValueError where it holds no sample: its mean loss would be 0/0, a NaN
+    logged as the held-out loss at every evaluation, and no metric."""
+    if eval_set is not None and len(eval_set) == 0:  # type: ignore[arg-type]
+        raise ValueError(f"the evaluation set ({type(eval_set).__name__}) holds no sample; give "
+                         "one with samples in it, or eval_set=None to train without evaluating")
+    return eval_set
+
+
 def eval_sums(strategy: Strategy, eval_set: Dataset, loss_fn: LossFn, metrics: dict[str, MetricFn],
               batch_size: int, autocast: Callable[[], AbstractContextManager]) -> EvalSums:
     """This rank's loss and metric sums on its eval shard.

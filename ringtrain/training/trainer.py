@@ -71,7 +71,7 @@ from ringtrain.training.config import (
     rank_seed,
 )
 from ringtrain.training.ending import RunEnd
-from ringtrain.training.evaluate import eval_sums
+from ringtrain.training.evaluate import checked_eval_set, eval_sums
 from ringtrain.training.live import LiveDriver, LiveSettings, live_driver
 from ringtrain.training.metrics_file import RankZeroMetrics
 from ringtrain.training.progress import Progress
@@ -137,7 +137,7 @@ class Trainer:
                  live: LiveSettings | None = None):
         self.strategy, self.runtime = strategy, runtime
         self.config = config.resolved()
-        self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
+        self.train_set, self.eval_set, self.loss_fn = train_set, checked_eval_set(eval_set), loss_fn
         self.eval_metrics = dict(eval_metrics or {})
         self.run_dir, self.sample_fn, self.stop_when = run_dir, sample_fn, stop_when
         self.started_at = started_at
