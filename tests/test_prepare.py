@@ -170,3 +170,19 @@ def test_streaming_fits_a_memory_limit_smaller_than_the_corpus(tmp_path):
     assert re.search(r"^encode: [\d,]+ chars in [\d.]+ s$", proc.stderr, re.M)
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert os.path.getsize(tmp_path / "d" / "train.bin") == 2 * meta["train_tokens"]
+
+
+def test_preparing_other_text_into_a_prepared_directory_says_what_it_replaced(tmp_path, capsys):
+    """Runs trained on the earlier dataset resume on it only (refused on other data): the
+    replacement is said, not silent; the same text prepared again is not a replacement."""
+    for name, n in (("a.txt", 200), ("b.txt", 300)):
+        (tmp_path / name).write_text(_words(n), encoding="utf-8")
+    out = str(tmp_path / "d")
+    argv = ["prepare", str(tmp_path / "a.txt"), out, "--no-progress"]
+    assert ringtrain_main(argv) == 0 and "replaced" not in capsys.readouterr().out
+    assert ringtrain_main(argv) == 0 and "replaced" not in capsys.readouterr().out  # the same
+    first = json.loads((tmp_path / "d" / "meta.json").read_text())["train_tokens"]
+    assert ringtrain_main(["prepare", str(tmp_path / "b.txt"), out, "--no-progress"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[0] == f"{out}: replaced the dataset prepared there before (of a.txt, {first:,} " \
+                      "train tokens)", said

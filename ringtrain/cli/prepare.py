@@ -66,6 +66,24 @@ def tokenizer_from(path: str) -> dict:
     return {**entry, "source": path}
 
 
+def _earlier_preparation(out_dir: str) -> str | None:
+    """What OUT_DIR holds already, in words ("of words.txt, 154,482 train tokens"), or None.
+    `ringtrain prepare` replaces it: said, since runs trained on it resume on it only."""
+    import json
+
+    from ringtrain.data.tokens import META
+
+    try:
+        with open(os.path.join(out_dir, META), encoding="utf-8") as f:
+            meta = json.load(f)
+        names = ", ".join(os.path.basename(p) for p in meta["sources"][:3])
+        more = len(meta["sources"]) - 3
+        return (f"of {names}{f' and {more} more' if more > 0 else ''}, "
+                f"{meta['train_tokens']:,} train tokens")
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not one of ours: nothing said
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from ringtrain.data.prepare import PrepareError, prepare
 
@@ -79,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if reuse is not None and (args.tokenizer or args.vocab_size):
             raise PrepareError("--tokenizer-from takes the tokenizer and its vocabulary from "
                                f"{args.tokenizer_from}; drop --tokenizer and --vocab-size")
+        earlier = _earlier_preparation(args.out_dir)
         meta = prepare(args.src, args.out_dir, tokenizer=args.tokenizer or "char",
                        vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                        progress=not args.no_progress, reuse=reuse)
@@ -89,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ringtrain prepare: error: writing {args.out_dir}: {e.strerror or e} "
               f"({e.filename or args.out_dir})", file=sys.stderr)
         return 1
+    if earlier and earlier != _earlier_preparation(args.out_dir):  # not the same text again
+        print(f"{args.out_dir}: replaced the dataset prepared there before ({earlier})")
     print(f"{args.out_dir}: {meta['tokenizer']} vocabulary of {meta['vocab_size']}, "
           f"{meta['train_tokens']:,} train and {meta['val_tokens']:,} validation tokens "
           f"({meta['dtype']}) from {meta['characters']:,} characters in "
