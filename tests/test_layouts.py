@@ -209,8 +209,10 @@ def test_plan_command_lists_the_layouts_and_recommends_one(capsys):
     (["--memory-gb", "0", "--nproc-per-node", "0"],
      "--nproc-per-node 0, --memory-gb 0: each must be positive"),
     (["--tflops", "0"], "--tflops 0: it must be positive"),
+    (["--n-embd", "100", "--n-head", "3"], "--n-embd 100 is not divisible by --n-head 3; choose "
+     "--n-embd as a multiple of --n-head (e.g. 99)"),  # was GPTConfig's words, on stdout
 ])
-def test_plan_refuses_a_figure_that_is_not_positive(argv, error, capsys):
+def test_plan_refuses_a_figure_that_is_not_positive_or_a_shape_in_flags(argv, error, capsys):
     """--memory-gb -1 printed "no layout fits in -1 GiB"; 0 was taken as no budget at all."""
     assert main([*argv, "--n-layer", "2"]) == 2
     captured = capsys.readouterr()

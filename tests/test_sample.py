@@ -142,6 +142,12 @@ def test_a_zero_snapshot_is_put_together_and_the_addition_task_samples_digits(tm
     assert ringtrain_main(["sample", run_dir, "--prompt", "123+4"]) == 2
     assert ("--prompt '123+4': this run adds numbers of up to 2 digits; give a sum, e.g. "
             "--prompt 12+34") in capsys.readouterr().err
+    for flags, said in ((["--tokens", "0"], "--tokens 0: it must be 1 or more"),
+                        (["--temperature", "-1", "--top-k", "-2"], "--temperature -1.0: it must "
+                         "be 0 or more (0: the likeliest token each time); --top-k -2: it must "
+                         "be 0 or more (0: every token)")):  # each value named, not all rules
+        assert ringtrain_main(["sample", run_dir, *flags]) == 2
+        assert capsys.readouterr().err == f"ringtrain sample: error: {said}\n"
 
 
 @pytest.mark.parametrize("layout", [["--strategy", "pipeline", "--pp", "2"],

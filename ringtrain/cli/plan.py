@@ -241,8 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
                             n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-        except ValueError as e:
-            print(f"ringtrain plan: {e}")
+        except ValueError as e:  # in the flags' words, as `ringtrain train` says it
+            from ringtrain.cli.options import every_option_class
+            from ringtrain.config import to_flags
+
+            said = to_flags(str(e).removeprefix("GPTConfig: "), every_option_class())
+            print(f"ringtrain plan: error: {said}", file=sys.stderr)
             return USAGE_EXIT_CODE
         numel, root, block = gpt_units(cfg)
         stages = gpt_stages(cfg, world)

@@ -279,10 +279,14 @@ def generate(args: argparse.Namespace) -> list[str]:
 
     from ringtrain.models.export import load_model, read_config
 
-    if args.tokens < 1 or (args.num_samples is not None and args.num_samples < 1) or \
-            args.temperature < 0 or args.top_k < 0:
-        raise SampleError("--tokens and --num-samples must be 1 or more, --temperature and "
-                          "--top-k 0 or more")
+    bad = [f"{flag} {value}: it must be {rule}" for flag, value, low, rule in (
+        ("--tokens", args.tokens, 1, "1 or more"),
+        ("--num-samples", args.num_samples, 1, "1 or more"),
+        ("--temperature", args.temperature, 0, "0 or more (0: the likeliest token each time)"),
+        ("--top-k", args.top_k, 0, "0 or more (0: every token)")) if value is not None and (
+            value < low or value != value)]  # value != value: a NaN temperature
+    if bad:
+        raise SampleError("; ".join(bad))
     if os.path.isdir(args.run_dir) and not _is_run(args.run_dir) and _is_export(args.run_dir):
         model, tok, digits = exported_model(args.run_dir, args.snapshot)
         if digits is not None:
