@@ -149,3 +149,18 @@ def test_a_manager_takes_rank_and_world_size_from_the_default_group(clean_env, t
         assert ringtrain.SnapshotManager(tmp_path / "b", rank=0, world_size=1).rank == 0
     finally:
         ringtrain.destroy_distributed()
+
+
+def test_a_rank_that_never_calls_save_is_named_with_the_rule():
+    """nanoGPT's habit, `if rank == 0: save(...)`: rank 0 waits for the others' parts until
+    timeout_s, then names them and says that save() is every rank's call."""
+    import torch.distributed as dist
+
+    from ringtrain.checkpoint.handshake import gather_parts
+
+    parts, errors = gather_parts(dist.HashStore(), "snap/1", time.monotonic(), 1, world_size=2,
+                                 timeout_s=60)
+    assert parts == [] and [str(e) for e in errors] == [
+        "ranks [1] did not finish their part of snapshot step 1 within timeout_s=60: late to call "
+        "save(), or not calling it (every rank calls save() at the same step, not rank 0 alone), "
+        "or a slow disk; snapshot not committed"]

@@ -80,7 +80,8 @@ def gather_parts(store: dist.Store, prefix: str, deadline: float, step: int, *, 
         if pending and time.monotonic() > deadline:
             errors.append(SnapshotError(
                 f"ranks {sorted(pending)} did not finish their part of snapshot step {step} "
-                f"within timeout_s={timeout_s:g} (late to call save(), or a slow disk); "
+                f"within timeout_s={timeout_s:g}: late to call save(), or not calling it "
+                "(every rank calls save() at the same step, not rank 0 alone), or a slow disk; "
                 "snapshot not committed"))
             break
         if pending:
