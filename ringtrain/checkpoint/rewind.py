@@ -36,6 +36,10 @@ from ringtrain.checkpoint.files import (
     verify,
 )
 
+#: RUN_DIR/set-aside/<name>: `--no-resume`'s (a whole run, its snapshots/ inside) begin with
+#: this; `--resume-from STEP`'s are after-STEP-<time> (the later snap-* directories themselves).
+FRESH_PREFIX = "fresh-"
+
 
 def committed_steps(root: str | os.PathLike) -> list[int]:
     """The steps of the committed snapshots under `root`, oldest first (checksums not read)."""
@@ -104,12 +108,13 @@ def set_aside(paths: list[str | os.PathLike], *, into: str | os.PathLike) -> lis
     new one (a resume looks in RUN_DIR/snapshots/ only), not deleted.
     """
     into = Path(into)
-    moved = []
+    moved, left = [], set()
     for p in map(Path, paths):
         if p.exists():
             into.mkdir(parents=True, exist_ok=True)
             os.replace(p, into / p.name)  # a rename: the same filesystem, whole or not at all
             moved.append(into / p.name)
-    for d in {into, *(Path(p).parent for p in paths)} if moved else ():
+            left.add(p.parent)
+    for d in {into, *left} if moved else ():
         fsync_dir(d)
     return moved

@@ -130,12 +130,12 @@ def load_run(path: str | Path) -> RunFiles:
     run = RunFiles(str(path), config, summary, metrics, *_resume_point(root / "snapshots"),
                    *_dataset_sizes(config, root))
     from ringtrain.checkpoint.files import snap_dirs, snap_step
-    from ringtrain.checkpoint.rewind import committed_steps
+    from ringtrain.checkpoint.rewind import FRESH_PREFIX, committed_steps
 
     earlier = [s for s in committed_steps(root / "snapshots") if s < (run.resume_step or 0)]
     aside = []
     for d in sorted((root / "set-aside").glob("*")):
-        fresh = d.name.startswith("fresh-")  # --no-resume's: the whole run, snapshots/ in it
+        fresh = d.name.startswith(FRESH_PREFIX)  # --no-resume's: the whole run
         steps = sorted(map(snap_step, snap_dirs(d / "snapshots" if fresh else d)))
         aside.append(f"by {'--no-resume' if fresh else '--resume-from'}: {d} "
                      f"({'steps ' + ', '.join(map(str, steps)) if steps else 'no snapshot'})")

@@ -265,13 +265,13 @@ def _start_afresh(run_dir: str, log) -> None:
     that rank 0 takes part in, so after the move."""
     import time
 
-    from ringtrain.checkpoint.rewind import set_aside
+    from ringtrain.checkpoint.rewind import FRESH_PREFIX, set_aside
     from ringtrain.models.export import CONFIG, WEIGHTS
     from ringtrain.training.tensorboard import SUBDIR
 
     names = ("snapshots", "config.json", "metrics.jsonl", "summary.json", WEIGHTS, CONFIG,
              "report.png", SUBDIR, "trace.json")
-    into = os.path.join(run_dir, f"set-aside/fresh-{time.strftime('%Y%m%d-%H%M%S')}")
+    into = os.path.join(run_dir, "set-aside", FRESH_PREFIX + time.strftime("%Y%m%d-%H%M%S"))
     if moved := set_aside([os.path.join(run_dir, n) for n in names], into=into):
         log.info("--no-resume: the earlier run's %s set aside in %s (delete it when it is no "
                  "longer needed)", ", ".join(os.path.basename(p) for p in moved), into)
