@@ -35,8 +35,9 @@ def test_two_processes_end_to_end(tmp_path):
     # Exits cleanly too: test_exit.py repeats this run under load only at full size.
     assert not any(s in proc.stdout + proc.stderr for s in ABORTED), proc.stderr[-3000:]
     files = set(os.listdir(run_dir)) - {"tensorboard"}  # there when the package is installed
-    assert sorted(files) == ["config.json", "metrics.jsonl", "model.safetensors",
+    assert sorted(files) == [".lock", "config.json", "metrics.jsonl", "model.safetensors",
                              "model_config.json", "report.png", "summary.json"]
+    assert (run_dir / ".lock").read_text().startswith("pid ")  # rank 0's, while it trained
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in SUMMARY_KEYS:
         assert key in summary, key

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from ringtrain.checkpoint.run_dir import unless_full
+from ringtrain.checkpoint.run_lock import release_run_dir
 from ringtrain.cli.exits import explain_once, interrupted, stopped
 from ringtrain.cli.job import build_job, export_final
 from ringtrain.cli.options import TrainOptions
@@ -86,6 +87,7 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
     # Workers of one machine share its cores: more threads than cores makes every op wait.
     torch.set_num_threads(launch.threads or max(1, (os.cpu_count() or 1) // local_world))
     log = setup_logging(rt.rank)
+    held = None
     try:
         if mistake is not None:
             raise ConfigError(str(mistake))
@@ -100,6 +102,7 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
             holder = [run.run_dir]
             torch.distributed.broadcast_object_list(holder, src=0, group=rt.process_group)
             run.run_dir = holder[0]
+        held = _hold_run_dir(run.run_dir, rt)  # one run per directory, before it is written
         job = build_job(opts)  # --data FILE.txt: prepared into the run directory
         resume = _resume_or_clear(opts, rt, log)  # first: --no-resume sets the old config aside
         if rt.rank == 0:
@@ -178,6 +181,7 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
     except KeyboardInterrupt:
         return interrupted()
     finally:
+        release_run_dir(held)
         destroy_distributed()
 
 
@@ -275,6 +279,42 @@ def _start_afresh(run_dir: str, log) -> None:
     if moved := set_aside([os.path.join(run_dir, n) for n in names], into=into):
         log.info("--no-resume: the earlier run's %s set aside in %s (delete it when it is no "
                  "longer needed)", ", ".join(os.path.basename(p) for p in moved), into)
+
+
+LOCK_KEY = "ringtrain/train/run_dir_lock"  # rank 0's outcome, per restart: "ok" or who holds it
+
+
+def _hold_run_dir(run_dir: str, rt) -> int | None:
+    """Rank 0 takes RUN_DIR's lock for the run (`checkpoint/run_lock.py`: a second run in the
+    same directory is refused, naming the first); the others wait for its word in the store.
+    RunDirInUse (a ConfigError) on every rank, one message; rank 0's lock file otherwise."""
+    from datetime import timedelta
+
+    from ringtrain.checkpoint.run_lock import hold_run_dir
+    from ringtrain.launch.live_agent import REPLACEMENT_ENV, SPARE_ENV
+
+    if os.environ.get(SPARE_ENV) or os.environ.get(REPLACEMENT_ENV):
+        return None  # --live: it joins the run that holds the lock (its rank 0 may be stuck)
+    # Per attempt: torchrun's store outlives a restart, whose new rank 0 takes the lock again.
+    key = f"{LOCK_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0}"
+    held, outcome = None, "ok"
+    if rt.rank == 0:
+        try:
+            held = hold_run_dir(run_dir)
+        except ConfigError as e:
+            outcome = str(e)
+        if rt.world_size > 1:
+            rt.store.set(key, outcome)
+    else:
+        try:
+            rt.store.wait([key], timedelta(minutes=10))
+        except RuntimeError:  # torch's store timeout (DistStoreError is one)
+            raise ConfigError(f"rank 0 did not say within 10 minutes whether it could take "
+                              f"--run-dir {run_dir}'s lock") from None
+        outcome = rt.store.get(key).decode()
+    if outcome != "ok":
+        raise ConfigError(outcome)
+    return held
 
 
 REWIND_KEY = "ringtrain/train/resume_from"  # rank 0's outcome: "ok" or the reason it refused
