@@ -14,7 +14,14 @@ import os
 
 import pytest
 
-from ringtrain.checkpoint.run_lock import LOCK, RunDirInUse, hold_run_dir, release_run_dir
+from ringtrain.checkpoint.run_lock import (
+    LOCK,
+    RunDirInUse,
+    hold_run_dir,
+    holder,
+    release_run_dir,
+)
+from ringtrain.cli.explain import explain, load_run
 from ringtrain.cli.train import main
 
 pytestmark = pytest.mark.usefixtures("clean_env")  # in-process runs leave no trace
@@ -29,7 +36,9 @@ def test_a_held_directory_is_refused_naming_its_holder_until_it_is_let_go(tmp_pa
                                           rf"{os.getpid()} on .+, since .+\): two runs in one "
                                           r"directory .* or give another --run-dir"):
         hold_run_dir(str(tmp_path))
+    assert holder(str(tmp_path)).startswith(f"pid {os.getpid()} on ")
     release_run_dir(held)
+    assert holder(str(tmp_path)) is None
     release_run_dir(hold_run_dir(str(tmp_path)))  # let go: the next run takes it
     assert (tmp_path / LOCK).read_text().startswith(f"pid {os.getpid()} on ")
 
@@ -48,3 +57,10 @@ def test_a_second_run_in_a_running_jobs_directory_writes_nothing_there(tmp_path,
         release_run_dir(held)
     assert main([*TINY, "--run-dir", str(run)]) == 0  # once it has ended
     assert (run / "snapshots").is_dir() and (run / "summary.json").is_file()
+    assert "training now" not in explain(load_run(str(run)))
+    held = hold_run_dir(str(run))  # explain tells a run in progress by its lock
+    try:
+        said = " ".join(explain(load_run(str(run))).split())
+        assert f"training now (pid {os.getpid()} on " in said, said
+    finally:
+        release_run_dir(held)

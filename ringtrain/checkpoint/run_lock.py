@@ -3,6 +3,7 @@
     fd = hold_run_dir("runs/a")   # RunDirInUse when another run holds it, naming that run
     ...                           # train
     release_run_dir(fd)           # or the process ends, however it ends: the kernel lets go
+    holder("runs/a")              # "pid 4242 on node1, since ...": a run holds it now; or None
 
 The same `ringtrain train --run-dir DIR` typed again while the first is still running (another
 terminal, a batch job submitted twice) resumed the first one's newest snapshot and wrote into the
@@ -66,3 +67,21 @@ def release_run_dir(fd: int | None) -> None:
     """Let the lock go (closing the file releases it); None: nothing was held."""
     if fd is not None:
         os.close(fd)
+
+
+def holder(run_dir: str) -> str | None:
+    """Who holds `run_dir`'s lock now, in its own words (pid, host, start), or None: no run
+    holds it, or the filesystem has no locks (`ringtrain explain`: still running, or not)."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:  # shared and let go at once: a reader, never in a starting run's way for longer
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return os.read(fd, 512).decode(errors="replace").strip() or "another process"
+        return None
+    finally:
+        os.close(fd)
+    return None

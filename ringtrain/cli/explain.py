@@ -320,6 +320,8 @@ def _command_line(run: RunFiles) -> list[str]:
 
 def explain(run: RunFiles) -> str:
     """The text `ringtrain explain` prints for `run`."""
+    from ringtrain.checkpoint.run_lock import holder
+
     f, s = run_facts(run), run.summary or {}
     said = _explanation(f)
     acc = f", eval_accuracy {s['eval_accuracy']:.1%}" if s.get("eval_accuracy") is not None else ""
@@ -331,6 +333,8 @@ def explain(run: RunFiles) -> str:
     start = run.config["args"].get("init_from")
     started = [f"started from the weights of {start} (--init-from), not a random init"] if (
         start) else []
+    if running := holder(run.path):  # its lock: a resume now would be refused
+        started.append(f"training now ({running}): what follows is as of its files so far")
     sections = [
         ("", [f"run {run.path}: --strategy {f.name} on {plural(f.world, 'rank')}, task "
               f"{run.config.get('task')}: {state}", *started]),
