@@ -88,16 +88,9 @@ def set_aside_after(root: str | os.PathLike, step: int, *, into: str | os.PathLi
     for f in copy:
         if os.path.isfile(f):
             shutil.copy2(f, into / Path(f).name)
-    for f in move:
-        if os.path.isfile(f):
-            os.replace(f, into / Path(f).name)
-    moved = []
-    for p in later:  # newest first: what stays in root is always a whole, earlier run
-        os.replace(p, into / p.name)
-        moved.append(into / p.name)
-    fsync_dir(into)
-    fsync_dir(root)
-    return moved
+    set_aside(list(move), into=into)
+    # newest first (snap_dirs' order): what stays in root is always a whole, earlier run
+    return set_aside(later, into=into)
 
 
 def set_aside(paths: list[str | os.PathLike], *, into: str | os.PathLike) -> list[Path]:

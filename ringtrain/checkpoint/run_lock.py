@@ -48,7 +48,7 @@ def hold_run_dir(run_dir: str) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+        holder = _holders_words(fd)
         os.close(fd)
         if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # no locks here (ENOLCK, ...)
             log.warning("warning: %s cannot be locked (%s): nothing stops a second run in this "
@@ -80,8 +80,13 @@ def holder(run_dir: str) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return os.read(fd, 512).decode(errors="replace").strip() or "another process"
+            return _holders_words(fd)
         return None
     finally:
         os.close(fd)
     return None
+
+
+def _holders_words(fd: int) -> str:
+    """What the holder wrote into the lock file (its pid, host and start)."""
+    return os.read(fd, 512).decode(errors="replace").strip() or "another process"

@@ -288,33 +288,46 @@ def _hold_run_dir(run_dir: str, rt) -> int | None:
     """Rank 0 takes RUN_DIR's lock for the run (`checkpoint/run_lock.py`: a second run in the
     same directory is refused, naming the first); the others wait for its word in the store.
     RunDirInUse (a ConfigError) on every rank, one message; rank 0's lock file otherwise."""
-    from datetime import timedelta
-
     from ringtrain.checkpoint.run_lock import hold_run_dir
     from ringtrain.launch.live_agent import REPLACEMENT_ENV, SPARE_ENV
 
     if os.environ.get(SPARE_ENV) or os.environ.get(REPLACEMENT_ENV):
         return None  # --live: it joins the run that holds the lock (its rank 0 may be stuck)
-    # Per attempt: torchrun's store outlives a restart, whose new rank 0 takes the lock again.
-    key = f"{LOCK_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0}"
-    held, outcome = None, "ok"
-    if rt.rank == 0:
+    held = None
+
+    def take() -> str:
+        nonlocal held
         try:
             held = hold_run_dir(run_dir)
         except ConfigError as e:
-            outcome = str(e)
+            return str(e)
+        return "ok"
+
+    # Per attempt: torchrun's store outlives a restart, whose new rank 0 takes the lock again.
+    _decided_by_rank0(rt, f"{LOCK_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0}",
+                      take, f"rank 0 did not say within 10 minutes whether it could take "
+                            f"--run-dir {run_dir}'s lock")
+    return held
+
+
+def _decided_by_rank0(rt, key: str, decide: Callable[[], str], silent: str) -> None:
+    """Rank 0 runs `decide` ("ok", or the mistake in words) and tells the others through the
+    store under `key`; a mistake is a ConfigError on every rank. The others wait at most 10
+    minutes, then raise `silent` (the message)."""
+    from datetime import timedelta
+
+    if rt.rank == 0:
+        outcome = decide()
         if rt.world_size > 1:
             rt.store.set(key, outcome)
     else:
         try:
             rt.store.wait([key], timedelta(minutes=10))
         except RuntimeError:  # torch's store timeout (DistStoreError is one)
-            raise ConfigError(f"rank 0 did not say within 10 minutes whether it could take "
-                              f"--run-dir {run_dir}'s lock") from None
+            raise ConfigError(silent) from None
         outcome = rt.store.get(key).decode()
     if outcome != "ok":
         raise ConfigError(outcome)
-    return held
 
 
 REWIND_KEY = "ringtrain/train/resume_from"  # rank 0's outcome: "ok" or the reason it refused
@@ -325,9 +338,7 @@ def _rewind(run, rt, log) -> None:
     final model and summary (and a copy of its metrics), to RUN_DIR/set-aside/ before any rank
     looks for the newest snapshot; the others wait for its word. ConfigError on every rank when
     there is no intact snapshot of STEP (nothing moved)."""
-    from datetime import timedelta
-
-    if rt.rank == 0:
+    def set_aside() -> str:
         import time
 
         from ringtrain.checkpoint.files import snap_step
@@ -338,15 +349,12 @@ def _rewind(run, rt, log) -> None:
             return os.path.join(run.run_dir, name)
 
         into = here(f"set-aside/after-{run.resume_from}-{time.strftime('%Y%m%d-%H%M%S')}")
-        moved, outcome = [], "ok"
         try:  # the abandoned run's end is moved; its metrics, which the resume trims, copied
             moved = set_aside_after(
                 here("snapshots"), run.resume_from, into=into, copy=[here("metrics.jsonl")],
                 move=[here(n) for n in ("summary.json", WEIGHTS, CONFIG, "report.png")])
         except ValueError as e:
-            outcome = str(e)
-        if rt.world_size > 1:
-            rt.store.set(REWIND_KEY, outcome)
+            return str(e)
         if moved:
             steps = ", ".join(str(snap_step(p)) for p in reversed(moved))
             log.info("--resume-from %d: %s, with the final model and summary of the run that "
@@ -354,12 +362,8 @@ def _rewind(run, rt, log) -> None:
                      f"the later snapshot (step {steps})" if len(moved) == 1 else
                      f"the {len(moved)} later snapshots (steps {steps})",
                      "it" if len(moved) == 1 else "them", into)
-    else:
-        try:  # hashing the snapshot's files takes rank 0 about a second per GB
-            rt.store.wait([REWIND_KEY], timedelta(minutes=10))
-        except RuntimeError:  # torch's store timeout (DistStoreError is one)
-            raise ConfigError(f"--resume-from {run.resume_from}: rank 0 did not say within 10 "
-                              "minutes whether the later snapshots were set aside") from None
-        outcome = rt.store.get(REWIND_KEY).decode()
-    if outcome != "ok":
-        raise ConfigError(outcome)
+        return "ok"
+
+    # The others' wait: hashing the snapshot's files takes rank 0 about a second per GB.
+    _decided_by_rank0(rt, REWIND_KEY, set_aside, f"--resume-from {run.resume_from}: rank 0 did "
+                      "not say within 10 minutes whether the later snapshots were set aside")
