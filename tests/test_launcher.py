@@ -247,6 +247,19 @@ def test_root_cause_skips_symptoms_and_the_agents_own_sigterm(tmp_path):
     assert "  rank 3: stopped by the launcher" in rest
 
 
+def test_ranks_that_raised_the_same_error_are_said_to_have(tmp_path):
+    """Every rank made the same mistake: the report says so, not 'exit code 1' (the launcher
+    stopped rank 3 after it raised: what it raised still counts)."""
+    shape = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x5 and 4x2)"
+    failures = {0: _failure(tmp_path, 0, 1, shape),  # in the order the agent saw them end
+                3: _failure(tmp_path, 3, -signal.SIGTERM, shape),
+                2: _failure(tmp_path, 2, 1, "ValueError: rank 2 has bad data"),
+                1: _failure(tmp_path, 1, 1, shape)}
+    _, *rest = format_failure(ChildFailedError("train.py", failures)).splitlines()
+    assert rest[-2:] == ["  ranks 1, 3: the same error",
+                         "  rank 2: ValueError: rank 2 has bad data"]
+
+
 def test_report_for_a_signal_without_error_file(tmp_path):
     failures = {1: _failure(tmp_path, 1, -signal.SIGKILL),
                 0: _failure(tmp_path, 0, -signal.SIGTERM)}
@@ -393,6 +406,28 @@ def test_a_module_entrypoint_is_found_as_python_m_would_without_importing_it(tmp
         "nope_rt", module=True, no_python=False
     )
     assert missing_entrypoint("anything", module=False, no_python=True) is None
+
+
+def test_a_script_that_does_not_compile_starts_no_worker(tmp_path, monkeypatch, capsys):
+    """A typo made every worker print the same SyntaxError, then a failure report; now one
+    error, in Python's words, before anything starts (compiling runs none of the script)."""
+    from ringtrain.launch.entrypoint import missing_entrypoint
+    from ringtrain.launch.launcher import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "typo.py").write_text("import sys\ndef f(:\n    pass\n")
+    (tmp_path / "ok.py").write_text("raise SystemExit('ran')\n")
+    (tmp_path / "nul.py").write_bytes(b"x = 1\0\n")
+    assert missing_entrypoint("ok.py", module=False, no_python=False) is None
+    said = missing_entrypoint("typo.py", module=False, no_python=False)
+    assert said.splitlines() == [
+        "training script 'typo.py' does not compile; no worker was started. Fix it and run "
+        "again:", '  File "typo.py", line 2', "    def f(:", "          ^",
+        "SyntaxError: invalid syntax"]
+    assert "null bytes" in missing_entrypoint("nul.py", module=False, no_python=False)
+    assert main(["--nproc-per-node", "2", "typo.py"]) == 2
+    assert "ringtrain run: error: training script 'typo.py' does not compile" in \
+        capsys.readouterr().err
 
 
 def test_shutdown_timeout_on_a_torch_without_it_is_one_clear_error(monkeypatch, capsys):

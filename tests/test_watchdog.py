@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,46 @@ def test_raising_peer_is_named_at_once():
     w0.stop(), w1.stop(done=False)
     assert str(found[0]) == "rank 1 failed at step 7: ValueError: boom"
     assert took < 1.0  # a store read away, not a timeout
+
+
+def _raised(message: str) -> tuple[type, BaseException, object]:
+    try:
+        raise RuntimeError(message)  # one line: every rank's traceback the same text
+    except RuntimeError as e:
+        return type(e), e, e.__traceback__
+
+
+def test_ranks_raising_the_same_error_print_its_traceback_once(capsys, monkeypatch):
+    """A model's mistake raises on every rank: the first rank prints the traceback, the others
+    one line naming it; another message is printed in full; a first rank that never finishes
+    its print (killed) leaves the others to print theirs, after traceback_once.WAIT_S."""
+    import ringtrain.launch.traceback_once as once
+
+    store = dist.HashStore()
+    dogs = [Watchdog(store, r, 4, prefix="tb", timeout_s=5) for r in range(4)]  # not started
+    same = _raised("mat1 and mat2 shapes cannot be multiplied (3x5 and 4x2)")
+    dogs[2]._hook(*same)
+    dogs[0]._hook(*same)
+    dogs[1]._hook(*_raised("rank 1 has bad data"))
+    err = capsys.readouterr().err
+    assert err.count("Traceback (most recent call last)") == 2, err
+    assert err.count("RuntimeError: mat1 and mat2 shapes") == 2, err
+    assert ("[rank0]: RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x5 and 4x2) (the "
+            "same traceback as rank 2's, printed in its output)") in err.splitlines()
+    assert "RuntimeError: rank 1 has bad data" in err
+    monkeypatch.setattr(once, "WAIT_S", 0.2)
+    lost = _raised("its first printer was killed")
+    assert once.claim_traceback(dogs[0]._store, 0, "".join(traceback.format_exception(*lost))) == 0
+    started = time.monotonic()  # rank 0 claimed it and never said it was out
+    dogs[3]._hook(*lost)
+    assert 0.2 <= time.monotonic() - started < 2
+    assert "Traceback" in capsys.readouterr().err
+
+    class Gone:  # the store's host died with the first rank
+        def compare_set(self, *args):
+            raise RuntimeError("Connection reset by peer")
+
+    assert once.claim_traceback(Gone(), 0, "any") is None  # each rank prints its own
 
 
 def test_lost_connection_waits_for_the_watchdog_to_name_the_peer():

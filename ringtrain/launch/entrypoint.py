@@ -2,9 +2,13 @@
 
     ringtrain run --nproc-per-node 2 no_such.py     # error: training script 'no_such.py' not found
     ringtrain run --nproc-per-node 2 -m no_such     # error: module 'no_such' not found
+    ringtrain run --nproc-per-node 2 typo.py        # error: typo.py does not compile: ...
 
-Without the check, N workers start, each dies of the same ImportError, and the user reads a
-failure report for what was a typing mistake.
+Without the check, N workers start, each dies of the same ImportError (or prints the same
+SyntaxError), and the user reads N tracebacks and a failure report for what was a typing
+mistake. A script is compiled here as its workers' interpreter (this one: `ringtrain run` starts
+`sys.executable`) will compile it, which runs none of it; a module is only looked up (its file is
+found by its package's finders, and compiling a package's `__main__` is not worth the lookup).
 
 A module is looked up the way the workers' `python -u -m NAME` will: in the current directory
 (which `-m` puts first on sys.path), then by this interpreter's own finders (sys.meta_path: its
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from importlib.machinery import ModuleSpec, PathFinder
 
 
@@ -59,7 +64,27 @@ def missing_entrypoint(script: str, module: bool, no_python: bool) -> str | None
         return (f"module {script!r} not found (in {os.getcwd()} or on sys.path); check its "
                 "spelling, run from the directory that holds it, or add that directory to "
                 "PYTHONPATH")
-    if os.path.isfile(script):
+    if not os.path.isfile(script):
+        return (f"training script {script!r} not found (in {os.getcwd()}); pass a path to a "
+                ".py file, or -m for a module")
+    return _compile_error(script)
+
+
+def _compile_error(script: str) -> str | None:
+    """Python's own words for a script that does not compile (the file, line and caret), or None.
+
+    Only a SyntaxError (IndentationError, TabError, a bad encoding) or a ValueError (null bytes)
+    is the script's; a file that cannot be read is left to the workers, which say so themselves.
+    """
+    try:
+        with open(script, "rb") as f:
+            source = f.read()
+    except OSError:
         return None
-    return (f"training script {script!r} not found (in {os.getcwd()}); pass a path to a .py "
-            "file, or -m for a module")
+    try:
+        compile(source, script, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as e:
+        said = "".join(traceback.format_exception_only(e)).rstrip()
+        return (f"training script {script!r} does not compile; no worker was started. Fix it "
+                f"and run again:\n{said}")
+    return None

@@ -81,6 +81,16 @@ def root_cause(failures: dict[int, ProcessFailure]) -> int:
     ))
 
 
+def _what_became_of(failure: ProcessFailure, first_message: str) -> str:
+    """One other rank's end: what it raised itself (its error file; often the first rank's own
+    error, every rank having made the same mistake), else how it exited."""
+    message = _error_text(failure)[0]
+    if message and not message.startswith(_PEER_FAILURE) and not _is_symptom(failure):
+        return "the same error" if message == first_message else message
+    return "stopped by the launcher" if failure.exitcode == -signal.SIGTERM else \
+        _describe_exit(failure)
+
+
 def format_failure(err: ChildFailedError) -> str:
     """The report: the first failing rank, why, its traceback, and what became of the others."""
     rank = root_cause(err.failures)
@@ -102,8 +112,8 @@ def format_failure(err: ChildFailedError) -> str:
     others: dict[str, list[int]] = {}
     for r, f in err.failures.items():
         if r != rank:
-            why = "stopped by the launcher" if f.exitcode == -signal.SIGTERM else _describe_exit(f)
-            others.setdefault(why, []).append(r)
+            others.setdefault(_what_became_of(f, message), []).append(r)
     for why, ranks in others.items():
-        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {why}")
+        listed = ", ".join(map(str, sorted(ranks)))
+        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {listed}: {why}")
     return "\n".join(lines)
