@@ -132,8 +132,8 @@ def test_a_raising_worker_is_named_with_its_exception_and_one_traceback(tmp_path
 def test_no_resume_sets_the_earlier_run_aside_except_in_a_restarted_worker(tmp_path, monkeypatch):
     import logging
 
+    from ringtrain.cli.run_dir_setup import resume_or_clear as _resume_or_clear
     from ringtrain.cli.train_args import parse_options
-    from ringtrain.cli.worker import _resume_or_clear
 
     args = parse_options(["--run-dir", str(tmp_path), "--no-resume"])
     (tmp_path / "snapshots" / "snap-00000004").mkdir(parents=True)

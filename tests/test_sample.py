@@ -86,6 +86,45 @@ def test_sample_the_final_model_and_a_snapshot(run, capsys):
     assert "no committed snapshot of step 4; committed: [3, 6]" in capsys.readouterr().err
 
 
+def test_a_finished_run_going_on_is_read_as_in_progress_and_its_end_kept(run, tmp_path, capsys,
+                                                                         monkeypatch):
+    """`ringtrain train` again with more --steps: the end it had (summary, final model) moves
+    to RUN_DIR/set-aside/end-6-<time>/ at the start, so sample, export and explain read the run
+    as one in progress (its newest snapshot, named) and not as over at step 6 with its old
+    model; a restarted worker, or the same --steps again, moves nothing."""
+    import shutil
+    from types import SimpleNamespace
+
+    from ringtrain.cli.run_dir_setup import resume_or_clear
+    from ringtrain.cli.train_args import parse_options
+
+    run_dir = tmp_path / "extended"
+    shutil.copytree(run, run_dir)
+    rank0, log = SimpleNamespace(rank=0, world_size=1), logging.getLogger("test")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resume_or_clear(parse_options(["--run-dir", str(run_dir), "--steps", "9"]), rank0, log)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_or_clear(parse_options(["--run-dir", str(run_dir), "--steps", "6"]), rank0, log)
+    assert (run_dir / "summary.json").exists()  # neither a restart nor the same end moves it
+    assert resume_or_clear(parse_options(["--run-dir", str(run_dir), "--steps", "9"]), rank0, log)
+    [aside] = (run_dir / "set-aside").iterdir()
+    assert aside.name.startswith("end-6-") and sorted(p.name for p in aside.iterdir()) == [
+        "model.safetensors", "model_config.json", "summary.json"]  # --no-report: no report.png
+    assert not (run_dir / "summary.json").exists() and (run_dir / "snapshots").is_dir()
+    capsys.readouterr()
+    assert ringtrain_main(["sample", str(run_dir), "--tokens", "4"]) == 0
+    said = (f"{run_dir} has not finished (no final model yet): the model of its newest committed "
+            "snapshot, step 6 (--snapshot STEP for another)")
+    assert capsys.readouterr().err == f"ringtrain sample: {said}\n"
+    assert ringtrain_main(["export", str(run_dir), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert capsys.readouterr().out.startswith(f"ringtrain export: {said}\nwrote hf to ")
+    assert ringtrain_main(["explain", str(run_dir)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "did not finish (no summary.json)" in out
+    assert (f"set aside by going on past the end at step 6: {aside} (that end's model.safetensors,"
+            " model_config.json, summary.json)") in out
+
+
 def test_docs_lines_load_the_export_literally(run, monkeypatch):
     """docs/train.md's two blocks as written, from the run's parent directory: the first in a
     process where ringtrain cannot be imported, then both here."""

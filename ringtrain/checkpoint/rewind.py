@@ -39,6 +39,9 @@ from ringtrain.checkpoint.files import (
 #: RUN_DIR/set-aside/<name>: `--no-resume`'s (a whole run, its snapshots/ inside) begin with
 #: this; `--resume-from STEP`'s are after-STEP-<time> (the later snap-* directories themselves).
 FRESH_PREFIX = "fresh-"
+#: ... and a finished run's end (summary, final model), set aside when it goes on for more steps:
+#: end-STEP-<time> (`cli/run_dir_setup._set_aside_end`).
+END_PREFIX = "end-"
 
 
 def committed_steps(root: str | os.PathLike) -> list[int]:

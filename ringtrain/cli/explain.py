@@ -130,11 +130,15 @@ def load_run(path: str | Path) -> RunFiles:
     run = RunFiles(str(path), config, summary, metrics, *_resume_point(root / "snapshots"),
                    *_dataset_sizes(config, root))
     from ringtrain.checkpoint.files import snap_dirs, snap_step
-    from ringtrain.checkpoint.rewind import FRESH_PREFIX, committed_steps
+    from ringtrain.checkpoint.rewind import END_PREFIX, FRESH_PREFIX, committed_steps
 
     earlier = [s for s in committed_steps(root / "snapshots") if s < (run.resume_step or 0)]
     aside = []
     for d in sorted((root / "set-aside").glob("*")):
+        if d.name.startswith(END_PREFIX):  # a finished run's end, when it went on past it
+            aside.append(f"by going on past the end at step {d.name.split('-')[1]}: {d} (that "
+                         f"end's {', '.join(sorted(p.name for p in d.iterdir()))})")
+            continue
         fresh = d.name.startswith(FRESH_PREFIX)  # --no-resume's: the whole run
         steps = sorted(map(snap_step, snap_dirs(d / "snapshots" if fresh else d)))
         aside.append(f"by {'--no-resume' if fresh else '--resume-from'}: {d} "

@@ -60,7 +60,8 @@ def run_model(run_dir: str, step: int | None):
     if step is None and os.path.exists(os.path.join(run_dir, CONFIG)):
         return load_model(run_dir)[0]
     try:
-        return snapshot_model(run_dir, step, _run_config(run_dir)["model"])
+        return snapshot_model(run_dir, step, _run_config(run_dir)["model"],
+                              say=lambda m: print(f"ringtrain export: {m}"))
     except SampleError as e:
         raise ValueError(str(e).replace("sample the final model", "export the final model")) \
             from None

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,10 @@ def _run_config(run_dir: str) -> dict[str, Any]:
     return config
 
 
-def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any]):
-    """The GPT of the committed snapshot of `step` (None: the newest), eval mode."""
+def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any],
+                   say: Callable[[str], None] | None = None):
+    """The GPT of the committed snapshot of `step` (None: the newest, named through `say`: the
+    user asked for the final model and gets the run's newest), eval mode."""
     import torch
 
     from ringtrain.checkpoint.files import (
@@ -101,6 +104,9 @@ def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any])
                 else "no exported model and no committed snapshot")
         raise SampleError(f"{run_dir}: {what}; wait for the run to finish or to save one "
                           "(--snapshot-every)")
+    if step is None and say is not None:
+        say(f"{run_dir} has not finished (no final model yet): the model of its newest committed "
+            f"snapshot, step {max(committed)} (--snapshot STEP for another)")
     step = max(committed) if step is None else step
     if step not in committed:
         raise SampleError(f"{run_dir}: no committed snapshot of step {step}; committed: "
@@ -299,7 +305,8 @@ def generate(args: argparse.Namespace) -> list[str]:
         if args.snapshot is None and exported is not None:
             model, _ = load_model(args.run_dir)
         else:
-            model = snapshot_model(args.run_dir, args.snapshot, config["model"])
+            model = snapshot_model(args.run_dir, args.snapshot, config["model"],
+                                   say=lambda m: print(f"ringtrain sample: {m}", file=sys.stderr))
         if not config["args"].get("data"):
             return sums(model, int(config["args"]["digits"]), args.prompt, args.num_samples)
         tok = tokenizer_of(args.run_dir, config, exported)

@@ -24,6 +24,7 @@ from ringtrain.cli.exits import explain_once, interrupted, stopped
 from ringtrain.cli.job import build_job, export_final
 from ringtrain.cli.options import TrainOptions
 from ringtrain.cli.relaunch import job_rank, under_agent
+from ringtrain.cli.run_dir_setup import resume_or_clear, take_run_dir
 from ringtrain.cli.step_hook import STEP_HOOK_ENV, load_step_hook
 from ringtrain.cli.train_args import run_config
 from ringtrain.errors import DISK_FULL_EXIT_CODE, ConfigError
@@ -102,9 +103,9 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
             holder = [run.run_dir]
             torch.distributed.broadcast_object_list(holder, src=0, group=rt.process_group)
             run.run_dir = holder[0]
-        held = _hold_run_dir(run.run_dir, rt)  # one run per directory, before it is written
+        held = take_run_dir(run.run_dir, rt)  # one run per directory, before it is written
         job = build_job(opts)  # --data FILE.txt: prepared into the run directory
-        resume = _resume_or_clear(opts, rt, log)  # first: --no-resume sets the old config aside
+        resume = resume_or_clear(opts, rt, log)  # first: --no-resume sets the old config aside
         if rt.rank == 0:
             os.makedirs(run.run_dir, exist_ok=True)
             unless_full(write_json, os.path.join(run.run_dir, "config.json"), {
@@ -231,139 +232,3 @@ def _departed(strategy):
         why = failure.reason if failure.kind == "died" else f"raised {failure.reason}"
         strategy.rank_departed(failure.rank, why)
     return departed
-
-
-def _first_start() -> bool:
-    """Whether the job starts for the first time: not restarted by the launcher, not requeued
-    by Slurm (the same command again), not a live replacement (the job's snapshots stay)."""
-    from ringtrain.launch.live_agent import REPLACEMENT_ENV
-
-    restarts = (os.environ.get(name, "0") for name in ("TORCHELASTIC_RESTART_COUNT",
-                                                        "SLURM_RESTART_COUNT"))
-    return not any(int(n or 0) for n in restarts) and not os.environ.get(REPLACEMENT_ENV)
-
-
-def _resume_or_clear(opts: TrainOptions, rt, log) -> bool:
-    """Whether to resume; on the job's first start only, --no-resume makes rank 0 set the
-    earlier run aside whole (`_start_afresh`) and --resume-from STEP the later snapshots
-    (`_rewind`). Nothing is deleted.
-
-    A restarted worker resumes from the newest: it must continue the run it belongs to.
-    """
-    run = opts.run
-    if not _first_start():
-        return True
-    if run.resume_from is not None:
-        _rewind(run, rt, log)
-    if run.resume:
-        return True
-    if rt.rank == 0:
-        _start_afresh(run.run_dir, log)
-    return False
-
-
-def _start_afresh(run_dir: str, log) -> None:
-    """--no-resume: move what an earlier run left in `run_dir` (its snapshots, config, metrics,
-    summary, final model, report, TensorBoard events, trace) to RUN_DIR/set-aside/fresh-<time>/,
-    where no resume looks. The other ranks need not wait: their first save comes after steps
-    that rank 0 takes part in, so after the move."""
-    import time
-
-    from ringtrain.checkpoint.rewind import FRESH_PREFIX, set_aside
-    from ringtrain.models.export import CONFIG, WEIGHTS
-    from ringtrain.training.tensorboard import SUBDIR
-
-    names = ("snapshots", "config.json", "metrics.jsonl", "summary.json", WEIGHTS, CONFIG,
-             "report.png", SUBDIR, "trace.json")
-    into = os.path.join(run_dir, "set-aside", FRESH_PREFIX + time.strftime("%Y%m%d-%H%M%S"))
-    if moved := set_aside([os.path.join(run_dir, n) for n in names], into=into):
-        log.info("--no-resume: the earlier run's %s set aside in %s (delete it when it is no "
-                 "longer needed)", ", ".join(os.path.basename(p) for p in moved), into)
-
-
-LOCK_KEY = "ringtrain/train/run_dir_lock"  # rank 0's outcome, per restart: "ok" or who holds it
-
-
-def _hold_run_dir(run_dir: str, rt) -> int | None:
-    """Rank 0 takes RUN_DIR's lock for the run (`checkpoint/run_lock.py`: a second run in the
-    same directory is refused, naming the first); the others wait for its word in the store.
-    RunDirInUse (a ConfigError) on every rank, one message; rank 0's lock file otherwise."""
-    from ringtrain.checkpoint.run_lock import hold_run_dir
-    from ringtrain.launch.live_agent import REPLACEMENT_ENV, SPARE_ENV
-
-    if os.environ.get(SPARE_ENV) or os.environ.get(REPLACEMENT_ENV):
-        return None  # --live: it joins the run that holds the lock (its rank 0 may be stuck)
-    held = None
-
-    def take() -> str:
-        nonlocal held
-        try:
-            held = hold_run_dir(run_dir)
-        except ConfigError as e:
-            return str(e)
-        return "ok"
-
-    # Per attempt: torchrun's store outlives a restart, whose new rank 0 takes the lock again.
-    _decided_by_rank0(rt, f"{LOCK_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0}",
-                      take, f"rank 0 did not say within 10 minutes whether it could take "
-                            f"--run-dir {run_dir}'s lock")
-    return held
-
-
-def _decided_by_rank0(rt, key: str, decide: Callable[[], str], silent: str) -> None:
-    """Rank 0 runs `decide` ("ok", or the mistake in words) and tells the others through the
-    store under `key`; a mistake is a ConfigError on every rank. The others wait at most 10
-    minutes, then raise `silent` (the message)."""
-    from datetime import timedelta
-
-    if rt.rank == 0:
-        outcome = decide()
-        if rt.world_size > 1:
-            rt.store.set(key, outcome)
-    else:
-        try:
-            rt.store.wait([key], timedelta(minutes=10))
-        except RuntimeError:  # torch's store timeout (DistStoreError is one)
-            raise ConfigError(silent) from None
-        outcome = rt.store.get(key).decode()
-    if outcome != "ok":
-        raise ConfigError(outcome)
-
-
-REWIND_KEY = "ringtrain/train/resume_from"  # rank 0's outcome: "ok" or the reason it refused
-
-
-def _rewind(run, rt, log) -> None:
-    """--resume-from STEP: rank 0 moves the snapshots after STEP, with the abandoned run's
-    final model and summary (and a copy of its metrics), to RUN_DIR/set-aside/ before any rank
-    looks for the newest snapshot; the others wait for its word. ConfigError on every rank when
-    there is no intact snapshot of STEP (nothing moved)."""
-    def set_aside() -> str:
-        import time
-
-        from ringtrain.checkpoint.files import snap_step
-        from ringtrain.checkpoint.rewind import set_aside_after
-        from ringtrain.models.export import CONFIG, WEIGHTS
-
-        def here(name: str) -> str:
-            return os.path.join(run.run_dir, name)
-
-        into = here(f"set-aside/after-{run.resume_from}-{time.strftime('%Y%m%d-%H%M%S')}")
-        try:  # the abandoned run's end is moved; its metrics, which the resume trims, copied
-            moved = set_aside_after(
-                here("snapshots"), run.resume_from, into=into, copy=[here("metrics.jsonl")],
-                move=[here(n) for n in ("summary.json", WEIGHTS, CONFIG, "report.png")])
-        except ValueError as e:
-            return str(e)
-        if moved:
-            steps = ", ".join(str(snap_step(p)) for p in reversed(moved))
-            log.info("--resume-from %d: %s, with the final model and summary of the run that "
-                     "made %s and a copy of its metrics.jsonl, set aside in %s", run.resume_from,
-                     f"the later snapshot (step {steps})" if len(moved) == 1 else
-                     f"the {len(moved)} later snapshots (steps {steps})",
-                     "it" if len(moved) == 1 else "them", into)
-        return "ok"
-
-    # The others' wait: hashing the snapshot's files takes rank 0 about a second per GB.
-    _decided_by_rank0(rt, REWIND_KEY, set_aside, f"--resume-from {run.resume_from}: rank 0 did "
-                      "not say within 10 minutes whether the later snapshots were set aside")
