@@ -195,3 +195,25 @@ def test_export_of_a_missing_run_is_one_message(tmp_path, capsys):
     assert f"{missing}: no such directory" in capsys.readouterr().err
     assert ringtrain_main(["sample", str(missing)]) == 2
     assert f"{missing}: no such directory" in capsys.readouterr().err
+
+
+def test_export_replaces_an_export_of_its_format_only(run_dir, tmp_path, capsys):
+    """dcp's .metadata left beside a new hf export made --init-from and sample read the old
+    dcp model, silently; an OUT_DIR of other files is not ours to write over."""
+    out, mine = tmp_path / "out", tmp_path / "mine"
+    for fmt, said in (("dcp", "wrote dcp to"), ("dcp", "(replacing the dcp export there)")):
+        assert ringtrain_main(["export", str(run_dir), str(out), "--format", fmt]) == 0
+        assert said in capsys.readouterr().out
+    before = sorted(p.name for p in out.iterdir())
+    assert ringtrain_main(["export", str(run_dir), str(out), "--format", "hf"]) == 2
+    assert capsys.readouterr().err == (
+        f"ringtrain export: OUT_DIR {out} is not empty (.metadata, __0_0.distcp, "
+        "model_config.json: a dcp export: one directory of two models is read as one or the "
+        "other by reader (--init-from and sample take the dcp one, transformers the hf one)); "
+        "give a new or empty directory, or an earlier --format hf export's, which is replaced\n")
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing written
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert ringtrain_main(["export", str(run_dir), str(mine), "--format", "hf"]) == 2
+    assert "(notes.txt: not an earlier ringtrain export of this format)" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

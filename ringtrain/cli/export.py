@@ -86,6 +86,34 @@ def run_tokenizer(run_dir: str) -> dict | None:
         return None
 
 
+def _in_the_way(out_dir: str, fmt: str) -> str | None:
+    """Why OUT_DIR cannot take this export, or None: it is new, empty, or an earlier export of
+    the same format (replaced: the same names). An export of the other format stays in the way:
+    dcp's .metadata beside a new hf export made --init-from and sample read the old dcp model,
+    silently; files that are no export are not ours to overwrite."""
+    from ringtrain.formats.dcp import is_dcp
+    from ringtrain.formats.hf_gpt2 import is_hf_gpt2
+
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if not names:
+        return None
+    ours = {"hf": ("config.json", "model.safetensors", "tokenizer.json"),
+            "dcp": (".metadata", "model_config.json", "tokenizer.json")}[fmt]
+    other = "dcp" if fmt == "hf" else "hf"
+    held = fmt if (is_dcp(out_dir) if fmt == "dcp" else is_hf_gpt2(out_dir)) else None
+    if held is None and (is_hf_gpt2(out_dir) if fmt == "dcp" else is_dcp(out_dir)):
+        held = other
+    foreign = [n for n in names if n not in ours and not (fmt == "dcp" and n.endswith(".distcp"))]
+    if held == fmt and not foreign:
+        return None
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    why = (f"{'an hf' if other == 'hf' else 'a dcp'} export: one directory of two models is read as one or the other by "
+           "reader (--init-from and sample take the dcp one, transformers the hf one)"
+           if held == other else "not an earlier ringtrain export of this format")
+    return (f"OUT_DIR {out_dir} is not empty ({shown}: {why}); give a new or empty directory, "
+            f"or an earlier --format {fmt} export's, which is replaced")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ringtrain.formats.dcp import export_dcp
@@ -99,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ringtrain export: OUT_DIR {args.out_dir} is a file, not a directory; give a "
               "directory (created if missing)", file=sys.stderr)
         return USAGE_EXIT_CODE
+    if (in_the_way := _in_the_way(args.out_dir, args.format)) is not None:
+        print(f"ringtrain export: {in_the_way}", file=sys.stderr)
+        return USAGE_EXIT_CODE
     try:
         model = run_model(args.run_dir, args.snapshot)
     except (ValueError, FileNotFoundError) as e:
@@ -106,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT_CODE
     from ringtrain.formats.tokenizer import portable
 
+    replacing = os.path.isdir(args.out_dir) and bool(os.listdir(args.out_dir))
     try:
         os.makedirs(args.out_dir, exist_ok=True)
         tokenizer = portable(run_tokenizer(args.run_dir), args.out_dir)  # init-from checks it
@@ -116,5 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT_CODE
     copied = [tokenizer["file"]] if tokenizer and "file" in tokenizer else []  # a BPE's
     names = list(dict.fromkeys([*map(os.path.basename, paths), *copied]))
-    print(f"wrote {args.format} to {args.out_dir}: {', '.join(names)}")
+    replaced = f" (replacing the {args.format} export there)" if replacing else ""
+    print(f"wrote {args.format} to {args.out_dir}{replaced}: {', '.join(names)}")
     return 0

@@ -55,6 +55,8 @@ def export_dcp(model: GPT, out_dir: str, tokenizer: dict[str, Any] | None = None
         seen.add(ptr)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE)
+        # `ringtrain export` replaces an earlier dcp export only (cli/export._in_the_way)
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
         dcp.save({"model": state}, checkpoint_id=out_dir, no_dist=True)
     config = os.path.join(out_dir, CONFIG)
     with open(config + ".tmp", "w", encoding="utf-8") as f:
