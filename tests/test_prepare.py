@@ -186,3 +186,30 @@ def test_preparing_other_text_into_a_prepared_directory_says_what_it_replaced(tm
     said = capsys.readouterr().out.splitlines()
     assert said[0] == f"{out}: replaced the dataset prepared there before (of a.txt, {first:,} " \
                       "train tokens)", said
+
+
+def test_ctrl_c_while_encoding_leaves_the_earlier_dataset_whole(tmp_path, capsys, monkeypatch):
+    """A long BPE encode interrupted: the dataset prepared there before is still whole (its
+    meta.json went first, making it 'unfinished' for the whole encode), no .tmp files stay,
+    and the command says so in one line, exit 130, not a KeyboardInterrupt traceback."""
+    (tmp_path / "a.txt").write_text(_words(300), encoding="utf-8")
+    out = tmp_path / "d"
+    assert ringtrain_main(["prepare", str(tmp_path / "a.txt"), str(out), "--no-progress"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    real, calls = prepare_module._Bar.update, []
+
+    def update(bar, n):  # the encode pass, once its first chunk is written to train.bin.tmp
+        real(bar, n)
+        if bar.desc == "encode":
+            calls.append(sorted(p.name for p in out.iterdir()))
+            raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_module._Bar, "update", update)
+    assert ringtrain_main(["prepare", str(tmp_path / "a.txt"), str(out), "--no-progress",
+                           "--val-fraction", "0.2"]) == 130
+    assert calls == [sorted([*before, "train.bin.tmp", "val.bin.tmp"])]  # it was writing
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    first = json.loads(before["meta.json"])["train_tokens"]
+    assert capsys.readouterr().err == (f"ringtrain prepare: interrupted; {out} holds the dataset "
+                                       f"prepared there before (of a.txt, {first:,} train "
+                                       "tokens)\n")

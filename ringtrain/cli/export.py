@@ -107,7 +107,8 @@ def _in_the_way(out_dir: str, fmt: str) -> str | None:
     if held == fmt and not foreign:
         return None
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    why = (f"{'an hf' if other == 'hf' else 'a dcp'} export: one directory of two models is read as one or the other by "
+    article = "an hf" if other == "hf" else "a dcp"
+    why = (f"{article} export: one directory of two models is read as one or the other by "
            "reader (--init-from and sample take the dcp one, transformers the hf one)"
            if held == other else "not an earlier ringtrain export of this format")
     return (f"OUT_DIR {out_dir} is not empty ({shown}: {why}); give a new or empty directory, "

@@ -92,18 +92,24 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:
         return int(e.code or 0)
+    earlier = _earlier_preparation(args.out_dir)
     try:
         reuse = tokenizer_from(args.tokenizer_from) if args.tokenizer_from else None
         if reuse is not None and (args.tokenizer or args.vocab_size):
             raise PrepareError("--tokenizer-from takes the tokenizer and its vocabulary from "
                                f"{args.tokenizer_from}; drop --tokenizer and --vocab-size")
-        earlier = _earlier_preparation(args.out_dir)
         meta = prepare(args.src, args.out_dir, tokenizer=args.tokenizer or "char",
                        vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                        progress=not args.no_progress, reuse=reuse)
     except PrepareError as e:
         print(f"ringtrain prepare: error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except KeyboardInterrupt:  # Ctrl-C: an earlier dataset stays whole up to the last renames
+        kept = (f"{args.out_dir} holds the dataset prepared there before ({earlier})" if earlier
+                and earlier == _earlier_preparation(args.out_dir)
+                else f"{args.out_dir} holds no finished dataset")
+        print(f"ringtrain prepare: interrupted; {kept}", file=sys.stderr)
+        return 130
     except OSError as e:  # a write that failed after the checks (a full disk): one line
         print(f"ringtrain prepare: error: writing {args.out_dir}: {e.strerror or e} "
               f"({e.filename or args.out_dir})", file=sys.stderr)

@@ -288,8 +288,6 @@ def prepare(src: str, out_dir: str, *, tokenizer: str = "char", vocab_size: int 
     dtype = token_dtype(meta["vocab_size"])
     meta["dtype"] = dtype
     os.makedirs(out_dir, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(out_dir, META))  # no meta.json: unfinished until the end
     counts = {"train": 0, "val": 0}
     tmp = {s: os.path.join(out_dir, f"{s}.bin.tmp") for s in counts}
     bar = _Bar(n_chars, "encode", progress)
@@ -303,6 +301,10 @@ def prepare(src: str, out_dir: str, *, tokenizer: str = "char", vocab_size: int 
                         f.write(ids.tobytes())
                         counts[name] += len(ids)
                 bar.update(len(train) + len(val))
+        # An earlier dataset here stays whole until now (a Ctrl-C or a full disk while encoding
+        # leaves it as it was); from here, no meta.json: unfinished until the end.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, META))
         for s in counts:
             os.replace(tmp[s], os.path.join(out_dir, f"{s}.bin"))
     finally:
