@@ -123,6 +123,11 @@ def test_a_finished_run_going_on_is_read_as_in_progress_and_its_end_kept(run, tm
     assert "did not finish (no summary.json)" in out
     assert (f"set aside by going on past the end at step 6: {aside} (that end's model.safetensors,"
             " model_config.json, summary.json)") in out
+    from ringtrain.formats.init_from import FormatError, detect
+
+    with pytest.raises(FormatError, match=rf"a run that has not finished .* ringtrain export "
+                                          rf"{run_dir} OUT_DIR --format dcp, then --init-from"):
+        detect(str(run_dir))  # --init-from: not its old end's model, silently
 
 
 def test_docs_lines_load_the_export_literally(run, monkeypatch):

@@ -39,6 +39,11 @@ def detect(path: str) -> str:
         return "ringtrain"
     if is_hf_gpt2(path):
         return "hf"
+    if os.path.isdir(os.path.join(path, "snapshots")):  # a `ringtrain train` run not finished
+        raise FormatError(f"init_from={path}: a run that has not finished (no {WEIGHTS} yet: it "
+                          "is written at the end); give a finished run, or first export its "
+                          f"newest snapshot: ringtrain export {path} OUT_DIR --format dcp, then "
+                          "--init-from OUT_DIR")
     raise FormatError(f"init_from={path}: neither a torch distributed checkpoint (.metadata), "
                       f"an exported ringtrain model ({WEIGHTS} + {CONFIG}) nor a transformers "
                       "GPT-2 directory (config.json of model_type gpt2); give one of those")
