@@ -127,6 +127,31 @@ def test_ranks_raising_the_same_error_print_its_traceback_once(capsys, monkeypat
     assert once.claim_traceback(Gone(), 0, "any") is None  # each rank prints its own
 
 
+def test_ringtrain_train_workers_print_a_shared_traceback_once_and_exit_without_again(capsys):
+    """`ringtrain train`'s workers print what the training raised themselves (not through an
+    excepthook: the watchdog is gone by then): the same rule, `[rank N] ` as their log says it,
+    and their exit (launch/ending.py) does not print it a second time."""
+    from types import SimpleNamespace
+
+    from ringtrain.cli.worker import _print_traceback_once
+    from ringtrain.launch.ending import exit_code
+
+    store = dist.HashStore()
+    errors = []
+    for rank in (1, 0):
+        _, exc, _ = _raised("my metric logger failed at step 3")
+        _print_traceback_once(exc, SimpleNamespace(rank=rank, world_size=2, store=store))
+        errors.append(exc)
+    err = capsys.readouterr().err
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert err.endswith("[rank 0] RuntimeError: my metric logger failed at step 3 (the same "
+                        "traceback as rank 1's, printed in its output)\n"), err
+
+    def raises():
+        raise errors[0]
+    assert exit_code(raises) == 1 and capsys.readouterr().err == ""
+
+
 def test_lost_connection_waits_for_the_watchdog_to_name_the_peer():
     # gloo's error names a socket; report_failure holds it back until the silent rank is known,
     # with the short "suspect" bound instead of timeout_s (30 s here).

@@ -181,9 +181,36 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
         return explain_once(e, rt)
     except KeyboardInterrupt:
         return interrupted()
+    except Exception as e:  # a bug, the user's step hook: after the watchdog's word (a lost peer
+        _print_traceback_once(e, rt)  # ends there), every rank's same traceback printed once,
+        raise  # while the store is still up
     finally:
         release_run_dir(held)
         destroy_distributed()
+
+
+def _print_traceback_once(e: Exception, rt) -> None:
+    """Print `e`'s traceback, or one line where a rank printed the same (launch/traceback_once.py),
+    and mark `e` printed: the worker's exit (launch/ending.py) then does not print it again."""
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ringtrain.launch.peer_failure import describe_error
+    from ringtrain.launch.traceback_once import print_once
+
+    store = getattr(rt, "store", None)
+    if rt.world_size == 1 or store is None:
+        return  # printed on the way out, as any error
+    with contextlib.suppress(AttributeError, RuntimeError):  # its own connection, a short
+        store = store.clone()  # timeout: a store whose host froze must not hold the exit
+        store.set_timeout(timedelta(seconds=10))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    store = dist.PrefixStore(f"ringtrain/train/{restart}", store)
+    print_once(store, rt.rank, e, describe_error(e), lambda: traceback.print_exception(e),
+               prefix="[rank {rank}] ")
+    e.ringtrain_printed = True  # type: ignore[attr-defined]
 
 
 def _one_replica(rt):

@@ -21,8 +21,9 @@ def exit_code(command: Callable[[], object]) -> int:
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported like the interpreter would, then ended
-        traceback.print_exc()
+    except BaseException as e:  # noqa: BLE001 - reported like the interpreter would, then ended
+        if not getattr(e, "ringtrain_printed", False):  # `ringtrain train`: printed once already
+            traceback.print_exc()
         return 1
     return result if isinstance(result, int) else 0
 

@@ -1,9 +1,6 @@
 """One traceback per error, not one per rank: ranks that raise the same error print it once.
 
-    first = claim_traceback(store, rank, text)     # the rank that prints `text`, or None
-    ...                                            # that rank prints it, then:
-    mark_printed(store, text)
-    same_as(store, rank, text, first)              # the others: wait for it, then one line
+    print_once(store, rank, exc, said, print_full)   # in an excepthook, or before a re-raise
 
 A mistake in a user's model (a shape, a dtype, a device) raises on every rank at the same step,
 and each printed the same 20-line traceback: 8 copies from an 8-GPU node, their lines
@@ -18,6 +15,9 @@ done, each rank prints its own: a traceback may repeat, but is never lost.
 from __future__ import annotations
 
 import hashlib
+import sys
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -55,6 +55,18 @@ def same_as(store: dist.Store, rank: int, text: str, first: int) -> bool:
     return True
 
 
-def one_line(rank: int, said: str, first: int) -> str:
-    """What a rank says instead of a traceback `first` printed (torch's `[rankN]:` prefix)."""
-    return f"[rank{rank}]: {said} (the same traceback as rank {first}'s, printed in its output)"
+def print_once(store: dist.Store, rank: int, exc: BaseException, said: str,
+               print_full: Callable[[], None], prefix: str = "[rank{rank}]: ") -> None:
+    """Print `exc`'s traceback (`print_full`), or one line naming the rank that printed the same
+    text; `said` is the exception in one line, `prefix` the rank's mark on that line (torch's
+    `[rankN]: ` for a script's, `[rank N] ` in `ringtrain train`'s log)."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    first = claim_traceback(store, rank, text)
+    if first is not None and first != rank and same_as(store, rank, text, first):
+        print(f"{prefix.format(rank=rank)}{said} (the same traceback as rank {first}'s, printed "
+              "in its output)", file=sys.stderr, flush=True)
+        return
+    print_full()
+    sys.stderr.flush()
+    if first == rank:
+        mark_printed(store, text)

@@ -34,7 +34,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Collection
 from datetime import timedelta
 from types import TracebackType
@@ -51,7 +50,7 @@ from ringtrain.launch.peer_failure import (
     uneven_hint,
     write_error_file,
 )
-from ringtrain.launch.traceback_once import claim_traceback, mark_printed, one_line, same_as
+from ringtrain.launch.traceback_once import print_once
 from ringtrain.launch.verdicts import Verdicts
 from ringtrain.runtime import get_runtime
 from ringtrain.store_keys import claim_key
@@ -262,16 +261,8 @@ class Watchdog(Verdicts):
         # the one the hook below prints, at the end of this rank's output (not printed twice).
         write_error_file(said, replace=False)
         # Every rank raising the same error (a model's mistake) prints it once between them.
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        first = claim_traceback(self._store, self.rank, text)
-        if first is not None and first != self.rank and same_as(self._store, self.rank, text,
-                                                                 first):
-            print(one_line(self.rank, said, first), file=sys.stderr, flush=True)
-            return
-        (self._previous_hook or sys.__excepthook__)(exc_type, exc, tb)
-        sys.stderr.flush()
-        if first == self.rank:
-            mark_printed(self._store, text)
+        print_once(self._store, self.rank, exc, said,
+                   lambda: (self._previous_hook or sys.__excepthook__)(exc_type, exc, tb))
 
     def _beat_loop(self) -> None:
         while not self._stop.is_set() and not self._fired.is_set():
