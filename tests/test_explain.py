@@ -385,3 +385,44 @@ def test_the_command_lists_explain(capsys):
 
     assert ringtrain_main(["--help"]) == 0  # in-process: an interpreter start prints the same
     assert "explain" in capsys.readouterr().out
+
+
+def test_an_export_is_named_as_one_not_as_a_run_without_config(tmp_path, capsys):
+    """`ringtrain explain gpt2_dir` said 'config.json is not the config.json of ringtrain
+    train'; an export holds one model and no run: the message says what it is and what reads
+    it. A finished run without snapshots (--snapshot-every 0) is still read as a run."""
+    from ringtrain.formats.dcp import export_dcp
+    from ringtrain.formats.hf_gpt2 import export_hf
+
+    model = GPT(GPTConfig(vocab_size=10, block_size=6, n_layer=1, n_head=2, n_embd=8))
+    for fmt, write, kind in (("hf", export_hf, "an hf export"), ("dcp", export_dcp,
+                                                                 "a dcp export")):
+        write(model, str(tmp_path / fmt))
+        assert main([str(tmp_path / fmt)]) == 2
+        assert capsys.readouterr().err == (
+            f"ringtrain explain: error: {tmp_path / fmt} is {kind}, not a run directory; "
+            f"`ringtrain sample {tmp_path / fmt}` generates with it; pass the --run-dir of the "
+            "run it came from to explain that run\n")
+    from ringtrain.models.export import export_model
+
+    finished = tmp_path / "finished"  # its final model beside its config.json, no snapshots
+    finished.mkdir()
+    _text_run(finished, str(tmp_path / "data"))
+    export_model(model, str(finished))
+    assert load_run(finished).config["world_size"] == 2
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(monkeypatch):
+    """`ringtrain plan ... | head -1`: a BrokenPipeError traceback at the first print after
+    head exited; now the exit a shell gives a tool the pipe ended (128 + SIGPIPE), quietly."""
+    import os
+    import signal
+
+    from ringtrain.cli import main as ringtrain_main
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone
+    with open(write, "w", buffering=1) as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        assert ringtrain_main(["plan", "--nproc-per-node", "2"]) == 128 + signal.SIGPIPE
+        print("more", file=out)  # stdout is /dev/null now: nothing raises at the exit

@@ -25,6 +25,7 @@ is `ringtrain.launch.launcher`. The CLI is the top: it may import most packages
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 _USAGE = """usage: ringtrain {run,train,prepare,sample,export,explain,plan} ...
@@ -49,7 +50,15 @@ _USAGE = """usage: ringtrain {run,train,prepare,sample,export,explain,plan} ...
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _command(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:  # `ringtrain explain RUN | head`: the reader has what it wanted
+        # Python's own advice: stdout to /dev/null, so the flush at exit raises nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # what a shell reports for a tool the pipe ended
+
+
+def _command(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_USAGE)
         return 0

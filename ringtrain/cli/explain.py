@@ -116,6 +116,15 @@ def load_run(path: str | Path) -> RunFiles:
         what = "not a directory" if root.exists() else "no such directory"
         raise ConfigError(f"{path}: {what}; pass the --run-dir of a `ringtrain train` run (it "
                           "holds config.json)")
+    from ringtrain.cli.sample import _is_export, _is_run
+    from ringtrain.formats.init_from import detect
+
+    if not _is_run(str(root)) and _is_export(str(root)):  # one model, no run to explain
+        kind = {"hf": "an hf export", "dcp": "a dcp export"}.get(
+            detect(str(root)), "a model directory (model.safetensors + model_config.json)")
+        raise ConfigError(f"{path} is {kind}, not a run directory; `ringtrain sample {path}` "
+                          "generates with it; pass the --run-dir of the run it came from to "
+                          "explain that run")
     config = _read_json(root / "config.json", "rank 0 writes it when the run starts")
     if not isinstance(config, dict) or not {"world_size", "args", "model"} <= set(config):
         raise ConfigError(f"{root / 'config.json'} is not the config.json of `ringtrain train` "
