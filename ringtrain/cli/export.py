@@ -97,20 +97,20 @@ def _in_the_way(out_dir: str, fmt: str) -> str | None:
     names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     if not names:
         return None
+    other = "dcp" if fmt == "hf" else "hf"
+    holds = {"hf": is_hf_gpt2(out_dir), "dcp": is_dcp(out_dir)}
     ours = {"hf": ("config.json", "model.safetensors", "tokenizer.json"),
             "dcp": (".metadata", "model_config.json", "tokenizer.json")}[fmt]
-    other = "dcp" if fmt == "hf" else "hf"
-    held = fmt if (is_dcp(out_dir) if fmt == "dcp" else is_hf_gpt2(out_dir)) else None
-    if held is None and (is_hf_gpt2(out_dir) if fmt == "dcp" else is_dcp(out_dir)):
-        held = other
     foreign = [n for n in names if n not in ours and not (fmt == "dcp" and n.endswith(".distcp"))]
-    if held == fmt and not foreign:
+    if holds[other]:
+        why = (f"{'an hf' if other == 'hf' else 'a dcp'} export: one directory of two models "
+               "is read as one or the other by reader (--init-from and sample take the dcp one, "
+               "transformers the hf one)")
+    elif not holds[fmt] or foreign:
+        why = "not an earlier ringtrain export of this format"
+    else:
         return None
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    article = "an hf" if other == "hf" else "a dcp"
-    why = (f"{article} export: one directory of two models is read as one or the other by "
-           "reader (--init-from and sample take the dcp one, transformers the hf one)"
-           if held == other else "not an earlier ringtrain export of this format")
     return (f"OUT_DIR {out_dir} is not empty ({shown}: {why}); give a new or empty directory, "
             f"or an earlier --format {fmt} export's, which is replaced")
 

@@ -31,8 +31,9 @@ def _first_start() -> bool:
 
 def resume_or_clear(opts: TrainOptions, rt, log) -> bool:
     """Whether to resume; on the job's first start only, --no-resume makes rank 0 set the
-    earlier run aside whole (`_start_afresh`) and --resume-from STEP the later snapshots
-    (`_rewind`). Nothing is deleted.
+    earlier run aside whole (`_start_afresh`), --resume-from STEP the later snapshots
+    (`_rewind`), and a resume past the run's end that end (`_set_aside_end`). Nothing is
+    deleted.
 
     A restarted worker resumes from the newest: it must continue the run it belongs to.
     """
