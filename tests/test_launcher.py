@@ -260,6 +260,24 @@ def test_ranks_that_raised_the_same_error_are_said_to_have(tmp_path):
                          "  rank 2: ValueError: rank 2 has bad data"]
 
 
+def test_a_job_whose_every_attempt_raised_the_same_is_told_restarts_do_not_fix_it(tmp_path):
+    """--max-restarts 2 on a script with a bug: three attempts, three identical reports, then
+    a line saying what restarts are for; not after a kill, an exit code or another error."""
+    from ringtrain.launch.failure_report import root_message, same_every_attempt
+
+    shape = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x5 and 4x2)"
+    raised = {1: _failure(tmp_path, 1, 1, shape), 0: _failure(tmp_path, 0, -signal.SIGTERM)}
+    assert root_message(raised) == shape
+    assert same_every_attempt([shape, shape], shape) == (
+        "ringtrain run: every attempt (3) failed with this same error: restarts help a worker "
+        "or node that was lost, not a mistake in the script; fix it, then run again")
+    killed = root_message({2: _failure(tmp_path, 2, -signal.SIGKILL)})  # no error file
+    assert killed == "killed by SIGKILL"
+    for earlier, last in (([], shape), ([killed], killed), (["ValueError: x"], shape),
+                          ([shape], "exit code 3")):
+        assert same_every_attempt(earlier, last) is None, (earlier, last)
+
+
 def test_report_for_a_signal_without_error_file(tmp_path):
     failures = {1: _failure(tmp_path, 1, -signal.SIGKILL),
                 0: _failure(tmp_path, 0, -signal.SIGTERM)}

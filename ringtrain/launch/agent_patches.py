@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterator
 from torch.distributed.elastic.agent.server import WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from ringtrain.launch.failure_report import STOPPED_EXIT_CODE, format_failure
+from ringtrain.launch.failure_report import STOPPED_EXIT_CODE, format_failure, root_message
 from ringtrain.launch.peer_failure import PEER_FAILED_EXIT_CODE
 from ringtrain.torch_internals import (
     CAPTURE_PROCESS_FAILURES,
@@ -124,10 +124,12 @@ class _DropTorchsRestartNotice(logging.Filter):
 
 
 @contextlib.contextmanager
-def naming_failures_before_restarts(max_restarts: int) -> Iterator[None]:
+def naming_failures_before_restarts(max_restarts: int,
+                                    causes: list[str] | None = None) -> Iterator[None]:
     """Inside: before the agent restarts its workers after a failure, the launcher says which
     rank failed and why (the report `ringtrain run` prints when no restart is left, from the
-    failures of the agent's last poll) and which restart this is. torch's agent logs only
+    failures of the agent's last poll) and which restart this is; `causes` gets each restarted
+    attempt's failure in a line (`root_message`), for the report at the end. torch's agent logs only
     "Worker group FAILED. 1/1 attempts left; will restart worker group", which this replaces.
     A node whose workers restart only because another node's failed (state HEALTHY: a new
     rendezvous) says nothing; the failing node says it."""
@@ -150,7 +152,10 @@ def naming_failures_before_restarts(max_restarts: int) -> Iterator[None]:
     def restart_workers(self, worker_group):
         if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and seen:
             restarts[0] += 1
-            report = format_failure(ChildFailedError("worker", seen.pop()))
+            failures = seen.pop()
+            if causes is not None:
+                causes.append(root_message(failures))
+            report = format_failure(ChildFailedError("worker", failures))
             print(f"{report}\nringtrain run: restarting every worker (restart {restarts[0]} of "
                   f"--max-restarts {max_restarts})", file=sys.stderr, flush=True)
         return restart(self, worker_group)

@@ -91,6 +91,23 @@ def _what_became_of(failure: ProcessFailure, first_message: str) -> str:
         _describe_exit(failure)
 
 
+def root_message(failures: dict[int, ProcessFailure]) -> str:
+    """What the first failing rank raised, or how it exited: one attempt's failure in a line."""
+    failure = failures[root_cause(failures)]
+    return _error_text(failure)[0] or _describe_exit(failure)
+
+
+def same_every_attempt(earlier: list[str], last: str) -> str | None:
+    """A line for the end of a job whose every attempt failed with the same exception (a bug:
+    restarting cannot help), or None. `earlier`: `root_message` of each restarted attempt."""
+    if not earlier or any(m != last for m in earlier) or not last or last.startswith(
+            ("killed by", "exit code", _PEER_FAILURE)):
+        return None  # a kill, an exit code, a lost peer: a restart may well have helped
+    return (f"ringtrain run: every attempt ({len(earlier) + 1}) failed with this same error: "
+            "restarts help a worker or node that was lost, not a mistake in the script; fix it, "
+            "then run again")
+
+
 def format_failure(err: ChildFailedError) -> str:
     """The report: the first failing rank, why, its traceback, and what became of the others."""
     rank = root_cause(err.failures)

@@ -62,6 +62,8 @@ from ringtrain.launch.failure_report import (
     explained_by_workers,
     format_failure,
     root_cause,
+    root_message,
+    same_every_attempt,
 )
 from ringtrain.launch.live_agent import (
     LiveJobFailedError,
@@ -158,6 +160,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
                                                  signal.SIGQUIT, signal.SIGUSR1)}
     multi_node = int(str(args.nnodes).split(":")[-1]) > 1
+    causes: list[str] = []  # each restarted attempt's failure (naming_failures_before_restarts)
     try:
         with contextlib.ExitStack() as stack:
             # First: its warm process is forked from this one before anything starts a thread.
@@ -169,7 +172,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
             if live:
                 stack.enter_context(replacing_lost_workers(spares=live_spares, memory=memory))
             elif args.max_restarts > 0:
-                stack.enter_context(naming_failures_before_restarts(args.max_restarts))
+                stack.enter_context(naming_failures_before_restarts(args.max_restarts, causes))
             if multi_node:
                 stack.enter_context(_bounded_rendezvous(config.rdzv_endpoint, live=live))
                 stack.enter_context(restarts_for_the_job())
@@ -182,6 +185,8 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
         if DISK_FULL_EXIT_CODE in codes and codes <= {DISK_FULL_EXIT_CODE, -signal.SIGTERM}:
             return DISK_FULL_EXIT_CODE  # stopped at their last snapshot; rank 0 said why
         print(format_failure(e), file=sys.stderr, flush=True)
+        if said := same_every_attempt(causes, root_message(e.failures)):
+            print(said, file=sys.stderr, flush=True)
         # The workers stopped on SIGTERM after saving (a slow one may have been stopped by the
         # agent itself): say so with the same code, not 1.
         if STOPPED_EXIT_CODE in codes and codes <= {STOPPED_EXIT_CODE, -signal.SIGTERM}:
