@@ -148,7 +148,8 @@ RUN_CASES = [
     (["--nnodes", "2", "--rdzv-endpoint", "nocolon", "SCRIPT"],
      r"--rdzv-endpoint nocolon: .*HOST:PORT"),
     (["--watchdog-timeout", "-1", "SCRIPT"], r"--watchdog-timeout -1: it must be >= 0"),
-    (["DIR"], r"training script '\S*' not found .*pass a path to a \.py file"),
+    (["DIR"], r"training script '\S*' is a directory without a __main__\.py, which python "
+             r"would run; pass the \.py file to run"),
     (["-m", "no_such_module_rt"], r"module 'no_such_module_rt' not found .*PYTHONPATH"),
 ]
 

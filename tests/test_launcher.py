@@ -443,6 +443,18 @@ def test_a_script_that_does_not_compile_starts_no_worker(tmp_path, monkeypatch, 
         "again:", '  File "typo.py", line 2', "    def f(:", "          ^",
         "SyntaxError: invalid syntax"]
     assert "null bytes" in missing_entrypoint("nul.py", module=False, no_python=False)
+    # What python runs by its __main__.py is not compiled as a script: a zipapp (or a pex, a
+    # zip with a shebang) has null bytes, and a directory no source at all.
+    import zipapp
+
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("print('ran')\n")
+    zipapp.create_archive(tmp_path / "app", tmp_path / "app.pyz")
+    (tmp_path / "empty").mkdir()
+    for ok in ("app", "app.pyz"):
+        assert missing_entrypoint(ok, module=False, no_python=False) is None, ok
+    assert "'empty' is a directory without a __main__.py" in missing_entrypoint(
+        "empty", module=False, no_python=False)
     assert main(["--nproc-per-node", "2", "typo.py"]) == 2
     assert "ringtrain run: error: training script 'typo.py' does not compile" in \
         capsys.readouterr().err

@@ -6,7 +6,8 @@
 
 Without the check, N workers start, each dies of the same ImportError (or prints the same
 SyntaxError), and the user reads N tracebacks and a failure report for what was a typing
-mistake. A script is compiled here as its workers' interpreter (this one: `ringtrain run` starts
+mistake. A directory or a zip (a zipapp, a pex) is run by its __main__.py, which is looked for.
+A script is compiled here as its workers' interpreter (this one: `ringtrain run` starts
 `sys.executable`) will compile it, which runs none of it; a module is only looked up (its file is
 found by its package's finders, and compiling a package's `__main__` is not worth the lookup).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import zipfile
 from importlib.machinery import ModuleSpec, PathFinder
 
 
@@ -64,10 +66,25 @@ def missing_entrypoint(script: str, module: bool, no_python: bool) -> str | None
         return (f"module {script!r} not found (in {os.getcwd()} or on sys.path); check its "
                 "spelling, run from the directory that holds it, or add that directory to "
                 "PYTHONPATH")
+    if os.path.isdir(script) or (os.path.isfile(script) and zipfile.is_zipfile(script)):
+        # `python DIR` and `python APP.pyz` (a zipapp, a pex) run the __main__.py inside
+        return None if _has_main(script) else (
+            f"training script {script!r} is a {'directory' if os.path.isdir(script) else 'zip'} "
+            "without a __main__.py, which python would run; pass the .py file to run")
     if not os.path.isfile(script):
         return (f"training script {script!r} not found (in {os.getcwd()}); pass a path to a "
                 ".py file, or -m for a module")
     return _compile_error(script)
+
+
+def _has_main(path: str) -> bool:
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, "__main__.py"))
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n in z.namelist() for n in ("__main__.py", "__main__.pyc"))
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _compile_error(script: str) -> str | None:
