@@ -116,12 +116,16 @@ def load_run(path: str | Path) -> RunFiles:
         what = "not a directory" if root.exists() else "no such directory"
         raise ConfigError(f"{path}: {what}; pass the --run-dir of a `ringtrain train` run (it "
                           "holds config.json)")
-    from ringtrain.cli.sample import _is_export, _is_run
-    from ringtrain.formats.init_from import detect
+    from ringtrain.cli.sample import _is_run
+    from ringtrain.formats.init_from import FormatError, detect
 
-    if not _is_run(str(root)) and _is_export(str(root)):  # one model, no run to explain
+    try:
+        held = None if _is_run(str(root)) else detect(str(root))  # an export: one model, no run
+    except FormatError:
+        held = None
+    if held is not None:
         kind = {"hf": "an hf export", "dcp": "a dcp export"}.get(
-            detect(str(root)), "a model directory (model.safetensors + model_config.json)")
+            held, "a model directory (model.safetensors + model_config.json)")
         raise ConfigError(f"{path} is {kind}, not a run directory; `ringtrain sample {path}` "
                           "generates with it; pass the --run-dir of the run it came from to "
                           "explain that run")

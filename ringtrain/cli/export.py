@@ -86,21 +86,21 @@ def run_tokenizer(run_dir: str) -> dict | None:
         return None
 
 
-def _in_the_way(out_dir: str, fmt: str) -> str | None:
-    """Why OUT_DIR cannot take this export, or None: it is new, empty, or an earlier export of
-    the same format (replaced: the same names). An export of the other format stays in the way:
-    dcp's .metadata beside a new hf export made --init-from and sample read the old dcp model,
-    silently; files that are no export are not ours to overwrite."""
-    from ringtrain.formats.dcp import is_dcp
-    from ringtrain.formats.hf_gpt2 import is_hf_gpt2
+def _in_the_way(out_dir: str, names: list[str], fmt: str) -> str | None:
+    """Why OUT_DIR (holding `names`) cannot take this export, or None: it is new, empty, or an
+    earlier export of the same format (replaced: the same names). An export of the other format
+    stays in the way: dcp's .metadata beside a new hf export made --init-from and sample read
+    the old dcp model, silently; files that are no export are not ours to overwrite."""
+    from ringtrain.data.prepare import TOKENIZER_FILE
+    from ringtrain.formats import dcp, hf_gpt2
+    from ringtrain.models.export import CONFIG
 
-    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     if not names:
         return None
     other = "dcp" if fmt == "hf" else "hf"
-    holds = {"hf": is_hf_gpt2(out_dir), "dcp": is_dcp(out_dir)}
-    ours = {"hf": ("config.json", "model.safetensors", "tokenizer.json"),
-            "dcp": (".metadata", "model_config.json", "tokenizer.json")}[fmt]
+    holds = {"hf": hf_gpt2.is_hf_gpt2(out_dir), "dcp": dcp.is_dcp(out_dir)}
+    ours = {"hf": (hf_gpt2.CONFIG, hf_gpt2.WEIGHTS, TOKENIZER_FILE),
+            "dcp": (dcp.METADATA, CONFIG, TOKENIZER_FILE)}[fmt]
     foreign = [n for n in names if n not in ours and not (fmt == "dcp" and n.endswith(".distcp"))]
     if holds[other]:
         why = (f"{'an hf' if other == 'hf' else 'a dcp'} export: one directory of two models "
@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ringtrain export: OUT_DIR {args.out_dir} is a file, not a directory; give a "
               "directory (created if missing)", file=sys.stderr)
         return USAGE_EXIT_CODE
-    if (in_the_way := _in_the_way(args.out_dir, args.format)) is not None:
+    there = sorted(os.listdir(args.out_dir)) if os.path.isdir(args.out_dir) else []
+    if (in_the_way := _in_the_way(args.out_dir, there, args.format)) is not None:
         print(f"ringtrain export: {in_the_way}", file=sys.stderr)
         return USAGE_EXIT_CODE
     try:
@@ -138,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT_CODE
     from ringtrain.formats.tokenizer import portable
 
-    replacing = os.path.isdir(args.out_dir) and bool(os.listdir(args.out_dir))
     try:
         os.makedirs(args.out_dir, exist_ok=True)
         tokenizer = portable(run_tokenizer(args.run_dir), args.out_dir)  # init-from checks it
@@ -149,6 +149,6 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT_CODE
     copied = [tokenizer["file"]] if tokenizer and "file" in tokenizer else []  # a BPE's
     names = list(dict.fromkeys([*map(os.path.basename, paths), *copied]))
-    replaced = f" (replacing the {args.format} export there)" if replacing else ""
+    replaced = f" (replacing the {args.format} export there)" if there else ""
     print(f"wrote {args.format} to {args.out_dir}{replaced}: {', '.join(names)}")
     return 0

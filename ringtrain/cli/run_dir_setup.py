@@ -17,6 +17,10 @@ from collections.abc import Callable
 
 from ringtrain.cli.options import TrainOptions
 from ringtrain.errors import ConfigError
+from ringtrain.models.export import CONFIG, WEIGHTS
+
+# A finished run's end: what --resume-from and a resume past the end move aside together.
+END_FILES = ("summary.json", WEIGHTS, CONFIG, "report.png")
 
 
 def _first_start() -> bool:
@@ -59,11 +63,9 @@ def _start_afresh(run_dir: str, log) -> None:
     import time
 
     from ringtrain.checkpoint.rewind import FRESH_PREFIX, set_aside
-    from ringtrain.models.export import CONFIG, WEIGHTS
     from ringtrain.training.tensorboard import SUBDIR
 
-    names = ("snapshots", "config.json", "metrics.jsonl", "summary.json", WEIGHTS, CONFIG,
-             "report.png", SUBDIR, "trace.json")
+    names = ("snapshots", "config.json", "metrics.jsonl", *END_FILES, SUBDIR, "trace.json")
     into = os.path.join(run_dir, "set-aside", FRESH_PREFIX + time.strftime("%Y%m%d-%H%M%S"))
     if moved := set_aside([os.path.join(run_dir, n) for n in names], into=into):
         log.info("--no-resume: the earlier run's %s set aside in %s (delete it when it is no "
@@ -80,7 +82,6 @@ def _set_aside_end(run_dir: str, steps: int, log) -> None:
     import time
 
     from ringtrain.checkpoint.rewind import END_PREFIX, set_aside
-    from ringtrain.models.export import CONFIG, WEIGHTS
 
     try:
         with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
@@ -91,8 +92,7 @@ def _set_aside_end(run_dir: str, steps: int, log) -> None:
         return
     into = os.path.join(run_dir, "set-aside",
                         f"{END_PREFIX}{ended}-{time.strftime('%Y%m%d-%H%M%S')}")
-    names = ("summary.json", WEIGHTS, CONFIG, "report.png")
-    if moved := set_aside([os.path.join(run_dir, n) for n in names], into=into):
+    if moved := set_aside([os.path.join(run_dir, n) for n in END_FILES], into=into):
         log.info("the run goes on from its end at step %d to --steps %d: that end's %s set aside "
                  "in %s (until the run ends again, `ringtrain sample` and `export` read its "
                  "newest snapshot)", ended, steps, ", ".join(p.name for p in moved), into)
@@ -160,7 +160,6 @@ def _rewind(run, rt, log) -> None:
 
         from ringtrain.checkpoint.files import snap_step
         from ringtrain.checkpoint.rewind import set_aside_after
-        from ringtrain.models.export import CONFIG, WEIGHTS
 
         def here(name: str) -> str:
             return os.path.join(run.run_dir, name)
@@ -169,7 +168,7 @@ def _rewind(run, rt, log) -> None:
         try:  # the abandoned run's end is moved; its metrics, which the resume trims, copied
             moved = set_aside_after(
                 here("snapshots"), run.resume_from, into=into, copy=[here("metrics.jsonl")],
-                move=[here(n) for n in ("summary.json", WEIGHTS, CONFIG, "report.png")])
+                move=[here(n) for n in END_FILES])
         except ValueError as e:
             return str(e)
         if moved:
