@@ -147,6 +147,18 @@ def test_a_larger_steps_extends_the_run_on_the_schedule_of_its_new_length(tmp_pa
                                       "starts afresh)"), said
 
 
+def test_the_last_step_is_snapshotted_so_a_short_run_goes_on_from_its_end(tmp_path,
+                                                                          single_process):
+    """7 steps at snapshot_every=5: snapshots of steps 5 and 7 (the last), so the run goes on
+    from step 7, not from 5 (steps redone) or from 0 over its results."""
+    assert _run(single_process, tmp_path, 7)["steps"] == 7
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == [
+        "snap-00000005", "snap-00000007"]
+    assert _run(single_process, tmp_path, 12)["resumed_from_step"] == [7]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+
+
 # -- the resume table ----------------------------------------------------------------------------
 def _representative() -> list[tuple[rp.Layout, rp.Layout]]:
     """Each converter (ddp, zero, pipeline) as a source and as a target, world sizes 1 -> 2

@@ -130,6 +130,45 @@ def test_a_finished_run_going_on_is_read_as_in_progress_and_its_end_kept(run, tm
         detect(str(run_dir))  # --init-from: not its old end's model, silently
 
 
+@pytest.mark.parametrize("every, why", [
+    (3, "{run_dir}/snapshots holds none"),  # deleted
+    (0, "it ran with --snapshot-every 0"),
+    (100, "its 6 steps took none at --snapshot-every 100")])  # before the last step's snapshot
+def test_a_finished_run_with_no_snapshot_is_not_trained_again_over(run, tmp_path, every, why):
+    """A finished run with no snapshot to go on from: resuming would train from step 0 and
+    replace its metrics, model and summary; refused (same or more --steps), nothing moved;
+    --no-resume sets it aside and starts afresh."""
+    import shutil
+    from types import SimpleNamespace
+
+    from ringtrain.cli.run_dir_setup import resume_or_clear
+    from ringtrain.cli.train_args import parse_options
+    from ringtrain.errors import ConfigError
+
+    run_dir = tmp_path / "no-snapshot"
+    shutil.copytree(run, run_dir)
+    shutil.rmtree(run_dir / "snapshots")
+    config = json.loads((run_dir / "config.json").read_text())
+    config["args"]["snapshot_every"] = every
+    (run_dir / "config.json").write_text(json.dumps(config))
+    rank0, log = SimpleNamespace(rank=0, world_size=1), logging.getLogger("test")
+    said = (f"--run-dir {run_dir} holds a finished run of 6 steps and no snapshot to go on from "
+            f"({why.format(run_dir=run_dir)}): training now would start at step 0 and replace "
+            f"its results. --no-resume sets that run aside in {run_dir}/set-aside/ and trains "
+            f"afresh; or give another --run-dir (--init-from {run_dir} starts a new run from its "
+            "final model)")
+    for steps in ("6", "9"):
+        with pytest.raises(ConfigError) as e:
+            resume_or_clear(parse_options(["--run-dir", str(run_dir), "--steps", steps]), rank0,
+                            log)
+        assert str(e.value) == said
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(
+        p.name for p in run.iterdir() if p.name != "snapshots")  # nothing moved
+    assert not resume_or_clear(parse_options(["--run-dir", str(run_dir), "--no-resume"]), rank0,
+                               log)
+    assert not (run_dir / "summary.json").exists()
+
+
 def test_docs_lines_load_the_export_literally(run, monkeypatch):
     """docs/train.md's two blocks as written, from the run's parent directory: the first in a
     process where ringtrain cannot be imported, then both here."""

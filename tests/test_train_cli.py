@@ -36,7 +36,9 @@ def test_two_processes_end_to_end(tmp_path):
     assert not any(s in proc.stdout + proc.stderr for s in ABORTED), proc.stderr[-3000:]
     files = set(os.listdir(run_dir)) - {"tensorboard"}  # there when the package is installed
     assert sorted(files) == [".lock", "config.json", "metrics.jsonl", "model.safetensors",
-                             "model_config.json", "report.png", "summary.json"]
+                             "model_config.json", "report.png", "snapshots", "summary.json"]
+    # 20 steps at --snapshot-every 100: the last step's snapshot, so the run can go on
+    assert os.listdir(run_dir / "snapshots") == ["snap-00000020"]
     assert (run_dir / ".lock").read_text().startswith("pid ")  # rank 0's, while it trained
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in SUMMARY_KEYS:

@@ -6,8 +6,7 @@
     checkpointer.save(step)        # every rank, at the same step boundary
 
 (`Trainer` does both when given `run_dir` and `snapshot_every`; `ringtrain train` then resumes
-by itself from its run directory.) Tests: `.venv/bin/pytest -q tests/test_resume.py
-tests/test_elastic.py tests/test_restart.py`.
+by itself from its run directory.) Tests: tests/test_resume.py, test_elastic.py, test_restart.py.
 
 What a snapshot holds (files written by `ringtrain.checkpoint.snapshot.SnapshotManager`):
 - `shared.pt` (rank 0): the trainer's state (step, sampler cursor and epoch, running totals,
@@ -30,9 +29,8 @@ any number of ranks, ZeRO resharded); otherwise it goes through the layout-free 
 `load_portable_state_dict`), so ddp, zero and pipeline snapshots resume in one another.
 A larger `--steps` extends the run (`TrainerConfig.resume_view`: the schedule of the new length).
 
-The rules it applies (what must match, the elastic batch, the reseed) are plain functions in
-`rules.py`; catching SIGTERM/SIGINT/SIGUSR1 is `StopSignal` in `stop.py`. Both names stay
-importable from here.
+Its rules (what must match, the elastic batch, the reseed, which steps save) are functions in
+`rules.py`; SIGTERM/SIGINT/SIGUSR1 is `StopSignal` in `stop.py` (both importable from here).
 """
 
 from __future__ import annotations
@@ -52,7 +50,13 @@ import torch.distributed as dist
 from ringtrain import collectives
 from ringtrain.checkpoint.loop_save import LoopSave
 from ringtrain.checkpoint.rng import set_rng_state
-from ringtrain.checkpoint.rules import config_differences, elastic_batch, reseed, tokenizer_change
+from ringtrain.checkpoint.rules import (
+    config_differences,
+    elastic_batch,
+    reseed,
+    snapshot_due,
+    tokenizer_change,
+)
 from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
 from ringtrain.checkpoint.sharded import load_strategy_parts
 from ringtrain.checkpoint.snapshot import (
@@ -115,7 +119,7 @@ class Checkpointer:
             batch layout are read from it.
         data_world_size: the strategy's number of data ranks.
         root_dir: the snapshot directory, the same on every rank (`<run_dir>/snapshots`).
-        every: steps between periodic snapshots; 0 saves none (and SIGTERM is not caught).
+        every: steps between snapshots, and the last step (`snapshot_due`); 0: none, no SIGTERM.
         keep: committed snapshots kept.
         timeout_s: bound on each rank's part of a save (see `SnapshotManager`).
         run_config: options that must equal the snapshot's to resume (flag name -> value).
@@ -151,7 +155,7 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+        return snapshot_due(step, every=self.every, steps=self.steps)
 
     def _topology(self) -> dict[str, Any]:
         return {"strategy": self.strategy.name, "data_world_size": self.data_world_size,

@@ -1,7 +1,9 @@
-"""The rules of a resume, as plain functions: what must match, and how the global batch is kept.
+"""The rules of a resume, as plain functions: what must match, how the global batch is kept,
+and after which steps a snapshot is taken.
 
     elastic_batch(64, 3, 8, saved_data_world_size=2)   # ConfigError: 64 is not a multiple of 3
     config_differences({"lr": 0.001}, {"lr": 0.002})   # ["--lr 0.001 in the snapshot, 0.002 now"]
+    snapshot_due(7, every=5, steps=7)                  # True: the last step has one
 
 Apart from `Checkpointer` (`resume.py`), which applies them, because they need no process, no
 store and no file: each is unit-tested on its own (`.venv/bin/pytest -q tests/test_elastic.py`).
@@ -20,7 +22,16 @@ import torch
 
 from ringtrain.errors import ConfigError
 
-__all__ = ["config_differences", "elastic_batch", "reseed"]
+__all__ = ["config_differences", "elastic_batch", "reseed", "snapshot_due"]
+
+
+def snapshot_due(step: int, *, every: int, steps: int) -> bool:
+    """Whether the trainer saves a snapshot after `step` (1-based) of a `steps`-step run: every
+    `every` steps and after the last one (0: never). The last: a finished run with none (a
+    run shorter than --snapshot-every) could be neither extended nor run again without
+    training over its results from step 0."""
+    return every > 0 and (step % every == 0 or step == steps)
+
 
 
 def elastic_batch(global_batch: int, data_world_size: int, batch_size: int, *,

@@ -240,8 +240,9 @@ class RunOptions:
     trace_steps: StepRange | None = option(None, "record a timeline of steps A to B-1 on every "
                                            "rank into RUN_DIR/trace.json (ui.perfetto.dev)",
                                            type=parse_steps, metavar="A:B")
-    snapshot_every: int = option(100, "steps between snapshots in RUN_DIR/snapshots (and one on "
-                                 "SIGTERM), 0: none", type=_non_negative)
+    snapshot_every: int = option(100, "steps between snapshots in RUN_DIR/snapshots (and one "
+                                 "after the last step and on SIGTERM), 0: none",
+                                 type=_non_negative)
     sync_snapshots: bool = option(False, "write each snapshot in the step (the step waits for "
                                   "the disk); by default the step copies the state to host "
                                   "memory and a thread writes and commits it")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from ringtrain.cli.options import TrainOptions
 from ringtrain.errors import ConfigError
@@ -36,8 +37,8 @@ def _first_start() -> bool:
 def resume_or_clear(opts: TrainOptions, rt, log) -> bool:
     """Whether to resume; on the job's first start only, --no-resume makes rank 0 set the
     earlier run aside whole (`_start_afresh`), --resume-from STEP the later snapshots
-    (`_rewind`), and a resume past the run's end that end (`_set_aside_end`). Nothing is
-    deleted.
+    (`_rewind`), and a resume past the run's end that end (`_set_aside_end`); a finished
+    run with no snapshot to go on from is refused (`_past_end`). Nothing is deleted.
 
     A restarted worker resumes from the newest: it must continue the run it belongs to.
     """
@@ -47,8 +48,9 @@ def resume_or_clear(opts: TrainOptions, rt, log) -> bool:
     if run.resume_from is not None:
         _rewind(run, rt, log)
     if run.resume:
-        if rt.rank == 0:
-            _set_aside_end(run.run_dir, opts.trainer.steps, log)
+        _decided_by_rank0(rt, END_KEY, lambda: _past_end(run.run_dir, opts.trainer.steps, log),
+                          f"rank 0 did not say within 10 minutes whether --run-dir "
+                          f"{run.run_dir}'s earlier run can go on")
         return True
     if rt.rank == 0:
         _start_afresh(run.run_dir, log)
@@ -72,24 +74,53 @@ def _start_afresh(run_dir: str, log) -> None:
                  "longer needed)", ", ".join(os.path.basename(p) for p in moved), into)
 
 
-def _set_aside_end(run_dir: str, steps: int, log) -> None:
-    """A finished run resumed for more steps: its end (summary, final model, report) described
-    the run as over at that step, and `ringtrain sample`, `export` and `explain` presented it as
-    the run's, an older model than the snapshots training writes since. It moves to
-    RUN_DIR/set-aside/end-STEP-<time>/, so they read the run as one in progress (the newest
-    snapshot) until its new end is written. Nobody else reads these files before the end."""
-    import json
-    import time
+END_KEY = "ringtrain/train/past_end"  # rank 0's outcome: "ok" or why the run cannot go on
 
-    from ringtrain.checkpoint.rewind import END_PREFIX, set_aside
+
+def _past_end(run_dir: str, steps: int, log) -> str:
+    """Rank 0, resuming: "ok", or why a finished run in `run_dir` cannot go on ("a finished
+    run and no snapshot"). A finished run resumed for more steps has its end set aside
+    (`_set_aside_end`)."""
+    import json
+
+    from ringtrain.checkpoint.files import COMMITTED, snap_dirs
 
     try:
         with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
             ended = int(json.load(f)["steps"])
     except (OSError, ValueError, KeyError, TypeError):
-        return  # never ended, or an end this code cannot read: left as it is
-    if ended >= steps:
-        return
+        return "ok"  # never ended, or an end this code cannot read: left as it is
+    root = os.path.join(run_dir, "snapshots")
+    if not any((p / COMMITTED).is_file() for p in snap_dirs(Path(root))):
+        # Resuming nothing would train from step 0 over the run's metrics, model and summary.
+        try:
+            with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+                every = json.load(f)["args"].get("snapshot_every")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            every = None
+        why = ("it ran with --snapshot-every 0" if every == 0 else
+               f"its {ended} steps took none at --snapshot-every {every}"
+               if isinstance(every, int) and ended < every else f"{root} holds none")
+        return (f"--run-dir {run_dir} holds a finished run of {ended} steps and no snapshot to "
+                f"go on from ({why}): training now would start at step 0 and replace its "
+                f"results. --no-resume sets that run aside in {run_dir}/set-aside/ and trains "
+                f"afresh; or give another --run-dir (--init-from {run_dir} starts a new run "
+                f"from its final model)")
+    if ended < steps:
+        _set_aside_end(run_dir, ended, steps, log)
+    return "ok"
+
+
+def _set_aside_end(run_dir: str, ended: int, steps: int, log) -> None:
+    """A finished run resumed for more steps: its end (summary, final model, report) described
+    the run as over at that step, and `ringtrain sample`, `export` and `explain` presented it as
+    the run's, an older model than the snapshots training writes since. It moves to
+    RUN_DIR/set-aside/end-STEP-<time>/, so they read the run as one in progress (the newest
+    snapshot) until its new end is written. Nobody else reads these files before the end."""
+    import time
+
+    from ringtrain.checkpoint.rewind import END_PREFIX, set_aside
+
     into = os.path.join(run_dir, "set-aside",
                         f"{END_PREFIX}{ended}-{time.strftime('%Y%m%d-%H%M%S')}")
     if moved := set_aside([os.path.join(run_dir, n) for n in END_FILES], into=into):

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from ringtrain.checkpoint.rules import snapshot_due
 from ringtrain.data.sample_log import SampleLog
 from ringtrain.errors import ConfigError
 from ringtrain.live import (
@@ -130,7 +131,7 @@ def live_driver(strategy: Strategy, live: LiveSettings, runtime: Runtime, train_
     return LiveDriver(live, hooks, runtime, train_set, seed=config.seed,
                       global_batch=config.batch_size * config.grad_accum * live.world_size,
                       grad_accum=config.grad_accum, lr_of=lambda step: lr_at(step, config),
-                      samples=samples, run_dir=run_dir)
+                      steps=config.steps, samples=samples, run_dir=run_dir)
 
 
 class LiveDriver:
@@ -138,9 +139,10 @@ class LiveDriver:
 
     def __init__(self, settings: LiveSettings, hooks: LiveHooks, runtime: Runtime,
                  dataset: Dataset, *, global_batch: int, grad_accum: int, seed: int,
-                 lr_of: Callable[[int], float], samples: SampleLog | None = None,
+                 lr_of: Callable[[int], float], steps: int, samples: SampleLog | None = None,
                  run_dir: str | None = None):
         self.settings, self.hooks, self.dataset = settings, hooks, dataset
+        self.steps = steps  # the run's last step: a snapshot is taken after it too
         self.lr_of = lr_of  # step -> its learning rate: a round redone after a fault
         self.run_dir = run_dir  # RUN_DIR/live/PID.json: each process's part, at join and close
         self.grad_accum, self.samples = grad_accum, samples
@@ -311,8 +313,7 @@ class LiveDriver:
         micro = self._micro(new)
         ids, trained = (held.ids + new, held.micro + micro) if held is not None else (new, micro)
         self._pending = _Held(step, ids, trained)
-        every = self.settings.snapshot_every
-        if every > 0 and (step + 1) % every == 0:  # the trainer saves after it (`due`)
+        if snapshot_due(step + 1, every=self.settings.snapshot_every, steps=self.steps):  # `due`
             self.hooks.will_save(step)
         result = self.hooks.train_step(micro, lr=lr, grad_clip=grad_clip,
                                        weight=len(new) / self.batches.global_batch_size,
