@@ -209,7 +209,7 @@ def test_a_zero_snapshot_is_put_together_and_the_addition_task_samples_digits(tm
     from_snapshot = capsys.readouterr().out
     assert re.fullmatch(r"(\d+\+\d+=\d+ (ok|\(wrong: \d+\))\n){5}", from_snapshot)
     assert ringtrain_main(["sample", run_dir]) == 0 and capsys.readouterr().out == from_snapshot
-    for prompt in ("12+34", "1234"):
+    for prompt in ("12+34", "1234", "12+34=", " 12 + 34 "):  # as typed, or copied from a sample
         assert ringtrain_main(["sample", run_dir, "--prompt", prompt]) == 0
         assert re.fullmatch(r"12\+34=\d+ (ok|\(wrong: 46\))\n", capsys.readouterr().out)
     from ringtrain.cli.sample import snapshot_model

@@ -191,9 +191,11 @@ def sums(model, digits: int, prompt: str | None, count: int | None) -> list[str]
     if prompt is None:
         pairs = AdditionDataset("test", digits).pairs[:count or 5]
         return [answer(model, a, b, digits) for a, b in pairs]
-    a, plus, b = prompt.partition("+")
-    if not plus and len(prompt) == 2 * digits:  # the operands as the model reads them
-        a, b = prompt[:digits], prompt[digits:]
+    # As the samples print it ('12+34=46 ok'): a copied '12+34=' or '12 + 34' is the same sum.
+    text = prompt.replace(" ", "").removesuffix("=")
+    a, plus, b = text.partition("+")
+    if not plus and len(text) == 2 * digits:  # the operands as the model reads them
+        a, b = text[:digits], text[digits:]
     if not all(x.isascii() and x.isdigit() and len(x) <= digits for x in (a, b)):
         example = "".join(str(i % 10 + 1) for i in range(2 * digits))
         raise SampleError(f"--prompt {prompt!r}: this run adds numbers of up to {digits} "
