@@ -16,6 +16,7 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -151,15 +152,22 @@ RUN_CASES = [
     (["DIR"], r"training script '\S*' is a directory without a __main__\.py, which python "
              r"would run; pass the \.py file to run"),
     (["-m", "no_such_module_rt"], r"module 'no_such_module_rt' not found .*PYTHONPATH"),
+    (["--cold-starts", "--master-port", "PORT", "SCRIPT"],  # held by the test: no worker starts
+     r"port (\d+) \(--master-port \1\) is in use on this host by another process .*ss -ltnp "
+     r".*; leave it out: on one node ringtrain run picks a free port"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", RUN_CASES, ids=_argv_id)
 def test_ringtrain_run_names_the_value_and_the_fix(argv, message, capsys, tmp_path):
     (tmp_path / "s.py").write_text("print('ran')\n")
-    argv = [{"SCRIPT": str(tmp_path / "s.py"), "DIR": str(tmp_path)}.get(a, a) for a in argv]
+    held = socket.create_server(("0.0.0.0", 0))  # a port another program listens on
+    named = {"SCRIPT": str(tmp_path / "s.py"), "DIR": str(tmp_path),
+             "PORT": str(held.getsockname()[1])}
+    argv = [named.get(a, a) for a in argv]
     started = time.monotonic()
-    assert run_main(argv) == 2
+    with held:
+        assert run_main(argv) == 2
     assert time.monotonic() - started < FAST_S
     line = _one_error(capsys, "ringtrain run")
     assert re.search(message, line), line

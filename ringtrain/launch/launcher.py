@@ -75,6 +75,7 @@ from ringtrain.launch.rendezvous import (
     _bounded_rendezvous,
     _multi_node_addresses,
     _single_node_rendezvous,
+    port_in_use,
 )
 from ringtrain.launch.run_args import get_args_parser, has_shutdown_timeout
 from ringtrain.launch.starts import forked_worker_starts
@@ -212,6 +213,9 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     except Exception as e:  # rendezvous timeouts and the like: one line, not a stack
         if (signalled := _signal_behind(e)) is not None:
             return _stopped_by(signalled)
+        if said := port_in_use(e, args):  # before any worker started
+            print(f"ringtrain run: error: {said}", file=sys.stderr, flush=True)
+            return USAGE_EXIT_CODE
         print(f"ringtrain run: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     finally:

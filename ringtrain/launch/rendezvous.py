@@ -10,7 +10,8 @@ rendezvous before `elastic_launch` starts:
 - across nodes, this node's address on the route to the rendezvous host, not the one its
   hostname resolves to (`_multi_node_addresses`);
 - across nodes, a rendezvous handler whose store queries cannot block the agent when the store's
-  host vanishes (`_BoundedRendezvous`, installed by `_bounded_rendezvous`).
+  host vanishes (`_BoundedRendezvous`, installed by `_bounded_rendezvous`);
+- a port the user named that another process holds, said with its fixes (`port_in_use`).
 
 .. warning:: relies on torch internals (the launcher's rendezvous registry, torch's own test
    of whether a host names this machine), taken through `ringtrain.torch_internals`, which
@@ -20,6 +21,7 @@ rendezvous before `elastic_launch` starts:
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import sys
 import threading
@@ -66,6 +68,24 @@ def _single_node_rendezvous(args) -> None:
 
     if args.master_port is None:
         args.master_port = 29500  # only read by the static backend, as in torchrun
+
+
+def port_in_use(error: BaseException, args) -> str | None:
+    """The words for a rendezvous port that another process holds (torch's agent: "The server
+    socket has failed to listen ... EADDRINUSE"), or None for any other error. Only a port
+    the user named: on one node without one, the OS picks a free port."""
+    text = str(error)
+    if "EADDRINUSE" not in text and "ddress already in use" not in text:
+        return None
+    found = re.search(r"port: (\d+)", text)
+    port = found.group(1) if found else str(args.master_port)
+    named = (f"--rdzv-endpoint {args.rdzv_endpoint}" if args.rdzv_backend == "c10d"
+             else f"--master-port {args.master_port}")
+    one_node = str(args.nnodes).split(":")[-1] == "1"
+    return (f"port {port} ({named}) is in use on this host by another process (another job's "
+            f"store? `ss -ltnp 'sport = :{port}'` names it); "
+            + ("leave it out: on one node ringtrain run picks a free port" if one_node else
+               "give node 0 a free port, the same on every node"))
 
 
 def _multi_node_addresses(args) -> None:
