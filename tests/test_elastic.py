@@ -199,3 +199,8 @@ def test_config_differences_name_each_option():
     diffs = config_differences(saved, {"lr": 0.001, "n_layer": 2, "data": None, "seed": 1})
     assert diffs == ["--lr 0.003 in the snapshot, 0.001 now",
                      "--seed (the default) in the snapshot, 1 now"]
+    # Floats as typed where that tells them apart (--min-lr is --lr / 10), in full where not.
+    assert config_differences({"min_lr": 0.003 / 10}, {"min_lr": 0.001}) == [
+        "--min-lr 0.0003 in the snapshot, 0.001 now"]
+    assert config_differences({"lr": 0.1 + 0.2}, {"lr": 0.3}) == [
+        "--lr 0.30000000000000004 in the snapshot, 0.3 now"]

@@ -72,9 +72,18 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     for key in sorted(set(saved) | set(now)):
         a, b = saved.get(key, missing), now.get(key, missing)
         if a != b:
-            show = [("(the default)" if v is missing else repr(v)) for v in (a, b)]
+            show = [("(the default)" if v is missing else _shown(v, b if v is a else a))
+                    for v in (a, b)]
             out.append(f"--{key.replace('_', '-')} {show[0]} in the snapshot, {show[1]} now")
     return out
+
+
+def _shown(value: Any, other: Any) -> str:
+    """A float as the user would type it (0.0003, not 0.00030000000000000003: --min-lr is
+    --lr / 10) where that still tells it from `other`; anything else as repr."""
+    if isinstance(value, float) and isinstance(other, float) and f"{value:.6g}" != f"{other:.6g}":
+        return f"{value:.6g}"
+    return repr(value)
 
 
 TOKENIZER = "tokenizer"  # a run_config key: the data's tokenizer ("char, 29 tokens, 3f2a...")
