@@ -169,6 +169,30 @@ def test_a_finished_run_with_no_snapshot_is_not_trained_again_over(run, tmp_path
     assert not (run_dir / "summary.json").exists()
 
 
+def test_a_refused_resume_leaves_the_runs_config(run, tmp_path, capsys):
+    """config.json is the run's until a resume is accepted: a command with another option (or
+    fewer --steps) is refused, and explain, `sample --snapshot` and the next resume still read
+    the run's own (they read the refused command's, and sample --snapshot failed to load)."""
+    import shutil
+
+    run_dir = tmp_path / "refused"
+    shutil.copytree(run, run_dir)
+    before = (run_dir / "config.json").read_bytes()
+    base = ["train", "--data", str(run.parent.parent / "data"), "--block-size", "16",
+            "--n-embd", "32", "--batch-size", "4", "--beta2", "0.99", "--no-bias",
+            "--tie-embeddings", "--threads", "1", "--no-progress", "--sample-length", "8",
+            "--no-report", "--snapshot-every", "3", "--run-dir", str(run_dir)]
+    for changed in (["--n-layer", "2", "--steps", "6"], ["--n-layer", "1", "--steps", "4"]):
+        with _in_process():
+            assert ringtrain_main([*base, *changed]) == 2
+        assert (run_dir / "config.json").read_bytes() == before
+    assert "--n-layer 1 in the snapshot, 2 now" in capsys.readouterr().err
+    assert ringtrain_main(["sample", str(run_dir), "--snapshot", "3", "--tokens", "2"]) == 0
+    with _in_process():  # the same options and more steps: accepted, and written
+        assert ringtrain_main([*base, "--n-layer", "1", "--steps", "7"]) == 0
+    assert json.loads((run_dir / "config.json").read_text())["args"]["steps"] == 7
+
+
 def test_docs_lines_load_the_export_literally(run, monkeypatch):
     """docs/train.md's two blocks as written, from the run's parent directory: the first in a
     process where ringtrain cannot be imported, then both here."""

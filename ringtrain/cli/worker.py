@@ -106,11 +106,6 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
         held = take_run_dir(run.run_dir, rt)  # one run per directory, before it is written
         job = build_job(opts)  # --data FILE.txt: prepared into the run directory
         resume = resume_or_clear(opts, rt, log)  # first: --no-resume sets the old config aside
-        if rt.rank == 0:
-            os.makedirs(run.run_dir, exist_ok=True)
-            unless_full(write_json, os.path.join(run.run_dir, "config.json"), {
-                "task": opts.task, "world_size": rt.world_size, "args": opts.flat(),
-                "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
         placed = _one_replica(rt) if launch.live else rt  # live: generations give the rest
         strategy = make_strategy(run.strategy, runtime=placed, **opts.strategy.kwargs())
         stop_when = None
@@ -125,6 +120,12 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
                           sync_snapshots=run.sync_snapshots,
                           run_config=run_config(opts, job), trace_steps=run.trace_steps,
                           live=_live_settings(opts, rt))
+        if rt.rank == 0:  # once its resume is accepted: a refused one (other options, fewer
+            # --steps) left the run's config.json, which explain and sample --snapshot read
+            trainer.on_start = lambda step: unless_full(
+                write_json, os.path.join(run.run_dir, "config.json"), {
+                    "task": opts.task, "world_size": rt.world_size, "args": opts.flat(),
+                    "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
         n_params = sum(p.numel() for p in trainer.model.parameters())
         log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, "
                  "%d steps", opts.task, n_params / 1e6, run.strategy, rt.world_size,

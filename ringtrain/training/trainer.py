@@ -3,10 +3,9 @@
     trainer = Trainer(strategy, runtime, model_fn, train_set, eval_set, loss_fn, TrainerConfig())
     summary = trainer.fit()
 
-(`ringtrain train` is the command-line user: `ringtrain train --nproc-per-node 2`.)
-
-The loop knows nothing about the model or how it is distributed: it hands micro-batches to a
-`Strategy` and reduces what comes back. Its rules, each against a classic multi-process bug:
+The loop (whose command-line user is `ringtrain train`) knows nothing about the model or how it
+is distributed: it hands micro-batches to a `Strategy` and reduces what comes back. Its rules,
+each against a classic multi-process bug:
 - every rank builds the model from `model_fn` under the same seed (shared initialisation), then
   reseeds from (seed, rank), so dropout differs per rank but is reproducible;
 - every rank takes the same number of steps and the same number of evaluation batches, so no
@@ -32,9 +31,8 @@ directory's newest committed snapshot by itself (`resume=False` starts afresh).
 This file is the step loop; what it calls at the edges lives beside it: a logged step's
 reduced record (`record.py`), when to save and how to stop on a signal (`snapshots.py`), the
 end of the run (`ending.py`: every rank's collectives first, then the last snapshot's write,
-then the files), and the live mode's steps (`live.py`: with `live`, each step is
-the fault-free run's global batch over whoever is left, recovered in memory when a member is
-lost; snapshots, metrics lines and the end's files are then the current members' rank 0's).
+then the files), and the live mode's steps (`live.py`: each step is the fault-free run's
+global batch over whoever is left; snapshots, metrics and the end are then its rank 0's).
 """
 
 from __future__ import annotations
@@ -143,6 +141,7 @@ class Trainer:
         self.started_at = started_at
         self._started = time.time()  # set again by `fit`
         self.on_step: Callable[[int], None] | None = None  # told each finished step (a watchdog)
+        self.on_start: Callable[[int], None] = lambda step: None  # told its first step (below)
         c = self.config
         if c.compile and (why := compile_problem(runtime.device)):
             # one line from the ranks, not each rank's traceback from inside the first step
@@ -275,6 +274,7 @@ class Trainer:
                             initial=self.step, log_every=c.log_every)  # a line per log_every
         if original:  # resumed: lines after the snapshot go (trained again); live: metrics_file
             self.metrics.open(resume_at=self.step if self.step > 0 else None)
+            self.on_start(self.step)  # not before: a resume refused leaves the run as it was
         catch = cp is not None and cp.every > 0
         disk_full = agreed = None
         try:
