@@ -95,18 +95,27 @@ def test_a_finished_run_going_on_is_read_as_in_progress_and_its_end_kept(run, tm
     import shutil
     from types import SimpleNamespace
 
-    from ringtrain.cli.run_dir_setup import resume_or_clear
+    from ringtrain.cli.run_dir_setup import resume_or_clear, when_started
     from ringtrain.cli.train_args import parse_options
 
     run_dir = tmp_path / "extended"
     shutil.copytree(run, run_dir)
     rank0, log = SimpleNamespace(rank=0, world_size=1), logging.getLogger("test")
+    config = json.loads((run_dir / "config.json").read_text())
+
+    def started(steps: str) -> None:  # `ringtrain train` on a resume the trainer accepted
+        opts = parse_options(["--run-dir", str(run_dir), "--steps", steps])
+        assert resume_or_clear(opts, rank0, log)
+        when_started(opts, rank0, config, log)(6)
+
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert resume_or_clear(parse_options(["--run-dir", str(run_dir), "--steps", "9"]), rank0, log)
+    started("9")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert resume_or_clear(parse_options(["--run-dir", str(run_dir), "--steps", "6"]), rank0, log)
+    started("6")
     assert (run_dir / "summary.json").exists()  # neither a restart nor the same end moves it
     assert resume_or_clear(parse_options(["--run-dir", str(run_dir), "--steps", "9"]), rank0, log)
+    assert (run_dir / "summary.json").exists()  # nor a resume the trainer may yet refuse
+    started("9")
     [aside] = (run_dir / "set-aside").iterdir()
     assert aside.name.startswith("end-6-") and sorted(p.name for p in aside.iterdir()) == [
         "model.safetensors", "model_config.json", "summary.json"]  # --no-report: no report.png
@@ -170,9 +179,10 @@ def test_a_finished_run_with_no_snapshot_is_not_trained_again_over(run, tmp_path
 
 
 def test_a_refused_resume_leaves_the_runs_config(run, tmp_path, capsys):
-    """config.json is the run's until a resume is accepted: a command with another option (or
-    fewer --steps) is refused, and explain, `sample --snapshot` and the next resume still read
-    the run's own (they read the refused command's, and sample --snapshot failed to load)."""
+    """config.json and the run's end stay until a resume is accepted: a command with another
+    option (or fewer --steps) is refused, and explain, `sample --snapshot` and the next resume
+    still read the run's own (they read the refused command's, and sample --snapshot failed to
+    load; one going past the end had set the final model aside)."""
     import shutil
 
     run_dir = tmp_path / "refused"
@@ -182,10 +192,12 @@ def test_a_refused_resume_leaves_the_runs_config(run, tmp_path, capsys):
             "--n-embd", "32", "--batch-size", "4", "--beta2", "0.99", "--no-bias",
             "--tie-embeddings", "--threads", "1", "--no-progress", "--sample-length", "8",
             "--no-report", "--snapshot-every", "3", "--run-dir", str(run_dir)]
-    for changed in (["--n-layer", "2", "--steps", "6"], ["--n-layer", "1", "--steps", "4"]):
+    for changed in (["--n-layer", "2", "--steps", "6"], ["--n-layer", "1", "--steps", "4"],
+                    ["--n-layer", "2", "--steps", "9"]):  # the last would go past the end
         with _in_process():
             assert ringtrain_main([*base, *changed]) == 2
         assert (run_dir / "config.json").read_bytes() == before
+        assert (run_dir / "summary.json").exists() and not (run_dir / "set-aside").exists()
     assert "--n-layer 1 in the snapshot, 2 now" in capsys.readouterr().err
     assert ringtrain_main(["sample", str(run_dir), "--snapshot", "3", "--tokens", "2"]) == 0
     with _in_process():  # the same options and more steps: accepted, and written

@@ -176,21 +176,33 @@ def test_an_export_samples_and_converts_like_its_run(tmp_path, capsys):
     assert capsys.readouterr().out == from_run and from_run.startswith("12+34=")
 
 
-def test_a_resume_on_a_text_edited_since_is_refused_by_its_tokenizer(tmp_path, capsys):
+@pytest.mark.parametrize("data", ["text", "dir"])
+def test_a_resume_on_a_text_edited_since_is_refused_by_its_tokenizer(tmp_path, capsys, data):
     """'!' for '.': 29 characters still, so the model's shapes fit and the resume went on,
-    every '.' read as '!' and ids shifted; now the snapshot's tokenizer is compared."""
+    every '.' read as '!' and ids shifted; now the snapshot's tokenizer is compared (a
+    prepared --data DIR), and a --data FILE.txt is refused before RUN_DIR/data is replaced."""
     from ringtrain.checkpoint.rules import tokenizer_change
 
-    text = tmp_path / "t.txt"
+    text, prepared = tmp_path / "t.txt", str(tmp_path / "prepared")
     _text(text)
-    run = ["--data", str(text), "--run-dir", str(tmp_path / "run"), "--snapshot-every", "2"]
+    if data == "dir":
+        prepare(str(text), prepared, tokenizer="char", progress=False)
+    run = ["--data", str(text) if data == "text" else prepared, "--run-dir",
+           str(tmp_path / "run"), "--snapshot-every", "2"]
     assert train_main([*TINY, *run]) == 0
     assert train_main([*TINY[:1], "3", *TINY[2:], *run]) == 0  # the same text: resumes
     text.write_text(text.read_text().replace(".", "!"))
+    if data == "dir":
+        prepare(str(text), prepared, tokenizer="char", progress=False)
     capsys.readouterr()
     assert train_main([*TINY[:1], "4", *TINY[2:], *run]) == 2
     err = capsys.readouterr().err
-    assert "): the data's tokenizer is not the one the snapshot's model was trained with " \
-           "(char, 29 tokens, " in err and "Resume with the data it was trained on" in err
+    if data == "text":
+        assert "changed since this run prepared it into" in err, err
+        assert "(29 then, 29 now; new: '!'; gone: '.')" in err
+        assert read_meta(str(tmp_path / "run" / "data"))["chars"].count(".") == 1  # kept
+    else:
+        assert "): the data's tokenizer is not the one the snapshot's model was trained with " \
+               "(char, 29 tokens, " in err and "Resume with the data it was trained on" in err
     saved, now = {"lr": 1.0}, {"lr": 1.0, "tokenizer": "char, 29 tokens, x"}
     assert tokenizer_change(saved, now) is None and "tokenizer" not in now  # an older snapshot

@@ -129,3 +129,26 @@ def test_ranks_preparing_one_text_at_once_all_read_it(tmp_path):
             got = list(pool.map(rank, [run_dir] * n, [barrier] * n))
         assert len(set(got)) == 1, got
         assert sorted(os.listdir(run_dir)) == ["data"]
+
+
+def test_a_changed_text_keeps_the_characters_a_run_to_resume_reads(tmp_path):
+    """RUN_DIR/data is prepared again when the text changes; where a run there is to be
+    resumed (`keep_chars`), a text of other characters is refused and the earlier preparation
+    stays (it was replaced, and the refused resume left snapshots whose ids nothing decoded)."""
+    from ringtrain.data.tokens import prepare_text_in, read_meta
+
+    text, run_dir = tmp_path / "t.txt", str(tmp_path / "run")
+    text.write_text(TEXT)
+    out = prepare_text_in(str(text), run_dir)
+    chars = read_meta(out)["chars"]
+    text.write_text(TEXT + TEXT[:40])  # more text, the same characters: prepared again
+    assert read_meta(prepare_text_in(str(text), run_dir, keep_chars=True))["chars"] == chars
+    before = (tmp_path / "run" / "data" / "train.bin").read_bytes()
+    text.write_text(TEXT + "XYZ\n")
+    with pytest.raises(ValueError, match=r"--data .*t\.txt changed since this run prepared it "
+                                         r"into .*data, and its characters with it \(\d+ then, "
+                                         r"\d+ now; new: 'XYZ'\).*--no-resume"):
+        prepare_text_in(str(text), run_dir, keep_chars=True)
+    assert (tmp_path / "run" / "data" / "train.bin").read_bytes() == before
+    assert sorted(os.listdir(run_dir)) == ["data"]  # no preparation left behind
+    assert len(read_meta(prepare_text_in(str(text), run_dir))["chars"]) == len(chars) + 3

@@ -18,12 +18,16 @@ if TYPE_CHECKING:
 
 
 def text_dataset_dir(opts: TrainOptions) -> str:
-    """The prepared directory `--data` names, preparing a .txt into the run directory."""
+    """The prepared directory `--data` names, preparing a .txt into the run directory (its
+    characters kept where a run there is to be resumed)."""
     if os.path.isdir(opts.data.data):
         return opts.data.data
+    from ringtrain.cli.run_dir_setup import has_snapshot
     from ringtrain.data.tokens import prepare_text_in
 
-    return prepare_text_in(opts.data.data, opts.run.run_dir)
+    run = opts.run
+    return prepare_text_in(opts.data.data, run.run_dir,
+                           keep_chars=run.resume and has_snapshot(run.run_dir))
 
 
 def check_text_data(path: str, block_size: int, warnings: list[str]) -> tuple[int, int]:

@@ -3,6 +3,7 @@ what of an earlier run stays in the way.
 
     held = take_run_dir(run_dir, rt)        # one run per directory (rank 0's lock), or ConfigError
     resume = resume_or_clear(opts, rt, log)  # --no-resume, --resume-from, a finished run extended
+    trainer.on_start = when_started(opts, rt, record, log)  # once the resume is accepted
 
 Rank 0 decides and moves; the others learn its outcome through the store where they must wait
 for it (`_decided_by_rank0`). Nothing is deleted: what an earlier run left that would mislead
@@ -16,6 +17,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from ringtrain.checkpoint.run_dir import unless_full
 from ringtrain.cli.options import TrainOptions
 from ringtrain.errors import ConfigError
 from ringtrain.models.export import CONFIG, WEIGHTS
@@ -37,8 +39,8 @@ def _first_start() -> bool:
 def resume_or_clear(opts: TrainOptions, rt, log) -> bool:
     """Whether to resume; on the job's first start only, --no-resume makes rank 0 set the
     earlier run aside whole (`_start_afresh`), --resume-from STEP the later snapshots
-    (`_rewind`), and a resume past the run's end that end (`_set_aside_end`); a finished
-    run with no snapshot to go on from is refused (`_past_end`). Nothing is deleted.
+    (`_rewind`); a finished run with no snapshot to go on from is refused (`_past_end`).
+    Nothing is deleted.
 
     A restarted worker resumes from the newest: it must continue the run it belongs to.
     """
@@ -48,7 +50,7 @@ def resume_or_clear(opts: TrainOptions, rt, log) -> bool:
     if run.resume_from is not None:
         _rewind(run, rt, log)
     if run.resume:
-        _decided_by_rank0(rt, END_KEY, lambda: _past_end(run.run_dir, opts.trainer.steps, log),
+        _decided_by_rank0(rt, END_KEY, lambda: _past_end(run.run_dir),
                           f"rank 0 did not say within 10 minutes whether --run-dir "
                           f"{run.run_dir}'s earlier run can go on")
         return True
@@ -77,13 +79,17 @@ def _start_afresh(run_dir: str, log) -> None:
 END_KEY = "ringtrain/train/past_end"  # rank 0's outcome: "ok" or why the run cannot go on
 
 
-def _past_end(run_dir: str, steps: int, log) -> str:
-    """Rank 0, resuming: "ok", or why a finished run in `run_dir` cannot go on ("a finished
-    run and no snapshot"). A finished run resumed for more steps has its end set aside
-    (`_set_aside_end`)."""
-    import json
-
+def has_snapshot(run_dir: str) -> bool:
+    """Whether RUN_DIR/snapshots holds a committed snapshot (a run there to resume)."""
     from ringtrain.checkpoint.files import COMMITTED, snap_dirs
+
+    return any((p / COMMITTED).is_file() for p in snap_dirs(Path(run_dir) / "snapshots"))
+
+
+def _past_end(run_dir: str) -> str:
+    """Rank 0, resuming: "ok", or why a finished run in `run_dir` cannot go on (a finished
+    run and no snapshot)."""
+    import json
 
     try:
         with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
@@ -91,7 +97,7 @@ def _past_end(run_dir: str, steps: int, log) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         return "ok"  # never ended, or an end this code cannot read: left as it is
     root = os.path.join(run_dir, "snapshots")
-    if not any((p / COMMITTED).is_file() for p in snap_dirs(Path(root))):
+    if not has_snapshot(run_dir):
         # Resuming nothing would train from step 0 over the run's metrics, model and summary.
         try:
             with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
@@ -106,21 +112,44 @@ def _past_end(run_dir: str, steps: int, log) -> str:
                 f"results. --no-resume sets that run aside in {run_dir}/set-aside/ and trains "
                 f"afresh; or give another --run-dir (--init-from {run_dir} starts a new run "
                 f"from its final model)")
-    if ended < steps:
-        _set_aside_end(run_dir, ended, steps, log)
     return "ok"
 
 
-def _set_aside_end(run_dir: str, ended: int, steps: int, log) -> None:
+def when_started(opts: TrainOptions, rt, record: dict, log) -> Callable[[int], None]:
+    """What rank 0 does once the run's resume is accepted (`Trainer.on_start`): a finished
+    run's end set aside where the run goes past it (`_set_aside_end`), and `record` written as
+    config.json. Not before: a command whose resume is refused (other options, fewer --steps,
+    the data changed) leaves the run directory as it was, which explain and sample read."""
+    def start(step: int) -> None:
+        from ringtrain.training.progress import write_json
+
+        if rt.rank != 0:
+            return
+        if opts.run.resume and _first_start():
+            _set_aside_end(opts.run.run_dir, opts.trainer.steps, log)
+        unless_full(write_json, os.path.join(opts.run.run_dir, "config.json"), record)
+
+    return start
+
+
+def _set_aside_end(run_dir: str, steps: int, log) -> None:
     """A finished run resumed for more steps: its end (summary, final model, report) described
     the run as over at that step, and `ringtrain sample`, `export` and `explain` presented it as
     the run's, an older model than the snapshots training writes since. It moves to
     RUN_DIR/set-aside/end-STEP-<time>/, so they read the run as one in progress (the newest
     snapshot) until its new end is written. Nobody else reads these files before the end."""
+    import json
     import time
 
     from ringtrain.checkpoint.rewind import END_PREFIX, set_aside
 
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+            ended = int(json.load(f)["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # never ended (or set aside already), or an end this code cannot read
+    if ended >= steps:
+        return
     into = os.path.join(run_dir, "set-aside",
                         f"{END_PREFIX}{ended}-{time.strftime('%Y%m%d-%H%M%S')}")
     if moved := set_aside([os.path.join(run_dir, n) for n in END_FILES], into=into):

@@ -18,13 +18,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict
 
-from ringtrain.checkpoint.run_dir import unless_full
 from ringtrain.checkpoint.run_lock import release_run_dir
 from ringtrain.cli.exits import explain_once, interrupted, stopped
 from ringtrain.cli.job import build_job, export_final
 from ringtrain.cli.options import TrainOptions
 from ringtrain.cli.relaunch import job_rank, under_agent
-from ringtrain.cli.run_dir_setup import resume_or_clear, take_run_dir
+from ringtrain.cli.run_dir_setup import resume_or_clear, take_run_dir, when_started
 from ringtrain.cli.step_hook import STEP_HOOK_ENV, load_step_hook
 from ringtrain.cli.train_args import run_config
 from ringtrain.errors import DISK_FULL_EXIT_CODE, ConfigError
@@ -73,7 +72,7 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
     from ringtrain.launch.process_group import destroy_distributed, init_distributed
     from ringtrain.live import LiveMemberLostError
     from ringtrain.strategies import make_strategy
-    from ringtrain.training.progress import format_summary, setup_logging, write_json
+    from ringtrain.training.progress import format_summary, setup_logging
     from ringtrain.training.trainer import Trainer
 
     setup_logging(job_rank())  # before init: rank 0 says which launcher it found
@@ -120,12 +119,9 @@ def _train(opts: TrainOptions, started_at: float, mistake: ValueError | None) ->
                           sync_snapshots=run.sync_snapshots,
                           run_config=run_config(opts, job), trace_steps=run.trace_steps,
                           live=_live_settings(opts, rt))
-        if rt.rank == 0:  # once its resume is accepted: a refused one (other options, fewer
-            # --steps) left the run's config.json, which explain and sample --snapshot read
-            trainer.on_start = lambda step: unless_full(
-                write_json, os.path.join(run.run_dir, "config.json"), {
-                    "task": opts.task, "world_size": rt.world_size, "args": opts.flat(),
-                    "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())})
+        trainer.on_start = when_started(opts, rt, {  # once its resume is accepted
+            "task": opts.task, "world_size": rt.world_size, "args": opts.flat(),
+            "model": asdict(job["model_config"]), "trainer": asdict(config.resolved())}, log)
         n_params = sum(p.numel() for p in trainer.model.parameters())
         log.info("%s: GPT %.2fM parameters, %s strategy, world_size %d, global batch %d, "
                  "%d steps", opts.task, n_params / 1e6, run.strategy, rt.world_size,

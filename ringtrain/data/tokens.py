@@ -220,8 +220,11 @@ def train_windows(meta: dict[str, Any], block_size: int) -> int:
     return meta["train_tokens"] - block_size
 
 
-def prepare_text_in(text_path: str, run_dir: str) -> str:
-    """RUN_DIR/data: `text_path` prepared at char level (90/10), made once and then reused.
+def prepare_text_in(text_path: str, run_dir: str, *, keep_chars: bool = False) -> str:
+    """RUN_DIR/data: `text_path` prepared at char level (90/10), made once and then reused;
+    prepared again when the text changed. With `keep_chars` (a run there to resume, whose
+    snapshots read the earlier preparation's ids) a text of other characters is a ValueError,
+    the earlier preparation left in place.
 
     Several ranks may call it at once: they take turns (an flock on RUN_DIR), the first
     prepares into a directory of its own and renames it into place, the others find it made.
@@ -258,6 +261,7 @@ def prepare_text_in(text_path: str, run_dir: str) -> str:
             json.dump(meta, f, indent=1, ensure_ascii=False)
         if prepared():  # unlocked only: another rank's copy landed meanwhile
             return out
+        _check_chars(out, meta, text_path, keep_chars)
         if os.path.isdir(out):  # an older preparation (another file): replaced
             shutil.rmtree(out, ignore_errors=True)
         try:
@@ -271,6 +275,24 @@ def prepare_text_in(text_path: str, run_dir: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(turn)  # and with it the lock
     return out
+
+
+def _check_chars(out: str, meta: dict, text_path: str, keep_chars: bool) -> None:
+    """Where the run's snapshots must keep reading `out`'s ids: the text's characters are
+    those of the preparation there, or a ValueError (nothing replaced)."""
+    try:
+        earlier = read_meta(out).get("chars")
+    except (ValueError, OSError):
+        return  # none there, or unreadable: nothing a snapshot could read
+    if not keep_chars or earlier is None or earlier == meta["chars"]:
+        return
+    new, gone = sorted(set(meta["chars"]) - set(earlier)), sorted(set(earlier) - set(meta["chars"]))
+    which = "; ".join(f"{what}: {''.join(c)!r}" for what, c in (("new", new), ("gone", gone)) if c)
+    raise ValueError(
+        f"--data {text_path} changed since this run prepared it into {out}, and its characters "
+        f"with it ({len(earlier)} then, {len(meta['chars'])} now; {which}): the run's snapshots "
+        "read the token ids of the earlier ones. Resume with the text as it was, or start "
+        "afresh with --no-resume (the earlier run is set aside) or in another --run-dir")
 
 
 @torch.no_grad()
