@@ -2,7 +2,7 @@
 
     staged = checkpointer.stage(step)    # the strategy's state: copied (on CUDA: queued)
     ...                                  # the metrics line, which waits for the device
-    staged.save("periodic")              # the loop's state as the line left it, then the write
+    staged.save()                        # the loop's state as the line left it, then the write
 
 `ringtrain.checkpoint.staged_save` says why the halves (the device keeps training while the
 host copies); this is the loop's side of it, apart from `resume.py` (the Checkpointer itself).
@@ -31,9 +31,11 @@ class LoopSave:
         # checkpointer: the `Checkpointer` that staged it (not imported: resume.py imports this)
         self.checkpointer, self.staged, self.start = checkpointer, staged, start
 
-    def save(self, reason: str = "periodic") -> SaveResult | None:
+    def save(self, reason: str | None = None) -> SaveResult | None:
         cp = self.checkpointer
         st, step = cp.state, self.staged.step
+        if reason is None:  # a due one: every --snapshot-every steps, or the run's last step
+            reason = "periodic" if cp.every and step % cp.every == 0 else "last step"
         window_sum = cp.agreement.sum(list(st.window))  # every rank: for a resume on other ranks
         per_rank: dict[str, Any] = {"step": step, "rng": get_rng_state(), **st.window_state()}
         shared = meta = None

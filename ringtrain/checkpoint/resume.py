@@ -161,7 +161,7 @@ class Checkpointer:
         return {"strategy": self.strategy.name, "data_world_size": self.data_world_size,
                 "layout": self.strategy.state_layout()}
 
-    def save(self, step: int, reason: str = "periodic") -> SaveResult | None:
+    def save(self, step: int, reason: str | None = None) -> SaveResult | None:
         """Write a snapshot of `step` on every rank; a failed save is logged, training goes on.
 
         A save that fails (a rank's disk is too slow, or failing) raises `SnapshotError` on every

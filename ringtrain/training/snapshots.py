@@ -111,7 +111,7 @@ class LoopSnapshots:
         except Exception as e:  # noqa: BLE001 - the error already leaving the loop matters more
             log.warning("warning: the snapshot in flight did not commit: %s", e)
 
-    def save(self, step: int, reason: str = "periodic") -> None:
+    def save(self, step: int, reason: str | None = None) -> None:
         """`Checkpointer.save`, unless a rank has left the job: its part would be missing."""
         staged = self.stage(step)
         if staged is not None:
