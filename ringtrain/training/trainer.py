@@ -101,8 +101,8 @@ class Trainer:
             sample, a few answers).
         stop_when: given a reduced metrics record, True to stop early (same answer on all ranks).
         started_at: `time.time()` when the run began (for `wall_s`); default when `fit` starts.
-        snapshot_every: steps between snapshots under `run_dir/snapshots` (and one on SIGTERM,
-            SIGUSR1 or SIGINT, at the same step on every rank); 0: none (no signal is caught).
+        snapshot_every: steps between snapshots under `run_dir/snapshots` (and one after the
+            last step, and on SIGTERM, SIGUSR1 or SIGINT); 0: none (no signal is caught).
         keep: committed snapshots kept.
         resume: resume from the newest committed snapshot under `run_dir`, if there is one.
         run_config: options that must equal a snapshot's to resume from it (name -> value, e.g.
