@@ -113,6 +113,9 @@ TRAIN_CASES = [  # argv, the value named, the fix offered (regexes)
     (["--data", "/no/such.txt"], r"--data /no/such\.txt: no such file", r"give the path"),
     (["--run-dir", "/proc/ringtrain-x"], r"--run-dir /proc/ringtrain-x",
      r"choose a directory you can write"),
+    (["--run-dir", "r", "--init-from", "r/"], r"--init-from r/ is --run-dir itself",
+     r"drop --init-from to resume that run, or .* another --run-dir \(--init-from r/ --run-dir "
+     r"NEW\)"),
 ]
 
 

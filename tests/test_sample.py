@@ -178,6 +178,36 @@ def test_a_finished_run_with_no_snapshot_is_not_trained_again_over(run, tmp_path
     assert not (run_dir / "summary.json").exists()
 
 
+def test_init_from_other_weights_than_the_run_to_resume_started_from_is_refused(run, tmp_path):
+    """--init-from X on a run directory with snapshots: a resume goes on with the snapshot's
+    weights, so X's were silently not read; refused, naming what the run started from. The
+    run's own --init-from again (the same command: a resubmitted job) resumes."""
+    import shutil
+    from types import SimpleNamespace
+
+    from ringtrain.cli.run_dir_setup import resume_or_clear
+    from ringtrain.cli.train_args import parse_options
+    from ringtrain.errors import ConfigError
+
+    run_dir, other = tmp_path / "resumable", str(tmp_path / "gpt2_dir")
+    shutil.copytree(run, run_dir)
+    rank0, log = SimpleNamespace(rank=0, world_size=1), logging.getLogger("test")
+    with pytest.raises(ConfigError) as e:
+        resume_or_clear(parse_options(["--run-dir", str(run_dir), "--init-from", other]), rank0,
+                        log)
+    assert str(e.value) == (
+        f"--init-from {other}: --run-dir {run_dir} holds a run to resume, which started from "
+        "random weights, and a resume goes on with its snapshot's weights, not these. "
+        f"--no-resume starts afresh from {other} (the earlier run is set aside in "
+        f"{run_dir}/set-aside/); or give another --run-dir; or drop --init-from to resume")
+    config = json.loads((run_dir / "config.json").read_text())
+    config["args"]["init_from"] = other
+    (run_dir / "config.json").write_text(json.dumps(config))
+    assert resume_or_clear(parse_options(["--run-dir", str(run_dir), "--init-from", other]),
+                           rank0, log)
+    assert (run_dir / "summary.json").exists()
+
+
 def test_a_refused_resume_leaves_the_runs_config(run, tmp_path, capsys):
     """config.json and the run's end stay until a resume is accepted: a command with another
     option (or fewer --steps) is refused, and explain, `sample --snapshot` and the next resume

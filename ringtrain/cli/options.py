@@ -18,6 +18,7 @@ default is written once: a library class's own (`TrainerConfig`, the GPT's shape
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -271,6 +272,13 @@ class RunOptions:
         if self.resume_from is not None and not self.resume:
             raise ValueError(f"--resume-from {self.resume_from} with --no-resume: one resumes "
                              "from a snapshot, the other sets them all aside; keep one")
+        if (self.init_from and self.run_dir
+                and os.path.realpath(self.init_from) == os.path.realpath(self.run_dir)):
+            # a resume takes the snapshot's weights; --no-resume would set the model aside first
+            raise ValueError(f"--init-from {self.init_from} is --run-dir itself: drop "
+                             "--init-from to resume that run, or start a new run from its "
+                             f"final model in another --run-dir (--init-from {self.init_from} "
+                             "--run-dir NEW)")
         if self.resume_from is not None and self.run_dir is None:
             raise ValueError(f"--resume-from {self.resume_from} needs --run-dir: the run whose "
                              "snapshot of that step to go on from")

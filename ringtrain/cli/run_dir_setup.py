@@ -50,7 +50,7 @@ def resume_or_clear(opts: TrainOptions, rt, log) -> bool:
     if run.resume_from is not None:
         _rewind(run, rt, log)
     if run.resume:
-        _decided_by_rank0(rt, END_KEY, lambda: _past_end(run.run_dir),
+        _decided_by_rank0(rt, END_KEY, lambda: _other_start(run) or _past_end(run.run_dir),
                           f"rank 0 did not say within 10 minutes whether --run-dir "
                           f"{run.run_dir}'s earlier run can go on")
         return True
@@ -84,6 +84,29 @@ def has_snapshot(run_dir: str) -> bool:
     from ringtrain.checkpoint.files import COMMITTED, snap_dirs
 
     return any((p / COMMITTED).is_file() for p in snap_dirs(Path(run_dir) / "snapshots"))
+
+
+def _other_start(run) -> str:
+    """Rank 0, resuming: why --init-from cannot be taken (the run to resume started from other
+    weights, and a resume goes on with its snapshot's), or "". The same command again (the
+    run's own --init-from) resumes."""
+    import json
+
+    if not run.init_from or not has_snapshot(run.run_dir):
+        return ""
+    try:
+        with open(os.path.join(run.run_dir, "config.json"), encoding="utf-8") as f:
+            started = json.load(f)["args"].get("init_from")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        started = "?"
+    if started and os.path.realpath(started) == os.path.realpath(run.init_from):
+        return ""
+    was = ("random weights" if started is None else "weights this ringtrain cannot read back"
+           if started == "?" else f"--init-from {started}")
+    return (f"--init-from {run.init_from}: --run-dir {run.run_dir} holds a run to resume, which "
+            f"started from {was}, and a resume goes on with its snapshot's weights, not these. "
+            f"--no-resume starts afresh from {run.init_from} (the earlier run is set aside in "
+            f"{run.run_dir}/set-aside/); or give another --run-dir; or drop --init-from to resume")
 
 
 def _past_end(run_dir: str) -> str:
