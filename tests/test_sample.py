@@ -208,6 +208,33 @@ def test_init_from_other_weights_than_the_run_to_resume_started_from_is_refused(
     assert (run_dir / "summary.json").exists()
 
 
+def test_a_snapshot_is_not_decoded_with_data_prepared_again_since(run, tmp_path, capsys):
+    """A run not finished is read with its data's tokenizer: a --data DIR prepared again from
+    other text since is named (sample decoded the snapshot's ids as other text, and export
+    wrote that tokenizer beside the model), not used."""
+    import shutil
+
+    run_dir, data = tmp_path / "unfinished", tmp_path / "data"
+    shutil.copytree(run, run_dir)
+    shutil.copytree(run.parent.parent / "data", data)
+    for name in ("model.safetensors", "model_config.json", "summary.json"):
+        (run_dir / name).unlink()
+    config = json.loads((run_dir / "config.json").read_text())
+    config["args"]["data"] = str(data)
+    (run_dir / "config.json").write_text(json.dumps(config))
+    assert ringtrain_main(["sample", str(run_dir), "--tokens", "2"]) == 0  # the same data
+    (tmp_path / "other.txt").write_text(TEXT.replace("king", "queen") * 2)
+    prepare(str(tmp_path / "other.txt"), str(data), tokenizer="bpe", vocab_size=270,
+            progress=False)
+    capsys.readouterr()
+    assert ringtrain_main(["sample", str(run_dir), "--tokens", "2"]) == 2
+    said = (f"the snapshot of step 6 of {run_dir} was trained on data tokenized as bpe, ")
+    assert said in capsys.readouterr().err
+    assert ringtrain_main(["export", str(run_dir), str(tmp_path / "hf"), "--format", "hf"]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_a_refused_resume_leaves_the_runs_config(run, tmp_path, capsys):
     """config.json and the run's end stay until a resume is accepted: a command with another
     option (or fewer --steps) is refused, and explain, `sample --snapshot` and the next resume

@@ -89,6 +89,7 @@ def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any],
         unwrap_state_dict,
         verify,
     )
+    from ringtrain.checkpoint.rules import TOKENIZER
     from ringtrain.models import GPT, GPTConfig
     from ringtrain.models.export import state_to_model
 
@@ -113,6 +114,7 @@ def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any],
                           f"{sorted(committed)}")
     path, manifest = committed[step]
     meta = manifest["metadata"]
+    _same_data_tokenizer(run_dir, step, meta.get("config", {}).get(TOKENIZER))
     strategy = meta.get("topology", {}).get("strategy", "?")
     try:
         verify(path, manifest, [SHARED])
@@ -124,6 +126,31 @@ def snapshot_model(run_dir: str, step: int | None, model_config: dict[str, Any],
         _load_parts(model, path, manifest, step, strategy, shared)
         return model.eval()
     return state_to_model(unwrap_state_dict(shared["strategy"]["model"]), model_config)
+
+
+def _same_data_tokenizer(run_dir: str, step: int, recorded: str | None) -> None:
+    """A run not finished reads its data's tokenizer (`tokenizer_of`, export's `run_tokenizer`):
+    it must be the one the snapshot recorded, or a SampleError. A --data DIR prepared again
+    since from other text gives its ids other meanings: sample decoded them as other text, or
+    died of an IndexError, and export wrote that tokenizer beside the model."""
+    from ringtrain.data.tokens import read_meta
+    from ringtrain.formats.tokenizer import dataset_tokenizer, fingerprint
+    from ringtrain.models.export import CONFIG
+
+    data = _run_config(run_dir)["args"].get("data")
+    if recorded is None or not data or os.path.exists(os.path.join(run_dir, CONFIG)):
+        return  # an older snapshot, the addition task, or the run's exported tokenizer is read
+    directory = run_data_dir(run_dir, data)
+    try:
+        now = fingerprint(dataset_tokenizer(directory, read_meta(directory)))
+    except (ValueError, OSError, KeyError):
+        return  # unreadable: `tokenizer_of` says so
+    if now != recorded:
+        raise SampleError(
+            f"the snapshot of step {step} of {run_dir} was trained on data tokenized as "
+            f"{recorded}, and {directory} is now {now} (prepared again since, from other "
+            "text): its token ids would read as other text. Prepare the data as it was, or "
+            "wait for the run's end (its final model keeps its tokenizer)")
 
 
 def _load_parts(model, path: Path, manifest: dict[str, Any], step: int, strategy: str,
