@@ -35,8 +35,9 @@ def test_two_processes_end_to_end(tmp_path):
     # Exits cleanly too: test_exit.py repeats this run under load only at full size.
     assert not any(s in proc.stdout + proc.stderr for s in ABORTED), proc.stderr[-3000:]
     files = set(os.listdir(run_dir)) - {"tensorboard"}  # there when the package is installed
-    assert sorted(files) == [".lock", "config.json", "metrics.jsonl", "model.safetensors",
-                             "model_config.json", "report.png", "snapshots", "summary.json"]
+    assert sorted(files) == [".lock", ".options.json", "config.json", "metrics.jsonl",
+                             "model.safetensors", "model_config.json", "report.png", "snapshots",
+                             "summary.json"]
     # 20 steps at --snapshot-every 100: the last step's snapshot, so the run can go on
     assert os.listdir(run_dir / "snapshots") == ["snap-00000020"]
     assert (run_dir / ".lock").read_text().startswith("pid ")  # rank 0's, while it trained
@@ -53,6 +54,16 @@ def test_two_processes_end_to_end(tmp_path):
     assert (run_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert proc.stdout.count("summary:") == 1  # rank 0 alone prints it
     assert "param_sha256 differs" not in proc.stderr
+    # The same run with another option is refused, and leaves the run's config.json (the
+    # launcher wrote the workers' options into it, over the run's, before they refused).
+    before = (run_dir / "config.json").read_bytes()
+    again = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "train", "--nproc-per-node", "2", *TINY,
+         "--n-embd", "16", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert again.returncode == 2 and "--n-embd 32 in the snapshot, 16 now" in again.stderr
+    assert (run_dir / "config.json").read_bytes() == before
 
 
 def test_text_data_single_process(tmp_path, capsys):
@@ -159,11 +170,11 @@ def test_strategy_options_only_for_the_chosen_strategy():
     assert opts.strategy.kwargs() == {"servers": 1, "mode": "ssp", "staleness": 0}
 
 
-def test_the_workers_options_round_trip_through_config_json():
+def test_the_workers_options_round_trip_through_the_options_file():
     opts = parse_options(["--nproc-per-node", "2", "--max-restarts", "1", "--lr", "0.01",
                           "--tie-embeddings", "--no-bias", "--run-dir", "x", "--trace-steps", "3:5",
                           "--strategy", "ps", "--ps-mode", "async"])
-    flat = json.loads(json.dumps(opts.flat()))  # what the launcher writes into config.json
+    flat = json.loads(json.dumps(opts.flat()))  # what the launcher writes into .options.json
     assert "nproc_per_node" not in flat and "max_restarts" not in flat  # the launcher's own
     again = options_from(flat, parse_text=True)
     assert again.flat() == opts.flat() and again.trainer == opts.trainer

@@ -80,8 +80,8 @@ def needs_launcher(launch: LaunchOptions) -> bool:
 def relaunch(opts: TrainOptions, started_at: float) -> int:
     """Start the job's workers through the elastic launcher and return its exit code.
 
-    The workers read their options from RUN_DIR/config.json (`RINGTRAIN_CONFIG`), written here
-    first: they run exactly what was checked, and the file says what ran even if none starts.
+    The workers read their options from RUN_DIR/.options.json (`RINGTRAIN_CONFIG`), written
+    here first: they run exactly what was checked (config.json is rank 0's, once it started).
     """
     from ringtrain.launch.cgroup import CgroupUnavailable, worker_memory_limit
     from ringtrain.launch.launcher import launch as launch_job

@@ -5,10 +5,11 @@
     ringtrain train --data input.txt --steps 3000    # character-level LM on your text
 
 With `--nproc-per-node N` > 1 it relaunches itself through `ringtrain run` (the elastic
-launcher): the launching side writes the options to RUN_DIR/config.json first and the workers
-read them from there (`RINGTRAIN_CONFIG` names the file), so a worker runs exactly the options
-that were checked, and the file says what ran even if no worker starts. Rank 0 rewrites it with
-what only the job knows (world size, model, resolved trainer). Each worker starts the process
+launcher): the launching side writes the options to RUN_DIR/.options.json first and the
+workers read them from there (`RINGTRAIN_CONFIG` names the file), so a worker runs exactly the
+options that were checked. Rank 0 writes config.json, with what only the job knows (world
+size, model, resolved trainer), once the run starts: a command refused (its resume, for other
+options) leaves the run's own. Each worker starts the process
 group, trains, and rank 0 prints the progress bar and the summary. Each run writes
 `runs/<timestamp>/` (or `--run-dir`): config.json, metrics.jsonl, summary.json, report.png, the
 final model (model.safetensors + model_config.json, `ringtrain sample` reads them), and

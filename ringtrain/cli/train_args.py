@@ -352,7 +352,10 @@ def options_table() -> str:
 
 # ---- the workers' options: RUN_DIR/config.json, not a rebuilt argv ------------------------------
 
-CONFIG_ENV = "RINGTRAIN_CONFIG"  # the config.json a launched worker reads its options from
+CONFIG_ENV = "RINGTRAIN_CONFIG"  # the file a launched worker reads its options from
+# RUN_DIR's file of them: not config.json, which stays the run's own until a worker's resume
+# is accepted (a command refused, for other options, leaves what explain and sample read)
+OPTIONS_FILE = ".options.json"
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str], *,
@@ -368,12 +371,11 @@ def given_options(parser: argparse.ArgumentParser, argv: list[str], *,
 
 
 def write_options(opts: TrainOptions) -> str:
-    """RUN_DIR/config.json with the options (not yet the job's figures), atomically, for the
-    workers; left as it is when it already holds them (another node of the job, or a resume,
-    wrote it: rank 0 may have added the job's figures since). Returns its path."""
+    """RUN_DIR/.options.json with the options, atomically, for the workers; left as it is
+    when it already holds them (another node of the job wrote it). Returns its path."""
     from ringtrain.training.progress import write_json
 
-    path = os.path.join(opts.run.run_dir, "config.json")
+    path = os.path.join(opts.run.run_dir, OPTIONS_FILE)
     args = json.loads(json.dumps(opts.flat()))
     try:
         with open(path, encoding="utf-8") as f:
