@@ -89,8 +89,13 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "a_dir").mkdir()
     (tmp / "corpus").mkdir()  # text files, not prepared
     (tmp / "corpus" / "a.txt").write_text("some text\n")
+    (tmp / "dataset").mkdir()  # `ringtrain prepare`'s (what --run-dir reads of it)
+    (tmp / "dataset" / "meta.json").write_text('{"format": "ringtrain-tokens"}')
+    (tmp / "gpt2_dir").mkdir()  # `ringtrain export --format hf`'s
+    (tmp / "gpt2_dir" / "config.json").write_text('{"model_type": "gpt2"}')
     return {"EMPTY": str(tmp / "empty.txt"), "BINARY": str(tmp / "binary.txt"),
-            "DIR": str(tmp / "a_dir"), "CORPUS": str(tmp / "corpus")}
+            "DIR": str(tmp / "a_dir"), "CORPUS": str(tmp / "corpus"),
+            "DATASET": str(tmp / "dataset"), "EXPORT": str(tmp / "gpt2_dir")}
 
 
 TRAIN_CASES = [  # argv, the value named, the fix offered (regexes)
@@ -113,6 +118,10 @@ TRAIN_CASES = [  # argv, the value named, the fix offered (regexes)
     (["--data", "/no/such.txt"], r"--data /no/such\.txt: no such file", r"give the path"),
     (["--run-dir", "/proc/ringtrain-x"], r"--run-dir /proc/ringtrain-x",
      r"choose a directory you can write"),
+    (["--run-dir", "DATASET"], r"--run-dir \S*dataset is a prepared dataset \(meta\.json",
+     r"a directory of its own \(and this one as --data \S*dataset\)"),
+    (["--run-dir", "EXPORT"], r"--run-dir \S*gpt2_dir holds an hf export, not a run: a run would "
+     r"write its config\.json and model\.safetensors over it", r"--init-from \S*gpt2_dir starts"),
     (["--run-dir", "r", "--init-from", "r/"], r"--init-from r/ is --run-dir itself",
      r"drop --init-from to resume that run, or .* another --run-dir \(--init-from r/ --run-dir "
      r"NEW\)"),

@@ -59,6 +59,7 @@ from ringtrain.cli.relaunch import (
     needs_launcher,
     relaunch,
 )
+from ringtrain.cli.run_dir_setup import not_a_run
 from ringtrain.cli.train_args import build_parser, check_args, given_options, options_from
 from ringtrain.cli.worker import run_job
 from ringtrain.errors import USAGE_EXIT_CODE
@@ -106,6 +107,8 @@ def _main(argv: list[str] | None) -> int:
             # worker. Launched workers skip it (their launcher checked; one failing alone would
             # leave the others waiting for it).
             check_run_dir(run.run_dir)
+            if why := not_a_run(run.run_dir):
+                raise ValueError(why)
             if run.resume_from is not None:  # the workers set the later ones aside
                 from ringtrain.checkpoint.rewind import check_step
 
