@@ -106,12 +106,21 @@ def test_an_out_dir_that_cannot_hold_the_dataset_is_refused_before_the_passes(tm
     corpus.mkdir()
     (corpus / "a.txt").write_text("some text\n" * 20)
     (tmp_path / "f.txt").write_text("x")
+    run, export = tmp_path / "run", tmp_path / "gpt2_dir"  # a run's and an export's files
+    (run / "snapshots").mkdir(parents=True)
+    export.mkdir()
+    (export / "config.json").write_text('{"model_type": "gpt2"}')
     for out, said in [(tmp_path / "f.txt", "f.txt: a file, not a directory"),
-                      (corpus, "is inside SRC"), (corpus / "tokens", "is inside SRC")]:
+                      (corpus, "is inside SRC"), (corpus / "tokens", "is inside SRC"),
+                      (run, f"OUT_DIR {run} holds a run, not a dataset, and the dataset's files "
+                            "would go among its files. Give the dataset a directory of its own"),
+                      (export, f"OUT_DIR {export} holds an hf export, not a dataset")]:
         assert ringtrain_main(["prepare", str(corpus), str(out), "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and said in err, err
     assert sorted(p.name for p in corpus.iterdir()) == ["a.txt"]  # nothing written among them
+    assert [p.name for p in run.iterdir()] == ["snapshots"]
+    assert [p.name for p in export.iterdir()] == ["config.json"]
     assert ringtrain_main(["export", str(tmp_path), str(tmp_path / "f.txt"), "--format",
                            "hf"]) == 2
     assert "OUT_DIR " + str(tmp_path / "f.txt") + " is a file, not a directory" in (

@@ -93,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     earlier = _earlier_preparation(args.out_dir)
+    from ringtrain.cli.run_dir_setup import holds
+
+    if (kind := holds(args.out_dir)) not in (None, "a prepared dataset"):
+        print(f"ringtrain prepare: error: OUT_DIR {args.out_dir} holds {kind}, not a dataset, "
+              "and the dataset's files would go among its files. Give the dataset a directory "
+              "of its own (e.g. data/NAME)", file=sys.stderr)
+        return USAGE_EXIT_CODE
     try:
         reuse = tokenizer_from(args.tokenizer_from) if args.tokenizer_from else None
         if reuse is not None and (args.tokenizer or args.vocab_size):

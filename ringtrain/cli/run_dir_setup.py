@@ -79,31 +79,44 @@ def _start_afresh(run_dir: str, log) -> None:
 END_KEY = "ringtrain/train/past_end"  # rank 0's outcome: "ok" or why the run cannot go on
 
 
-def not_a_run(run_dir: str) -> str | None:
-    """Why `run_dir` cannot take a run, or None: it is a prepared dataset or an export, whose
-    files a run would write into (config.json and model.safetensors over an export's)."""
+def holds(path: str) -> str | None:
+    """What the directory `path` holds of ringtrain's: "a run", "a prepared dataset", "an hf
+    export", "a dcp export", "a ringtrain export", or None (nothing of these; not there)."""
     import json
 
     from ringtrain.cli.sample import _is_export, _is_run
     from ringtrain.data.prepare import FORMAT, META
     from ringtrain.formats.init_from import detect
 
-    ran = ("snapshots", "metrics.jsonl")  # a run's, whatever else is there
-    if (not os.path.isdir(run_dir) or _is_run(run_dir)
-            or any(os.path.exists(os.path.join(run_dir, n)) for n in ran)):
+    if not os.path.isdir(path):
         return None
+    ran = ("snapshots", "metrics.jsonl")  # a run's, whatever else is there
+    if _is_run(path) or any(os.path.exists(os.path.join(path, n)) for n in ran):
+        return "a run"
     try:
-        with open(os.path.join(run_dir, META), encoding="utf-8") as f:
-            dataset = json.load(f).get("format") == FORMAT
+        with open(os.path.join(path, META), encoding="utf-8") as f:
+            if json.load(f).get("format") == FORMAT:
+                return "a prepared dataset"
     except (OSError, ValueError, AttributeError):
-        dataset = False
-    if dataset:
+        pass
+    if _is_export(path):
+        return {"hf": "an hf", "dcp": "a dcp", "ringtrain": "a ringtrain"}[detect(path)] + \
+            " export"
+    return None
+
+
+def not_a_run(run_dir: str) -> str | None:
+    """Why `run_dir` cannot take a run, or None: it is a prepared dataset or an export, whose
+    files a run would write into (config.json and model.safetensors over an export's)."""
+    from ringtrain.data.prepare import META
+
+    kind = holds(run_dir)
+    if kind == "a prepared dataset":
         return (f"--run-dir {run_dir} is a prepared dataset ({META}, train.bin), not a run "
                 f"directory: a run would write its files among them. Give the run a directory "
                 f"of its own (and this one as --data {run_dir})")
-    if _is_export(run_dir):
-        kind = {"hf": "an hf", "dcp": "a dcp", "ringtrain": "a ringtrain"}[detect(run_dir)]
-        return (f"--run-dir {run_dir} holds {kind} export, not a run: a run would write its "
+    if kind is not None and kind.endswith("export"):
+        return (f"--run-dir {run_dir} holds {kind}, not a run: a run would write its "
                 f"config.json and model.safetensors over it. Give the run a directory of its "
                 f"own (--init-from {run_dir} starts it from that model)")
     return None
