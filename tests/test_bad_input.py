@@ -118,6 +118,8 @@ TRAIN_CASES = [  # argv, the value named, the fix offered (regexes)
     (["--data", "/no/such.txt"], r"--data /no/such\.txt: no such file", r"give the path"),
     (["--run-dir", "/proc/ringtrain-x"], r"--run-dir /proc/ringtrain-x",
      r"choose a directory you can write"),
+    (["--data", "EXPORT"], r"--data \S*gpt2_dir holds an hf export, not a dataset",
+     r"--init-from \S*gpt2_dir starts from its model; --data takes a prepared dataset"),
     (["--run-dir", "DATASET"], r"--run-dir \S*dataset is a prepared dataset \(meta\.json",
      r"a directory of its own \(and this one as --data \S*dataset\)"),
     (["--run-dir", "EXPORT"], r"--run-dir \S*gpt2_dir holds an hf export, not a run: a run would "
