@@ -410,6 +410,13 @@ def test_an_export_is_named_as_one_not_as_a_run_without_config(tmp_path, capsys)
     _text_run(finished, str(tmp_path / "data"))
     export_model(model, str(finished))
     assert load_run(finished).config["world_size"] == 2
+    from ringtrain.data.prepare import prepare
+
+    (tmp_path / "t.txt").write_text("some text to prepare\n" * 20)
+    prepare(str(tmp_path / "t.txt"), str(tmp_path / "dataset"), progress=False)
+    assert main([str(tmp_path / "dataset")]) == 2
+    assert "is a prepared dataset, not a run directory (ringtrain train --data " in (
+        capsys.readouterr().err)
 
 
 def test_a_reader_that_stops_early_ends_the_command_quietly(monkeypatch):

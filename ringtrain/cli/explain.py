@@ -116,19 +116,16 @@ def load_run(path: str | Path) -> RunFiles:
         what = "not a directory" if root.exists() else "no such directory"
         raise ConfigError(f"{path}: {what}; pass the --run-dir of a `ringtrain train` run (it "
                           "holds config.json)")
-    from ringtrain.cli.sample import _is_run
-    from ringtrain.formats.init_from import FormatError, detect
+    from ringtrain.cli.dir_contents import holds
 
-    try:
-        held = None if _is_run(str(root)) else detect(str(root))  # an export: one model, no run
-    except FormatError:
-        held = None
-    if held is not None:
-        kind = {"hf": "an hf export", "dcp": "a dcp export"}.get(
-            held, "a model directory (model.safetensors + model_config.json)")
+    kind = holds(str(root))
+    if kind is not None and kind.endswith("export"):  # one model, no run
         raise ConfigError(f"{path} is {kind}, not a run directory; `ringtrain sample {path}` "
                           "generates with it; pass the --run-dir of the run it came from to "
                           "explain that run")
+    if kind == "a prepared dataset":
+        raise ConfigError(f"{path} is a prepared dataset, not a run directory (ringtrain train "
+                          f"--data {path} trains on it); pass the --run-dir of a run")
     config = _read_json(root / "config.json", "rank 0 writes it when the run starts")
     if not isinstance(config, dict) or not {"world_size", "args", "model"} <= set(config):
         raise ConfigError(f"{root / 'config.json'} is not the config.json of `ringtrain train` "

@@ -34,7 +34,7 @@ def check_text_data(path: str, block_size: int, warnings: list[str]) -> tuple[in
     """(training windows, tokens in the vocabulary) of `--data` (a prepared directory or a
     text), or a ValueError that says what is wrong (missing, not UTF-8, too short) before any
     worker starts; adds warnings."""
-    from ringtrain.cli.run_dir_setup import holds
+    from ringtrain.cli.dir_contents import holds
 
     if (kind := holds(path)) not in (None, "a prepared dataset"):  # a model, not data
         raise ValueError(f"--data {path} holds {kind}, not a dataset: --init-from {path} starts "

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     earlier = _earlier_preparation(args.out_dir)
-    from ringtrain.cli.run_dir_setup import holds
+    from ringtrain.cli.dir_contents import holds
 
     if (kind := holds(args.out_dir)) not in (None, "a prepared dataset"):
         print(f"ringtrain prepare: error: OUT_DIR {args.out_dir} holds {kind}, not a dataset, "

@@ -79,35 +79,10 @@ def _start_afresh(run_dir: str, log) -> None:
 END_KEY = "ringtrain/train/past_end"  # rank 0's outcome: "ok" or why the run cannot go on
 
 
-def holds(path: str) -> str | None:
-    """What the directory `path` holds of ringtrain's: "a run", "a prepared dataset", "an hf
-    export", "a dcp export", "a ringtrain export", or None (nothing of these; not there)."""
-    import json
-
-    from ringtrain.cli.sample import _is_export, _is_run
-    from ringtrain.data.prepare import FORMAT, META
-    from ringtrain.formats.init_from import detect
-
-    if not os.path.isdir(path):
-        return None
-    ran = ("snapshots", "metrics.jsonl")  # a run's, whatever else is there
-    if _is_run(path) or any(os.path.exists(os.path.join(path, n)) for n in ran):
-        return "a run"
-    try:
-        with open(os.path.join(path, META), encoding="utf-8") as f:
-            if json.load(f).get("format") == FORMAT:
-                return "a prepared dataset"
-    except (OSError, ValueError, AttributeError):
-        pass
-    if _is_export(path):
-        return {"hf": "an hf", "dcp": "a dcp", "ringtrain": "a ringtrain"}[detect(path)] + \
-            " export"
-    return None
-
-
 def not_a_run(run_dir: str) -> str | None:
     """Why `run_dir` cannot take a run, or None: it is a prepared dataset or an export, whose
     files a run would write into (config.json and model.safetensors over an export's)."""
+    from ringtrain.cli.dir_contents import holds
     from ringtrain.data.prepare import META
 
     kind = holds(run_dir)
