@@ -50,7 +50,7 @@ def resume_or_clear(opts: TrainOptions, rt, log) -> bool:
     if run.resume_from is not None:
         _rewind(run, rt, log)
     if run.resume:
-        _decided_by_rank0(rt, END_KEY, lambda: _other_start(run) or _past_end(run.run_dir),
+        _decided_by_rank0(rt, GO_ON_KEY, lambda: _other_start(run) or _past_end(run.run_dir),
                           f"rank 0 did not say within 10 minutes whether --run-dir "
                           f"{run.run_dir}'s earlier run can go on")
         return True
@@ -76,7 +76,7 @@ def _start_afresh(run_dir: str, log) -> None:
                  "longer needed)", ", ".join(os.path.basename(p) for p in moved), into)
 
 
-END_KEY = "ringtrain/train/past_end"  # rank 0's outcome: "ok" or why the run cannot go on
+GO_ON_KEY = "ringtrain/train/go_on"  # rank 0's outcome: "ok" or why the run cannot go on
 
 
 def not_a_run(run_dir: str) -> str | None:
@@ -104,19 +104,26 @@ def has_snapshot(run_dir: str) -> bool:
     return any((p / COMMITTED).is_file() for p in snap_dirs(Path(run_dir) / "snapshots"))
 
 
+def _run_args(run_dir: str) -> dict | None:
+    """The options the run in `run_dir` was started with (its config.json's), or None."""
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+            args = json.load(f)["args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return args if isinstance(args, dict) else None
+
+
 def _other_start(run) -> str:
     """Rank 0, resuming: why --init-from cannot be taken (the run to resume started from other
     weights, and a resume goes on with its snapshot's), or "". The same command again (the
     run's own --init-from) resumes."""
-    import json
-
     if not run.init_from or not has_snapshot(run.run_dir):
         return ""
-    try:
-        with open(os.path.join(run.run_dir, "config.json"), encoding="utf-8") as f:
-            started = json.load(f)["args"].get("init_from")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        started = "?"
+    args = _run_args(run.run_dir)
+    started = "?" if args is None else args.get("init_from")
     if started and os.path.realpath(started) == os.path.realpath(run.init_from):
         return ""
     was = ("random weights" if started is None else "weights this ringtrain cannot read back"
@@ -140,11 +147,7 @@ def _past_end(run_dir: str) -> str:
     root = os.path.join(run_dir, "snapshots")
     if not has_snapshot(run_dir):
         # Resuming nothing would train from step 0 over the run's metrics, model and summary.
-        try:
-            with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-                every = json.load(f)["args"].get("snapshot_every")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            every = None
+        every = (_run_args(run_dir) or {}).get("snapshot_every")
         why = ("it ran with --snapshot-every 0" if every == 0 else
                f"its {ended} steps took none at --snapshot-every {every}"
                if isinstance(every, int) and ended < every else f"{root} holds none")
