@@ -30,6 +30,7 @@ import types
 import uuid
 from collections.abc import Callable, Iterator
 
+import torch
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ringtrain.launch.network import network_interfaces, route_source
@@ -55,6 +56,13 @@ def _single_node_rendezvous(args) -> None:
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) < 1:
         raise ValueError(f"--nproc-per-node {args.nproc_per_node}: "
                          "start at least one worker per node")
+    word = str(args.nproc_per_node)
+    # torch's words for a count: auto, cpu, gpu, or a device module's name (xpu, a plug-in's)
+    device = getattr(torch, word, None) if word.isidentifier() else None
+    if not word.isdigit() and word not in ("auto", "cpu", "gpu") and not (
+            isinstance(device, types.ModuleType) and hasattr(device, "is_available")):
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node}: give a number of workers per "
+                         "node, or auto (one per GPU, else one per CPU core), gpu or cpu")
     if args.node_rank >= max_nodes:  # it would wait for a rendezvous that never completes
         raise ValueError(f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}: "
                          f"number the nodes 0..{max_nodes - 1}, node 0 at --rdzv-endpoint")
