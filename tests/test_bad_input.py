@@ -158,9 +158,8 @@ def test_a_warmup_longer_than_the_run_is_a_warning(capsys, monkeypatch):
 
 RUN_CASES = [
     (["--nproc-per-node", "0", "SCRIPT"], r"--nproc-per-node 0: start at least one worker"),
-    (["--nproc-per-node", "two", "SCRIPT"], r"--nproc-per-node two: give a number of workers per "
-                                            r"node, or auto \(one per GPU, else one per CPU "
-                                            r"core\), gpu or cpu"),
+    (["--nproc-per-node", "two", "SCRIPT"], r"--nproc-per-node two: .*or auto \(one per GPU, "
+                                            r"else one per CPU core\), gpu or cpu"),
     (["--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "127.0.0.1:29400", "SCRIPT"],
      r"--node-rank 5 is not below --nnodes 2: number the nodes 0\.\.1"),
     (["--nnodes", "2", "--rdzv-endpoint", "nocolon", "SCRIPT"],

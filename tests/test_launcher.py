@@ -197,7 +197,7 @@ def test_help_reads_ringtrain_run(capsys):
 @pytest.mark.parametrize("argv, error", [
     (["--no-such-flag", "3", SCRIPT], "unrecognized arguments: --no-such-flag"),
     (["--nnodes", "x", SCRIPT], "--nnodes 'x': expected N or MIN:MAX"),
-    (["--nproc-per-node", "two", SCRIPT], "Unsupported nproc_per_node value: two"),
+    (["--nproc-per-node", "two", SCRIPT], "--nproc-per-node two: give a number of workers"),
     (["--nproc-per-node", "2", "no_such_script.py"],
      "training script 'no_such_script.py' not found"),
 ])
