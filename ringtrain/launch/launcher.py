@@ -75,6 +75,7 @@ from ringtrain.launch.rendezvous import (
     _bounded_rendezvous,
     _multi_node_addresses,
     _single_node_rendezvous,
+    backend_missing,
     port_in_use,
 )
 from ringtrain.launch.run_args import get_args_parser, has_shutdown_timeout
@@ -213,7 +214,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     except Exception as e:  # rendezvous timeouts and the like: one line, not a stack
         if (signalled := _signal_behind(e)) is not None:
             return _stopped_by(signalled)
-        if said := port_in_use(e, args):  # before any worker started
+        if said := port_in_use(e, args) or backend_missing(e, args):  # no worker started
             print(f"ringtrain run: error: {said}", file=sys.stderr, flush=True)
             return USAGE_EXIT_CODE
         print(f"ringtrain run: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

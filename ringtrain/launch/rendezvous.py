@@ -56,6 +56,12 @@ def _single_node_rendezvous(args) -> None:
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) < 1:
         raise ValueError(f"--nproc-per-node {args.nproc_per_node}: "
                          "start at least one worker per node")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: it must be 0 or more (restarts "
+                         "of the whole job after a worker fails)")
+    if not args.monitor_interval > 0:  # torch's agent asserts it, with no words
+        raise ValueError(f"--monitor-interval {args.monitor_interval:g}: it must be above 0 "
+                         "(seconds between the agent's looks at its workers; 0.1 by default)")
     word = str(args.nproc_per_node)
     # torch's words for a count: auto, cpu, gpu, or a device module's name (xpu, a plug-in's)
     device = getattr(torch, word, None) if word.isidentifier() else None
@@ -76,6 +82,19 @@ def _single_node_rendezvous(args) -> None:
 
     if args.master_port is None:
         args.master_port = 29500  # only read by the static backend, as in torchrun
+
+
+def backend_missing(error: BaseException, args) -> str | None:
+    """The words for a --rdzv-backend torch cannot use (not registered; etcd's client not
+    installed), or None for any other error."""
+    text, name = str(error), args.rdzv_backend
+    if "is not registered" in text:
+        return (f"--rdzv-backend {name}: not a rendezvous backend torch knows; use c10d (the "
+                "store on node 0, nothing to install) or static")
+    if type(error).__name__ == "EtcdStubError" or "'etcd' module is required" in text:
+        return (f"--rdzv-backend {name} needs an etcd server and its Python client (pip install "
+                "python-etcd); c10d needs neither: the store runs on node 0")
+    return None
 
 
 def port_in_use(error: BaseException, args) -> str | None:
