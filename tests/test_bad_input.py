@@ -167,8 +167,9 @@ RUN_CASES = [
     (["--watchdog-timeout", "-1", "SCRIPT"], r"--watchdog-timeout -1: it must be >= 0"),
     (["--max-restarts", "-1", "SCRIPT"], r"--max-restarts -1: it must be 0 or more"),
     (["--monitor-interval", "0", "SCRIPT"], r"--monitor-interval 0: it must be above 0"),
-    (["--rdzv-backend", "foo", "SCRIPT"], r"--rdzv-backend foo: not a rendezvous backend torch "
-                                          r"knows; use c10d"),
+    # (an endpoint: without one torch 2.15 warns that master_addr is for static alone)
+    (["--rdzv-backend", "foo", "--rdzv-endpoint", "127.0.0.1:1", "SCRIPT"],
+     r"--rdzv-backend foo: not a rendezvous backend torch knows; use c10d"),
     (["DIR"], r"training script '\S*' is a directory without a __main__\.py, which python "
              r"would run; pass the \.py file to run"),
     (["-m", "no_such_module_rt"], r"module 'no_such_module_rt' not found .*PYTHONPATH"),
