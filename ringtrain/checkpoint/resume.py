@@ -306,6 +306,11 @@ class Checkpointer:
                            "saved_world_size": meta["world_size"],
                            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
         self.saved_step = snap.step
+        saved_steps = meta.get("config", {}).get("steps")  # said once every check has passed
+        if saved_steps is not None and saved_steps != self.steps and rt.rank == 0:
+            log.info("the run of %d steps goes on to %d: the learning rate follows the schedule "
+                     "of a %d-step run from step %d on (docs/train.md)", saved_steps,
+                     self.steps, self.steps, snap.step)
         log.info("resumed from %s: step %d of %d (saved by world_size %d)%s", snap.path, snap.step,
                  self.steps, meta["world_size"],
                  "; nothing left to train: a larger --steps extends the run (--no-resume starts "
@@ -333,11 +338,6 @@ class Checkpointer:
                 f"--steps {self.steps} is before the snapshot's step {snap.step} ({snap.path}): "
                 f"a resumed run goes on from it; use --steps {snap.step} or more, or start "
                 "afresh with --no-resume or in another --run-dir")
-        saved_steps = saved.get("steps")
-        if saved_steps is not None and saved_steps != self.steps and self.runtime.rank == 0:
-            log.info("the run of %d steps goes on to %d: the learning rate follows the schedule "
-                     "of a %d-step run from step %d on (docs/train.md)", saved_steps,
-                     self.steps, self.steps, snap.step)
 
     def _load_portable(self, snap: Snapshot, saved_topo: dict[str, Any]) -> dict[str, Any]:
         """Load a snapshot of another strategy or layout into this one through the layout-free
