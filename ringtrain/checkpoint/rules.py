@@ -33,7 +33,6 @@ def snapshot_due(step: int, *, every: int, steps: int) -> bool:
     return every > 0 and (step % every == 0 or step == steps)
 
 
-
 def elastic_batch(global_batch: int, data_world_size: int, batch_size: int, *,
                   saved_data_world_size: int) -> tuple[int, int]:
     """(batch_size, grad_accum) per rank that keep `global_batch` on `data_world_size` ranks.

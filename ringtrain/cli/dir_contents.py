@@ -20,8 +20,9 @@ def holds(path: str) -> str | None:
     export", "a dcp export", "a ringtrain export", or None (nothing of these; not there)."""
     import json
 
-    from ringtrain.cli.sample import _is_export, _is_run
+    from ringtrain.cli.sample import _is_run
     from ringtrain.data.prepare import FORMAT, META
+    from ringtrain.formats.hf_gpt2 import FormatError
     from ringtrain.formats.init_from import detect
 
     if not os.path.isdir(path):
@@ -35,7 +36,8 @@ def holds(path: str) -> str | None:
                 return "a prepared dataset"
     except (OSError, ValueError, AttributeError):
         pass
-    if _is_export(path):
+    try:  # one model: read by --init-from and sample
         return {"hf": "an hf", "dcp": "a dcp", "ringtrain": "a ringtrain"}[detect(path)] + \
             " export"
-    return None
+    except FormatError:
+        return None

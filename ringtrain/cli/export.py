@@ -98,15 +98,15 @@ def _in_the_way(out_dir: str, names: list[str], fmt: str) -> str | None:
     if not names:
         return None
     other = "dcp" if fmt == "hf" else "hf"
-    holds = {"hf": hf_gpt2.is_hf_gpt2(out_dir), "dcp": dcp.is_dcp(out_dir)}
+    present = {"hf": hf_gpt2.is_hf_gpt2(out_dir), "dcp": dcp.is_dcp(out_dir)}
     ours = {"hf": (hf_gpt2.CONFIG, hf_gpt2.WEIGHTS, TOKENIZER_FILE),
             "dcp": (dcp.METADATA, CONFIG, TOKENIZER_FILE)}[fmt]
     foreign = [n for n in names if n not in ours and not (fmt == "dcp" and n.endswith(".distcp"))]
-    if holds[other]:
+    if present[other]:
         why = (f"{'an hf' if other == 'hf' else 'a dcp'} export: one directory of two models "
                "is read as one or the other by reader (--init-from and sample take the dcp one, "
                "transformers the hf one)")
-    elif not holds[fmt] or foreign:
+    elif not present[fmt] or foreign:
         why = "not an earlier ringtrain export of this format"
     else:
         return None

@@ -350,7 +350,7 @@ def options_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-# ---- the workers' options: RUN_DIR/config.json, not a rebuilt argv ------------------------------
+# ---- the workers' options: RUN_DIR/.options.json, not a rebuilt argv -----------------------------
 
 CONFIG_ENV = "RINGTRAIN_CONFIG"  # the file a launched worker reads its options from
 # RUN_DIR's file of them: not config.json, which stays the run's own until a worker's resume
