@@ -7,6 +7,8 @@ on a CPU box; tests/test_cuda.py runs the same rule on a real GPU.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -108,6 +110,43 @@ def test_the_launchers_check_counts_gpus_without_is_available(monkeypatch, clean
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(PlacementError, match="2 processes on this machine but 1 GPU"):
         check_args(parse_options(["--nproc-per-node", "2"]))
+
+
+def test_torchs_launch_config_counts_gpus_without_initialising_cuda(monkeypatch, clean_env,
+                                                                     tmp_path):
+    """torch's `config_from_args` asks `is_available()` for its NUMA default, which calls
+    cuInit by default: then the launcher's fork, the job's warm process, could not use CUDA,
+    and on an H200 every `ringtrain train` job's workers started cold, --device cpu too
+    (session 39). The launcher has torch count through NVML there; the variable saying so is
+    gone once the config is made (the workers get the user's environment)."""
+    from ringtrain.launch import launcher
+    from ringtrain.launch.device import NVML_CHECK_ENV
+
+    monkeypatch.delenv(NVML_CHECK_ENV, raising=False)
+    runtime_counts = []  # cudaGetDeviceCount: what initialises the driver
+
+    def runtime_count() -> int:
+        runtime_counts.append(1)
+        return 1
+
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)  # a CUDA build with 1 GPU
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", runtime_count, raising=False)
+    made = {}
+
+    class Configured(Exception):
+        pass
+
+    def starts(**kwargs):
+        made["env"] = dict(os.environ)
+        raise Configured
+
+    monkeypatch.setattr(launcher, "forked_worker_starts", starts)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    launcher.launch(str(script), [], nproc_per_node=1)  # stopped where the zygote is forked
+    assert "env" in made and runtime_counts == []
+    assert NVML_CHECK_ENV not in made["env"] and NVML_CHECK_ENV not in os.environ
 
 
 def test_ringtrain_train_on_a_gpu_box_with_the_cpu_in_the_environment_launches(

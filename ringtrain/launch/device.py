@@ -22,8 +22,9 @@ An argument wins over RINGTRAIN_BACKEND / RINGTRAIN_DEVICE, which win over `auto
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from ringtrain.runtime import DistributedInitError
 
 BACKEND_ENV, DEVICE_ENV = "RINGTRAIN_BACKEND", "RINGTRAIN_DEVICE"
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch's switch: is_available through NVML
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -60,6 +62,27 @@ def launcher_gpu_count() -> int:
     fork used CUDA. The workers still ask `cuda_device_count`, which also proves the driver
     works, and say so where it does not."""
     return torch.cuda.device_count()
+
+
+@contextlib.contextmanager
+def gpu_checks_through_nvml() -> Iterator[None]:
+    """torch's own GPU checks in the launcher answered through NVML, as `launcher_gpu_count`
+    counts: torch's `config_from_args` asks `is_available()` (`LaunchConfig`'s NUMA default
+    and --nproc-per-node auto/gpu; torch.cuda's in 2.11-2.14, torch.accelerator's in 2.15),
+    which calls cuInit unless PYTORCH_NVML_BASED_CUDA_CHECK=1. After cuInit the launcher's
+    fork, the job's warm process, cannot use CUDA, so on every GPU box each `ringtrain train`
+    job's workers started from a fresh interpreter instead, --device cpu too (found on an
+    H200, session 39). The same count either way where NVML answers (else torch falls back
+    to the runtime's); the variable is restored after, so the workers get the user's."""
+    before = os.environ.get(NVML_CHECK_ENV)
+    os.environ[NVML_CHECK_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NVML_CHECK_ENV, None)
+        else:
+            os.environ[NVML_CHECK_ENV] = before
 
 
 def _pick(name: str, value: str | None, env: Mapping[str, str], env_name: str,

@@ -53,7 +53,7 @@ from ringtrain.launch.agent_patches import (
     tolerating,
 )
 from ringtrain.launch.cgroup import MemoryCgroups
-from ringtrain.launch.device import launcher_gpu_count
+from ringtrain.launch.device import gpu_checks_through_nvml, launcher_gpu_count
 from ringtrain.launch.entrypoint import missing_entrypoint
 from ringtrain.launch.environments import LAUNCHER_PID_ENV
 from ringtrain.launch.failure_report import (
@@ -143,7 +143,7 @@ def _run(args, entrypoint: Callable | str | None = None, entry_args: list | None
     try:
         _single_node_rendezvous(args)
         _multi_node_addresses(args)
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), gpu_checks_through_nvml():  # the warm process is a fork
             config, cmd, cmd_args = config_from_args(args)
     except (ValueError, RuntimeError, AssertionError) as e:
         print(f"ringtrain run: error: {e}", file=sys.stderr)
