@@ -57,7 +57,7 @@ part snapshot_stall 200 python3 benchmarks/snapshot_stall.py --phases --every 10
     --rounds 2 --modes none,async
 part snapshot_stall_50 120 python3 benchmarks/snapshot_stall.py --every 50 --steps 305 \
     --rounds 1 --modes none,async
-part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 120
+part suite 600 python3 -m pytest -v -p no:cacheprovider -ra -n 12 --dist loadfile --timeout 300
 echo "== done in $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.log"
 # The device tool brings back at most 8 files: the logs come as one archive.
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
