@@ -59,7 +59,10 @@ throughput within 1 % of none with a snapshot every 50 steps; the lines before t
 for each background mode whether they hold. The last line is JSON: {"device", "params",
 "strategy", "zero_stage", "every", "steps", "rounds", "snapshot_mb", "modes": {mode:
 {"snapshot_step_ms", "other_step_ms" (p50/p95/max/n), "steps_per_s", "save_s_mean",
-"waited_for_write": {"n", "of", "s"}}}, "{mode}_snapshot_step_vs_none",
+"waited_for_write": {"n", "of", "s"}, "warm_saves" (background modes with a third save:
+{"extra_ms" each, "p50_extra_ms", "base_ms", "projected_throughput": {every: x}}, see
+snapshot_warm.py: what a save costs a long run, the drift between runs left out)}},
+"{mode}_snapshot_step_vs_none",
 "{mode}_throughput_vs_none", "goals": {mode: {"snapshot_step": bool, "throughput": bool}},
 loadavg}. `save_s_mean` is the time the step spent in a save: the whole save for sync, the
 in-step part of the host copy for the background modes.
@@ -78,6 +81,7 @@ import time
 from pathlib import Path
 
 import torch
+from snapshot_warm import projected_throughput, warm_saves
 from torch.utils.data import Dataset
 
 SHAPES = {  # per device type: the model (~99 M parameters) and a batch that keeps it busy
@@ -359,6 +363,18 @@ def main(argv: list[str] | None = None) -> dict:
                        "waited_for_write": {
                            "n": sum(w is not None for w in waits[mode]), "of": len(waits[mode]),
                            "s": round(sum(w for w in waits[mode] if w is not None), 3)}}
+    for mode in modes_run[1:]:  # a warm save's cost within its own run (snapshot_warm.py)
+        per_run = [warm_saves([1e3 * x for x in run], args.every, args.warmup, after=3)
+                   for run in steps[mode]]
+        per_run = [w for w in per_run if w is not None]
+        extra = [x for w in per_run for x in w["extra_ms"]]
+        if extra:
+            base = statistics.median(w["base_ms"] for w in per_run)
+            cost = statistics.median(extra)
+            modes[mode]["warm_saves"] = {
+                "extra_ms": extra, "p50_extra_ms": round(cost, 2), "base_ms": round(base, 3),
+                "projected_throughput": {str(n): projected_throughput(cost, base, n)
+                                         for n in sorted({50, args.every})}}
     none = modes["none"]
     ratio = {}
     goals = {}
@@ -376,6 +392,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{mode:5s}  snapshot steps {m['snapshot_step_ms']}  other steps "
               f"{m['other_step_ms']}  {m['steps_per_s']} steps/s  save in step "
               f"{m['save_s_mean']} s")
+        if warm := m.get("warm_saves"):
+            print(f"{mode:5s}  warm saves (the third on) cost {warm['extra_ms']} ms each over "
+                  f"4 steps of its runs' {warm['base_ms']} ms: at that cost a save every "
+                  + ", ".join(f"{n} steps keeps {x}x" for n, x in
+                              warm["projected_throughput"].items())
+                  + " of the throughput (an estimate: snapshot_warm.py)")
         w = m["waited_for_write"]
         if w["n"]:
             print(f"{mode:5s}  {w['n']} of {w['of']} saves waited for the previous write "
