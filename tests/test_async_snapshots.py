@@ -348,8 +348,8 @@ def test_the_trainer_stages_a_snapshot_before_its_metrics_line(tmp_path, one_ran
                                                                monkeypatch):
     """At a step that logs and saves, the save's copies come before the metrics line (which
     waits for the device: the host copies while a GPU trains); the loop's state saved is the
-    one the line left (its window emptied). An early stop at a snapshot step saves nothing of
-    it, as before the halves, and leaves the optimizer unguarded."""
+    one the line left (its window emptied). An early stop at a snapshot step saves it once its
+    line decided the stop (a resume finds the stop there), and leaves the optimizer unguarded."""
     from ringtrain.checkpoint.loop_save import LoopSave
     from ringtrain.training.snapshots import LoopSnapshots
     from ringtrain.training.trainer import Trainer
@@ -376,9 +376,10 @@ def test_the_trainer_stages_a_snapshot_before_its_metrics_line(tmp_path, one_ran
     early.config = dataclasses.replace(early.config, eval_every=2)
     early.stop_when = lambda rec: rec["step"] == 4
     assert early.fit()["steps"] == 4
-    assert calls == ["_log", "stage", "_log", "save", "_log", "stage", "_log"], calls
-    assert [s.step for s in SnapshotManager(tmp_path / "early" / "snapshots", rank=0,
-                                            world_size=1).snapshots()] == [2]
+    assert calls == ["_log", "stage", "_log", "save", "_log", "stage", "_log", "save"], calls
+    early_saved = SnapshotManager(tmp_path / "early" / "snapshots", rank=0, world_size=1)
+    assert [s.step for s in early_saved.snapshots()] == [4, 2]
+    assert early_saved.latest().metadata["reason"] == "early stop"
     assert not early.strategy.optimizer._optimizer_step_pre_hooks  # noqa: SLF001
 
 

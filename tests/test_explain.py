@@ -433,3 +433,29 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(monkeypatch):
         monkeypatch.setattr(sys, "stdout", out)
         assert ringtrain_main(["plan", "--nproc-per-node", "2"]) == 128 + signal.SIGPIPE
         print("more", file=out)  # stdout is /dev/null now: nothing raises at the exit
+
+
+def test_an_early_stopped_run_is_explained_and_run_again_trains_nothing(tmp_path, capsys,
+                                                                       clean_env):
+    """--stop-at-accuracy: the stop step's snapshot is the one a resume uses, and explain says
+    the run stopped there; the same command again trains nothing and moves nothing aside."""
+    from ringtrain.cli import main as ringtrain_main
+
+    run = tmp_path / "run"
+    argv = ["train", "--steps", "40", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16",
+            "--eval-every", "10", "--no-progress", "--no-report", "--threads", "1",
+            "--stop-at-accuracy", "0.001", "--run-dir", str(run)]  # met at the first eval
+    assert ringtrain_main(argv) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 10 and (run / "snapshots" / "snap-00000010").is_dir()
+    capsys.readouterr()
+    assert main([str(run)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("step 10 of 40 (where the run stopped early: the same command trains nothing, a "
+            "higher --stop-at-accuracy goes on from it)") in out
+    assert ringtrain_main(argv) == 0
+    said = capsys.readouterr()
+    assert "the run stopped early at step 10 (eval_loss" in said.out + said.err
+    assert not (run / "set-aside").exists()
+    assert json.loads((run / "summary.json").read_text())["param_sha256"] == \
+        summary["param_sha256"]

@@ -106,7 +106,7 @@ def test_a_finished_run_going_on_is_read_as_in_progress_and_its_end_kept(run, tm
     def started(steps: str) -> None:  # `ringtrain train` on a resume the trainer accepted
         opts = parse_options(["--run-dir", str(run_dir), "--steps", steps])
         assert resume_or_clear(opts, rank0, log)
-        when_started(opts, rank0, config, log)(6)
+        when_started(opts, rank0, config, log)(6, int(steps))  # from 6 to --steps
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     started("9")

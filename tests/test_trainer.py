@@ -117,6 +117,48 @@ def test_early_stop_and_resume_state():
     assert state["sampler"]["samples_consumed"] == 5 * 8 and state["sampler"]["epoch"] == 0
 
 
+def _stopping(run_dir, eval_loss_under, steps=20):
+    """A trainer of `make_trainer`'s task with snapshots every 100 steps (none due before the
+    end) under `run_dir`, stopping once eval_loss is under `eval_loss_under`."""
+    rt = init_distributed()
+    train, test = AdditionDataset("train", 1), AdditionDataset("test", 1)
+    cfg = TrainerConfig(steps=steps, batch_size=8, lr=3e-3, progress=False, eval_every=5,
+                        eval_batch_size=2, report=False)
+    trainer = Trainer(make_strategy("ddp", runtime=rt), rt, lambda: GPT(MODEL), train,
+                      Subset(test, range(5)), loss_fn, cfg, eval_metrics={"accuracy": exact_match},
+                      run_dir=str(run_dir), snapshot_every=100,
+                      stop_when=lambda rec: rec["eval_loss"] < eval_loss_under)
+    return trainer
+
+
+def test_an_early_stop_is_resumable_and_running_it_again_trains_nothing(tmp_path, caplog):
+    """The stop step's snapshot (none was due): the same condition again trains nothing and
+    says why (as a run resumed at its last step), each start told where it trains to; a
+    condition not met there goes on from it, bit for bit the run that never stopped."""
+    first = _stopping(tmp_path / "run", 100.0)
+    starts = []
+    first.on_start = lambda step, until: starts.append((step, until))
+    stopped = first.fit()
+    assert stopped["steps"] == 5 and starts == [(0, 20)]
+    destroy_distributed()
+    again = _stopping(tmp_path / "run", 100.0)
+    again.on_start = lambda step, until: starts.append((step, until))
+    with caplog.at_level("INFO", logger="ringtrain"):
+        summary = again.fit()
+    assert summary["steps"] == 5 and starts[-1] == (5, 5)
+    assert summary["param_sha256"] == stopped["param_sha256"]
+    assert "the run stopped early at step 5 (eval_loss" in caplog.text
+    assert "nothing is left to train" in caplog.text
+    destroy_distributed()
+    on = _stopping(tmp_path / "run", -1.0)  # never met: trains to --steps from step 5
+    on.on_start = lambda step, until: starts.append((step, until))
+    went_on = on.fit()
+    assert went_on["steps"] == 20 and starts[-1] == (5, 20)
+    destroy_distributed()
+    whole = _stopping(tmp_path / "whole", -1.0).fit()
+    assert went_on["param_sha256"] == whole["param_sha256"]
+
+
 def test_nan_loss_stops_on_the_reduced_value():
     rt = init_distributed()
     trainer = make_trainer(rt, steps=4, log_every=2, eval_every=4,

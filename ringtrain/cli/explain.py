@@ -301,7 +301,11 @@ def _resume(run: RunFiles, f: RunFacts) -> list[str]:
                     f"(--snapshot-every {every})")
         return lines + [f"{why}; a resume would start from step 0."]
     steps = run.config.get("trainer", {}).get("steps")
-    left = " (nothing left to train)" if run.resume_step == steps else ""
+    stopped_early = ((run.summary or {}).get("steps") == run.resume_step != steps
+                     and run.config["args"].get("stop_at_accuracy") is not None)
+    left = (" (nothing left to train)" if run.resume_step == steps else
+            " (where the run stopped early: the same command trains nothing, a higher "
+            "--stop-at-accuracy goes on from it)" if stopped_early else "")
     where = ("on any number of ranks that divides the global batch (every rank holds the whole "
              "state)" if run.resume_replicated else f"on the same layout (world size {f.world}) "
              "to load each rank's part as it was saved")

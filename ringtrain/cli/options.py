@@ -235,7 +235,9 @@ class RunOptions:
                            "(its --tp splits each stage) and --tp alone tp",
                            choices=tuple(registered()))
     stop_at_accuracy: float | None = option(None, "stop once the held-out accuracy reaches this, "
-                                            "e.g. 0.99 (addition)", type=non_negative_float,
+                                            "e.g. 0.99 (addition); run again, a stopped run trains "
+                                            "nothing, a higher value goes on from its stop",
+                                            type=non_negative_float,
                                             metavar="FRACTION")
     sample_length: int = option(300, "characters generated at the end with --data", type=_positive)
     trace_steps: StepRange | None = option(None, "record a timeline of steps A to B-1 on every "

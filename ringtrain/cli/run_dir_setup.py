@@ -164,13 +164,13 @@ def when_started(opts: TrainOptions, rt, record: dict, log) -> Callable[[int], N
     run's end set aside where the run goes past it (`_set_aside_end`), and `record` written as
     config.json. Not before: a command whose resume is refused (other options, fewer --steps,
     the data changed) leaves the run directory as it was, which explain and sample read."""
-    def start(step: int) -> None:
+    def start(step: int, until: int) -> None:  # the run trains from `step` to `until`
         from ringtrain.training.progress import write_json
 
         if rt.rank != 0:
             return
         if opts.run.resume and _first_start():
-            _set_aside_end(opts.run.run_dir, opts.trainer.steps, log)
+            _set_aside_end(opts.run.run_dir, until, log)
         unless_full(write_json, os.path.join(opts.run.run_dir, "config.json"), record)
 
     return start

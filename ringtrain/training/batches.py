@@ -63,3 +63,17 @@ class MicroBatches:
         if self.pin:
             x, y = x.pin_memory(), y.pin_memory()
         return x, y
+
+
+def shard_sampler(train_set: Dataset, data_rank: int, data_world_size: int, *, batch_size: int,
+                  seed: int) -> DistributedSampler:
+    """This data rank's shuffled shard of `train_set`; ValueError where it holds less than one
+    batch (every step needs one on every rank)."""
+    sampler = DistributedSampler(train_set, num_replicas=data_world_size, rank=data_rank,
+                                 shuffle=True, seed=seed)
+    if len(sampler) < batch_size:
+        raise ValueError(
+            f"the training set has {len(train_set)} samples, {len(sampler)} per data rank over "
+            f"{data_world_size} ranks: fewer than one batch of --batch-size {batch_size}; lower "
+            "--batch-size or use more data")
+    return sampler

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -186,6 +187,15 @@ def adamw(weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> Opti
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=0.0, betas=betas,
                                  **({"fused": True} if fused else {}))
     return build
+
+
+def autocast(dtype: str, device: torch.device):
+    """What the loop runs each step and evaluation in: bf16 autocast for `dtype` "bf16", else
+    nothing. Around the strategy's whole step (every strategy gets it without an option of its
+    own): backward ops run in the dtype autocast chose for their forward op either way."""
+    if dtype != "bf16":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def compile_problem(device: torch.device | str = "cpu") -> str | None:

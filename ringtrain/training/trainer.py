@@ -29,7 +29,8 @@ every N steps and on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C), and `fit` resumes from
 directory's newest committed snapshot by itself (`resume=False` starts afresh).
 
 This file is the step loop; what it calls at the edges lives beside it: a logged step's
-reduced record (`record.py`), when to save and how to stop on a signal (`snapshots.py`), the
+reduced record (`record.py`), when to save and how to stop on a signal (`snapshots.py`) or
+early (`early_stop.py`), the micro-batches (`batches.py`), the
 end of the run (`ending.py`: every rank's collectives first, then the last snapshot's write,
 then the files), and the live mode's steps (`live.py`: each step is the fault-free run's
 global batch over whoever is left; snapshots, metrics and the end are then its rank 0's).
@@ -59,15 +60,17 @@ from ringtrain.errors import ConfigError
 from ringtrain.runtime import Runtime
 from ringtrain.strategies.base import StepResult, Strategy
 from ringtrain.trace import Tracer
-from ringtrain.training.batches import MicroBatches
+from ringtrain.training.batches import MicroBatches, shard_sampler
 from ringtrain.training.config import (
     TrainerConfig,
     adamw,
+    autocast,
     compile_problem,
     lr_at,
     param_sha256,
     rank_seed,
 )
+from ringtrain.training.early_stop import evaluates, stop_met, stopped_at
 from ringtrain.training.ending import RunEnd
 from ringtrain.training.evaluate import checked_eval_set, eval_sums
 from ringtrain.training.live import LiveDriver, LiveSettings, live_driver
@@ -141,7 +144,7 @@ class Trainer:
         self.started_at = started_at
         self._started = time.time()  # set again by `fit`
         self.on_step: Callable[[int], None] | None = None  # told each finished step (a watchdog)
-        self.on_start: Callable[[int], None] = lambda step: None  # told its first step (below)
+        self.on_start: Callable[[int, int], None] = lambda first, until: None  # see fit
         c = self.config
         if c.compile and (why := compile_problem(runtime.device)):
             # one line from the ranks, not each rank's traceback from inside the first step
@@ -174,15 +177,9 @@ class Trainer:
             self.data_world_size = live.world_size
         self.tracer.align_clocks(self.agreement.gather)  # each rank's offset to rank 0's clock
         self.train_sampler: DistributedSampler | None = None
-        if self.data_rank is not None and self.live is None:
-            self.train_sampler = DistributedSampler(
-                train_set, num_replicas=self.data_world_size, rank=self.data_rank, shuffle=True,
-                seed=c.seed)
-            if len(self.train_sampler) < c.batch_size:
-                raise ValueError(
-                    f"the training set has {len(train_set)} samples, {len(self.train_sampler)} "
-                    f"per data rank over {self.data_world_size} ranks: fewer than one batch of "
-                    f"--batch-size {c.batch_size}; lower --batch-size or use more data")
+        if self.data_rank is not None and self.live is None:  # live: the driver's (below)
+            self.train_sampler = shard_sampler(train_set, self.data_rank, self.data_world_size,
+                                               batch_size=c.batch_size, seed=c.seed)
         # Step, metrics window (per rank, saved so logged losses continue exactly), totals and
         # the sampler's cursor: what a snapshot holds of the loop.
         self.state = LoopState(self.train_sampler, samples=samples)
@@ -231,11 +228,7 @@ class Trainer:
         return self.state.step
 
     def _autocast(self):
-        # Around the strategy's whole step (so every strategy gets it without an option of its
-        # own): backward ops run in the dtype autocast chose for their forward op either way.
-        if self.config.dtype != "bf16":
-            return nullcontext()
-        return torch.autocast(device_type=self.runtime.device.type, dtype=torch.bfloat16)
+        return autocast(self.config.dtype, self.runtime.device)
 
     # -- the loop --------------------------------------------------------------------------------
     def _log(self, step: int, lr: float, evaluated: bool) -> dict[str, Any]:
@@ -272,15 +265,20 @@ class Trainer:
         c = self.config
         progress = Progress(c.steps, enabled=c.progress and self.runtime.rank == 0,
                             initial=self.step, log_every=c.log_every)  # a line per log_every
+        done = (resumed_at is not None and self.eval_set is not None  # then nothing is trained
+                and stopped_at(self.state.last, self.step, self.stop_when, eval_every=c.eval_every,
+                               steps=c.steps, say=self.runtime.rank == 0))
         if original:  # resumed: lines after the snapshot go (trained again); live: metrics_file
             self.metrics.open(resume_at=self.step if self.step > 0 else None)
-            self.on_start(self.step)  # not before: a resume refused leaves the run as it was
+            # Not before: a resume refused leaves the run as it was.
+            self.on_start(self.step, self.step if done else c.steps)
         catch = cp is not None and cp.every > 0
         disk_full = agreed = None
         try:
             with StopSignal(STOP_SIGNALS) if catch else nullcontext() as stop:
                 try:
-                    stopped = self._loop(progress, stop, resumed=resumed_at is not None)
+                    stopped = None if done else self._loop(progress, stop,
+                                                           resumed=resumed_at is not None)
                 except DiskFullError as e:  # raised by the same save on every rank: all stop
                     stopped, disk_full = "disk full", str(e)
             if not stopped:  # every rank's end collectives, then the last write (`ending.py`)
@@ -351,7 +349,8 @@ class Trainer:
             if self.on_step is not None:
                 self.on_step(self.step)
             last = self.step == c.steps
-            evaluated = self.eval_set is not None and (self.step % c.eval_every == 0 or last)
+            evaluated = self.eval_set is not None and evaluates(self.step, eval_every=c.eval_every,
+                                                                steps=c.steps)
             logged = self.step % c.log_every == 0 or evaluated or last
             # A snapshot's copies first, the metrics line (which waits for the device) after:
             # the host copies while the device trains (`ringtrain.checkpoint.staged_save`).
@@ -363,13 +362,13 @@ class Trainer:
                 shown = {n: last[f"eval_{n}"] for n in self.eval_metrics if f"eval_{n}" in last}
                 key, label = RATES[self.state.unit]
                 progress.set_metrics(rec["loss"], rec[key], label, **shown)
-                # Only reduced values (bit-identical on every rank) decide; timings are local.
-                agreed = {k: v for k, v in rec.items()
-                          if k in ("step", "loss", "lr") or k.startswith("eval_")}
-                if evaluated and self.stop_when is not None and self.stop_when(agreed):
+                if evaluated and stop_met(rec, self.stop_when):
                     log.info("stopping early at step %d: %s", self.step, eval_text(rec))
-                    if staged is not None:  # as before the halves: no snapshot of this step
-                        staged.drop()
+                    if staged is None and cp is not None and cp.every > 0 \
+                            and self._writes_snapshots():  # else run again it trains afresh
+                        staged = snaps.stage(self.step)
+                    if staged is not None:  # a resume finds the stop (`_stopped_early`)
+                        staged.save("early stop")
                     break
                 if evaluated:
                     log.info("step %d: %s", self.step, eval_text(rec))
