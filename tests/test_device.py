@@ -65,14 +65,30 @@ def test_more_nccl_processes_than_gpus_is_one_clear_error():
 
 @pytest.mark.parametrize("backend, device, env, gpus, says", [
     ("nccl", "cpu", {}, 1, "backend nccl needs CUDA tensors"),
-    (None, "cuda", {}, 0, "sees no GPU here"),
-    ("nccl", None, {}, 0, "sees no GPU here"),
+    (None, "cuda", {}, 0, "device cuda was asked for but torch"),
+    ("nccl", None, {}, 0, "backend nccl was asked for but torch"),  # not the --device cpu fix
     (None, None, {DEVICE_ENV: "gpu"}, 1, "RINGTRAIN_DEVICE='gpu': use one of auto, cpu, cuda"),
     ("foo", None, {}, 1, "backend='foo': use one of auto, gloo, nccl"),  # init_distributed's
 ])
 def test_what_this_machine_cannot_give_is_named(backend, device, env, gpus, says):
     with pytest.raises(PlacementError, match=says.replace("(", r"\(")):
         choose(backend, device, env=env, gpus=_gpus(gpus))
+
+
+@pytest.mark.parametrize("backend, device, fix", [
+    (None, "cuda", "use --device cpu (RINGTRAIN_DEVICE=cpu)"),
+    ("nccl", None, "use --backend gloo (RINGTRAIN_BACKEND=gloo) for the CPU")])
+def test_no_gpu_names_what_was_asked_its_fix_and_a_cpu_only_build(monkeypatch, backend, device,
+                                                                  fix):
+    """`--device cuda` on a CPU-only torch said "backend nccl was asked for" (the backend it
+    implied), and named no cause: the build, where it is a CPU-only one."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(PlacementError) as e:
+        choose(backend, device, env={}, gpus=_gpus(0))
+    asked = "device cuda" if device else "backend nccl"
+    assert str(e.value).startswith(f"{asked} was asked for but torch {torch.__version__} (a "
+                                   "CPU-only build: GPUs need a CUDA build of torch) sees no GPU "
+                                   f"here: {fix}, or check CUDA_VISIBLE_DEVICES")
 
 
 def test_ringtrain_train_refuses_two_nccl_ranks_on_one_gpu_before_any_worker_starts(

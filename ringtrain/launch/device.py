@@ -121,6 +121,7 @@ def choose(backend: str | None = None, device: str | None = None, *, local_rank:
     if device == "cpu" and backend == "nccl":
         raise PlacementError("backend nccl needs CUDA tensors but the device asked for is the "
                              "CPU: use --backend gloo (or RINGTRAIN_BACKEND=gloo) for CPU tensors")
+    asked_cuda = device == "cuda"  # else NCCL was, to say which in an error
     if device == "auto":  # gloo alone means the CPU, NCCL means CUDA, auto looks
         device = {"gloo": "cpu", "nccl": "cuda"}.get(backend) or ("cuda" if gpus() > 0 else "cpu")
     if backend == "auto":
@@ -129,10 +130,14 @@ def choose(backend: str | None = None, device: str | None = None, *, local_rank:
         return Placement(backend, torch.device("cpu"))
     count = gpus()
     if count == 0:
-        raise PlacementError(f"{'backend nccl' if backend == 'nccl' else 'device cuda'} was asked "
-                             f"for but torch {torch.__version__} sees no GPU here: use --device "
-                             "cpu (RINGTRAIN_DEVICE=cpu), or check CUDA_VISIBLE_DEVICES and the "
-                             "driver (python -c 'import torch; print(torch.cuda.is_available())')")
+        build = (" (a CPU-only build: GPUs need a CUDA build of torch)" if torch.version.cuda
+                 is None else "")
+        cpu = ("--device cpu (RINGTRAIN_DEVICE=cpu)" if asked_cuda else
+               "--backend gloo (RINGTRAIN_BACKEND=gloo) for the CPU")
+        raise PlacementError(f"{'device cuda' if asked_cuda else 'backend nccl'} was asked for "
+                             f"but torch {torch.__version__}{build} sees no GPU here: use {cpu}, "
+                             "or check CUDA_VISIBLE_DEVICES and the driver (python -c 'import "
+                             "torch; print(torch.cuda.is_available())')")
     if backend == "nccl" and local_world_size > count:
         raise PlacementError(
             f"{local_world_size} processes on this machine but {count} GPU"
