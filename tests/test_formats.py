@@ -171,6 +171,32 @@ def test_init_from_another_shape_says_the_flags(run_dir, tmp_path, capsys):
     assert "--n-layer 1" in err and "--n-layer 2" in err and "drop --init-from" in err
 
 
+def test_init_from_gives_the_run_its_models_shape_where_no_option_sets_it(tmp_path):
+    """A GPT-2 directory of another shape than the defaults: a run without shape options
+    takes its layers, heads, width, biases and tied embeddings (from_pretrained's way), not
+    its dropout; a shape option set otherwise is refused, naming the flags."""
+    from ringtrain.cli.job import build_job
+    from ringtrain.cli.train_args import parse_options
+    from ringtrain.models.export import export_model
+
+    task = AdditionDataset("train", 2)  # the default task's vocabulary and positions
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, block_size=task.block_size, n_layer=3,
+                          n_head=2, n_embd=24,
+                          bias=False, tie_embeddings=True, dropout=0.3))
+    export_model(model, str(tmp_path / "run"), tokenizer=None)
+    for fmt in ("hf", "dcp"):
+        assert ringtrain_main(["export", str(tmp_path / "run"), str(tmp_path / fmt),
+                               "--format", fmt]) == 0
+        opts = parse_options(["--init-from", str(tmp_path / fmt), "--no-progress"])
+        m = opts.model
+        assert (m.n_layer, m.n_head, m.n_embd, m.bias, m.tie_embeddings, m.dropout) == (
+            3, 2, 24, False, True, 0.0), fmt
+        built = build_job(opts)["model_fn"]()
+        assert param_sha256(built.state_dict()) == param_sha256(model.state_dict()), fmt
+    with pytest.raises(ValueError, match=r"--n-layer 3 .* --n-layer 2; leave those out"):
+        build_job(parse_options(["--init-from", str(tmp_path / "hf"), "--n-layer", "2"]))
+
+
 def test_init_from_a_directory_of_nothing_known_is_refused(tmp_path, capsys):
     rc = train_main([*TINY, "--init-from", str(tmp_path), "--run-dir", str(tmp_path / "r")])
     assert rc == 2 and "neither a torch distributed checkpoint" in capsys.readouterr().err

@@ -254,9 +254,9 @@ class RunOptions:
     # Not resume=MUST_MATCH: a resume takes its snapshot's weights, whatever started the run.
     init_from: str | None = option(None, "start from the weights in DIR: a transformers GPT-2 "
                                    "directory, a torch distributed checkpoint (.metadata) or an "
-                                   "exported ringtrain run; the model options give its shape, and "
-                                   "--data must be tokenized as its (ringtrain prepare "
-                                   "--tokenizer-from DIR)",
+                                   "exported ringtrain run, whose shape the model takes where no "
+                                   "option sets it; --data must be tokenized as its (ringtrain "
+                                   "prepare --tokenizer-from DIR)",
                                    metavar="DIR", shown="random (GPT-2's init)")
     resume: bool = option(True, "start afresh in --run-dir; the earlier run there (snapshots, "
                           "metrics, summary, model) moves to RUN_DIR/set-aside/, nothing is "

@@ -4,7 +4,8 @@
 
 `build_parser` makes the parser from the dataclass fields; `options_from` turns what was given
 (argv, or a worker's RUN_DIR/config.json) into a `TrainOptions`, applying the defaults in order
-(field, task, strategy, recipe, command line) and the classes' own checks; `check_args` finds
+(field, task, strategy, --init-from's model shape, recipe, command line) and the classes' own
+checks; `check_args` finds
 what needs more than one section or the machine (cores, devices, the data file, the layout of
 the strategy over the ranks). Errors name fields (`lr=0.0`); `options_from` and `check_args`
 say them with flags (`--lr 0.0`) through `ringtrain.config.to_flags`, the one place that maps
@@ -102,13 +103,17 @@ def options_from(given: Mapping[str, Any], *, parse_text: bool = False) -> Train
         parse_text: `given` came from JSON (a worker's config.json): a text value of an option
             with a parser (`--trace-steps 3:5`) is parsed again.
     """
+    from ringtrain.formats.init_from import shape_options
+
     given = {k: v for k, v in given.items() if v is not None}
     if parse_text:
         given = parsed_text(given)
     task = "text" if given.get("data") else "addition"
     recipe = parsed_text(load_recipe(given["recipe"])) if given.get("recipe") else {}
     _check_names(recipe, f"recipe={given.get('recipe')!r}")
-    values = {**TASK_DEFAULTS[task], **recipe, **given}
+    start = {**recipe, **given}.get("init_from")
+    shape = shape_options(start) if start else {}  # its model's, where no option sets one
+    values = {**TASK_DEFAULTS[task], **shape, **recipe, **given}
     strategies = registered()
     given = {**given, "strategy": strategy_name(values)}  # --pp 2 alone: pipeline
     chosen = strategies[given["strategy"]]
@@ -120,7 +125,8 @@ def options_from(given: Mapping[str, Any], *, parse_text: bool = False) -> Train
                              f"add {which.split(' or ')[0]} or drop {flag_}")
     try:
         strategy = chosen.Config(**set_values(chosen.Config, values))
-        values = {**TASK_DEFAULTS[task], **strategy.trainer_defaults(), **recipe, **given}
+        values = {**TASK_DEFAULTS[task], **strategy.trainer_defaults(), **shape, **recipe,
+                  **given}
         sections = {name: cls(**set_values(cls, values)) for name, cls in SECTIONS.items()}
         return TrainOptions(**sections, strategy=strategy)
     except ValueError as e:  # "lr=0.0: ..." -> "--lr 0.0: ..."

@@ -76,6 +76,18 @@ def source_config(path: str) -> GPTConfig | None:
     return gpt_config(hf, bias=hf.get(MARK, {}).get("bias", True))
 
 
+def shape_options(path: str) -> dict[str, Any]:
+    """The model options that `path`'s model fixes, for a run that starts from it and sets
+    none of them itself: its layers, heads, width, biases and tied embeddings (not its
+    dropout, a training choice, nor its positions: a run may use fewer). {} where the
+    directory cannot be read as a model here: the run's own checks then say why."""
+    try:
+        source = source_config(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {} if source is None else {f: getattr(source, f) for f in SHAPE if f != "vocab_size"}
+
+
 def check_shape(source: GPTConfig | None, target: dict[str, Any], path: str) -> None:
     """A FormatError (a ValueError) naming the fields where the run's model (`target`: some or
     all of GPTConfig's fields) is not the one `path` holds (`source`), with the values that
@@ -89,8 +101,8 @@ def check_shape(source: GPTConfig | None, target: dict[str, Any], path: str) -> 
         theirs = ", ".join(f"{f}={getattr(source, f)}" for f in differ)
         ours = ", ".join(f"{f}={target[f]}" for f in differ)
         raise FormatError(f"init_from={path} holds a GPT with {theirs} ({source.block_size} "
-                          f"positions), but this run builds {ours}; give the run the model's "
-                          "shape, or drop init_from")
+                          f"positions), but this run builds {ours}; leave those out (a run "
+                          "takes its model's shape) or give its values, or drop init_from")
 
 
 # The tensors with a row per vocabulary entry (the GPT's names).
