@@ -40,15 +40,18 @@ class Crash(RuntimeError):
     """Raised on every rank at the same step boundary: the job dies, a new trainer resumes."""
 
 
-def make_trainer(runtime, run_dir, *, lr=3e-3, fault=None, name="trainer", train=None):
+def make_trainer(runtime, run_dir, *, lr=3e-3, fault=None, name="trainer", train=None,
+                 **config):
     """A 1-layer GPT on 1-digit addition; `fault` = (action, step) for this rank.
 
     `name`: a second trainer of `run_dir` in one process group (the resumed one) needs another.
     `train`: another training set than the whole of 1-digit addition's.
+    `config`: TrainerConfig fields over these.
     """
     train, test = train or AdditionDataset("train", 1), AdditionDataset("test", 1)
-    cfg = TrainerConfig(steps=STEPS, batch_size=8, lr=lr, seed=0, progress=False, log_every=1,
-                        eval_every=6, eval_batch_size=4)
+    cfg = TrainerConfig(**{"steps": STEPS, "batch_size": 8, "lr": lr, "seed": 0,
+                           "progress": False, "log_every": 1, "eval_every": 6,
+                           "eval_batch_size": 4, **config})
     trainer = Trainer(make_strategy("ddp", runtime=runtime), runtime, lambda: GPT(MODEL), train,
                       Subset(test, range(5)), loss_fn, cfg, eval_metrics={"accuracy": exact_match},
                       run_dir=str(run_dir), snapshot_every=EVERY,
@@ -210,6 +213,33 @@ def test_other_options_are_refused_naming_them(tmp_path, single_process):
     fresh = make_trainer(single_process, tmp_path, lr=1e-3)
     fresh.resume = False  # what --no-resume does, after deleting the snapshots
     assert fresh.fit()["resumed_from_step"] == []
+
+
+def test_a_new_schedule_is_taken_from_the_snapshots_step_only_when_asked(tmp_path,
+                                                                        single_process):
+    """--lr, --min-lr, --warmup-steps and --lr-schedule changed on a resume: refused, the
+    message offering --new-schedule; with it the run goes on from the snapshot's step at the
+    new schedule's learning rates (lr_at of the new config, logged per step), while another
+    option changed too is still refused."""
+    from ringtrain.training.config import lr_at
+
+    with pytest.raises(Crash):
+        make_trainer(single_process, tmp_path, fault=("crash", 4)).fit()  # snapshot of step 3
+    with pytest.raises(ValueError, match=r"--lr 0\.003 in the snapshot, 0\.001 now.*add "
+                                         r"--new-schedule to train on with this command's "
+                                         r"learning rates from step 3"):
+        make_trainer(single_process, tmp_path, lr=1e-3).fit()
+    changed = make_trainer(single_process, tmp_path, lr=1e-3, new_schedule=True, seed=1)
+    with pytest.raises(ValueError, match=r"--seed 0 in the snapshot, 1 now\. Resume with the "
+                                         r"snapshot's options, or start afresh"):
+        changed.fit()
+    lowered = make_trainer(single_process, tmp_path, lr=1e-3, new_schedule=True,
+                           lr_schedule="constant")
+    assert lowered.fit()["resumed_from_step"] == [3]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in lines if r["step"] > 3] == [
+        pytest.approx(lr_at(k - 1, lowered.config)) for k in range(4, STEPS + 1)]
+    assert all(r["lr"] == pytest.approx(1e-3) for r in lines if r["step"] > 3)  # constant
 
 
 def test_data_of_another_size_is_one_message_naming_both_sizes(tmp_path, single_process):

@@ -51,11 +51,11 @@ from ringtrain import collectives
 from ringtrain.checkpoint.loop_save import LoopSave
 from ringtrain.checkpoint.rng import set_rng_state
 from ringtrain.checkpoint.rules import (
+    check_options,
     config_differences,
     elastic_batch,
     reseed,
     snapshot_due,
-    tokenizer_change,
 )
 from ringtrain.checkpoint.run_dir import DiskFullError, no_space_message
 from ringtrain.checkpoint.sharded import load_strategy_parts
@@ -139,6 +139,7 @@ class Checkpointer:
         self.runtime, self.agreement = runtime, agreement
         self.every, self.data_world_size, self.seed = every, data_world_size, config.seed
         self.trainer_config = config  # its `resume_view`: the rule of a changed --steps
+        self.schedule_changed: list[str] = []  # by --new-schedule, at the resume
         self.manager = SnapshotManager(root_dir, rank=runtime.rank, world_size=runtime.world_size,
                                        store=runtime.store if runtime.world_size > 1 else None,
                                        keep=keep, timeout_s=timeout_s, name=name)
@@ -261,7 +262,10 @@ class Checkpointer:
                             "starts afresh from step 0", len(skipped), self.manager.root)
             return None
         meta = snap.metadata
-        self._check_options(snap)
+        # --new-schedule's changes: said once every check has passed (below)
+        self.schedule_changed = check_options(snap.path, snap.step,
+                                              snap.metadata.get("config", {}), self.config,
+                                              self.trainer_config, self.steps)
         # Written before layouts were saved: the layout is taken to be this run's.
         saved_topo = {"layout": self.strategy.state_layout(), **(meta.get("topology") or {})}
         own = (saved_topo.get("strategy") == self.strategy.name
@@ -306,6 +310,9 @@ class Checkpointer:
                            "saved_world_size": meta["world_size"],
                            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
         self.saved_step = snap.step
+        if rt.rank == 0 and self.schedule_changed:
+            log.info("--new-schedule: from step %d the learning rate follows this command's "
+                     "schedule: %s", snap.step, "; ".join(self.schedule_changed))
         saved_steps = meta.get("config", {}).get("steps")  # said once every check has passed
         if saved_steps is not None and saved_steps != self.steps and rt.rank == 0:
             log.info("the run of %d steps goes on to %d: the learning rate follows the schedule "
@@ -316,28 +323,6 @@ class Checkpointer:
                  "; nothing left to train: a larger --steps extends the run (--no-resume starts "
                  "afresh)" if snap.step == self.steps else "")
         return ResumePoint(snap.step, self.batch_size, self.grad_accum)
-
-    def _check_options(self, snap: Snapshot) -> None:
-        """Refuse a snapshot saved with other options (naming them), but let `--steps` change:
-        a run extended (or shortened) follows the schedule of its new length (`lr_at`)."""
-        meta = snap.metadata
-        saved = dict(meta.get("config", {}))
-        now = dict(self.config)
-        for c in (saved, now):  # the strategy may change: its layout is compared when loading
-            c.pop("strategy", None)
-        if changed := tokenizer_change(saved, now):
-            raise ConfigError(f"{snap.path} (step {snap.step}): {changed}")
-        diffs = config_differences(self.trainer_config.resume_view(saved), now)
-        if diffs:
-            raise ConfigError(
-                f"{snap.path} (step {snap.step}) was saved by a run with other options: "
-                f"{'; '.join(diffs)}. Resume with the snapshot's options, or start afresh with "
-                "--no-resume (the earlier run is set aside) or in another --run-dir")
-        if self.steps < snap.step:
-            raise ConfigError(
-                f"--steps {self.steps} is before the snapshot's step {snap.step} ({snap.path}): "
-                f"a resumed run goes on from it; use --steps {snap.step} or more, or start "
-                "afresh with --no-resume or in another --run-dir")
 
     def _load_portable(self, snap: Snapshot, saved_topo: dict[str, Any]) -> dict[str, Any]:
         """Load a snapshot of another strategy or layout into this one through the layout-free

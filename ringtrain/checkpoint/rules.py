@@ -1,5 +1,6 @@
-"""The rules of a resume, as plain functions: what must match, how the global batch is kept,
-and after which steps a snapshot is taken.
+"""The rules of a resume, as plain functions: what must match (`check_options`: the options,
+the tokenizer, --steps, --new-schedule), how the global batch is kept, and after which steps a
+snapshot is taken.
 
     elastic_batch(64, 3, 8, saved_data_world_size=2)   # ConfigError: 64 is not a multiple of 3
     config_differences({"lr": 0.001}, {"lr": 0.002})   # ["--lr 0.001 in the snapshot, 0.002 now"]
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -57,6 +59,44 @@ def elastic_batch(global_batch: int, data_world_size: int, batch_size: int, *,
     accum = next(a for a in range(1, per_rank + 1)
                  if per_rank % a == 0 and per_rank // a <= batch_size)
     return per_rank // accum, accum
+
+
+def check_options(path: str, step: int, saved: dict[str, Any], now: dict[str, Any],
+                  trainer_config: Any, steps: int) -> list[str]:
+    """Refuse the snapshot at `path`, of `step`, saved with other options than `now` (naming
+    them), but let `--steps` change: a run extended (or shortened) follows the schedule of its
+    new length (`lr_at`); and with `trainer_config.new_schedule`, the learning-rate schedule.
+    Returns that schedule's changes (what --new-schedule takes), for the caller to say.
+    `trainer_config`: the run's `TrainerConfig` (its `resume_view`, `schedule_names`)."""
+    saved, now, where = dict(saved), dict(now), f"{path} (step {step})"
+    for c in (saved, now):  # the strategy may change: its layout is compared when loading
+        c.pop("strategy", None)
+    if changed := tokenizer_change(saved, now):
+        raise ConfigError(f"{where}: {changed}")
+    plain = replace(trainer_config, new_schedule=False)
+    schedule = schedule_changes(plain.resume_view(saved), now, plain.schedule_names())
+    diffs = config_differences(trainer_config.resume_view(saved), now)
+    if diffs:
+        raise ConfigError(
+            f"{where} was saved by a run with other options: {'; '.join(diffs)}. Resume with "
+            "the snapshot's options"
+            + (", add --new-schedule to train on with this command's learning rates from step "
+               f"{step}" if set(diffs) <= set(schedule) else "")
+            + ", or start afresh with --no-resume (the earlier run is set aside) or in another "
+            "--run-dir")
+    if steps < step:
+        raise ConfigError(
+            f"--steps {steps} is before the snapshot's step {step} ({path}): a "
+            f"resumed run goes on from it; use --steps {step} or more, or start afresh with "
+            "--no-resume or in another --run-dir")
+    return schedule
+
+
+def schedule_changes(saved: dict[str, Any], now: dict[str, Any], names: tuple[str, ...]
+                     ) -> list[str]:
+    """`config_differences` among `names` only (the schedule's: `config.schedule_fields`)."""
+    return config_differences({k: v for k, v in saved.items() if k in names},
+                              {k: v for k, v in now.items() if k in names})
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -15,6 +15,7 @@ Imports nothing of ringtrain's: every layer may declare options.
 
 from ringtrain.config.fields import (
     MUST_MATCH,
+    SCHEDULE,
     add_section,
     check_values,
     dest,
@@ -24,11 +25,12 @@ from ringtrain.config.fields import (
     option,
     option_fields,
     resume_fields,
+    schedule_fields,
     set_values,
     to_flags,
 )
 
-__all__ = ["MUST_MATCH", "add_section", "check_values", "dest", "flag", "int_at_least",
-           "non_negative_float", "option", "option_fields", "resume_fields", "set_values",
-           "to_flags"]
+__all__ = ["MUST_MATCH", "SCHEDULE", "add_section", "check_values", "dest", "flag",
+           "int_at_least", "non_negative_float", "option", "option_fields", "resume_fields",
+           "schedule_fields", "set_values", "to_flags"]
 

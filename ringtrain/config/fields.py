@@ -26,6 +26,7 @@ from dataclasses import MISSING, Field, field, fields
 from typing import Any
 
 MUST_MATCH = "must_match"  # `resume=`: a snapshot resumes only with the same value
+SCHEDULE = "schedule"  # `resume=`: as MUST_MATCH, unless the resume asks for a new schedule
 
 
 def option(default: Any, help: str, *, flag: str | None = None,
@@ -45,7 +46,8 @@ def option(default: Any, help: str, *, flag: str | None = None,
         shown: the default as --help says it when it is derived ("lr / 10"); for a bool that
             is on by default and whose `flag` turns it off (`--no-progress`), what happens
             without the flag ("a bar on rank 0"), while `help` says what the flag does.
-        resume: MUST_MATCH when a snapshot may only be resumed with the same value.
+        resume: MUST_MATCH when a snapshot may only be resumed with the same value; SCHEDULE
+            for the learning-rate schedule's, which --new-schedule lets a resume change.
         launcher: read by the launcher only; not in config.json's options, not for the workers.
         negatable: a `--x/--no-x` pair (a bool that defaults to True).
     """
@@ -81,8 +83,13 @@ def dest(f: Field) -> str:
 
 
 def resume_fields(cls: Any) -> tuple[str, ...]:
-    """Names of the fields a resume must match (`resume=MUST_MATCH`)."""
-    return tuple(f.name for f in option_fields(cls) if meta(f)["resume"] == MUST_MATCH)
+    """Names of the fields a resume must match (`resume=MUST_MATCH`, or `SCHEDULE`)."""
+    return tuple(f.name for f in option_fields(cls) if meta(f)["resume"] in (MUST_MATCH, SCHEDULE))
+
+
+def schedule_fields(cls: Any) -> tuple[str, ...]:
+    """Names of the learning-rate schedule's fields (`resume=SCHEDULE`)."""
+    return tuple(f.name for f in option_fields(cls) if meta(f)["resume"] == SCHEDULE)
 
 
 def default_text(f: Field) -> str | None:

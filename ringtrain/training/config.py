@@ -23,11 +23,13 @@ import torch
 
 from ringtrain.config import (
     MUST_MATCH,
+    SCHEDULE,
     check_values,
     int_at_least,
     non_negative_float,
     option,
     resume_fields,
+    schedule_fields,
 )
 from ringtrain.types import OptimizerFn
 
@@ -66,13 +68,17 @@ class TrainerConfig:
     steps: int = option(2000, "optimizer steps", type=_positive, resume=MUST_MATCH)
     batch_size: int = option(64, "samples per micro-batch per rank", type=_positive)
     grad_accum: int = option(1, "micro-batches per optimizer step", type=_positive)
-    lr: float = option(1e-3, "peak learning rate", type=non_negative_float, resume=MUST_MATCH)
+    lr: float = option(1e-3, "peak learning rate", type=non_negative_float, resume=SCHEDULE)
     min_lr: float | None = option(None, "final learning rate", type=non_negative_float,
-                                  shown="lr / 10", resume=MUST_MATCH)
+                                  shown="lr / 10", resume=SCHEDULE)
     warmup_steps: int | None = option(None, "linear warmup steps", type=_non_negative,
-                                      shown="min(100, steps / 10)", resume=MUST_MATCH)
+                                      shown="min(100, steps / 10)", resume=SCHEDULE)
     lr_schedule: str = option("cosine", "after warmup", choices=("cosine", "constant"),
-                              resume=MUST_MATCH)
+                              resume=SCHEDULE)
+    new_schedule: bool = option(False, "on a resume, train on with this command's --lr, "
+                                "--min-lr, --warmup-steps and --lr-schedule from the "
+                                "snapshot's step (after a loss spike, say); without it a "
+                                "snapshot resumes only with its own")
     weight_decay: float = option(0.1, "AdamW weight decay on matrices", type=non_negative_float,
                                  resume=MUST_MATCH)
     beta1: float = option(0.9, "AdamW's momentum; a strategy may change it (ps async: 0.5, "
@@ -124,12 +130,20 @@ class TrainerConfig:
         global batch is kept instead)."""
         return {name: getattr(self, name) for name in resume_fields(self)}
 
+    def schedule_names(self) -> tuple[str, ...]:
+        """The learning-rate schedule's fields (`resume=SCHEDULE`): --new-schedule's."""
+        return schedule_fields(self)
+
     def resume_view(self, saved: dict[str, Any]) -> dict[str, Any]:
         """A snapshot's `must_match()` as this run compares it with its own: `--steps` may
         differ (a run extended, or shortened, to this run's steps: its learning rate then
         follows the schedule of a run of this many steps, `lr_at`), and so may the warmup where
-        both runs took its default, which follows --steps."""
+        both runs took its default, which follows --steps; with `new_schedule`, the whole
+        learning-rate schedule (its `resume=SCHEDULE` fields: this run's from the snapshot's
+        step on)."""
         out = dict(saved)
+        if self.new_schedule:
+            out.update({k: getattr(self, k) for k in self.schedule_names() if k in out})
         if "steps" in out and "warmup_steps" in out:
             if (out["warmup_steps"] == default_warmup(out["steps"])
                     and self.warmup_steps == default_warmup(self.steps)):
