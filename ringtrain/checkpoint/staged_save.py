@@ -4,7 +4,7 @@
                            updated=strategy.updated_state())
     ...                          # the metrics line: reading the loss waits for the device
     result = staged.save(metadata, shared={"trainer": ...}, per_rank={"step": step, "rng": ...})
-    # or staged.drop(): nothing saved (the loop stopped early at this step)
+    # or staged.drop(): nothing saved (a caller that decides against the save after all)
 
 `SnapshotManager.save` is `stage(...).save(metadata)`. Why two halves: in the background, the
 first half makes the host copy (`host_copy.py`), Python work per tensor (tens of milliseconds

@@ -160,8 +160,9 @@ def _past_end(run_dir: str) -> str:
 
 
 def when_started(opts: TrainOptions, rt, record: dict, log) -> Callable[[int], None]:
-    """What rank 0 does once the run's resume is accepted (`Trainer.on_start`): a finished
-    run's end set aside where the run goes past it (`_set_aside_end`), and `record` written as
+    """What rank 0 does once the run's resume is accepted (`Trainer.on_start`, told the steps
+    the run trains from and to): a finished run's end set aside where the run goes past it
+    (`_set_aside_end`; not an early stop run again, which trains nothing), and `record` written as
     config.json. Not before: a command whose resume is refused (other options, fewer --steps,
     the data changed) leaves the run directory as it was, which explain and sample read."""
     def start(step: int, until: int) -> None:  # the run trains from `step` to `until`

@@ -5,11 +5,11 @@
 `build_parser` makes the parser from the dataclass fields; `options_from` turns what was given
 (argv, or a worker's RUN_DIR/config.json) into a `TrainOptions`, applying the defaults in order
 (field, task, strategy, --init-from's model shape, recipe, command line) and the classes' own
-checks; `check_args` finds
-what needs more than one section or the machine (cores, devices, the data file, the layout of
-the strategy over the ranks). Errors name fields (`lr=0.0`); `options_from` and `check_args`
-say them with flags (`--lr 0.0`) through `ringtrain.config.to_flags`, the one place that maps
-them. The data and trainer modules are imported inside the functions, so `--help` stays fast.
+checks; `check_args` finds what needs more than one section or the machine (cores, devices,
+the data file, the layout of the strategy over the ranks). Errors name fields (`lr=0.0`);
+`options_from` and `check_args` say them with flags (`--lr 0.0`) through
+`ringtrain.config.to_flags`, the one place that maps them. The data and trainer modules are
+imported inside the functions, so `--help` stays fast.
 """
 
 from __future__ import annotations

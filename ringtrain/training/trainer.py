@@ -30,10 +30,10 @@ directory's newest committed snapshot by itself (`resume=False` starts afresh).
 
 This file is the step loop; what it calls at the edges lives beside it: a logged step's
 reduced record (`record.py`), when to save and how to stop on a signal (`snapshots.py`) or
-early (`early_stop.py`), the micro-batches (`batches.py`), the
-end of the run (`ending.py`: every rank's collectives first, then the last snapshot's write,
-then the files), and the live mode's steps (`live.py`: each step is the fault-free run's
-global batch over whoever is left; snapshots, metrics and the end are then its rank 0's).
+early (`early_stop.py`), the micro-batches (`batches.py`), the end of the run (`ending.py`:
+every rank's collectives first, then the last snapshot's write, then the files), and the live
+mode's steps (`live.py`: each step is the fault-free run's global batch over whoever is
+left; snapshots, metrics and the end are then its rank 0's).
 """
 
 from __future__ import annotations
@@ -367,7 +367,7 @@ class Trainer:
                     if staged is None and cp is not None and cp.every > 0 \
                             and self._writes_snapshots():  # else run again it trains afresh
                         staged = snaps.stage(self.step)
-                    if staged is not None:  # a resume finds the stop (`_stopped_early`)
+                    if staged is not None:  # a resume finds the stop (`early_stop.stopped_at`)
                         staged.save("early stop")
                     break
                 if evaluated:
