@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -73,8 +72,8 @@ def check_options(path: str, step: int, saved: dict[str, Any], now: dict[str, An
         c.pop("strategy", None)
     if changed := tokenizer_change(saved, now):
         raise ConfigError(f"{where}: {changed}")
-    plain = replace(trainer_config, new_schedule=False)
-    schedule = schedule_changes(plain.resume_view(saved), now, plain.schedule_names())
+    schedule = schedule_changes(trainer_config.resume_view(saved, new_schedule=False), now,
+                                trainer_config.schedule_names())
     diffs = config_differences(trainer_config.resume_view(saved), now)
     if diffs:
         raise ConfigError(

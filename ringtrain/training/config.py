@@ -134,15 +134,16 @@ class TrainerConfig:
         """The learning-rate schedule's fields (`resume=SCHEDULE`): --new-schedule's."""
         return schedule_fields(self)
 
-    def resume_view(self, saved: dict[str, Any]) -> dict[str, Any]:
+    def resume_view(self, saved: dict[str, Any], *,
+                    new_schedule: bool | None = None) -> dict[str, Any]:
         """A snapshot's `must_match()` as this run compares it with its own: `--steps` may
         differ (a run extended, or shortened, to this run's steps: its learning rate then
         follows the schedule of a run of this many steps, `lr_at`), and so may the warmup where
-        both runs took its default, which follows --steps; with `new_schedule`, the whole
-        learning-rate schedule (its `resume=SCHEDULE` fields: this run's from the snapshot's
-        step on)."""
+        both runs took its default, which follows --steps; with `new_schedule` (default: this
+        config's), the whole learning-rate schedule (its `resume=SCHEDULE` fields: this run's
+        from the snapshot's step on)."""
         out = dict(saved)
-        if self.new_schedule:
+        if self.new_schedule if new_schedule is None else new_schedule:
             out.update({k: getattr(self, k) for k in self.schedule_names() if k in out})
         if "steps" in out and "warmup_steps" in out:
             if (out["warmup_steps"] == default_warmup(out["steps"])

@@ -105,7 +105,8 @@ class Trainer:
         stop_when: given a reduced metrics record, True to stop early (same answer on all ranks).
         started_at: `time.time()` when the run began (for `wall_s`); default when `fit` starts.
         snapshot_every: steps between snapshots under `run_dir/snapshots` (and one after the
-            last step, and on SIGTERM, SIGUSR1 or SIGINT); 0: none (no signal is caught).
+            last step or an early stop's, and on SIGTERM, SIGUSR1 or SIGINT); 0: none (no
+            signal is caught).
         keep: committed snapshots kept.
         resume: resume from the newest committed snapshot under `run_dir`, if there is one.
         run_config: options that must equal a snapshot's to resume from it (name -> value, e.g.
